@@ -1,0 +1,191 @@
+"""A byte-level, decoder-only GPT in Flax NNX, laid out for resharding.
+
+Two layout choices make this model a convenient subject for resharding
+experiments:
+
+* **Stacked layers.** Every per-layer weight is one array with a leading
+  ``layers`` dimension of size ``n_layers``, and the forward pass runs
+  ``jax.lax.scan`` over that dimension. Pipeline parallelism then amounts to
+  sharding the ``layers`` dimension over the ``pipe`` mesh axis, so changing
+  the pipeline degree is an ordinary array resharding rather than a change in
+  the shape of the parameter tree.
+
+* **Logical axis names.** Every parameter records, in its ``out_sharding``
+  metadata, one logical name per dimension (``vocab``, ``embed``, ``mlp``,
+  ``heads``, ``kv``, ``layers``; ``None`` marks a dimension that is never
+  sharded). ``LOGICAL_RULES`` maps those names to the mesh axes ``data``,
+  ``fsdp``, ``tensor`` and ``pipe``, so a parallel configuration is fully
+  described by a mesh shape plus these rules, and the same checkpoint can be
+  placed on any such configuration.
+
+The forward pass is pure: it places no sharding constraints on activations,
+leaving placement to whatever sharding the parameters and inputs carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+# (logical axis, mesh axis or axes) pairs in flax's logical-rules format.
+LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("layers", "pipe"),
+)
+
+_NORM_EPS = 1e-6
+_INIT_STD = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Model hyperparameters; frozen so a config can key caches and jit."""
+
+    vocab: int = 256
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 256
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        for name in ("vocab", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def d_head(self) -> int:
+        """Width of one attention head."""
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def tiny(cls) -> GPTConfig:
+        """A minimal model for unit tests."""
+        return cls(d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=32)
+
+    @classmethod
+    def small(cls) -> GPTConfig:
+        """The defaults: about 136K parameters, fast to train on CPU."""
+        return cls()
+
+    @classmethod
+    def gpt100m(cls) -> GPTConfig:
+        """A GPT-2-small-like model with about 113M parameters."""
+        return cls(d_model=768, n_layers=16, n_heads=12, d_ff=3072, seq_len=1024)
+
+    @classmethod
+    def by_name(cls, name: str) -> GPTConfig:
+        """Look up a preset by name, e.g. from a command-line flag."""
+        presets: dict[str, Callable[[], GPTConfig]] = {
+            "tiny": cls.tiny,
+            "small": cls.small,
+            "gpt100m": cls.gpt100m,
+        }
+        if name not in presets:
+            raise ValueError(f"unknown GPT preset {name!r}; valid names: {sorted(presets)}")
+        return presets[name]()
+
+
+def _param(
+    rngs: nnx.Rngs,
+    init: Callable[..., jax.Array],
+    shape: tuple[int, ...],
+    axes: tuple[str | None, ...],
+) -> nnx.Param:
+    """Create a Param whose metadata names the logical axis of every dim."""
+    if len(axes) != len(shape):
+        raise ValueError(f"axes {axes} do not match shape {shape}")
+    return nnx.Param(nnx.with_partitioning(init, axes)(rngs.params(), shape))
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """RMSNorm over the last dim: cheaper than LayerNorm, no bias to shard."""
+    ms = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(ms + _NORM_EPS) * scale
+
+
+class GPT(nnx.Module):
+    """Pre-norm decoder-only transformer over bytes with stacked layers."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs) -> None:
+        self.cfg = cfg
+        L, d, H, Dh, F = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_head, cfg.d_ff
+        normal = nnx.initializers.normal(_INIT_STD)
+        ones = nnx.initializers.ones
+        zeros = nnx.initializers.zeros
+
+        self.tok_embed = _param(rngs, normal, (cfg.vocab, d), ("vocab", "embed"))
+        self.pos_embed = _param(rngs, normal, (cfg.seq_len, d), (None, "embed"))
+
+        self.ln1_scale = _param(rngs, ones, (L, d), ("layers", "embed"))
+        qkv_axes = ("layers", "embed", "heads", "kv")
+        self.wq = _param(rngs, normal, (L, d, H, Dh), qkv_axes)
+        self.wk = _param(rngs, normal, (L, d, H, Dh), qkv_axes)
+        self.wv = _param(rngs, normal, (L, d, H, Dh), qkv_axes)
+        self.wo = _param(rngs, normal, (L, H, Dh, d), ("layers", "heads", "kv", "embed"))
+
+        self.ln2_scale = _param(rngs, ones, (L, d), ("layers", "embed"))
+        self.w1 = _param(rngs, normal, (L, d, F), ("layers", "embed", "mlp"))
+        self.b1 = _param(rngs, zeros, (L, F), ("layers", "mlp"))
+        self.w2 = _param(rngs, normal, (L, F, d), ("layers", "mlp", "embed"))
+        self.b2 = _param(rngs, zeros, (L, d), ("layers", "embed"))
+
+        self.final_norm_scale = _param(rngs, ones, (d,), ("embed",))
+        self.unembed = _param(rngs, normal, (d, cfg.vocab), ("embed", "vocab"))
+
+    def _layer_params(self) -> dict[str, jax.Array]:
+        """The stacked per-layer weights, as the xs of the layer scan."""
+        names = ("ln1_scale", "wq", "wk", "wv", "wo", "ln2_scale", "w1", "b1", "w2", "b2")
+        return {name: getattr(self, name)[...] for name in names}
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Map int32[B, T] byte tokens to float32[B, T, vocab] logits, T <= seq_len."""
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
+        T = tokens.shape[1]
+        if not 1 <= T <= self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} not in [1, {self.cfg.seq_len}]")
+
+        x = jnp.take(self.tok_embed[...], tokens, axis=0)
+        x = x + self.pos_embed[...][:T]
+        causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+        scale = 1.0 / jnp.sqrt(jnp.float32(self.cfg.d_head))
+
+        def block(h: jax.Array, p: dict[str, jax.Array]) -> tuple[jax.Array, None]:
+            a = _rms_norm(h, p["ln1_scale"])
+            q = jnp.einsum("btd,dhk->bthk", a, p["wq"])
+            k = jnp.einsum("btd,dhk->bthk", a, p["wk"])
+            v = jnp.einsum("btd,dhk->bthk", a, p["wv"])
+            scores = jnp.einsum("bthk,bshk->bhts", q, k) * scale
+            scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+            probs = jax.nn.softmax(scores, axis=-1)
+            attn = jnp.einsum("bhts,bshk->bthk", probs, v)
+            h = h + jnp.einsum("bthk,hkd->btd", attn, p["wo"])
+
+            m = _rms_norm(h, p["ln2_scale"])
+            m = jax.nn.gelu(jnp.einsum("btd,df->btf", m, p["w1"]) + p["b1"])
+            h = h + jnp.einsum("btf,fd->btd", m, p["w2"]) + p["b2"]
+            return h, None
+
+        x, _ = jax.lax.scan(block, x, self._layer_params())
+        x = _rms_norm(x, self.final_norm_scale[...])
+        return jnp.einsum("btd,dv->btv", x, self.unembed[...])
+
+
+def loss_fn(model: GPT, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean next-byte cross entropy of ``batch["targets"]`` given ``batch["inputs"]``."""
+    logits = model(batch["inputs"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return jnp.mean(losses)

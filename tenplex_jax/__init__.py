@@ -1,0 +1,37 @@
+"""tenplex_jax: device-independent JAX/Flax training state.
+
+The public face, in the order a user meets it::
+
+    import tenplex_jax as tj
+
+    state = nnx.state((model, optimizer))                       # any NNX model + optax state
+    old = tj.PTC.of(state, rules, tj.ParallelConfig(data=8), jax.devices())
+    state = tj.place(state, old)                                # lay the state out as `old`
+    new = tj.PTC.of(state, rules, tj.ParallelConfig(data=2, tensor=2), jax.devices()[2:6])
+    plan = tj.make_plan(old, new)                               # pure: no device memory touched
+    print(plan)                                                 # bytes kept / moved per group
+    state, report = tj.reshard(state, plan)                     # bit-identical, old buffers freed
+    nnx.update((model, optimizer), state)
+"""
+
+from tenplex_jax.errors import LayoutError, PlanError
+from tenplex_jax.plan import LeafPlan, Piece, Plan, ShardPlan, make_plan
+from tenplex_jax.ptc import MESH_AXES, PTC, LeafLayout, ParallelConfig
+from tenplex_jax.transform import ReshardReport, place, reshard
+
+__all__ = [
+    "MESH_AXES",
+    "PTC",
+    "LayoutError",
+    "LeafLayout",
+    "LeafPlan",
+    "ParallelConfig",
+    "Piece",
+    "Plan",
+    "PlanError",
+    "ReshardReport",
+    "ShardPlan",
+    "make_plan",
+    "place",
+    "reshard",
+]

@@ -1,0 +1,20 @@
+"""Errors raised by tenplex_jax.
+
+Every message states the rule first, then the values that broke it: the tree path, the shape, the
+PartitionSpec and the mesh, so that a bad config is fixed from the message alone.
+"""
+
+from __future__ import annotations
+
+
+class LayoutError(ValueError):
+    """A state cannot be laid out as asked (unknown logical axis, indivisible dim, bad device list, ...)."""
+
+
+class PlanError(ValueError):
+    """Two PTCs cannot be planned between, or a plan does not fit the state it is applied to."""
+
+
+def where(path: str, shape: tuple[int, ...], spec, mesh) -> str:
+    """The standard tail of an error message: which leaf, its shape, its spec, the mesh."""
+    return f"leaf {path!r} (shape={tuple(shape)}, spec={spec}, mesh={mesh})"

@@ -1,0 +1,264 @@
+"""Reconfiguration plans: the delta between two PTCs.
+
+For every leaf and every target shard the plan says where the shard's bytes come from:
+
+- ``keep``  — the target device already holds exactly this box (no copy);
+- ``split`` — the target device holds a larger box; the shard is a slice of it (copy on the device);
+- ``move``  — one box, or a slice of one, copied from another device;
+- ``merge`` — several pieces (local or remote) concatenated into the shard.
+
+Among replicas of a source box the closest copy is chosen: the target device itself, then a device on
+the same host, then the least loaded device (bytes already assigned to it as a sender in this plan),
+so replicated state is read from all its copies in parallel rather than from one.
+
+Planning is pure: it reads two PTCs and never touches device memory. Example::
+
+    plan = make_plan(PTC.of(abstract, rules, ParallelConfig(data=8), range(8)),
+                     PTC.of(abstract, rules, ParallelConfig(data=2, tensor=2), range(2, 6)))
+    print(plan)             # per-group summary: bytes kept / moved, shard kinds
+    plan.bytes_moved        # bytes that cross devices
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Iterable
+
+from tenplex_jax.errors import PlanError, where
+from tenplex_jax.ptc import PTC, Box, LeafLayout
+
+KINDS = ("keep", "split", "move", "merge")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A box of a leaf copied from ``src_device``, whose shard there covers ``src_box``."""
+
+    src_device: int
+    src_box: Box
+    box: Box
+    nbytes: int
+    local: bool  # the source device is the target device
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """How the shard ``box`` of a leaf on ``device`` is produced."""
+
+    device: int
+    box: Box
+    kind: str
+    pieces: tuple[Piece, ...]
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(p.nbytes for p in self.pieces if not p.local)
+
+    @property
+    def bytes_kept(self) -> int:
+        return sum(p.nbytes for p in self.pieces if p.local)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    src: LeafLayout
+    dst: LeafLayout
+    shards: tuple[ShardPlan, ...]  # in the target PTC's device order
+
+    @property
+    def path(self) -> str:
+        return self.dst.path
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(s.bytes_moved for s in self.shards)
+
+    @property
+    def bytes_kept(self) -> int:
+        return sum(s.bytes_kept for s in self.shards)
+
+    @property
+    def kinds(self) -> collections.Counter:
+        return collections.Counter(s.kind for s in self.shards)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The reconfiguration plan from ``src`` to ``dst``: one ``LeafPlan`` per leaf."""
+
+    src: PTC
+    dst: PTC
+    leaves: tuple[LeafPlan, ...]
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes copied between devices."""
+        return sum(l.bytes_moved for l in self.leaves)
+
+    @property
+    def bytes_kept(self) -> int:
+        """Bytes of target shards taken from the same device (keep, split, local pieces of a merge)."""
+        return sum(l.bytes_kept for l in self.leaves)
+
+    @property
+    def kinds(self) -> collections.Counter:
+        return sum((l.kinds for l in self.leaves), collections.Counter())
+
+    @property
+    def senders(self) -> dict[int, int]:
+        """Source device id → bytes it sends to other devices."""
+        load: dict[int, int] = collections.Counter()
+        for leaf in self.leaves:
+            for shard in leaf.shards:
+                for p in shard.pieces:
+                    if not p.local:
+                        load[p.src_device] += p.nbytes
+        return dict(load)
+
+    def summary(self, depth: int | None = None) -> str:
+        """A table per leaf group (the path without its last ``depth`` parts; default: the parent)."""
+        groups: dict[str, list[LeafPlan]] = {}
+        for leaf in self.leaves:
+            parts = leaf.path.split("/")
+            key = "/".join(parts[: len(parts) - 1 if depth is None else depth]) or "/"
+            groups.setdefault(key, []).append(leaf)
+        mib = lambda n: f"{n / 2**20:10.3f}"
+        lines = [
+            f"plan {self.src.config} on {_devs(self.src.device_ids)} -> {self.dst.config} on "
+            f"{_devs(self.dst.device_ids)}",
+            f"  {'group':40s} {'leaves':>6s} {'MiB':>10s} {'kept MiB':>10s} {'moved MiB':>10s}  "
+            f"keep/split/move/merge",
+        ]
+        for key, leaves in groups.items():
+            kinds = sum((l.kinds for l in leaves), collections.Counter())
+            notes = sorted(
+                {
+                    f"{l.dst.path.split('/')[-1]}: replicated {l.dst.replicated}"
+                    for l in leaves
+                    if l.dst.replicated
+                }
+            )
+            lines.append(
+                f"  {key[-40:]:40s} {len(leaves):6d} {mib(sum(l.dst.nbytes for l in leaves))} "
+                f"{mib(sum(l.bytes_kept for l in leaves))} {mib(sum(l.bytes_moved for l in leaves))}  "
+                + "/".join(str(kinds[k]) for k in KINDS)
+                + ("  " + "; ".join(notes) if notes else "")
+            )
+        kinds = self.kinds
+        lines.append(
+            f"  {'total':40s} {len(self.leaves):6d} {mib(self.dst.nbytes)} {mib(self.bytes_kept)} "
+            f"{mib(self.bytes_moved)}  " + "/".join(str(kinds[k]) for k in KINDS)
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _devs(ids: Iterable[int]) -> str:
+    ids = list(ids)
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return f"devices {ids[0]}..{ids[-1]}"
+    return f"devices {ids}"
+
+
+def make_plan(src: PTC, dst: PTC) -> Plan:
+    """The reconfiguration plan that turns a state laid out as ``src`` into one laid out as ``dst``."""
+    if len(src.leaves) != len(dst.leaves) or src.treedef != dst.treedef:
+        raise PlanError(
+            f"the two PTCs describe different state trees ({len(src.leaves)} vs {len(dst.leaves)} "
+            f"leaves); a plan maps one state onto a new layout of the same state"
+        )
+    host = dict(zip(src.device_ids, src.hosts)) | dict(zip(dst.device_ids, dst.hosts))
+    load: dict[int, int] = collections.defaultdict(int)
+    leaves = []
+    for s, d in zip(src.leaves, dst.leaves):
+        if (s.path, s.shape, s.dtype) != (d.path, d.shape, d.dtype):
+            raise PlanError(
+                f"leaf {s.path!r} {s.shape} {s.dtype} in the source PTC does not match leaf {d.path!r} "
+                f"{d.shape} {d.dtype} in the target PTC: "
+                + where(d.path, d.shape, d.spec, dst.config)
+            )
+        leaves.append(_plan_leaf(s, d, src.boxes(s), dst.boxes(d), host, load))
+    return Plan(src, dst, tuple(leaves))
+
+
+def _plan_leaf(
+    s: LeafLayout,
+    d: LeafLayout,
+    src_boxes: dict[int, Box],
+    dst_boxes: dict[int, Box],
+    host: dict[int, int],
+    load: dict[int, int],
+) -> LeafPlan:
+    # The distinct source boxes tile the array on a grid; index them by block coordinates so that a
+    # target box finds the source boxes it intersects without scanning every device.
+    block = [_block_size(src_boxes, dim) for dim in range(len(s.shape))]
+    replicas: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
+    for dev, box in src_boxes.items():
+        replicas[tuple(lo // b for (lo, _), b in zip(box, block))].append(dev)
+    shards = []
+    for dev, box in dst_boxes.items():
+        own = src_boxes.get(dev)
+        if own == box:
+            shards.append(
+                ShardPlan(dev, box, "keep", (Piece(dev, own, box, _nbytes(box, s), True),))
+            )
+            continue
+        if own is not None and _contains(own, box):
+            shards.append(
+                ShardPlan(dev, box, "split", (Piece(dev, own, box, _nbytes(box, s), True),))
+            )
+            continue
+        pieces = []
+        ranges = [
+            range(lo // b, (hi - 1) // b + 1) if hi > lo else range(0, 1)
+            for (lo, hi), b in zip(box, block)
+        ]
+        for coord in _product(ranges):
+            devs = replicas[coord]
+            src_box = src_boxes[devs[0]]
+            part = _intersect(src_box, box)
+            n = _nbytes(part, s)
+            sender = _closest(dev, devs, host, load)
+            if sender != dev:
+                load[sender] += n
+            pieces.append(Piece(sender, src_box, part, n, sender == dev))
+        kind = "merge" if len(pieces) > 1 else "move"
+        shards.append(ShardPlan(dev, box, kind, tuple(pieces)))
+    return LeafPlan(s, d, tuple(shards))
+
+
+def _closest(dev: int, candidates: list[int], host: dict[int, int], load: dict[int, int]) -> int:
+    """Same device, then same host, then least loaded (ties: lowest id, for determinism)."""
+    if dev in candidates:
+        return dev
+    return min(candidates, key=lambda c: (host.get(c) != host.get(dev), load[c], c))
+
+
+def _block_size(boxes: dict[int, Box], dim: int) -> int:
+    lo, hi = next(iter(boxes.values()))[dim]
+    return max(hi - lo, 1)
+
+
+def _product(ranges):
+    if not ranges:
+        yield ()
+        return
+    for head in ranges[0]:
+        for tail in _product(ranges[1:]):
+            yield (head, *tail)
+
+
+def _contains(outer: Box, inner: Box) -> bool:
+    return all(olo <= ilo and ihi <= ohi for (olo, ohi), (ilo, ihi) in zip(outer, inner))
+
+
+def _intersect(a: Box, b: Box) -> Box:
+    return tuple((max(alo, blo), min(ahi, bhi)) for (alo, ahi), (blo, bhi) in zip(a, b))
+
+
+def _nbytes(box: Box, leaf: LeafLayout) -> int:
+    return math.prod(hi - lo for lo, hi in box) * leaf.itemsize

@@ -1,0 +1,191 @@
+"""The state transformer: executes a reconfiguration plan on a live state, in one process.
+
+``reshard(state, plan)`` builds every target shard as the plan says: a kept shard reuses its buffer
+(no copy), a split slices the local shard, a move slices on the source device first (so only the
+needed bytes cross) and copies, a merge concatenates its pieces on the target device. The shards are
+assembled with ``jax.make_array_from_single_device_arrays`` onto the target mesh.
+
+Donation. Old buffers are released leaf by leaf as the new leaf is built, so the peak stays near the
+state size plus one leaf: a leaf none of whose buffers is reused is deleted at once (using the old
+array afterwards raises JAX's "Array has been deleted"). A leaf whose kept shards live on in the new
+state cannot be deleted without deleting them, so its dropped replicas are freed when the caller
+drops the old state — rebind: ``state, report = reshard(state, plan)``.
+
+Before anything is copied or deleted, the state is checked against ``plan.src`` (tree, shapes, dtypes,
+device boxes); a mismatch raises ``PlanError`` and leaves the state untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from tenplex_jax.errors import PlanError, where
+from tenplex_jax.plan import LeafPlan, Plan
+from tenplex_jax.ptc import Box, flatten_state
+
+METHODS = ("plan", "device_put")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardReport:
+    """What an execution did, measured from the buffers it copied (not copied from the plan)."""
+
+    method: str
+    bytes_moved: int  # bytes copied from one device to another
+    bytes_kept: int  # bytes of target shards that came from the same device
+    seconds: float
+    leaves: int
+
+    def __str__(self) -> str:
+        return (
+            f"{self.method}: moved {self.bytes_moved / 2**20:.3f} MiB, kept "
+            f"{self.bytes_kept / 2**20:.3f} MiB, {self.leaves} leaves in {self.seconds:.3f} s"
+        )
+
+
+def reshard(
+    state,
+    plan: Plan,
+    *,
+    donate: bool = True,
+    method: str = "plan",
+    devices: Sequence[jax.Device] | None = None,
+):
+    """Apply ``plan`` to ``state`` → ``(new_state, ReshardReport)``; values are bit-identical.
+
+    ``state`` is the tree the plan's source PTC was built from (an ``nnx.State``, or NNX graph nodes,
+    whose ``nnx.state`` is used; write it back with ``nnx.update(nodes, new_state)``). ``method="plan"``
+    runs the per-shard executor; ``"device_put"`` hands the whole tree to ``jax.device_put`` (reported
+    bytes are then the plan's, since ``device_put`` does not say what it copied).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    _, arrays, treedef = flatten_state(state)
+    arrays = [a.get_value() if hasattr(a, "get_value") else a for a in arrays]
+    check_state(arrays, treedef, plan)
+    mesh = plan.dst.mesh(devices)
+    start = time.perf_counter()
+    if method == "device_put":
+        shardings = [NamedSharding(mesh, leaf.dst.spec) for leaf in plan.leaves]
+        out = jax.device_put(arrays, shardings, donate=donate)
+        jax.block_until_ready(out)
+        report = ReshardReport(
+            method, plan.bytes_moved, plan.bytes_kept, time.perf_counter() - start, len(out)
+        )
+        return jax.tree_util.tree_unflatten(treedef, out), report
+    by_id = {d.id: d for d in mesh.devices.flat}
+    out, moved, kept = [], 0, 0
+    for array, leaf in zip(arrays, plan.leaves):
+        new, leaf_moved, leaf_kept, reused = _execute_leaf(array, leaf, mesh, by_id)
+        out.append(new)
+        moved, kept = moved + leaf_moved, kept + leaf_kept
+        if donate and not reused:
+            jax.block_until_ready(new)  # the copies read the old buffers; they must finish first
+            array.delete()
+    jax.block_until_ready(out)
+    report = ReshardReport(method, moved, kept, time.perf_counter() - start, len(out))
+    return jax.tree_util.tree_unflatten(treedef, out), report
+
+
+def place(state, ptc):
+    """Lay ``state`` (host arrays, or arrays on any devices) out as ``ptc`` says: ``jax.device_put``.
+
+    Use it once, for a state built without a mesh (``nnx.use_eager_sharding(False)``); afterwards
+    move the state with plans. Checks the tree against the PTC first.
+    """
+    _, arrays, treedef = flatten_state(state)
+    if treedef != ptc.treedef:
+        raise PlanError(
+            f"the state's tree does not match the PTC's:\n  state: {treedef}\n  ptc:   {ptc.treedef}"
+        )
+    arrays = [a.get_value() if hasattr(a, "get_value") else a for a in arrays]
+    return jax.tree_util.tree_unflatten(
+        treedef, jax.device_put(arrays, list(jax.tree.leaves(ptc.shardings())))
+    )
+
+
+def check_state(arrays, treedef, plan: Plan) -> None:
+    """Raise ``PlanError`` unless ``arrays`` are laid out exactly as ``plan.src`` says."""
+    src = plan.src
+    if treedef != src.treedef:
+        raise PlanError(
+            f"the state's tree does not match the plan's source PTC:\n  state: {treedef}\n"
+            f"  plan:  {src.treedef}"
+        )
+    for array, leaf in zip(arrays, src.leaves):
+        if not isinstance(array, jax.Array):
+            raise PlanError(
+                f"a live state holds jax.Arrays, got {type(array).__name__}: "
+                + where(leaf.path, leaf.shape, leaf.spec, src.config)
+            )
+        if tuple(array.shape) != leaf.shape or array.dtype != leaf.dtype:
+            raise PlanError(
+                f"the state has shape {array.shape} dtype {array.dtype} where the plan expects "
+                f"{leaf.dtype}: " + where(leaf.path, leaf.shape, leaf.spec, src.config)
+            )
+        if array.is_deleted():
+            raise PlanError(
+                "the state holds a deleted array (donated by an earlier reshard or jit): "
+                + where(leaf.path, leaf.shape, leaf.spec, src.config)
+            )
+        have = {
+            d.id: _box(idx, leaf.shape)
+            for d, idx in array.sharding.devices_indices_map(leaf.shape).items()
+        }
+        if have != src.boxes(leaf):
+            raise PlanError(
+                f"the state is not laid out as the plan's source PTC says (sharding {array.sharding}); "
+                f"build the plan from the state's current PTC: "
+                + where(leaf.path, leaf.shape, leaf.spec, f"{src.config} on {list(src.device_ids)}")
+            )
+
+
+def _execute_leaf(array: jax.Array, leaf: LeafPlan, mesh, by_id):
+    """Build one target leaf; returns (array, bytes moved, bytes kept, whether old buffers live on)."""
+    local = {s.device.id: s.data for s in array.addressable_shards}
+    buffers, moved, kept, reused = [], 0, 0, False
+    for shard in leaf.shards:
+        device = by_id[shard.device]
+        parts = []
+        for piece in shard.pieces:
+            data = local[piece.src_device]
+            if piece.box != piece.src_box:
+                data = data[_relative(piece.box, piece.src_box)]
+            if piece.local:
+                kept += data.nbytes
+                reused |= shard.kind == "keep"
+            else:
+                data = jax.device_put(data, device)
+                moved += data.nbytes
+            parts.append((piece.box, data))
+        buffers.append(_assemble(parts))
+    new = jax.make_array_from_single_device_arrays(
+        leaf.dst.shape, NamedSharding(mesh, leaf.dst.spec), buffers
+    )
+    return new, moved, kept, reused
+
+
+def _assemble(parts: list[tuple[Box, jax.Array]]) -> jax.Array:
+    """Concatenate pieces that tile a box on a grid: split on the first dim with several starts."""
+    if len(parts) == 1:
+        return parts[0][1]
+    for dim in range(len(parts[0][0])):
+        starts = sorted({box[dim][0] for box, _ in parts})
+        if len(starts) > 1:
+            groups = [[p for p in parts if p[0][dim][0] == s] for s in starts]
+            return jnp.concatenate([_assemble(g) for g in groups], axis=dim)
+    raise PlanError(f"pieces {[box for box, _ in parts]} overlap; a merge needs disjoint pieces")
+
+
+def _relative(box: Box, outer: Box) -> tuple[slice, ...]:
+    return tuple(slice(lo - olo, hi - olo) for (lo, hi), (olo, _) in zip(box, outer))
+
+
+def _box(index: tuple[slice, ...], shape) -> Box:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))

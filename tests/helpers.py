@@ -1,0 +1,52 @@
+"""Shared builders for the tests: a real NNX GPT + optax AdamW train state."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from models import GPT, LOGICAL_RULES, GPTConfig
+
+RULES = LOGICAL_RULES
+
+
+def train_state(cfg: GPTConfig | None = None, seed: int = 0, lr: float = 1e-2):
+    """(model, optimizer) built on one device, not yet laid out."""
+    with nnx.use_eager_sharding(False):
+        model = GPT(cfg or GPTConfig.tiny(), rngs=nnx.Rngs(seed))
+        optimizer = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
+    return model, optimizer
+
+
+def abstract_state(cfg: GPTConfig | None = None):
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(lambda: nnx.state(train_state(cfg)))
+
+
+def host_copy(state) -> list[np.ndarray]:
+    """Every leaf as a numpy array (PRNG keys as their key data), for exact comparisons."""
+    out = []
+    for leaf in jax.tree.leaves(state):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        out.append(np.asarray(leaf))
+    return out
+
+
+def assert_shards_equal(state, expected: list[np.ndarray], ptc) -> None:
+    """Each addressable shard equals the expected global array at its index, on the PTC's devices."""
+    leaves = jax.tree.leaves(state)
+    assert len(leaves) == len(expected) == len(ptc.leaves)
+    for array, want, layout in zip(leaves, expected, ptc.leaves):
+        assert array.shape == want.shape[: array.ndim], layout.path
+        assert {d.id for d in array.sharding.device_set} == set(ptc.device_ids), layout.path
+        assert array.sharding.spec == layout.spec, layout.path
+        for shard in array.addressable_shards:
+            data = shard.data
+            if jax.dtypes.issubdtype(data.dtype, jax.dtypes.prng_key):
+                data = jax.random.key_data(data)
+            np.testing.assert_array_equal(
+                np.asarray(data), want[shard.index], err_msg=f"{layout.path} on {shard.device}"
+            )

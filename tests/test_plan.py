@@ -1,0 +1,137 @@
+"""Plans are pure deltas of two PTCs: kinds, sources, byte totals, replica choice."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import tenplex_jax as tj
+from tests.helpers import RULES, abstract_state
+
+
+def one_leaf(config, spec, shape=(8, 8), devices=None, hosts=None):
+    leaf = tj.LeafLayout("w", shape, np.dtype(np.float32), P(*spec))
+    devices = tuple(range(config.num_devices)) if devices is None else tuple(devices)
+    return tj.PTC(config, devices, tuple(hosts or (0,) * len(devices)), (leaf,), "tree")
+
+
+def test_identity_plan_keeps_everything_and_moves_nothing():
+    ptc = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=2, fsdp=2, tensor=2), range(8))
+    plan = tj.make_plan(ptc, ptc)
+    assert plan.bytes_moved == 0
+    assert set(plan.kinds) == {"keep"}
+    # every target shard counted once: kept bytes = sum of the target shard sizes
+    assert plan.bytes_kept == sum(
+        math.prod(hi - lo for lo, hi in box) * leaf.itemsize
+        for leaf in ptc.leaves
+        for box in ptc.boxes(leaf).values()
+    )
+
+
+def test_a_change_that_leaves_a_leaf_in_place_moves_none_of_its_bytes():
+    # data=8 → data=4 on devices 0..3: replicated leaves stay where they are.
+    src = one_leaf(tj.ParallelConfig(data=8), ())
+    dst = one_leaf(tj.ParallelConfig(data=4), ())
+    plan = tj.make_plan(src, dst)
+    assert plan.bytes_moved == 0 and plan.kinds == {"keep": 4}
+
+
+def test_split_when_the_target_box_is_inside_the_local_shard():
+    plan = tj.make_plan(one_leaf(tj.ParallelConfig(tensor=2), (None, "tensor")),
+                        one_leaf(tj.ParallelConfig(tensor=4), (None, "tensor")))
+    # device 0 had columns 0:4 and now needs 0:2 (split); device 1 had 4:8 and needs 2:4 (move)
+    assert [s.kind for s in plan.leaves[0].shards] == ["split", "move", "move", "move"]
+    assert plan.bytes_kept == 8 * 2 * 4 and plan.bytes_moved == 3 * 8 * 2 * 4
+
+
+def test_merge_concatenates_pieces_from_several_sources():
+    plan = tj.make_plan(one_leaf(tj.ParallelConfig(tensor=4), (None, "tensor")),
+                        one_leaf(tj.ParallelConfig(tensor=2), (None, "tensor")))
+    shards = plan.leaves[0].shards
+    assert [s.kind for s in shards] == ["merge", "merge"]
+    assert [p.src_device for p in shards[0].pieces] == [0, 1]
+    assert [p.local for p in shards[0].pieces] == [True, False]
+    assert [p.box for p in shards[1].pieces] == [((0, 8), (4, 6)), ((0, 8), (6, 8))]
+
+
+def test_disjoint_devices_move_every_byte():
+    src = one_leaf(tj.ParallelConfig(data=2, tensor=2), (None, "tensor"))
+    dst = one_leaf(tj.ParallelConfig(data=2, tensor=2), (None, "tensor"), devices=range(4, 8))
+    plan = tj.make_plan(src, dst)
+    assert plan.bytes_kept == 0 and plan.bytes_moved == 4 * 8 * 4 * 4
+    assert set(plan.kinds) == {"move"}
+
+
+def test_replicas_prefer_same_host_then_spread_the_load():
+    # Replicated on 0..3 (hosts 0,0,1,1); targets 4..7 on hosts 1,1,0,0.
+    src = one_leaf(tj.ParallelConfig(data=4), (), hosts=(0, 0, 1, 1))
+    dst = tj.PTC(tj.ParallelConfig(data=4), (4, 5, 6, 7), (1, 1, 0, 0), src.leaves, "tree")
+    senders = [s.pieces[0].src_device for s in tj.make_plan(src, dst).leaves[0].shards]
+    assert senders == [2, 3, 0, 1]
+
+
+def test_replicas_on_one_host_share_the_sending():
+    src = one_leaf(tj.ParallelConfig(data=2), ())
+    dst = one_leaf(tj.ParallelConfig(data=4), (), devices=range(4, 8))
+    plan = tj.make_plan(src, dst)
+    assert plan.senders == {0: 2 * 256, 1: 2 * 256}
+
+
+def test_mismatched_trees_are_refused():
+    a = one_leaf(tj.ParallelConfig(), (), shape=(8, 8))
+    b = one_leaf(tj.ParallelConfig(), (), shape=(8, 4))
+    with pytest.raises(tj.PlanError, match=r"leaf 'w' \(8, 8\).*does not match"):
+        tj.make_plan(a, b)
+    c = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(), range(1))
+    with pytest.raises(tj.PlanError, match="different state trees"):
+        tj.make_plan(a, c)
+
+
+def test_summary_names_configs_groups_and_totals():
+    src = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=2, tensor=4), range(8))
+    dst = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=3, tensor=2), range(2, 8))
+    text = str(tj.make_plan(src, dst))
+    assert "data=2,tensor=4 on devices 0..7 -> data=3,tensor=2 on devices 2..7" in text
+    assert "1/opt_state/0/mu" in text and "total" in text
+
+
+CHANGES = st.sampled_from([
+    ((8, 1, 1), (4, 1, 1)),
+    ((4, 1, 2), (2, 2, 2)),
+    ((1, 4, 2), (2, 1, 4)),
+    ((2, 1, 4), (3, 1, 2)),
+    ((1, 1, 2), (1, 2, 4)),
+])
+
+
+@settings(max_examples=30, deadline=None)
+@given(change=CHANGES, offset=st.integers(0, 2), data=st.data())
+def test_every_target_byte_comes_from_exactly_one_source(change, offset, data):
+    """Pieces tile each target box exactly; kept + moved = the bytes of all target shards."""
+    (sd, sf, stt), (dd, df, dt) = change
+    src_cfg = tj.ParallelConfig(data=sd, fsdp=sf, tensor=stt)
+    dst_cfg = tj.ParallelConfig(data=dd, fsdp=df, tensor=dt)
+    src_devs = data.draw(st.permutations(range(8)))[: src_cfg.num_devices]
+    dst_devs = list(range(8))[offset:][: dst_cfg.num_devices] if dst_cfg.num_devices + offset <= 8 \
+        else list(range(dst_cfg.num_devices))
+    src = tj.PTC.of(abstract_state(), RULES, src_cfg, src_devs, allow_replicate=True)
+    dst = tj.PTC.of(abstract_state(), RULES, dst_cfg, dst_devs, allow_replicate=True)
+    plan = tj.make_plan(src, dst)
+    total = 0
+    for leaf in plan.leaves:
+        src_boxes = src.boxes(leaf.src)
+        for shard in leaf.shards:
+            covered = np.zeros([hi - lo for lo, hi in shard.box], dtype=np.int32)
+            for piece in shard.pieces:
+                assert src_boxes[piece.src_device] == piece.src_box
+                assert piece.local == (piece.src_device == shard.device)
+                covered[tuple(slice(lo - blo, hi - blo) for (lo, hi), (blo, _) in
+                              zip(piece.box, shard.box))] += 1
+            assert (covered == 1).all(), (leaf.path, shard)
+            total += covered.size * leaf.dst.itemsize
+    assert plan.bytes_moved + plan.bytes_kept == total
