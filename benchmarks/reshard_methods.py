@@ -1,0 +1,93 @@
+"""Own per-shard executor vs ``jax.device_put`` of the whole tree, over the core change matrix.
+
+Both execute the same plan on the same GPT + AdamW state, in one process run; medians of ``--repeats``
+runs after a warm-up; the ratio per row is device_put time ÷ executor time (> 1: the executor is
+faster). Donation is off so every repeat starts from the same source state.
+
+    python benchmarks/reshard_methods.py [--model medium] [--repeats 5] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 8)
+
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import tenplex_jax as tj  # noqa: E402
+from models import GPT, LOGICAL_RULES, GPTConfig  # noqa: E402
+
+C = tj.ParallelConfig
+MODELS = {
+    "small": GPTConfig.small(),
+    # ~25M params: large enough that copies, not dispatch, dominate on CPU
+    "medium": GPTConfig(seq_len=256, d_model=512, n_layers=8, n_heads=8, d_ff=2048),
+}
+MATRIX = [
+    ("dp 8->4", C(data=8), range(8), C(data=4), range(4)),
+    ("dp 4->6 on 2..7", C(data=4), range(4), C(data=6), range(2, 8)),
+    ("tp 2->4", C(data=4, tensor=2), range(8), C(data=2, tensor=4), range(8)),
+    ("fsdp 4->2", C(data=2, fsdp=4), range(8), C(data=4, fsdp=2), range(8)),
+    ("dp2,tp4 -> dp3,tp2", C(data=2, tensor=4), range(8), C(data=3, tensor=2), range(6)),
+    ("disjoint", C(fsdp=2, tensor=2), range(4), C(fsdp=2, tensor=2), range(4, 8)),
+]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="medium", choices=sorted(MODELS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    with nnx.use_eager_sharding(False):
+        model = GPT(MODELS[args.model], rngs=nnx.Rngs(0))
+        state = nnx.state((model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)))
+    devices = jax.devices()
+    rows = []
+    for name, src_cfg, src_devs, dst_cfg, dst_devs in MATRIX:
+        src = tj.PTC.of(state, LOGICAL_RULES, src_cfg, [devices[i] for i in src_devs])
+        dst = tj.PTC.of(state, LOGICAL_RULES, dst_cfg, [devices[i] for i in dst_devs])
+        placed = tj.place(state, src)
+        plan = tj.make_plan(src, dst)
+        times = {}
+        for method in tj.transform.METHODS:
+            runs = []
+            for _ in range(args.repeats + 1):  # the first run warms up dispatch and compile caches
+                start = time.perf_counter()
+                out, _ = tj.reshard(placed, plan, donate=False, method=method)
+                runs.append(time.perf_counter() - start)
+                del out
+            times[method] = statistics.median(runs[1:])
+        row = {
+            "change": name,
+            "state_mib": round(src.nbytes / 2**20, 2),
+            "moved_mib": round(plan.bytes_moved / 2**20, 2),
+            "kept_mib": round(plan.bytes_kept / 2**20, 2),
+            "executor_s": times["plan"],
+            "device_put_s": times["device_put"],
+            "device_put_over_executor": times["device_put"] / times["plan"],
+        }
+        rows.append(row)
+        print(
+            f"{name:22s} moved {row['moved_mib']:8.2f} MiB kept {row['kept_mib']:8.2f} MiB  "
+            f"executor {row['executor_s'] * 1e3:8.1f} ms  device_put {row['device_put_s'] * 1e3:8.1f} ms"
+            f"  ratio {row['device_put_over_executor']:5.2f}",
+            flush=True,
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "jax": jax.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
