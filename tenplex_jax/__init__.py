@@ -8,6 +8,7 @@ The public face, in the order a user meets it::
     old = tj.PTC.of(state, rules, tj.ParallelConfig(data=8), jax.devices())
     state = tj.place(state, old)                                # lay the state out as `old`
     new = tj.PTC.of(state, rules, tj.ParallelConfig(data=2, tensor=2), jax.devices()[2:6])
+    new = tj.allocate(old, new)                                 # device order that keeps most bytes
     plan = tj.make_plan(old, new)                               # pure: no device memory touched
     print(plan)                                                 # bytes kept / moved per group
     state, report = tj.reshard(state, plan)                     # bit-identical, old buffers freed
@@ -15,7 +16,7 @@ The public face, in the order a user meets it::
 """
 
 from tenplex_jax.errors import LayoutError, PlanError
-from tenplex_jax.plan import LeafPlan, Piece, Plan, ShardPlan, make_plan
+from tenplex_jax.plan import LeafPlan, Piece, Plan, ShardPlan, allocate, make_plan
 from tenplex_jax.ptc import MESH_AXES, PTC, LeafLayout, ParallelConfig
 from tenplex_jax.transform import ReshardReport, place, reshard
 
@@ -31,6 +32,7 @@ __all__ = [
     "PlanError",
     "ReshardReport",
     "ShardPlan",
+    "allocate",
     "make_plan",
     "place",
     "reshard",

@@ -26,6 +26,8 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
+import numpy as np
+
 from tenplex_jax.errors import PlanError, where
 from tenplex_jax.ptc import PTC, Box, LeafLayout
 
@@ -183,6 +185,51 @@ def make_plan(src: PTC, dst: PTC) -> Plan:
             )
         leaves.append(_plan_leaf(s, d, src.boxes(s), dst.boxes(d), host, load))
     return Plan(src, dst, tuple(leaves))
+
+
+def allocate(src: PTC, dst: PTC) -> PTC:
+    """``dst`` with its devices reordered over the mesh so that the most bytes stay in place.
+
+    The order of a mesh's devices is the PTC's *allocation*: which device gets which box. For the
+    same device set and config, some orders let devices keep (or split) the shards they hold while
+    others make every shard move. This solves the assignment of devices to mesh positions that
+    maximizes the bytes each device already holds of its new boxes (``linear_sum_assignment`` on the
+    [device, position] overlap matrix), so ``make_plan(src, allocate(src, dst))`` moves no more bytes
+    than ``make_plan(src, dst)``, usually fewer. Devices are only permuted, never added or dropped.
+    """
+    from scipy.optimize import linear_sum_assignment  # a dependency of jax itself
+
+    overlap = np.zeros((len(dst.device_ids),) * 2, dtype=np.float64)  # [device, position]
+    src_index = [src.device_ids.index(d) if d in src.device_ids else -1 for d in dst.device_ids]
+    held = [i for i, j in enumerate(src_index) if j >= 0]
+    if not held:
+        return dst
+    for s, d in zip(src.leaves, dst.leaves):
+        a = _intervals(src, s)[:, [src_index[i] for i in held]]  # [dims, held devices, 2]
+        b = _intervals(dst, d)  # [dims, positions, 2]
+        lo = np.maximum(a[:, :, None, 0], b[:, None, :, 0])
+        hi = np.minimum(a[:, :, None, 1], b[:, None, :, 1])
+        overlap[held] += np.prod(np.clip(hi - lo, 0, None), axis=0) * d.itemsize
+    rows, cols = linear_sum_assignment(overlap, maximize=True)
+    order = [0] * len(cols)
+    for device, position in zip(rows, cols):
+        order[position] = device
+    if overlap[rows, cols].sum() <= overlap[np.arange(len(order)), np.arange(len(order))].sum():
+        return dst  # the given order is already as good: keep the user's allocation
+    return dataclasses.replace(
+        dst,
+        device_ids=tuple(dst.device_ids[i] for i in order),
+        hosts=tuple(dst.hosts[i] for i in order),
+    )
+
+
+def _intervals(ptc: PTC, leaf: LeafLayout) -> np.ndarray:
+    """[dims, devices in mesh order, 2] start/stop of each device's box (a scalar: one unit dim)."""
+    boxes = ptc.boxes(leaf)
+    out = np.array([boxes[d] for d in ptc.device_ids], dtype=np.int64).reshape(len(boxes), -1, 2)
+    if out.shape[1] == 0:
+        out = np.tile(np.array([[[0, 1]]]), (len(boxes), 1, 1))
+    return out.transpose(1, 0, 2)
 
 
 def _plan_leaf(

@@ -42,16 +42,20 @@ def test_a_change_that_leaves_a_leaf_in_place_moves_none_of_its_bytes():
 
 
 def test_split_when_the_target_box_is_inside_the_local_shard():
-    plan = tj.make_plan(one_leaf(tj.ParallelConfig(tensor=2), (None, "tensor")),
-                        one_leaf(tj.ParallelConfig(tensor=4), (None, "tensor")))
+    plan = tj.make_plan(
+        one_leaf(tj.ParallelConfig(tensor=2), (None, "tensor")),
+        one_leaf(tj.ParallelConfig(tensor=4), (None, "tensor")),
+    )
     # device 0 had columns 0:4 and now needs 0:2 (split); device 1 had 4:8 and needs 2:4 (move)
     assert [s.kind for s in plan.leaves[0].shards] == ["split", "move", "move", "move"]
     assert plan.bytes_kept == 8 * 2 * 4 and plan.bytes_moved == 3 * 8 * 2 * 4
 
 
 def test_merge_concatenates_pieces_from_several_sources():
-    plan = tj.make_plan(one_leaf(tj.ParallelConfig(tensor=4), (None, "tensor")),
-                        one_leaf(tj.ParallelConfig(tensor=2), (None, "tensor")))
+    plan = tj.make_plan(
+        one_leaf(tj.ParallelConfig(tensor=4), (None, "tensor")),
+        one_leaf(tj.ParallelConfig(tensor=2), (None, "tensor")),
+    )
     shards = plan.leaves[0].shards
     assert [s.kind for s in shards] == ["merge", "merge"]
     assert [p.src_device for p in shards[0].pieces] == [0, 1]
@@ -100,13 +104,15 @@ def test_summary_names_configs_groups_and_totals():
     assert "1/opt_state/0/mu" in text and "total" in text
 
 
-CHANGES = st.sampled_from([
-    ((8, 1, 1), (4, 1, 1)),
-    ((4, 1, 2), (2, 2, 2)),
-    ((1, 4, 2), (2, 1, 4)),
-    ((2, 1, 4), (3, 1, 2)),
-    ((1, 1, 2), (1, 2, 4)),
-])
+CHANGES = st.sampled_from(
+    [
+        ((8, 1, 1), (4, 1, 1)),
+        ((4, 1, 2), (2, 2, 2)),
+        ((1, 4, 2), (2, 1, 4)),
+        ((2, 1, 4), (3, 1, 2)),
+        ((1, 1, 2), (1, 2, 4)),
+    ]
+)
 
 
 @settings(max_examples=30, deadline=None)
@@ -117,8 +123,11 @@ def test_every_target_byte_comes_from_exactly_one_source(change, offset, data):
     src_cfg = tj.ParallelConfig(data=sd, fsdp=sf, tensor=stt)
     dst_cfg = tj.ParallelConfig(data=dd, fsdp=df, tensor=dt)
     src_devs = data.draw(st.permutations(range(8)))[: src_cfg.num_devices]
-    dst_devs = list(range(8))[offset:][: dst_cfg.num_devices] if dst_cfg.num_devices + offset <= 8 \
+    dst_devs = (
+        list(range(8))[offset:][: dst_cfg.num_devices]
+        if dst_cfg.num_devices + offset <= 8
         else list(range(dst_cfg.num_devices))
+    )
     src = tj.PTC.of(abstract_state(), RULES, src_cfg, src_devs, allow_replicate=True)
     dst = tj.PTC.of(abstract_state(), RULES, dst_cfg, dst_devs, allow_replicate=True)
     plan = tj.make_plan(src, dst)
@@ -130,8 +139,42 @@ def test_every_target_byte_comes_from_exactly_one_source(change, offset, data):
             for piece in shard.pieces:
                 assert src_boxes[piece.src_device] == piece.src_box
                 assert piece.local == (piece.src_device == shard.device)
-                covered[tuple(slice(lo - blo, hi - blo) for (lo, hi), (blo, _) in
-                              zip(piece.box, shard.box))] += 1
+                covered[
+                    tuple(
+                        slice(lo - blo, hi - blo)
+                        for (lo, hi), (blo, _) in zip(piece.box, shard.box)
+                    )
+                ] += 1
             assert (covered == 1).all(), (leaf.path, shard)
             total += covered.size * leaf.dst.itemsize
     assert plan.bytes_moved + plan.bytes_kept == total
+
+
+def test_allocation_turns_a_tp_change_on_the_same_devices_into_local_splits():
+    src = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=4, tensor=2), range(8))
+    dst = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=2, tensor=4), range(8))
+    assert tj.make_plan(src, dst).bytes_moved > 0
+    plan = tj.make_plan(src, tj.allocate(src, dst))
+    assert plan.bytes_moved == 0 and set(plan.kinds) == {"keep", "split"}
+
+
+@settings(max_examples=25, deadline=None)
+@given(change=CHANGES, data=st.data())
+def test_allocation_never_moves_more_and_only_permutes_devices(change, data):
+    (sd, sf, stt), (dd, df, dt) = change
+    src_cfg = tj.ParallelConfig(data=sd, fsdp=sf, tensor=stt)
+    dst_cfg = tj.ParallelConfig(data=dd, fsdp=df, tensor=dt)
+    src = tj.PTC.of(
+        abstract_state(),
+        RULES,
+        src_cfg,
+        data.draw(st.permutations(range(8)))[: src_cfg.num_devices],
+        hosts=None,
+        allow_replicate=True,
+    )
+    dst_devs = data.draw(st.permutations(range(8)))[: dst_cfg.num_devices]
+    dst = tj.PTC.of(abstract_state(), RULES, dst_cfg, dst_devs, allow_replicate=True)
+    better = tj.allocate(src, dst)
+    assert sorted(better.device_ids) == sorted(dst.device_ids)
+    assert better.config == dst.config and better.leaves == dst.leaves
+    assert tj.make_plan(src, better).bytes_moved <= tj.make_plan(src, dst).bytes_moved

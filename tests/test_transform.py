@@ -40,8 +40,12 @@ def target(state, config, devices):
 
 
 @pytest.mark.parametrize("method", tj.transform.METHODS)
-@pytest.mark.parametrize("name,src_cfg,src_devs,dst_cfg,dst_devs", MATRIX, ids=[m[0] for m in MATRIX])
-def test_reshard_is_bit_identical_shard_by_shard(name, src_cfg, src_devs, dst_cfg, dst_devs, method):
+@pytest.mark.parametrize(
+    "name,src_cfg,src_devs,dst_cfg,dst_devs", MATRIX, ids=[m[0] for m in MATRIX]
+)
+def test_reshard_is_bit_identical_shard_by_shard(
+    name, src_cfg, src_devs, dst_cfg, dst_devs, method
+):
     state, src, _ = laid_out(src_cfg, src_devs)
     expected = host_copy(state)
     dst = target(state, dst_cfg, dst_devs)
@@ -55,10 +59,14 @@ def test_reshard_is_bit_identical_shard_by_shard(name, src_cfg, src_devs, dst_cf
 def test_a_plan_that_keeps_every_shard_copies_nothing_and_reuses_buffers():
     state, src, _ = laid_out(C(data=2, tensor=4), range(8))
     plan = tj.make_plan(src, target(state, C(data=2, tensor=4), range(8)))
-    pointers = [s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(state) for s in x.addressable_shards]
+    pointers = [
+        s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(state) for s in x.addressable_shards
+    ]
     new, report = tj.reshard(state, plan)
     assert report.bytes_moved == plan.bytes_moved == 0
-    assert [s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(new) for s in x.addressable_shards] == pointers
+    assert [
+        s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(new) for s in x.addressable_shards
+    ] == pointers
 
 
 def test_donation_frees_replaced_leaves_and_keeps_shared_ones():
@@ -106,3 +114,15 @@ def test_reshard_accepts_nnx_graph_nodes():
     new, _ = tj.reshard((model, optimizer), tj.make_plan(src, dst))
     nnx.update((model, optimizer), new)
     assert_shards_equal(nnx.state((model, optimizer)), expected, dst)
+
+
+@pytest.mark.parametrize("name,src_cfg,src_devs,dst_cfg,dst_devs", MATRIX, ids=[m[0] for m in MATRIX])
+def test_reshard_onto_an_allocated_device_order(name, src_cfg, src_devs, dst_cfg, dst_devs):
+    state, src, _ = laid_out(src_cfg, src_devs)
+    expected = host_copy(state)
+    dst = tj.allocate(src, target(state, dst_cfg, dst_devs))
+    plan = tj.make_plan(src, dst)
+    new, report = tj.reshard(state, plan)
+    assert_shards_equal(new, expected, dst)
+    assert [d.id for d in plan.dst.mesh().devices.flat] == list(dst.device_ids)
+    assert (report.bytes_moved, report.bytes_kept) == (plan.bytes_moved, plan.bytes_kept)
