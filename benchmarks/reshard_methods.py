@@ -20,11 +20,11 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import optax
+from flax import nnx
 
-import tenplex_jax as tj  # noqa: E402
-from models import GPT, LOGICAL_RULES, GPTConfig  # noqa: E402
+import tenplex_jax as tj
+from models import GPT, LOGICAL_RULES, GPTConfig
 
 C = tj.ParallelConfig
 MODELS = {

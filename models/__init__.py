@@ -3,4 +3,4 @@
 from models.data import batch_at, stdlib_corpus
 from models.gpt import GPT, LOGICAL_RULES, GPTConfig, loss_fn
 
-__all__ = ["GPT", "GPTConfig", "LOGICAL_RULES", "loss_fn", "stdlib_corpus", "batch_at"]
+__all__ = ["GPT", "LOGICAL_RULES", "GPTConfig", "batch_at", "loss_fn", "stdlib_corpus"]

@@ -45,7 +45,7 @@ def _stdlib_files() -> list[pathlib.Path]:
     return [path for _, path in sorted(found)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stdlib_corpus(max_bytes: int = 8 * 2**20) -> np.ndarray:
     """Return up to ``max_bytes`` of stdlib source as a read-only uint8 array.
 

@@ -25,7 +25,8 @@ leaving placement to whatever sharding the parameters and inputs carry.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

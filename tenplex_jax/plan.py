@@ -128,10 +128,14 @@ class Plan:
             groups.setdefault(key, []).append(leaf)
         mib = lambda n: f"{n / 2**20:10.3f}"
         lines = [
-            f"plan {self.src.config} on {_devs(self.src.device_ids)} -> {self.dst.config} on "
-            f"{_devs(self.dst.device_ids)}",
-            f"  {'group':40s} {'leaves':>6s} {'MiB':>10s} {'kept MiB':>10s} {'moved MiB':>10s}  "
-            f"keep/split/move/merge",
+            (
+                f"plan {self.src.config} on {_devs(self.src.device_ids)} -> {self.dst.config} on "
+                f"{_devs(self.dst.device_ids)}"
+            ),
+            (
+                f"  {'group':40s} {'leaves':>6s} {'state MiB':>10s} {'kept MiB':>10s} "
+                f"{'moved MiB':>10s}  keep/split/move/merge"
+            ),
         ]
         for key, leaves in groups.items():
             kinds = sum((l.kinds for l in leaves), collections.Counter())
@@ -261,7 +265,7 @@ def _plan_leaf(
             continue
         pieces = []
         ranges = [
-            range(lo // b, (hi - 1) // b + 1) if hi > lo else range(0, 1)
+            range(lo // b, (hi - 1) // b + 1) if hi > lo else range(1)
             for (lo, hi), b in zip(box, block)
         ]
         for coord in _product(ranges):

@@ -145,7 +145,7 @@ class PTC:
     def __post_init__(self):
         if len(self.device_ids) != self.config.num_devices:
             raise LayoutError(
-                f"config {self} needs {self.config.num_devices} devices, got {len(self.device_ids)}"
+                f"config {self.config} needs {self.config.num_devices} devices, got {len(self.device_ids)}"
             )
         if len(set(self.device_ids)) != len(self.device_ids):
             raise LayoutError(f"device ids must be distinct, got {self.device_ids}")
@@ -252,12 +252,14 @@ class PTC:
 
     def __str__(self) -> str:
         lines = [
-            f"PTC {self.config} on devices {list(self.device_ids)}: {len(self.leaves)} leaves, "
-            f"{self.nbytes / 2**20:.2f} MiB"
+            (
+                f"PTC {self.config} on devices {list(self.device_ids)}: {len(self.leaves)} leaves, "
+                f"{self.nbytes / 2**20:.2f} MiB"
+            )
         ]
         for leaf in self.leaves:
             note = f"  (replicated {leaf.replicated})" if leaf.replicated else ""
-            lines.append(f"  {leaf.path:48s} {str(leaf.shape):20s} {str(leaf.spec)}{note}")
+            lines.append(f"  {leaf.path:48s} {leaf.shape!s:20s} {leaf.spec!s}{note}")
         return "\n".join(lines)
 
 
@@ -278,7 +280,9 @@ def flatten_state(state) -> tuple[list[str], list[Any], Any]:
 
 
 def _is_graph_nodes(state) -> bool:
-    nodes = state if isinstance(state, (tuple, list)) else (state,)
+    """NNX objects, or a tuple / list / dict of them, such as ``{"model": m, "optimizer": o}``."""
+    nodes = state.values() if isinstance(state, dict) else state
+    nodes = list(nodes) if isinstance(nodes, (tuple, list, type({}.values()))) else [state]
     return len(nodes) > 0 and all(nnx.graph.is_graph_node(n) for n in nodes)
 
 

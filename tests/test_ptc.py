@@ -50,7 +50,9 @@ def test_live_and_abstract_states_give_the_same_ptc():
     live = tj.PTC.of(train_state(), RULES, CONFIGS[2], jax.devices())
     abstract = tj.PTC.of(abstract_state(), RULES, CONFIGS[2], range(8))
     assert live == abstract
-    assert live.nbytes == sum(np.asarray(x).nbytes for x in jax.tree.leaves(nnx.state(train_state())))
+    assert live.nbytes == sum(
+        np.asarray(x).nbytes for x in jax.tree.leaves(nnx.state(train_state()))
+    )
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
@@ -60,7 +62,10 @@ def test_boxes_equal_named_sharding_indices(config):
     mesh = ptc.mesh()
     for leaf in ptc.leaves:
         want = NamedSharding(mesh, leaf.spec).devices_indices_map(leaf.shape)
-        want = {d.id: tuple(s.indices(n)[:2] for s, n in zip(idx, leaf.shape)) for d, idx in want.items()}
+        want = {
+            d.id: tuple(s.indices(n)[:2] for s, n in zip(idx, leaf.shape))
+            for d, idx in want.items()
+        }
         assert ptc.boxes(leaf) == want, leaf.path
 
 
@@ -84,7 +89,9 @@ def test_boxes_property(sizes, dims, data):
     ptc = tj.PTC(config, tuple(range(config.num_devices)), (0,) * config.num_devices, (leaf,), None)
     mesh = config.make_mesh(jax.devices()[: config.num_devices])
     want = NamedSharding(mesh, leaf.spec).devices_indices_map(leaf.shape)
-    want = {d.id: tuple(s.indices(n)[:2] for s, n in zip(idx, leaf.shape)) for d, idx in want.items()}
+    want = {
+        d.id: tuple(s.indices(n)[:2] for s, n in zip(idx, leaf.shape)) for d, idx in want.items()
+    }
     assert ptc.boxes(leaf) == want
 
 
@@ -100,13 +107,21 @@ def test_indivisible_dim_is_refused_with_leaf_dim_axis_and_sizes():
     with pytest.raises(tj.LayoutError) as err:
         tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=2, tensor=3), range(6))
     msg = str(err.value)
-    for part in ("does not divide", "'tensor'", "total size 3", "allow_replicate", "leaf '0/", "mesh="):
+    for part in (
+        "does not divide",
+        "'tensor'",
+        "total size 3",
+        "allow_replicate",
+        "leaf '0/",
+        "mesh=",
+    ):
         assert part in msg, msg
 
 
 def test_indivisible_dim_is_replicated_when_allowed():
-    ptc = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=2, tensor=3), range(6),
-                    allow_replicate=True)
+    ptc = tj.PTC.of(
+        abstract_state(), RULES, tj.ParallelConfig(data=2, tensor=3), range(6), allow_replicate=True
+    )
     heads = ptc.leaf("0/wq")  # (layers, embed, heads=4, kv): 4 heads do not split 3 ways
     assert heads.spec == P("pipe", "fsdp", None, None) and heads.replicated == ((2, "tensor"),)
     w1 = ptc.leaf("0/w1")  # d_ff=64: indivisible by 3 too
@@ -117,9 +132,13 @@ def test_indivisible_dim_is_replicated_when_allowed():
 def test_bad_input_errors_name_leaf_shape_spec_and_mesh():
     with nnx.use_eager_sharding(False):
         state = {"w": nnx.Param(np.zeros((4, 8), np.float32), out_sharding=("embed", "nope"))}
-    with pytest.raises(tj.LayoutError, match=r"logical axis 'nope' has no rule.*leaf 'w'.*shape=\(4, 8\).*mesh="):
+    with pytest.raises(
+        tj.LayoutError, match=r"logical axis 'nope' has no rule.*leaf 'w'.*shape=\(4, 8\).*mesh="
+    ):
         tj.PTC.of(state, (("embed", "fsdp"),), tj.ParallelConfig(fsdp=2), range(2))
-    with pytest.raises(tj.LayoutError, match=r"mesh axes \['model'\] that do not exist.*mesh axes are"):
+    with pytest.raises(
+        tj.LayoutError, match=r"mesh axes \['model'\] that do not exist.*mesh axes are"
+    ):
         tj.PTC.of(state, (("embed", "model"), ("nope", None)), tj.ParallelConfig(), range(1))
     with pytest.raises(tj.LayoutError, match="at least one device"):
         tj.PTC.of(state, (("embed", None), ("nope", None)), tj.ParallelConfig(), [])

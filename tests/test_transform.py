@@ -116,7 +116,9 @@ def test_reshard_accepts_nnx_graph_nodes():
     assert_shards_equal(nnx.state((model, optimizer)), expected, dst)
 
 
-@pytest.mark.parametrize("name,src_cfg,src_devs,dst_cfg,dst_devs", MATRIX, ids=[m[0] for m in MATRIX])
+@pytest.mark.parametrize(
+    "name,src_cfg,src_devs,dst_cfg,dst_devs", MATRIX, ids=[m[0] for m in MATRIX]
+)
 def test_reshard_onto_an_allocated_device_order(name, src_cfg, src_devs, dst_cfg, dst_devs):
     state, src, _ = laid_out(src_cfg, src_devs)
     expected = host_copy(state)

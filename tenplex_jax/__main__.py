@@ -1,0 +1,8 @@
+"""``python -m tenplex_jax``: the same command line as the ``tenplex-jax`` console script."""
+
+import sys
+
+from tenplex_jax.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

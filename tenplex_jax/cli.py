@@ -1,0 +1,293 @@
+"""The ``tenplex-jax`` command line: ``plan`` a reshard without devices, or run the ``demo``.
+
+Heavy modules (JAX, Flax, the reference model in ``models/``) are imported inside the subcommands:
+``demo`` must set JAX's platform and CPU device count before any backend starts, and ``--help``
+should not wait for them. Bad input (an unknown axis, an indivisible dim, a device list of the wrong
+length) is reported with the library's own message and exit status 2, without a traceback, because
+the message already names the leaf, shape, spec and mesh that broke the rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+MODELS = ("tiny", "small", "gpt100m")
+MIB = 2**20
+
+PLAN_EXAMPLES = """\
+examples:
+  tenplex-jax plan --from data=8 --to data=2,tensor=2 --to-devices 2-5
+      shrink from 8 data-parallel devices to a 2x2 data/tensor mesh on devices 2..5
+  tenplex-jax plan --model gpt100m --from fsdp=4,tensor=2 --to data=2,fsdp=4 --leaves
+      a 113M-parameter model: how many bytes a change of parallelism moves, per leaf group
+  tenplex-jax plan --model tiny --from tensor=3 --to data=3 --allow-replicate
+      replicate dims that 3 does not divide instead of refusing the config
+
+No device is touched: the state is abstract (nnx.eval_shape) and devices are bare ids, so a plan for
+any model and any device count is computed on a laptop in seconds.
+"""
+
+DEMO_EXAMPLES = """\
+examples:
+  tenplex-jax demo --out out/demo
+      small GPT, 60 steps on 8 fake CPU devices, resized 8 -> 4 -> 6 -> 8 at steps 15, 30, 45
+  tenplex-jax demo --model tiny --steps 8 --schedule 2:4,4:6,6:8 --batch 12 --out /tmp/demo
+      a quick run; batch 12 does not split over 8 devices, so the first layout adds tensor=2
+  tenplex-jax demo --method device_put
+      move the state with one jax.device_put instead of the per-shard plan executor
+
+Device sets: the run starts on devices 0..N-1; a shrink keeps the lowest-numbered current devices; a
+grow takes the highest-numbered devices (4 on 0..3 grown to 6 runs on 2..7). Each resize prints its
+plan; the end prints a table of resizes and writes DIR/loss.png and DIR/summary.json.
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 2 bad input) instead of exiting."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help, or a usage error argparse has already printed
+        return done.code if isinstance(done.code, int) else 0 if done.code is None else 2
+    from tenplex_jax.errors import LayoutError, PlanError
+
+    try:
+        return args.command(args)
+    except (LayoutError, PlanError) as error:
+        print(f"tenplex-jax {args.name}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tenplex-jax",
+        description="Reshard a whole JAX/Flax NNX train state onto new devices with a minimal "
+        "plan.",
+    )
+    sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    form = argparse.RawDescriptionHelpFormatter
+
+    plan = sub.add_parser(
+        "plan",
+        help="print the reshard plan between two parallel configs (no devices needed)",
+        description="Plan resharding the GPT train state (params, AdamW moments, counters) from\n"
+        "one parallel config and device set to another; print what each leaf group\n"
+        "keeps and moves.",
+        epilog=PLAN_EXAMPLES,
+        formatter_class=form,
+    )
+    plan.set_defaults(command=_plan, name="plan")
+    plan.add_argument(
+        "--model", choices=MODELS, default="small", help="GPT preset (default: small)"
+    )
+    for side, what in (("from", "source"), ("to", "target")):
+        plan.add_argument(
+            f"--{side}",
+            dest=f"{side}_config",
+            required=True,
+            type=_config,
+            metavar="CONFIG",
+            help=f"{what} parallel config as axis=size pairs over data, fsdp, tensor, pipe; "
+            f"e.g. data=2,tensor=4 (axes left out have size 1)",
+        )
+        plan.add_argument(
+            f"--{side}-devices",
+            dest=f"{side}_devices",
+            type=_device_ids,
+            metavar="IDS",
+            help=f"{what} device ids in mesh order: 0-7, 2,3,4,5 or 2-7 (default: 0..n-1 for the "
+            f"config's device count n)",
+        )
+    plan.add_argument(
+        "--allow-replicate",
+        action="store_true",
+        help="replicate a dim that its mesh axes do not divide instead of refusing the config",
+    )
+    plan.add_argument(
+        "--keep-order",
+        action="store_true",
+        help="use --to-devices in the given mesh order; by default tenplex_jax.allocate reorders "
+        "them so that the most bytes stay on the device that holds them",
+    )
+    plan.add_argument(
+        "--leaves", action="store_true", help="also print the target PTC: every leaf's shape, spec"
+    )
+
+    demo = sub.add_parser(
+        "demo",
+        help="train the GPT on fake CPU devices, resharding as the device count changes",
+        description="Train the reference GPT on fake CPU devices and reshard the whole train\n"
+        "state at the steps of a schedule; write a loss plot and a JSON summary.",
+        epilog=DEMO_EXAMPLES,
+        formatter_class=form,
+    )
+    demo.set_defaults(command=_demo, name="demo")
+    demo.add_argument(
+        "--out", default="out/demo", metavar="DIR", help="output folder (default: out/demo)"
+    )
+    demo.add_argument(
+        "--model", choices=MODELS, default="small", help="GPT preset (default: small)"
+    )
+    demo.add_argument("--steps", type=_positive, default=60, help="training steps (default: 60)")
+    demo.add_argument(
+        "--schedule",
+        type=_schedule,
+        default="15:4,30:6,45:8",
+        metavar="STEP:N,...",
+        help="at each STEP move the job onto N devices (default: 15:4,30:6,45:8; '' for none)",
+    )
+    demo.add_argument(
+        "--batch",
+        type=_positive,
+        default=24,
+        help="global batch, the same on any device set (default: 24)",
+    )
+    demo.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    demo.add_argument(
+        "--method",
+        choices=("plan", "device_put"),
+        default="plan",
+        help="plan: the per-shard plan executor (default); device_put: one jax.device_put",
+    )
+    demo.add_argument(
+        "--devices",
+        type=_positive,
+        default=8,
+        help="fake CPU devices; the run starts on all of them (default: 8)",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="init and batch seed (default: 0)")
+    return parser
+
+
+def _plan(args) -> int:
+    """Plan between two configs of an abstract state: no backend starts, no memory is allocated."""
+    from models import LOGICAL_RULES
+    from tenplex_jax.demo import build_state, param_count
+    from tenplex_jax.errors import LayoutError
+    from tenplex_jax.plan import allocate, make_plan
+    from tenplex_jax.ptc import PTC
+
+    tic = time.perf_counter()
+    _, state, _ = build_state(args.model, lr=1e-3, abstract=True)
+    ptcs = []
+    for side, config, ids in (
+        ("from", args.from_config, args.from_devices),
+        ("to", args.to_config, args.to_devices),
+    ):
+        ids = tuple(range(config.num_devices)) if ids is None else ids
+        if len(ids) != config.num_devices:
+            raise LayoutError(
+                f"config {config} needs {config.num_devices} devices, got {len(ids)} from "
+                f"--{side}-devices {_ids_text(ids)}"
+            )
+        ptcs.append(PTC.of(state, LOGICAL_RULES, config, ids, allow_replicate=args.allow_replicate))
+    src, dst = ptcs
+    plan = make_plan(src, dst if args.keep_order else allocate(src, dst))
+    seconds = time.perf_counter() - tic
+    print(
+        f"model {args.model}: {param_count(state):,} params; train state {len(plan.leaves)} "
+        f"leaves, {plan.dst.nbytes / MIB:.3f} MiB (params, AdamW moments, counters)"
+    )
+    print(plan.summary())
+    kinds = plan.kinds
+    senders = plan.senders
+    busiest = max(senders.items(), key=lambda kv: kv[1]) if senders else None
+    print(
+        f"totals: moved {plan.bytes_moved / MIB:.3f} MiB between devices "
+        f"({plan.bytes_moved / max(plan.dst.nbytes, 1):.1%} of the state), kept "
+        f"{plan.bytes_kept / MIB:.3f} MiB in place; shards "
+        + ", ".join(f"{kinds[k]} {k}" for k in ("keep", "split", "move", "merge"))
+        + (f"; busiest sender device {busiest[0]} ({busiest[1] / MIB:.3f} MiB)" if busiest else "")
+        + f"; planned in {seconds:.2f} s"
+    )
+    if args.leaves:
+        print(plan.dst)
+    return 0
+
+
+def _demo(args) -> int:
+    """Configure JAX for fake CPU devices first, then run the demo and print its resize table."""
+    import pathlib
+
+    import jax
+
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    except RuntimeError:  # a backend already runs (demo called in-process); use it if big enough
+        if len(jax.devices()) < args.devices:
+            print(
+                f"tenplex-jax demo: error: JAX already started with {len(jax.devices())} devices; "
+                f"the demo needs {args.devices} (run it in a fresh process)",
+                file=sys.stderr,
+            )
+            return 2
+    from tenplex_jax import demo
+
+    options = demo.DemoOptions(
+        out=pathlib.Path(args.out),
+        model=args.model,
+        steps=args.steps,
+        schedule=args.schedule,
+        batch=args.batch,
+        lr=args.lr,
+        method=args.method,
+        devices=args.devices,
+        seed=args.seed,
+    )
+    summary = demo.run(options)
+    print()
+    print(demo.resize_table(summary))
+    print(f"wrote {options.out / 'loss.png'} and {options.out / 'summary.json'}")
+    return 0
+
+
+def _config(text: str):
+    from tenplex_jax.ptc import ParallelConfig
+
+    try:
+        return ParallelConfig.parse(text)
+    except ValueError as error:  # argparse would hide a ValueError's message
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _device_ids(text: str) -> tuple[int, ...]:
+    """``"0-3,6,7"`` → ``(0, 1, 2, 3, 6, 7)``."""
+    ids = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
+            raise argparse.ArgumentTypeError(
+                f"device ids are 'a-b' ranges or ids separated by commas, such as 0-7 or 2,3,4,5; "
+                f"got {text!r}"
+            )
+        ids.extend(range(int(lo), int(hi if sep else lo) + 1))
+    if not ids:
+        raise argparse.ArgumentTypeError(f"no device ids in {text!r}")
+    return tuple(ids)
+
+
+def _ids_text(ids: Sequence[int]) -> str:
+    return ",".join(map(str, ids))
+
+
+def _schedule(text: str) -> tuple[tuple[int, int], ...]:
+    from tenplex_jax.demo import parse_schedule
+
+    try:
+        return parse_schedule(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _positive(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,374 @@
+"""The ``tenplex-jax demo``: train the reference GPT while the device set changes under it.
+
+The job starts on all fake CPU devices and, at the steps of a schedule, is moved onto a different
+number of devices: the whole train state (params, AdamW moments, step counters) is resharded with a
+plan from the old PTC to the new one, and training goes on with the same batches it would have seen
+without the change. Losses, resize costs and a plot are written to an output folder, so the run
+shows that a resize neither disturbs the loss curve nor costs more than the bytes the plan moves.
+
+Two small policies stand in for a real scheduler and planner, which come later:
+
+- ``choose_config`` picks a parallel config for a device count by a fixed preference;
+- ``choose_devices`` picks which device ids a resized job gets (see its docstring for the rule).
+
+The reference model lives in ``models/``, outside the library; it is imported inside functions only,
+so that ``tenplex_jax`` itself never depends on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import time
+from collections.abc import Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tenplex_jax.errors import LayoutError
+from tenplex_jax.plan import allocate, make_plan
+from tenplex_jax.ptc import PTC, ParallelConfig
+from tenplex_jax.transform import place, reshard
+
+# The batch dim is split over both data-parallel axes: fsdp shards params, yet splits the batch too.
+BATCH_AXES = ("data", "fsdp")
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoOptions:
+    """Everything a demo run depends on; the CLI flags map one to one onto these fields."""
+
+    out: pathlib.Path = pathlib.Path("out/demo")
+    model: str = "small"
+    steps: int = 60
+    schedule: tuple[tuple[int, int], ...] = ((15, 4), (30, 6), (45, 8))  # (step, device count)
+    batch: int = 24
+    lr: float = 3e-3
+    method: str = "plan"
+    devices: int = 8
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A stretch of training on one layout, from step ``start`` until the next stage begins."""
+
+    start: int
+    config: ParallelConfig
+    device_ids: tuple[int, ...]
+
+
+def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:
+    """``"15:4,30:6"`` → ``((15, 4), (30, 6))``: at step 15 move to 4 devices, at 30 to 6."""
+    schedule = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        step, sep, count = part.partition(":")
+        if not sep or not step.strip().isdigit() or not count.strip().isdigit():
+            raise ValueError(f"a schedule is 'step:devices,...' such as '15:4,30:6', got {text!r}")
+        schedule.append((int(step), int(count)))
+    return tuple(schedule)
+
+
+def build_state(model: str, lr: float, seed: int = 0, *, abstract: bool = False):
+    """(graphdef, state, GPTConfig) of the GPT and its AdamW optimizer, built without a mesh.
+
+    Built under ``use_eager_sharding(False)`` so no mesh is needed: the layout comes afterwards, by
+    ``place`` for a live state or by ``PTC.of`` for an abstract one (``abstract=True`` gives
+    ``ShapeDtypeStruct`` leaves via ``nnx.eval_shape``: no device touched, nothing allocated).
+    """
+    import optax
+
+    from models import GPT, GPTConfig
+
+    cfg = GPTConfig.by_name(model)
+
+    def build():
+        gpt = GPT(cfg, rngs=nnx.Rngs(seed))
+        # named parts, so that tree paths (and plan groups) read "model/..", "optimizer/.."
+        return {"model": gpt, "optimizer": nnx.Optimizer(gpt, optax.adamw(lr), wrt=nnx.Param)}
+
+    with nnx.use_eager_sharding(False):
+        nodes = nnx.eval_shape(build) if abstract else build()
+    graphdef, state = nnx.split(nodes)
+    return graphdef, state, cfg
+
+
+def param_count(state) -> int:
+    """Parameters of the model part of a ``{"model", "optimizer"}`` state."""
+    return sum(math.prod(v.shape) for v in jax.tree.leaves(state["model"]))
+
+
+def choose_config(n: int, abstract_state, global_batch: int, rules=None) -> ParallelConfig:
+    """A valid parallel config for ``n`` devices; a stand-in for the real planner, to come later.
+
+    Enumerates every ``(data, fsdp, tensor)`` with product ``n`` (``pipe=1``) and keeps those that
+    lay the state out without replicating an indivisible dim and split the global batch evenly over
+    ``data * fsdp``. Among those it prefers ``tensor == 2`` (a pair of neighbouring devices; more
+    tensor parallelism communicates in every layer), then ``fsdp == 2`` (shards the optimizer state,
+    whose memory dominates), then larger ``data``. So the demo's resizes move real slices of
+    sharded leaves (splits and merges), not only whole replicas.
+    """
+    if rules is None:
+        from models import LOGICAL_RULES as rules
+    valid, refused = [], []
+    for data in _divisors(n):
+        for fsdp in _divisors(n // data):
+            config = ParallelConfig(data=data, fsdp=fsdp, tensor=n // (data * fsdp))
+            if global_batch % (data * fsdp):
+                refused.append(f"{config}: batch {global_batch} not divisible by {data * fsdp}")
+                continue
+            try:
+                PTC.of(abstract_state, rules, config, range(n))
+            except LayoutError as error:
+                refused.append(f"{config}: {str(error).split(';')[0]}")  # the rule, not the advice
+                continue
+            valid.append(config)
+    if not valid:
+        raise LayoutError(
+            f"no (data, fsdp, tensor) config lays the state out on {n} devices with global batch "
+            f"{global_batch}; refused: " + "; ".join(refused)
+        )
+    return min(valid, key=lambda c: (c.tensor != 2, c.fsdp != 2, -c.data, c.tensor))
+
+
+def choose_devices(n: int, current: Sequence[int], total: int) -> tuple[int, ...]:
+    """The device ids a job resized from ``current`` to ``n`` devices gets, out of ``0..total-1``.
+
+    The rule mimics a scheduler: a shrink keeps the lowest-numbered current devices (the job gives
+    back its top devices); a grow takes the ``n`` highest-numbered devices (the devices freed at the
+    top of the machine), so it overlaps the current set only partly. The default schedule 8 → 4 → 6
+    → 8 thus runs on 0..7, then 0..3 (smaller), 2..7 (overlapping: 2 and 3 keep their shards, 4..7
+    are new) and 0..7 (larger). An unchanged count keeps the current devices.
+    """
+    if not 1 <= n <= total:
+        raise LayoutError(f"a job can run on 1 to {total} devices, asked for {n}")
+    if n < len(current):
+        return tuple(sorted(current)[:n])
+    if n == len(current):
+        return tuple(current)
+    return tuple(range(total - n, total))
+
+
+def plan_stages(options: DemoOptions, abstract_state) -> list[Stage]:
+    """The layout of every stretch of the run, fixed before training so bad input fails at once."""
+    last = 0
+    for step, _ in options.schedule:
+        if not last < step < options.steps:
+            raise LayoutError(
+                f"schedule steps must increase and lie in 1..{options.steps - 1} (the run has "
+                f"{options.steps} steps), got {options.schedule}"
+            )
+        last = step
+    stages, current = [], ()
+    for start, n in ((0, options.devices), *options.schedule):
+        ids = tuple(range(n)) if not current else choose_devices(n, current, options.devices)
+        config = choose_config(n, abstract_state, options.batch)
+        stages.append(Stage(start, config, ids))
+        current = ids
+    return stages
+
+
+def make_train_step(graphdef, ptc: PTC):
+    """The jitted ``(state, batch) -> (state, loss)`` for one layout; donates the old state.
+
+    Pure in the state, so that the state stays a plain tree the planner can reshard between steps,
+    and pinned to the PTC's shardings, so that each step keeps the layout the next plan starts from.
+    """
+    from models import loss_fn
+
+    mesh = ptc.mesh()
+    batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
+
+    def train_step(state, batch):
+        nodes = nnx.merge(graphdef, state)
+        model, optimizer = nodes["model"], nodes["optimizer"]
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return nnx.state(nodes), loss
+
+    step = jax.jit(
+        train_step,
+        in_shardings=(ptc.shardings(mesh), batch_sharding),
+        out_shardings=(ptc.shardings(mesh), NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+    return step, batch_sharding
+
+
+def run(options: DemoOptions) -> dict:
+    """Train with resizes, write ``loss.png`` and ``summary.json`` to ``options.out``.
+
+    Returns the summary written to ``summary.json``.
+    """
+    from tqdm import tqdm
+
+    from models import LOGICAL_RULES, batch_at, stdlib_corpus
+
+    started = time.perf_counter()
+    _, abstract, cfg = build_state(options.model, options.lr, options.seed, abstract=True)
+    stages = plan_stages(options, abstract)
+    if len(jax.devices()) < options.devices:
+        raise LayoutError(f"the demo needs {options.devices} devices, found {len(jax.devices())}")
+
+    graphdef, state, _ = build_state(options.model, options.lr, options.seed)
+    ptc = PTC.of(state, LOGICAL_RULES, stages[0].config, stages[0].device_ids)
+    state = place(state, ptc)
+    corpus = stdlib_corpus()
+    steps_cache: dict = {}
+    losses, resizes, first_steps = [], [], {}
+    bar = tqdm(range(options.steps), desc=f"{options.model}", unit="step")
+    for step in bar:
+        stage = next((s for s in stages[1:] if s.start == step), None)
+        if stage is not None:
+            state, ptc, record = _resize(state, ptc, stage, step, options.method, bar.write)
+            resizes.append(record)
+        key = (str(ptc.config), ptc.device_ids)
+        cached = key in steps_cache
+        if not cached:
+            steps_cache[key] = make_train_step(graphdef, ptc)
+        train_step, batch_sharding = steps_cache[key]
+        batch = batch_at(corpus, step, options.batch, cfg.seq_len, options.seed)
+        tic = time.perf_counter()
+        state, loss = train_step(state, jax.device_put(batch, batch_sharding))
+        losses.append(float(loss))
+        if step == 0 or stage is not None:
+            first_steps[step] = (time.perf_counter() - tic, cached)
+        bar.set_postfix(
+            {"loss": f"{losses[-1]:.3f}", "devices": len(ptc.device_ids), "config": str(ptc.config)}
+        )
+    bar.close()
+    for record in resizes:
+        record["compile_seconds"], record["compile_cached"] = first_steps[record["step"]]
+
+    summary = {
+        "model": options.model,
+        "param_count": param_count(abstract),
+        "state_bytes": ptc.nbytes,
+        "global_batch": options.batch,
+        "seq_len": cfg.seq_len,
+        "steps": options.steps,
+        "lr": options.lr,
+        "seed": options.seed,
+        "method": options.method,
+        "devices": options.devices,
+        "schedule": [list(s) for s in options.schedule],
+        "initial": {
+            "config": str(stages[0].config),
+            "devices": list(stages[0].device_ids),
+            "compile_seconds": first_steps[0][0],
+        },
+        "resizes": resizes,
+        "losses": losses,
+        "final_loss": losses[-1],
+        "total_seconds": time.perf_counter() - started,
+    }
+    out = pathlib.Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    title = (
+        f"GPT {options.model}, global batch {options.batch}, from {stages[0].config} on "
+        f"{options.devices} devices"
+    )
+    write_plot(out / "loss.png", losses, resizes, title)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _resize(state, ptc: PTC, stage: Stage, step: int, method: str, write):
+    """Reshard ``state`` from ``ptc`` onto ``stage``'s layout; (state, new PTC, resize record)."""
+    from models import LOGICAL_RULES
+
+    tic = time.perf_counter()
+    # the stage fixes the device set; allocate picks their mesh order so the most bytes stay put
+    new = allocate(ptc, PTC.of(state, LOGICAL_RULES, stage.config, stage.device_ids))
+    plan = make_plan(ptc, new)
+    plan_seconds = time.perf_counter() - tic
+    write(
+        f"\nstep {step}: {len(ptc.device_ids)} -> {len(new.device_ids)} devices\n{plan.summary()}"
+    )
+    tic = time.perf_counter()
+    state, report = reshard(state, plan, method=method)
+    seconds = time.perf_counter() - tic
+    write(f"  {report}")
+    record = {
+        "step": step,
+        "from": len(ptc.device_ids),
+        "to": len(new.device_ids),
+        "from_config": str(ptc.config),
+        "to_config": str(new.config),
+        "from_devices": list(ptc.device_ids),
+        "to_devices": list(new.device_ids),
+        "bytes_moved": report.bytes_moved,
+        "bytes_kept": report.bytes_kept,
+        "plan_bytes_moved": plan.bytes_moved,
+        "method": report.method,
+        "plan_seconds": plan_seconds,
+        "seconds": seconds,
+    }
+    return state, new, record
+
+
+def write_plot(path: pathlib.Path, losses: list[float], resizes: list[dict], title: str) -> None:
+    """Loss against step, with a dashed line and an "8→4" label at every resize."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(range(len(losses)), losses, color="tab:blue", lw=1.5)
+    top = max(losses) if losses else 1.0
+    for record in resizes:
+        ax.axvline(record["step"] - 0.5, color="gray", ls="--", lw=1)
+        ax.annotate(
+            f"{record['from']}→{record['to']}\n{record['to_config']}",
+            (record["step"] - 0.5, top),
+            xytext=(3, 0),
+            textcoords="offset points",
+            va="top",
+            fontsize=8,
+        )
+    ax.set(xlabel="step", ylabel="loss (next-byte cross entropy)", title=title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def resize_table(summary: dict) -> str:
+    """The resizes of a run as a fixed-width table, for the terminal."""
+    head = (
+        f"{'step':>5} {'devices':>8} {'config':>42} {'to devices':>16} {'moved MiB':>10} "
+        f"{'kept MiB':>10} {'reshard s':>10} {'1st step s':>10}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in summary["resizes"]:
+        configs = f"{r['from_config']}->{r['to_config']}"
+        compile_s = f"{r['compile_seconds']:.2f}" + ("*" if r["compile_cached"] else "")
+        lines.append(
+            f"{r['step']:5d} {str(r['from']) + '->' + str(r['to']):>8} {configs:>42} "
+            f"{_ids(r['to_devices']):>16} {r['bytes_moved'] / MIB:10.3f} "
+            f"{r['bytes_kept'] / MIB:10.3f} {r['seconds']:10.3f} {compile_s:>10}"
+        )
+    if not summary["resizes"]:
+        lines.append("(no resizes)")
+    lines.append(
+        f"(* step already compiled for that layout; state {summary['state_bytes'] / MIB:.3f} MiB, "
+        f"final loss {summary['final_loss']:.4f}, {summary['total_seconds']:.1f} s in all)"
+    )
+    return "\n".join(lines)
+
+
+def _ids(ids: Sequence[int]) -> str:
+    ids = list(ids)
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return f"{ids[0]}..{ids[-1]}"
+    return ",".join(map(str, ids))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

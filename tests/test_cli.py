@@ -1,0 +1,82 @@
+"""Tests for the ``tenplex-jax`` command line: plan output, bad input, and one end-to-end demo.
+
+``plan`` runs in-process (it touches no device, so the shared 8-device backend is fine); the demo
+runs in a subprocess because it configures JAX's platform and device count before JAX starts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+from tenplex_jax.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _total(out: str) -> re.Match:
+    """The plan summary's total line: leaves, MiB, kept MiB, moved MiB."""
+    match = re.search(r"^\s+total\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s", out, re.MULTILINE)
+    assert match, out
+    return match
+
+
+def test_plan_prints_summary_with_total(capsys) -> None:
+    argv = ["plan", "--model", "tiny", "--from", "data=8", "--to", "data=2,tensor=2"]
+    assert main([*argv, "--to-devices", "2-5"]) == 0
+    out = capsys.readouterr().out
+    assert "data=8 on devices 0..7 -> data=2,tensor=2 on devices 2..5" in out
+    total = _total(out)
+    assert int(total[1]) > 0 and float(total[2]) > 0
+    assert "totals: moved" in out
+
+
+def test_identical_plan_moves_nothing(capsys) -> None:
+    argv = ["plan", "--model", "tiny", "--from", "fsdp=2,tensor=2", "--to", "fsdp=2,tensor=2"]
+    assert main([*argv, "--leaves"]) == 0
+    out = capsys.readouterr().out
+    assert float(_total(out)[4]) == 0.0
+    assert "moved 0.000 MiB" in out
+    assert "PTC fsdp=2,tensor=2 on devices [0, 1, 2, 3]" in out  # --leaves prints the target PTC
+
+
+def test_bad_input_exits_2_with_the_reason(capsys) -> None:
+    # tensor=3 divides none of the tiny model's tensor-sharded dims (vocab 256, mlp 64, heads 4).
+    assert main(["plan", "--model", "tiny", "--from", "data=3", "--to", "tensor=3"]) == 2
+    err = capsys.readouterr().err
+    assert "does not divide" in err and "tensor" in err and "Traceback" not in err
+    assert main(["plan", "--model", "tiny", "--from", "data=3", "--to", "tensor=3",
+                 "--allow-replicate"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["plan", "--from", "model=2", "--to", "data=2"]) == 2
+    assert "axis=size" in capsys.readouterr().err
+    assert main(["plan", "--from", "data=8", "--from-devices", "0-3", "--to", "data=4"]) == 2
+    assert "needs 8 devices, got 4" in capsys.readouterr().err
+
+
+def test_demo_end_to_end(tmp_path) -> None:
+    cmd = [sys.executable, "-m", "tenplex_jax", "demo", "--model", "tiny", "--steps", "8"]
+    cmd += ["--schedule", "2:4,4:6,6:8", "--batch", "12", "--out", str(tmp_path)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(r["from"], r["to"]) for r in summary["resizes"]] == [(8, 4), (4, 6), (6, 8)]
+    assert [r["step"] for r in summary["resizes"]] == [2, 4, 6]
+    for record in summary["resizes"]:
+        assert record["bytes_moved"] + record["bytes_kept"] > 0
+        assert len(record["to_devices"]) == record["to"]
+    assert len(summary["losses"]) == summary["steps"] == 8
+    assert math.isfinite(summary["final_loss"])
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "step" in done.stdout and "->" in done.stdout  # the resize table
