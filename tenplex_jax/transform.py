@@ -23,11 +23,12 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 
 from tenplex_jax.errors import PlanError, where
 from tenplex_jax.plan import LeafPlan, Plan
-from tenplex_jax.ptc import Box, flatten_state
+from tenplex_jax.ptc import PTC, Box, flatten_state
 
 METHODS = ("plan", "device_put")
 
@@ -66,9 +67,9 @@ def reshard(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    _, arrays, treedef = flatten_state(state)
-    arrays = [a.get_value() if hasattr(a, "get_value") else a for a in arrays]
-    check_state(arrays, treedef, plan)
+    paths, arrays, treedef = _arrays(state)
+    _check_tree(paths, treedef, plan.src)
+    check_state(arrays, plan)
     mesh = plan.dst.mesh(devices)
     start = time.perf_counter()
     if method == "device_put":
@@ -99,25 +100,37 @@ def place(state, ptc):
     Use it once, for a state built without a mesh (``nnx.use_eager_sharding(False)``); afterwards
     move the state with plans. Checks the tree against the PTC first.
     """
-    _, arrays, treedef = flatten_state(state)
-    if treedef != ptc.treedef:
-        raise PlanError(
-            f"the state's tree does not match the PTC's:\n  state: {treedef}\n  ptc:   {ptc.treedef}"
-        )
-    arrays = [a.get_value() if hasattr(a, "get_value") else a for a in arrays]
-    return jax.tree_util.tree_unflatten(
-        treedef, jax.device_put(arrays, list(jax.tree.leaves(ptc.shardings())))
+    paths, arrays, treedef = _arrays(state)
+    _check_tree(paths, treedef, ptc)
+    mesh = ptc.mesh()
+    shardings = [NamedSharding(mesh, leaf.spec) for leaf in ptc.leaves]
+    return jax.tree_util.tree_unflatten(treedef, jax.device_put(arrays, shardings))
+
+
+def _arrays(state):
+    """(paths, arrays, treedef) of a state: NNX variables unwrapped to the arrays they hold."""
+    paths, leaves, treedef = flatten_state(state)
+    return paths, [x.get_value() if isinstance(x, nnx.Variable) else x for x in leaves], treedef
+
+
+def _check_tree(paths: list[str], treedef, ptc: PTC) -> None:
+    if treedef == ptc.treedef:
+        return
+    want = [leaf.path for leaf in ptc.leaves]
+    first = next(
+        (i for i, (a, b) in enumerate(zip(paths, want)) if a != b), min(len(paths), len(want))
+    )
+    raise PlanError(
+        f"the state's tree does not match the PTC's: the state has {len(paths)} leaves, the PTC "
+        f"{len(want)}; first difference at leaf {first}: state "
+        f"{paths[first] if first < len(paths) else '(none)'!r} vs PTC "
+        f"{want[first] if first < len(want) else '(none)'!r} (PTC {ptc.config})"
     )
 
 
-def check_state(arrays, treedef, plan: Plan) -> None:
+def check_state(arrays, plan: Plan) -> None:
     """Raise ``PlanError`` unless ``arrays`` are laid out exactly as ``plan.src`` says."""
     src = plan.src
-    if treedef != src.treedef:
-        raise PlanError(
-            f"the state's tree does not match the plan's source PTC:\n  state: {treedef}\n"
-            f"  plan:  {src.treedef}"
-        )
     for array, leaf in zip(arrays, src.leaves):
         if not isinstance(array, jax.Array):
             raise PlanError(

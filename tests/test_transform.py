@@ -94,7 +94,9 @@ def test_wrong_tree_or_wrong_layout_is_refused_and_the_state_is_untouched():
     state, src, nodes = laid_out(C(data=2, tensor=4), range(8))
     expected = host_copy(state)
     plan = tj.make_plan(src, target(state, C(data=4, tensor=2), range(8)))
-    with pytest.raises(tj.PlanError, match="tree does not match"):
+    with pytest.raises(
+        tj.PlanError, match=r"tree does not match.*at leaf 0: state 'b1' vs PTC '0/b1'"
+    ):
         tj.reshard(nnx.state(nodes[0]), plan)  # the model alone, not model + optimizer
     other, other_ptc, _ = laid_out(C(fsdp=8), range(8), seed=1)
     with pytest.raises(tj.PlanError, match=r"not laid out as the plan's source PTC says.*leaf '0/"):
