@@ -4,7 +4,7 @@ Both execute the same plan on the same GPT + AdamW state, in one process run; me
 runs after a warm-up; the ratio per row is device_put time ÷ executor time (> 1: the executor is
 faster). Donation is off so every repeat starts from the same source state.
 
-    python benchmarks/reshard_methods.py [--model medium] [--repeats 5] [--out results.json]
+    python benchmarks/reshard_methods.py [--model medium] [--repeats 5] [--allocate] [--out FILE]
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="medium", choices=sorted(MODELS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument(
+        "--allocate", action="store_true", help="reorder target devices with tj.allocate first"
+    )
     args = parser.parse_args(argv)
     with nnx.use_eager_sharding(False):
         model = GPT(MODELS[args.model], rngs=nnx.Rngs(0))
@@ -56,6 +59,7 @@ def main(argv=None) -> int:
     for name, src_cfg, src_devs, dst_cfg, dst_devs in MATRIX:
         src = tj.PTC.of(state, LOGICAL_RULES, src_cfg, [devices[i] for i in src_devs])
         dst = tj.PTC.of(state, LOGICAL_RULES, dst_cfg, [devices[i] for i in dst_devs])
+        dst = tj.allocate(src, dst) if args.allocate else dst
         placed = tj.place(state, src)
         plan = tj.make_plan(src, dst)
         times = {}
@@ -83,9 +87,12 @@ def main(argv=None) -> int:
             f"  ratio {row['device_put_over_executor']:5.2f}",
             flush=True,
         )
+    geomean = statistics.geometric_mean(r["device_put_over_executor"] for r in rows)
+    print(f"geometric mean of device_put / executor over {len(rows)} changes: {geomean:.2f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "jax": jax.__version__, "rows": rows}, f, indent=1)
+            result = {"model": args.model, "allocate": args.allocate, "jax": jax.__version__}
+            json.dump({**result, "rows": rows, "geomean_ratio": geomean}, f, indent=1)
     return 0
 
 

@@ -4,7 +4,8 @@ The public face, in the order a user meets it::
 
     import tenplex_jax as tj
 
-    state = nnx.state((model, optimizer))                       # any NNX model + optax state
+    nodes = {"model": model, "optimizer": optimizer}            # any NNX model + optax state
+    state = nnx.state(nodes)
     old = tj.PTC.of(state, rules, tj.ParallelConfig(data=8), jax.devices())
     state = tj.place(state, old)                                # lay the state out as `old`
     new = tj.PTC.of(state, rules, tj.ParallelConfig(data=2, tensor=2), jax.devices()[2:6])
@@ -12,7 +13,7 @@ The public face, in the order a user meets it::
     plan = tj.make_plan(old, new)                               # pure: no device memory touched
     print(plan)                                                 # bytes kept / moved per group
     state, report = tj.reshard(state, plan)                     # bit-identical, old buffers freed
-    nnx.update((model, optimizer), state)
+    nnx.update(nodes, state)
 """
 
 from tenplex_jax.errors import LayoutError, PlanError
