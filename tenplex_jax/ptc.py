@@ -281,8 +281,10 @@ def flatten_state(state) -> tuple[list[str], list[Any], Any]:
 
 def _is_graph_nodes(state) -> bool:
     """NNX objects, or a tuple / list / dict of them, such as ``{"model": m, "optimizer": o}``."""
-    nodes = state.values() if isinstance(state, dict) else state
-    nodes = list(nodes) if isinstance(nodes, (tuple, list, type({}.values()))) else [state]
+    if isinstance(state, dict):
+        nodes = list(state.values())
+    else:
+        nodes = list(state) if isinstance(state, (tuple, list)) else [state]
     return len(nodes) > 0 and all(nnx.graph.is_graph_node(n) for n in nodes)
 
 
