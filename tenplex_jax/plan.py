@@ -209,10 +209,11 @@ def allocate(src: PTC, dst: PTC) -> PTC:
     if not held:
         return dst
     for s, d in zip(src.leaves, dst.leaves):
-        a = _intervals(src, s)[:, [src_index[i] for i in held]]  # [dims, held devices, 2]
-        b = _intervals(dst, d)  # [dims, positions, 2]
+        a = src.intervals(s)[:, [src_index[i] for i in held]]  # [dims, held devices, 2]
+        b = dst.intervals(d)  # [dims, positions, 2]
         lo = np.maximum(a[:, :, None, 0], b[:, None, :, 0])
         hi = np.minimum(a[:, :, None, 1], b[:, None, :, 1])
+        # a scalar has no dims: the empty product is 1 element, held in full by every replica
         overlap[held] += np.prod(np.clip(hi - lo, 0, None), axis=0) * d.itemsize
     rows, cols = linear_sum_assignment(overlap, maximize=True)
     order = [0] * len(cols)
@@ -225,15 +226,6 @@ def allocate(src: PTC, dst: PTC) -> PTC:
         device_ids=tuple(dst.device_ids[i] for i in order),
         hosts=tuple(dst.hosts[i] for i in order),
     )
-
-
-def _intervals(ptc: PTC, leaf: LeafLayout) -> np.ndarray:
-    """[dims, devices in mesh order, 2] start/stop of each device's box (a scalar: one unit dim)."""
-    boxes = ptc.boxes(leaf)
-    out = np.array([boxes[d] for d in ptc.device_ids], dtype=np.int64).reshape(len(boxes), -1, 2)
-    if out.shape[1] == 0:
-        out = np.tile(np.array([[[0, 1]]]), (len(boxes), 1, 1))
-    return out.transpose(1, 0, 2)
 
 
 def _plan_leaf(

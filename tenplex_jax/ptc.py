@@ -199,10 +199,10 @@ class PTC:
             f"no leaf {path!r} in this PTC; leaves: {[l.path for l in self.leaves][:8]}..."
         )
 
-    def boxes(self, leaf: LeafLayout) -> dict[int, Box]:
-        """Device id → the box of ``leaf`` that device holds; computed from the spec alone.
+    def intervals(self, leaf: LeafLayout) -> np.ndarray:
+        """[dims, devices in mesh order, 2]: each device's (start, stop) along each dim of ``leaf``.
 
-        Equals ``NamedSharding(mesh, spec).devices_indices_map(shape)`` with slices as intervals.
+        Computed from the spec alone; a scalar gives shape ``[0, devices, 2]``.
         """
         coords = np.indices(tuple(self.config.shape.values())).reshape(4, -1).T  # [device, 4]
         sizes = self.config.shape
@@ -215,10 +215,15 @@ class PTC:
                 count *= sizes[axis]
             block = leaf.shape[dim] // count
             per_dim.append(np.stack([index * block, (index + 1) * block], axis=1))
-        return {
-            dev: tuple((int(iv[i, 0]), int(iv[i, 1])) for iv in per_dim)
-            for i, dev in enumerate(self.device_ids)
-        }
+        return np.stack(per_dim) if per_dim else np.zeros((0, len(coords), 2), dtype=np.int64)
+
+    def boxes(self, leaf: LeafLayout) -> dict[int, Box]:
+        """Device id → the box of ``leaf`` that device holds.
+
+        Equals ``NamedSharding(mesh, spec).devices_indices_map(shape)`` with slices as intervals.
+        """
+        per_device = self.intervals(leaf).transpose(1, 0, 2).tolist()  # [device, dims, 2]
+        return {dev: tuple(map(tuple, box)) for dev, box in zip(self.device_ids, per_device)}
 
     def mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
         """The concrete mesh; devices are looked up by id among ``devices`` (default ``jax.devices()``)."""
