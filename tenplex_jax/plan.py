@@ -8,8 +8,14 @@ For every leaf and every target shard the plan says where the shard's bytes come
 - ``merge`` — several pieces (local or remote) concatenated into the shard.
 
 Among replicas of a source box the closest copy is chosen: the target device itself, then a device on
-the same host, then the least loaded device (bytes already assigned to it as a sender in this plan),
-so replicated state is read from all its copies in parallel rather than from one.
+the same host, then the least loaded device (bytes already assigned to it as a sender by this leaf,
+ties broken by the bytes assigned by the leaves planned before), so replicated state is read from all
+its copies in parallel rather than from one.
+
+Many leaves share a layout (the same shape, itemsize and source and target specs: the moments mirror
+their params, layers repeat), and a leaf's shard plans depend only on its layout. ``make_plan``
+computes them once per layout and shares the frozen ``ShardPlan`` tuples between leaves, which keeps
+planning for thousands of devices and tensors under a second.
 
 Planning is pure: it reads two PTCs and never touches device memory. Example::
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import math
 from collections.abc import Iterable
 
@@ -68,6 +75,10 @@ class LeafPlan:
     src: LeafLayout
     dst: LeafLayout
     shards: tuple[ShardPlan, ...]  # in the target PTC's device order
+    # (bytes moved, bytes kept, kinds) of ``shards``, when the planner already knows them
+    totals: tuple[int, int, collections.Counter] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
     @property
     def path(self) -> str:
@@ -75,14 +86,20 @@ class LeafPlan:
 
     @property
     def bytes_moved(self) -> int:
+        if self.totals is not None:
+            return self.totals[0]
         return sum(s.bytes_moved for s in self.shards)
 
     @property
     def bytes_kept(self) -> int:
+        if self.totals is not None:
+            return self.totals[1]
         return sum(s.bytes_kept for s in self.shards)
 
     @property
     def kinds(self) -> collections.Counter:
+        if self.totals is not None:
+            return collections.Counter(self.totals[2])
         return collections.Counter(s.kind for s in self.shards)
 
 
@@ -178,7 +195,9 @@ def make_plan(src: PTC, dst: PTC) -> Plan:
             f"leaves); a plan maps one state onto a new layout of the same state"
         )
     host = dict(zip(src.device_ids, src.hosts)) | dict(zip(dst.device_ids, dst.hosts))
-    load: dict[int, int] = collections.defaultdict(int)
+    # layout → (shards, bytes each sender sends, totals): one computation serves all its leaves
+    by_layout: dict[tuple, tuple[tuple[ShardPlan, ...], dict[int, int], tuple]] = {}
+    uses: collections.Counter = collections.Counter()  # layout → leaves planned with it so far
     leaves = []
     for s, d in zip(src.leaves, dst.leaves):
         if (s.path, s.shape, s.dtype) != (d.path, d.shape, d.dtype):
@@ -187,8 +206,24 @@ def make_plan(src: PTC, dst: PTC) -> Plan:
                 f"{d.shape} {d.dtype} in the target PTC: "
                 + where(d.path, d.shape, d.spec, dst.config)
             )
-        leaves.append(_plan_leaf(s, d, src.boxes(s), dst.boxes(d), host, load))
+        key = (s.shape, s.itemsize, s.spec, d.spec)
+        if key not in by_layout:
+            load: dict[int, int] = collections.Counter()  # bytes each sender sends so far
+            for k, count in uses.items():
+                for device, n in by_layout[k][1].items():
+                    load[device] += count * n
+            shards, sends = _plan_leaf(s, src.boxes(s), dst.boxes(d), host, load)
+            by_layout[key] = (shards, sends, _totals(shards))
+        uses[key] += 1
+        shards, _, totals = by_layout[key]
+        leaves.append(LeafPlan(s, d, shards, totals))
     return Plan(src, dst, tuple(leaves))
+
+
+def _totals(shards: tuple[ShardPlan, ...]) -> tuple[int, int, collections.Counter]:
+    moved = sum(s.bytes_moved for s in shards)
+    kept = sum(s.bytes_kept for s in shards)
+    return moved, kept, collections.Counter(s.kind for s in shards)
 
 
 def allocate(src: PTC, dst: PTC) -> PTC:
@@ -230,29 +265,35 @@ def allocate(src: PTC, dst: PTC) -> PTC:
 
 def _plan_leaf(
     s: LeafLayout,
-    d: LeafLayout,
     src_boxes: dict[int, Box],
     dst_boxes: dict[int, Box],
     host: dict[int, int],
-    load: dict[int, int],
-) -> LeafPlan:
+    before: dict[int, int],
+) -> tuple[tuple[ShardPlan, ...], dict[int, int]]:
+    """The shard plans of one leaf layout, and the bytes each sender sends for it.
+
+    Senders among replicas balance this leaf's own load first, then the load ``before`` it, so the
+    result depends on the layout alone for the leaves that reuse it.
+    """
     # The distinct source boxes tile the array on a grid; index them by block coordinates so that a
     # target box finds the source boxes it intersects without scanning every device.
     block = [_block_size(src_boxes, dim) for dim in range(len(s.shape))]
     replicas: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
     for dev, box in src_boxes.items():
         replicas[tuple(lo // b for (lo, _), b in zip(box, block))].append(dev)
+    senders = {coord: _Senders(devs, host, before) for coord, devs in replicas.items()}
+    itemsize = s.itemsize
     shards = []
     for dev, box in dst_boxes.items():
         own = src_boxes.get(dev)
         if own == box:
             shards.append(
-                ShardPlan(dev, box, "keep", (Piece(dev, own, box, _nbytes(box, s), True),))
+                ShardPlan(dev, box, "keep", (Piece(dev, own, box, _nbytes(box, itemsize), True),))
             )
             continue
         if own is not None and _contains(own, box):
             shards.append(
-                ShardPlan(dev, box, "split", (Piece(dev, own, box, _nbytes(box, s), True),))
+                ShardPlan(dev, box, "split", (Piece(dev, own, box, _nbytes(box, itemsize), True),))
             )
             continue
         pieces = []
@@ -261,24 +302,40 @@ def _plan_leaf(
             for (lo, hi), b in zip(box, block)
         ]
         for coord in _product(ranges):
-            devs = replicas[coord]
-            src_box = src_boxes[devs[0]]
+            src_box = src_boxes[replicas[coord][0]]
             part = _intersect(src_box, box)
-            n = _nbytes(part, s)
-            sender = _closest(dev, devs, host, load)
-            if sender != dev:
-                load[sender] += n
-            pieces.append(Piece(sender, src_box, part, n, sender == dev))
+            n = _nbytes(part, itemsize)
+            if own == src_box:  # the target device holds a replica of this block itself
+                pieces.append(Piece(dev, src_box, part, n, True))
+            else:
+                pieces.append(Piece(senders[coord].take(host.get(dev), n), src_box, part, n, False))
         kind = "merge" if len(pieces) > 1 else "move"
         shards.append(ShardPlan(dev, box, kind, tuple(pieces)))
-    return LeafPlan(s, d, tuple(shards))
+    sends = {c: n for group in senders.values() for c, n in group.sent.items()}
+    return tuple(shards), sends
 
 
-def _closest(dev: int, candidates: list[int], host: dict[int, int], load: dict[int, int]) -> int:
-    """Same device, then same host, then least loaded (ties: lowest id, for determinism)."""
-    if dev in candidates:
-        return dev
-    return min(candidates, key=lambda c: (host.get(c) != host.get(dev), load[c], c))
+class _Senders:
+    """The replicas of one source block, handing out the closest sender for each piece read.
+
+    Same host first, then the least bytes sent for this leaf, then the least sent ``before`` it, then
+    the lowest id (for determinism). One heap per host keeps each choice logarithmic in the replicas.
+    """
+
+    def __init__(self, devices: list[int], host: dict[int, int], before: dict[int, int]):
+        self.heaps: dict[int | None, list[tuple[int, int, int]]] = collections.defaultdict(list)
+        for c in devices:
+            self.heaps[host.get(c)].append((0, before.get(c, 0), c))
+        for heap in self.heaps.values():
+            heapq.heapify(heap)
+        self.sent: dict[int, int] = {}
+
+    def take(self, target_host: int | None, nbytes: int) -> int:
+        heap = self.heaps.get(target_host) or min(self.heaps.values(), key=lambda h: h[0])
+        sent, before, c = heap[0]
+        heapq.heapreplace(heap, (sent + nbytes, before, c))
+        self.sent[c] = sent + nbytes
+        return c
 
 
 def _block_size(boxes: dict[int, Box], dim: int) -> int:
@@ -303,5 +360,5 @@ def _intersect(a: Box, b: Box) -> Box:
     return tuple((max(alo, blo), min(ahi, bhi)) for (alo, ahi), (blo, bhi) in zip(a, b))
 
 
-def _nbytes(box: Box, leaf: LeafLayout) -> int:
-    return math.prod(hi - lo for lo, hi in box) * leaf.itemsize
+def _nbytes(box: Box, itemsize: int) -> int:
+    return math.prod(hi - lo for lo, hi in box) * itemsize
