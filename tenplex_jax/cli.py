@@ -1,4 +1,4 @@
-"""The ``tenplex-jax`` command line: ``plan`` a reshard without devices, or run the ``demo``.
+"""The ``tenplex-jax`` command line: ``plan`` a reshard without devices, run the ``demo`` or ``bench``.
 
 Heavy modules (JAX, Flax, the reference model in ``models/``) are imported inside the subcommands:
 ``demo`` must set JAX's platform and CPU device count before any backend starts, and ``--help``
@@ -42,6 +42,18 @@ examples:
 Device sets: the run starts on devices 0..N-1; a shrink keeps the lowest-numbered current devices; a
 grow takes the highest-numbered devices (4 on 0..3 grown to 6 runs on 2..7). Each resize prints its
 plan; the end prints a table of resizes and writes DIR/loss.png and DIR/summary.json.
+"""
+
+
+BENCH_EXAMPLES = """\
+examples:
+  tenplex-jax bench --out out/bench
+      the full suite on the 114.5M-param GPT (about 10 minutes on 2 CPU cores)
+  tenplex-jax bench --quick --out /tmp/bench
+      the same rows on a small model and small sizes, in under a minute
+
+Runs on 8 GPUs when the machine has them, else on 8 fake CPU devices. Writes DIR/results.json,
+DIR/summary.md, DIR/reshard.png and DIR/plan_scaling.png.
 """
 
 
@@ -159,6 +171,31 @@ def _parser() -> argparse.ArgumentParser:
         help="fake CPU devices; the run starts on all of them (default: 8)",
     )
     demo.add_argument("--seed", type=int, default=0, help="init and batch seed (default: 0)")
+
+    bench = sub.add_parser(
+        "bench",
+        help="run the benchmark suite: reshard vs orbax restart, bytes, bandwidth, memory, loop, plan",
+        description="Measure tenplex_jax against orbax save + restore, gather to host and\n"
+        "jax.device_put on a GPT + AdamW state; bytes vs the plan's minimum, bandwidth vs\n"
+        "memcpy, peak memory, loop overhead and plan scaling. Ratios come from one run.",
+        epilog=BENCH_EXAMPLES,
+        formatter_class=form,
+    )
+    bench.set_defaults(command=_bench, name="bench")
+    bench.add_argument(
+        "--out", default="out/bench", metavar="DIR", help="output folder (default: out/bench)"
+    )
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="small model and sizes: under a minute; checks that every ratio is computed",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=_positive,
+        default=None,
+        help="timed runs per strategy after a warm-up (default: 5, or 3 with --quick)",
+    )
     return parser
 
 
@@ -242,6 +279,22 @@ def _demo(args) -> int:
     print()
     print(demo.resize_table(summary))
     print(f"wrote {options.out / 'loss.png'} and {options.out / 'summary.json'}")
+    return 0
+
+
+def _bench(args) -> int:
+    """Configure JAX (8 GPUs if present, else 8 fake CPU devices), then run the suite."""
+    import pathlib
+
+    from benchmarks import suite  # the benchmarks live outside the library
+
+    try:
+        suite.configure_jax()
+    except RuntimeError as error:
+        print(f"tenplex-jax bench: error: {error}", file=sys.stderr)
+        return 2
+    options = suite.BenchOptions(out=pathlib.Path(args.out), quick=args.quick, repeats=args.repeats)
+    suite.run(options)
     return 0
 
 

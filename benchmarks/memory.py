@@ -1,0 +1,66 @@
+"""Memory probes for the benchmarks: process RSS on CPU, device bytes in use on GPU.
+
+``settle()`` reads the memory at rest (after garbage collection, with freed heap handed back to the
+system, so that freed buffers do not count); ``MemorySampler`` records the peak while a block runs,
+from a thread sampling every millisecond (JAX's copies and NumPy's release the GIL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import threading
+import time
+from typing import Self
+
+import jax
+import psutil
+
+
+def metric() -> str:
+    """What ``current()`` measures on this backend."""
+    return "device_bytes_in_use" if jax.default_backend() == "gpu" else "process_rss"
+
+
+def current() -> int:
+    if metric() == "device_bytes_in_use":
+        return sum((d.memory_stats() or {}).get("bytes_in_use", 0) for d in jax.local_devices())
+    return psutil.Process().memory_info().rss
+
+
+def settle() -> int:
+    """The memory at rest: collect garbage, return freed heap to the system, then read it."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name:
+        libc = ctypes.CDLL(name)
+        if hasattr(libc, "malloc_trim"):  # glibc keeps freed heap otherwise, hiding frees in RSS
+            libc.malloc_trim(0)
+    return current()
+
+
+class MemorySampler:
+    """``with MemorySampler() as s: ...`` → ``s.peak``: the largest reading while the block ran."""
+
+    def __init__(self, interval: float = 1e-3):
+        self.interval = interval
+        self.metric = metric()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, current())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> Self:
+        self.peak = current()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, current())

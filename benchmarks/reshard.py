@@ -1,0 +1,239 @@
+"""The reshard matrix: tenplex_jax's reconfiguration against what a JAX user does today.
+
+For each change of parallel config, one GPT + AdamW train state is laid out on the source devices
+and moved onto the target layout by four strategies, all in this process:
+
+- ``tenplex``: ``tj.make_plan`` on an allocated target PTC, then ``tj.reshard`` (the plan executor);
+- ``orbax``: ``ocp.StandardCheckpointer`` save to a temporary folder, then restore onto a tree of
+  ``ShapeDtypeStruct`` with the target shardings (a restart, without the process start-up);
+- ``host``: gather every leaf to host memory (``jax.device_get``), then ``jax.device_put``;
+- ``device_put``: one ``jax.device_put`` of the whole tree onto the target shardings.
+
+The strategies take turns within each repeat (a warm-up round first), so the machine's noise falls
+on all of them alike; donation is off while timing, so every repeat starts from the same state. The
+row then records the bytes the executor copied against the plan's minimum and a gather-to-one
+strategy, the bandwidth against memcpy, and the peak memory of one donating reshard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+import tenplex_jax as tj
+from benchmarks.memory import MemorySampler, settle
+
+C = tj.ParallelConfig
+STRATEGIES = ("tenplex", "orbax", "host", "device_put")
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One row of the matrix: a source and a target layout (config + device ids in mesh order)."""
+
+    name: str
+    kind: str  # dp, tp, fsdp, mixed, disjoint
+    src: tj.ParallelConfig
+    src_devices: tuple[int, ...]
+    dst: tj.ParallelConfig
+    dst_devices: tuple[int, ...]
+
+
+# At most two data-parallel replicas of the state at any time, so the 114.5M-param GPT with AdamW
+# (1.3 GiB per replica) fits with room for the copies on a shared 24 GiB machine.
+MATRIX = (
+    Change("dp 1->2 (grow onto 4..7)", "dp", C(fsdp=4), range(4), C(data=2, fsdp=4), range(8)),
+    Change(
+        "tp 2->4 (grow onto 4..7)",
+        "tp",
+        C(fsdp=2, tensor=2),
+        range(4),
+        C(fsdp=2, tensor=4),
+        range(8),
+    ),
+    Change("fsdp 8->4 (shrink to 0..3)", "fsdp", C(fsdp=8), range(8), C(fsdp=4), range(4)),
+    Change(
+        "dp2,fsdp2,tp2 -> fsdp3,tp2 on 2..7",
+        "mixed",
+        C(data=2, fsdp=2, tensor=2),
+        range(8),
+        C(fsdp=3, tensor=2),
+        range(2, 8),
+    ),
+    Change(
+        "disjoint 0..3 -> 4..7 (fsdp2,tp2)",
+        "disjoint",
+        C(fsdp=2, tensor=2),
+        range(4),
+        C(fsdp=2, tensor=2),
+        range(4, 8),
+    ),
+)
+
+
+def memcpy_bandwidth(nbytes: int, repeats: int) -> float:
+    """Bytes per second of a plain host memcpy (``np.copyto``) of ``nbytes``; median of repeats."""
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # touch the pages first
+    runs = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        np.copyto(dst, src)
+        runs.append(time.perf_counter() - tic)
+    return src.nbytes / statistics.median(runs)
+
+
+def central_bytes(src: tj.PTC, dst: tj.PTC) -> int:
+    """Bytes a gather-to-one strategy moves: every leaf to one device, then out to every target.
+
+    The central device is the one that needs the fewest bytes moved (it keeps what it holds).
+    """
+    best = None
+    for c in sorted(set(src.device_ids) | set(dst.device_ids)):
+        total = 0
+        for s, d in zip(src.leaves, dst.leaves):
+            held = _box_bytes(src.boxes(s).get(c), s) if c in src.device_ids else 0
+            total += s.nbytes - held  # gather the whole leaf onto c
+            total += sum(_box_bytes(box, d) for dev, box in dst.boxes(d).items() if dev != c)
+        best = total if best is None else min(best, total)
+    return best
+
+
+def _box_bytes(box, leaf: tj.LeafLayout) -> int:
+    return 0 if box is None else int(np.prod([hi - lo for lo, hi in box])) * leaf.itemsize
+
+
+class _Strategies:
+    """The four ways to move one placed state onto the target layout; each returns the new arrays."""
+
+    def __init__(self, state, plan: tj.Plan, workdir: str):
+        import orbax.checkpoint as ocp
+
+        self.state, self.plan, self.workdir = state, plan, workdir
+        self.arrays = jax.tree.leaves(state)
+        self.names = [leaf.path.replace("/", ".") for leaf in plan.src.leaves]
+        mesh = plan.dst.mesh()
+        self.shardings = [NamedSharding(mesh, leaf.dst.spec) for leaf in plan.leaves]
+        self.target = {
+            name: jax.ShapeDtypeStruct(leaf.dst.shape, leaf.dst.dtype, sharding=sharding)
+            for name, leaf, sharding in zip(self.names, plan.leaves, self.shardings)
+        }
+        self.checkpointer = ocp.StandardCheckpointer()
+        self.saves = 0
+        self.report: tj.ReshardReport | None = None
+
+    def run(self, strategy: str):
+        if strategy == "tenplex":
+            out, self.report = tj.reshard(self.state, self.plan, donate=False)
+            return out
+        if strategy == "orbax":
+            self.saves += 1
+            path = f"{self.workdir}/ckpt{self.saves}"
+            self.checkpointer.save(path, dict(zip(self.names, self.arrays)))
+            self.checkpointer.wait_until_finished()
+            return self.checkpointer.restore(path, self.target)
+        if strategy == "host":
+            return jax.device_put(jax.device_get(self.arrays), self.shardings)
+        return jax.device_put(self.arrays, self.shardings)
+
+    def clean(self, strategy: str) -> None:
+        if strategy == "orbax":
+            shutil.rmtree(f"{self.workdir}/ckpt{self.saves}", ignore_errors=True)
+
+
+def run_change(change: Change, state, rules, repeats: int, memcpy: float, log) -> dict:
+    """Time the four strategies on one change, then measure bytes, bandwidth and peak memory."""
+    # allow_replicate: a small model's dims need not divide by 3 (the 114.5M one's all do)
+    src = tj.PTC.of(state, rules, change.src, change.src_devices, allow_replicate=True)
+    dst = tj.PTC.of(state, rules, change.dst, change.dst_devices, allow_replicate=True)
+    dst = tj.allocate(src, dst)
+    tic = time.perf_counter()
+    plan = tj.make_plan(src, dst)
+    plan_seconds = time.perf_counter() - tic
+    without = settle()  # the process without this row's state
+    placed = tj.place(state, src)
+    jax.block_until_ready(placed)
+    runs: dict[str, list[float]] = {s: [] for s in STRATEGIES}
+    workdir = tempfile.mkdtemp(prefix="tenplex-bench-")
+    try:
+        strategies = _Strategies(placed, plan, workdir)
+        for round_ in range(repeats + 1):  # round 0 warms up dispatch, compile and file caches
+            for strategy in STRATEGIES:
+                tic = time.perf_counter()
+                out = strategies.run(strategy)
+                jax.block_until_ready(out)
+                seconds = time.perf_counter() - tic
+                del out
+                strategies.clean(strategy)
+                if round_:
+                    runs[strategy].append(seconds)
+        report = strategies.report
+        del strategies
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    # Peak memory of one donating reshard (the library's default) against the steady states: the
+    # state at rest on the source layout before, and on the target layout after (old state dropped).
+    before = settle()
+    with MemorySampler() as sampler:
+        new, _ = tj.reshard(placed, plan, donate=True)
+        jax.block_until_ready(new)
+        del placed  # rebinding, as a training loop does, frees the replicas no target shard reuses
+    after = settle()
+    del new
+    steady, peak = max(before, after), max(sampler.peak, before, after)
+    memory = {
+        "memory_metric": sampler.metric,
+        "memory_without_state_bytes": without,
+        "steady_before_bytes": before,
+        "steady_after_bytes": after,
+        "peak_bytes": peak,
+        "peak_ratio": peak / steady,
+        # only the memory above the process without this state: the runtime does not dilute it
+        "state_peak_ratio": (peak - without) / max(steady - without, 1),
+    }
+    medians = {s: statistics.median(r) for s, r in runs.items()}
+    moved = plan.bytes_moved
+    row = {
+        "kind": "reshard",
+        "change": change.name,
+        "change_kind": change.kind,
+        "from": f"{change.src} on {list(change.src_devices)}",
+        "to": f"{change.dst} on {list(plan.dst.device_ids)}",
+        "state_bytes": src.nbytes,
+        "src_bytes_with_replicas": _replicated_bytes(src),
+        "dst_bytes_with_replicas": _replicated_bytes(dst),
+        "plan_seconds": plan_seconds,
+        "repeats": repeats,
+        "runs_seconds": runs,
+        "median_seconds": medians,
+        "speedup": {s: medians[s] / medians["tenplex"] for s in STRATEGIES if s != "tenplex"},
+        "min_bytes": moved,
+        "kept_bytes": plan.bytes_kept,
+        "copied_bytes": report.bytes_moved,
+        "bytes_ratio": report.bytes_moved / moved if moved else float(report.bytes_moved == 0),
+        "central_bytes": central_bytes(src, dst),
+        "central_over_min": central_bytes(src, dst) / moved if moved else float("inf"),
+        "bandwidth_bytes_per_s": moved / medians["tenplex"],
+        "memcpy_bytes_per_s": memcpy,
+        "bandwidth_ratio": moved / medians["tenplex"] / memcpy,
+        **memory,
+    }
+    log(
+        f"  {change.name:36s} tenplex {medians['tenplex'] * 1e3:8.1f} ms | orbax "
+        f"{row['speedup']['orbax']:6.1f}x host {row['speedup']['host']:5.2f}x device_put "
+        f"{row['speedup']['device_put']:5.2f}x | bytes {row['bytes_ratio']:.2f} bw "
+        f"{row['bandwidth_ratio']:.2f} peak {row['peak_ratio']:.3f}"
+    )
+    return row
+
+
+def _replicated_bytes(ptc: tj.PTC) -> int:
+    return sum(_box_bytes(box, leaf) for leaf in ptc.leaves for box in ptc.boxes(leaf).values())

@@ -1,0 +1,330 @@
+"""The benchmark suite behind ``tenplex-jax bench``: every ratio measured in one process run.
+
+1. reshard matrix (``benchmarks.reshard``): tenplex_jax vs orbax save + restore, gather to host +
+   ``device_put``, and plain ``device_put``, per change of parallel config;
+2. bytes the executor copied vs the plan's minimum and vs a gather-to-one strategy;
+3. bandwidth (minimum bytes ÷ time) vs the memcpy bandwidth of this machine;
+4. peak memory during a reshard vs steady state;
+5. loop overhead (``benchmarks.loop``);
+6. plan time vs tensors and devices (``benchmarks.plan_scaling``).
+
+Writes ``DIR/results.json`` (one object per row: raw runs, medians, ratios), ``DIR/summary.md``
+(the tables and goals) and PNG plots. JAX must be configured before its backend starts:
+``configure_jax`` uses 8 GPUs when the machine has them, else 8 fake CPU devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+DEVICES = 8
+GOALS = {
+    "orbax_speedup": 50.0,  # tenplex_jax at least 50x faster than orbax save + restore
+    "bytes_ratio": 1.0,  # bytes copied = the plan's minimum
+    "bandwidth_ratio": 0.5,  # at least half the memcpy bandwidth
+    "peak_ratio": 1.25,  # peak memory at most 1.25x the steady state
+    "loop_overhead": 0.01,  # at most 1 % slower steps than a plain jitted loop
+    "plan_seconds": 1.0,  # 4096 devices x 1000 tensors planned in at most 1 s
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    out: pathlib.Path = pathlib.Path("out/bench")
+    quick: bool = False
+    repeats: int | None = None  # default: 5 (full), 3 (quick)
+
+    @property
+    def model(self) -> str:
+        return "small" if self.quick else "gpt100m"
+
+    @property
+    def runs(self) -> int:
+        return self.repeats or (3 if self.quick else 5)
+
+
+def gpu_count() -> int:
+    """GPUs ``nvidia-smi`` lists, without starting a JAX backend (0 when there is none)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", "-L"], check=False, capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
+
+
+def configure_jax(devices: int = DEVICES) -> str:
+    """Use ``devices`` GPUs if there are that many, else as many fake CPU devices; the platform."""
+    import jax
+
+    if gpu_count() >= devices:
+        return "gpu"
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", devices)
+    except RuntimeError:  # a backend already runs (in-process call): use it if it is big enough
+        pass
+    if len(jax.devices()) < devices:
+        raise RuntimeError(
+            f"the benchmark needs {devices} devices; JAX already started with "
+            f"{len(jax.devices())} (run it in a fresh process)"
+        )
+    return jax.default_backend()
+
+
+def run(options: BenchOptions, log=print) -> dict:
+    """Run every benchmark, write the outputs to ``options.out``; returns the results."""
+    import jax
+
+    from benchmarks import loop, plan_scaling, reshard
+    from models import LOGICAL_RULES, GPTConfig
+    from tenplex_jax.demo import build_state, param_count
+
+    started = time.perf_counter()
+    out = pathlib.Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+
+    memcpy_bytes = (32 if options.quick else 512) * 2**20
+    memcpy = reshard.memcpy_bandwidth(memcpy_bytes, repeats=max(options.runs, 5))
+    rows.append(
+        {"kind": "memcpy", "change": "memcpy", "bytes": memcpy_bytes, "bytes_per_s": memcpy}
+    )
+    log(f"memcpy bandwidth {memcpy / 1e9:.2f} GB/s ({memcpy_bytes // 2**20} MiB, np.copyto)")
+
+    _, state, _ = build_state(options.model, lr=1e-3)
+    log(
+        f"reshard matrix: GPT {options.model}, {param_count(state):,} params + AdamW, "
+        f"{options.runs} runs after a warm-up, per strategy"
+    )
+    for change in reshard.MATRIX:
+        rows.append(reshard.run_change(change, state, LOGICAL_RULES, options.runs, memcpy, log))
+    del state
+
+    log("loop overhead:")
+    if options.quick:
+        loop_model, batch, blocks, steps = GPTConfig.small(), 8, 4, 5
+    else:
+        loop_model = GPTConfig(seq_len=128, d_model=256, n_layers=4, n_heads=4, d_ff=1024)
+        batch, blocks, steps = 16, 6, 8
+    config = _loop_config()
+    row = loop.run_loop_overhead(loop_model, config, batch, blocks, steps)
+    log(
+        f"  {row['params']:,} params, {config}: tenplex {row['median_seconds']['tenplex'] * 1e3:.2f}"
+        f" ms/step, plain {row['median_seconds']['plain'] * 1e3:.2f} ms/step, overhead "
+        f"{row['overhead']:+.2%}"
+    )
+    rows.append(row)
+
+    log("plan scaling (abstract, no devices):")
+    sizes = ((8, 64), (10, 100)) if options.quick else ((8, 64, 512, 4096), (10, 100, 1000))
+    rows += plan_scaling.run_plan_scaling(*sizes, repeats=options.runs, log=log)
+
+    results = {
+        "suite": "tenplex_jax bench",
+        "quick": options.quick,
+        "model": options.model,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "goals": GOALS,
+        "rows": rows,
+        "seconds": time.perf_counter() - started,
+    }
+    results["verdicts"] = verdicts(rows)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "summary.md").write_text(summary_markdown(results) + "\n")
+    plots(results, out)
+    log(summary_markdown(results))
+    log(f"wrote {out / 'results.json'}, {out / 'summary.md'}, {out / 'reshard.png'}, "
+        f"{out / 'plan_scaling.png'} in {results['seconds']:.0f} s")  # fmt: skip
+    del jax
+    return results
+
+
+def _loop_config():
+    import tenplex_jax as tj
+
+    return tj.ParallelConfig(data=2, fsdp=2, tensor=2)
+
+
+def machine() -> dict:
+    import flax
+    import jax
+    import optax
+    import orbax.checkpoint
+    import psutil
+
+    return {
+        "platform": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()[:DEVICES]],
+        "device_kind": jax.devices()[0].device_kind,
+        "cpu_cores": psutil.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": sys.version.split()[0],
+        "os": platform.platform(),
+        "versions": {
+            "jax": jax.__version__,
+            "flax": flax.__version__,
+            "optax": optax.__version__,
+            "orbax-checkpoint": orbax.checkpoint.__version__,
+        },
+    }
+
+
+def verdicts(rows: list[dict]) -> dict:
+    """Each goal: the measured value, the goal, and whether it is met."""
+    reshards = [r for r in rows if r["kind"] == "reshard"]
+    loop = next(r for r in rows if r["kind"] == "loop")
+    plans = [r for r in rows if r["kind"] == "plan"]
+    largest = max(
+        plans, key=lambda r: (r["devices"] * r["tensors"], r["median_seconds"]["make_plan"])
+    )
+    worst_plan = max(
+        (
+            r
+            for r in plans
+            if (r["devices"], r["tensors"]) == (largest["devices"], largest["tensors"])
+        ),
+        key=lambda r: r["median_seconds"]["make_plan"],
+    )
+    measured = {
+        "orbax_speedup": min(r["speedup"]["orbax"] for r in reshards),
+        "bytes_ratio": max(r["bytes_ratio"] for r in reshards),
+        "bandwidth_ratio": _geomean([r["bandwidth_ratio"] for r in reshards]),
+        "peak_ratio": max(r["peak_ratio"] for r in reshards),
+        "loop_overhead": loop["overhead"],
+        "plan_seconds": worst_plan["median_seconds"]["make_plan"],
+    }
+    at_least = {"orbax_speedup", "bandwidth_ratio"}
+    return {
+        goal: {
+            "measured": value,
+            "goal": GOALS[goal],
+            "met": value >= GOALS[goal] if goal in at_least else value <= GOALS[goal],
+            "at": (
+                f"{worst_plan['devices']} devices x {worst_plan['tensors']} tensors"
+                if goal == "plan_seconds"
+                else "worst row"
+                if goal not in {"bandwidth_ratio", "loop_overhead"}
+                else "geometric mean over rows"
+                if goal == "bandwidth_ratio"
+                else "loop"
+            ),
+        }
+        for goal, value in measured.items()
+    }
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def summary_markdown(results: dict) -> str:
+    mib = lambda n: f"{n / 2**20:,.0f}"
+    rows = results["rows"]
+    lines = [
+        (
+            "| change | moved MiB | tenplex ms | orbax ms | host ms | device_put ms | vs orbax | "
+            "vs host | vs device_put | copied / min bytes | central / min bytes | "
+            "bandwidth / memcpy | peak / steady (RSS) | peak / steady (state) |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in (r for r in rows if r["kind"] == "reshard"):
+        m, x = r["median_seconds"], r["speedup"]
+        lines.append(
+            f"| {r['change']} | {mib(r['min_bytes'])} | {m['tenplex'] * 1e3:,.0f} | "
+            f"{m['orbax'] * 1e3:,.0f} | {m['host'] * 1e3:,.0f} | {m['device_put'] * 1e3:,.0f} | "
+            f"**{x['orbax']:.1f}x** | {x['host']:.2f}x | {x['device_put']:.2f}x | "
+            f"{r['bytes_ratio']:.2f} | {r['central_over_min']:.2f} | {r['bandwidth_ratio']:.2f} | "
+            f"{r['peak_ratio']:.3f} | {r['state_peak_ratio']:.3f} |"
+        )
+    loop = next(r for r in rows if r["kind"] == "loop")
+    lines += [
+        "",
+        (
+            f"Loop overhead ({loop['params']:,}-param GPT, {loop['config']}, global batch "
+            f"{loop['global_batch']}, {loop['steps_each']} steps each): tenplex_jax "
+            f"{loop['median_seconds']['tenplex'] * 1e3:.2f} ms/step, plain jit "
+            f"{loop['median_seconds']['plain'] * 1e3:.2f} ms/step: **{loop['overhead']:+.2%}**."
+        ),
+        "",
+        "| plan change | devices | tensors | target shards | make_plan ms | µs per shard |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in (r for r in rows if r["kind"] == "plan"):
+        lines.append(
+            f"| {r['plan_change']} | {r['devices']} | {r['tensors']} | {r['target_shards']:,} | "
+            f"{r['median_seconds']['make_plan'] * 1e3:,.1f} | {r['microseconds_per_shard']:.2f} |"
+        )
+    lines += ["", "| goal | measured | target | met |", "|---|---:|---:|---|"]
+    for goal, v in results["verdicts"].items():
+        lines.append(
+            f"| {goal} ({v['at']}) | {v['measured']:.4g} | {v['goal']:g} | "
+            f"{'yes' if v['met'] else '**no**'} |"
+        )
+    return "\n".join(lines)
+
+
+def plots(results: dict, out: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.reshard import STRATEGIES
+
+    reshards = [r for r in results["rows"] if r["kind"] == "reshard"]
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    width = 0.8 / len(STRATEGIES)
+    for i, strategy in enumerate(STRATEGIES):
+        ax.bar(
+            [j + (i - (len(STRATEGIES) - 1) / 2) * width for j in range(len(reshards))],
+            [r["median_seconds"][strategy] for r in reshards],
+            width,
+            label=strategy,
+        )
+    ax.set_xticks(range(len(reshards)), [r["change"] for r in reshards], rotation=15, fontsize=8)
+    ax.set(
+        yscale="log",
+        ylabel="seconds (median)",
+        title=f"Reshard time per strategy, GPT {results['model']}",
+    )
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out / "reshard.png", dpi=120)
+    plt.close(fig)
+
+    plans = [r for r in results["rows"] if r["kind"] == "plan"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for change in sorted({r["plan_change"] for r in plans}):
+        for tensors in sorted({r["tensors"] for r in plans}):
+            sel = [r for r in plans if r["plan_change"] == change and r["tensors"] == tensors]
+            ax.plot(
+                [r["devices"] for r in sel],
+                [r["median_seconds"]["make_plan"] for r in sel],
+                marker="o",
+                ls="-" if change == "reshape" else "--",
+                label=f"{change}, {tensors} tensors",
+            )
+    ax.axhline(GOALS["plan_seconds"], color="gray", lw=1, ls=":")
+    ax.set(xscale="log", yscale="log", xlabel="devices", ylabel="make_plan seconds (median)",
+           title="Plan time vs devices and tensors (abstract)")  # fmt: skip
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "plan_scaling.png", dpi=120)
+    plt.close(fig)
