@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -178,3 +179,20 @@ def test_allocation_never_moves_more_and_only_permutes_devices(change, data):
     assert sorted(better.device_ids) == sorted(dst.device_ids)
     assert better.config == dst.config and better.leaves == dst.leaves
     assert tj.make_plan(src, better).bytes_moved <= tj.make_plan(src, dst).bytes_moved
+
+
+def test_leaves_of_one_layout_share_shard_plans_with_consistent_totals():
+    # params and their two AdamW moments share layouts: planned once, totals match the shards
+    src = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=2, tensor=4), range(8))
+    dst = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=3, tensor=2), range(2, 8))
+    plan = tj.make_plan(src, dst)
+    by_layout = {}
+    for leaf in plan.leaves:
+        key = (leaf.src.shape, leaf.src.spec, leaf.dst.spec)
+        assert by_layout.setdefault(key, leaf.shards) is leaf.shards, leaf.path
+        assert leaf.bytes_moved == sum(s.bytes_moved for s in leaf.shards), leaf.path
+        assert leaf.bytes_kept == sum(s.bytes_kept for s in leaf.shards), leaf.path
+        assert leaf.kinds == collections.Counter(s.kind for s in leaf.shards), leaf.path
+    assert len(by_layout) < len(plan.leaves)
+    # the senders' loads add up to the bytes moved, leaf by leaf
+    assert sum(plan.senders.values()) == plan.bytes_moved
