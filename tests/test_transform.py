@@ -130,3 +130,22 @@ def test_reshard_onto_an_allocated_device_order(name, src_cfg, src_devs, dst_cfg
     assert_shards_equal(new, expected, dst)
     assert [d.id for d in plan.dst.mesh().devices.flat] == list(dst.device_ids)
     assert (report.bytes_moved, report.bytes_kept) == (plan.bytes_moved, plan.bytes_kept)
+
+
+@pytest.mark.parametrize("name", ["dp 4->6 on 2..7", "fsdp 4->2", "disjoint"])
+def test_new_shards_own_their_memory_unless_kept(name):
+    """A moved or split shard is a copy, never a view of the old buffer that donation frees."""
+    _, src_cfg, src_devs, dst_cfg, dst_devs = next(row for row in MATRIX if row[0] == name)
+    state, ptc, _ = laid_out(src_cfg, src_devs)
+    plan = tj.make_plan(ptc, target(state, dst_cfg, dst_devs))
+    old = {
+        shard.data.unsafe_buffer_pointer()
+        for array in jax.tree.leaves(state)
+        for shard in array.addressable_shards
+    }
+    new, _ = tj.reshard(state, plan, donate=False)
+    for array, leaf in zip(jax.tree.leaves(new), plan.leaves):
+        kinds = {s.device: s.kind for s in leaf.shards}
+        for shard in array.addressable_shards:
+            shared = shard.data.unsafe_buffer_pointer() in old
+            assert shared == (kinds[shard.device.id] == "keep"), (leaf.path, shard.device)
