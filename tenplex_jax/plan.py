@@ -283,6 +283,7 @@ def _plan_leaf(
         replicas[tuple(lo // b for (lo, _), b in zip(box, block))].append(dev)
     senders = {coord: _Senders(devs, host, before) for coord, devs in replicas.items()}
     itemsize = s.itemsize
+    geometry: dict[Box, list[tuple[tuple[int, ...], Box, Box, int]]] = {}
     shards = []
     for dev, box in dst_boxes.items():
         own = src_boxes.get(dev)
@@ -296,15 +297,19 @@ def _plan_leaf(
                 ShardPlan(dev, box, "split", (Piece(dev, own, box, _nbytes(box, itemsize), True),))
             )
             continue
+        if box not in geometry:  # replicas of a target box read the same source blocks
+            ranges = [
+                range(lo // b, (hi - 1) // b + 1) if hi > lo else range(1)
+                for (lo, hi), b in zip(box, block)
+            ]
+            geometry[box] = [
+                (coord, src_box, part, _nbytes(part, itemsize))
+                for coord in _product(ranges)
+                for src_box in [src_boxes[replicas[coord][0]]]
+                for part in [_intersect(src_box, box)]
+            ]
         pieces = []
-        ranges = [
-            range(lo // b, (hi - 1) // b + 1) if hi > lo else range(1)
-            for (lo, hi), b in zip(box, block)
-        ]
-        for coord in _product(ranges):
-            src_box = src_boxes[replicas[coord][0]]
-            part = _intersect(src_box, box)
-            n = _nbytes(part, itemsize)
+        for coord, src_box, part, n in geometry[box]:
             if own == src_box:  # the target device holds a replica of this block itself
                 pieces.append(Piece(dev, src_box, part, n, True))
             else:

@@ -222,8 +222,11 @@ class PTC:
 
         Equals ``NamedSharding(mesh, spec).devices_indices_map(shape)`` with slices as intervals.
         """
-        per_device = self.intervals(leaf).transpose(1, 0, 2).tolist()  # [device, dims, 2]
-        return {dev: tuple(map(tuple, box)) for dev, box in zip(self.device_ids, per_device)}
+        per_device = self.intervals(leaf).transpose(1, 0, 2).reshape(len(self.device_ids), -1)
+        # replicas share a box: convert each distinct box once, and share the tuple
+        distinct, which = np.unique(per_device, axis=0, return_inverse=True)
+        boxes = [tuple(zip(row[0::2], row[1::2])) for row in distinct.tolist()]
+        return {dev: boxes[i] for dev, i in zip(self.device_ids, which.ravel().tolist())}
 
     def mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
         """The concrete mesh; devices are looked up by id among ``devices`` (default ``jax.devices()``)."""
