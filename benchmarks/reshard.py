@@ -201,6 +201,14 @@ def run_change(change: Change, state, rules, repeats: int, memcpy: float, log) -
     }
     medians = {s: statistics.median(r) for s, r in runs.items()}
     moved = plan.bytes_moved
+    local_copies = sum(
+        p.nbytes
+        for leaf in plan.leaves
+        for shard in leaf.shards
+        if shard.kind != "keep"
+        for p in shard.pieces
+        if p.local
+    )
     row = {
         "kind": "reshard",
         "change": change.name,
@@ -224,6 +232,11 @@ def run_change(change: Change, state, rules, repeats: int, memcpy: float, log) -
         "bandwidth_bytes_per_s": moved / medians["tenplex"],
         "memcpy_bytes_per_s": memcpy,
         "bandwidth_ratio": moved / medians["tenplex"] / memcpy,
+        # every byte the executor writes, local splits and merges included, per second
+        "local_copy_bytes": local_copies,
+        "copy_bandwidth_ratio": (moved + local_copies) / medians["tenplex"] / memcpy,
+        # the largest speedup over orbax that moving the minimum bytes at memcpy speed allows
+        "orbax_speedup_bound": medians["orbax"] * memcpy / moved if moved else float("inf"),
         **memory,
     }
     log(
