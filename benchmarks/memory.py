@@ -29,14 +29,29 @@ def current() -> int:
     return psutil.Process().memory_info().rss
 
 
+def _libc():
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
+def track_frees() -> None:
+    """Make RSS follow live buffers: glibc serves allocations of 1 MiB and more with ``mmap``.
+
+    By default glibc raises that threshold as large blocks are freed (up to 32 MiB), after which
+    freed shards stay in its heap and in RSS until ``malloc_trim``: a peak would count memory the
+    allocator holds but no buffer uses.
+    """
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 2**20)  # M_MMAP_THRESHOLD; setting it also stops the dynamic raise
+
+
 def settle() -> int:
     """The memory at rest: collect garbage, return freed heap to the system, then read it."""
     gc.collect()
-    name = ctypes.util.find_library("c")
-    if name:
-        libc = ctypes.CDLL(name)
-        if hasattr(libc, "malloc_trim"):  # glibc keeps freed heap otherwise, hiding frees in RSS
-            libc.malloc_trim(0)
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):  # else freed heap stays in RSS
+        libc.malloc_trim(0)
     return current()
 
 

@@ -158,7 +158,6 @@ def run_change(change: Change, state, rules, repeats: int, memcpy: float, log) -
     tic = time.perf_counter()
     plan = tj.make_plan(src, dst)
     plan_seconds = time.perf_counter() - tic
-    without = settle()  # the process without this row's state
     placed = tj.place(state, src)
     jax.block_until_ready(placed)
     runs: dict[str, list[float]] = {s: [] for s in STRATEGIES}
@@ -181,6 +180,11 @@ def run_change(change: Change, state, rules, repeats: int, memcpy: float, log) -
         shutil.rmtree(workdir, ignore_errors=True)
     # Peak memory of one donating reshard (the library's default) against the steady states: the
     # state at rest on the source layout before, and on the target layout after (old state dropped).
+    # A fresh placement: the timed one holds NumPy copies that jax.device_get caches on its arrays.
+    del placed
+    without = settle()  # the process without this row's state
+    placed = tj.place(state, src)
+    jax.block_until_ready(placed)
     before = settle()
     with MemorySampler() as sampler:
         new, _ = tj.reshard(placed, plan, donate=True)

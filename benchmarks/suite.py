@@ -88,11 +88,12 @@ def run(options: BenchOptions, log=print) -> dict:
     """Run every benchmark, write the outputs to ``options.out``; returns the results."""
     import jax
 
-    from benchmarks import loop, plan_scaling, reshard
+    from benchmarks import loop, memory, plan_scaling, reshard
     from models import LOGICAL_RULES, GPTConfig
     from tenplex_jax.demo import build_state, param_count
 
     started = time.perf_counter()
+    memory.track_frees()
     out = pathlib.Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -105,6 +106,8 @@ def run(options: BenchOptions, log=print) -> dict:
     log(f"memcpy bandwidth {memcpy / 1e9:.2f} GB/s ({memcpy_bytes // 2**20} MiB, np.copyto)")
 
     _, state, _ = build_state(options.model, lr=1e-3)
+    # on the host: placing it then copies, so no row's donation can free the source of the next
+    state = jax.device_get(state)
     log(
         f"reshard matrix: GPT {options.model}, {param_count(state):,} params + AdamW, "
         f"{options.runs} runs after a warm-up, per strategy"
@@ -149,7 +152,6 @@ def run(options: BenchOptions, log=print) -> dict:
     log(summary_markdown(results))
     log(f"wrote {out / 'results.json'}, {out / 'summary.md'}, {out / 'reshard.png'}, "
         f"{out / 'plan_scaling.png'} in {results['seconds']:.0f} s")  # fmt: skip
-    del jax
     return results
 
 
