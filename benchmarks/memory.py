@@ -2,7 +2,10 @@
 
 ``settle()`` reads the memory at rest (after garbage collection, with freed heap handed back to the
 system, so that freed buffers do not count); ``MemorySampler`` records the peak while a block runs,
-from a thread sampling every millisecond (JAX's copies and NumPy's release the GIL).
+from a thread sampling every millisecond (JAX's copies and NumPy's release the GIL). During the
+block, RSS also counts blocks that glibc keeps in its heap after a free (it raises its ``mmap``
+threshold as large blocks are freed, up to 32 MiB): the peak is an upper bound on live memory.
+Fixing that threshold low would make RSS exact but slowed every copy here several times.
 """
 
 from __future__ import annotations
@@ -32,18 +35,6 @@ def current() -> int:
 def _libc():
     name = ctypes.util.find_library("c")
     return ctypes.CDLL(name) if name else None
-
-
-def track_frees() -> None:
-    """Make RSS follow live buffers: glibc serves allocations of 1 MiB and more with ``mmap``.
-
-    By default glibc raises that threshold as large blocks are freed (up to 32 MiB), after which
-    freed shards stay in its heap and in RSS until ``malloc_trim``: a peak would count memory the
-    allocator holds but no buffer uses.
-    """
-    libc = _libc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(-3, 2**20)  # M_MMAP_THRESHOLD; setting it also stops the dynamic raise
 
 
 def settle() -> int:

@@ -88,12 +88,11 @@ def run(options: BenchOptions, log=print) -> dict:
     """Run every benchmark, write the outputs to ``options.out``; returns the results."""
     import jax
 
-    from benchmarks import loop, memory, plan_scaling, reshard
+    from benchmarks import loop, plan_scaling, reshard
     from models import LOGICAL_RULES, GPTConfig
     from tenplex_jax.demo import build_state, param_count
 
     started = time.perf_counter()
-    memory.track_frees()
     out = pathlib.Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
