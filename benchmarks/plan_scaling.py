@@ -1,7 +1,7 @@
 """Plan scaling: ``tj.make_plan`` time against the number of tensors and devices, abstract only.
 
 The tensors are the 114.5M-param GPT's train-state leaves (params, both AdamW moments, counters:
-47 leaves, 17 distinct layouts per change), repeated under new paths up to the tensor count, as in
+44 leaves), repeated under new paths up to the tensor count, as in
 a model whose layers are separate tensors; the devices are bare ids. Two changes per size:
 
 - ``reshape``: the same devices, from ``tensor=4`` to ``tensor=2`` with twice the FSDP;
