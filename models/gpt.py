@@ -25,6 +25,7 @@ leaving placement to whatever sharding the parameters and inputs carry.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh
+
+from tenplex_jax import ParallelConfig, Stages, pipeline
 
 # (logical axis, mesh axis or axes) pairs in flax's logical-rules format.
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
@@ -151,8 +155,21 @@ class GPT(nnx.Module):
         names = ("ln1_scale", "wq", "wk", "wv", "wo", "ln2_scale", "w1", "b1", "w2", "b2")
         return {name: getattr(self, name)[...] for name in names}
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Map int32[B, T] byte tokens to float32[B, T, vocab] logits, T <= seq_len."""
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        mesh: Mesh | None = None,
+        microbatches: int = 1,
+        stages: Stages | None = None,
+    ) -> jax.Array:
+        """Map int32[B, T] byte tokens to float32[B, T, vocab] logits, T <= seq_len.
+
+        With a ``mesh`` whose ``pipe`` axis is larger than 1, the stacked layers run as a GPipe
+        pipeline of ``microbatches`` over it (``tenplex_jax.pipeline``); the embedding and the head
+        run outside the pipeline. ``stages`` gives uneven layers per stage; the stacked weights are
+        then padded (``Stages.pad``). Without a mesh the layers run as one scan.
+        """
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
         T = tokens.shape[1]
@@ -161,32 +178,41 @@ class GPT(nnx.Module):
 
         x = jnp.take(self.tok_embed[...], tokens, axis=0)
         x = x + self.pos_embed[...][:T]
-        causal = jnp.tril(jnp.ones((T, T), dtype=bool))
-        scale = 1.0 / jnp.sqrt(jnp.float32(self.cfg.d_head))
-
-        def block(h: jax.Array, p: dict[str, jax.Array]) -> tuple[jax.Array, None]:
-            a = _rms_norm(h, p["ln1_scale"])
-            q = jnp.einsum("btd,dhk->bthk", a, p["wq"])
-            k = jnp.einsum("btd,dhk->bthk", a, p["wk"])
-            v = jnp.einsum("btd,dhk->bthk", a, p["wv"])
-            scores = jnp.einsum("bthk,bshk->bhts", q, k) * scale
-            scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-            probs = jax.nn.softmax(scores, axis=-1)
-            attn = jnp.einsum("bhts,bshk->bthk", probs, v)
-            h = h + jnp.einsum("bthk,hkd->btd", attn, p["wo"])
-
-            m = _rms_norm(h, p["ln2_scale"])
-            m = jax.nn.gelu(jnp.einsum("btd,df->btf", m, p["w1"]) + p["b1"])
-            h = h + jnp.einsum("btf,fd->btd", m, p["w2"]) + p["b2"]
-            return h, None
-
-        x, _ = jax.lax.scan(block, x, self._layer_params())
+        block = functools.partial(_block, scale=1.0 / jnp.sqrt(jnp.float32(self.cfg.d_head)))
+        params = self._layer_params()
+        if mesh is not None or stages is not None:
+            mesh = mesh if mesh is not None else ParallelConfig().abstract_mesh()
+            x = pipeline(block, params, x, mesh=mesh, microbatches=microbatches, stages=stages)
+        else:
+            x, _ = jax.lax.scan(lambda h, p: (block(h, p), None), x, params)
         x = _rms_norm(x, self.final_norm_scale[...])
         return jnp.einsum("btd,dv->btv", x, self.unembed[...])
 
 
-def loss_fn(model: GPT, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean next-byte cross entropy of ``batch["targets"]`` given ``batch["inputs"]``."""
-    logits = model(batch["inputs"])
+def _block(h: jax.Array, p: dict[str, jax.Array], scale: jax.Array) -> jax.Array:
+    """One pre-norm transformer layer: causal self-attention, then the MLP."""
+    T = h.shape[1]
+    causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+    a = _rms_norm(h, p["ln1_scale"])
+    q = jnp.einsum("btd,dhk->bthk", a, p["wq"])
+    k = jnp.einsum("btd,dhk->bthk", a, p["wk"])
+    v = jnp.einsum("btd,dhk->bthk", a, p["wv"])
+    scores = jnp.einsum("bthk,bshk->bhts", q, k) * scale
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    attn = jnp.einsum("bhts,bshk->bthk", probs, v)
+    h = h + jnp.einsum("bthk,hkd->btd", attn, p["wo"])
+
+    m = _rms_norm(h, p["ln2_scale"])
+    m = jax.nn.gelu(jnp.einsum("btd,df->btf", m, p["w1"]) + p["b1"])
+    return h + jnp.einsum("btf,fd->btd", m, p["w2"]) + p["b2"]
+
+
+def loss_fn(model: GPT, batch: dict[str, jax.Array], **pipelining) -> jax.Array:
+    """Mean next-byte cross entropy of ``batch["targets"]`` given ``batch["inputs"]``.
+
+    ``pipelining`` (``mesh``, ``microbatches``, ``stages``) is passed on to ``GPT.__call__``.
+    """
+    logits = model(batch["inputs"], **pipelining)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     return jnp.mean(losses)

@@ -17,6 +17,7 @@ The public face, in the order a user meets it::
 """
 
 from tenplex_jax.errors import LayoutError, PlanError
+from tenplex_jax.pipeline import Stages, pipeline
 from tenplex_jax.plan import LeafPlan, Piece, Plan, ShardPlan, allocate, make_plan
 from tenplex_jax.ptc import MESH_AXES, PTC, LeafLayout, ParallelConfig
 from tenplex_jax.transform import ReshardReport, place, reshard
@@ -33,8 +34,10 @@ __all__ = [
     "PlanError",
     "ReshardReport",
     "ShardPlan",
+    "Stages",
     "allocate",
     "make_plan",
+    "pipeline",
     "place",
     "reshard",
 ]

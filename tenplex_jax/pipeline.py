@@ -1,0 +1,264 @@
+"""Pipeline parallelism over the ``pipe`` mesh axis: a GPipe schedule inside ``jit``.
+
+A model with stacked layers (every per-layer weight one array with a leading ``layers`` dim, run by
+``lax.scan``) becomes pipelined by sharding that dim over ``pipe``: stage ``s`` holds layers
+``s*k .. (s+1)*k - 1`` and nothing else. ``pipeline`` runs the layers as a GPipe schedule in SPMD
+form: the batch is cut into ``microbatches``; at every tick each stage applies its layers to the
+microbatch it holds and passes the result to the next stage with ``lax.ppermute``. After
+``microbatches + stages - 1`` ticks the last stage holds every output. The backward pass is the
+same schedule reversed, which JAX derives (the transpose of a ``ppermute`` is the reverse
+``ppermute``).
+
+Only the ``pipe`` axis is manual (``jax.shard_map(..., axis_names={"pipe"})``): the ``data``,
+``fsdp`` and ``tensor`` axes stay automatic inside each stage, so a stage's layers are tensor- and
+data-parallel exactly as without pipelining.
+
+Because the layer weights keep their shape ``(layers, ...)`` and only their spec changes, changing the
+pipeline degree (2 → 4 → 1) is an ordinary reconfiguration of the ``layers`` dim by the core plan.
+
+**Uneven stages** (HetPipe: more layers on faster devices) use a padded stacked layout: ``Stages``
+gives each stage ``slots`` positions of which the first ``layers[s]`` hold real layers; the stacked
+arrays have ``stages * slots`` rows, padding rows are zeros and are skipped with ``lax.cond`` (no
+compute, zero gradient). The padded layout depends on the stage boundaries, so a change of
+boundaries is a re-padding (``Stages.restack``) of the ``layers`` dim before the core plan moves the
+rows between devices; see ``Stages``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from tenplex_jax.errors import LayoutError
+
+LayerFn = Callable[[jax.Array, Any], jax.Array]  # (activations, one layer's params) -> activations
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """How stacked layers are split into pipeline stages: ``layers[s]`` real layers on stage ``s``.
+
+    Even stages (``Stages.even(8, 4)`` → ``(2, 2, 2, 2)``) need no padding. Uneven ones are stored
+    padded: each stage gets ``slots = max(layers)`` rows, real layers first. Example::
+
+        Stages((1, 3))   # 4 layers: stage 0 holds layer 0, stage 1 holds layers 1..3
+        .index           # (0, -1, -1, 1, 2, 3): padded row -> layer (-1: padding)
+    """
+
+    layers: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.layers or any(not isinstance(n, (int, np.integer)) for n in self.layers):
+            raise LayoutError(f"stages are a tuple of layer counts, got {self.layers!r}")
+        if min(self.layers) < 1:
+            raise LayoutError(
+                f"every pipeline stage needs at least one layer, got layers per stage "
+                f"{self.layers} ({len(self.layers)} stages for {sum(self.layers)} layers)"
+            )
+
+    @classmethod
+    def even(cls, n_layers: int, stages: int) -> Stages:
+        if stages > n_layers or n_layers % stages:
+            raise LayoutError(
+                f"{n_layers} layers do not split evenly into {stages} pipeline stages "
+                f"(needs stages <= layers and layers % stages == 0)"
+            )
+        return cls((n_layers // stages,) * stages)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.layers)
+
+    @property
+    def slots(self) -> int:
+        """Rows per stage in the stacked layout."""
+        return max(self.layers)
+
+    @property
+    def is_even(self) -> bool:
+        return len(set(self.layers)) == 1
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """First layer of every stage, and the layer count at the end: ``(0, 1, 4)`` for (1, 3)."""
+        return tuple(int(b) for b in np.concatenate([[0], np.cumsum(self.layers)]))
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """Padded row → layer it holds, ``-1`` for padding; ``num_stages * slots`` rows."""
+        rows = []
+        for start, count in zip(self.boundaries, self.layers):
+            rows += list(range(start, start + count)) + [-1] * (self.slots - count)
+        return tuple(rows)
+
+    @property
+    def mask(self) -> np.ndarray:
+        """bool[num_stages * slots]: which rows hold a real layer."""
+        return np.asarray(self.index) >= 0
+
+    def pad(self, x: jax.Array) -> jax.Array:
+        """Unpadded ``(num_layers, ...)`` → padded ``(num_stages * slots, ...)``, zero padding."""
+        self._check_rows(x, self.num_layers, "unpadded")
+        index = np.asarray(self.index)
+        rows = jnp.take(x, np.maximum(index, 0), axis=0)
+        keep = self.mask.reshape((-1,) + (1,) * (x.ndim - 1))
+        return jnp.where(keep, rows, jnp.zeros_like(rows))
+
+    def unpad(self, x: jax.Array) -> jax.Array:
+        """Padded ``(num_stages * slots, ...)`` → ``(num_layers, ...)`` in layer order."""
+        self._check_rows(x, self.num_stages * self.slots, "padded")
+        return jnp.take(x, np.flatnonzero(self.mask), axis=0)
+
+    def restack(self, x: jax.Array, new: Stages) -> jax.Array:
+        """Rows of this padded layout re-padded for ``new`` stage boundaries (same layers)."""
+        if new.num_layers != self.num_layers:
+            raise LayoutError(
+                f"re-padding keeps the layer count: {self.layers} holds {self.num_layers} layers, "
+                f"{new.layers} holds {new.num_layers}"
+            )
+        return new.pad(self.unpad(x))
+
+    def _check_rows(self, x, rows: int, what: str) -> None:
+        if x.ndim == 0 or x.shape[0] != rows:
+            raise LayoutError(
+                f"a {what} stacked array for stages {self.layers} has {rows} rows in its leading "
+                f"layers dim, got shape {tuple(x.shape)}"
+            )
+
+
+def pipeline(
+    layer_fn: LayerFn,
+    layer_params,
+    x: jax.Array,
+    *,
+    mesh: Mesh,
+    microbatches: int,
+    stages: Stages | None = None,
+    axis: str = "pipe",
+) -> jax.Array:
+    """Apply stacked layers to ``x`` as a GPipe pipeline over the ``axis`` mesh axis.
+
+    ``layer_params`` is a pytree of arrays with a leading layers dim (padded when ``stages`` is
+    uneven), sharded over ``axis``; ``x`` is ``[batch, ...]``. Returns what
+    ``lax.scan(lambda h, p: (layer_fn(h, p), None), x, layer_params)[0]`` returns (on the unpadded
+    layers), to within floating-point reassociation. With ``mesh.shape[axis] == 1`` it is that scan.
+
+    Example::
+
+        y = pipeline(block, params, x, mesh=mesh, microbatches=4)   # params["w"]: (8, d, d)
+    """
+    n_stages = mesh.shape[axis] if axis in mesh.axis_names else 1
+    leaves = jax.tree.leaves(layer_params)
+    if not leaves:
+        raise LayoutError("pipeline needs at least one stacked layer parameter, got none")
+    rows = leaves[0].shape[0]
+    if stages is None:
+        stages = Stages.even(rows, n_stages)
+    _check(layer_params, x, stages, n_stages, microbatches, axis, mesh)
+    if n_stages == 1:
+        return _scan(layer_fn, layer_params, x, stages.mask)
+
+    batch = x.shape[0]
+    # Microbatch j takes rows j, j + m, j + 2m, ...: a reshape that keeps the batch sharding.
+    xs = jnp.swapaxes(x.reshape((batch // microbatches, microbatches) + x.shape[1:]), 0, 1)
+    mask = jnp.asarray(stages.mask)
+
+    def spmd(params, mask, xs):
+        return _gpipe(layer_fn, params, mask, xs, n_stages, axis, not stages.is_even)
+
+    run = jax.shard_map(
+        spmd,
+        mesh=mesh,
+        in_specs=(P(axis), P(axis), P()),
+        out_specs=P(),
+        axis_names=frozenset({axis}),
+    )
+    ys = run(layer_params, mask, xs)
+    return jnp.swapaxes(ys, 0, 1).reshape(x.shape[:1] + ys.shape[2:])
+
+
+def _scan(layer_fn: LayerFn, params, x, mask: np.ndarray):
+    """The stacked layers one after another; padded rows skipped."""
+    uneven = not bool(np.all(mask))
+
+    def body(h, row):
+        p, real = row
+        if uneven:
+            return jax.lax.cond(real, layer_fn, lambda h, _: h, h, p), None
+        return layer_fn(h, p), None
+
+    return jax.lax.scan(body, x, (params, jnp.asarray(mask)))[0]
+
+
+def _gpipe(layer_fn: LayerFn, params, mask, xs, n_stages: int, axis: str, uneven: bool):
+    """One stage's view of the schedule: ``xs`` is ``[microbatches, mb, ...]`` on every stage."""
+    stage = jax.lax.axis_index(axis)
+    n_micro = xs.shape[0]
+    last = n_stages - 1
+    shift = [(s, (s + 1) % n_stages) for s in range(n_stages)]
+
+    def stage_fn(h):
+        def body(h, row):
+            p, real = row
+            if uneven:
+                return jax.lax.cond(real, layer_fn, lambda h, _: h, h, p), None
+            return layer_fn(h, p), None
+
+        return jax.lax.scan(body, h, (params, mask))[0]
+
+    def tick(carry, t):
+        held, outputs = carry
+        # stage 0 takes in microbatch t; the others take what the previous stage passed on
+        fresh = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, n_micro - 1), keepdims=False)
+        held = jnp.where(stage == 0, fresh, held)
+        held = stage_fn(held)
+        done = t - last  # the microbatch the last stage finishes at this tick
+        slot = jnp.clip(done, 0, n_micro - 1)
+        write = (stage == last) & (done >= 0)
+        current = jax.lax.dynamic_index_in_dim(outputs, slot, keepdims=False)
+        outputs = jax.lax.dynamic_update_index_in_dim(
+            outputs, jnp.where(write, held, current), slot, axis=0
+        )
+        return (jax.lax.ppermute(held, axis, shift), outputs), None
+
+    # the carries differ between stages: mark them varying over the pipe axis
+    start = jax.lax.pcast((jnp.zeros_like(xs[0]), jnp.zeros_like(xs)), (axis,), to="varying")
+    (_, outputs), _ = jax.lax.scan(tick, start, jnp.arange(n_micro + n_stages - 1))
+    # only the last stage wrote outputs: the sum over stages hands them to every stage
+    return jax.lax.psum(jnp.where(stage == last, outputs, jnp.zeros_like(outputs)), axis)
+
+
+def _check(params, x, stages: Stages, n_stages: int, microbatches: int, axis: str, mesh) -> None:
+    mesh_text = dict(mesh.shape)
+    if stages.num_stages != n_stages:
+        raise LayoutError(
+            f"the stage split {stages.layers} has {stages.num_stages} stages but mesh axis "
+            f"{axis!r} has size {n_stages} (mesh={mesh_text})"
+        )
+    rows = stages.num_stages * stages.slots
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if leaf.ndim == 0 or leaf.shape[0] != rows:
+            raise LayoutError(
+                f"every stacked layer parameter needs {rows} rows (stages {stages.layers}, "
+                f"{stages.slots} slots each) in its leading layers dim: leaf "
+                f"{jax.tree_util.keystr(path)!r} has shape {tuple(leaf.shape)} (mesh={mesh_text})"
+            )
+    if not isinstance(microbatches, (int, np.integer)) or microbatches < 1:
+        raise LayoutError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    if x.ndim == 0 or x.shape[0] % microbatches:
+        raise LayoutError(
+            f"the batch dim must divide into {microbatches} microbatches, got activations of shape "
+            f"{tuple(x.shape)} (mesh={mesh_text})"
+        )
+
