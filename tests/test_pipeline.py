@@ -83,3 +83,66 @@ def test_pipelined_loss_and_grads_equal_the_unpipelined_model(reference, config,
     assert grads.keys() == want_grads.keys()
     for name, want in want_grads.items():
         np.testing.assert_allclose(grads[name], want, rtol=2e-4, atol=2e-6, err_msg=name)
+
+
+def _train(schedule: dict[int, tuple[C, range, int]], steps: int):
+    """Train ``steps`` steps, moving to (config, devices, microbatches) at the schedule's steps."""
+    model, optimizer = train_state(CFG, lr=3e-3)
+    graphdef, state = nnx.split((model, optimizer))
+    corpus = stdlib_corpus(2**20)
+    ptc, losses, plans = None, [], []
+    for i in range(steps):
+        if i in schedule:
+            config, devices, microbatches = schedule[i]
+            new = tj.PTC.of(state, RULES, config, [jax.devices()[d] for d in devices])
+            if ptc is None:
+                state = tj.place(state, new)
+            else:  # the core plan, nothing pipeline-specific: the layers dim changes its spec
+                plans.append(tj.make_plan(ptc, new))
+                state, _ = tj.reshard(state, plans[-1])
+            ptc, step = new, _step(graphdef, new, microbatches)
+        state, loss = step(state, batch_at(corpus, i, BATCH, CFG.seq_len, seed=7))
+        losses.append(float(loss))
+    return losses, plans
+
+
+def _step(graphdef, ptc, microbatches):
+    mesh = ptc.mesh()
+
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss = functools.partial(loss_fn, mesh=mesh, microbatches=microbatches)
+        loss, grads = nnx.value_and_grad(loss)(model, batch)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    batch = NamedSharding(mesh, P(("data", "fsdp")))
+    return jax.jit(
+        step,
+        in_shardings=(ptc.shardings(mesh), batch),
+        out_shardings=(ptc.shardings(mesh), NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+
+
+def test_pipe_degree_resizes_2_4_1_mid_training_through_the_core_plan():
+    steps = 6
+    fixed, _ = _train({0: (C(data=2), range(2), 1)}, steps)
+    resized, plans = _train(
+        {
+            0: (C(pipe=2, data=2, tensor=2), range(8), 2),
+            2: (C(pipe=4, data=2), range(8), 4),
+            4: (C(data=2), range(2, 4), 1),
+        },
+        steps,
+    )
+    assert fixed[-1] < fixed[0]
+    np.testing.assert_allclose(resized, fixed, rtol=5e-5)
+    # the layers dim is resharded like any other: 2 -> 4 stages keeps part of each device's layers
+    wq = [next(leaf for leaf in p.leaves if leaf.path == "0/wq") for p in plans]
+    assert [(p.src.config.pipe, p.dst.config.pipe) for p in plans] == [(2, 4), (4, 1)]
+    assert all(w.src.spec[0] == w.dst.spec[0] == "pipe" for w in wq)
+    assert wq[0].bytes_kept > 0 and wq[0].bytes_moved > 0
+    # 4 stages -> none on devices 2, 3: their layers come from the devices of all four stages
+    senders = {piece.src_device for shard in wq[1].shards for piece in shard.pieces}
+    assert {d // 2 for d in senders} == {0, 1, 2, 3}
