@@ -16,18 +16,27 @@ The public face, in the order a user meets it::
     nnx.update(nodes, state)
 """
 
+from tenplex_jax.cluster import Cluster, DeviceType
 from tenplex_jax.errors import LayoutError, PlanError
 from tenplex_jax.pipeline import Stages, pipeline
 from tenplex_jax.plan import LeafPlan, Piece, Plan, ShardPlan, allocate, make_plan
+from tenplex_jax.planner import Candidate, Choice, choose, estimate
+from tenplex_jax.profile import LayerProfile, ModelProfile
 from tenplex_jax.ptc import MESH_AXES, PTC, LeafLayout, ParallelConfig
 from tenplex_jax.transform import ReshardReport, place, reshard
 
 __all__ = [
     "MESH_AXES",
     "PTC",
+    "Candidate",
+    "Choice",
+    "Cluster",
+    "DeviceType",
+    "LayerProfile",
     "LayoutError",
     "LeafLayout",
     "LeafPlan",
+    "ModelProfile",
     "ParallelConfig",
     "Piece",
     "Plan",
@@ -36,6 +45,8 @@ __all__ = [
     "ShardPlan",
     "Stages",
     "allocate",
+    "choose",
+    "estimate",
     "make_plan",
     "pipeline",
     "place",

@@ -146,6 +146,7 @@ def pipeline(
     microbatches: int,
     stages: Stages | None = None,
     axis: str = "pipe",
+    remat: bool = True,
 ) -> jax.Array:
     """Apply stacked layers to ``x`` as a GPipe pipeline over the ``axis`` mesh axis.
 
@@ -153,6 +154,8 @@ def pipeline(
     uneven), sharded over ``axis``; ``x`` is ``[batch, ...]``. Returns what
     ``lax.scan(lambda h, p: (layer_fn(h, p), None), x, layer_params)[0]`` returns (on the unpadded
     layers), to within floating-point reassociation. With ``mesh.shape[axis] == 1`` it is that scan.
+    With ``remat`` (the default, as in GPipe) each layer is recomputed in the backward pass
+    (``jax.checkpoint``), so a stage keeps only every layer's input for each microbatch in flight.
 
     Example::
 
@@ -166,6 +169,8 @@ def pipeline(
     if stages is None:
         stages = Stages.even(rows, n_stages)
     _check(layer_params, x, stages, n_stages, microbatches, axis, mesh)
+    if remat:
+        layer_fn = jax.checkpoint(layer_fn)
     if n_stages == 1:
         return _scan(layer_fn, layer_params, x, stages.mask)
 
@@ -261,4 +266,3 @@ def _check(params, x, stages: Stages, n_stages: int, microbatches: int, axis: st
             f"the batch dim must divide into {microbatches} microbatches, got activations of shape "
             f"{tuple(x.shape)} (mesh={mesh_text})"
         )
-
