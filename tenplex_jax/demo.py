@@ -6,9 +6,9 @@ plan from the old PTC to the new one, and training goes on with the same batches
 without the change. Losses, resize costs and a plot are written to an output folder, so the run
 shows that a resize neither disturbs the loss curve nor costs more than the bytes the plan moves.
 
-Two small policies stand in for a real scheduler and planner, which come later:
+The planner chooses each layout and a small policy stands in for a scheduler:
 
-- ``choose_config`` picks a parallel config for a device count by a fixed preference;
+- ``choose_config`` asks ``tenplex_jax.planner.choose`` for a device count's best layout;
 - ``choose_devices`` picks which device ids a resized job gets (see its docstring for the rule).
 
 The reference model lives in ``models/``, outside the library; it is imported inside functions only,
@@ -18,6 +18,7 @@ so that ``tenplex_jax`` itself never depends on it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -29,14 +30,18 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tenplex_jax.errors import LayoutError
+from tenplex_jax.cluster import GIB, Cluster, DeviceType
+from tenplex_jax.errors import LayoutError, PlanError
 from tenplex_jax.plan import allocate, make_plan
+from tenplex_jax.planner import choose
 from tenplex_jax.ptc import PTC, ParallelConfig
 from tenplex_jax.transform import place, reshard
 
 # The batch dim is split over both data-parallel axes: fsdp shards params, yet splits the batch too.
 BATCH_AXES = ("data", "fsdp")
 MIB = 2**20
+# One fake CPU device, as in meshes/cpu8.toml.
+CPU = DeviceType("cpu", memory=2 * GIB, flops=5e9, link_bandwidth=10e9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +66,7 @@ class Stage:
     start: int
     config: ParallelConfig
     device_ids: tuple[int, ...]
+    microbatches: int = 1
 
 
 def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:
@@ -103,37 +109,33 @@ def param_count(state) -> int:
     return sum(math.prod(v.shape) for v in jax.tree.leaves(state["model"]))
 
 
-def choose_config(n: int, abstract_state, global_batch: int, rules=None) -> ParallelConfig:
-    """A valid parallel config for ``n`` devices; a stand-in for the real planner, to come later.
+def choose_config(n: int, abstract_state, global_batch: int, rules=None, *, model: str = "small"):
+    """The planner's layout (``tenplex_jax.planner.Candidate``) of the GPT on ``n`` fake CPU devices.
 
-    Enumerates every ``(data, fsdp, tensor)`` with product ``n`` (``pipe=1``) and keeps those that
-    lay the state out without replicating an indivisible dim and split the global batch evenly over
-    ``data * fsdp``. Among those it prefers ``tensor == 2`` (a pair of neighbouring devices; more
-    tensor parallelism communicates in every layer), then ``fsdp == 2`` (shards the optimizer state,
-    whose memory dominates), then larger ``data``. So the demo's resizes move real slices of
-    sharded leaves (splits and merges), not only whole replicas.
+    Candidates are the ``(data, fsdp, tensor, pipe)`` meshes of ``n`` devices that lay the state out
+    without replicating an indivisible dim; the planner picks the fastest under its cost model for
+    ``CPU`` devices (``meshes/cpu8.toml``), with its microbatches. Stages are kept even, so that a
+    resize is a plain reconfiguration of the ``layers`` dim by the core plan.
     """
     if rules is None:
         from models import LOGICAL_RULES as rules
     valid, refused = [], []
-    for data in _divisors(n):
-        for fsdp in _divisors(n // data):
-            config = ParallelConfig(data=data, fsdp=fsdp, tensor=n // (data * fsdp))
-            if global_batch % (data * fsdp):
-                refused.append(f"{config}: batch {global_batch} not divisible by {data * fsdp}")
-                continue
-            try:
-                PTC.of(abstract_state, rules, config, range(n))
-            except LayoutError as error:
-                refused.append(f"{config}: {str(error).split(';')[0]}")  # the rule, not the advice
-                continue
-            valid.append(config)
-    if not valid:
+    for config in _configs(n):
+        try:
+            PTC.of(abstract_state, rules, config, range(n))
+        except LayoutError as error:
+            refused.append(f"{config}: {str(error).split(';')[0]}")  # the rule, not the advice
+            continue
+        valid.append(config)
+    cluster = Cluster.uniform(n, CPU, per_node=n)
+    try:
+        choice = choose(cluster, _profile(model), global_batch, even_stages=True, configs=valid)
+    except PlanError as error:
         raise LayoutError(
-            f"no (data, fsdp, tensor) config lays the state out on {n} devices with global batch "
-            f"{global_batch}; refused: " + "; ".join(refused)
-        )
-    return min(valid, key=lambda c: (c.tensor != 2, c.fsdp != 2, -c.data, c.tensor))
+            f"no config lays the state out on {n} devices with global batch {global_batch}: "
+            f"{error}; refused by the layout: " + "; ".join(refused)
+        ) from None
+    return choice.best
 
 
 def choose_devices(n: int, current: Sequence[int], total: int) -> tuple[int, ...]:
@@ -167,14 +169,16 @@ def plan_stages(options: DemoOptions, abstract_state) -> list[Stage]:
     stages, current = [], ()
     for start, n in ((0, options.devices), *options.schedule):
         ids = tuple(range(n)) if not current else choose_devices(n, current, options.devices)
-        config = choose_config(n, abstract_state, options.batch)
-        stages.append(Stage(start, config, ids))
+        layout = choose_config(n, abstract_state, options.batch, model=options.model)
+        stages.append(Stage(start, layout.config, ids, layout.microbatches))
         current = ids
     return stages
 
 
-def make_train_step(graphdef, ptc: PTC):
+def make_train_step(graphdef, ptc: PTC, microbatches: int = 1):
     """The jitted ``(state, batch) -> (state, loss)`` for one layout; donates the old state.
+
+    The GPT runs its layers as a pipeline of ``microbatches`` over the mesh's ``pipe`` axis.
 
     Pure in the state, so that the state stays a plain tree the planner can reshard between steps,
     and pinned to the PTC's shardings, so that each step keeps the layout the next plan starts from.
@@ -184,10 +188,12 @@ def make_train_step(graphdef, ptc: PTC):
     mesh = ptc.mesh()
     batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
 
+    loss_on_mesh = functools.partial(loss_fn, mesh=mesh, microbatches=microbatches)
+
     def train_step(state, batch):
         nodes = nnx.merge(graphdef, state)
         model, optimizer = nodes["model"], nodes["optimizer"]
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        loss, grads = nnx.value_and_grad(loss_on_mesh)(model, batch)
         optimizer.update(model, grads)
         return nnx.state(nodes), loss
 
@@ -221,16 +227,18 @@ def run(options: DemoOptions) -> dict:
     corpus = stdlib_corpus()
     steps_cache: dict = {}
     losses, resizes, first_steps = [], [], {}
+    microbatches = stages[0].microbatches
     bar = tqdm(range(options.steps), desc=f"{options.model}", unit="step")
     for step in bar:
         stage = next((s for s in stages[1:] if s.start == step), None)
         if stage is not None:
             state, ptc, record = _resize(state, ptc, stage, step, options.method, bar.write)
             resizes.append(record)
+            microbatches = stage.microbatches
         key = (str(ptc.config), ptc.device_ids)
         cached = key in steps_cache
         if not cached:
-            steps_cache[key] = make_train_step(graphdef, ptc)
+            steps_cache[key] = make_train_step(graphdef, ptc, microbatches)
         train_step, batch_sharding = steps_cache[key]
         batch = batch_at(corpus, step, options.batch, cfg.seq_len, options.seed)
         tic = time.perf_counter()
@@ -372,3 +380,20 @@ def _ids(ids: Sequence[int]) -> str:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _configs(n: int) -> list[ParallelConfig]:
+    """Every ``(pipe, data, fsdp, tensor)`` mesh of ``n`` devices."""
+    return [
+        ParallelConfig(data=n // (p * t * f), fsdp=f, tensor=t, pipe=p)
+        for p in _divisors(n)
+        for t in _divisors(n // p)
+        for f in _divisors(n // (p * t))
+    ]
+
+
+@functools.cache
+def _profile(model: str):
+    from models import GPTConfig, profile
+
+    return profile(GPTConfig.by_name(model), name=f"gpt {model}")

@@ -80,3 +80,22 @@ def test_demo_end_to_end(tmp_path) -> None:
     assert math.isfinite(summary["final_loss"])
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "step" in done.stdout and "->" in done.stdout  # the resize table
+
+
+def test_plan_with_a_cluster_prints_the_planner_table(capsys) -> None:
+    argv = ["plan", "--cluster", str(ROOT / "meshes" / "hetpipe.toml"), "--devices", "8"]
+    assert main([*argv, "--model", "gpt100m", "--batch", "32", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "planner: hetpipe" in out and "step ms" in out and "peak GiB" in out
+    chosen = re.search(
+        r"chosen: (\S+) with (\d+) microbatches, layers per stage \(([\d, ]+)\)", out
+    )
+    assert chosen, out
+    layers = [int(n) for n in chosen[3].split(",")]
+    assert sum(layers) == 16 and layers[0] > layers[-1]  # the fast GPUs come first, with more
+    assert main([*argv[:2], "--devices", "99"]) == 2
+    assert "cannot take 99" in capsys.readouterr().err
+    assert main(["plan", "--cluster", "missing.toml"]) == 2
+    assert "cannot read cluster description" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny"]) == 2
+    assert "--from and --to, or --cluster" in capsys.readouterr().err
