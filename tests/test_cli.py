@@ -93,7 +93,7 @@ def test_plan_with_a_cluster_prints_the_planner_table(capsys) -> None:
     assert chosen, out
     layers = [int(n) for n in chosen[3].split(",")]
     assert sum(layers) == 16 and layers[0] > layers[-1]  # the fast GPUs come first, with more
-    assert main([*argv[:2], "--devices", "99"]) == 2
+    assert main([*argv[:3], "--devices", "99"]) == 2
     assert "cannot take 99" in capsys.readouterr().err
     assert main(["plan", "--cluster", "missing.toml"]) == 2
     assert "cannot read cluster description" in capsys.readouterr().err
