@@ -18,7 +18,7 @@ The public face, in the order a user meets it::
 
 from tenplex_jax.cluster import Cluster, DeviceType
 from tenplex_jax.errors import LayoutError, PlanError
-from tenplex_jax.pipeline import Stages, pipeline
+from tenplex_jax.pipeline import Stages, pipeline, restage
 from tenplex_jax.plan import LeafPlan, Piece, Plan, ShardPlan, allocate, make_plan
 from tenplex_jax.planner import Candidate, Choice, choose, estimate
 from tenplex_jax.profile import LayerProfile, ModelProfile
@@ -51,4 +51,5 @@ __all__ = [
     "pipeline",
     "place",
     "reshard",
+    "restage",
 ]

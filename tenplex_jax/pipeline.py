@@ -20,8 +20,8 @@ pipeline degree (2 → 4 → 1) is an ordinary reconfiguration of the ``layers``
 gives each stage ``slots`` positions of which the first ``layers[s]`` hold real layers; the stacked
 arrays have ``stages * slots`` rows, padding rows are zeros and are skipped with ``lax.cond`` (no
 compute, zero gradient). The padded layout depends on the stage boundaries, so a change of
-boundaries is a re-padding (``Stages.restack``) of the ``layers`` dim before the core plan moves the
-rows between devices; see ``Stages``.
+boundaries is a re-padding of the ``layers`` dim on the current devices (``restage``) before the
+core plan moves the rows between devices.
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tenplex_jax.errors import LayoutError
+from tenplex_jax.ptc import PTC, Rules
 
 LayerFn = Callable[[jax.Array, Any], jax.Array]  # (activations, one layer's params) -> activations
 
@@ -266,3 +268,38 @@ def _check(params, x, stages: Stages, n_stages: int, microbatches: int, axis: st
             f"the batch dim must divide into {microbatches} microbatches, got activations of shape "
             f"{tuple(x.shape)} (mesh={mesh_text})"
         )
+
+
+def restage(
+    state, ptc: PTC, rules: Rules, old: Stages | None, new: Stages | None, *, name="layers"
+):
+    """Re-pad the stacked leaves of ``state`` from ``old`` to ``new`` stage boundaries.
+
+    Returns ``(state, PTC)``: the state with every leaf whose first logical axis is ``name``
+    (params and their optimizer moments alike) re-padded, still on ``ptc``'s devices and mesh, and
+    its PTC. ``None`` stands for the unpadded layout (even stages). This is the one step an uneven
+    pipeline adds to a reconfiguration: the padded layout depends on the boundaries, so rows are
+    regrouped first (a gather on the current devices); the core plan then moves them to the new
+    devices like any other change of layout::
+
+        state, mid = restage(state, ptc, rules, Stages((3, 5)), Stages((2, 2, 2, 2)))
+        state, report = reshard(state, make_plan(mid, new_ptc))
+
+    A dim the current ``pipe`` size does not divide after re-padding is replicated on the current
+    mesh (``allow_replicate``) until the plan moves it.
+    """
+
+    def regroup(x):
+        rows = x if old is None else old.unpad(x)
+        return rows if new is None else new.pad(rows)
+
+    stacked = lambda v: (v.get_metadata().get("out_sharding") or (None,))[0] == name
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    pick = lambda v: v.replace(regroup(v.get_value())) if is_var(v) and stacked(v) else v
+    abstract = jax.eval_shape(lambda s: jax.tree.map(pick, s, is_leaf=is_var), state)
+    mid = PTC.of(abstract, rules, ptc.config, ptc.device_ids, hosts=ptc.hosts, allow_replicate=True)
+    mesh = ptc.mesh()
+    out = jax.jit(
+        lambda s: jax.tree.map(pick, s, is_leaf=is_var), out_shardings=mid.shardings(mesh)
+    )(state)
+    return out, mid
