@@ -8,7 +8,8 @@ experiments:
   ``jax.lax.scan`` over that dimension. Pipeline parallelism then amounts to
   sharding the ``layers`` dimension over the ``pipe`` mesh axis, so changing
   the pipeline degree is an ordinary array resharding rather than a change in
-  the shape of the parameter tree.
+  the shape of the parameter tree. Given a mesh, ``GPT.__call__`` runs the
+  layers as a GPipe schedule over ``pipe`` with ``tenplex_jax.pipeline``.
 
 * **Logical axis names.** Every parameter records, in its ``out_sharding``
   metadata, one logical name per dimension (``vocab``, ``embed``, ``mlp``,

@@ -122,15 +122,6 @@ class Stages:
         self._check_rows(x, self.num_stages * self.slots, "padded")
         return jnp.take(x, np.flatnonzero(self.mask), axis=0)
 
-    def restack(self, x: jax.Array, new: Stages) -> jax.Array:
-        """Rows of this padded layout re-padded for ``new`` stage boundaries (same layers)."""
-        if new.num_layers != self.num_layers:
-            raise LayoutError(
-                f"re-padding keeps the layer count: {self.layers} holds {self.num_layers} layers, "
-                f"{new.layers} holds {new.num_layers}"
-            )
-        return new.pad(self.unpad(x))
-
     def _check_rows(self, x, rows: int, what: str) -> None:
         if x.ndim == 0 or x.shape[0] != rows:
             raise LayoutError(

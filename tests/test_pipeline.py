@@ -6,6 +6,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -185,3 +186,23 @@ def test_uneven_stage_boundaries_change_mid_training_by_restage_then_the_core_pl
     )
     np.testing.assert_allclose(resized, fixed, rtol=5e-5)
     assert [p.dst.leaf("0/wq").shape[0] for p in plans] == [6, 6, 4]
+
+
+def test_bad_pipelines_are_refused_before_anything_runs():
+    mesh = C(pipe=4, data=2).make_mesh(jax.devices())
+    layer = lambda h, p: h @ p["w"]
+    params = {"w": jnp.zeros((2, 8, 8))}
+    with pytest.raises(tj.LayoutError, match="2 layers do not split evenly into 4 pipeline stages"):
+        tj.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2)
+    params = {"w": jnp.zeros((4, 8, 8))}
+    with pytest.raises(tj.LayoutError, match=r"divide into 3 microbatches.*shape \(8, 8\)"):
+        tj.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=3)
+    with pytest.raises(tj.LayoutError, match="has 2 stages but mesh axis 'pipe' has size 4"):
+        tj.pipeline(
+            layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2, stages=tj.Stages((1, 3))
+        )
+    with pytest.raises(
+        tj.LayoutError, match=r"needs 8 rows .* leaf \"\['w'\]\" has shape \(4, 8, 8\)"
+    ):
+        stages = tj.Stages((1, 1, 1, 2))  # padded: 4 stages x 2 slots
+        tj.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2, stages=stages)
