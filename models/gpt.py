@@ -187,6 +187,11 @@ class GPT(nnx.Module):
 
 def loss_fn(model: GPT, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-byte cross entropy of ``batch["targets"]`` given ``batch["inputs"]``."""
+    return jnp.mean(example_losses(model, batch))
+
+
+def example_losses(model: GPT, batch: dict[str, jax.Array]) -> jax.Array:
+    """float32[batch]: each example's mean next-byte cross entropy over its positions."""
     logits = model(batch["inputs"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.mean(losses)
+    return jnp.mean(losses, axis=-1)
