@@ -91,6 +91,38 @@ class BatchLayout:
                 + ("more virtual workers" if self.workers is not None else "a larger global batch")
             )
 
+    @classmethod
+    def fit(
+        cls, global_batch: int, ranks: int, *, max_rows: int, workers: int | None = None
+    ) -> BatchLayout:
+        """The layout whose forward passes hold at most ``max_rows`` rows per device.
+
+        The global batch stays ``global_batch`` whatever the rank count: plain data parallelism
+        accumulates gradients over as many microbatches as the cap needs; virtual workers run one
+        unit per pass, so their unit must fit.
+
+        >>> BatchLayout.fit(64, ranks=2, max_rows=10).accumulate     # 32 rows per rank, 4 passes
+        4
+        """
+        if max_rows < 1:
+            raise DataError(f"max_rows must be >= 1, got {max_rows}")
+        if workers is not None:
+            layout = cls(global_batch, ranks, workers)
+            if layout.unit > max_rows:
+                raise DataError(
+                    f"a virtual worker's unit of {layout.unit} samples exceeds max_rows={max_rows}; "
+                    f"use at least {math.ceil(global_batch / max_rows)} workers that divide "
+                    f"{global_batch}"
+                )
+            return layout
+        per_rank = math.ceil(global_batch / ranks)
+        return cls(global_batch, ranks, accumulate=math.ceil(per_rank / max_rows))
+
+    @property
+    def microbatch(self) -> int:
+        """Rows a device holds in one forward pass."""
+        return self.unit if self.virtual else self.slots // self.accumulate
+
     @property
     def units(self) -> int:
         return self.global_batch if self.workers is None else self.workers

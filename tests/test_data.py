@@ -37,6 +37,20 @@ def test_accumulation_pads_each_rank_to_a_multiple_of_the_microbatches():
     assert layout.slots == 4 and layout.rows == 12
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("max_rows", [1, 3, 7, 64])
+def test_a_memory_cap_keeps_the_global_batch_by_accumulating(ranks, max_rows):
+    layout = tj.BatchLayout.fit(24, ranks, max_rows=max_rows)
+    assert layout.global_batch == 24 and layout.microbatch <= max_rows
+    assert sum(layout.counts) == 24
+    if max_rows >= -(-24 // ranks):
+        assert layout.accumulate == 1
+    virtual = tj.BatchLayout.fit(24, min(ranks, 6), max_rows=max(max_rows, 4), workers=6)
+    assert virtual.microbatch == 4
+    with pytest.raises(tj.DataError, match="exceeds max_rows=3; use at least 8 workers"):
+        tj.BatchLayout.fit(24, 2, max_rows=3, workers=6)
+
+
 @pytest.mark.parametrize(
     "kwargs, rule",
     [
