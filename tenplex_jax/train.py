@@ -14,8 +14,9 @@ real samples of the global batch and its gradient. Two ways to compute them:
   rank count) and gets one gradient per unit; the unit gradients are all-gathered and summed in
   unit order ``((g0 + g1) + g2) + ...``. The sum therefore has the same bits on 1, 2, 3, ... or
   ``V`` ranks, and so do the params and optimizer state after the update. It costs a gather of
-  ``V`` gradients per step (memory ``V ×`` the gradient on every rank) and the sequential loop
-  over units; ``benchmarks/RESULTS.md`` has the measured step-time ratio.
+  ``V`` gradients per step (memory ``V ×`` the gradient on every rank), the sequential loop over
+  units, and, under FSDP, holding the whole params on every rank during the step (the optimizer
+  state stays sharded); ``benchmarks/RESULTS.md`` has the measured step-time ratio.
 
 The gradient is passed through ``lax.optimization_barrier`` before it is returned: otherwise XLA
 fuses the division by the sample count into the optimizer's update, and how it fuses (and so the
