@@ -215,9 +215,14 @@ def loss_fn(model: GPT, batch: dict[str, jax.Array], **pipelining) -> jax.Array:
 
     ``pipelining`` (``mesh``, ``microbatches``, ``stages``) is passed on to ``GPT.__call__``.
     """
+    return jnp.mean(example_losses(model, batch, **pipelining))
+
+
+def example_losses(model: GPT, batch: dict[str, jax.Array], **pipelining) -> jax.Array:
+    """float32[batch]: each example's mean next-byte cross entropy over its positions."""
     logits = model(batch["inputs"], **pipelining)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.mean(losses)
+    return jnp.mean(losses, axis=-1)
 
 
 def profile(cfg: GPTConfig, name: str = "gpt") -> ModelProfile:

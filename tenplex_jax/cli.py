@@ -58,11 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as done:  # --help, or a usage error argparse has already printed
         return done.code if isinstance(done.code, int) else 0 if done.code is None else 2
-    from tenplex_jax.errors import LayoutError, PlanError
+    from tenplex_jax.errors import DataError, LayoutError, PlanError
 
     try:
         return args.command(args)
-    except (LayoutError, PlanError) as error:
+    except (DataError, LayoutError, PlanError) as error:
         print(f"tenplex-jax {args.name}: error: {error}", file=sys.stderr)
         return 2
 
@@ -195,7 +195,22 @@ def _parser() -> argparse.ArgumentParser:
         default=8,
         help="fake CPU devices; the run starts on all of them (default: 8)",
     )
-    demo.add_argument("--seed", type=int, default=0, help="init and batch seed (default: 0)")
+    demo.add_argument("--seed", type=int, default=0, help="init and data seed (default: 0)")
+    demo.add_argument(
+        "--workers",
+        type=_count,
+        default=8,
+        metavar="V",
+        help="virtual data-parallel workers; the global batch is always cut into V units whose "
+        "gradients are summed in a fixed order, so results are bitwise equal on any data-parallel "
+        "size; 0 for plain data parallelism (default: 8)",
+    )
+    demo.add_argument(
+        "--samples",
+        type=_positive,
+        default=1000,
+        help="dataset size, in samples of seq_len + 1 bytes of the corpus (default: 1000)",
+    )
     return parser
 
 
@@ -311,10 +326,13 @@ def _demo(args) -> int:
         method=args.method,
         devices=args.devices,
         seed=args.seed,
+        workers=args.workers or None,
+        samples=args.samples,
     )
     summary = demo.run(options)
     print()
     print(demo.resize_table(summary))
+    print(demo.consistency_line(summary))
     print(f"wrote {options.out / 'loss.png'} and {options.out / 'summary.json'}")
     return 0
 
@@ -360,6 +378,12 @@ def _schedule(text: str) -> tuple[tuple[int, int], ...]:
 def _positive(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _count(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return int(text)
 
 

@@ -28,8 +28,10 @@ fsdp), plus every layer's input for every tick of the schedule (layers are remat
 GPipe), plus one layer's activations while it is recomputed, plus the outside part's activations. Uneven stages are stored padded to
 ``slots = max(layers per stage)`` rows, which the memory and communication terms count.
 
-**Search.** Every ``(pipe, data, fsdp, tensor)`` whose product is the device count, every
-microbatch count dividing the per-replica batch (1 without pipelining); for each, the stage
+**Search.** Every ``(pipe, data, fsdp, tensor)`` whose product is the device count and whose
+``data * fsdp`` replicas get at least one sample each (an uneven split is padded, as
+``BatchLayout`` does, and the padded rows are counted), every microbatch count dividing the
+per-replica rows (1 without pipelining); for each, the stage
 boundaries by dynamic programming: for each slot count ``K``, the split into stages of at most ``K``
 layers that minimises the slowest tick (``O(pipe * layers * K)``). With identical stage groups and
 identical layers the most even split is optimal and no DP runs, which keeps 4096 devices under a
@@ -256,7 +258,8 @@ class _Facts:
         tp_bw = np.where((nodes == nodes[..., :1]).all(axis=(1, 2)), link, net)
         one_node = (nodes == nodes[:, :1, :1]).all(axis=(1, 2))
         dp_bw = np.where(one_node, link, net)
-        b = global_batch / (d * f * microbatches)
+        samples = -(-global_batch // (d * f))  # per replica; an uneven split is padded
+        b = samples / microbatches
         ring = lambda n: 2 * (n - 1) / n
         per_flop = 4 * b / (t * speed)  # forward, recompute (remat), backward = 2 forwards
         per_out = (4 * ring(t) * b / tp_bw) if t > 1 else np.zeros(p)
@@ -265,7 +268,7 @@ class _Facts:
         same = p > 1 and len(set(nodes[:, 0, 0].tolist())) == 1
         send = 2 * out_bytes * b / (min(link) if same else net) if p > 1 else 0.0
         out = model.outside
-        outside = 3 * out.flops * global_batch / (d * f) / (t * speed.min())
+        outside = 3 * out.flops * samples / (t * speed.min())
         if d * f > 1:
             outside += ring(d * f) * out.param_bytes / t / dp_bw.min()
         return cls(
@@ -301,15 +304,15 @@ class _Facts:
     def memory(self, slots: int) -> np.ndarray:
         """Peak bytes per device of every stage when each stage stores ``slots`` rows."""
         c, m = self.config, self.model
-        replicas = c.data * c.fsdp
-        b = self.global_batch / (replicas * self.microbatches)
+        samples = -(-self.global_batch // (c.data * c.fsdp))  # per replica, padded
+        b = samples / self.microbatches
         ticks = self.microbatches + c.pipe - 1
         act = max(layer.act_bytes for layer in m.layers)
         out = max(layer.out_bytes for layer in m.layers)
         rows = slots * self.row_bytes + m.outside.param_bytes
         state = m.state_factor * rows / (c.tensor * c.fsdp)
         inputs = out * slots * b * ticks  # every layer's input, for every tick (remat)
-        outside = m.outside.act_bytes * self.global_batch / replicas
+        outside = m.outside.act_bytes * samples
         acts = (inputs + act * b + outside) / c.tensor
         return np.full(c.pipe, state + acts)
 
@@ -447,13 +450,13 @@ class _Search:
                 )
                 continue
             replicas = config.data * config.fsdp
-            if batch % replicas:
+            if batch < replicas:
                 self.reject(
-                    "data * fsdp must divide the global batch",
+                    "every data * fsdp replica needs at least one sample",
                     f"{config}: batch {batch} over {replicas} replicas",
                 )
                 continue
-            per_replica = batch // replicas
+            per_replica = -(-batch // replicas)  # an uneven split is padded (BatchLayout)
             counts = [1] if config.pipe == 1 else _divisors(per_replica)
             for micro in (m for m in counts if m <= self.max_microbatches):
                 self._evaluate(devs, config, micro)

@@ -46,9 +46,9 @@ def _brute_force(cluster, model, batch, max_microbatches=64):
         if any(size % getattr(config, axis) for axis, _, size in model.divides):
             continue
         replicas = config.data * config.fsdp
-        if batch % replicas:
+        if batch < replicas:
             continue
-        micros = [1] if config.pipe == 1 else _divisors(batch // replicas)
+        micros = [1] if config.pipe == 1 else _divisors(-(-batch // replicas))
         for micro in (m for m in micros if m <= max_microbatches):
             for layers in _compositions(model.num_layers, config.pipe):
                 c = tj.estimate(cluster, model, batch, config, micro, tj.Stages(layers))
