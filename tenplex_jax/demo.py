@@ -118,12 +118,14 @@ def choose_config(
 ) -> ParallelConfig:
     """The planner's parallel config for the GPT on ``n`` fake CPU devices.
 
-    Candidates are the ``(data, fsdp, tensor)`` meshes of ``n`` devices that lay the state out
-    without replicating an indivisible dim; ``tenplex_jax.planner.choose`` picks the fastest under
-    its cost model for ``CPU`` devices (``meshes/cpu8.toml``). The demo keeps ``pipe=1``: its
-    virtual-worker gradients (bitwise on any data-parallel size) run per-example losses inside a
-    ``shard_map`` over the batch axes. Pipelined layouts are trained in ``tests/test_pipeline.py``
-    and timed in ``benchmarks/pipeline_step.py``.
+    Candidates are the ``(data, fsdp)`` meshes of ``n`` devices that lay the state out without
+    replicating an indivisible dim; ``tenplex_jax.planner.choose`` picks the fastest under its cost
+    model for ``CPU`` devices (``meshes/cpu8.toml``). The demo promises parameters bitwise equal to
+    a run that never resized: virtual workers make that hold across data-parallel and FSDP sizes,
+    but a change of tensor or pipeline degree changes summation order, so it keeps ``tensor=1`` and
+    ``pipe=1`` (its per-example losses also run inside a ``shard_map`` over the batch axes).
+    Pipelined layouts are trained in ``tests/test_pipeline.py`` and timed in
+    ``benchmarks/pipeline_step.py``; ``tenplex-jax plan --cluster`` shows the unrestricted choice.
     """
     if rules is None:
         from models import LOGICAL_RULES as rules
@@ -141,7 +143,7 @@ def choose_config(
         )
     except PlanError as error:
         raise LayoutError(
-            f"no (data, fsdp, tensor) config lays the state out on {n} devices with global batch "
+            f"no (data, fsdp) config lays the state out on {n} devices with global batch "
             f"{global_batch}: {error}; refused by the layout: " + "; ".join(refused)
         ) from None
     return choice.best.config
@@ -487,12 +489,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _configs(n: int) -> list[ParallelConfig]:
-    """Every ``(data, fsdp, tensor)`` mesh of ``n`` devices, ``pipe=1``."""
-    return [
-        ParallelConfig(data=n // (t * f), fsdp=f, tensor=t)
-        for t in _divisors(n)
-        for f in _divisors(n // t)
-    ]
+    """Every ``(data, fsdp)`` mesh of ``n`` devices."""
+    return [ParallelConfig(data=n // f, fsdp=f) for f in _divisors(n)]
 
 
 @functools.cache
