@@ -164,8 +164,9 @@ def pipeline(
     _check(layer_params, x, stages, n_stages, microbatches, axis, mesh)
     if remat:
         layer_fn = jax.checkpoint(layer_fn)
+    uneven = not stages.is_even
     if n_stages == 1:
-        return _scan(layer_fn, layer_params, x, stages.mask)
+        return _layers(layer_fn, layer_params, jnp.asarray(stages.mask), x, uneven)
 
     batch = x.shape[0]
     # Microbatch j takes rows j, j + m, j + 2m, ...: a reshape that keeps the batch sharding.
@@ -173,7 +174,7 @@ def pipeline(
     mask = jnp.asarray(stages.mask)
 
     def spmd(params, mask, xs):
-        return _gpipe(layer_fn, params, mask, xs, n_stages, axis, not stages.is_even)
+        return _gpipe(layer_fn, params, mask, xs, n_stages, axis, uneven)
 
     run = jax.shard_map(
         spmd,
@@ -186,9 +187,9 @@ def pipeline(
     return jnp.swapaxes(ys, 0, 1).reshape(x.shape[:1] + ys.shape[2:])
 
 
-def _scan(layer_fn: LayerFn, params, x, mask: np.ndarray):
-    """The stacked layers one after another; padded rows skipped."""
-    uneven = not bool(np.all(mask))
+def _layers(layer_fn: LayerFn, params, mask: jax.Array, h: jax.Array, uneven: bool) -> jax.Array:
+    """The stacked layers one after another; with ``uneven``, rows where ``mask`` is false are
+    padding and skipped (``lax.cond`` runs one branch: no compute, zero gradient)."""
 
     def body(h, row):
         p, real = row
@@ -196,7 +197,7 @@ def _scan(layer_fn: LayerFn, params, x, mask: np.ndarray):
             return jax.lax.cond(real, layer_fn, lambda h, _: h, h, p), None
         return layer_fn(h, p), None
 
-    return jax.lax.scan(body, x, (params, jnp.asarray(mask)))[0]
+    return jax.lax.scan(body, h, (params, mask))[0]
 
 
 def _gpipe(layer_fn: LayerFn, params, mask, xs, n_stages: int, axis: str, uneven: bool):
@@ -206,21 +207,12 @@ def _gpipe(layer_fn: LayerFn, params, mask, xs, n_stages: int, axis: str, uneven
     last = n_stages - 1
     shift = [(s, (s + 1) % n_stages) for s in range(n_stages)]
 
-    def stage_fn(h):
-        def body(h, row):
-            p, real = row
-            if uneven:
-                return jax.lax.cond(real, layer_fn, lambda h, _: h, h, p), None
-            return layer_fn(h, p), None
-
-        return jax.lax.scan(body, h, (params, mask))[0]
-
     def tick(carry, t):
         held, outputs = carry
         # stage 0 takes in microbatch t; the others take what the previous stage passed on
         fresh = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, n_micro - 1), keepdims=False)
         held = jnp.where(stage == 0, fresh, held)
-        held = stage_fn(held)
+        held = _layers(layer_fn, params, mask, held, uneven)
         done = t - last  # the microbatch the last stage finishes at this tick
         slot = jnp.clip(done, 0, n_micro - 1)
         write = (stage == last) & (done >= 0)
