@@ -150,6 +150,12 @@ def _parser() -> argparse.ArgumentParser:
         help="with --objective cost: the slowest acceptable layout (default: 0)",
     )
     planner.add_argument(
+        "--any-subset",
+        action="store_true",
+        help="with --objective time: also try leaving devices idle (per type: none, a power of "
+        "two, or all); --objective cost always does",
+    )
+    planner.add_argument(
         "--top", type=_positive, default=8, help="candidates shown in the table (default: 8)"
     )
 
@@ -281,6 +287,7 @@ def _choose(args) -> int:
         args.batch,
         objective=args.objective,
         min_throughput=args.min_throughput,
+        subsets=True if args.any_subset else None,
         top=args.top,
     )
     print(

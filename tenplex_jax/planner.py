@@ -154,14 +154,17 @@ def choose(
     even_stages: bool = False,
     max_microbatches: int = 64,
     min_throughput: float = 0.0,
+    subsets: bool | None = None,
     configs: Iterable[ParallelConfig] | None = None,
     top: int = 8,
 ) -> Choice:
     """The best layout of ``model`` on ``cluster`` for ``global_batch`` (see the module docstring).
 
     ``objective="time"`` uses all the cluster's devices; ``"cost"`` also chooses how many devices of
-    each type to use, among layouts of at least ``min_throughput`` samples/s (without a floor the
-    cheapest is often one device). ``even_stages`` keeps only equal stages (no padded layout); ``configs``
+    each type to use (0, a power of two, or all of them), among layouts of at least
+    ``min_throughput`` samples/s (without a floor the cheapest is often one device). ``subsets``
+    overrides whether device subsets are searched: with ``objective="time"`` it finds, say, that a
+    mixed cluster is faster without its slowest devices. ``even_stages`` keeps only equal stages (no padded layout); ``configs``
     restricts the search to the given mesh shapes. Raises ``PlanError`` naming every rule that
     rejected a config when none fits.
 
@@ -184,8 +187,10 @@ def choose(
             )
     only = None if configs is None else set(configs)
     search = _Search(model, global_batch, objective, even_stages, max_microbatches, min_throughput)
-    subsets = _subsets(cluster) if objective == "cost" else [tuple(range(cluster.num_devices))]
-    for devices in subsets:
+    if subsets is None:
+        subsets = objective == "cost"
+    device_sets = _subsets(cluster) if subsets else [tuple(range(cluster.num_devices))]
+    for devices in device_sets:
         search.run(cluster, devices, only)
     if not search.found:
         raise PlanError(

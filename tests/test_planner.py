@@ -137,6 +137,9 @@ def test_cost_objective_rents_the_devices_with_most_samples_per_dollar():
     assert frugal.best.samples_per_usd > fastest.best.samples_per_usd
     assert {cluster.kinds[d] for d in frugal.best.devices} == {1}
     assert frugal.best.throughput >= 0.35 * fastest.best.throughput
+    # the time objective may also leave devices idle when asked: never slower than all of them
+    subset = tj.choose(cluster, model, 64, subsets=True)
+    assert subset.best.step_time <= fastest.best.step_time
     with pytest.raises(tj.PlanError, match="usd_per_hour"):
         free = dataclasses.replace(
             cluster, types=(dataclasses.replace(dear, usd_per_hour=0), cheap)
