@@ -4,9 +4,9 @@ One process, one model, one global batch: the full train step (forward, backward
 reference GPT on 8 fake CPU devices, for an unpipelined baseline and for GPipe layouts over the
 ``pipe`` axis, stepped round robin (one step of each layout per round, so that the noise of a shared
 machine hits all alike). Medians of ``--repeats`` rounds after two warm-up rounds; the ratio is each
-layout's step time ÷ the baseline's (< 1: faster than the baseline). On CPU the fake devices share two cores,
-so a pipeline cannot overlap stages in wall time: the ratio measures the schedule's overhead
-(bubble ticks, microbatch loop, permutes, rematerialisation), not a GPU speed-up.
+layout's step time ÷ the baseline's (< 1: faster than the baseline). On CPU the fake devices share
+two cores, so a pipeline cannot overlap stages in wall time: the ratio measures the schedule's
+overhead (bubble ticks, microbatch loop, permutes, rematerialisation), not a GPU speed-up.
 
     python benchmarks/pipeline_step.py [--repeats 5] [--out FILE]
 """
@@ -115,9 +115,13 @@ def main(argv=None) -> int:
     )
     for row in rows:
         row["ratio"] = row["ms"] / base
-        print(
-            f"| {row['layout']} | {row['ms']:.1f} | {row['ratio']:.2f} | {row['predicted_ms']:.1f} |"
+        cells = (
+            row["layout"],
+            f"{row['ms']:.1f}",
+            f"{row['ratio']:.2f}",
+            f"{row['predicted_ms']:.1f}",
         )
+        print("| " + " | ".join(cells) + " |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=2)

@@ -13,8 +13,9 @@ Only the ``pipe`` axis is manual (``jax.shard_map(..., axis_names={"pipe"})``): 
 ``fsdp`` and ``tensor`` axes stay automatic inside each stage, so a stage's layers are tensor- and
 data-parallel exactly as without pipelining.
 
-Because the layer weights keep their shape ``(layers, ...)`` and only their spec changes, changing the
-pipeline degree (2 → 4 → 1) is an ordinary reconfiguration of the ``layers`` dim by the core plan.
+Because the layer weights keep their shape ``(layers, ...)`` and only their spec changes, changing
+the pipeline degree (2 → 4 → 1) is an ordinary reconfiguration of the ``layers`` dim by the core
+plan.
 
 **Uneven stages** (HetPipe: more layers on faster devices) use a padded stacked layout: ``Stages``
 gives each stage ``slots`` positions of which the first ``layers[s]`` hold real layers; the stacked

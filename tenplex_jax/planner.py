@@ -2,11 +2,11 @@
 
 Given a cluster (devices with memory, speed and price), a model profile (per-layer FLOPs, parameter
 and activation bytes) and the global batch, ``choose`` returns the ``(data, fsdp, tensor, pipe)``
-config, the number of microbatches and the layers of every pipeline stage that minimise the estimated
-step time under every device's memory limit, or (``objective="cost"``) maximise samples per dollar
-over subsets of the cluster's devices. It explains itself: ``print(choice)`` shows the best
-candidates with their estimated time and memory, and how many configs each rule rejected, with an
-example.
+config, the number of microbatches and the layers of every pipeline stage that minimise the
+estimated step time under every device's memory limit, or (``objective="cost"``) maximise samples
+per dollar over subsets of the cluster's devices. It explains itself: ``print(choice)`` shows the
+best candidates with their estimated time and memory, and how many configs each rule rejected,
+with an example.
 
 **Cost model** (``estimate``; one function, used by the search and by the brute-force tests). The
 devices are ordered fastest first and cut into ``pipe`` consecutive stage groups of
@@ -14,7 +14,7 @@ devices are ordered fastest first and cut into ``pipe`` consecutive stage groups
 has the speed and memory of its slowest and smallest device. With ``b`` samples per microbatch and
 replica, a stage's tick (forward + backward of one microbatch) is::
 
-    sum over its layers of 4 * flops * b / (tensor * speed)    compute (forward, recompute, backward)
+    sum over its layers of 4 * flops * b / (tensor * speed)    compute (fwd, recompute, bwd)
       + 4 all-reduces of the layer output over the tensor group (ring volume)   tensor parallelism
       + fsdp all-gathers and reduce-scatter of the stage's rows                  fsdp
       + send and receive of one microbatch to the next stage                     pipeline
@@ -22,11 +22,12 @@ replica, a stage's tick (forward + backward of one microbatch) is::
 and the step is ``(microbatches + pipe - 1) * slowest tick`` (the GPipe schedule of
 ``tenplex_jax.pipeline`` runs every stage in lockstep at every tick) plus the gradient all-reduce
 over ``data`` and the part outside the pipeline (embedding, head), which every stage runs. Links
-inside a node run at the device type's ``link_bandwidth``, others at the cluster's network bandwidth.
-Memory per device: ``state_factor`` × (the stage's stacked rows + the outside params) / (tensor ×
-fsdp), plus every layer's input for every tick of the schedule (layers are rematerialised, as in
-GPipe), plus one layer's activations while it is recomputed, plus the outside part's activations. Uneven stages are stored padded to
-``slots = max(layers per stage)`` rows, which the memory and communication terms count.
+inside a node run at the device type's ``link_bandwidth``, others at the cluster's network
+bandwidth. Memory per device: ``state_factor`` × (the stage's stacked rows + the outside params) /
+(tensor × fsdp), plus every layer's input for every tick of the schedule (layers are
+rematerialised, as in GPipe), plus one layer's activations while it is recomputed, plus the outside
+part's activations. Uneven stages are stored padded to ``slots = max(layers per stage)`` rows,
+which the memory and communication terms count.
 
 **Search.** Every ``(pipe, data, fsdp, tensor)`` whose product is the device count and whose
 ``data * fsdp`` replicas get at least one sample each (an uneven split is padded, as
@@ -164,9 +165,9 @@ def choose(
     each type to use (0, a power of two, or all of them), among layouts of at least
     ``min_throughput`` samples/s (without a floor the cheapest is often one device). ``subsets``
     overrides whether device subsets are searched: with ``objective="time"`` it finds, say, that a
-    mixed cluster is faster without its slowest devices. ``even_stages`` keeps only equal stages (no padded layout); ``configs``
-    restricts the search to the given mesh shapes. Raises ``PlanError`` naming every rule that
-    rejected a config when none fits.
+    mixed cluster is faster without its slowest devices. ``even_stages`` keeps only equal stages
+    (no padded layout); ``configs`` restricts the search to the given mesh shapes. Raises
+    ``PlanError`` naming every rule that rejected a config when none fits.
 
     Example::
 
@@ -238,7 +239,7 @@ class _Facts:
     global_batch: int
     config: ParallelConfig
     microbatches: int
-    per_flop: np.ndarray  # [stage] seconds per layer FLOP of one microbatch (fwd + bwd)
+    per_flop: np.ndarray  # [stage] seconds per layer FLOP of a microbatch (fwd, remat, bwd)
     per_out_byte: np.ndarray  # [stage] tensor-parallel seconds per output byte
     per_row: np.ndarray  # [stage] fsdp seconds per param byte of a stacked row, per tick
     send: float  # seconds to pass one microbatch on, per tick

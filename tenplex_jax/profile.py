@@ -1,8 +1,9 @@
 """What the planner knows about a model: per-layer FLOPs, parameter and activation bytes.
 
 ``ModelProfile.measure`` derives a profile from the model's own functions without running them:
-FLOPs from XLA's cost analysis of the lowered layer, parameter bytes from the abstract params, and the
-bytes a layer keeps for its backward pass from the residuals of ``jax.vjp`` under ``jax.eval_shape``
+FLOPs from XLA's cost analysis of the lowered layer, parameter bytes from the abstract params, and
+the bytes a layer keeps for its backward pass from the residuals of ``jax.vjp`` under
+``jax.eval_shape``
 (measured at batch 1 and 2, so that what does not grow with the batch, such as the weights the
 backward pass reads, drops out).
 """

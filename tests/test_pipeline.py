@@ -1,4 +1,4 @@
-"""Pipeline parallelism: a GPipe schedule over ``pipe`` computes what the unpipelined model computes."""
+"""Pipeline parallelism: a GPipe schedule over ``pipe`` computes what the unpipelined model does."""
 
 from __future__ import annotations
 
