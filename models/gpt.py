@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -180,7 +181,8 @@ class GPT(nnx.Module):
 
         x = jnp.take(self.tok_embed[...], tokens, axis=0)
         x = x + self.pos_embed[...][:T]
-        block = functools.partial(_block, scale=1.0 / jnp.sqrt(jnp.float32(self.cfg.d_head)))
+        # a Python float, not a traced value: the pipeline's shard_map must not close over tracers
+        block = functools.partial(_block, scale=1.0 / math.sqrt(self.cfg.d_head))
         params = self._layer_params()
         if mesh is not None or stages is not None:
             mesh = mesh if mesh is not None else ParallelConfig().abstract_mesh()

@@ -179,13 +179,23 @@ def pipeline(
 
     run = jax.shard_map(
         spmd,
-        mesh=mesh,
+        mesh=_context_mesh(mesh),
         in_specs=(P(axis), P(axis), P()),
         out_specs=P(),
         axis_names=frozenset({axis}),
     )
     ys = run(layer_params, mask, xs)
     return jnp.swapaxes(ys, 0, 1).reshape(x.shape[:1] + ys.shape[2:])
+
+
+def _context_mesh(mesh: Mesh):
+    """The mesh to map over. Inside another ``shard_map`` (virtual data-parallel workers are
+    manual over ``data`` and ``fsdp``) it is the context's abstract mesh, whose axis types say
+    which axes are manual already; ``shard_map`` refuses a mesh that differs from its context's."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.shape_tuple == mesh.shape_tuple:
+        return context
+    return mesh
 
 
 def _layers(layer_fn: LayerFn, params, mask: jax.Array, h: jax.Array, uneven: bool) -> jax.Array:

@@ -34,9 +34,13 @@ def dataset_source():
     return corpus_samples(stdlib_corpus(2**20), seq_len=32, num_samples=100)
 
 
-def compiled_step(graphdef, ptc: tj.PTC, layout: tj.BatchLayout):
+def compiled_step(graphdef, ptc: tj.PTC, layout: tj.BatchLayout, microbatches: int = 0):
+    """The jitted step; ``microbatches > 0`` runs the layers as a pipeline over ``pipe``."""
     mesh = ptc.mesh()
-    grad_fn = tj.batch_value_and_grad(example_losses, layout, mesh)
+    loss = example_losses
+    if microbatches:
+        loss = functools.partial(example_losses, mesh=mesh, microbatches=microbatches)
+    grad_fn = tj.batch_value_and_grad(loss, layout, mesh)
 
     def step(state, batch, weights):
         model, optimizer = nnx.merge(graphdef, state)
@@ -53,7 +57,7 @@ def compiled_step(graphdef, ptc: tj.PTC, layout: tj.BatchLayout):
     )
 
 
-def train(schedule: dict, steps: int, workers: int | None = WORKERS):
+def train(schedule: dict, steps: int, workers: int | None = WORKERS, microbatches: int = 0):
     """Train ``steps`` steps, changing layout at the schedule's steps; (losses, state, samples)."""
     graphdef, state = build()
     dataset = tj.DatasetPTC(dataset_source(), BATCH, seed=3)  # 100 samples: epochs end mid-batch
@@ -69,7 +73,7 @@ def train(schedule: dict, steps: int, workers: int | None = WORKERS):
                 new = tj.allocate(ptc, new)
             ptc = new
             layout = tj.BatchLayout(BATCH, ranks=config.data * config.fsdp, workers=workers)
-            step = compiled_step(graphdef, ptc, layout)
+            step = compiled_step(graphdef, ptc, layout, microbatches if config.pipe > 1 else 0)
         batch, weights, samples = tj.device_batch(dataset, dataset.step, layout, ptc.mesh())
         dataset.step += 1
         state, loss = step(state, batch, weights)
@@ -168,3 +172,14 @@ def test_a_layout_for_another_rank_count_than_the_mesh_is_refused():
         tj.batch_value_and_grad(
             example_losses, tj.BatchLayout(24, ranks=4), mesh, batch_axes=("replica",)
         )
+
+
+def test_virtual_workers_train_a_pipelined_model(fixed_run):
+    """The pipeline's shard_map over ``pipe`` runs inside the workers' shard_map over the batch."""
+    schedule = {0: (C(data=8), range(8)), 2: (C(data=4, pipe=2), range(8))}
+    losses, state, seen = train(schedule, 4, microbatches=3)
+    fixed_losses, _, fixed_seen = fixed_run
+    np.testing.assert_allclose(losses, fixed_losses[:4], rtol=1e-5)
+    for got, want in zip(seen, fixed_seen):
+        np.testing.assert_array_equal(got, want)
+    assert max_relative_difference(state, train({0: (C(data=8), range(8))}, 4)[1]) <= 1e-4
