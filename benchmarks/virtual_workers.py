@@ -4,7 +4,8 @@ Both train the same GPT + AdamW on the same global batches from a dataset PTC, o
 layouts; only the gradient differs: plain SPMD over the padded batch, or ``--workers`` virtual
 workers (one gradient per unit, run one at a time, summed in a fixed order; bitwise equal on any
 data-parallel size). Per layout: the median step time of ``--steps`` steps after compiling, and the
-ratio virtual ÷ plain (> 1: virtual workers cost that much more).
+ratio virtual ÷ plain (> 1: virtual workers cost that much more). The two are stepped in turn, so
+the machine's noise hits both alike.
 
     python benchmarks/virtual_workers.py [--model small] [--batch 24] [--workers 8] [--out FILE]
 """
@@ -39,28 +40,39 @@ LAYOUTS = [
 ]
 
 
-def time_steps(model: str, config, batch: int, workers, steps: int) -> float:
+def stepper(model: str, config, batch: int, workers):
+    """A zero-argument function that runs one training step of ``model`` on ``config``."""
     graphdef, state, cfg = build_state(model, 1e-3)
     ptc = tj.PTC.of(state, LOGICAL_RULES, config, jax.devices()[: config.num_devices])
-    state = tj.place(state, ptc)
+    holder = {"state": tj.place(state, ptc)}
     layout = tj.BatchLayout(batch, ranks=config.data * config.fsdp, workers=workers)
     step = make_train_step(graphdef, ptc, layout)
-    source = corpus_samples(stdlib_corpus(2**22), cfg.seq_len)
-    dataset = tj.DatasetPTC(source, batch)
-    times = []
-    for i in range(steps + 2):  # the first two: compile and warm-up
-        b, w, _ = tj.device_batch(dataset, i, layout, ptc.mesh())
-        jax.block_until_ready((b, w))
+    dataset = tj.DatasetPTC(corpus_samples(stdlib_corpus(2**22), cfg.seq_len), batch)
+    batches = [tj.device_batch(dataset, i, layout, ptc.mesh())[:2] for i in range(4)]
+    count = iter(range(10**9))
+
+    def run() -> float:
+        b, w = batches[next(count) % len(batches)]
         tic = time.perf_counter()
-        state, loss = step(state, b, w)
+        holder["state"], loss = step(holder["state"], b, w)
         jax.block_until_ready(loss)
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times[2:])
+        return time.perf_counter() - tic
+
+    return run
+
+
+def time_pair(model: str, config, batch: int, workers: int, steps: int) -> tuple[float, float]:
+    """Median step times (plain, virtual), the two stepped in turn so noise hits both alike."""
+    plain, virtual = stepper(model, config, batch, None), stepper(model, config, batch, workers)
+    for _ in range(2):  # compile, warm up
+        plain(), virtual()
+    times = [(plain(), virtual()) for _ in range(steps)]
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small", choices=("tiny", "small"))
+    parser.add_argument("--model", default="small", choices=("tiny", "small", "gpt100m"))
     parser.add_argument("--batch", type=int, default=24)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=15)
@@ -70,8 +82,7 @@ def main(argv=None) -> int:
     print(f"GPT {args.model}, global batch {args.batch}, {args.workers} virtual workers")
     print(f"{'layout':>22} {'plain ms':>9} {'virtual ms':>11} {'virtual/plain':>14}")
     for name, config in LAYOUTS:
-        plain = time_steps(args.model, config, args.batch, None, args.steps)
-        virtual = time_steps(args.model, config, args.batch, args.workers, args.steps)
+        plain, virtual = time_pair(args.model, config, args.batch, args.workers, args.steps)
         rows.append({"layout": name, "config": str(config), "plain_s": plain,
                      "virtual_s": virtual, "ratio": virtual / plain})  # fmt: skip
         print(f"{name:>22} {plain * 1e3:9.1f} {virtual * 1e3:11.1f} {virtual / plain:14.2f}")
