@@ -2,11 +2,14 @@
 
 The elastic training loop does not exist yet; what a tenplex_jax loop runs today, between resizes,
 is the demo's path: the train state laid out by a PTC, the jitted step looked up in a cache keyed by
-the layout (config, device ids), and each global batch placed with the batch sharding of that
-layout. The plain loop is what a JAX user writes on the same mesh: shardings from
-``nnx.get_partition_spec`` under the same logical-axis rules, one ``jax.jit`` of the same step
-function, the same batches. Both loops alternate in blocks of steps, so the machine's noise falls on
-both alike; the overhead is the ratio of their median step times, minus one.
+the layout (config, device ids, batch layout), the global batch read from the dataset PTC and
+placed per device (``device_batch``), and the gradient from ``batch_value_and_grad`` with padding
+weights. It runs in plain data-parallel mode (``workers=None``); virtual workers, which buy bitwise
+device independence with extra compute, are measured in their own section of RESULTS.md. The plain
+loop is what a JAX user writes on the same mesh: shardings from ``nnx.get_partition_spec`` under the
+same logical-axis rules, one ``jax.jit`` of ``nnx.value_and_grad`` of the mean loss, the same global
+batches put with ``jax.device_put``. Both loops alternate in blocks of steps, so the machine's noise
+falls on both alike; the overhead is the ratio of their median step times, minus one.
 
 When the elastic loop lands, ``tenplex_loop`` below is the function to point at it.
 """
@@ -28,8 +31,10 @@ def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: 
     """Median step seconds of both loops over ``blocks`` alternating blocks of ``steps`` steps."""
     import optax
 
-    from models import GPT, LOGICAL_RULES, batch_at, loss_fn, stdlib_corpus
-    from tenplex_jax.demo import make_train_step, param_count
+    from models import GPT, LOGICAL_RULES, corpus_samples, loss_fn, stdlib_corpus
+    from tenplex_jax.data import BatchLayout, DatasetPTC
+    from tenplex_jax.demo import BATCH_AXES, make_train_step, param_count
+    from tenplex_jax.train import device_batch
 
     def build():
         with nnx.use_eager_sharding(False):
@@ -40,9 +45,11 @@ def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: 
             }
         return nnx.split(nodes)
 
-    corpus = stdlib_corpus()
-    batches = [batch_at(corpus, i, batch, model_cfg.seq_len) for i in range(steps)]
+    samples = corpus_samples(stdlib_corpus(), model_cfg.seq_len, num_samples=batch * steps)
+    dataset = DatasetPTC(samples, batch, seed=0)
     devices = jax.devices()[: config.num_devices]
+    plain_layout = BatchLayout(batch, ranks=1)
+    batches = [dataset.batch(i, plain_layout)[0] for i in range(steps)]  # the same global batches
 
     # tenplex_jax: PTC layout, step cache keyed by layout, batch placed with the layout's sharding
     graphdef, state = build()
@@ -52,13 +59,14 @@ def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: 
 
     def tenplex_loop(state):
         times = []
-        for b in batches:
+        for i in range(steps):
             tic = time.perf_counter()
-            key = (str(ptc.config), ptc.device_ids)
+            layout = BatchLayout(batch, ranks=ptc.config.data * ptc.config.fsdp, workers=None)
+            key = (str(ptc.config), ptc.device_ids, layout)
             if key not in cache:
-                cache[key] = make_train_step(graphdef, ptc)
-            step, batch_sharding = cache[key]
-            state, loss = step(state, jax.device_put(b, batch_sharding))
+                cache[key] = make_train_step(graphdef, ptc, layout)
+            rows, weights, _ = device_batch(dataset, i, layout, ptc.mesh(), BATCH_AXES)
+            state, loss = cache[key](state, rows, weights)
             float(loss)
             times.append(time.perf_counter() - tic)
         return state, times
@@ -70,7 +78,7 @@ def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: 
         specs = nnx.get_partition_spec(plain_state)
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
     plain_state = jax.device_put(plain_state, shardings)
-    batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
+    batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
 
     def train_step(state, batch):
         nodes = nnx.merge(plain_graphdef, state)
@@ -110,7 +118,7 @@ def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: 
     return {
         "kind": "loop",
         "change": "loop overhead",
-        "loop": "demo path (PTC layout, per-layout step cache, sharded batch placement)",
+        "loop": "demo path (PTC layout, step cache, dataset PTC + device_batch, plain DP)",
         "config": str(config),
         "params": param_count(state),
         "global_batch": batch,

@@ -104,3 +104,30 @@ def batch_at(
         "inputs": np.ascontiguousarray(windows[:, :-1]),
         "targets": np.ascontiguousarray(windows[:, 1:]),
     }
+
+
+def corpus_samples(
+    corpus: np.ndarray, seq_len: int, num_samples: int | None = None
+) -> dict[str, np.ndarray]:
+    """The corpus cut into fixed samples: consecutive, non-overlapping windows of ``seq_len + 1``.
+
+    Returns ``{"inputs": int32[N, seq_len], "targets": int32[N, seq_len]}`` for the first
+    ``num_samples`` windows (all that fit by default): a dataset with a fixed number of samples,
+    for a dataset PTC to permute and serve exactly once per epoch.
+    """
+    if corpus.ndim != 1:
+        raise ValueError(f"corpus must be 1-D, got shape {corpus.shape}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    fit = corpus.shape[0] // (seq_len + 1)
+    n = fit if num_samples is None else num_samples
+    if not 1 <= n <= fit:
+        raise ValueError(
+            f"the corpus of {corpus.shape[0]} bytes holds 1 to {fit} windows of {seq_len + 1}, "
+            f"asked for {num_samples}"
+        )
+    windows = corpus[: n * (seq_len + 1)].reshape(n, seq_len + 1).astype(np.int32)
+    return {
+        "inputs": np.ascontiguousarray(windows[:, :-1]),
+        "targets": np.ascontiguousarray(windows[:, 1:]),
+    }

@@ -8,7 +8,8 @@ experiments:
   ``jax.lax.scan`` over that dimension. Pipeline parallelism then amounts to
   sharding the ``layers`` dimension over the ``pipe`` mesh axis, so changing
   the pipeline degree is an ordinary array resharding rather than a change in
-  the shape of the parameter tree.
+  the shape of the parameter tree. Given a mesh, ``GPT.__call__`` runs the
+  layers as a GPipe schedule over ``pipe`` with ``tenplex_jax.pipeline``.
 
 * **Logical axis names.** Every parameter records, in its ``out_sharding``
   metadata, one logical name per dimension (``vocab``, ``embed``, ``mlp``,
@@ -25,6 +26,8 @@ leaving placement to whatever sharding the parameters and inputs carry.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +35,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh
+
+from tenplex_jax import ModelProfile, ParallelConfig, Stages, pipeline
 
 # (logical axis, mesh axis or axes) pairs in flax's logical-rules format.
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
@@ -44,6 +50,8 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("layers", "pipe"),
 )
 
+# The per-layer weights, stacked along a leading ``layers`` dim.
+STACKED = ("ln1_scale", "wq", "wk", "wv", "wo", "ln2_scale", "w1", "b1", "w2", "b2")
 _NORM_EPS = 1e-6
 _INIT_STD = 0.02
 
@@ -148,11 +156,23 @@ class GPT(nnx.Module):
 
     def _layer_params(self) -> dict[str, jax.Array]:
         """The stacked per-layer weights, as the xs of the layer scan."""
-        names = ("ln1_scale", "wq", "wk", "wv", "wo", "ln2_scale", "w1", "b1", "w2", "b2")
-        return {name: getattr(self, name)[...] for name in names}
+        return {name: getattr(self, name)[...] for name in STACKED}
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Map int32[B, T] byte tokens to float32[B, T, vocab] logits, T <= seq_len."""
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        mesh: Mesh | None = None,
+        microbatches: int = 1,
+        stages: Stages | None = None,
+    ) -> jax.Array:
+        """Map int32[B, T] byte tokens to float32[B, T, vocab] logits, T <= seq_len.
+
+        With a ``mesh`` whose ``pipe`` axis is larger than 1, the stacked layers run as a GPipe
+        pipeline of ``microbatches`` over it (``tenplex_jax.pipeline``); the embedding and the head
+        run outside the pipeline. ``stages`` gives uneven layers per stage; the stacked weights are
+        then padded (``Stages.pad``). Without a mesh the layers run as one scan.
+        """
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
         T = tokens.shape[1]
@@ -161,32 +181,85 @@ class GPT(nnx.Module):
 
         x = jnp.take(self.tok_embed[...], tokens, axis=0)
         x = x + self.pos_embed[...][:T]
-        causal = jnp.tril(jnp.ones((T, T), dtype=bool))
-        scale = 1.0 / jnp.sqrt(jnp.float32(self.cfg.d_head))
-
-        def block(h: jax.Array, p: dict[str, jax.Array]) -> tuple[jax.Array, None]:
-            a = _rms_norm(h, p["ln1_scale"])
-            q = jnp.einsum("btd,dhk->bthk", a, p["wq"])
-            k = jnp.einsum("btd,dhk->bthk", a, p["wk"])
-            v = jnp.einsum("btd,dhk->bthk", a, p["wv"])
-            scores = jnp.einsum("bthk,bshk->bhts", q, k) * scale
-            scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-            probs = jax.nn.softmax(scores, axis=-1)
-            attn = jnp.einsum("bhts,bshk->bthk", probs, v)
-            h = h + jnp.einsum("bthk,hkd->btd", attn, p["wo"])
-
-            m = _rms_norm(h, p["ln2_scale"])
-            m = jax.nn.gelu(jnp.einsum("btd,df->btf", m, p["w1"]) + p["b1"])
-            h = h + jnp.einsum("btf,fd->btd", m, p["w2"]) + p["b2"]
-            return h, None
-
-        x, _ = jax.lax.scan(block, x, self._layer_params())
+        # a Python float, not a traced value: the pipeline's shard_map must not close over tracers
+        block = functools.partial(_block, scale=1.0 / math.sqrt(self.cfg.d_head))
+        params = self._layer_params()
+        if mesh is not None or stages is not None:
+            mesh = mesh if mesh is not None else ParallelConfig().abstract_mesh()
+            x = pipeline(block, params, x, mesh=mesh, microbatches=microbatches, stages=stages)
+        else:
+            x, _ = jax.lax.scan(lambda h, p: (block(h, p), None), x, params)
         x = _rms_norm(x, self.final_norm_scale[...])
         return jnp.einsum("btd,dv->btv", x, self.unembed[...])
 
 
-def loss_fn(model: GPT, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean next-byte cross entropy of ``batch["targets"]`` given ``batch["inputs"]``."""
-    logits = model(batch["inputs"])
+def _block(h: jax.Array, p: dict[str, jax.Array], scale: jax.Array) -> jax.Array:
+    """One pre-norm transformer layer: causal self-attention, then the MLP."""
+    T = h.shape[1]
+    causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+    a = _rms_norm(h, p["ln1_scale"])
+    q = jnp.einsum("btd,dhk->bthk", a, p["wq"])
+    k = jnp.einsum("btd,dhk->bthk", a, p["wk"])
+    v = jnp.einsum("btd,dhk->bthk", a, p["wv"])
+    scores = jnp.einsum("bthk,bshk->bhts", q, k) * scale
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    attn = jnp.einsum("bhts,bshk->bthk", probs, v)
+    h = h + jnp.einsum("bthk,hkd->btd", attn, p["wo"])
+
+    m = _rms_norm(h, p["ln2_scale"])
+    m = jax.nn.gelu(jnp.einsum("btd,df->btf", m, p["w1"]) + p["b1"])
+    return h + jnp.einsum("btf,fd->btd", m, p["w2"]) + p["b2"]
+
+
+def loss_fn(model: GPT, batch: dict[str, jax.Array], **pipelining) -> jax.Array:
+    """Mean next-byte cross entropy of ``batch["targets"]`` given ``batch["inputs"]``.
+
+    ``pipelining`` (``mesh``, ``microbatches``, ``stages``) is passed on to ``GPT.__call__``.
+    """
+    return jnp.mean(example_losses(model, batch, **pipelining))
+
+
+def example_losses(model: GPT, batch: dict[str, jax.Array], **pipelining) -> jax.Array:
+    """float32[batch]: each example's mean next-byte cross entropy over its positions."""
+    logits = model(batch["inputs"], **pipelining)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.mean(losses)
+    return jnp.mean(losses, axis=-1)
+
+
+def profile(cfg: GPTConfig, name: str = "gpt") -> ModelProfile:
+    """The GPT as the planner sees it: one block's costs, the embedding and head, divisibility.
+
+    Everything comes from abstract values (``nnx.eval_shape``, XLA cost analysis): no weights are
+    allocated, so profiling ``gpt100m`` takes a fraction of a second.
+    """
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+    one_layer = {
+        k: jax.ShapeDtypeStruct(getattr(model, k).shape[1:], getattr(model, k).dtype)
+        for k in STACKED
+    }
+    block = functools.partial(_block, scale=1.0 / jnp.sqrt(jnp.float32(cfg.d_head)))
+    hidden = lambda b: jax.ShapeDtypeStruct((b, cfg.seq_len, cfg.d_model), jnp.float32)
+    names = ("tok_embed", "pos_embed", "final_norm_scale", "unembed")
+    outer = {k: abstract(getattr(model, k)) for k in names}
+    tokens = lambda b: jax.ShapeDtypeStruct((b, cfg.seq_len), jnp.int32)
+
+    def outside(p, tokens):  # embedding, head and loss around an identity stack of layers
+        x = jnp.take(p["tok_embed"], tokens, axis=0) + p["pos_embed"]
+        logits = jnp.einsum("btd,dv->btv", _rms_norm(x, p["final_norm_scale"]), p["unembed"])
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens))
+
+    return ModelProfile.measure(
+        name,
+        (block, one_layer, hidden),
+        (outside, outer, tokens),
+        cfg.n_layers,
+        divides=(
+            ("tensor", "heads", cfg.n_heads),
+            ("tensor", "d_ff", cfg.d_ff),
+            ("tensor", "vocab", cfg.vocab),
+            ("fsdp", "d_model", cfg.d_model),
+        ),
+    )

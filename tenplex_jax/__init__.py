@@ -14,27 +14,55 @@ The public face, in the order a user meets it::
     print(plan)                                                 # bytes kept / moved per group
     state, report = tj.reshard(state, plan)                     # bit-identical, old buffers freed
     nnx.update(nodes, state)
+
+    dataset = tj.DatasetPTC(samples, global_batch=64, seed=0)  # the dataset PTC: a fixed order
+    layout = tj.BatchLayout(64, ranks=new.config.data * new.config.fsdp, workers=8)
+    grad_fn = tj.batch_value_and_grad(example_losses, layout, mesh)  # bitwise across DP sizes
 """
 
-from tenplex_jax.errors import LayoutError, PlanError
+from tenplex_jax.cluster import Cluster, DeviceType
+from tenplex_jax.data import REMAINDERS, BatchLayout, DatasetPTC, DataState
+from tenplex_jax.errors import DataError, LayoutError, PlanError
+from tenplex_jax.pipeline import Stages, pipeline, restage
 from tenplex_jax.plan import LeafPlan, Piece, Plan, ShardPlan, allocate, make_plan
+from tenplex_jax.planner import Candidate, Choice, choose, estimate
+from tenplex_jax.profile import LayerProfile, ModelProfile
 from tenplex_jax.ptc import MESH_AXES, PTC, LeafLayout, ParallelConfig
+from tenplex_jax.train import batch_value_and_grad, device_batch
 from tenplex_jax.transform import ReshardReport, place, reshard
 
 __all__ = [
     "MESH_AXES",
     "PTC",
+    "REMAINDERS",
+    "BatchLayout",
+    "Candidate",
+    "Choice",
+    "Cluster",
+    "DataError",
+    "DataState",
+    "DatasetPTC",
+    "DeviceType",
+    "LayerProfile",
     "LayoutError",
     "LeafLayout",
     "LeafPlan",
+    "ModelProfile",
     "ParallelConfig",
     "Piece",
     "Plan",
     "PlanError",
     "ReshardReport",
     "ShardPlan",
+    "Stages",
     "allocate",
+    "batch_value_and_grad",
+    "choose",
+    "device_batch",
+    "estimate",
     "make_plan",
+    "pipeline",
     "place",
     "reshard",
+    "restage",
 ]

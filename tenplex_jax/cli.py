@@ -26,6 +26,12 @@ examples:
   tenplex-jax plan --model tiny --from tensor=3 --to data=3 --allow-replicate
       replicate dims that 3 does not divide instead of refusing the config
 
+  tenplex-jax plan --cluster meshes/hetpipe.toml --devices 8 --model gpt100m --batch 32
+      the planner: the best (data, fsdp, tensor, pipe), microbatches and stage boundaries for the
+      first 8 devices of a cluster description, with a table of the runners-up and rejections
+  tenplex-jax plan --cluster meshes/cloud-mix.toml --objective cost --min-throughput 1000
+      the devices to rent and the layout with the most samples per dollar at >= 1000 samples/s
+
 No device is touched: the state is abstract (nnx.eval_shape) and devices are bare ids, so a plan for
 any model and any device count is computed on a laptop in seconds.
 """
@@ -64,11 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as done:  # --help, or a usage error argparse has already printed
         return done.code if isinstance(done.code, int) else 0 if done.code is None else 2
-    from tenplex_jax.errors import LayoutError, PlanError
+    from tenplex_jax.errors import DataError, LayoutError, PlanError
 
     try:
         return args.command(args)
-    except (LayoutError, PlanError) as error:
+    except (DataError, LayoutError, PlanError) as error:
         print(f"tenplex-jax {args.name}: error: {error}", file=sys.stderr)
         return 2
 
@@ -99,7 +105,6 @@ def _parser() -> argparse.ArgumentParser:
         plan.add_argument(
             f"--{side}",
             dest=f"{side}_config",
-            required=True,
             type=_config,
             metavar="CONFIG",
             help=f"{what} parallel config as axis=size pairs over data, fsdp, tensor, pipe; "
@@ -126,6 +131,44 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--leaves", action="store_true", help="also print the target PTC: every leaf's shape, spec"
+    )
+    planner = plan.add_argument_group(
+        "planner", "with --cluster, choose the layout instead of planning between two given ones"
+    )
+    planner.add_argument(
+        "--cluster", metavar="FILE", help="cluster description (TOML, see meshes/)"
+    )
+    planner.add_argument(
+        "--devices",
+        type=_positive,
+        metavar="N",
+        help="use the first N devices of the cluster (default: all of them)",
+    )
+    planner.add_argument(
+        "--batch", type=_positive, default=64, help="global batch in samples (default: 64)"
+    )
+    planner.add_argument(
+        "--objective",
+        choices=("time", "cost"),
+        default="time",
+        help="time: fastest step on all N devices (default); cost: most samples per dollar, "
+        "choosing how many devices of each type to use",
+    )
+    planner.add_argument(
+        "--min-throughput",
+        type=float,
+        default=0.0,
+        metavar="SAMPLES_PER_S",
+        help="with --objective cost: the slowest acceptable layout (default: 0)",
+    )
+    planner.add_argument(
+        "--any-subset",
+        action="store_true",
+        help="with --objective time: also try leaving devices idle (per type: none, a power of "
+        "two, or all); --objective cost always does",
+    )
+    planner.add_argument(
+        "--top", type=_positive, default=8, help="candidates shown in the table (default: 8)"
     )
 
     demo = sub.add_parser(
@@ -170,7 +213,22 @@ def _parser() -> argparse.ArgumentParser:
         default=8,
         help="fake CPU devices; the run starts on all of them (default: 8)",
     )
-    demo.add_argument("--seed", type=int, default=0, help="init and batch seed (default: 0)")
+    demo.add_argument("--seed", type=int, default=0, help="init and data seed (default: 0)")
+    demo.add_argument(
+        "--workers",
+        type=_count,
+        default=8,
+        metavar="V",
+        help="virtual data-parallel workers; the global batch is always cut into V units whose "
+        "gradients are summed in a fixed order, so results are bitwise equal on any data-parallel "
+        "size; 0 for plain data parallelism (default: 8)",
+    )
+    demo.add_argument(
+        "--samples",
+        type=_positive,
+        default=1000,
+        help="dataset size, in samples of seq_len + 1 bytes of the corpus (default: 1000)",
+    )
 
     bench = sub.add_parser(
         "bench",
@@ -201,6 +259,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan(args) -> int:
     """Plan between two configs of an abstract state: no backend starts, no memory is allocated."""
+    if args.cluster:
+        return _choose(args)
+    if args.from_config is None or args.to_config is None:
+        print("tenplex-jax plan: error: give --from and --to, or --cluster", file=sys.stderr)
+        return 2
     from models import LOGICAL_RULES
     from tenplex_jax.demo import build_state, param_count
     from tenplex_jax.errors import LayoutError
@@ -245,6 +308,39 @@ def _plan(args) -> int:
     return 0
 
 
+def _choose(args) -> int:
+    """The planner's table for the GPT on (the first N devices of) a cluster description."""
+    from models import GPTConfig, profile
+    from tenplex_jax.cluster import Cluster
+    from tenplex_jax.planner import choose
+
+    cluster = Cluster.load(args.cluster)
+    if args.devices is not None:
+        cluster = cluster.take(args.devices)
+    model = profile(GPTConfig.by_name(args.model), name=f"gpt {args.model}")
+    choice = choose(
+        cluster,
+        model,
+        args.batch,
+        objective=args.objective,
+        min_throughput=args.min_throughput,
+        subsets=True if args.any_subset else None,
+        top=args.top,
+    )
+    print(
+        f"model gpt {args.model}: {model.num_layers} layers, {model.param_bytes / MIB:.1f} MiB of "
+        f"params; global batch {args.batch}"
+    )
+    print(choice.table())
+    best = choice.best
+    print(
+        f"chosen: {best.config} with {best.microbatches} microbatches"
+        + (f", layers per stage {best.stages.layers}" if best.config.pipe > 1 else "")
+        + f"; devices in mesh order {_ids_text(best.devices)}"
+    )
+    return 0
+
+
 def _demo(args) -> int:
     """Configure JAX for fake CPU devices first, then run the demo and print its resize table."""
     import pathlib
@@ -274,10 +370,13 @@ def _demo(args) -> int:
         method=args.method,
         devices=args.devices,
         seed=args.seed,
+        workers=args.workers or None,
+        samples=args.samples,
     )
     summary = demo.run(options)
     print()
     print(demo.resize_table(summary))
+    print(demo.consistency_line(summary))
     print(f"wrote {options.out / 'loss.png'} and {options.out / 'summary.json'}")
     return 0
 
@@ -339,6 +438,12 @@ def _schedule(text: str) -> tuple[tuple[int, int], ...]:
 def _positive(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _count(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return int(text)
 
 

@@ -11,6 +11,10 @@ class LayoutError(ValueError):
     """A state cannot be laid out as asked (unknown logical axis, indivisible dim, bad device list, ...)."""
 
 
+class DataError(ValueError):
+    """A dataset, batch layout or saved data position breaks a rule; nothing was consumed."""
+
+
 class PlanError(ValueError):
     """Two PTCs cannot be planned between, or a plan does not fit the state it is applied to."""
 

@@ -61,7 +61,8 @@ def test_bad_input_exits_2_with_the_reason(capsys) -> None:
 
 def test_demo_end_to_end(tmp_path) -> None:
     cmd = [sys.executable, "-m", "tenplex_jax", "demo", "--model", "tiny", "--steps", "8"]
-    cmd += ["--schedule", "2:4,4:6,6:8", "--batch", "12", "--out", str(tmp_path)]
+    cmd += ["--schedule", "2:4,4:6,6:8", "--batch", "16", "--samples", "50"]
+    cmd += ["--out", str(tmp_path)]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -80,3 +81,36 @@ def test_demo_end_to_end(tmp_path) -> None:
     assert math.isfinite(summary["final_loss"])
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "step" in done.stdout and "->" in done.stdout  # the resize table
+    # 8 steps of 16 over 50 samples: two full epochs and 28 samples, each seen once per epoch
+    assert summary["exactly_once"] is True
+    assert summary["samples_seen"] == summary["samples_expected"] == 128
+    assert summary["params_vs_fixed_run"] == "bitwise"
+    assert summary["data_state"]["consumed"] == 128
+    assert len(summary["fixed_run_losses"]) == 8
+
+
+def test_demo_rejects_a_batch_the_virtual_workers_do_not_divide(tmp_path, capsys) -> None:
+    argv = ["demo", "--model", "tiny", "--batch", "12", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "8 virtual workers must divide the global batch 12" in err
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_plan_with_a_cluster_prints_the_planner_table(capsys) -> None:
+    argv = ["plan", "--cluster", str(ROOT / "meshes" / "hetpipe.toml"), "--devices", "8"]
+    assert main([*argv, "--model", "gpt100m", "--batch", "32", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "planner: hetpipe" in out and "step ms" in out and "peak GiB" in out
+    chosen = re.search(
+        r"chosen: (\S+) with (\d+) microbatches, layers per stage \(([\d, ]+)\)", out
+    )
+    assert chosen, out
+    layers = [int(n) for n in chosen[3].split(",")]
+    assert sum(layers) == 16 and layers[0] > layers[-1]  # the fast GPUs come first, with more
+    assert main([*argv[:3], "--devices", "99"]) == 2
+    assert "cannot take 99" in capsys.readouterr().err
+    assert main(["plan", "--cluster", "missing.toml"]) == 2
+    assert "cannot read cluster description" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny"]) == 2
+    assert "--from and --to, or --cluster" in capsys.readouterr().err

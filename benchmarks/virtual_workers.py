@@ -1,0 +1,98 @@
+"""Step time with virtual data-parallel workers vs plain data parallelism, in one process run.
+
+Both train the same GPT + AdamW on the same global batches from a dataset PTC, on the same
+layouts; only the gradient differs: plain SPMD over the padded batch, or ``--workers`` virtual
+workers (one gradient per unit, run one at a time, summed in a fixed order; bitwise equal on any
+data-parallel size). Per layout: the median step time of ``--steps`` steps after compiling, and the
+ratio virtual ÷ plain (> 1: virtual workers cost that much more). The two are stepped in turn, so
+the machine's noise hits both alike.
+
+    python benchmarks/virtual_workers.py [--model small] [--batch 24] [--workers 8] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np
+
+import tenplex_jax as tj
+from models import LOGICAL_RULES, corpus_samples, stdlib_corpus
+from tenplex_jax.demo import build_state, make_train_step
+
+C = tj.ParallelConfig
+LAYOUTS = [
+    ("dp 8", C(data=8)),
+    ("dp 4", C(data=4)),
+    ("dp 3 (uneven)", C(data=3)),
+    ("dp 4, fsdp 2", C(data=4, fsdp=2)),
+    ("dp 2, fsdp 2, tp 2", C(data=2, fsdp=2, tensor=2)),
+    ("dp 2, tp 4", C(data=2, tensor=4)),
+]
+
+
+def stepper(model: str, config, batch: int, workers):
+    """A zero-argument function that runs one training step of ``model`` on ``config``."""
+    graphdef, state, cfg = build_state(model, 1e-3)
+    ptc = tj.PTC.of(state, LOGICAL_RULES, config, jax.devices()[: config.num_devices])
+    holder = {"state": tj.place(state, ptc)}
+    layout = tj.BatchLayout(batch, ranks=config.data * config.fsdp, workers=workers)
+    step = make_train_step(graphdef, ptc, layout)
+    dataset = tj.DatasetPTC(corpus_samples(stdlib_corpus(2**22), cfg.seq_len), batch)
+    batches = [tj.device_batch(dataset, i, layout, ptc.mesh())[:2] for i in range(4)]
+    count = iter(range(10**9))
+
+    def run() -> float:
+        b, w = batches[next(count) % len(batches)]
+        tic = time.perf_counter()
+        holder["state"], loss = step(holder["state"], b, w)
+        jax.block_until_ready(loss)
+        return time.perf_counter() - tic
+
+    return run
+
+
+def time_pair(model: str, config, batch: int, workers: int, steps: int) -> tuple[float, float]:
+    """Median step times (plain, virtual), the two stepped in turn so noise hits both alike."""
+    plain, virtual = stepper(model, config, batch, None), stepper(model, config, batch, workers)
+    for _ in range(2):  # compile, warm up
+        plain(), virtual()
+    times = [(plain(), virtual()) for _ in range(steps)]
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", choices=("tiny", "small", "gpt100m"))
+    parser.add_argument("--batch", type=int, default=24)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    rows = []
+    print(f"GPT {args.model}, global batch {args.batch}, {args.workers} virtual workers")
+    print(f"{'layout':>22} {'plain ms':>9} {'virtual ms':>11} {'virtual/plain':>14}")
+    for name, config in LAYOUTS:
+        plain, virtual = time_pair(args.model, config, args.batch, args.workers, args.steps)
+        rows.append({"layout": name, "config": str(config), "plain_s": plain,
+                     "virtual_s": virtual, "ratio": virtual / plain})  # fmt: skip
+        print(f"{name:>22} {plain * 1e3:9.1f} {virtual * 1e3:11.1f} {virtual / plain:14.2f}")
+    geo = float(np.exp(np.mean(np.log([r["ratio"] for r in rows]))))
+    print(f"geometric mean virtual/plain: {geo:.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows, "geomean_ratio": geo, "args": vars(args)}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Training through data-parallel and FSDP resizes gives the bits of a fixed run."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tenplex_jax as tj
+from models import GPT, GPTConfig, corpus_samples, example_losses, stdlib_corpus
+from tests.helpers import RULES, host_copy
+
+C = tj.ParallelConfig
+BATCH = 24
+WORKERS = 8
+
+
+def build(seed: int = 0):
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=3, decay_steps=20)
+    with nnx.use_eager_sharding(False):
+        model = GPT(GPTConfig.tiny(), rngs=nnx.Rngs(seed))
+        optimizer = nnx.Optimizer(model, optax.adamw(schedule), wrt=nnx.Param)
+    return nnx.split((model, optimizer))
+
+
+@functools.cache
+def dataset_source():
+    return corpus_samples(stdlib_corpus(2**20), seq_len=32, num_samples=100)
+
+
+def compiled_step(graphdef, ptc: tj.PTC, layout: tj.BatchLayout, microbatches: int = 0):
+    """The jitted step; ``microbatches > 0`` runs the layers as a pipeline over ``pipe``."""
+    mesh = ptc.mesh()
+    loss = example_losses
+    if microbatches:
+        loss = functools.partial(example_losses, mesh=mesh, microbatches=microbatches)
+    grad_fn = tj.batch_value_and_grad(loss, layout, mesh)
+
+    def step(state, batch, weights):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = grad_fn(model, batch, weights)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    shardings = ptc.shardings(mesh)
+    return jax.jit(
+        step,
+        in_shardings=(shardings, NamedSharding(mesh, P(("data", "fsdp"))), None),
+        out_shardings=(shardings, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+
+
+def train(schedule: dict, steps: int, workers: int | None = WORKERS, microbatches: int = 0):
+    """Train ``steps`` steps, changing layout at the schedule's steps; (losses, state, samples)."""
+    graphdef, state = build()
+    dataset = tj.DatasetPTC(dataset_source(), BATCH, seed=3)  # 100 samples: epochs end mid-batch
+    ptc, losses, seen = None, [], []
+    for i in range(steps):
+        if i in schedule:
+            config, ids = schedule[i]
+            new = tj.PTC.of(state, RULES, config, [jax.devices()[d] for d in ids])
+            if ptc is None:
+                state = tj.place(state, new)
+            else:
+                state, _ = tj.reshard(state, tj.make_plan(ptc, tj.allocate(ptc, new)))
+                new = tj.allocate(ptc, new)
+            ptc = new
+            layout = tj.BatchLayout(BATCH, ranks=config.data * config.fsdp, workers=workers)
+            step = compiled_step(graphdef, ptc, layout, microbatches if config.pipe > 1 else 0)
+        batch, weights, samples = tj.device_batch(dataset, dataset.step, layout, ptc.mesh())
+        dataset.step += 1
+        state, loss = step(state, batch, weights)
+        losses.append(float(loss))
+        seen.append(samples[samples >= 0])
+    return losses, host_copy(state), seen
+
+
+@pytest.fixture(scope="module")
+def fixed_run():
+    return train({0: (C(data=8), range(8))}, 8)
+
+
+def test_dp_and_fsdp_resizes_train_bitwise_equal_to_a_fixed_run(fixed_run):
+    losses, state, seen = train(
+        {
+            0: (C(data=8), range(8)),
+            2: (C(data=4), range(4)),  # shrink
+            4: (C(data=3, fsdp=2), range(2, 8)),  # 3 ranks do not divide 8 virtual workers
+            6: (C(data=2, fsdp=4), range(8)),  # back to 8 devices, sharded optimizer state
+        },
+        8,
+    )
+    fixed_losses, fixed_state, fixed_seen = fixed_run
+    assert losses == fixed_losses
+    for got, want in zip(state, fixed_state):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(seen, fixed_seen):
+        np.testing.assert_array_equal(got, want)
+    stream = np.concatenate(seen)  # 8 batches of 24 over 100 samples: one epoch and 92 more
+    assert sorted(stream[:100]) == list(range(100))
+    assert len(set(stream[100:])) == 92
+
+
+def max_relative_difference(got, want) -> float:
+    """max |got - want| / max |want| over the float leaves: a scale-aware relative error."""
+    return max(
+        float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+        for a, b in zip(got, want)
+        if b.dtype.kind == "f"
+    )
+
+
+def test_tensor_parallel_resizes_stay_within_fp32_rounding(fixed_run):
+    losses, state, _ = train(
+        {
+            0: (C(data=8), range(8)),
+            3: (C(data=4, tensor=2), range(8)),
+            5: (C(data=2, tensor=4), range(8)),
+        },
+        8,
+    )
+    fixed_losses, fixed_state, _ = fixed_run
+    np.testing.assert_allclose(losses, fixed_losses, rtol=1e-6)
+    assert losses != fixed_losses or any(
+        not np.array_equal(a, b) for a, b in zip(state, fixed_state)
+    )
+    assert max_relative_difference(state, fixed_state) <= 1e-6
+
+
+@pytest.mark.parametrize("workers, accumulate", [(None, 1), (None, 2), (4, 1)])
+def test_padded_uneven_ranks_give_the_gradient_of_the_unpadded_batch(workers, accumulate):
+    """3 ranks, global batch 16: 6, 5, 5 real rows; the padding must not count."""
+    graphdef, state = build()
+    config = C(data=3)
+    ptc = tj.PTC.of(state, RULES, config, jax.devices()[:3])
+    state = tj.place(state, ptc)
+    mesh = ptc.mesh()
+    dataset = tj.DatasetPTC(dataset_source(), 16, seed=1)
+    layout = tj.BatchLayout(16, ranks=3, workers=workers, accumulate=accumulate)
+    grad_fn = tj.batch_value_and_grad(example_losses, layout, mesh)
+
+    @jax.jit
+    def grads(state, batch, weights):
+        model, _ = nnx.merge(graphdef, state)
+        return grad_fn(model, batch, weights)
+
+    batch, weights, samples = tj.device_batch(dataset, 0, layout, mesh)
+    assert int((samples < 0).sum()) == layout.rows - 16
+    loss, got = grads(state, batch, weights)
+
+    host = jax.tree.map(np.asarray, state)
+    model, _ = nnx.merge(graphdef, host)
+    unpadded = jax.tree.map(lambda x: x[dataset.indices(0)[0]], dataset_source())
+    want_loss, want = nnx.value_and_grad(lambda m: example_losses(m, unpadded).mean())(model)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+
+
+def test_a_layout_for_another_rank_count_than_the_mesh_is_refused():
+    mesh = C(data=4, tensor=2).make_mesh(jax.devices())
+    with pytest.raises(tj.DataError, match=r"for 8 data-parallel ranks, but the mesh .* has 4"):
+        tj.batch_value_and_grad(example_losses, tj.BatchLayout(24, ranks=8), mesh)
+    with pytest.raises(tj.DataError, match="not axes of the mesh"):
+        tj.batch_value_and_grad(
+            example_losses, tj.BatchLayout(24, ranks=4), mesh, batch_axes=("replica",)
+        )
+
+
+def test_virtual_workers_train_a_pipelined_model(fixed_run):
+    """The pipeline's shard_map over ``pipe`` runs inside the workers' shard_map over the batch."""
+    schedule = {0: (C(data=8), range(8)), 2: (C(data=4, pipe=2), range(8))}
+    losses, state, seen = train(schedule, 4, microbatches=3)
+    fixed_losses, _, fixed_seen = fixed_run
+    np.testing.assert_allclose(losses, fixed_losses[:4], rtol=1e-5)
+    for got, want in zip(seen, fixed_seen):
+        np.testing.assert_array_equal(got, want)
+    assert max_relative_difference(state, train({0: (C(data=8), range(8))}, 4)[1]) <= 1e-4

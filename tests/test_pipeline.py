@@ -1,0 +1,208 @@
+"""Pipeline parallelism: a GPipe schedule over ``pipe`` computes what the unpipelined model does."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tenplex_jax as tj
+from models import GPTConfig, batch_at, loss_fn, stdlib_corpus
+from tests.helpers import RULES, train_state
+
+C = tj.ParallelConfig
+CFG = dataclasses.replace(GPTConfig.tiny(), n_layers=4)
+BATCH = 8
+
+
+def _batch():
+    return batch_at(stdlib_corpus(2**20), 3, BATCH, CFG.seq_len, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Loss and grads of the unpipelined model on one device."""
+    model, _ = train_state(CFG)
+    loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model, _batch())
+    return float(loss), {k: np.asarray(v) for k, v in nnx.to_flat_state(grads)}
+
+
+def _pipelined(config: C, microbatches: int, stages: tj.Stages | None = None):
+    model, _ = train_state(CFG)
+    graphdef, state = nnx.split(model)
+    if stages is not None:  # the uneven layout: stacked weights padded per stage
+        state = jax.tree.map(
+            lambda v: stages.pad(v) if v.shape and v.shape[0] == CFG.n_layers else v, state
+        )
+    ptc = tj.PTC.of(state, RULES, config, jax.devices()[: config.num_devices])
+    state = tj.place(state, ptc)
+    mesh = ptc.mesh()
+    batch = jax.device_put(_batch(), NamedSharding(mesh, P(("data", "fsdp"))))
+
+    @jax.jit
+    def value_and_grad(state, batch):
+        model = nnx.merge(graphdef, state)
+        loss = functools.partial(loss_fn, mesh=mesh, microbatches=microbatches, stages=stages)
+        return nnx.value_and_grad(loss)(model, batch)
+
+    loss, grads = value_and_grad(state, batch)
+    text = value_and_grad.lower(state, batch).as_text()
+    flat = {k: np.asarray(v) for k, v in nnx.to_flat_state(grads)}
+    if stages is not None:
+        padded = {k for k, v in flat.items() if v.shape and v.shape[0] == len(stages.index)}
+        for k in padded:  # padding rows get no gradient
+            np.testing.assert_array_equal(flat[k][~stages.mask], 0, err_msg=k)
+        flat = {k: np.asarray(stages.unpad(v)) if k in padded else v for k, v in flat.items()}
+    return float(loss), flat, text, ptc
+
+
+@pytest.mark.parametrize(
+    "config, microbatches",
+    [
+        (C(pipe=2, data=2, tensor=2), 2),
+        (C(pipe=4, fsdp=2), 4),
+    ],
+    ids=str,
+)
+def test_pipelined_loss_and_grads_equal_the_unpipelined_model(reference, config, microbatches):
+    want_loss, want_grads = reference
+    loss, grads, text, ptc = _pipelined(config, microbatches)
+    # the stages really are on different devices and talk by collective permutes
+    assert "collective_permute" in text
+    assert ptc.leaf("wq").spec[0] == "pipe"
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    assert grads.keys() == want_grads.keys()
+    for name, want in want_grads.items():
+        np.testing.assert_allclose(grads[name], want, rtol=2e-4, atol=2e-6, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "config, stages",
+    [(C(pipe=2, data=2, tensor=2), (1, 3)), (C(pipe=3, data=2), (2, 1, 1))],
+    ids=str,
+)
+def test_uneven_stages_equal_the_unpipelined_model(reference, config, stages):
+    want_loss, want_grads = reference
+    stages = tj.Stages(stages)
+    loss, grads, _, ptc = _pipelined(config, 2, stages)
+    assert ptc.leaf("wq").shape[0] == config.pipe * stages.slots  # stored padded
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for name, want in want_grads.items():
+        np.testing.assert_allclose(grads[name], want, rtol=2e-4, atol=2e-6, err_msg=name)
+
+
+def _train(schedule: dict[int, tuple], steps: int):
+    """Train ``steps`` steps, moving to (config, devices, microbatches[, stages]) at the schedule's
+    steps; returns the losses and the plans of the moves."""
+    model, optimizer = train_state(CFG, lr=3e-3)
+    graphdef, state = nnx.split((model, optimizer))
+    corpus = stdlib_corpus(2**20)
+    ptc = tj.PTC.of(state, RULES, C(), jax.devices()[:1])
+    state, stages = tj.place(state, ptc), None
+    losses, plans = [], []
+    for i in range(steps):
+        if i in schedule:
+            config, devices, microbatches, *new_stages = schedule[i]
+            new_stages = new_stages[0] if new_stages else None
+            if new_stages != stages:  # uneven stages: re-pad the layers dim first
+                state, ptc = tj.restage(state, ptc, RULES, stages, new_stages)
+                stages = new_stages
+            new = tj.PTC.of(state, RULES, config, [jax.devices()[d] for d in devices])
+            # the core plan, nothing pipeline-specific: the layers dim changes its spec
+            plans.append(tj.make_plan(ptc, new))
+            state, _ = tj.reshard(state, plans[-1])
+            ptc, step = new, _step(graphdef, new, microbatches, stages)
+        state, loss = step(state, batch_at(corpus, i, BATCH, CFG.seq_len, seed=7))
+        losses.append(float(loss))
+    return losses, plans
+
+
+def _step(graphdef, ptc, microbatches, stages=None):
+    mesh = ptc.mesh()
+
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss = functools.partial(loss_fn, mesh=mesh, microbatches=microbatches, stages=stages)
+        loss, grads = nnx.value_and_grad(loss)(model, batch)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    batch = NamedSharding(mesh, P(("data", "fsdp")))
+    return jax.jit(
+        step,
+        in_shardings=(ptc.shardings(mesh), batch),
+        out_shardings=(ptc.shardings(mesh), NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+
+
+@functools.cache
+def _fixed(steps: int) -> list[float]:
+    """The losses of a run on one fixed, unpipelined layout."""
+    return _train({0: (C(data=2), range(2), 1)}, steps)[0]
+
+
+def test_pipe_degree_resizes_2_4_1_mid_training_through_the_core_plan():
+    steps = 5
+    fixed = _fixed(steps)
+    resized, plans = _train(
+        {
+            0: (C(pipe=2, data=2, tensor=2), range(8), 2),
+            2: (C(pipe=4, data=2), range(8), 4),
+            4: (C(data=2), range(2, 4), 1),
+        },
+        steps,
+    )
+    assert fixed[-1] < fixed[0]
+    np.testing.assert_allclose(resized, fixed, rtol=5e-5)
+    plans = plans[1:]  # the first one places the state from one device
+    # the layers dim is resharded like any other: 2 -> 4 stages keeps part of each device's layers
+    wq = [next(leaf for leaf in p.leaves if leaf.path == "0/wq") for p in plans]
+    assert [(p.src.config.pipe, p.dst.config.pipe) for p in plans] == [(2, 4), (4, 1)]
+    assert all(w.src.spec[0] == w.dst.spec[0] == "pipe" for w in wq)
+    assert wq[0].bytes_kept > 0 and wq[0].bytes_moved > 0
+    # 4 stages -> none on devices 2, 3: their layers come from the devices of all four stages
+    senders = {piece.src_device for shard in wq[1].shards for piece in shard.pieces}
+    assert {d // 2 for d in senders} == {0, 1, 2, 3}
+
+
+def test_uneven_stage_boundaries_change_mid_training_by_restage_then_the_core_plan():
+    steps = 5
+    fixed = _fixed(steps)
+    resized, plans = _train(
+        {
+            0: (C(pipe=2, data=2), range(4), 2, tj.Stages((1, 3))),
+            2: (C(pipe=2, data=2), range(4, 8), 2, tj.Stages((3, 1))),
+            4: (C(data=2), range(2, 4), 1),  # no pipeline: the unpadded layout
+        },
+        steps,
+    )
+    np.testing.assert_allclose(resized, fixed, rtol=5e-5)
+    assert [p.dst.leaf("0/wq").shape[0] for p in plans] == [6, 6, 4]
+
+
+def test_bad_pipelines_are_refused_before_anything_runs():
+    mesh = C(pipe=4, data=2).make_mesh(jax.devices())
+    layer = lambda h, p: h @ p["w"]
+    params = {"w": jnp.zeros((2, 8, 8))}
+    with pytest.raises(tj.LayoutError, match="2 layers do not split evenly into 4 pipeline stages"):
+        tj.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2)
+    params = {"w": jnp.zeros((4, 8, 8))}
+    with pytest.raises(tj.LayoutError, match=r"divide into 3 microbatches.*shape \(8, 8\)"):
+        tj.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=3)
+    with pytest.raises(tj.LayoutError, match="has 2 stages but mesh axis 'pipe' has size 4"):
+        tj.pipeline(
+            layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2, stages=tj.Stages((1, 3))
+        )
+    with pytest.raises(
+        tj.LayoutError, match=r"needs 8 rows .* leaf \"\['w'\]\" has shape \(4, 8, 8\)"
+    ):
+        stages = tj.Stages((1, 1, 1, 2))  # padded: 4 stages x 2 slots
+        tj.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2, stages=stages)
