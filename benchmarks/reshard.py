@@ -39,7 +39,7 @@ class Change:
     """One row of the matrix: a source and a target layout (config + device ids in mesh order)."""
 
     name: str
-    kind: str  # dp, tp, fsdp, mixed, disjoint
+    kind: str  # dp, tp, fsdp, pp, mixed, disjoint
     src: tj.ParallelConfig
     src_devices: tuple[int, ...]
     dst: tj.ParallelConfig
@@ -59,6 +59,10 @@ MATRIX = (
         range(8),
     ),
     Change("fsdp 8->4 (shrink to 0..3)", "fsdp", C(fsdp=8), range(8), C(fsdp=4), range(4)),
+    # the layers dim sharded over pipe: pipeline stages of 8 layers become stages of 4
+    Change(
+        "pp 2->4 (grow onto 4..7)", "pp", C(pipe=2, fsdp=2), range(4), C(pipe=4, fsdp=2), range(8)
+    ),
     Change(
         "dp2,fsdp2,tp2 -> fsdp3,tp2 on 2..7",
         "mixed",
