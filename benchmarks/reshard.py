@@ -182,33 +182,10 @@ def run_change(change: Change, state, rules, repeats: int, memcpy: float, log) -
         del strategies
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    # Peak memory of one donating reshard (the library's default) against the steady states: the
-    # state at rest on the source layout before, and on the target layout after (old state dropped).
-    # A fresh placement: the timed one holds NumPy copies that jax.device_get caches on its arrays.
     del placed
-    without = settle()  # the process without this row's state
-    placed = tj.place(state, src)
-    jax.block_until_ready(placed)
-    before = settle()
-    with MemorySampler() as sampler:
-        new, _ = tj.reshard(placed, plan, donate=True)
-        jax.block_until_ready(new)
-        del placed  # rebinding, as a training loop does, frees the replicas no target shard reuses
-    after = settle()
-    del new
-    steady, peak = max(before, after), max(sampler.peak, before, after)
-    memory = {
-        "memory_metric": sampler.metric,
-        "memory_without_state_bytes": without,
-        "steady_before_bytes": before,
-        "steady_after_bytes": after,
-        "peak_bytes": peak,
-        "peak_ratio": peak / steady,
-        # only the memory above the process without this state: the runtime does not dilute it
-        "state_peak_ratio": (peak - without) / max(steady - without, 1),
-    }
+    memory = peak_memory(state, src, plan)
     medians = {s: statistics.median(r) for s, r in runs.items()}
-    moved = plan.bytes_moved
+    moved, central = plan.bytes_moved, central_bytes(src, dst)
     local_copies = sum(
         p.nbytes
         for leaf in plan.leaves
@@ -235,8 +212,8 @@ def run_change(change: Change, state, rules, repeats: int, memcpy: float, log) -
         "kept_bytes": plan.bytes_kept,
         "copied_bytes": report.bytes_moved,
         "bytes_ratio": report.bytes_moved / moved if moved else float(report.bytes_moved == 0),
-        "central_bytes": central_bytes(src, dst),
-        "central_over_min": central_bytes(src, dst) / moved if moved else float("inf"),
+        "central_bytes": central,
+        "central_over_min": central / moved if moved else float("inf"),
         "bandwidth_bytes_per_s": moved / medians["tenplex"],
         "memcpy_bytes_per_s": memcpy,
         "bandwidth_ratio": moved / medians["tenplex"] / memcpy,
@@ -254,6 +231,36 @@ def run_change(change: Change, state, rules, repeats: int, memcpy: float, log) -
         f"{row['bandwidth_ratio']:.2f} peak {row['peak_ratio']:.3f}"
     )
     return row
+
+
+def peak_memory(state, src: tj.PTC, plan: tj.Plan) -> dict:
+    """Peak memory of one donating reshard (the library's default) against the steady states.
+
+    Steady states: the state at rest on the source layout before, and on the target layout after
+    (old state dropped). The state is placed afresh: an array timed by the host strategy holds the
+    NumPy copy that ``jax.device_get`` caches on it.
+    """
+    without = settle()  # the process without this row's state
+    placed = tj.place(state, src)
+    jax.block_until_ready(placed)
+    before = settle()
+    with MemorySampler() as sampler:
+        new, _ = tj.reshard(placed, plan, donate=True)
+        jax.block_until_ready(new)
+        del placed  # rebinding, as a training loop does, frees the replicas no target shard reuses
+    after = settle()
+    del new
+    steady, peak = max(before, after), max(sampler.peak, before, after)
+    return {
+        "memory_metric": sampler.metric,
+        "memory_without_state_bytes": without,
+        "steady_before_bytes": before,
+        "steady_after_bytes": after,
+        "peak_bytes": peak,
+        "peak_ratio": peak / steady,
+        # only the memory above the process without this state: the runtime does not dilute it
+        "state_peak_ratio": (peak - without) / max(steady - without, 1),
+    }
 
 
 def _replicated_bytes(ptc: tj.PTC) -> int:

@@ -209,20 +209,17 @@ def verdicts(rows: list[dict]) -> dict:
         "plan_seconds": worst_plan["median_seconds"]["make_plan"],
     }
     at_least = {"orbax_speedup", "bandwidth_ratio"}
+    where = {
+        "bandwidth_ratio": "geometric mean over rows",
+        "loop_overhead": "loop",
+        "plan_seconds": f"{worst_plan['devices']} devices x {worst_plan['tensors']} tensors",
+    }
     return {
         goal: {
             "measured": value,
             "goal": GOALS[goal],
             "met": value >= GOALS[goal] if goal in at_least else value <= GOALS[goal],
-            "at": (
-                f"{worst_plan['devices']} devices x {worst_plan['tensors']} tensors"
-                if goal == "plan_seconds"
-                else "worst row"
-                if goal not in {"bandwidth_ratio", "loop_overhead"}
-                else "geometric mean over rows"
-                if goal == "bandwidth_ratio"
-                else "loop"
-            ),
+            "at": where.get(goal, "worst row"),
         }
         for goal, value in measured.items()
     }
