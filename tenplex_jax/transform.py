@@ -98,13 +98,16 @@ def place(state, ptc):
     """Lay ``state`` (host arrays, or arrays on any devices) out as ``ptc`` says: ``jax.device_put``.
 
     Use it once, for a state built without a mesh (``nnx.use_eager_sharding(False)``); afterwards
-    move the state with plans. Checks the tree against the PTC first.
+    move the state with plans. Checks the tree against the PTC first. The placed arrays never share
+    buffers with ``state`` (``may_alias=False``), so a later donating ``reshard`` of the placed
+    state cannot free arrays the caller still holds.
     """
     paths, arrays, treedef = _arrays(state)
     _check_tree(paths, treedef, ptc)
     mesh = ptc.mesh()
     shardings = [NamedSharding(mesh, leaf.spec) for leaf in ptc.leaves]
-    return jax.tree_util.tree_unflatten(treedef, jax.device_put(arrays, shardings))
+    placed = jax.device_put(arrays, shardings, may_alias=False)
+    return jax.tree_util.tree_unflatten(treedef, placed)
 
 
 def _arrays(state):

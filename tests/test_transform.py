@@ -82,6 +82,18 @@ def test_donation_frees_replaced_leaves_and_keeps_shared_ones():
         tj.reshard(state, plan)  # the old state was consumed
 
 
+def test_donating_a_placed_state_leaves_the_callers_input_alive():
+    model, optimizer = train_state()
+    before = jax.device_put(nnx.state((model, optimizer)), jax.devices()[0])  # already on a device
+    expected = host_copy(before)
+    ptc = tj.PTC.of(before, RULES, C(), jax.devices()[:1])  # the layout it already has
+    placed = tj.place(before, ptc)
+    tj.reshard(placed, tj.make_plan(ptc, target(placed, C(data=4), range(4, 8))), donate=True)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(before))
+    for got, want in zip(host_copy(before), expected):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_without_donation_the_old_state_stays_valid():
     state, src, _ = laid_out(C(fsdp=4, tensor=2), range(8))
     expected = host_copy(state)
