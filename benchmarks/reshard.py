@@ -82,13 +82,19 @@ MATRIX = (
 )
 
 
-def memcpy_bandwidth(nbytes: int, repeats: int) -> float:
-    """Bytes per second of a plain host memcpy (``np.copyto``) of ``nbytes``; median of repeats."""
+def memcpy_bandwidth(nbytes: int, repeats: int, fresh: bool = False) -> float:
+    """Bytes per second of a plain host memcpy (``np.copyto``) of ``nbytes``; median of repeats.
+
+    By default into a buffer whose pages are already mapped. With ``fresh``, into a new buffer
+    each time, as a reshard must: the kernel then maps and zeroes every page on first write.
+    """
     src = np.ones(nbytes // 4, dtype=np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # touch the pages first
     runs = []
     for _ in range(repeats):
+        if fresh:
+            dst = np.empty_like(src)
         tic = time.perf_counter()
         np.copyto(dst, src)
         runs.append(time.perf_counter() - tic)

@@ -99,10 +99,20 @@ def run(options: BenchOptions, log=print) -> dict:
 
     memcpy_bytes = (32 if options.quick else 512) * 2**20
     memcpy = reshard.memcpy_bandwidth(memcpy_bytes, repeats=max(options.runs, 5))
+    fresh = reshard.memcpy_bandwidth(memcpy_bytes, repeats=max(options.runs, 5), fresh=True)
     rows.append(
-        {"kind": "memcpy", "change": "memcpy", "bytes": memcpy_bytes, "bytes_per_s": memcpy}
+        {
+            "kind": "memcpy",
+            "change": "memcpy",
+            "bytes": memcpy_bytes,
+            "bytes_per_s": memcpy,
+            "fresh_bytes_per_s": fresh,
+        }
     )
-    log(f"memcpy bandwidth {memcpy / 1e9:.2f} GB/s ({memcpy_bytes // 2**20} MiB, np.copyto)")
+    log(
+        f"memcpy bandwidth {memcpy / 1e9:.2f} GB/s ({memcpy_bytes // 2**20} MiB, np.copyto; "
+        f"{fresh / 1e9:.2f} GB/s into a fresh buffer, one thread)"
+    )
 
     _, state, _ = build_state(options.model, lr=1e-3)
     # on the host: placing it then copies, so no row's donation can free the source of the next
