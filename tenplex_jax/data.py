@@ -345,13 +345,28 @@ class DatasetPTC:
         """The items at ``indices`` stacked along a new leading dim (a pytree of numpy arrays)."""
         return _load(self.source, indices)
 
+    def samples(self, step: int, layout: BatchLayout) -> tuple[np.ndarray, np.ndarray]:
+        """(int64[rows] sample in every row of global batch ``step``, -1 on padding; float32[rows]
+        weights, 1 on real rows and 0 on padding), laid out for ``layout``. Reads no data."""
+        self._check_layout(layout)
+        indices, _ = self.indices(step)
+        pos = layout.positions()
+        real = (pos >= 0) & (pos < len(indices))  # "pad": a short batch leaves more rows empty
+        return np.where(real, indices[np.where(real, pos, 0)], -1), real.astype(np.float32)
+
+    def read(self, samples: np.ndarray) -> Any:
+        """The data of rows holding ``samples``; a padding row (-1) repeats a real sample."""
+        fill = samples[samples >= 0][0] if (samples >= 0).any() else 0
+        return self.load(np.where(samples >= 0, samples, fill))
+
     def batch(self, step: int, layout: BatchLayout) -> tuple[Any, np.ndarray, np.ndarray]:
         """Global batch ``step`` laid out for ``layout``: (rows, weights, sample indices).
 
-        ``rows`` is a pytree of arrays with leading dim ``layout.rows``; padding rows repeat the
-        batch's first sample and have weight 0. ``sample indices`` is int64[rows], -1 on padding.
+        ``rows`` is a pytree of arrays with leading dim ``layout.rows``; padding rows repeat a real
+        sample and have weight 0. ``sample indices`` is int64[rows], -1 on padding.
         """
-        return self._rows(step, layout, slice(None))
+        samples, weights = self.samples(step, layout)
+        return self.read(samples), weights, samples
 
     def rank_batch(self, step: int, layout: BatchLayout, rank: int):
         """Rank ``rank``'s part of global batch ``step``: the same triple, for its rows only.
@@ -360,21 +375,15 @@ class DatasetPTC:
         """
         if not 0 <= rank < layout.ranks:
             raise DataError(f"rank {rank} is not in 0..{layout.ranks - 1}")
-        return self._rows(step, layout, layout.rank_rows(rank))
+        samples, weights = self.samples(step, layout)
+        rows = layout.rank_rows(rank)
+        return self.read(samples[rows]), weights[rows], samples[rows]
 
     def next_batch(self, layout: BatchLayout) -> tuple[Any, np.ndarray, np.ndarray]:
         """The next global batch for ``layout``; advances the position by one global batch."""
         out = self.batch(self.step, layout)
         self.step += 1
         return out
-
-    def _rows(self, step: int, layout: BatchLayout, rows: slice):
-        self._check_layout(layout)
-        indices, _ = self.indices(step)
-        pos = layout.positions()[rows]
-        real = (pos >= 0) & (pos < len(indices))  # "pad": a short batch leaves more rows empty
-        sample = np.where(real, indices[np.where(real, pos, 0)], -1)
-        return self.load(np.where(real, sample, indices[0])), real.astype(np.float32), sample
 
     def _check_layout(self, layout: BatchLayout) -> None:
         if layout.global_batch != self.global_batch:

@@ -91,13 +91,27 @@ def device_batch(
     index of the sample in every row (-1 on padding), for accounting.
     """
     sharding = NamedSharding(mesh, P(tuple(batch_axes)))
-    rows, weights, samples = dataset.batch(step, layout)
+    samples, weights = dataset.samples(step, layout)
+    blocks: dict[tuple[int, int], list[np.ndarray]] = {}
+    treedefs = []
 
-    def put(x):
-        x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    def block(index) -> list[np.ndarray]:  # devices holding the same rows share one read
+        start, stop, _ = index[0].indices(layout.rows)
+        if (start, stop) not in blocks:
+            leaves, treedef = jax.tree.flatten(dataset.read(samples[start:stop]))
+            blocks[start, stop] = leaves
+            treedefs.append(treedef)
+        return blocks[start, stop]
 
-    return jax.tree.map(put, rows), put(weights), samples
+    first = block(next(iter(sharding.addressable_devices_indices_map((layout.rows,)).values())))
+    batch = [
+        jax.make_array_from_callback(
+            (layout.rows, *leaf.shape[1:]), sharding, lambda index, i=i: block(index)[i]
+        )
+        for i, leaf in enumerate(first)
+    ]
+    weights = jax.make_array_from_callback(weights.shape, sharding, lambda index: weights[index])
+    return jax.tree.unflatten(treedefs[0], batch), weights, samples
 
 
 def _ranks(mesh: Mesh, batch_axes: tuple[str, ...]) -> int:
@@ -107,13 +121,8 @@ def _ranks(mesh: Mesh, batch_axes: tuple[str, ...]) -> int:
     return math.prod(mesh.shape[a] for a in batch_axes)
 
 
-def _split(model, wrt):
-    graphdef, params, rest = nnx.split(model, wrt, ...)
-    return graphdef, params, rest
-
-
 def _plain(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, batch, weights):
-    graphdef, params, rest = _split(model, wrt)
+    graphdef, params, rest = nnx.split(model, wrt, ...)
     k = layout.accumulate
 
     def weighted_sum(params, micro, w):
@@ -143,7 +152,7 @@ def _plain(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, 
 
 
 def _virtual(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, batch, weights):
-    graphdef, params, rest = _split(model, wrt)
+    graphdef, params, rest = nnx.split(model, wrt, ...)
     order = [int(i) for i in layout.unit_rows()]  # unit v's row in the gathered [ranks*slots] stack
 
     def per_unit(params, rest, unit_batch, unit_weights):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -240,3 +241,28 @@ def test_memmaps_dicts_and_grain_datasets_serve_the_same_batches(tmp_path):
     # a fingerprint from the content tells datasets apart by default
     assert tj.DatasetPTC(data, 16).fingerprint == tj.DatasetPTC(memmap, 16).fingerprint
     assert tj.DatasetPTC(data, 16).fingerprint != tj.DatasetPTC(data + 1, 16).fingerprint
+
+
+class RecordingDataset(tj.DatasetPTC):
+    """A dataset PTC that records the size of every read."""
+
+    reads: list[int]
+
+    def load(self, indices):
+        self.reads = [*getattr(self, "reads", []), len(indices)]
+        return super().load(indices)
+
+
+def test_device_batch_reads_each_ranks_rows_once_and_places_them_on_its_devices():
+    data = np.arange(80, dtype=np.int32).reshape(40, 2)
+    ds = RecordingDataset(data, 10, seed=4)
+    ds.reads = []
+    mesh = tj.ParallelConfig(data=3, tensor=2).make_mesh(jax.devices()[:6])
+    layout = tj.BatchLayout(10, ranks=3)  # 4, 3, 3 samples, each rank padded to 4 rows
+    batch, weights, samples = tj.device_batch(ds, 2, layout, mesh, ("data",))
+    assert ds.reads == [4, 4, 4]  # one read per rank, shared by its 2 tensor-parallel devices
+    assert sorted(samples[samples >= 0]) == sorted(ds.indices(2)[0])
+    for shard in batch.addressable_shards:
+        rows = samples[shard.index[0]]
+        np.testing.assert_array_equal(np.asarray(shard.data)[rows >= 0], data[rows[rows >= 0]])
+    assert float(np.asarray(weights).sum()) == 10
