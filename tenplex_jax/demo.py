@@ -37,11 +37,9 @@ from tenplex_jax.errors import LayoutError, PlanError
 from tenplex_jax.plan import allocate, make_plan
 from tenplex_jax.planner import choose
 from tenplex_jax.ptc import PTC, ParallelConfig
-from tenplex_jax.train import batch_value_and_grad, device_batch
+from tenplex_jax.train import BATCH_AXES, batch_value_and_grad, device_batch
 from tenplex_jax.transform import place, reshard
 
-# The batch dim is split over both data-parallel axes: fsdp shards params, yet splits the batch too.
-BATCH_AXES = ("data", "fsdp")
 MIB = 2**20
 # One fake CPU device, as in meshes/cpu8.toml.
 CPU = DeviceType("cpu", memory=2 * GIB, flops=5e9, link_bandwidth=10e9)

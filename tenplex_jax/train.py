@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from tenplex_jax.data import BatchLayout, DatasetPTC
 from tenplex_jax.errors import DataError
 
+# The batch dim is split over both data-parallel axes: fsdp shards params, yet splits the batch too.
 BATCH_AXES = ("data", "fsdp")
 
 

@@ -69,8 +69,8 @@ def train(schedule: dict, steps: int, workers: int | None = WORKERS, microbatche
             if ptc is None:
                 state = tj.place(state, new)
             else:
-                state, _ = tj.reshard(state, tj.make_plan(ptc, tj.allocate(ptc, new)))
                 new = tj.allocate(ptc, new)
+                state, _ = tj.reshard(state, tj.make_plan(ptc, new))
             ptc = new
             layout = tj.BatchLayout(BATCH, ranks=config.data * config.fsdp, workers=workers)
             step = compiled_step(graphdef, ptc, layout, microbatches if config.pipe > 1 else 0)
