@@ -62,6 +62,18 @@ Runs on 8 GPUs when the machine has them, else on 8 fake CPU devices. Writes DIR
 DIR/summary.md, DIR/reshard.png and DIR/plan_scaling.png.
 """
 
+LAUNCH_EXAMPLES = """\
+examples:
+  tenplex-jax launch --nprocs 4 --devices-per-proc 2 --commit-every 5 \\
+      examples/elastic_gpt_multiprocess.py --steps 40
+      4 processes x 2 CPU devices train the GPT; kill one (kill -9 PID) and the job goes on
+      with 3, its shards pulled from the replicas in the other stores
+  echo 2 > RUN_DIR/resize
+      a planned resize to 2 processes: commit (no lost steps), new generation
+  kill -TERM LAUNCHER_PID
+      graceful stop: commit (and orbax checkpoint with --checkpoint-dir), then exit
+"""
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 bad input) instead of exiting."""
@@ -254,7 +266,92 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="timed runs per strategy after a warm-up (default: 5, or 3 with --quick)",
     )
+
+    launch = sub.add_parser(
+        "launch",
+        help="run a training script as an elastic multi-process job (stores, generations, recovery)",
+        description="Start a tensor store per host slot and NPROCS worker processes of SCRIPT\n"
+        "(jax.distributed on 127.0.0.1); when a worker dies, a resize is asked for\n"
+        "(echo N > RUN_DIR/resize) or SIGTERM arrives, start the next generation, which\n"
+        "pulls its shards from the stores. The script calls tenplex_jax.launch.join().",
+        epilog=LAUNCH_EXAMPLES,
+        formatter_class=form,
+    )
+    launch.set_defaults(command=_launch, name="launch")
+    launch.add_argument("--nprocs", type=_positive, default=2, help="worker processes (default: 2)")
+    launch.add_argument(
+        "--devices-per-proc", type=_positive, default=2, help="CPU devices per process (default: 2)"
+    )
+    launch.add_argument(
+        "--replicas",
+        type=_count,
+        default=1,
+        help="copies of each shard on the next hosts' stores besides the writer's (default: 1)",
+    )
+    launch.add_argument(
+        "--commit-every", type=_positive, default=10, help="steps between commits (default: 10)"
+    )
+    launch.add_argument(
+        "--max-restarts", type=_count, default=3, help="failures survived (default: 3)"
+    )
+    launch.add_argument(
+        "--min-procs", type=_positive, default=1, help="give up below this many (default: 1)"
+    )
+    launch.add_argument(
+        "--run-dir", metavar="DIR", help="logs, events, control files (default: a temp folder)"
+    )
+    launch.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="orbax checkpoints: the persistent tier"
+    )
+    launch.add_argument(
+        "--checkpoint-every",
+        type=_positive,
+        default=None,
+        help="steps between orbax checkpoints (default: only at a stop and at the end)",
+    )
+    launch.add_argument(
+        "--recover-from",
+        choices=("store", "checkpoint"),
+        default="store",
+        help="where a new generation restores from (default: store; checkpoint ignores the stores)",
+    )
+    launch.add_argument(
+        "--grace",
+        type=float,
+        default=2.0,
+        help="seconds survivors of a failure get before SIGKILL (default: 2)",
+    )
+    launch.add_argument("script", metavar="SCRIPT", help="the training script (python file)")
+    launch.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments")
     return parser
+
+
+def _launch(args) -> int:
+    import pathlib
+
+    from tenplex_jax.launch import LaunchError, LaunchOptions, launch
+
+    path = lambda p: None if p is None else pathlib.Path(p)
+    try:
+        options = LaunchOptions(
+            args.script,
+            tuple(args.args),
+            nprocs=args.nprocs,
+            devices_per_proc=args.devices_per_proc,
+            replicas=args.replicas,
+            commit_every=args.commit_every,
+            max_restarts=args.max_restarts,
+            min_procs=args.min_procs,
+            run_dir=path(args.run_dir),
+            checkpoint_dir=path(args.checkpoint_dir),
+            checkpoint_every=args.checkpoint_every,
+            recover_from=args.recover_from,
+            grace=args.grace,
+        )
+    except LaunchError as error:
+        print(f"tenplex-jax launch: error: {error}", file=sys.stderr)
+        return 2
+    return launch(options)
 
 
 def _plan(args) -> int:

@@ -1,0 +1,444 @@
+"""``tenplex-jax launch``: run a training script as an elastic multi-process job.
+
+JAX cannot change the process set of a running job, so — as in Tenplex — the state lives in tensor
+stores outside the workers, and a change of workers is a new *generation* of processes that pull
+exactly the shards they need. The launcher:
+
+1. starts one tensor store per host slot (``python -m tenplex_jax.store``; they outlive workers);
+2. starts generation 0: ``--nprocs`` copies of the script, each told (one JSON environment
+   variable, see ``tenplex_jax.job``) the coordinator ``127.0.0.1:<free port>``, its process id,
+   the process count, its slot, the store addresses, the generation, the replica count, the commit
+   interval and where to restore from; the script calls ``tj.launch.join()``;
+3. watches the workers and the stores. A generation ends when
+   - a worker exits nonzero or by a signal, or a store dies: a *failure*. The survivors (they hang
+     in collectives) get ``--grace`` seconds, then SIGKILL; all are reaped by PID. The failed slots
+     are dropped and the next generation runs on the slots left, restoring the latest complete
+     version from the stores, where the dead worker's shards come from their replicas. Lost steps
+     = the last step reached minus the restored step. If no copy of some shard survives, the
+     launcher names the leaves and falls back to the latest orbax checkpoint (``--checkpoint-dir``).
+   - a resize is requested: ``echo N > RUN_DIR/resize``. The workers agree on a step, commit
+     synchronously (0 lost steps) and exit; the next generation runs N processes (new slots get
+     new stores).
+   - SIGTERM: the same planned end, then the launcher stops (with ``--checkpoint-dir`` the last
+     commit is also an orbax checkpoint, which the next launch resumes from). Ctrl-C (SIGINT)
+     stops at once: every child is killed and reaped.
+4. stops when the workers finish (exit 0 after ``job.finish``), after ``--max-restarts`` failures,
+   or when fewer than ``--min-procs`` slots are left.
+
+Each generation's config is chosen by the workers from their device count (every process computes
+the same: ``tenplex_jax.job.default_config`` or the script's rule); the launcher chooses the count.
+Process 0 writes to the launcher's stdout; the others to ``RUN_DIR/logs/g<gen>-p<id>.log`` (the
+tail is printed when one fails). Events go to stdout and ``RUN_DIR/events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from tenplex_jax.errors import StoreError
+from tenplex_jax.job import CONTROL, Job, JobSpec, join
+
+__all__ = ["Job", "LaunchError", "LaunchOptions", "Launcher", "join"]
+
+
+class LaunchError(RuntimeError):
+    """The launcher cannot go on: no slots left, no copy of the state, too many restarts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    script: str
+    args: tuple[str, ...] = ()
+    nprocs: int = 2
+    devices_per_proc: int = 2
+    replicas: int = 1
+    commit_every: int = 10
+    max_restarts: int = 3
+    min_procs: int = 1
+    run_dir: pathlib.Path | None = None  # default: a fresh temporary folder
+    checkpoint_dir: pathlib.Path | None = None  # the orbax tier
+    checkpoint_every: int | None = None
+    recover_from: str = "store"  # "checkpoint": ignore the stores (the benchmark's baseline)
+    grace: float = 2.0  # seconds the survivors of a failure get before SIGKILL
+    stop_timeout: float = 300.0  # seconds workers get to commit and exit on a planned end
+    start_timeout: float = 60.0  # seconds a store gets to listen
+    python: str = sys.executable
+
+    def __post_init__(self):
+        for name in ("nprocs", "devices_per_proc", "commit_every", "min_procs"):
+            if getattr(self, name) < 1:
+                raise LaunchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.replicas < 0 or self.max_restarts < 0:
+            raise LaunchError(f"--replicas and --max-restarts must be >= 0, got {self}")
+        if self.recover_from not in ("store", "checkpoint"):
+            raise LaunchError(f"recover_from is 'store' or 'checkpoint', got {self.recover_from!r}")
+        if self.recover_from == "checkpoint" and self.checkpoint_dir is None:
+            raise LaunchError("recovering from checkpoints needs --checkpoint-dir")
+
+
+@dataclasses.dataclass
+class _Slot:
+    index: int
+    store: subprocess.Popen
+    address: str
+
+
+@dataclasses.dataclass
+class _Generation:
+    number: int
+    slots: list[int]
+    workers: list[subprocess.Popen]
+    logs: list[pathlib.Path | None]
+    restore: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    kind: str  # "finished", "failure", "resize", "stop"
+    lost_slots: tuple[int, ...] = ()
+    count: int | None = None
+    detail: str = ""
+
+
+class Launcher:
+    """Runs the job described by ``options``; :meth:`run` returns the exit status."""
+
+    def __init__(self, options: LaunchOptions, log=None):
+        self.options = options
+        self.log = log or functools.partial(print, flush=True)
+        if options.run_dir is None:
+            self.run_dir = pathlib.Path(tempfile.mkdtemp(prefix="tenplex-launch-"))
+        else:
+            self.run_dir = pathlib.Path(options.run_dir)
+        self.slots: dict[int, _Slot] = {}
+        self.workers: list[subprocess.Popen] = []
+        self._terminate = False
+
+    # -- the main loop -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        opts = self.options
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        for name in (CONTROL, "resize", "progress.json", "finished.json", "stopped.json"):
+            (self.run_dir / name).unlink(missing_ok=True)
+        previous = self._install_signals()
+        try:
+            self._start_stores(range(opts.nprocs))
+            slots = list(range(opts.nprocs))
+            restarts, number, reached = 0, 0, None
+            while True:
+                source, step = self._choose_source(number, reached)
+                lost = None if reached is None else max(reached - step, 0)
+                gen = self._start_generation(number, slots, source)
+                self._event("generation", generation=number, processes=len(slots), slots=slots,
+                            pids=[w.pid for w in gen.workers], restore=source, step=step,
+                            lost_steps=lost)  # fmt: skip
+                outcome = self._watch(gen)
+                reached = self._progress(number, default=step)
+                self._end_generation(gen)
+                self._event(outcome.kind, generation=number, step=reached,
+                            lost_slots=list(outcome.lost_slots), detail=outcome.detail)  # fmt: skip
+                if outcome.kind in ("finished", "stop"):
+                    return 0
+                if outcome.kind == "failure":
+                    restarts += 1
+                    if restarts > opts.max_restarts:
+                        raise LaunchError(f"{restarts} failures, more than --max-restarts "
+                                          f"{opts.max_restarts}")  # fmt: skip
+                    slots = [s for s in slots if s not in outcome.lost_slots and self._up(s)]
+                else:
+                    slots = self._resized(slots, outcome.count)
+                if len(slots) < opts.min_procs:
+                    raise LaunchError(f"{len(slots)} slots left, fewer than --min-procs "
+                                      f"{opts.min_procs}")  # fmt: skip
+                number += 1
+        except LaunchError as error:
+            self._event("error", detail=str(error))
+            return 1
+        except KeyboardInterrupt:
+            self._event("interrupted", detail="Ctrl-C: killing every process")
+            return 130
+        finally:
+            self._teardown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    # -- stores --------------------------------------------------------------------------------------
+
+    def _start_stores(self, indices) -> None:
+        started = {}
+        for i in indices:
+            ready = self.run_dir / f"store-{i}.addr"
+            ready.unlink(missing_ok=True)
+            command = [self.options.python, "-m", "tenplex_jax.store", "--dir",
+                       str(self.run_dir / "stores" / str(i)), "--host", "127.0.0.1", "--port", "0",
+                       "--ready-file", str(ready)]  # fmt: skip
+            log = open(self.run_dir / "logs" / f"store-{i}.log", "ab")
+            with log:
+                started[i] = (subprocess.Popen(command, stdout=log, stderr=log,
+                                               start_new_session=True), ready)  # fmt: skip
+            self.slots[i] = _Slot(i, started[i][0], "")
+        deadline = time.monotonic() + self.options.start_timeout
+        for i, (proc, ready) in started.items():
+            while not (ready.exists() and ready.read_text().strip()):
+                if proc.poll() is not None:
+                    raise LaunchError(f"the store of slot {i} exited with {proc.returncode}; see "
+                                      f"{self.run_dir / 'logs' / f'store-{i}.log'}")  # fmt: skip
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"the store of slot {i} did not listen within "
+                                      f"{self.options.start_timeout:.0f} s")  # fmt: skip
+                time.sleep(0.05)
+            self.slots[i].address = ready.read_text().strip()
+        self._event("stores", slots={i: {"pid": s.store.pid, "address": s.address}
+                                     for i, s in self.slots.items() if i in started})  # fmt: skip
+
+    def _up(self, slot: int) -> bool:
+        return slot in self.slots and self.slots[slot].store.poll() is None
+
+    def _clients(self) -> dict:
+        from tenplex_jax.store import StoreClient
+
+        clients = {}
+        for i in sorted(self.slots):
+            if self._up(i):
+                with contextlib.suppress(StoreError, OSError):
+                    clients[i] = StoreClient(self.slots[i].address, timeout=30.0)
+        return clients
+
+    # -- where the next generation's state comes from ------------------------------------------
+
+    def _choose_source(self, number: int, reached: int | None) -> tuple[str, int]:
+        from tenplex_jax.commit import delete_versions, latest_complete, missing_objects
+
+        opts = self.options
+        clients = self._clients()
+        try:
+            manifest = latest_complete(clients) if opts.recover_from == "store" else None
+            candidates = []
+            if manifest is not None:
+                missing = missing_objects(clients, manifest)
+                if not missing:
+                    candidates.append((manifest.step, 1, "store"))
+                else:
+                    leaves = sorted({o.path for o in missing})
+                    held = sorted({s for o in missing for s in o.slots})
+                    self._event(
+                        "replicas_lost", step=manifest.step, leaves=leaves,
+                        detail=f"no copy of {len(missing)} shards of version {manifest.step} "
+                        f"survives (held by slots {held}, now down): leaves {leaves}",
+                    )  # fmt: skip
+            checkpoint = self._latest_checkpoint()
+            if checkpoint is not None:
+                candidates.append((checkpoint, 0, "checkpoint"))
+            if candidates:
+                step, _, kind = max(candidates)
+                if kind == "checkpoint" and manifest is not None and opts.recover_from == "store":
+                    self._event("fallback", step=step, detail=f"restoring the orbax checkpoint "
+                                f"of step {step} from {opts.checkpoint_dir}")  # fmt: skip
+            elif number == 0 and reached is None:
+                kind, step = "init", 0
+            else:
+                raise LaunchError(
+                    "cannot recover the state: no complete version in the stores has every shard "
+                    f"and there is no orbax checkpoint (--checkpoint-dir {opts.checkpoint_dir})"
+                )
+            # newer, incomplete or unreadable versions would mix with the next commits of a step
+            delete_versions(clients, lambda s: kind == "store" and s <= step)
+            return f"{kind}:{step}" if kind != "init" else "init", step
+        finally:
+            for client in clients.values():
+                with contextlib.suppress(Exception):
+                    client.close()
+
+    def _latest_checkpoint(self) -> int | None:
+        if self.options.checkpoint_dir is None or not pathlib.Path(self.options.checkpoint_dir).exists():
+            return None
+        from tenplex_jax.checkpoint import latest_checkpoint
+
+        return latest_checkpoint(self.options.checkpoint_dir)
+
+    # -- generations -----------------------------------------------------------------------------
+
+    def _start_generation(self, number: int, slots: list[int], source: str) -> _Generation:
+        opts = self.options
+        (self.run_dir / CONTROL).unlink(missing_ok=True)
+        coordinator = f"127.0.0.1:{_free_port()}"
+        stores = {i: s.address for i, s in self.slots.items() if self._up(i)}
+        workers, logs = [], []
+        for pid in range(len(slots)):
+            spec = JobSpec(
+                coordinator, pid, len(slots), opts.devices_per_proc, number, tuple(slots), stores,
+                opts.replicas, opts.commit_every, source, str(self.run_dir),
+                None if opts.checkpoint_dir is None else str(opts.checkpoint_dir),
+                opts.checkpoint_every,
+            )  # fmt: skip
+            env = os.environ | spec.to_env() | {"PYTHONUNBUFFERED": "1"}
+            command = [opts.python, opts.script, *opts.args]
+            if pid == 0:
+                workers.append(subprocess.Popen(command, env=env, start_new_session=True))
+                logs.append(None)
+                continue
+            path = self.run_dir / "logs" / f"g{number}-p{pid}.log"
+            with open(path, "wb") as log:
+                workers.append(subprocess.Popen(command, env=env, stdout=log, stderr=log,
+                                                start_new_session=True))  # fmt: skip
+            logs.append(path)
+        self.workers = workers
+        return _Generation(number, list(slots), workers, logs, source)
+
+    def _watch(self, gen: _Generation) -> _Outcome:
+        opts = self.options
+        requested, deadline = None, None
+        while True:
+            codes = [w.poll() for w in gen.workers]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            stores_down = [s for s in gen.slots if not self._up(s)]
+            if failed or stores_down:
+                detail = "; ".join(
+                    [f"process {i} (slot {gen.slots[i]}, pid {gen.workers[i].pid}) "
+                     f"{_status(codes[i])}" for i in failed]
+                    + [f"the store of slot {s} died" for s in stores_down]
+                )  # fmt: skip
+                for i in failed:
+                    self._tail(gen, i)
+                lost = tuple(sorted({gen.slots[i] for i in failed} | set(stores_down)))
+                return _Outcome("failure", lost, detail=detail)
+            if all(c == 0 for c in codes):
+                if (self.run_dir / "finished.json").exists():
+                    return _Outcome("finished")
+                if requested is not None:
+                    return _Outcome(requested[0], count=requested[1])
+                return _Outcome("failure", detail="every worker exited 0 before finishing")
+            if requested is None:
+                requested = self._request(len(gen.slots))
+                if requested is not None:
+                    deadline = time.monotonic() + opts.stop_timeout
+            elif time.monotonic() > deadline:
+                return _Outcome("failure", detail=f"the planned {requested[0]} took longer than "
+                                f"--stop-timeout {opts.stop_timeout:.0f} s")  # fmt: skip
+            time.sleep(0.05)
+
+    def _request(self, current: int) -> tuple[str, int] | None:
+        """A planned end of the generation: SIGTERM, or a process count in RUN_DIR/resize."""
+        action = None
+        if self._terminate:
+            action = ("stop", current)
+        resize = self.run_dir / "resize"
+        if action is None and resize.exists():
+            text = resize.read_text().strip()
+            resize.unlink(missing_ok=True)
+            if not text.isdigit() or int(text) < 1:
+                self._event("ignored", detail=f"RUN_DIR/resize holds {text!r}, not a count >= 1")
+                return None
+            if int(text) == current:
+                return None
+            action = ("resize", int(text))
+        if action is not None:
+            control = self.run_dir / CONTROL
+            tmp = control.with_name(".control.tmp")
+            tmp.write_text(json.dumps({"action": action[0], "processes": action[1]}))
+            os.replace(tmp, control)
+            self._event("request", action=action[0], processes=action[1])
+        return action
+
+    def _end_generation(self, gen: _Generation) -> None:
+        """Give the workers ``--grace`` seconds, then SIGKILL the rest; reap every one by PID."""
+        deadline = time.monotonic() + self.options.grace
+        while any(w.poll() is None for w in gen.workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for w in gen.workers:
+            _kill(w)
+        self.workers = []
+
+    def _resized(self, slots: list[int], count: int) -> list[int]:
+        if count <= len(slots):
+            return sorted(slots)[:count]
+        new = [max(self.slots) + 1 + i for i in range(count - len(slots))]
+        self._start_stores(new)
+        return sorted(slots) + new
+
+    def _progress(self, number: int, default: int) -> int:
+        try:
+            record = json.loads((self.run_dir / "progress.json").read_text())
+        except (OSError, ValueError):
+            return default
+        return int(record["step"]) if record.get("generation") == number else default
+
+    def _tail(self, gen: _Generation, i: int, lines: int = 15) -> None:
+        if gen.logs[i] is None:
+            return
+        with contextlib.suppress(OSError):
+            tail = gen.logs[i].read_text(errors="replace").splitlines()[-lines:]
+            self.log("\n".join(f"  [p{i}] {line}" for line in tail))
+
+    # -- signals and teardown ------------------------------------------------------------------
+
+    def _install_signals(self) -> dict:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def on_term(signum, frame):
+            self._terminate = True
+
+        return {signal.SIGTERM: signal.signal(signal.SIGTERM, on_term)}
+
+    def _teardown(self) -> None:
+        for w in self.workers:
+            _kill(w)
+        for slot in self.slots.values():
+            _kill(slot.store, signal.SIGTERM, timeout=5.0)
+        self.workers = []
+
+    def _event(self, kind: str, **fields) -> None:
+        record = {"event": kind, "time": time.time(), **fields}
+        with open(self.run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        text = fields.get("detail") or ", ".join(
+            f"{k}={v}" for k, v in fields.items() if k not in ("detail", "pids", "slots")
+        )
+        self.log(f"tenplex launch: {kind}: {text}")
+
+
+def _kill(proc: subprocess.Popen, sig=signal.SIGKILL, timeout: float = 10.0) -> None:
+    """Signal ``proc`` by PID unless it has exited; reap it (SIGKILL if ``sig`` does not do)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(timeout)
+    else:
+        proc.wait()
+
+
+def _status(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(options: LaunchOptions, log=None) -> int:
+    """Run a job; the exit status (0 done or stopped, 1 gave up, 130 interrupted)."""
+    return Launcher(options, log).run()
