@@ -36,6 +36,7 @@ MAX_RESPONSE_HEADER_BYTES = 16 << 20
 MAX_PATH_CHARS = 1024
 MAX_JSON_BYTES = 64 << 20  # put_json / get_json objects
 CHECKSUM = "crc32"
+SMALL_BODY_BYTES = 64 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +160,11 @@ def send_frame(sock: socket.socket, header: dict, body=None) -> None:
     """Send a prefix + header, then ``body`` (a bytes-like object) if given."""
     data = json.dumps(header, separators=(",", ":")).encode()
     nbody = 0 if body is None else memoryview(body).nbytes
-    sock.sendall(PREFIX.pack(MAGIC, len(data), nbody) + data)
+    frame = PREFIX.pack(MAGIC, len(data), nbody) + data
+    if 0 < nbody <= SMALL_BODY_BYTES:  # one segment for small replies
+        sock.sendall(frame + bytes(body))
+        return
+    sock.sendall(frame)
     if nbody:
         sock.sendall(body)
 
