@@ -1,0 +1,466 @@
+"""The tensor store: real server processes on 127.0.0.1, killed and restarted on the same dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tenplex_jax as tj
+from tenplex_jax.store import wire
+
+BIG = 200 << 20  # bytes of the object a server is killed while writing
+
+
+class Stores:
+    """Starts store servers; the fixture kills and reaps every one by PID."""
+
+    def __init__(self, root: pathlib.Path):
+        self.root, self.procs = root, []
+
+    def start(self, name: str = "s0", **kwargs) -> tj.StoreProcess:
+        proc = tj.StoreProcess.start(self.root / name, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def reap(self) -> None:
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.popen.wait(timeout=30)
+
+
+@pytest.fixture
+def stores(tmp_path):
+    started = Stores(tmp_path)
+    try:
+        yield started
+    finally:
+        started.reap()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    started = Stores(tmp_path_factory.mktemp("store"))
+    try:
+        yield started.start()
+    finally:
+        started.reap()
+
+
+@pytest.fixture
+def client(server):
+    with tj.StoreClient(server.address, timeout=30) as c:
+        yield c
+        c.delete("")
+
+
+def _rng_array(shape, dtype, seed=0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype) == np.bool_:
+        return rng.integers(0, 2, shape).astype(bool)
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        return rng.integers(-1000, 1000, shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _kill(proc: tj.StoreProcess) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.popen.wait(timeout=30)
+
+
+# -- round trips, range reads, list, delete --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [
+        ((4, 6), np.float32),
+        ((3, 5, 2), ml_dtypes.bfloat16),
+        ((7,), np.int32),
+        ((), np.float32),
+        ((), np.int32),
+        ((2, 3), np.bool_),
+        ((0, 3), np.float16),
+        ((5,), np.uint8),
+        ((2, 2), np.float64),
+    ],
+)
+def test_round_trip_is_bitwise(client, shape, dtype) -> None:
+    array = _rng_array(shape, dtype)
+    info = client.put("rt/x", array)
+    assert info.box == wire.full_box(shape) and info.global_shape == shape
+    assert info.dtype == np.dtype(dtype).name and info.nbytes == array.nbytes
+    out = client.get("rt/x")
+    assert out.dtype == array.dtype and out.shape == shape
+    assert out.tobytes() == array.tobytes()
+    assert client.get("rt/x", wire.full_box(shape)).tobytes() == array.tobytes()
+
+
+def test_non_contiguous_arrays_are_stored_in_c_order(client) -> None:
+    array = _rng_array((6, 4), np.float32).T[::2]
+    client.put("nc/x", array)
+    np.testing.assert_array_equal(client.get("nc/x"), array)
+
+
+def test_range_reads_equal_numpy_slicing(client) -> None:
+    full = _rng_array((10, 7, 6), np.float32, seed=1)
+    box = ((2, 7), (0, 7), (3, 6))  # this object holds full[2:7, :, 3:6]
+    client.put("rr/w", full[2:7, :, 3:6], box=box, global_shape=full.shape)
+    rng = np.random.default_rng(2)
+    for _ in range(30):
+        sub = []
+        for start, stop in box:
+            a, b = sorted(rng.integers(start, stop + 1, 2))
+            sub.append((int(a), int(b)))
+        got = client.get("rr/w", tuple(sub))
+        np.testing.assert_array_equal(got, full[tuple(slice(a, b) for a, b in sub)])
+    # a box that leaves the stored object is refused with the stored boxes named
+    with pytest.raises(tj.StoreError, match=r"contains box .*stored boxes: \[\(\(2, 7\)") as err:
+        client.get("rr/w", ((1, 3), (0, 7), (3, 6)))
+    assert err.value.reason == "not_found"
+    with pytest.raises(tj.StoreError, match="no object at path 'rr/missing'"):
+        client.get("rr/missing", ((0, 1),))
+
+
+def test_overlapping_boxes_are_different_objects_and_a_put_replaces(client) -> None:
+    full = _rng_array((8, 4), np.int32)
+    client.put("ov/w", full[0:6], box=((0, 6), (0, 4)), global_shape=(8, 4))
+    client.put("ov/w", full[4:8] * 2, box=((4, 8), (0, 4)), global_shape=(8, 4))
+    assert [i.box for i in client.list("ov/")] == [((0, 6), (0, 4)), ((4, 8), (0, 4))]
+    # a box both hold is read from the smaller object
+    np.testing.assert_array_equal(client.get("ov/w", ((4, 6), (0, 4))), full[4:6] * 2)
+    np.testing.assert_array_equal(client.get("ov/w", ((6, 8), (1, 3))), full[6:8, 1:3] * 2)
+    client.put("ov/w", full[0:6] + 1, box=((0, 6), (0, 4)), global_shape=(8, 4))
+    assert len(client.list("ov/")) == 2
+    np.testing.assert_array_equal(client.get("ov/w", ((0, 2), (0, 4))), full[0:2] + 1)
+
+
+def test_list_and_delete_by_prefix(client) -> None:
+    for version in (1, 2):
+        for name in ("a", "b/c"):
+            client.put(f"v{version}/{name}", np.full((2,), version, np.int32))
+        client.put_json(f"v{version}/COMMIT", {"step": version})
+    infos = client.list("v1/")
+    assert [i.path for i in infos] == ["v1/a", "v1/b/c"]
+    assert infos[0].checksum == wire.checksum(np.full((2,), 1, np.int32).tobytes())
+    assert client.list_json("v") == ["v1/COMMIT", "v2/COMMIT"]
+    assert client.delete("v1/") == 3  # two arrays and the marker
+    assert [i.path for i in client.list()] == ["v2/a", "v2/b/c"]
+    assert client.get_json("v1/COMMIT", default=None) is None
+    assert client.get_json("v2/COMMIT") == {"step": 2}
+    with pytest.raises(tj.StoreError, match="no JSON object") as err:
+        client.get_json("v1/COMMIT")
+    assert err.value.reason == "not_found"
+
+
+def test_bad_arguments_are_refused_before_sending(client) -> None:
+    with pytest.raises(tj.StoreError, match="shape must be its box's extent"):
+        client.put("bad/x", np.zeros((2, 3)), box=((0, 2), (0, 2)), global_shape=(4, 4))
+    with pytest.raises(tj.StoreError, match=r"global_shape=\(4, 4\)"):
+        client.put("bad/x", np.zeros((2, 3)), box=((3, 5), (0, 3)), global_shape=(4, 4))
+    with pytest.raises(tj.StoreError, match="non-empty string"):
+        client.put("", np.zeros(2))
+    with pytest.raises(tj.StoreError, match="plain numeric arrays"):
+        client.put("bad/x", np.array(["a"], dtype=object))
+    assert client.list("bad/") == []
+
+
+def test_server_verifies_the_checksum_of_a_put(client) -> None:
+    with pytest.raises(tj.StoreError, match="nothing stored") as err:
+        client.put("ck/x", np.arange(4, dtype=np.int32), _checksum="crc32:00000000")
+    assert err.value.reason == "checksum"
+    assert client.list("ck/") == []
+
+
+def test_concurrent_puts_and_gets_on_one_client(client) -> None:
+    arrays = {i: _rng_array((64, 64), np.float32, seed=i) for i in range(16)}
+    errors = []
+
+    def work(i):
+        try:
+            client.put(f"cc/{i}", arrays[i])
+            np.testing.assert_array_equal(
+                client.get(f"cc/{i}", ((8, 16), (0, 64))), arrays[i][8:16]
+            )
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in arrays]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert len(client.list("cc/")) == 16
+
+
+# -- limits and tokens -----------------------------------------------------------------------
+
+
+def test_oversize_requests_are_refused_and_the_server_keeps_serving(stores) -> None:
+    proc = stores.start(max_body_bytes=1 << 20)
+    with tj.StoreClient(proc.address) as client:
+        with pytest.raises(tj.StoreError, match=r"at most 1048576 bytes .* 2097152 bytes") as err:
+            client.put("big/x", np.zeros(1 << 19, np.float32))  # 2 MiB
+        assert err.value.reason == "too_large"
+        client.put("big/y", np.ones(1 << 10, np.float32))  # the same connection still works
+        np.testing.assert_array_equal(client.get("big/y"), np.ones(1 << 10, np.float32))
+        assert [i.path for i in client.list()] == ["big/y"]
+
+        # a raw client announcing a 2 GiB header gets an error frame, not a 2 GiB allocation
+        host, port = tj.store.parse_address(proc.address)
+        with socket.create_connection((host, port), timeout=10) as raw:
+            wire.send_frame(raw, {"op": "hello", "token": None})
+            assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["ok"]
+            raw.sendall(wire.PREFIX.pack(wire.MAGIC, 2**31, 0))
+            reply = wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)
+            assert not reply["ok"] and "at most 1048576 bytes" in reply["error"]
+        # garbage instead of a frame
+        with socket.create_connection((host, port), timeout=10) as raw:
+            raw.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            reply = wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)
+            assert not reply["ok"] and "not a tenplex_jax store frame" in reply["error"]
+        np.testing.assert_array_equal(client.get("big/y"), np.ones(1 << 10, np.float32))
+    with pytest.raises(tj.StoreError, match="request header is at most"):
+        tj.StoreClient(proc.address).get("p" * 1000, tuple((0, 1) for _ in range(300_000)))
+
+
+def test_a_token_is_required_when_configured(stores, tmp_path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    proc = stores.start(token_file=token_file)
+    for token, what in ((None, "no token"), ("wrong", "a wrong token")):
+        with pytest.raises(tj.StoreError, match=f"requires a token; got {what}") as err:
+            tj.StoreClient(proc.address, token=token).list()
+        assert err.value.reason == "auth"
+    with tj.StoreClient(proc.address, token="s3cret-token") as client:
+        client.put("t/x", np.arange(3))
+        np.testing.assert_array_equal(client.get("t/x"), np.arange(3))
+
+
+def test_a_non_loopback_address_without_token_refuses_to_start(tmp_path) -> None:
+    # 192.0.2.1 (TEST-NET-1) is on no interface: even a broken check could not bind it
+    cmd = [sys.executable, "-m", "tenplex_jax.store", "--dir", str(tmp_path / "d"),
+           "--host", "192.0.2.1", "--ready-file", str(tmp_path / "ready")]  # fmt: skip
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "requires --token-file" in done.stderr
+    assert not (tmp_path / "ready").exists()
+
+
+# -- crashes, restarts and corruption --------------------------------------------------------
+
+
+def test_objects_survive_a_clean_restart_and_a_kill_after_flush(stores) -> None:
+    arrays = {f"r/{i}": _rng_array((100, 10), np.float32, seed=i) for i in range(5)}
+    proc = stores.start()
+    with tj.StoreClient(proc.address) as client:
+        for path, array in arrays.items():
+            client.put(path, array)  # memory tier; SIGTERM writes them out
+        client.put_json("r/COMMIT", {"step": 7})
+    proc.stop()
+    proc = stores.start()
+    with tj.StoreClient(proc.address) as client:
+        for path, array in arrays.items():
+            np.testing.assert_array_equal(client.get(path), array)
+        client.put("r/late", arrays["r/0"] + 1)
+        client.flush()
+        _kill(proc)
+    proc = stores.start()
+    with tj.StoreClient(proc.address) as client:
+        np.testing.assert_array_equal(client.get("r/late"), arrays["r/0"] + 1)
+        assert client.get_json("r/COMMIT") == {"step": 7}
+        assert len(client.list("r/")) == 6
+
+
+def test_a_commit_marker_on_disk_implies_its_objects_are(stores) -> None:
+    proc = stores.start()
+    arrays = [_rng_array((256, 256), np.float32, seed=i) for i in range(8)]
+    with tj.StoreClient(proc.address) as client:
+        for i, array in enumerate(arrays):
+            client.put(f"c/{i}", array)  # acknowledged from memory
+        client.put_json("c/COMMIT", {"objects": len(arrays)})
+    _kill(proc)  # no chance to write anything more
+    proc = stores.start()
+    with tj.StoreClient(proc.address) as client:
+        assert client.get_json("c/COMMIT") == {"objects": 8}
+        for i, array in enumerate(arrays):
+            np.testing.assert_array_equal(client.get(f"c/{i}"), array)
+
+
+def test_kill_while_a_large_put_streams_serves_the_old_version(stores) -> None:
+    proc = stores.start()
+    old = np.arange(BIG // 4, dtype=np.float32)
+    with tj.StoreClient(proc.address) as client:
+        client.put("k/w", old, durable=True)
+    new = old + 1
+    data = wire.as_bytes(new)
+    host, port = tj.store.parse_address(proc.address)
+    with socket.create_connection((host, port), timeout=30) as raw:
+        wire.send_frame(raw, {"op": "hello", "token": None})
+        assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["ok"]
+        header = {"op": "put", "path": "k/w", "box": [[0, new.size]], "global_shape": [new.size],
+                  "dtype": "float32", "checksum": wire.checksum(data), "durable": False}  # fmt: skip
+        wire.send_header(raw, header, new.nbytes)
+        assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["continue"]
+        raw.sendall(data[: new.nbytes // 2])  # half the body, slowly: then the store dies
+        time.sleep(0.2)
+        _kill(proc)
+    proc = stores.start()
+    with tj.StoreClient(proc.address) as client:
+        got = client.get("k/w")
+        assert got.tobytes() == old.tobytes()
+        assert [i.checksum for i in client.list("k/")] == [wire.checksum(wire.as_bytes(old))]
+        assert list((proc.dir / "tmp").iterdir()) == []
+
+
+def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> None:
+    proc = stores.start()
+    old = np.arange(BIG // 4, dtype=np.float32)
+    with tj.StoreClient(proc.address) as client:
+        client.put("k/w", old, durable=True)
+    tmp_dir = proc.dir / "tmp"
+    outcome = {}
+
+    def put_new():
+        try:
+            with tj.StoreClient(proc.address) as c:
+                c.put("k/w", old * 2, durable=True)
+            outcome["acked"] = True
+        except tj.StoreError as error:
+            outcome["error"] = error
+
+    writer = threading.Thread(target=put_new)
+    writer.start()
+    deadline = time.monotonic() + 60
+    seen = 0
+    while time.monotonic() < deadline and not outcome:
+        files = list(tmp_dir.glob("*.tmp"))
+        seen = max([seen] + [f.stat().st_size for f in files if f.exists()])
+        if seen > 0:
+            break
+        time.sleep(0.0005)
+    _kill(proc)  # mid-write: the tmp file holds part of the new version
+    writer.join(60)
+    assert seen > 0 and "acked" not in outcome, ("the write was not caught in progress", outcome)
+    assert outcome["error"].reason == "unavailable"
+    proc = stores.start()
+    assert list(tmp_dir.iterdir()) == []  # the partial write is gone
+    with tj.StoreClient(proc.address) as client:
+        assert client.get("k/w").tobytes() == old.tobytes()
+        assert client.list("k/")[0].checksum == wire.checksum(wire.as_bytes(old))
+
+
+@pytest.mark.parametrize("when", ["restart", "running"])
+def test_a_corrupted_file_is_detected_and_not_served(stores, when) -> None:
+    array = _rng_array((64, 64), np.float32)
+    proc = stores.start(memory_bytes=0)  # every read comes from disk
+    with tj.StoreClient(proc.address) as client:
+        client.put("x/w", array, durable=True)
+        client.put("x/ok", array + 1, durable=True)
+    [file] = [f for f in (proc.dir / "objects").glob("*.obj") if b'"x/w"' in f.read_bytes()[:400]]
+    if when == "restart":
+        proc.stop()
+    raw = bytearray(file.read_bytes())
+    raw[-100] ^= 0xFF  # one flipped byte in the array's bytes
+    file.write_bytes(raw)
+    if when == "restart":
+        proc = stores.start(memory_bytes=0)
+    with tj.StoreClient(proc.address) as client:
+        with pytest.raises(tj.StoreError, match=r"'x/w' box \(\(0, 64\), \(0, 64\)\) is corrupt"):
+            client.get("x/w", ((0, 1), (0, 64)))
+        with pytest.raises(tj.StoreError) as err:
+            client.get("x/w")
+        assert err.value.reason == "not_found"  # set aside: not listed, not served
+        assert [i.path for i in client.list("x/")] == ["x/ok"]
+        np.testing.assert_array_equal(client.get("x/ok"), array + 1)
+    assert len(list((proc.dir / "corrupt").iterdir())) == 1
+
+
+def test_a_truncated_file_is_set_aside_at_start(stores) -> None:
+    proc = stores.start()
+    with tj.StoreClient(proc.address) as client:
+        client.put("t/w", np.arange(1000, dtype=np.int32), durable=True)
+    proc.stop()
+    [file] = (proc.dir / "objects").glob("*.obj")
+    file.write_bytes(file.read_bytes()[:-10])
+    proc = stores.start()
+    with tj.StoreClient(proc.address) as client:
+        assert client.list() == []
+    assert [f.name.split(".")[0] for f in (proc.dir / "corrupt").iterdir()] == [file.stem]
+
+
+def test_the_memory_tier_is_bounded_and_evicted_objects_come_from_disk(stores) -> None:
+    proc = stores.start(memory_bytes=10_000)
+    arrays = [_rng_array((1000,), np.float32, seed=i) for i in range(6)]  # 4000 bytes each
+    with tj.StoreClient(proc.address) as client:
+        for i, array in enumerate(arrays):
+            client.put(f"m/{i}", array)
+        client.flush()
+        assert client.stats()["memory_bytes"] <= 10_000
+        for _ in range(2):
+            for i, array in enumerate(arrays):
+                np.testing.assert_array_equal(client.get(f"m/{i}", ((10, 20),)), array[10:20])
+                assert client.stats()["memory_bytes"] <= 10_000
+
+
+# -- replication ------------------------------------------------------------------------------
+
+
+def test_a_killed_store_is_recovered_from_its_replica(stores) -> None:
+    procs = [stores.start(f"s{i}") for i in range(3)]
+    full = _rng_array((12, 8), np.float32)
+    with tj.ReplicatedStore([p.address for p in procs], replicas=1, connect_timeout=1) as rs:
+        for host in range(3):  # host h writes rows 4h:4h+4 to stores h and h+1
+            box = ((4 * host, 4 * host + 4), (0, 8))
+            written = rs.put(host, "v1/w", full[4 * host : 4 * host + 4], box=box,
+                             global_shape=full.shape)  # fmt: skip
+            assert written == [host, (host + 1) % 3]
+        assert [len(c.list()) for c in rs.clients] == [2, 2, 2]
+        _kill(procs[2])
+        assert rs.alive() == [True, True, False]
+        tic = time.monotonic()
+        got = rs.get("v1/w", ((9, 12), (2, 5)), prefer=2)  # host 2's rows, from store 0
+        assert time.monotonic() - tic < 5
+        np.testing.assert_array_equal(got, full[9:12, 2:5])
+        np.testing.assert_array_equal(rs.get("v1/w", ((4, 8), (0, 8)), prefer=1), full[4:8])
+        # a put to a dead store fails unless fewer copies are accepted
+        with pytest.raises(tj.StoreError, match=r"reached 1 of 2 stores .*store 2 \(127"):
+            rs.put(1, "v2/w", full[4:8], box=((4, 8), (0, 8)), global_shape=full.shape)
+        assert rs.put(1, "v2/w", full[4:8], box=((4, 8), (0, 8)), global_shape=full.shape,
+                      min_copies=1) == [1]  # fmt: skip
+        _kill(procs[0])
+        with pytest.raises(tj.StoreError) as err:
+            rs.get("v1/w", ((9, 12), (2, 5)), prefer=2)
+        message = str(err.value)
+        assert "'v1/w' box ((9, 12), (2, 5))" in message
+        for i in (2, 0, 1):
+            assert f"store {i} ({procs[i].address})" in message
+        assert "unavailable" in message and "not_found" in message
+
+
+def test_a_corrupt_replica_is_skipped_for_a_good_one(stores) -> None:
+    procs = [stores.start(f"s{i}", memory_bytes=0) for i in range(2)]
+    array = _rng_array((32, 32), np.float32)
+    with tj.ReplicatedStore([p.address for p in procs], replicas=1) as rs:
+        assert rs.put(0, "v/w", array, durable=True) == [0, 1]
+        [file] = (procs[0].dir / "objects").glob("*.obj")
+        raw = bytearray(file.read_bytes())
+        raw[-1] ^= 0x01
+        file.write_bytes(raw)
+        np.testing.assert_array_equal(rs.get("v/w", prefer=0), array)
+        assert rs.clients[0].list() == []  # detected on store 0 and set aside
+        rs.put_json("v/COMMIT", {"ok": True})
+        assert rs.get_json("v/COMMIT", prefer=1) == {"ok": True}
+        assert json.loads(json.dumps(rs.delete("v/"))) == [1, 2]
