@@ -70,7 +70,7 @@ class Saved:
     manager: ocp.CheckpointManager = dataclasses.field(repr=False)
 
     def wait(self) -> Saved:
-        self.manager.wait_until_finished()
+        self.manager.close()  # waits for the background write, then releases its threads
         return self
 
 
