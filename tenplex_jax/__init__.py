@@ -20,9 +20,19 @@ The public face, in the order a user meets it::
     grad_fn = tj.batch_value_and_grad(example_losses, layout, mesh)  # bitwise across DP sizes
 """
 
+from tenplex_jax.checkpoint import (
+    Restored,
+    Saved,
+    latest_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from tenplex_jax.cluster import Cluster, DeviceType
 from tenplex_jax.data import REMAINDERS, BatchLayout, DatasetPTC, DataState
-from tenplex_jax.errors import DataError, LayoutError, PlanError, StoreError
+from tenplex_jax.commit import CommitReport, PullReport
+from tenplex_jax.errors import CheckpointError, DataError, LayoutError, PlanError, StoreError
+from tenplex_jax.job import Job, join
+from tenplex_jax.launch import LaunchError, LaunchOptions
 from tenplex_jax.pipeline import Stages, pipeline, restage
 from tenplex_jax.plan import LeafPlan, Piece, Plan, ShardPlan, allocate, make_plan
 from tenplex_jax.planner import Candidate, Choice, choose, estimate
@@ -38,12 +48,17 @@ __all__ = [
     "REMAINDERS",
     "BatchLayout",
     "Candidate",
+    "CheckpointError",
     "Choice",
     "Cluster",
+    "CommitReport",
     "DataError",
     "DataState",
     "DatasetPTC",
     "DeviceType",
+    "Job",
+    "LaunchError",
+    "LaunchOptions",
     "LayerProfile",
     "LayoutError",
     "LeafLayout",
@@ -54,8 +69,11 @@ __all__ = [
     "Piece",
     "Plan",
     "PlanError",
+    "PullReport",
     "ReplicatedStore",
     "ReshardReport",
+    "Restored",
+    "Saved",
     "ShardPlan",
     "Stages",
     "StoreClient",
@@ -66,9 +84,13 @@ __all__ = [
     "choose",
     "device_batch",
     "estimate",
+    "join",
+    "latest_checkpoint",
     "make_plan",
     "pipeline",
     "place",
     "reshard",
     "restage",
+    "restore_checkpoint",
+    "save_checkpoint",
 ]
