@@ -43,6 +43,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tenplex_jax.checkpoint import ptc_record
 from tenplex_jax.data import DataState
 from tenplex_jax.errors import PlanError, StoreError
 from tenplex_jax.plan import make_plan
@@ -131,23 +132,6 @@ def _check_keys(ptc: PTC) -> None:
 
 
 # -- the manifest --------------------------------------------------------------------------------
-
-
-def ptc_record(ptc: PTC) -> dict:
-    return {
-        "config": ptc.config.shape,
-        "device_ids": list(ptc.device_ids),
-        "hosts": list(ptc.hosts),
-        "leaves": [
-            {
-                "path": leaf.path,
-                "shape": list(leaf.shape),
-                "dtype": np.dtype(leaf.dtype).name,
-                "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec],
-            }
-            for leaf in ptc.leaves
-        ],
-    }
 
 
 def ptc_from_record(record: dict, like: PTC) -> PTC:

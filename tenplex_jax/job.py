@@ -241,9 +241,10 @@ class Job:
         missing = [s for s in spec.slots if s not in self.clients]
         if missing:
             raise StoreError(f"the stores of slots {missing} of this generation are not reachable")
-        replicated = ReplicatedStore([spec.stores[s] for s in spec.slots], replicas=spec.replicas)
+        replicas = min(spec.replicas, len(spec.slots) - 1)
+        replicated = ReplicatedStore([spec.stores[s] for s in spec.slots], replicas=replicas)
         stores = [self.clients[s] for s in spec.slots]
-        self.committer = Committer(spec.process_id, spec.slots, stores, replicated, spec.replicas)
+        self.committer = Committer(spec.process_id, spec.slots, stores, replicated, replicas)
 
     # -- commit ----------------------------------------------------------------------------------
 

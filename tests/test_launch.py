@@ -1,0 +1,198 @@
+"""Multi-process elastic training under ``tenplex-jax launch``: real processes, stores and kills.
+
+One launched job (GPT tiny, 4 processes x 2 CPU devices, replicas=1, a commit every 2 steps, an
+orbax checkpoint every 4) runs through two failures, each injected by PID at a known step while the
+job is paused (``--pause-after``, commits finished):
+
+1. after step 3: SIGKILL worker 3 and its store. The job goes on with 3 processes; worker 3's
+   shards come from their replicas on store 0; lost steps = 3 - 2.
+2. after step 6: SIGKILL worker 2 and both stores holding its shards (2 and 0). No copy survives:
+   the launcher names the leaves and falls back to the orbax checkpoint of step 4 on the one
+   process left; lost steps = 6 - 4.
+
+The final params must equal, bit for bit, a single-process run of 8 steps fed the same batches,
+and the steps that count must have trained each global batch of the dataset order exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import tenplex_jax as tj
+from tenplex_jax.commit import stored_objects
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "elastic_gpt_multiprocess.py"
+STEPS, BATCH, WORKERS, SAMPLES = 8, 24, 8, 100
+TIMEOUT = 300  # the whole job, seconds
+
+
+def wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 150.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the launcher exited ({proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def events(run: pathlib.Path) -> list[dict]:
+    path = run / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def last(run: pathlib.Path, kind: str) -> dict | None:
+    found = [e for e in events(run) if e["event"] == kind]
+    return found[-1] if found else None
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    run = tmp_path_factory.mktemp("launch")
+    command = [
+        sys.executable, "-m", "tenplex_jax", "launch", "--nprocs", "4", "--devices-per-proc", "2",
+        "--replicas", "1", "--commit-every", "2", "--checkpoint-dir", str(run / "ckpt"),
+        "--checkpoint-every", "4", "--grace", "1", "--run-dir", str(run), str(EXAMPLE),
+        "--steps", str(STEPS), "--batch", str(BATCH), "--workers", str(WORKERS),
+        "--samples", str(SAMPLES), "--log", str(run / "steps.jsonl"),
+        "--out", str(run / "final.npz"), "--pause-after", "3,6",
+    ]  # fmt: skip
+    env = os.environ | {"JAX_PLATFORMS": "cpu"}
+    with open(run / "launcher.log", "wb") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    children: list[int] = []
+    try:
+        stores = {int(k): v["pid"] for k, v in _wait_event(run, "stores", proc)["slots"].items()}
+        children += stores.values()
+        # failure 1: worker 3 and its store, once all four processes paused after step 3
+        paused = lambda step, n: all((run / f"paused-{step}-p{i}").exists() for i in range(n))
+        wait_for(lambda: paused(3, 4), "generation 0 to pause after step 3", proc)
+        workers = last(run, "generation")["pids"]
+        children += workers
+        kill(stores[3])
+        kill(workers[3])
+        # failure 2: worker 2 and both stores holding its shards (its own, 2, and its replica, 0)
+        wait_for(lambda: paused(6, 3), "generation 1 to pause after step 6", proc)
+        workers = last(run, "generation")["pids"]
+        children += workers
+        assert len(workers) == 3
+        kill(stores[2])
+        kill(stores[0])
+        kill(workers[2])
+        proc.wait(TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    log = (run / "launcher.log").read_text(errors="replace")
+    return {"run": run, "returncode": proc.returncode, "log": log, "children": children}
+
+
+def _wait_event(run, kind, proc):
+    wait_for(lambda: last(run, kind) is not None, f"the {kind!r} event", proc, timeout=60)
+    return last(run, kind)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same 8 steps in this one process on 8 devices, never interrupted."""
+    from models import LOGICAL_RULES, corpus_samples, stdlib_corpus
+    from tenplex_jax.demo import build_state, make_train_step
+    from tests.helpers import host_copy
+
+    graphdef, abstract, cfg = build_state("tiny", 3e-3, 0, abstract=True)
+    ptc = tj.PTC.of(abstract, LOGICAL_RULES, tj.ParallelConfig(fsdp=8), jax.devices())
+    state = jax.jit(lambda: build_state("tiny", 3e-3, 0)[1], out_shardings=ptc.shardings())()
+    dataset = tj.DatasetPTC(corpus_samples(stdlib_corpus(2**20), cfg.seq_len, SAMPLES), BATCH)
+    layout = tj.BatchLayout(BATCH, ranks=8, workers=WORKERS)
+    step = make_train_step(graphdef, ptc, layout)
+    samples = []
+    for i in range(STEPS):
+        batch, weights, seen = tj.device_batch(dataset, i, layout, ptc.mesh())
+        state, _ = step(state, batch, weights)
+        samples.append(seen[seen >= 0])
+    return host_copy(state), samples, abstract
+
+
+def test_job_survives_two_failures_and_finishes(job):
+    assert job["returncode"] == 0, job["log"][-3000:]
+    gens = [e for e in events(job["run"]) if e["event"] == "generation"]
+    assert [g["processes"] for g in gens] == [4, 3, 1], job["log"][-3000:]
+    assert [g["restore"] for g in gens] == ["init", "store:2", "checkpoint:4"]
+    assert [g["lost_steps"] for g in gens] == [None, 1, 2]
+    assert [e["event"] for e in events(job["run"])].count("failure") == 2
+    for pid in job["children"]:  # every worker and store was reaped
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_params_equal_an_uninterrupted_run_bitwise(job, reference):
+    want, _, _ = reference
+    with np.load(job["run"] / "final.npz") as final:
+        got = [final[f"arr_{i}"] for i in range(len(final.files))]
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(a, b, err_msg=f"leaf {i}")
+
+
+def test_every_global_batch_trained_exactly_once(job, reference):
+    _, want, _ = reference
+    records = [json.loads(l) for l in (job["run"] / "steps.jsonl").read_text().splitlines()]
+    gens = [e for e in events(job["run"]) if e["event"] == "generation"]
+    # a generation's steps count up to where the next one restored from
+    ends = [g["step"] for g in gens[1:]] + [STEPS]
+    counted = [r for r in records if r["step"] <= ends[r["generation"]]]
+    assert [r["step"] for r in counted] == list(range(1, STEPS + 1))
+    for g, first in zip(gens, [min(r["step"] for r in records if r["generation"] == n)
+                               for n in range(len(gens))]):  # fmt: skip
+        assert first == g["step"] + 1  # the dataset cursor resumed at the restored step
+    for r, samples in zip(counted, want):
+        got = np.asarray(r["samples"])
+        np.testing.assert_array_equal(got[got >= 0], samples, err_msg=f"step {r['step']}")
+    stream = np.concatenate(want)  # 8 x 24 over 100 samples: one epoch and 92 of the next
+    assert sorted(stream[:SAMPLES]) == list(range(SAMPLES)) and len(set(stream[SAMPLES:])) == 92
+
+
+def test_dead_workers_shards_come_from_their_replicas(job, reference):
+    _, _, abstract = reference
+    from models import LOGICAL_RULES
+
+    reports = [json.loads((job["run"] / f"restore-g1-p{i}.json").read_text()) for i in range(3)]
+    assert all(r["source"] == "store" and r["step"] == 2 for r in reports)
+    gen0 = tj.PTC.of(abstract, LOGICAL_RULES, tj.ParallelConfig(fsdp=8), range(8),
+                     hosts=[0, 0, 1, 1, 2, 2, 3, 3])  # fmt: skip
+    lost = sum(o.nbytes for o in stored_objects(gen0, [0, 1, 2, 3], 1) if o.process == 3)
+    assert lost > 0
+    assert sum(r["pull"]["replica_for_lost_writer"] for r in reports) >= lost
+    assert all("3" not in r["pull"]["by_slot"] for r in reports)  # store 3 served nothing
+
+
+def test_no_surviving_replica_names_the_leaves_and_falls_back_to_orbax(job):
+    lost = last(job["run"], "replicas_lost")
+    assert lost is not None and lost["step"] == 6
+    assert lost["leaves"] and all(isinstance(p, str) for p in lost["leaves"])
+    assert "model/" in " ".join(lost["leaves"]) and "no copy of" in lost["detail"]
+    fallback = last(job["run"], "fallback")
+    assert fallback is not None and fallback["step"] == 4
+    report = json.loads((job["run"] / "restore-g2-p0.json").read_text())
+    assert report["source"] == "checkpoint" and report["step"] == 4
