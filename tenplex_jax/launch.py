@@ -201,7 +201,9 @@ class Launcher:
                 time.sleep(0.05)
             self.slots[i].address = ready.read_text().strip()
         self._event("stores", slots={i: {"pid": s.store.pid, "address": s.address}
-                                     for i, s in self.slots.items() if i in started})  # fmt: skip
+                                     for i, s in self.slots.items() if i in started},
+                    detail=f"stores up for slots {sorted(started)}: " + ", ".join(
+                        self.slots[i].address for i in sorted(started)))  # fmt: skip
 
     def _up(self, slot: int) -> bool:
         return slot in self.slots and self.slots[slot].store.poll() is None

@@ -9,8 +9,10 @@ job is paused (``--pause-after``, commits finished):
 2. after step 6: SIGKILL worker 2 and both stores holding its shards (2 and 0). No copy survives:
    the launcher names the leaves and falls back to the orbax checkpoint of step 4 on the one
    process left; lost steps = 6 - 4.
+3. after step 7: a planned resize to 2 processes (``RUN_DIR/resize``): the processes agree on
+   step 8, commit it synchronously and exit; a new slot gets a new store; lost steps = 0.
 
-The final params must equal, bit for bit, a single-process run of 8 steps fed the same batches,
+The final params must equal, bit for bit, a single-process run of 10 steps fed the same batches,
 and the steps that count must have trained each global batch of the dataset order exactly once.
 """
 
@@ -33,7 +35,7 @@ from tenplex_jax.commit import stored_objects
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "elastic_gpt_multiprocess.py"
-STEPS, BATCH, WORKERS, SAMPLES = 8, 24, 8, 100
+STEPS, BATCH, WORKERS, SAMPLES = 10, 24, 8, 100
 TIMEOUT = 300  # the whole job, seconds
 
 
@@ -75,7 +77,7 @@ def job(tmp_path_factory):
         "--checkpoint-every", "4", "--grace", "1", "--run-dir", str(run), str(EXAMPLE),
         "--steps", str(STEPS), "--batch", str(BATCH), "--workers", str(WORKERS),
         "--samples", str(SAMPLES), "--log", str(run / "steps.jsonl"),
-        "--out", str(run / "final.npz"), "--pause-after", "3,6",
+        "--out", str(run / "final.npz"), "--pause-after", "3,6,7",
     ]  # fmt: skip
     env = os.environ | {"JAX_PLATFORMS": "cpu"}
     with open(run / "launcher.log", "wb") as out:
@@ -99,6 +101,12 @@ def job(tmp_path_factory):
         kill(stores[2])
         kill(stores[0])
         kill(workers[2])
+        # a planned resize to 2 processes (one new slot, with a new store), asked after step 7
+        wait_for(lambda: paused(7, 1), "generation 2 to pause after step 7", proc)
+        (run / "resize").write_text("2")
+        wait_for(lambda: (run / "control.json").exists(), "the launcher's request", proc)
+        (run / "resume-7").write_text("")
+        children += last(run, "generation")["pids"]
         proc.wait(TIMEOUT)
     finally:
         if proc.poll() is None:
@@ -115,7 +123,7 @@ def _wait_event(run, kind, proc):
 
 @pytest.fixture(scope="module")
 def reference():
-    """The same 8 steps in this one process on 8 devices, never interrupted."""
+    """The same steps in this one process on 8 devices, never interrupted."""
     from models import LOGICAL_RULES, corpus_samples, stdlib_corpus
     from tenplex_jax.demo import build_state, make_train_step
     from tests.helpers import host_copy
@@ -137,10 +145,12 @@ def reference():
 def test_job_survives_two_failures_and_finishes(job):
     assert job["returncode"] == 0, job["log"][-3000:]
     gens = [e for e in events(job["run"]) if e["event"] == "generation"]
-    assert [g["processes"] for g in gens] == [4, 3, 1], job["log"][-3000:]
-    assert [g["restore"] for g in gens] == ["init", "store:2", "checkpoint:4"]
-    assert [g["lost_steps"] for g in gens] == [None, 1, 2]
-    assert [e["event"] for e in events(job["run"])].count("failure") == 2
+    assert [g["processes"] for g in gens] == [4, 3, 1, 2], job["log"][-3000:]
+    assert [g["slots"] for g in gens] == [[0, 1, 2, 3], [0, 1, 2], [1], [1, 4]]
+    assert [g["restore"] for g in gens] == ["init", "store:2", "checkpoint:4", "store:8"]
+    assert [g["lost_steps"] for g in gens] == [None, 1, 2, 0]  # 0: the resize was planned
+    kinds = [e["event"] for e in events(job["run"])]
+    assert kinds.count("failure") == 2 and kinds.count("resize") == 1
     for pid in job["children"]:  # every worker and store was reaped
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -169,8 +179,10 @@ def test_every_global_batch_trained_exactly_once(job, reference):
     for r, samples in zip(counted, want):
         got = np.asarray(r["samples"])
         np.testing.assert_array_equal(got[got >= 0], samples, err_msg=f"step {r['step']}")
-    stream = np.concatenate(want)  # 8 x 24 over 100 samples: one epoch and 92 of the next
-    assert sorted(stream[:SAMPLES]) == list(range(SAMPLES)) and len(set(stream[SAMPLES:])) == 92
+    stream = np.concatenate(want)  # 10 x 24 over 100 samples: two epochs and 40 of the third
+    for epoch in (stream[:SAMPLES], stream[SAMPLES : 2 * SAMPLES]):
+        assert sorted(epoch) == list(range(SAMPLES))
+    assert len(set(stream[2 * SAMPLES :])) == 40
 
 
 def test_dead_workers_shards_come_from_their_replicas(job, reference):
