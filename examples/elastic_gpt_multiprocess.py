@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # models/ next to examples/
 
-import tenplex_jax as tj  # noqa: E402
+import tenplex_jax as tj
 
 
 def main(argv=None) -> int:
@@ -59,9 +59,14 @@ def main(argv=None) -> int:
     dataset = tj.DatasetPTC(
         corpus_samples(stdlib_corpus(2**20), cfg.seq_len, args.samples), args.batch, seed=args.seed
     )
-    init = lambda: build_state(args.model, args.lr, args.seed)[1]  # noqa: E731
+
+    def init():  # the initial state, jitted by job.restore straight into the layout
+        return build_state(args.model, args.lr, args.seed)[1]
+
     state, ptc, step = job.restore(abstract, LOGICAL_RULES, dataset, init=init)
-    layout = tj.BatchLayout(args.batch, ranks=ptc.config.data * ptc.config.fsdp, workers=args.workers)
+    layout = tj.BatchLayout(
+        args.batch, ranks=ptc.config.data * ptc.config.fsdp, workers=args.workers
+    )
     train_step = make_train_step(graphdef, ptc, layout)
     say = print if job.process_index == 0 else (lambda *a, **k: None)
     say(f"generation {job.generation}: {job.num_processes} processes, {ptc.config}, "
@@ -76,8 +81,14 @@ def main(argv=None) -> int:
         say(f"step {step:4d}  loss {loss:.4f}  {job.num_processes} processes  {ptc.config}",
             flush=True)  # fmt: skip
         if args.log and job.process_index == 0:
-            record = {"generation": job.generation, "step": step, "loss": loss,
-                      "samples": samples.tolist(), "config": str(ptc.config), "time": time.time()}
+            record = {
+                "generation": job.generation,
+                "step": step,
+                "loss": loss,
+                "samples": samples.tolist(),
+                "config": str(ptc.config),
+                "time": time.time(),
+            }
             with open(args.log, "a") as f:
                 f.write(json.dumps(record) + "\n")
         if job.after_step(state, ptc, step, dataset):

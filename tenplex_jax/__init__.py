@@ -28,8 +28,8 @@ from tenplex_jax.checkpoint import (
     save_checkpoint,
 )
 from tenplex_jax.cluster import Cluster, DeviceType
-from tenplex_jax.data import REMAINDERS, BatchLayout, DatasetPTC, DataState
 from tenplex_jax.commit import CommitReport, PullReport
+from tenplex_jax.data import REMAINDERS, BatchLayout, DatasetPTC, DataState
 from tenplex_jax.errors import CheckpointError, DataError, LayoutError, PlanError, StoreError
 from tenplex_jax.job import Job, join
 from tenplex_jax.launch import LaunchError, LaunchOptions

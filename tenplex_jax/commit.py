@@ -123,7 +123,9 @@ def stored_objects(ptc: PTC, slots: Sequence[int], replicas: int) -> list[Stored
 
 
 def _check_keys(ptc: PTC) -> None:
-    keys = [leaf.path for leaf in ptc.leaves if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)]
+    keys = [
+        leaf.path for leaf in ptc.leaves if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    ]
     if keys:
         raise PlanError(
             f"the tensor store holds numeric arrays; leaves {keys} hold PRNG keys: store their "
@@ -278,7 +280,7 @@ def missing_objects(clients: dict[int, Any], manifest: Manifest) -> list[StoredO
 
 def delete_versions(clients: dict[int, Any], keep) -> None:
     """Delete every version whose step does not satisfy ``keep(step)`` from the live stores."""
-    for slot, client in clients.items():
+    for client in clients.values():
         try:
             steps = {version_of(i.path) for i in client.list("v")} - {None}
             for step in steps:
@@ -387,7 +389,7 @@ class Committer:
                                   time.perf_counter() - tic, complete)  # fmt: skip
             self.reports.append(report)
             self._result = report
-        except BaseException as error:  # re-raised on the training thread by wait()
+        except Exception as error:  # noqa: BLE001 (re-raised on the training thread by wait())
             self._result = error
 
     def _put_json_all(self, path: str, obj) -> None:

@@ -111,7 +111,9 @@ def default_config(num_devices: int, abstract_state, rules: Rules) -> ParallelCo
     otherwise (e.g. ``tenplex_jax.demo.choose_config`` asks the planner).
     """
     refused = []
-    for fsdp in sorted((d for d in range(1, num_devices + 1) if num_devices % d == 0), reverse=True):
+    for fsdp in sorted(
+        (d for d in range(1, num_devices + 1) if num_devices % d == 0), reverse=True
+    ):
         config = ParallelConfig(data=num_devices // fsdp, fsdp=fsdp)
         try:
             PTC.of(abstract_state, rules, config, range(num_devices))
@@ -182,7 +184,11 @@ class Job:
         ptc = PTC.of(abstract_state, rules, config, devices)
         source = "init" if self.spec is None else self.spec.restore
         kind, _, at = source.partition(":")
-        record: dict[str, Any] = {"source": kind, "config": str(config), "process": self.process_index}
+        record: dict[str, Any] = {
+            "source": kind,
+            "config": str(config),
+            "process": self.process_index,
+        }
         if kind == "init":
             state, step, data_state = jax.jit(init, out_shardings=ptc.shardings())(), 0, None
         elif kind == "store":

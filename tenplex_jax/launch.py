@@ -78,7 +78,9 @@ class LaunchOptions:
     def __post_init__(self):
         for name in ("nprocs", "devices_per_proc", "commit_every", "min_procs"):
             if getattr(self, name) < 1:
-                raise LaunchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise LaunchError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
         if self.replicas < 0 or self.max_restarts < 0:
             raise LaunchError(f"--replicas and --max-restarts must be >= 0, got {self}")
         if self.recover_from not in ("store", "checkpoint"):
@@ -184,8 +186,7 @@ class Launcher:
             command = [self.options.python, "-m", "tenplex_jax.store", "--dir",
                        str(self.run_dir / "stores" / str(i)), "--host", "127.0.0.1", "--port", "0",
                        "--ready-file", str(ready)]  # fmt: skip
-            log = open(self.run_dir / "logs" / f"store-{i}.log", "ab")
-            with log:
+            with open(self.run_dir / "logs" / f"store-{i}.log", "ab") as log:
                 started[i] = (subprocess.Popen(command, stdout=log, stderr=log,
                                                start_new_session=True), ready)  # fmt: skip
             self.slots[i] = _Slot(i, started[i][0], "")
@@ -248,7 +249,7 @@ class Launcher:
                 if kind == "checkpoint" and manifest is not None and opts.recover_from == "store":
                     self._event("fallback", step=step, detail=f"restoring the orbax checkpoint "
                                 f"of step {step} from {opts.checkpoint_dir}")  # fmt: skip
-            elif number == 0 and reached is None:
+            elif manifest is None:  # nothing was committed yet: start over
                 kind, step = "init", 0
             else:
                 raise LaunchError(
@@ -264,7 +265,10 @@ class Launcher:
                     client.close()
 
     def _latest_checkpoint(self) -> int | None:
-        if self.options.checkpoint_dir is None or not pathlib.Path(self.options.checkpoint_dir).exists():
+        if (
+            self.options.checkpoint_dir is None
+            or not pathlib.Path(self.options.checkpoint_dir).exists()
+        ):
             return None
         from tenplex_jax.checkpoint import latest_checkpoint
 

@@ -208,3 +208,33 @@ def test_no_surviving_replica_names_the_leaves_and_falls_back_to_orbax(job):
     assert fallback is not None and fallback["step"] == 4
     report = json.loads((job["run"] / "restore-g2-p0.json").read_text())
     assert report["source"] == "checkpoint" and report["step"] == 4
+
+
+def test_launcher_replaces_a_failed_generation_and_stops_on_sigterm(tmp_path):
+    """Process management alone (a stub worker, no JAX): a worker exits 3 while its peer hangs;
+    the peer is killed after the grace period, the next generation runs on the slot left, and
+    SIGTERM ends the job through the control file; every worker and store is reaped."""
+    command = [sys.executable, "-m", "tenplex_jax", "launch", "--nprocs", "2", "--grace", "0.5",
+               "--run-dir", str(tmp_path), str(ROOT / "tests" / "launch_stub.py")]  # fmt: skip
+    with open(tmp_path / "launcher.log", "wb") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        stores = [v["pid"] for v in _wait_event(tmp_path, "stores", proc)["slots"].values()]
+        wait_for(lambda: (tmp_path / "ready-g1-p0").exists(), "generation 1", proc, timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, (tmp_path / "launcher.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    found = events(tmp_path)
+    gens = [e for e in found if e["event"] == "generation"]
+    assert [(g["processes"], g["slots"], g["restore"]) for g in gens] == [
+        (2, [0, 1], "init"), (1, [0], "init")
+    ]  # fmt: skip
+    failure = next(e for e in found if e["event"] == "failure")
+    assert failure["lost_slots"] == [1] and "exited with status 3" in failure["detail"]
+    assert [e["event"] for e in found][-2:] == ["request", "stop"]
+    for pid in stores + gens[0]["pids"] + gens[1]["pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
