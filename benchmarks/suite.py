@@ -6,7 +6,9 @@
 3. bandwidth (minimum bytes ÷ time) vs the memcpy bandwidth of this machine;
 4. peak memory during a reshard vs steady state;
 5. loop overhead (``benchmarks.loop``);
-6. plan time vs tensors and devices (``benchmarks.plan_scaling``).
+6. plan time vs tensors and devices (``benchmarks.plan_scaling``);
+7. recovery after a lost process: tensor stores vs an orbax restart (``benchmarks.recovery``;
+   launched jobs, so it adds about a minute even with ``--quick``; ``--no-recovery`` skips it).
 
 Writes ``DIR/results.json`` (one object per row: raw runs, medians, ratios), ``DIR/summary.md``
 (the tables and goals) and PNG plots. JAX must be configured before its backend starts:
@@ -42,6 +44,7 @@ class BenchOptions:
     out: pathlib.Path = pathlib.Path("out/bench")
     quick: bool = False
     repeats: int | None = None  # default: 5 (full), 3 (quick)
+    recovery: bool = True  # the multi-process recovery row (launched jobs)
 
     @property
     def model(self) -> str:
@@ -143,6 +146,13 @@ def run(options: BenchOptions, log=print) -> dict:
     log("plan scaling (abstract, no devices):")
     sizes = ((8, 64), (10, 100)) if options.quick else ((8, 64, 512, 4096), (10, 100, 1000))
     rows += plan_scaling.run_plan_scaling(*sizes, repeats=options.runs, log=log)
+
+    if options.recovery:
+        from benchmarks import recovery
+
+        log("recovery after a lost process (launched jobs):")
+        rows.append(recovery.run_recovery(quick=options.quick, repeats=1 if options.quick else 2,
+                                          log=log))  # fmt: skip
 
     results = {
         "suite": "tenplex_jax bench",
@@ -279,6 +289,11 @@ def summary_markdown(results: dict) -> str:
             f"| {r['plan_change']} | {r['devices']} | {r['tensors']} | {r['target_shards']:,} | "
             f"{r['median_seconds']['make_plan'] * 1e3:,.1f} | {r['microseconds_per_shard']:.2f} |"
         )
+    recovered = next((r for r in rows if r["kind"] == "recovery"), None)
+    if recovered is not None:
+        from benchmarks.recovery import table
+
+        lines += ["", table(recovered)]
     lines += ["", "| goal | measured | target | met |", "|---|---:|---:|---|"]
     for goal, v in results["verdicts"].items():
         lines.append(

@@ -35,7 +35,11 @@ import tenplex_jax as tj
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", help="GPT preset: tiny, small, gpt100m")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="GPT preset (tiny, small, gpt100m) or GPTConfig fields: d_model=256,n_layers=4,...",
+    )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=24, help="global batch (fixed across resizes)")
     parser.add_argument("--workers", type=int, default=8, help="virtual data-parallel workers")
@@ -55,13 +59,14 @@ def main(argv=None) -> int:
     from models import LOGICAL_RULES, corpus_samples, stdlib_corpus
     from tenplex_jax.demo import build_state, make_train_step
 
-    graphdef, abstract, cfg = build_state(args.model, args.lr, args.seed, abstract=True)
+    model = gpt_config(args.model)
+    graphdef, abstract, cfg = build_state(model, args.lr, args.seed, abstract=True)
     dataset = tj.DatasetPTC(
         corpus_samples(stdlib_corpus(2**20), cfg.seq_len, args.samples), args.batch, seed=args.seed
     )
 
     def init():  # the initial state, jitted by job.restore straight into the layout
-        return build_state(args.model, args.lr, args.seed)[1]
+        return build_state(model, args.lr, args.seed)[1]
 
     state, ptc, step = job.restore(abstract, LOGICAL_RULES, dataset, init=init)
     layout = tj.BatchLayout(
@@ -108,6 +113,16 @@ def main(argv=None) -> int:
             np.savez(args.out, *host)
     job.finish(state, ptc, step, dataset)
     return 0
+
+
+def gpt_config(text: str):
+    """A preset name, or ``key=value`` overrides of ``GPTConfig`` such as ``d_model=256``."""
+    from models import GPTConfig
+
+    if "=" not in text:
+        return GPTConfig.by_name(text)
+    fields = dict(part.split("=", 1) for part in text.split(","))
+    return GPTConfig(**{key.strip(): int(value) for key, value in fields.items()})
 
 
 def pause(job, step: int, timeout: float = 300.0) -> None:

@@ -56,7 +56,9 @@ examples:
   tenplex-jax bench --out out/bench
       the full suite on the 114.5M-param GPT (about 10 minutes on 2 CPU cores)
   tenplex-jax bench --quick --out /tmp/bench
-      the same rows on a small model and small sizes, in under a minute
+      the same rows on a small model and small sizes, in about two minutes
+  tenplex-jax bench --quick --no-recovery --out /tmp/bench
+      without the recovery row (launched multi-process jobs): under a minute
 
 Runs on 8 GPUs when the machine has them, else on 8 fake CPU devices. Writes DIR/results.json,
 DIR/summary.md, DIR/reshard.png and DIR/plan_scaling.png.
@@ -265,6 +267,11 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive,
         default=None,
         help="timed runs per strategy after a warm-up (default: 5, or 3 with --quick)",
+    )
+    bench.add_argument(
+        "--no-recovery",
+        action="store_true",
+        help="skip the recovery row (stores vs orbax restart; launched jobs, about a minute)",
     )
 
     launch = sub.add_parser(
@@ -489,7 +496,12 @@ def _bench(args) -> int:
     except RuntimeError as error:
         print(f"tenplex-jax bench: error: {error}", file=sys.stderr)
         return 2
-    options = suite.BenchOptions(out=pathlib.Path(args.out), quick=args.quick, repeats=args.repeats)
+    options = suite.BenchOptions(
+        out=pathlib.Path(args.out),
+        quick=args.quick,
+        repeats=args.repeats,
+        recovery=not args.no_recovery,
+    )
     suite.run(options)
     return 0
 

@@ -82,8 +82,10 @@ def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(schedule)
 
 
-def build_state(model: str, lr: float, seed: int = 0, *, abstract: bool = False):
+def build_state(model, lr: float, seed: int = 0, *, abstract: bool = False):
     """(graphdef, state, GPTConfig) of the GPT and its AdamW optimizer, built without a mesh.
+
+    ``model`` is a preset name (``"tiny"``, ``"small"``, ``"gpt100m"``) or a ``GPTConfig``.
 
     Built under ``use_eager_sharding(False)`` so no mesh is needed: the layout comes afterwards, by
     ``place`` for a live state or by ``PTC.of`` for an abstract one (``abstract=True`` gives
@@ -93,7 +95,7 @@ def build_state(model: str, lr: float, seed: int = 0, *, abstract: bool = False)
 
     from models import GPT, GPTConfig
 
-    cfg = GPTConfig.by_name(model)
+    cfg = model if isinstance(model, GPTConfig) else GPTConfig.by_name(model)
 
     def build():
         gpt = GPT(cfg, rngs=nnx.Rngs(seed))

@@ -207,7 +207,7 @@ class Job:
             else:
                 dataset.step = step
         jax.block_until_ready(state)
-        record |= {"step": step, "seconds": time.perf_counter() - tic}
+        record |= {"step": step, "state_bytes": ptc.nbytes, "seconds": time.perf_counter() - tic}
         self.restored = record
         self.last_commit = step if kind != "init" else None
         self._write(f"restore-g{self.generation}-p{self.process_index}.json", record, every=True)

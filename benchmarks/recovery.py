@@ -1,0 +1,192 @@
+"""Recovery time after a lost process: the tensor stores vs restarting from an orbax checkpoint.
+
+Both variants run the same job under ``tenplex-jax launch`` (``examples/elastic_gpt_multiprocess.py``,
+the GPT on ``--nprocs`` processes x ``--devices-per-proc`` CPU devices) and lose the same host the
+same way: after step ``K`` (whose commit, and in the orbax variant whose checkpoint, is finished)
+the last worker and its store are SIGKILLed. The launcher then starts a generation on the processes
+left, which restores
+
+- **store**: the latest complete version from the tensor stores, each process pulling only its
+  shards (the dead host's from their replicas);
+- **orbax**: the orbax checkpoint of the same step on disk (``--recover-from checkpoint``), the way
+  a JAX job restarts today.
+
+Recovery time = from the kill to the end of the first train step on the new config; it also holds
+what both variants share (failure detection, the survivors' grace period, process start-up,
+``jax.distributed`` init, compiling the step), so the *restore* column — the time ``job.restore``
+took in process 0 — isolates the part that differs. The variants take turns, ``repeats`` rounds;
+the ratios are orbax ÷ store of the medians, measured in the same run.
+
+    python -m benchmarks.recovery [--quick] [--repeats 2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "elastic_gpt_multiprocess.py"
+VARIANTS = ("store", "orbax")
+# the loop benchmark's GPT: 3.3M params, 38 MiB of state with the AdamW moments
+FULL_MODEL = "seq_len=128,d_model=256,n_layers=4,n_heads=4,d_ff=1024"
+
+
+def run_recovery(*, quick: bool = False, repeats: int = 1, log=print) -> dict:
+    """The recovery row: per variant, raw runs and medians; the orbax ÷ store ratios."""
+    setup = (
+        {"model": "tiny", "nprocs": 2, "devices_per_proc": 2}
+        if quick
+        else {"model": FULL_MODEL, "nprocs": 4, "devices_per_proc": 2}
+    )
+    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for _ in range(repeats):
+        for variant in VARIANTS:
+            with tempfile.TemporaryDirectory(prefix=f"tenplex-recovery-{variant}-") as run_dir:
+                result = recover_once(variant, pathlib.Path(run_dir), **setup)
+            runs[variant].append(result)
+            log(
+                f"  {variant:6s} kill -> first step {result['recovery_seconds']:.2f} s "
+                f"(restore {result['restore_seconds'] * 1e3:.0f} ms, lost steps "
+                f"{result['lost_steps']}, {result['from_processes']} -> "
+                f"{result['to_processes']} processes, {result['config']})"
+            )
+    median = lambda key: {v: statistics.median(r[key] for r in runs[v]) for v in VARIANTS}
+    total, restore = median("recovery_seconds"), median("restore_seconds")
+    return {
+        "kind": "recovery",
+        "change": f"lose 1 of {setup['nprocs']} processes",
+        **setup,
+        "state_bytes": runs["store"][0]["state_bytes"],
+        "repeats": repeats,
+        "runs": runs,
+        "median_seconds": total,
+        "median_restore_seconds": restore,
+        "speedup": total["orbax"] / total["store"],
+        "restore_speedup": restore["orbax"] / restore["store"],
+    }
+
+
+def recover_once(
+    variant: str,
+    run: pathlib.Path,
+    *,
+    model: str,
+    nprocs: int,
+    devices_per_proc: int,
+    kill_after: int = 2,
+    steps: int = 3,
+    timeout: float = 300.0,
+) -> dict:
+    """One launched job, one kill after step ``kill_after``; the timings of its recovery."""
+    command = [
+        sys.executable, "-m", "tenplex_jax", "launch", "--nprocs", str(nprocs),
+        "--devices-per-proc", str(devices_per_proc), "--commit-every", str(kill_after),
+        "--grace", "0.5", "--run-dir", str(run),
+    ]  # fmt: skip
+    if variant == "orbax":
+        command += ["--checkpoint-dir", str(run / "ckpt"), "--checkpoint-every", str(kill_after),
+                    "--recover-from", "checkpoint"]  # fmt: skip
+    command += [str(EXAMPLE), "--model", model, "--steps", str(steps), "--log",
+                str(run / "steps.jsonl"), "--pause-after", str(kill_after)]  # fmt: skip
+    env = os.environ | {"JAX_PLATFORMS": "cpu"}
+    with open(run / "launcher.log", "wb") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        paused = [run / f"paused-{kill_after}-p{i}" for i in range(nprocs)]
+        _wait(lambda: all(p.exists() for p in paused), proc, deadline, "the pause")
+        stores = _event(run, "stores")["slots"]
+        workers = _event(run, "generation")["pids"]
+        killed = time.time()
+        for pid in (workers[-1], stores[str(nprocs - 1)]["pid"]):
+            os.kill(pid, signal.SIGKILL)
+        _wait(lambda: proc.poll() is not None, proc, deadline, "the job to finish", done_ok=True)
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"the {variant} job failed ({proc.returncode}):\n"
+                + (run / "launcher.log").read_text(errors="replace")[-3000:]
+            )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    records = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
+    first = min((r for r in records if r["generation"] == 1), key=lambda r: r["step"])
+    restore = json.loads((run / "restore-g1-p0.json").read_text())
+    generation = [e for e in _events(run) if e["event"] == "generation"][-1]
+    failure = next(e for e in _events(run) if e["event"] == "failure")
+    return {
+        "recovery_seconds": first["time"] - killed,
+        "detect_seconds": failure["time"] - killed,
+        "restart_seconds": generation["time"] - killed,
+        "restore_seconds": restore["seconds"],
+        "restore_source": generation["restore"],
+        "lost_steps": generation["lost_steps"],
+        "from_processes": nprocs,
+        "to_processes": generation["processes"],
+        "config": first["config"],
+        "state_bytes": restore["state_bytes"],
+    }
+
+
+def _events(run: pathlib.Path) -> list[dict]:
+    path = run / "events.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _event(run: pathlib.Path, kind: str) -> dict:
+    return [e for e in _events(run) if e["event"] == kind][-1]
+
+
+def _wait(predicate, proc, deadline: float, what: str, done_ok: bool = False) -> None:
+    while not predicate():
+        if not done_ok and proc.poll() is not None:
+            raise RuntimeError(f"the launcher exited ({proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def table(row: dict) -> str:
+    m, r = row["median_seconds"], row["median_restore_seconds"]
+    return "\n".join(
+        [
+            "| recovery | state MiB | store s | orbax s | orbax / store | store restore ms | "
+            "orbax restore ms | orbax / store (restore) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            f"| GPT {_name(row['model'])}, {row['change']} | {row['state_bytes'] / 2**20:.2f} | "
+            f"{m['store']:.2f} | {m['orbax']:.2f} | **{row['speedup']:.2f}x** | "
+            f"{r['store'] * 1e3:.0f} | {r['orbax'] * 1e3:.0f} | **{row['restore_speedup']:.1f}x** |",
+        ]
+    )
+
+
+def _name(model: str) -> str:
+    return "d_model=256, 4 layers" if model == FULL_MODEL else model
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="GPT tiny, 2 -> 1 processes")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of both variants")
+    parser.add_argument("--out", help="write the row as JSON here")
+    args = parser.parse_args(argv)
+    row = run_recovery(quick=args.quick, repeats=args.repeats)
+    print(table(row))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(row, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
