@@ -159,16 +159,16 @@ def _wait(predicate, proc, deadline: float, what: str, done_ok: bool = False) ->
 
 def table(row: dict) -> str:
     m, r = row["median_seconds"], row["median_restore_seconds"]
-    return "\n".join(
-        [
-            "| recovery | state MiB | store s | orbax s | orbax / store | store restore ms | "
-            "orbax restore ms | orbax / store (restore) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
-            f"| GPT {_name(row['model'])}, {row['change']} | {row['state_bytes'] / 2**20:.2f} | "
-            f"{m['store']:.2f} | {m['orbax']:.2f} | **{row['speedup']:.2f}x** | "
-            f"{r['store'] * 1e3:.0f} | {r['orbax'] * 1e3:.0f} | **{row['restore_speedup']:.1f}x** |",
-        ]
+    head = (
+        "| recovery | state MiB | store s | orbax s | orbax / store | store restore ms | "
+        "orbax restore ms | orbax / store (restore) |"
     )
+    line = (
+        f"| GPT {_name(row['model'])}, {row['change']} | {row['state_bytes'] / 2**20:.2f} | "
+        f"{m['store']:.2f} | {m['orbax']:.2f} | **{row['speedup']:.2f}x** | "
+        f"{r['store'] * 1e3:.0f} | {r['orbax'] * 1e3:.0f} | **{row['restore_speedup']:.1f}x** |"
+    )
+    return f"{head}\n|---|---:|---:|---:|---:|---:|---:|---:|\n{line}"
 
 
 def _name(model: str) -> str:
