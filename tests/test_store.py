@@ -333,6 +333,15 @@ def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> Non
     tmp_dir = proc.dir / "tmp"
     outcome = {}
 
+    def disk_bytes() -> int:
+        total = 0
+        for f in proc.dir.rglob("*"):
+            try:
+                total += f.stat().st_size if f.is_file() else 0
+            except FileNotFoundError:
+                pass
+        return total
+
     def put_new():
         try:
             with tj.StoreClient(proc.address) as c:
@@ -341,19 +350,16 @@ def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> Non
         except tj.StoreError as error:
             outcome["error"] = error
 
+    before = disk_bytes()
     writer = threading.Thread(target=put_new)
     writer.start()
     deadline = time.monotonic() + 60
-    seen = 0
-    while time.monotonic() < deadline and not outcome:
-        files = list(tmp_dir.glob("*.tmp"))
-        seen = max([seen] + [f.stat().st_size for f in files if f.exists()])
-        if seen > 0:
-            break
-        time.sleep(0.0005)
+    while time.monotonic() < deadline and not outcome and disk_bytes() == before:
+        time.sleep(0.0005)  # until the new version is being written, wherever that is
+    changed = disk_bytes() != before
     _kill(proc)  # mid-write: the tmp file holds part of the new version
     writer.join(60)
-    assert seen > 0 and "acked" not in outcome, ("the write was not caught in progress", outcome)
+    assert changed and "acked" not in outcome, ("the write was not caught in progress", outcome)
     assert outcome["error"].reason == "unavailable"
     proc = stores.start()
     assert list(tmp_dir.iterdir()) == []  # the partial write is gone
