@@ -470,3 +470,40 @@ def test_a_corrupt_replica_is_skipped_for_a_good_one(stores) -> None:
         rs.put_json("v/COMMIT", {"ok": True})
         assert rs.get_json("v/COMMIT", prefer=1) == {"ok": True}
         assert json.loads(json.dumps(rs.delete("v/"))) == [1, 2]
+
+
+def test_a_client_dying_mid_put_leaves_the_old_object(client, server) -> None:
+    old = np.arange(1 << 18, dtype=np.int32)
+    client.put("d/w", old)
+    host, port = tj.store.parse_address(server.address)
+    data = wire.as_bytes(old + 1)
+    with socket.create_connection((host, port), timeout=30) as raw:
+        wire.send_frame(raw, {"op": "hello", "token": None})
+        assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["ok"]
+        header = {"op": "put", "path": "d/w", "box": [[0, old.size]], "global_shape": [old.size],
+                  "dtype": "int32", "checksum": wire.checksum(data), "durable": True}  # fmt: skip
+        wire.send_header(raw, header, data.nbytes)
+        assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["continue"]
+        raw.sendall(data[: data.nbytes // 3])  # then the worker dies
+    np.testing.assert_array_equal(client.get("d/w"), old)
+    assert [i.checksum for i in client.list("d/")] == [wire.checksum(wire.as_bytes(old))]
+
+
+def test_a_stopped_store_is_skipped_within_the_connect_timeout(stores) -> None:
+    procs = [stores.start(f"s{i}") for i in range(2)]
+    array = _rng_array((16, 16), np.float32)
+    addresses = [p.address for p in procs]
+    with tj.ReplicatedStore(addresses, replicas=1) as rs:
+        rs.put(0, "v/w", array)
+    os.kill(procs[0].pid, signal.SIGSTOP)  # accepts connections (the kernel does), never answers
+    with tj.ReplicatedStore(addresses, replicas=1, connect_timeout=1) as rs:
+        tic = time.monotonic()
+        np.testing.assert_array_equal(rs.get("v/w", ((0, 4), (0, 16)), prefer=0), array[:4])
+        assert time.monotonic() - tic < 10
+        assert rs.alive() == [False, True]
+
+
+def test_a_second_server_on_the_same_dir_refuses_to_start(stores) -> None:
+    stores.start("s0")
+    with pytest.raises(tj.StoreError, match="exited with 2 before listening"):
+        stores.start("s0", stderr=subprocess.DEVNULL)

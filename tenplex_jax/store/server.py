@@ -102,6 +102,7 @@ class Store:
         self.json: dict[str, bytes] = {}
         self.writes: queue.Queue = queue.Queue()
         self.write_errors: list[str] = []
+        self.closing = False
         self._load()
         self.writer = threading.Thread(target=self._write_loop, name="store-writer", daemon=True)
         self.writer.start()
@@ -209,11 +210,15 @@ class Store:
         """A complete, fsynced file under tmp/ (not yet visible)."""
         tmp = self.tmp_dir / f"{uuid.uuid4().hex}.tmp"
         encoded = json.dumps(header, separators=(",", ":")).encode()
-        with open(tmp, "wb") as f:
-            f.write(FILE_PREFIX.pack(FILE_MAGIC, len(encoded)) + encoded)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(FILE_PREFIX.pack(FILE_MAGIC, len(encoded)) + encoded)
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return tmp
 
     @staticmethod
@@ -269,6 +274,8 @@ class Store:
     def put(self, info: ObjectInfo, data: bytearray, durable: bool) -> None:
         key = _key("array", info.path, info.box)
         with self.lock:
+            if self.closing:
+                raise Refused("the store is shutting down; nothing stored", "unavailable")
             self.seq += 1
             seq = self.seq
             # the memory tier may hold it if it fits next to the objects not yet on disk
@@ -376,7 +383,9 @@ class Store:
             self.json[path] = bytes(data)
 
     def close(self) -> None:
-        """Write every object still only in memory, then stop the writer."""
+        """Refuse further puts, write every object still only in memory, stop the writer."""
+        with self.lock:
+            self.closing = True
         self.writes.put(None)
         self.writer.join()
 
@@ -409,6 +418,11 @@ class Handler(socketserver.BaseRequestHandler):
                 except (KeyError, TypeError, ValueError, OverflowError) as error:
                     message = f"malformed {header.get('op')!r} request: {error!r}"
                     wire.send_frame(sock, {"ok": False, "error": message, "reason": "protocol"})
+                except OSError as error:  # the store's disk, not the connection
+                    if isinstance(error, (ConnectionError, TimeoutError)):
+                        raise
+                    message = f"{header.get('op')!r} failed on the store's disk: {error!r}"
+                    wire.send_frame(sock, {"ok": False, "error": message, "reason": "disk"})
         except wire.StoreProtocolError as error:
             self._try_send(sock, {"ok": False, "error": str(error), "reason": "protocol"})
         except (OSError, ConnectionError):
