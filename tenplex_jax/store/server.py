@@ -220,8 +220,10 @@ class Store:
             with open(tmp, "wb") as f:
                 f.write(FILE_PREFIX.pack(FILE_MAGIC, len(encoded)) + encoded)
                 view = memoryview(data).cast("B")
-                for start in range(0, view.nbytes, IO_CHUNK_BYTES):
-                    f.write(view[start : start + IO_CHUNK_BYTES])
+                f.writelines(
+                    view[start : start + IO_CHUNK_BYTES]
+                    for start in range(0, view.nbytes, IO_CHUNK_BYTES)
+                )
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException:
