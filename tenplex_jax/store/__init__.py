@@ -336,9 +336,9 @@ class StoreClient:
         return header["stats"]
 
     def ping(self) -> bool:
-        """Whether the store answers (within the connect timeout)."""
+        """Whether the store answers a new connection's hello within the connect timeout."""
         try:
-            self.stats()
+            self._connect().close()
         except StoreError:
             return False
         return True
