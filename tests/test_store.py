@@ -325,6 +325,20 @@ def test_kill_while_a_large_put_streams_serves_the_old_version(stores) -> None:
         assert list((proc.dir / "tmp").iterdir()) == []
 
 
+def test_kill_after_a_memory_acknowledged_put_serves_one_whole_version(stores) -> None:
+    proc = stores.start()
+    v1 = np.arange(16 << 20, dtype=np.float32)  # 64 MiB: the disk writer is still busy
+    with tj.StoreClient(proc.address) as client:
+        client.put("a/w", v1, durable=True)
+        client.put("a/w", v1 + 1)  # acknowledged from memory
+    _kill(proc)
+    proc = stores.start()
+    with tj.StoreClient(proc.address) as client:
+        got = client.get("a/w")
+        assert np.array_equal(got, v1) or np.array_equal(got, v1 + 1)
+        assert client.list("a/")[0].checksum == wire.checksum(wire.as_bytes(got))
+
+
 def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> None:
     proc = stores.start()
     old = np.arange(BIG // 4, dtype=np.float32)
