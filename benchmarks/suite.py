@@ -7,7 +7,8 @@
 4. peak memory during a reshard vs steady state;
 5. loop overhead (``benchmarks.loop``);
 6. plan time vs tensors and devices (``benchmarks.plan_scaling``);
-7. recovery after a lost process: tensor stores vs an orbax restart (``benchmarks.recovery``;
+7. tensor store put / get throughput vs memcpy of the same bytes (``benchmarks.store``);
+8. recovery after a lost process: tensor stores vs an orbax restart (``benchmarks.recovery``;
    launched jobs, so it adds about a minute even with ``--quick``; ``--no-recovery`` skips it).
 
 Writes ``DIR/results.json`` (one object per row: raw runs, medians, ratios), ``DIR/summary.md``
@@ -92,6 +93,7 @@ def run(options: BenchOptions, log=print) -> dict:
     import jax
 
     from benchmarks import loop, plan_scaling, reshard
+    from benchmarks import store as store_bench
     from models import LOGICAL_RULES, GPTConfig
     from tenplex_jax.demo import build_state, param_count
 
@@ -146,6 +148,8 @@ def run(options: BenchOptions, log=print) -> dict:
     log("plan scaling (abstract, no devices):")
     sizes = ((8, 64), (10, 100)) if options.quick else ((8, 64, 512, 4096), (10, 100, 1000))
     rows += plan_scaling.run_plan_scaling(*sizes, repeats=options.runs, log=log)
+
+    rows.append(store_bench.run(options.quick, repeats=options.runs, log=log))
 
     if options.recovery:
         from benchmarks import recovery
@@ -289,6 +293,12 @@ def summary_markdown(results: dict) -> str:
             f"| {r['plan_change']} | {r['devices']} | {r['tensors']} | {r['target_shards']:,} | "
             f"{r['median_seconds']['make_plan'] * 1e3:,.1f} | {r['microseconds_per_shard']:.2f} |"
         )
+    store_rows = [r for r in rows if r["kind"] == "store"]
+    if store_rows:
+        from benchmarks import store as store_bench
+
+        lines += ["", store_bench.summary_markdown(store_rows[0])]
+
     recovered = next((r for r in rows if r["kind"] == "recovery"), None)
     if recovered is not None:
         from benchmarks.recovery import table

@@ -325,6 +325,20 @@ def test_kill_while_a_large_put_streams_serves_the_old_version(stores) -> None:
         assert list((proc.dir / "tmp").iterdir()) == []
 
 
+def test_kill_after_a_memory_acknowledged_put_serves_one_whole_version(stores) -> None:
+    proc = stores.start()
+    v1 = np.arange(16 << 20, dtype=np.float32)  # 64 MiB: the disk writer is still busy
+    with tj.StoreClient(proc.address) as client:
+        client.put("a/w", v1, durable=True)
+        client.put("a/w", v1 + 1)  # acknowledged from memory
+    _kill(proc)
+    proc = stores.start()
+    with tj.StoreClient(proc.address) as client:
+        got = client.get("a/w")
+        assert np.array_equal(got, v1) or np.array_equal(got, v1 + 1)
+        assert client.list("a/")[0].checksum == wire.checksum(wire.as_bytes(got))
+
+
 def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> None:
     proc = stores.start()
     old = np.arange(BIG // 4, dtype=np.float32)
@@ -332,6 +346,15 @@ def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> Non
         client.put("k/w", old, durable=True)
     tmp_dir = proc.dir / "tmp"
     outcome = {}
+
+    def disk_bytes() -> int:
+        total = 0
+        for f in proc.dir.rglob("*"):
+            try:
+                total += f.stat().st_size if f.is_file() else 0
+            except FileNotFoundError:
+                pass
+        return total
 
     def put_new():
         try:
@@ -341,19 +364,16 @@ def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> Non
         except tj.StoreError as error:
             outcome["error"] = error
 
+    before = disk_bytes()
     writer = threading.Thread(target=put_new)
     writer.start()
     deadline = time.monotonic() + 60
-    seen = 0
-    while time.monotonic() < deadline and not outcome:
-        files = list(tmp_dir.glob("*.tmp"))
-        seen = max([seen] + [f.stat().st_size for f in files if f.exists()])
-        if seen > 0:
-            break
-        time.sleep(0.0005)
+    while time.monotonic() < deadline and not outcome and disk_bytes() == before:
+        time.sleep(0.0005)  # until the new version is being written, wherever that is
+    changed = disk_bytes() != before
     _kill(proc)  # mid-write: the tmp file holds part of the new version
     writer.join(60)
-    assert seen > 0 and "acked" not in outcome, ("the write was not caught in progress", outcome)
+    assert changed and "acked" not in outcome, ("the write was not caught in progress", outcome)
     assert outcome["error"].reason == "unavailable"
     proc = stores.start()
     assert list(tmp_dir.iterdir()) == []  # the partial write is gone
@@ -464,3 +484,40 @@ def test_a_corrupt_replica_is_skipped_for_a_good_one(stores) -> None:
         rs.put_json("v/COMMIT", {"ok": True})
         assert rs.get_json("v/COMMIT", prefer=1) == {"ok": True}
         assert json.loads(json.dumps(rs.delete("v/"))) == [1, 2]
+
+
+def test_a_client_dying_mid_put_leaves_the_old_object(client, server) -> None:
+    old = np.arange(1 << 18, dtype=np.int32)
+    client.put("d/w", old)
+    host, port = tj.store.parse_address(server.address)
+    data = wire.as_bytes(old + 1)
+    with socket.create_connection((host, port), timeout=30) as raw:
+        wire.send_frame(raw, {"op": "hello", "token": None})
+        assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["ok"]
+        header = {"op": "put", "path": "d/w", "box": [[0, old.size]], "global_shape": [old.size],
+                  "dtype": "int32", "checksum": wire.checksum(data), "durable": True}  # fmt: skip
+        wire.send_header(raw, header, data.nbytes)
+        assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["continue"]
+        raw.sendall(data[: data.nbytes // 3])  # then the worker dies
+    np.testing.assert_array_equal(client.get("d/w"), old)
+    assert [i.checksum for i in client.list("d/")] == [wire.checksum(wire.as_bytes(old))]
+
+
+def test_a_stopped_store_is_skipped_within_the_connect_timeout(stores) -> None:
+    procs = [stores.start(f"s{i}") for i in range(2)]
+    array = _rng_array((16, 16), np.float32)
+    addresses = [p.address for p in procs]
+    with tj.ReplicatedStore(addresses, replicas=1) as rs:
+        rs.put(0, "v/w", array)
+    os.kill(procs[0].pid, signal.SIGSTOP)  # accepts connections (the kernel does), never answers
+    with tj.ReplicatedStore(addresses, replicas=1, connect_timeout=1) as rs:
+        tic = time.monotonic()
+        np.testing.assert_array_equal(rs.get("v/w", ((0, 4), (0, 16)), prefer=0), array[:4])
+        assert time.monotonic() - tic < 10
+        assert rs.alive() == [False, True]
+
+
+def test_a_second_server_on_the_same_dir_refuses_to_start(stores) -> None:
+    stores.start("s0")
+    with pytest.raises(tj.StoreError, match="exited with 2 before listening"):
+        stores.start("s0", stderr=subprocess.DEVNULL)

@@ -57,6 +57,7 @@ __all__ = ["ObjectInfo", "ReplicatedStore", "StoreClient", "StoreProcess"]
 
 _MISSING = object()
 _BROKEN = ("unavailable", "protocol")  # reasons after which a connection is not reused
+DISK_BYTES_PER_S = 50e6  # the slowest disk a durable put waits for, for its reply timeout
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -109,9 +110,12 @@ class StoreClient:
             raise StoreError(f"cannot reach the store at {self.address}: {error}", "unavailable")
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self._timeout)
+            # the hello exchange is part of connecting: a store that accepts but does not answer
+            # (stopped, overloaded) is given up on within the connect timeout too
+            sock.settimeout(self._connect_timeout)
             wire.send_frame(sock, {"op": "hello", "token": self._token})
             self._reply(sock)
+            sock.settimeout(self._timeout)
         except BaseException:
             sock.close()
             raise
@@ -181,10 +185,19 @@ class StoreClient:
             self._reply(sock)  # "continue", or the reason the request is refused
             try:
                 if nbody:
-                    sock.sendall(body)
+                    wire.send_body(sock, body)
             except OSError as error:
                 raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
-        header, nreply = self._reply(sock)
+        # a reply may wait for disk writes: a durable put for its bytes, flush and put_json for
+        # every object not yet on disk
+        if request["op"] in ("flush", "put_json"):
+            sock.settimeout(self._timeout * 10)
+        elif request.get("durable"):
+            sock.settimeout(self._timeout + nbody / DISK_BYTES_PER_S)
+        try:
+            header, nreply = self._reply(sock)
+        finally:
+            sock.settimeout(self._timeout)
         out = into(header) if into is not None else None
         try:
             if out is None:
@@ -194,7 +207,7 @@ class StoreClient:
                     raise StoreError(
                         f"store {self.address}: sent {nreply} bytes for {out.nbytes}", "protocol"
                     )
-                wire.recv_into(sock, wire.as_bytes(out))
+                header["received"] = wire.recv_into(sock, wire.as_bytes(out), digest=True)
                 data = out
         except OSError as error:
             raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
@@ -267,7 +280,7 @@ class StoreClient:
             return np.empty(shape, wire.dtype_of(info.dtype))
 
         header, out = self._call(request, into=into)
-        digest = wire.checksum(wire.as_bytes(out))
+        digest = header["received"]  # computed as the bytes arrived
         if digest != header["checksum"]:
             raise StoreError(
                 f"store {self.address}: get of {path!r} box {box}: received bytes have checksum "
@@ -323,9 +336,9 @@ class StoreClient:
         return header["stats"]
 
     def ping(self) -> bool:
-        """Whether the store answers (within the connect timeout)."""
+        """Whether the store answers a new connection's hello within the connect timeout."""
         try:
-            self.stats()
+            self._connect().close()
         except StoreError:
             return False
         return True

@@ -53,6 +53,7 @@ FILE_PREFIX = struct.Struct("!4sI")
 DEFAULT_MEMORY_BYTES = 4 << 30
 DEFAULT_MAX_BODY_BYTES = 8 << 30
 DEFAULT_TIMEOUT = 120.0
+IO_CHUNK_BYTES = 256 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,7 @@ class Store:
         self.index: dict[str, Entry] = {}
         self.by_path: dict[str, set[str]] = collections.defaultdict(set)
         # key -> (seq, bytes), least recently used first
-        self.memory: collections.OrderedDict[str, tuple[int, bytearray]]
+        self.memory: collections.OrderedDict[str, tuple[int, np.ndarray]]
         self.memory = collections.OrderedDict()
         self.memory_used = 0
         self.dirty: dict[str, int] = {}  # keys whose newest version is only in memory -> bytes
@@ -102,6 +103,7 @@ class Store:
         self.json: dict[str, bytes] = {}
         self.writes: queue.Queue = queue.Queue()
         self.write_errors: list[str] = []
+        self.closing = False
         self._load()
         self.writer = threading.Thread(target=self._write_loop, name="store-writer", daemon=True)
         self.writer.start()
@@ -125,7 +127,7 @@ class Store:
     def _clean(self, key: str) -> None:
         self.dirty_bytes -= self.dirty.pop(key, 0)
 
-    def _remember(self, key: str, seq: int, data: bytearray) -> None:
+    def _remember(self, key: str, seq: int, data: np.ndarray) -> None:
         self._forget(key)
         self.memory[key] = (seq, data)
         self.memory_used += len(data)
@@ -181,15 +183,20 @@ class Store:
         return header
 
     @staticmethod
-    def _read_file(file: pathlib.Path) -> tuple[dict, bytearray]:
+    def _read_file(file: pathlib.Path) -> tuple[dict, np.ndarray]:
         """A file's header and bytes; ``ValueError`` unless the bytes match its checksum."""
         with open(file, "rb") as f:
             magic, n = FILE_PREFIX.unpack(f.read(FILE_PREFIX.size))
             if magic != FILE_MAGIC:
                 raise ValueError(f"bad magic {magic!r}")
             header = json.loads(f.read(n))
-            data = bytearray(int(header["nbytes"]))
-            got = f.readinto(data)
+            data = np.empty(int(header["nbytes"]), np.uint8)
+            view, got = memoryview(data), 0
+            while got < len(data):  # in chunks: one read(2) moves at most ~2 GiB
+                k = f.readinto(view[got : got + IO_CHUNK_BYTES])
+                if not k:
+                    break
+                got += k
             extra = f.read(1)
         if got != len(data) or extra:
             raise ValueError(f"file holds {got + len(extra)}+ bytes, its header says {len(data)}")
@@ -209,11 +216,19 @@ class Store:
         """A complete, fsynced file under tmp/ (not yet visible)."""
         tmp = self.tmp_dir / f"{uuid.uuid4().hex}.tmp"
         encoded = json.dumps(header, separators=(",", ":")).encode()
-        with open(tmp, "wb") as f:
-            f.write(FILE_PREFIX.pack(FILE_MAGIC, len(encoded)) + encoded)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(FILE_PREFIX.pack(FILE_MAGIC, len(encoded)) + encoded)
+                view = memoryview(data).cast("B")
+                f.writelines(
+                    view[start : start + IO_CHUNK_BYTES]
+                    for start in range(0, view.nbytes, IO_CHUNK_BYTES)
+                )
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return tmp
 
     @staticmethod
@@ -266,9 +281,11 @@ class Store:
 
     # -- operations -----------------------------------------------------------------------------
 
-    def put(self, info: ObjectInfo, data: bytearray, durable: bool) -> None:
+    def put(self, info: ObjectInfo, data: np.ndarray, durable: bool) -> None:
         key = _key("array", info.path, info.box)
         with self.lock:
+            if self.closing:
+                raise Refused("the store is shutting down; nothing stored", "unavailable")
             self.seq += 1
             seq = self.seq
             # the memory tier may hold it if it fits next to the objects not yet on disk
@@ -314,7 +331,7 @@ class Store:
         best = min(holding, key=lambda i: i.nbytes)
         return _key("array", best.path, best.box)
 
-    def read(self, key: str) -> tuple[Entry, bytearray]:
+    def read(self, key: str) -> tuple[Entry, np.ndarray]:
         """An object's entry and bytes: from the memory tier, else from its verified file."""
         file = self.objects_dir / f"{key}.obj"
         for _ in range(5):
@@ -367,7 +384,7 @@ class Store:
                 (self.json_dir / f"{_key('json', path)}.obj").unlink(missing_ok=True)
         return len(keys) + len(paths)
 
-    def put_json(self, path: str, data: bytearray) -> None:
+    def put_json(self, path: str, data: np.ndarray) -> None:
         self.flush()  # the objects put before a commit marker reach disk before it
         header = {"path": path, "nbytes": len(data), "checksum": wire.checksum(data)}
         tmp = self._write_tmp(header, data)
@@ -376,7 +393,9 @@ class Store:
             self.json[path] = bytes(data)
 
     def close(self) -> None:
-        """Write every object still only in memory, then stop the writer."""
+        """Refuse further puts, write every object still only in memory, stop the writer."""
+        with self.lock:
+            self.closing = True
         self.writes.put(None)
         self.writer.join()
 
@@ -409,6 +428,11 @@ class Handler(socketserver.BaseRequestHandler):
                 except (KeyError, TypeError, ValueError, OverflowError) as error:
                     message = f"malformed {header.get('op')!r} request: {error!r}"
                     wire.send_frame(sock, {"ok": False, "error": message, "reason": "protocol"})
+                except OSError as error:  # the store's disk, not the connection
+                    if isinstance(error, (ConnectionError, TimeoutError)):
+                        raise
+                    message = f"{header.get('op')!r} failed on the store's disk: {error!r}"
+                    wire.send_frame(sock, {"ok": False, "error": message, "reason": "disk"})
         except wire.StoreProtocolError as error:
             self._try_send(sock, {"ok": False, "error": str(error), "reason": "protocol"})
         except (OSError, ConnectionError):
@@ -444,12 +468,12 @@ class Handler(socketserver.BaseRequestHandler):
         wire.send_frame(sock, {"ok": True, "version": 1})
         return True
 
-    def _body(self, sock: socket.socket, nbody: int, expected: int) -> bytearray:
-        """Say continue, then read a body of exactly ``expected`` bytes."""
+    def _body(self, sock: socket.socket, nbody: int, expected: int) -> tuple[np.ndarray, str]:
+        """Say continue, then read a body of exactly ``expected`` bytes; (bytes, checksum)."""
         if nbody != expected:
             raise Refused(f"the body must be {expected} bytes (shape x itemsize); got {nbody}")
         wire.send_frame(sock, {"ok": True, "continue": True})
-        return wire.recv_exact(sock, nbody)
+        return wire.recv_body(sock, nbody)
 
     def _check_body_limit(self, nbody: int, what: str, limit: int | None = None) -> None:
         limit = self.server.max_body if limit is None else limit
@@ -472,8 +496,7 @@ class Handler(socketserver.BaseRequestHandler):
             wire.check_box(path, box, global_shape)
             expected = wire.nbytes_of(wire.box_shape(box), dtype)
             self._check_body_limit(nbody, f"put of {path!r} box {box}")
-            data = self._body(sock, nbody, expected)
-            digest = wire.checksum(data)
+            data, digest = self._body(sock, nbody, expected)
             if digest != header.get("checksum"):
                 raise Refused(
                     f"put of {path!r} box {box}: the bytes received have checksum {digest}, the "
@@ -515,9 +538,9 @@ class Handler(socketserver.BaseRequestHandler):
         elif op == "put_json":
             path = wire.check_path(header.get("path"))
             self._check_body_limit(nbody, f"put_json of {path!r}", wire.MAX_JSON_BYTES)
-            data = self._body(sock, nbody, nbody)
+            data, _ = self._body(sock, nbody, nbody)
             try:
-                json.loads(data)
+                json.loads(data.tobytes())
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
                 raise Refused(f"put_json of {path!r}: the body is not JSON: {error}") from error
             store.put_json(path, data)

@@ -37,6 +37,7 @@ MAX_PATH_CHARS = 1024
 MAX_JSON_BYTES = 64 << 20  # put_json / get_json objects
 CHECKSUM = "crc32"
 SMALL_BODY_BYTES = 64 << 10
+CHUNK_BYTES = 64 << 20  # a socket timeout bounds the transfer of each chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,11 +139,19 @@ def dtype_of(name: str) -> np.dtype:
     """A NumPy dtype from its name, including ml_dtypes' (``bfloat16``, ``float8_e4m3fn``, ...)."""
     import ml_dtypes  # registers its names with NumPy
 
+    if not name.isidentifier() or name.startswith("_"):
+        raise StoreError(f"unknown dtype name {name!r:.100}")
     try:
         dtype = np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
     except TypeError as error:
         raise StoreError(f"unknown dtype name {name!r}") from error
-    if dtype.hasobject or dtype.fields is not None or dtype.name != name:
+    if (
+        not name.isidentifier()
+        or name.startswith("_")
+        or dtype.hasobject
+        or dtype.fields is not None
+        or dtype.name != name
+    ):
         raise StoreError(f"the store holds plain numeric arrays; dtype {name!r} is not one")
     return dtype
 
@@ -166,7 +175,14 @@ def send_frame(sock: socket.socket, header: dict, body=None) -> None:
         return
     sock.sendall(frame)
     if nbody:
-        sock.sendall(body)
+        send_body(sock, body)
+
+
+def send_body(sock: socket.socket, body) -> None:
+    """``sendall`` in chunks: a socket's timeout bounds each chunk, not the whole body."""
+    view = memoryview(body).cast("B")
+    for start in range(0, view.nbytes, CHUNK_BYTES):
+        sock.sendall(view[start : start + CHUNK_BYTES])
 
 
 def send_header(sock: socket.socket, header: dict, body_bytes: int) -> None:
@@ -180,22 +196,33 @@ def send_header(sock: socket.socket, header: dict, body_bytes: int) -> None:
     sock.sendall(PREFIX.pack(MAGIC, len(data), body_bytes) + data)
 
 
-def recv_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from the socket; ``ConnectionError`` if the peer closes first."""
+def recv_into(sock: socket.socket, view: memoryview, *, digest: bool = False) -> str | None:
+    """Fill ``view`` from the socket; ``ConnectionError`` if the peer closes first. With
+    ``digest``, the checksum of the bytes, computed chunk by chunk as they arrive (cache-hot)."""
     view = view.cast("B") if view.format != "B" else view
-    got, n = 0, view.nbytes
+    got, n, crc = 0, view.nbytes, 0
     while got < n:
         k = sock.recv_into(view[got:], min(n - got, 1 << 24))
         if k == 0:
             raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        if digest:
+            crc = zlib.crc32(view[got : got + k], crc)
         got += k
+    return f"{CHECKSUM}:{crc & 0xFFFFFFFF:08x}" if digest else None
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """``n`` bytes (for headers and small bodies)."""
     buf = bytearray(n)
     if n:
         recv_into(sock, memoryview(buf))
     return buf
+
+
+def recv_body(sock: socket.socket, n: int) -> tuple[np.ndarray, str]:
+    """``n`` bytes into a new uint8 array (not zero-filled first), and their checksum."""
+    buf = np.empty(n, np.uint8)
+    return buf, recv_into(sock, memoryview(buf), digest=True)
 
 
 def recv_prefix(sock: socket.socket) -> tuple[int, int] | None:
