@@ -287,9 +287,11 @@ class Job:
         if checkpoint is None:
             checkpoint = every is not None and step % every == 0
         if checkpoint and self.spec.checkpoint_dir is not None:
-            from tenplex_jax.checkpoint import save_checkpoint
+            from tenplex_jax.checkpoint import latest_checkpoint, save_checkpoint
 
-            save_checkpoint(self.spec.checkpoint_dir, state, ptc, step=step, data_state=data_state)
+            if latest_checkpoint(self.spec.checkpoint_dir) != step:  # steps are written once
+                save_checkpoint(self.spec.checkpoint_dir, state, ptc, step=step,
+                                data_state=data_state)  # fmt: skip
 
     def wait(self) -> None:
         """Finish the commit in flight, if any (raises what it raised)."""

@@ -187,8 +187,7 @@ class Launcher:
                        str(self.run_dir / "stores" / str(i)), "--host", "127.0.0.1", "--port", "0",
                        "--ready-file", str(ready)]  # fmt: skip
             with open(self.run_dir / "logs" / f"store-{i}.log", "ab") as log:
-                started[i] = (subprocess.Popen(command, stdout=log, stderr=log,
-                                               start_new_session=True), ready)  # fmt: skip
+                started[i] = (_spawn(command, stdout=log, stderr=log), ready)
             self.slots[i] = _Slot(i, started[i][0], "")
         deadline = time.monotonic() + self.options.start_timeout
         for i, (proc, ready) in started.items():
@@ -292,13 +291,12 @@ class Launcher:
             env = os.environ | spec.to_env() | {"PYTHONUNBUFFERED": "1"}
             command = [opts.python, opts.script, *opts.args]
             if pid == 0:
-                workers.append(subprocess.Popen(command, env=env, start_new_session=True))
+                workers.append(_spawn(command, env=env))
                 logs.append(None)
                 continue
             path = self.run_dir / "logs" / f"g{number}-p{pid}.log"
             with open(path, "wb") as log:
-                workers.append(subprocess.Popen(command, env=env, stdout=log, stderr=log,
-                                                start_new_session=True))  # fmt: skip
+                workers.append(_spawn(command, env=env, stdout=log, stderr=log))
             logs.append(path)
         self.workers = workers
         return _Generation(number, list(slots), workers, logs, source)
@@ -431,6 +429,27 @@ def _kill(proc: subprocess.Popen, sig=signal.SIGKILL, timeout: float = 10.0) -> 
             proc.wait(timeout)
     else:
         proc.wait()
+
+
+def _spawn(command: list[str], **kwargs) -> subprocess.Popen:
+    """A child in its own session (a Ctrl-C at the terminal reaches the launcher only, which then
+    kills it by PID) that Linux SIGKILLs if the launcher dies, even by SIGKILL."""
+    prctl = _prctl()
+    die = None if prctl is None else (lambda: prctl(1, signal.SIGKILL))  # PR_SET_PDEATHSIG
+    # the callable only calls a libc function resolved here, before the fork
+    return subprocess.Popen(command, start_new_session=True, preexec_fn=die, **kwargs)  # noqa: PLW1509
+
+
+@functools.cache
+def _prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
 
 def _status(code: int) -> str:
