@@ -147,17 +147,17 @@ def ptc_from_record(record: dict, like: PTC) -> PTC:
         )
         for r in record["leaves"]
     )
-    got = [(l.path, l.shape, np.dtype(l.dtype)) for l in leaves]
-    want = [(l.path, l.shape, np.dtype(l.dtype)) for l in like.leaves]
+    got = [(l.path, l.shape, np.dtype(l.dtype).name) for l in leaves]
+    want = [(l.path, l.shape, np.dtype(l.dtype).name) for l in like.leaves]
     if got != want:
+        show = lambda leaf: f"{leaf[0]!r} {leaf[2]}{list(leaf[1])}"
         diff = next(
-            ((a, b) for a, b in zip(got, want) if a != b),
-            (f"{len(got)} leaves", f"{len(want)} leaves"),
+            (f"stored leaf {show(a)} vs asked {show(b)}" for a, b in zip(got, want) if a != b),
+            f"{len(got)} stored leaves vs {len(want)} asked",
         )
         raise PlanError(
-            "the stored version holds another state than the one asked for: stored leaf "
-            f"{diff[0]} vs asked {diff[1]} (path, shape, dtype); restore the state it was "
-            "committed from"
+            f"the stored version holds another state than the one asked for: {diff}; restore "
+            "the state it was committed from (same model, optimizer and tree)"
         )
     return PTC(
         ParallelConfig(**record["config"]),

@@ -238,3 +238,47 @@ def test_launcher_replaces_a_failed_generation_and_stops_on_sigterm(tmp_path):
     for pid in stores + gens[0]["pids"] + gens[1]["pids"]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.parametrize(
+    "config, hosts",
+    [
+        (tj.ParallelConfig(fsdp=8), [0, 0, 1, 1, 2, 2, 3, 3]),
+        (tj.ParallelConfig(data=4, fsdp=2), [0, 0, 1, 1, 2, 2, 3, 3]),
+        (tj.ParallelConfig(data=3, fsdp=2), [0, 0, 1, 1, 2, 2]),
+    ],
+)
+def test_a_commit_writes_each_distinct_box_once_spread_over_the_processes(config, hosts):
+    from tests.helpers import RULES, abstract_state
+
+    ptc = tj.PTC.of(abstract_state(), RULES, config, range(len(hosts)), hosts=hosts)
+    slots = [5, 6, 7, 9][: max(hosts) + 1]  # any slot numbers
+    objects = stored_objects(ptc, slots, replicas=1)
+    for leaf in ptc.leaves:
+        boxes = ptc.boxes(leaf)
+        mine = [o for o in objects if o.path == leaf.path]
+        assert sorted(o.box for o in mine) == sorted(set(boxes.values())), leaf.path
+        for o in mine:
+            assert boxes[o.device] == o.box and hosts[o.device] == o.process
+            assert o.slots == (slots[o.process], slots[(o.process + 1) % len(slots)])
+    load = [sum(o.nbytes for o in objects if o.process == p) for p in range(len(slots))]
+    assert sum(load) == sum(o.nbytes for o in objects) and min(load) > 0.5 * max(load), load
+
+
+def test_a_stored_version_of_another_state_is_refused_naming_the_leaf():
+    from models import GPTConfig
+    from tenplex_jax.checkpoint import ptc_record
+    from tenplex_jax.commit import ptc_from_record
+    from tests.helpers import RULES, abstract_state
+
+    small = tj.PTC.of(abstract_state(GPTConfig.small()), RULES, tj.ParallelConfig(fsdp=2), [0, 1])
+    tiny = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(fsdp=2), [0, 1])
+    back = ptc_from_record(ptc_record(tiny), tiny)
+    assert (back.config, back.device_ids, back.hosts) == (tiny.config, tiny.device_ids, tiny.hosts)
+    layout = lambda p: [(l.path, l.shape, l.spec) for l in p.leaves]
+    assert layout(back) == layout(tiny)
+    with pytest.raises(
+        tj.PlanError,
+        match=r"another state.*stored leaf '0/b1' float32\[2, 256\] vs asked '0/b1' float32\[2, 64\]",
+    ):
+        ptc_from_record(ptc_record(small), tiny)
