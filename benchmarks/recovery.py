@@ -53,14 +53,19 @@ def run_recovery(*, quick: bool = False, repeats: int = 1, log=print) -> dict:
             with tempfile.TemporaryDirectory(prefix=f"tenplex-recovery-{variant}-") as run_dir:
                 result = recover_once(variant, pathlib.Path(run_dir), **setup)
             runs[variant].append(result)
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases"].items())
             log(
                 f"  {variant:6s} kill -> first step {result['recovery_seconds']:.2f} s "
                 f"(restore {result['restore_seconds'] * 1e3:.0f} ms, lost steps "
                 f"{result['lost_steps']}, {result['from_processes']} -> "
-                f"{result['to_processes']} processes, {result['config']})"
+                f"{result['to_processes']} processes, {result['config']}; s: {phases})"
             )
     median = lambda key: {v: statistics.median(r[key] for r in runs[v]) for v in VARIANTS}
     total, restore = median("recovery_seconds"), median("restore_seconds")
+    phases = {
+        v: {k: statistics.median(r["phases"][k] for r in runs[v]) for k in runs[v][0]["phases"]}
+        for v in VARIANTS
+    }
     return {
         "kind": "recovery",
         "change": f"lose 1 of {setup['nprocs']} processes",
@@ -70,6 +75,7 @@ def run_recovery(*, quick: bool = False, repeats: int = 1, log=print) -> dict:
         "runs": runs,
         "median_seconds": total,
         "median_restore_seconds": restore,
+        "median_phases": phases,
         "speedup": total["orbax"] / total["store"],
         "restore_speedup": restore["orbax"] / restore["store"],
     }
@@ -124,10 +130,20 @@ def recover_once(
     restore = json.loads((run / "restore-g1-p0.json").read_text())
     generation = [e for e in _events(run) if e["event"] == "generation"][-1]
     failure = next(e for e in _events(run) if e["event"] == "failure")
+    times = restore["times"]  # process 0 of the new generation, wall clock
     return {
         "recovery_seconds": first["time"] - killed,
-        "detect_seconds": failure["time"] - killed,
-        "restart_seconds": generation["time"] - killed,
+        # where the time goes, from the kill: the launcher notices it and ends the generation
+        # (grace included), the new processes start (python, imports, jax.distributed), prepare
+        # (abstract state, dataset), restore, then compile and run the first step
+        "phases": {
+            "end_generation": failure["time"] - killed,
+            "spawn": generation["time"] - failure["time"],
+            "start": times["joined"] - generation["time"],
+            "prepare": times["restore"] - times["joined"],
+            "restore": times["restored"] - times["restore"],
+            "compile_and_first_step": first["time"] - times["restored"],
+        },
         "restore_seconds": restore["seconds"],
         "restore_source": generation["restore"],
         "lost_steps": generation["lost_steps"],
@@ -168,7 +184,15 @@ def table(row: dict) -> str:
         f"{m['store']:.2f} | {m['orbax']:.2f} | **{row['speedup']:.2f}x** | "
         f"{r['store'] * 1e3:.0f} | {r['orbax'] * 1e3:.0f} | **{row['restore_speedup']:.1f}x** |"
     )
-    return f"{head}\n|---|---:|---:|---:|---:|---:|---:|---:|\n{line}"
+    names = list(row["median_phases"]["store"])
+    phases = [
+        "| seconds from the kill | " + " | ".join(n.replace("_", " ") for n in names) + " |",
+        "|---|" + "---:|" * len(names),
+    ] + [
+        f"| {v} | " + " | ".join(f"{row['median_phases'][v][n]:.2f}" for n in names) + " |"
+        for v in VARIANTS
+    ]
+    return f"{head}\n|---|---:|---:|---:|---:|---:|---:|---:|\n{line}\n\n" + "\n".join(phases)
 
 
 def _name(model: str) -> str:

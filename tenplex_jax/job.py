@@ -100,7 +100,9 @@ def join(*, timeout: float = 120.0) -> Job:
         process_id=spec.process_id,
         initialization_timeout=int(timeout),
     )
-    return Job(spec)
+    job = Job(spec)
+    job.times["joined"] = time.time()
+    return job
 
 
 def default_config(num_devices: int, abstract_state, rules: Rules) -> ParallelConfig:
@@ -133,7 +135,8 @@ class Job:
         self.clients: dict[int, Any] = {}
         self.last_commit: int | None = None
         self.restored: dict | None = None  # what restore did: source, step, seconds, bytes
-        self._control_seen = False
+        # wall-clock times of this process's start-up, for the recovery benchmark's breakdown
+        self.times: dict[str, float] = {"started": _process_start()}
 
     # -- who am I ------------------------------------------------------------------------------
 
@@ -176,6 +179,7 @@ class Job:
         import jax
 
         tic = time.perf_counter()
+        self.times["restore"] = time.time()
         devices = jax.devices()
         if config is None:
             config = default_config(len(devices), abstract_state, rules)
@@ -208,6 +212,8 @@ class Job:
                 dataset.step = step
         jax.block_until_ready(state)
         record |= {"step": step, "state_bytes": ptc.nbytes, "seconds": time.perf_counter() - tic}
+        self.times["restored"] = time.time()
+        record["times"] = dict(self.times)
         self.restored = record
         self.last_commit = step if kind != "init" else None
         self._write(f"restore-g{self.generation}-p{self.process_index}.json", record, every=True)
@@ -362,6 +368,12 @@ class Job:
         tmp = path.with_name(f".{name}.{os.getpid()}")
         tmp.write_text(json.dumps(record, default=_json_default))
         os.replace(tmp, path)
+
+
+def _process_start() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def _json_default(value):
