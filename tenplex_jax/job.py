@@ -135,6 +135,7 @@ class Job:
         self.clients: dict[int, Any] = {}
         self.last_commit: int | None = None
         self.restored: dict | None = None  # what restore did: source, step, seconds, bytes
+        self._checkpointed: int | None = None  # the newest orbax step, as this process knows
         # wall-clock times of this process's start-up, for the recovery benchmark's breakdown
         self.times: dict[str, float] = {"started": _process_start()}
 
@@ -219,6 +220,10 @@ class Job:
         self._write(f"restore-g{self.generation}-p{self.process_index}.json", record, every=True)
         if self.spec is not None:
             self._start_committer()
+            if self.spec.checkpoint_dir is not None:  # read before any process of this
+                from tenplex_jax.checkpoint import latest_checkpoint  # generation saves
+
+                self._checkpointed = latest_checkpoint(self.spec.checkpoint_dir)
         return state, ptc, step
 
     def _pull(self, ptc: PTC, step: int):
@@ -292,12 +297,19 @@ class Job:
         every = self.spec.checkpoint_every
         if checkpoint is None:
             checkpoint = every is not None and step % every == 0
-        if checkpoint and self.spec.checkpoint_dir is not None:
-            from tenplex_jax.checkpoint import latest_checkpoint, save_checkpoint
+        if checkpoint:
+            self._checkpoint(state, ptc, step, data_state)
 
-            if latest_checkpoint(self.spec.checkpoint_dir) != step:  # steps are written once
-                save_checkpoint(self.spec.checkpoint_dir, state, ptc, step=step,
-                                data_state=data_state)  # fmt: skip
+    def _checkpoint(self, state, ptc: PTC, step: int, data_state: DataState | None) -> None:
+        """An orbax checkpoint of ``step`` unless there is one: every process decides alike, from
+        what it saw at restore and what it saved since (a directory listing could lag behind the
+        other processes' saves and split the collective save)."""
+        if self.spec.checkpoint_dir is None or self._checkpointed == step:
+            return
+        from tenplex_jax.checkpoint import save_checkpoint
+
+        save_checkpoint(self.spec.checkpoint_dir, state, ptc, step=step, data_state=data_state)
+        self._checkpointed = step
 
     def wait(self) -> None:
         """Finish the commit in flight, if any (raises what it raised)."""
@@ -351,13 +363,7 @@ class Job:
         if self.spec is None:
             return
         self.wait()
-        if self.spec.checkpoint_dir is not None:
-            from tenplex_jax.checkpoint import latest_checkpoint, save_checkpoint
-
-            if latest_checkpoint(self.spec.checkpoint_dir) != step:
-                data_state = dataset.state() if dataset is not None else None
-                save_checkpoint(self.spec.checkpoint_dir, state, ptc, step=step,
-                                data_state=data_state)  # fmt: skip
+        self._checkpoint(state, ptc, step, None if dataset is None else dataset.state())
         self._write("finished.json", {"generation": self.generation, "step": step})
 
     def _write(self, name: str, record: dict, *, every: bool = False) -> None:
