@@ -84,6 +84,7 @@ def job(tmp_path_factory):
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     children: list[int] = []
     try:
+        want = reference_run()  # while the job starts: this process would wait idle otherwise
         stores = {int(k): v["pid"] for k, v in _wait_event(run, "stores", proc)["slots"].items()}
         children += stores.values()
         # failure 1: worker 3 and its store, once all four processes paused after step 3
@@ -113,7 +114,8 @@ def job(tmp_path_factory):
             proc.kill()
             proc.wait(30)
     log = (run / "launcher.log").read_text(errors="replace")
-    return {"run": run, "returncode": proc.returncode, "log": log, "children": children}
+    return {"run": run, "returncode": proc.returncode, "log": log, "children": children,
+            "reference": want}  # fmt: skip
 
 
 def _wait_event(run, kind, proc):
@@ -122,7 +124,11 @@ def _wait_event(run, kind, proc):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(job):
+    return job["reference"]
+
+
+def reference_run():
     """The same steps in this one process on 8 devices, never interrupted."""
     from models import LOGICAL_RULES, corpus_samples, stdlib_corpus
     from tenplex_jax.demo import build_state, make_train_step
