@@ -18,6 +18,11 @@ The public face, in the order a user meets it::
     dataset = tj.DatasetPTC(samples, global_batch=64, seed=0)  # the dataset PTC: a fixed order
     layout = tj.BatchLayout(64, ranks=new.config.data * new.config.fsdp, workers=8)
     grad_fn = tj.batch_value_and_grad(example_losses, layout, mesh)  # bitwise across DP sizes
+
+    # a process of `tenplex-jax launch --nprocs 4 SCRIPT` (state in the tensor stores)
+    job = tj.launch.join()                                      # jax.distributed on 127.0.0.1
+    state, ptc, step = job.restore(abstract, rules, dataset, init=init)   # pulls its own shards
+    if job.after_step(state, ptc, step, dataset): ...           # async commits; planned resize
 """
 
 from tenplex_jax.checkpoint import (
