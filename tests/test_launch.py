@@ -288,3 +288,19 @@ def test_a_stored_version_of_another_state_is_refused_naming_the_leaf():
         match=r"another state.*stored leaf '0/b1' float32\[2, 256\] vs asked '0/b1' float32\[2, 64\]",
     ):
         ptc_from_record(ptc_record(small), tiny)
+
+
+def test_a_complete_version_deletes_the_older_ones(job):
+    """Slot 1's store lived through every generation; restarted on its directory (the disk tier),
+    it holds the last version only: each complete commit deleted the versions before it."""
+    from tenplex_jax.commit import version_of
+
+    store = tj.StoreProcess.start(job["run"] / "stores" / "1")
+    try:
+        client = tj.StoreClient(store.address)
+        arrays = {version_of(o.path) for o in client.list("v")}
+        markers = {version_of(p) for p in client.list_json("v")}
+        client.close()
+    finally:
+        store.stop()
+    assert arrays == markers == {STEPS}
