@@ -521,3 +521,21 @@ def test_a_second_server_on_the_same_dir_refuses_to_start(stores) -> None:
     stores.start("s0")
     with pytest.raises(tj.StoreError, match="exited with 2 before listening"):
         stores.start("s0", stderr=subprocess.DEVNULL)
+
+
+def test_the_unix_socket_serves_the_same_store_to_this_user_only(stores, tmp_path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("tok")
+    path = tmp_path / "store.sock"
+    proc = stores.start(token_file=token_file, unix_socket=path)
+    assert proc.unix_address == f"unix:{path}"
+    assert path.stat().st_mode & 0o077 == 0  # no access for group or others
+    full = _rng_array((8, 8), ml_dtypes.bfloat16)
+    with tj.StoreClient(proc.unix_address, token="tok") as unix:
+        unix.put("u/w", full)
+        with tj.StoreClient(proc.address, token="tok") as tcp:
+            np.testing.assert_array_equal(tcp.get("u/w", ((2, 5), (1, 8))), full[2:5, 1:8])
+    with pytest.raises(tj.StoreError, match="requires a token"):
+        tj.StoreClient(proc.unix_address).list()
+    proc.stop()
+    assert not path.exists()

@@ -62,6 +62,8 @@ DISK_BYTES_PER_S = 50e6  # the slowest disk a durable put waits for, for its rep
 
 def parse_address(address: str) -> tuple[str, int]:
     """``"127.0.0.1:5000"`` or ``"[::1]:5000"`` → (host, port)."""
+    if address.startswith("unix:"):
+        raise StoreError(f"{address!r} is a Unix socket address, not host:port")
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise StoreError(f'a store address is "host:port"; got {address!r}')
@@ -84,7 +86,8 @@ class StoreClient:
         connect_timeout: float | None = None,
     ):
         self.address = address
-        self._host, self._port = parse_address(address)
+        self._unix = address[len("unix:") :] if address.startswith("unix:") else None
+        self._host, self._port = (None, None) if self._unix else parse_address(address)
         self._token = token
         self._timeout = timeout
         self._connect_timeout = timeout if connect_timeout is None else connect_timeout
@@ -105,11 +108,21 @@ class StoreClient:
 
     def _connect(self) -> socket.socket:
         try:
-            sock = socket.create_connection((self._host, self._port), self._connect_timeout)
+            if self._unix is not None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.settimeout(self._connect_timeout)
+                    sock.connect(self._unix)
+                except BaseException:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection((self._host, self._port), self._connect_timeout)
         except OSError as error:
             raise StoreError(f"cannot reach the store at {self.address}: {error}", "unavailable")
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._unix is None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             # the hello exchange is part of connecting: a store that accepts but does not answer
             # (stopped, overloaded) is given up on within the connect timeout too
             sock.settimeout(self._connect_timeout)
@@ -520,12 +533,20 @@ def _or_none(fn, *args):
 class StoreProcess:
     """A store server subprocess: ``StoreProcess.start(dir)`` waits until it listens.
 
-    ``address`` is its "host:port"; ``pid`` and ``popen`` identify the child; ``stop()`` sends
+    ``address`` is its "host:port" (``unix_address`` its "unix:PATH" when started with
+    ``unix_socket``); ``pid`` and ``popen`` identify the child; ``stop()`` sends
     SIGTERM (the server writes what is only in memory to disk) and waits; ``kill()`` SIGKILLs.
     """
 
-    def __init__(self, popen: subprocess.Popen, address: str, directory: pathlib.Path):
+    def __init__(
+        self,
+        popen: subprocess.Popen,
+        address: str,
+        directory: pathlib.Path,
+        unix_address: str | None = None,
+    ):
         self.popen, self.address, self.dir = popen, address, directory
+        self.unix_address = unix_address
 
     @property
     def pid(self) -> int:
@@ -541,6 +562,7 @@ class StoreProcess:
         memory_bytes: int | None = None,
         max_body_bytes: int | None = None,
         token_file=None,
+        unix_socket=None,
         timeout: float = 60.0,
         stderr=None,
     ) -> StoreProcess:
@@ -556,6 +578,8 @@ class StoreProcess:
             cmd += ["--max-body-bytes", str(max_body_bytes)]
         if token_file is not None:
             cmd += ["--token-file", str(token_file)]
+        if unix_socket is not None:
+            cmd += ["--unix-socket", str(unix_socket)]
         # the server runs the same tenplex_jax as this process, wherever the caller's cwd is
         root = str(pathlib.Path(__file__).resolve().parents[2])
         env = dict(os.environ)
@@ -580,7 +604,8 @@ class StoreProcess:
             raise
         finally:
             ready.unlink(missing_ok=True)
-        return cls(popen, address, directory)
+        unix_address = None if unix_socket is None else f"unix:{unix_socket}"
+        return cls(popen, address, directory, unix_address)
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then wait (SIGKILL after ``timeout``); the exit code."""
