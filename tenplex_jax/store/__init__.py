@@ -24,13 +24,27 @@ for disk (it survives the death of any worker, not of the store process); ``dura
 only after the object's file is complete and fsynced; ``flush()`` waits for every earlier put to
 reach disk, and ``put_json`` flushes first, so a commit marker on disk implies its objects are.
 
+**Versions.** Give every commit its own path prefix (``"v3/"``) and ``delete`` old prefixes:
+a put replaces an object atomically on each store, but a ``ReplicatedStore.put`` that raised may
+have reached some of its stores, and a replica that missed an overwrite of the same
+``(path, box)`` would still hold the old bytes.
+
+**Errors.** Every failure raises ``StoreError`` with a ``reason``: ``"not_found"``, ``"corrupt"``
+(a checksum failed; the object is set aside, not served), ``"unavailable"`` (no answer within the
+timeouts), ``"too_large"``, ``"auth"``, ``"checksum"``, ``"disk"``, ``"protocol"``, ``"refused"``,
+or ``"invalid"`` for bad arguments caught before anything was sent.
+
 **Interface notes.** Beyond the planned interface: ``put`` returns the ``ObjectInfo`` and takes
 ``durable``; ``get``'s box may be None (the whole array); ``get_json`` takes a ``default``;
 ``delete`` also removes JSON objects under the prefix and returns how many it removed; ``flush``,
-``list_json``, ``stats`` and ``ping`` exist; ``ReplicatedStore.put`` returns the store indices
-written and raises unless ``min_copies`` (default: all) were; ``ReplicatedStore`` also has
-``list``, ``delete``, ``put_json``, ``get_json``, ``flush`` and ``close``. The module is a package
-(``tenplex_jax/store/``) so that ``python -m tenplex_jax.store`` runs the server cleanly.
+``list_json``, ``stats`` and ``ping`` exist; ``StoreClient`` and ``ReplicatedStore`` take
+``connect_timeout`` (the time to connect and be greeted; a stopped store is skipped after it);
+an address may be ``"unix:PATH"`` for a server started with ``--unix-socket PATH``;
+``ReplicatedStore.put`` returns the store indices written and raises unless ``min_copies``
+(default: all k+1) were; ``ReplicatedStore`` also has ``holders``, ``list``, ``delete``,
+``put_json``, ``get_json``, ``flush`` and ``close``; ``StoreProcess`` starts a server subprocess.
+The module is a package (``tenplex_jax/store/``: this client, ``server.py``, ``wire.py``) so that
+``python -m tenplex_jax.store`` runs the server without importing this module twice.
 """
 
 from __future__ import annotations
