@@ -540,3 +540,32 @@ def test_the_unix_socket_serves_the_same_store_to_this_user_only(stores, tmp_pat
         tj.StoreClient(proc.unix_address).list()
     proc.stop()
     assert not path.exists()
+
+
+def test_a_failed_disk_write_blocks_the_commit_marker_until_it_succeeds(stores) -> None:
+    from tenplex_jax.store.server import _key
+
+    proc = stores.start()
+    array = _rng_array((128,), np.float32)
+    blocker = proc.dir / "objects" / f"{_key('array', 'f/w', ((0, 128),))}.obj"
+    blocker.mkdir()  # a directory where the object's file must go: its rename fails
+    (blocker / "x").write_text("x")
+    with tj.StoreClient(proc.address) as client:
+        with pytest.raises(tj.StoreError, match="failed on the store's disk") as err:
+            client.put("f/w", array, durable=True)
+        assert err.value.reason == "disk"
+        client.put("f/w", array)  # acknowledged from memory; its write-back fails
+        with pytest.raises(tj.StoreError, match=r"disk writes failed .*'f/w'") as err:
+            client.put_json("f/COMMIT", {"step": 1})
+        assert err.value.reason == "disk"
+        assert client.get_json("f/COMMIT", default=None) is None
+        np.testing.assert_array_equal(client.get("f/w"), array)  # still served from memory
+        (blocker / "x").unlink()
+        blocker.rmdir()
+        client.put_json("f/COMMIT", {"step": 1})  # the write-back is retried, then the marker
+        assert client.stats()["dirty"] == 0
+    _kill(proc)
+    proc = stores.start()
+    with tj.StoreClient(proc.address) as client:
+        np.testing.assert_array_equal(client.get("f/w"), array)
+        assert client.get_json("f/COMMIT") == {"step": 1}

@@ -102,8 +102,10 @@ class Store:
         self.dirty: dict[str, int] = {}  # keys whose newest version is only in memory -> bytes
         self.dirty_bytes = 0
         self.json: dict[str, bytes] = {}
-        self.writes: queue.Queue = queue.Queue()
-        self.write_errors: list[str] = []
+        self.writes: queue.Queue = queue.Queue()  # (key, seq) to write back, in put order
+        self.queued = self.written = 0  # counts of write-backs queued and done
+        self.written_cond = threading.Condition(self.lock)
+        self.failed: dict[str, str] = {}  # dirty keys whose write-back failed -> the error
         self.closing = False
         self._load()
         self.writer = threading.Thread(target=self._write_loop, name="store-writer", daemon=True)
@@ -245,15 +247,21 @@ class Store:
     def _write_loop(self) -> None:
         while True:
             item = self.writes.get()
+            if item is None:
+                return
             try:
-                if item is None:
-                    return
                 self._write_back(*item)
-            except Exception as error:  # noqa: BLE001 (kept in memory; flush reports it)
+            except Exception as error:  # noqa: BLE001 (the object stays in memory; flush says so)
                 with self.lock:
-                    self.write_errors.append(f"{item[0]}: {error!r}")
-            finally:
-                self.writes.task_done()
+                    self.failed[item[0]] = repr(error)
+            with self.lock:
+                self.written += 1
+                self.written_cond.notify_all()
+
+    def _queue_write(self, key: str, seq: int) -> None:
+        """Queue a write-back (call with the lock held)."""
+        self.queued += 1
+        self.writes.put((key, seq))
 
     def _write_back(self, key: str, seq: int) -> None:
         with self.lock:
@@ -270,15 +278,28 @@ class Store:
             self._publish(tmp, self.objects_dir / f"{key}.obj")
             self.index[key] = dataclasses.replace(entry, on_disk=True)
             self._clean(key)
+            self.failed.pop(key, None)
             self._evict()
 
     def flush(self) -> None:
-        """Wait until every object acknowledged so far is on disk."""
-        self.writes.join()
-        with self.lock:
-            errors, self.write_errors = self.write_errors, []
-        if errors:
-            raise Refused(f"disk writes failed (the objects stay in memory): {errors}", "disk")
+        """Wait until every object acknowledged before this call is on disk (later puts do not
+        hold it up); write-backs that failed are retried once, then reported."""
+        for attempt in (0, 1):
+            with self.lock:
+                if attempt:
+                    for key in self.failed:
+                        held = self.memory.get(key)
+                        if held is not None and key in self.dirty:
+                            self._queue_write(key, held[0])
+                target = self.queued
+                while self.written < target:
+                    self.written_cond.wait()
+                failed = {k: e for k, e in self.failed.items() if k in self.dirty}
+                self.failed = failed
+            if not failed:
+                return
+        paths = {self.index[k].info.path: e for k, e in failed.items() if k in self.index}
+        raise Refused(f"disk writes failed (the objects stay in memory only): {paths}", "disk")
 
     # -- operations -----------------------------------------------------------------------------
 
@@ -298,7 +319,8 @@ class Store:
                 self.dirty[key] = len(data)
                 self.dirty_bytes += len(data)
                 self._evict()
-                self.writes.put((key, seq))
+                self.failed.pop(key, None)
+                self._queue_write(key, seq)
                 return
         tmp = self._write_tmp(info.to_json(), data)  # write-through
         with self.lock:
@@ -309,6 +331,7 @@ class Store:
             self._publish(tmp, self.objects_dir / f"{key}.obj")
             self._index_set(key, Entry(info, seq, on_disk=True))
             self._clean(key)
+            self.failed.pop(key, None)
             self._forget(key)
             if len(data) <= self.memory_bytes:
                 self._remember(key, seq, data)
