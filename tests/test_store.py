@@ -569,3 +569,36 @@ def test_a_failed_disk_write_blocks_the_commit_marker_until_it_succeeds(stores) 
     with tj.StoreClient(proc.address) as client:
         np.testing.assert_array_equal(client.get("f/w"), array)
         assert client.get_json("f/COMMIT") == {"step": 1}
+
+
+def test_the_client_refuses_bytes_that_fail_their_checksum() -> None:
+    """A server (here a fake one on 127.0.0.1) whose bytes were damaged in transit or in memory."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    good = np.arange(6, dtype=np.int32)
+    bad = good.copy()
+    bad[3] ^= 1
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            for _ in range(2):  # hello, get
+                nheader, _ = wire.recv_prefix(conn)
+                request = wire.recv_header(conn, nheader, 1 << 20)
+                if request["op"] == "hello":
+                    wire.send_frame(conn, {"ok": True})
+                    continue
+                info = tj.ObjectInfo("w", ((0, 6),), (6,), "int32", 24, wire.checksum(good))
+                reply = {"ok": True, "info": info.to_json(), "box": [[0, 6]],
+                         "checksum": info.checksum}  # fmt: skip
+                wire.send_frame(conn, reply, bad.tobytes())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        host, port = listener.getsockname()
+        with pytest.raises(tj.StoreError, match="received bytes have checksum") as err:
+            tj.StoreClient(f"{host}:{port}", timeout=10).get("w")
+        assert err.value.reason == "corrupt"
+    finally:
+        thread.join(10)
+        listener.close()
