@@ -559,6 +559,8 @@ def test_a_failed_disk_write_blocks_the_commit_marker_until_it_succeeds(stores) 
             client.put_json("f/COMMIT", {"step": 1})
         assert err.value.reason == "disk"
         assert client.get_json("f/COMMIT", default=None) is None
+        client.put_json("f/NOTE", {"step": 1}, flush=False)  # does not wait for the objects
+        assert client.get_json("f/NOTE") == {"step": 1}
         np.testing.assert_array_equal(client.get("f/w"), array)  # still served from memory
         (blocker / "x").unlink()
         blocker.rmdir()

@@ -22,7 +22,8 @@ Example::
 **Acknowledgement.** ``put`` returns once the object is in the server's memory tier and queued
 for disk (it survives the death of any worker, not of the store process); ``durable=True`` returns
 only after the object's file is complete and fsynced; ``flush()`` waits for every earlier put to
-reach disk, and ``put_json`` flushes first, so a commit marker on disk implies its objects are.
+reach disk, and ``put_json`` flushes first (``flush=False`` skips that wait), so a commit marker
+on disk implies its objects are.
 
 **Versions.** Give every commit its own path prefix (``"v3/"``) and ``delete`` old prefixes:
 a put replaces an object atomically on each store, but a ``ReplicatedStore.put`` that raised may
@@ -328,9 +329,13 @@ class StoreClient:
         header, _ = self._call({"op": "delete", "prefix": prefix})
         return int(header["deleted"])
 
-    def put_json(self, path: str, obj: Any) -> None:
-        """Store a small JSON-able object durably and atomically, after every earlier put has
-        reached disk (a commit marker or manifest)."""
+    def put_json(self, path: str, obj: Any, *, flush: bool = True) -> None:
+        """Store a small JSON-able object durably and atomically (a commit marker, a manifest).
+
+        With ``flush`` (the default) it is written only after every earlier put to this store has
+        reached disk, so after a crash of the store the marker implies its objects. ``flush=False``
+        skips that wait: enough while the store process lives (it outlives the workers), but a
+        store restarted from disk may then hold the marker without some objects."""
         path = wire.check_path(path)
         data = json.dumps(obj).encode()
         if len(data) > wire.MAX_JSON_BYTES:
@@ -338,7 +343,7 @@ class StoreClient:
                 f"put_json objects are at most {wire.MAX_JSON_BYTES} bytes; {path!r} is "
                 f"{len(data)} bytes"
             )
-        self._call({"op": "put_json", "path": path}, data)
+        self._call({"op": "put_json", "path": path, "flush": bool(flush)}, data)
 
     def get_json(self, path: str, default: Any = _MISSING) -> Any:
         """The JSON object at ``path``; ``default`` if given and there is none."""
@@ -495,11 +500,20 @@ class ReplicatedStore:
         """Delete ``prefix`` on every store that answers; the count per store (None: down)."""
         return list(self._pool.map(lambda c: _or_none(c.delete, prefix), self.clients))
 
-    def put_json(self, path: str, obj: Any, *, stores: Sequence[int] | None = None) -> list[int]:
-        """Write a JSON object to ``stores`` (default: all) in parallel; the stores written.
-        Raises ``StoreError`` when none was."""
+    def put_json(
+        self,
+        path: str,
+        obj: Any,
+        *,
+        stores: Sequence[int] | None = None,
+        flush: bool = True,
+    ) -> list[int]:
+        """Write a JSON object to ``stores`` (default: all) in parallel (``StoreClient.put_json``
+        says what ``flush`` means); the stores written. Raises ``StoreError`` when none was."""
         targets = range(len(self.clients)) if stores is None else stores
-        futures = {i: self._pool.submit(self.clients[i].put_json, path, obj) for i in targets}
+        futures = {
+            i: self._pool.submit(self.clients[i].put_json, path, obj, flush=flush) for i in targets
+        }
         written, failed = [], []
         for i, future in futures.items():
             try:

@@ -9,8 +9,8 @@ without ``--token-file``. ``--unix-socket PATH`` serves the same store on a Unix
 objects evicted first) and on disk under ``DIR/objects``. A plain put is acknowledged once it is
 in the memory tier and queued for disk; ``durable=True`` (and any object larger than the memory
 tier) is acknowledged only after its file is complete. ``flush`` waits until every object
-acknowledged before it is on disk; ``put_json`` flushes first, then writes durably, so a commit
-marker on disk implies that the objects put before it are on disk. SIGTERM / SIGINT flush too.
+acknowledged before it is on disk; ``put_json`` flushes first (unless asked not to), then writes
+durably, so a commit marker on disk implies that the objects put before it are on disk. SIGTERM / SIGINT flush too.
 
 **Atomic files.** An object is one file: ``b"TPXO"`` + header length + a JSON header (path, box,
 global shape, dtype, checksum) + the bytes. It is written to ``DIR/tmp``, fsynced, renamed into
@@ -408,8 +408,9 @@ class Store:
                 (self.json_dir / f"{_key('json', path)}.obj").unlink(missing_ok=True)
         return len(keys) + len(paths)
 
-    def put_json(self, path: str, data: np.ndarray) -> None:
-        self.flush()  # the objects put before a commit marker reach disk before it
+    def put_json(self, path: str, data: np.ndarray, flush: bool = True) -> None:
+        if flush:
+            self.flush()  # the objects put before a commit marker reach disk before it
         header = {"path": path, "nbytes": len(data), "checksum": wire.checksum(data)}
         tmp = self._write_tmp(header, data)
         with self.lock:
@@ -568,7 +569,7 @@ class Handler(socketserver.BaseRequestHandler):
                 json.loads(data.tobytes())
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
                 raise Refused(f"put_json of {path!r}: the body is not JSON: {error}") from error
-            store.put_json(path, data)
+            store.put_json(path, data, flush=header.get("flush", True) is not False)
             wire.send_frame(sock, {"ok": True})
         elif op == "get_json":
             path = wire.check_path(header.get("path"))
