@@ -13,8 +13,9 @@ acknowledged before it is on disk; ``put_json`` flushes first (unless asked not 
 durably, so a commit marker on disk implies that the objects put before it are on disk. SIGTERM / SIGINT flush too.
 
 **Atomic files.** An object is one file: ``b"TPXO"`` + header length + a JSON header (path, box,
-global shape, dtype, checksum) + the bytes. It is written to ``DIR/tmp``, fsynced, renamed into
-``DIR/objects`` and the directory fsynced; only then does the index point at it. A restarted
+global shape, dtype, checksum) + the bytes. It is written to ``DIR/tmp`` and fsynced; only then
+is it renamed into ``DIR/objects`` and does the index point at it (the directory is fsynced before
+a durable put or a flush returns). Several writer threads overlap their fsyncs. A restarted
 store deletes ``DIR/tmp``, indexes complete files (a file whose size disagrees with its header is
 set aside), and verifies every file's checksum when it reads it: a file that fails is moved to
 ``DIR/corrupt`` and never served. So after a crash the store serves each object's last complete
@@ -55,6 +56,7 @@ DEFAULT_MEMORY_BYTES = 4 << 30
 DEFAULT_MAX_BODY_BYTES = 8 << 30
 DEFAULT_TIMEOUT = 120.0
 IO_CHUNK_BYTES = 256 << 20
+WRITERS = 4  # threads writing the memory tier back to disk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,14 +104,20 @@ class Store:
         self.dirty: dict[str, int] = {}  # keys whose newest version is only in memory -> bytes
         self.dirty_bytes = 0
         self.json: dict[str, bytes] = {}
-        self.writes: queue.Queue = queue.Queue()  # (key, seq) to write back, in put order
-        self.queued = self.written = 0  # counts of write-backs queued and done
+        self.writes: queue.Queue = queue.Queue()  # (ticket, key, seq) to write back, in put order
+        self.queued = 0  # tickets handed out
+        self.pending: set[int] = set()  # tickets not yet written back
         self.written_cond = threading.Condition(self.lock)
         self.failed: dict[str, str] = {}  # dirty keys whose write-back failed -> the error
         self.closing = False
         self._load()
-        self.writer = threading.Thread(target=self._write_loop, name="store-writer", daemon=True)
-        self.writer.start()
+        # several writers: their fsyncs overlap, as the file system's journal commits them together
+        self.writers = [
+            threading.Thread(target=self._write_loop, name="store-writer", daemon=True)
+            for _ in range(WRITERS)
+        ]
+        for writer in self.writers:
+            writer.start()
 
     # -- index and memory tier (call with the lock held) -------------------------------------
 
@@ -235,10 +243,10 @@ class Store:
         return tmp
 
     @staticmethod
-    def _publish(tmp: pathlib.Path, final: pathlib.Path) -> None:
-        """Rename a complete file into place and fsync the directory (call with the lock held)."""
-        os.replace(tmp, final)
-        fd = os.open(final.parent, os.O_RDONLY)
+    def _sync_dir(directory: pathlib.Path) -> None:
+        """fsync a directory, so that a rename into it survives a crash of the machine. Called
+        after the lock is released (the rename is done under it): an fsync takes milliseconds."""
+        fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
@@ -249,19 +257,21 @@ class Store:
             item = self.writes.get()
             if item is None:
                 return
+            ticket, key, seq = item
             try:
-                self._write_back(*item)
+                self._write_back(key, seq)
             except Exception as error:  # noqa: BLE001 (the object stays in memory; flush says so)
                 with self.lock:
-                    self.failed[item[0]] = repr(error)
+                    self.failed[key] = repr(error)
             with self.lock:
-                self.written += 1
+                self.pending.discard(ticket)
                 self.written_cond.notify_all()
 
     def _queue_write(self, key: str, seq: int) -> None:
         """Queue a write-back (call with the lock held)."""
         self.queued += 1
-        self.writes.put((key, seq))
+        self.pending.add(self.queued)
+        self.writes.put((self.queued, key, seq))
 
     def _write_back(self, key: str, seq: int) -> None:
         with self.lock:
@@ -275,11 +285,12 @@ class Store:
             if entry is None or entry.seq != seq:
                 tmp.unlink(missing_ok=True)
                 return
-            self._publish(tmp, self.objects_dir / f"{key}.obj")
+            os.replace(tmp, self.objects_dir / f"{key}.obj")
             self.index[key] = dataclasses.replace(entry, on_disk=True)
             self._clean(key)
             self.failed.pop(key, None)
             self._evict()
+        self._sync_dir(self.objects_dir)
 
     def flush(self) -> None:
         """Wait until every object acknowledged before this call is on disk (later puts do not
@@ -292,7 +303,7 @@ class Store:
                         if held is not None and key in self.dirty:
                             self._queue_write(key, held[0])
                 target = self.queued
-                while self.written < target:
+                while min(self.pending, default=target + 1) <= target:
                     self.written_cond.wait()
                 failed = {k: e for k, e in self.failed.items() if k in self.dirty}
                 self.failed = failed
@@ -328,7 +339,7 @@ class Store:
             if entry is not None and entry.seq > seq:
                 tmp.unlink(missing_ok=True)  # a newer put of the same key won
                 return
-            self._publish(tmp, self.objects_dir / f"{key}.obj")
+            os.replace(tmp, self.objects_dir / f"{key}.obj")
             self._index_set(key, Entry(info, seq, on_disk=True))
             self._clean(key)
             self.failed.pop(key, None)
@@ -336,6 +347,7 @@ class Store:
             if len(data) <= self.memory_bytes:
                 self._remember(key, seq, data)
                 self._evict()
+        self._sync_dir(self.objects_dir)
 
     def find(self, path: str, box: wire.Box | None) -> str:
         """The key of the object under ``path`` that contains ``box`` (None: the whole array)."""
@@ -414,15 +426,18 @@ class Store:
         header = {"path": path, "nbytes": len(data), "checksum": wire.checksum(data)}
         tmp = self._write_tmp(header, data)
         with self.lock:
-            self._publish(tmp, self.json_dir / f"{_key('json', path)}.obj")
+            os.replace(tmp, self.json_dir / f"{_key('json', path)}.obj")
             self.json[path] = bytes(data)
+        self._sync_dir(self.json_dir)
 
     def close(self) -> None:
         """Refuse further puts, write every object still only in memory, stop the writer."""
         with self.lock:
             self.closing = True
-        self.writes.put(None)
-        self.writer.join()
+        for _ in self.writers:
+            self.writes.put(None)
+        for writer in self.writers:
+            writer.join()
 
 
 # ---------------------------------------------------------------------------------------------
