@@ -418,6 +418,9 @@ class Store:
             for path in paths:
                 del self.json[path]
                 (self.json_dir / f"{_key('json', path)}.obj").unlink(missing_ok=True)
+        if keys or paths:  # so that deleted objects stay deleted after a crash of the machine
+            self._sync_dir(self.objects_dir)
+            self._sync_dir(self.json_dir)
         return len(keys) + len(paths)
 
     def put_json(self, path: str, data: np.ndarray, flush: bool = True) -> None:
