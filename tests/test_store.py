@@ -543,7 +543,7 @@ def test_the_unix_socket_serves_the_same_store_to_this_user_only(stores, tmp_pat
 
 
 def test_a_failed_disk_write_blocks_the_commit_marker_until_it_succeeds(stores) -> None:
-    from tenplex_jax.store.server import _key
+    from tenplex_jax.store.tiers import _key
 
     proc = stores.start()
     array = _rng_array((128,), np.float32)
