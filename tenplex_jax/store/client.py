@@ -102,6 +102,8 @@ class StoreClient:
         return self._connect(), False
 
     def _checkin(self, sock: socket.socket) -> None:
+        if sock.fileno() < 0:  # closed
+            return
         with self._lock:
             if not self._closed:
                 self._idle.append(sock)
@@ -169,7 +171,11 @@ class StoreClient:
             header, nreply = self._reply(sock)
         finally:
             sock.settimeout(self._timeout)
-        out = into(header) if into is not None else None
+        try:
+            out = into(header) if into is not None else None
+        except BaseException:
+            sock.close()  # the reply's body is unread: the connection cannot be reused
+            raise
         try:
             if out is None:
                 data = wire.recv_exact(sock, nreply)
