@@ -174,6 +174,10 @@ def test_bad_arguments_are_refused_before_sending(client) -> None:
         client.put("", np.zeros(2))
     with pytest.raises(tj.StoreError, match="plain numeric arrays"):
         client.put("bad/x", np.array(["a"], dtype=object))
+    with pytest.raises(tj.StoreError, match="global_shape is needed"):
+        client.put("bad/x", np.zeros(2), box=((2, 4),))
+    with pytest.raises(tj.StoreError, match="not plain JSON"):
+        client.put_json("bad/m", {"n": np.int64(3)})
     assert client.list("bad/") == []
 
 

@@ -210,12 +210,19 @@ class StoreClient:
         _checksum: str | None = None,
     ) -> ObjectInfo:
         """Store ``array`` as the ``box`` of a global array of ``global_shape`` (default: the
-        whole array). Atomic: readers see the old object or the new one, never a mix."""
+        whole array); the stored object's ``ObjectInfo``. Atomic: readers see the old object or
+        the new one, never a mix. Acknowledged from the memory tier, or with ``durable`` once
+        the object's file is on disk."""
         array = np.asarray(array, order="C")
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("="))
         path = wire.check_path(path)
         box = wire.full_box(array.shape) if box is None else wire.as_box(box)
+        if global_shape is None and any(start for start, _ in box):
+            raise StoreError(
+                f"put of {path!r}: global_shape is needed when the box {box} does not start at "
+                f"the origin"
+            )
         global_shape = (
             wire.box_shape(box) if global_shape is None else tuple(int(n) for n in global_shape)
         )
@@ -286,7 +293,10 @@ class StoreClient:
         skips that wait: enough while the store process lives (it outlives the workers), but a
         store restarted from disk may then hold the marker without some objects."""
         path = wire.check_path(path)
-        data = json.dumps(obj).encode()
+        try:
+            data = json.dumps(obj, allow_nan=False).encode()
+        except (TypeError, ValueError) as error:
+            raise StoreError(f"put_json of {path!r}: not plain JSON: {error}") from error
         if len(data) > wire.MAX_JSON_BYTES:
             raise StoreError(
                 f"put_json objects are at most {wire.MAX_JSON_BYTES} bytes; {path!r} is "
