@@ -36,7 +36,8 @@ timeouts), ``"too_large"``, ``"auth"``, ``"checksum"``, ``"disk"``, ``"protocol"
 or ``"invalid"`` for bad arguments caught before anything was sent.
 
 **Interface notes.** Beyond the planned interface: ``put`` returns the ``ObjectInfo`` and takes
-``durable``; ``get``'s box may be None (the whole array); ``get_json`` takes a ``default``;
+``durable``; ``get``'s box may be None (the whole array); ``put_json`` takes ``flush``,
+``get_json`` a ``default``;
 ``delete`` also removes JSON objects under the prefix and returns how many it removed; ``flush``,
 ``list_json``, ``stats`` and ``ping`` exist; ``StoreClient`` and ``ReplicatedStore`` take
 ``connect_timeout`` (the time to connect and be greeted; a stopped store is skipped after it);
