@@ -9,7 +9,8 @@ directory. Timed, per operation, the median of ``repeats`` runs of one array of 
 - ``get_sub``: a sub-box holding half the rows (the server slices and sends only those bytes);
 - ``get_disk``: the whole object from a store whose memory tier is 0 bytes (read from the page
   cache, checksum verified);
-- ``replicated_put``: ``ReplicatedStore.put`` with one replica (two stores written in parallel).
+- ``replicated_put``: ``ReplicatedStore.put`` with one replica (two stores written in parallel);
+- ``put_unix`` / ``get_unix``: ``put`` and ``get`` over the server's Unix socket instead of TCP.
 
 Every figure is also given as a ratio to ``np.copyto`` of the same bytes into a buffer whose pages
 are mapped (``memcpy``), and into a fresh buffer (``memcpy_fresh``). Run alone with
@@ -28,64 +29,74 @@ import numpy as np
 import tenplex_jax as tj
 
 
-def _median_seconds(fn, repeats: int, between=None) -> float:
-    """Median seconds of ``fn()``; ``between()`` runs untimed before each call."""
-    runs = []
-    for i in range(repeats + 1):  # the first call warms up (connections, page faults)
-        if between is not None:
-            between()
-        tic = time.perf_counter()
-        fn()
-        if i:
-            runs.append(time.perf_counter() - tic)
-    return statistics.median(runs)
+def _interleaved_runs(ops: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each ``(fn, between)`` in ``ops``, ``repeats`` rounds after a warm-up round.
+
+    The operations alternate within each round, so the machine's noise falls on all alike;
+    ``between()`` runs untimed before its ``fn()``."""
+    runs = {name: [] for name in ops}
+    for round_ in range(repeats + 1):
+        for name, (fn, between) in ops.items():
+            if between is not None:
+                between()
+            tic = time.perf_counter()
+            fn()
+            if round_:
+                runs[name].append(time.perf_counter() - tic)
+    return runs
 
 
 def run(quick: bool = False, repeats: int | None = None, log=print) -> dict:
     """One row: bytes per second per store operation and its ratio to memcpy."""
     nbytes = (32 if quick else 256) << 20
-    repeats = repeats or (3 if quick else 5)
+    repeats = repeats or (3 if quick else 7)
     rows = int(nbytes // (1024 * 4))
     array = np.random.default_rng(0).standard_normal((rows, 1024), dtype=np.float32)
     half = ((0, rows // 2), (0, 1024))
 
     dst = np.empty_like(array)
-    seconds = {"memcpy": _median_seconds(lambda: np.copyto(dst, array), repeats)}
-    seconds["memcpy_fresh"] = _median_seconds(
-        lambda: np.copyto(np.empty_like(array), array), repeats
-    )
-
     with tempfile.TemporaryDirectory(prefix="tenplex-store-bench-") as root:
         procs = []
         try:
-            procs = [tj.StoreProcess.start(f"{root}/s{i}", memory_bytes=4 * nbytes) for i in (0, 1)]
+            procs = [
+                tj.StoreProcess.start(
+                    f"{root}/s{i}", memory_bytes=4 * nbytes, unix_socket=f"{root}/s{i}.sock"
+                )
+                for i in (0, 1)
+            ]
             procs.append(tj.StoreProcess.start(f"{root}/disk", memory_bytes=0))
             with (
                 tj.StoreClient(procs[0].address) as client,
+                tj.StoreClient(procs[1].unix_address) as unix,
                 tj.StoreClient(procs[2].address) as disk,
                 tj.ReplicatedStore([p.address for p in procs[:2]], replicas=1) as replicated,
             ):
-                # each put is timed with the disk writer idle (the previous put flushed, untimed):
-                # the time to acknowledge; back-to-back puts are bound by the disk instead
-                seconds["put"] = _median_seconds(
-                    lambda: client.put("b/w", array), repeats, between=client.flush
-                )
-                seconds["put_durable"] = _median_seconds(
-                    lambda: client.put("b/w", array, durable=True), repeats
-                )
-                seconds["get"] = _median_seconds(lambda: client.get("b/w"), repeats)
-                seconds["get_sub"] = _median_seconds(lambda: client.get("b/w", half), repeats)
                 disk.put("b/w", array, durable=True)
-                seconds["get_disk"] = _median_seconds(lambda: disk.get("b/w"), repeats)
-                seconds["replicated_put"] = _median_seconds(
-                    lambda: replicated.put(0, "b/r", array), repeats, between=replicated.flush
-                )
+                # a put is timed with the disk writer idle (the previous put flushed, untimed):
+                # the time to acknowledge; back-to-back puts are bound by the disk instead
+                ops = {
+                    "memcpy": (lambda: np.copyto(dst, array), None),
+                    "memcpy_fresh": (lambda: np.copyto(np.empty_like(array), array), None),
+                    "put": (lambda: client.put("b/w", array), client.flush),
+                    "put_durable": (lambda: client.put("b/w", array, durable=True), None),
+                    "get": (lambda: client.get("b/w"), None),
+                    "get_sub": (lambda: client.get("b/w", half), None),
+                    "put_unix": (lambda: unix.put("b/w", array), unix.flush),
+                    "get_unix": (lambda: unix.get("b/w"), None),
+                    "get_disk": (lambda: disk.get("b/w"), None),
+                    "replicated_put": (
+                        lambda: replicated.put(0, "b/r", array),
+                        replicated.flush,
+                    ),
+                }
+                runs = _interleaved_runs(ops, repeats)
                 if not np.array_equal(client.get("b/w", half), array[: rows // 2]):
                     raise AssertionError("the store returned other bytes than were put")
         finally:
             for proc in procs:
                 proc.stop()
 
+    seconds = {name: statistics.median(r) for name, r in runs.items()}
     moved = {name: nbytes for name in seconds}
     moved["get_sub"] = nbytes // 2
     bandwidth = {name: moved[name] / s for name, s in seconds.items()}
@@ -93,6 +104,7 @@ def run(quick: bool = False, repeats: int | None = None, log=print) -> dict:
         "kind": "store",
         "bytes": nbytes,
         "repeats": repeats,
+        "runs_seconds": runs,
         "median_seconds": seconds,
         "bytes_per_s": bandwidth,
         "vs_memcpy": {k: v / bandwidth["memcpy"] for k, v in bandwidth.items()},
