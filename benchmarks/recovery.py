@@ -17,12 +17,16 @@ what both variants share (failure detection, the survivors' grace period, proces
 took in process 0 — isolates the part that differs. The variants take turns, ``repeats`` rounds;
 the ratios are orbax ÷ store of the medians, measured in the same run.
 
-    python -m benchmarks.recovery [--quick] [--repeats 2] [--out FILE]
+    python -m benchmarks.recovery [--quick] [--repeats 2] [--commit-overhead] [--out FILE]
+
+``--commit-overhead`` also runs the job three times more, with a commit every 4 steps, after every
+step and without commits, and reports the step time ratios: the price of the asynchronous commits.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -154,6 +158,41 @@ def recover_once(
     }
 
 
+def run_commit_overhead(*, quick: bool = False, steps: int = 24, log=print) -> dict:
+    """Step time with asynchronous commits every 4 steps and every step vs without commits.
+
+    Two launched jobs of the same model and process count; the median interval between
+    consecutive steps (process 0's step log, first 4 steps dropped: compile and warm-up).
+    """
+    model, nprocs = ("tiny", 2) if quick else (FULL_MODEL, 4)
+    medians = {}
+    for name, every in (("none", steps + 1), ("every 4 steps", 4), ("every step", 1)):
+        with tempfile.TemporaryDirectory(prefix="tenplex-commit-") as run_dir:
+            run = pathlib.Path(run_dir)
+            command = [sys.executable, "-m", "tenplex_jax", "launch", "--nprocs", str(nprocs),
+                       "--commit-every", str(every), "--run-dir", str(run), str(EXAMPLE),
+                       "--model", model, "--steps", str(steps), "--log",
+                       str(run / "steps.jsonl")]  # fmt: skip
+            with open(run / "launcher.log", "wb") as out:
+                done = subprocess.run(command, check=False, cwd=ROOT, stdout=out,
+                                      stderr=subprocess.STDOUT,
+                                      env=os.environ | {"JAX_PLATFORMS": "cpu"}, timeout=600)  # fmt: skip
+            if done.returncode != 0:
+                raise RuntimeError((run / "launcher.log").read_text(errors="replace")[-3000:])
+            lines = (run / "steps.jsonl").read_text().splitlines()
+            times = [json.loads(line)["time"] for line in lines][4:]
+        medians[name] = statistics.median(b - a for a, b in itertools.pairwise(times))
+        log(f"  commits {name:13s}: {medians[name] * 1e3:.1f} ms/step")
+    return {
+        "kind": "commit_overhead",
+        "model": model,
+        "nprocs": nprocs,
+        "steps": steps,
+        "median_step_seconds": medians,
+        "overhead": {k: medians[k] / medians["none"] - 1 for k in medians if k != "none"},
+    }
+
+
 def _events(run: pathlib.Path) -> list[dict]:
     path = run / "events.jsonl"
     text = path.read_text() if path.exists() else ""
@@ -204,9 +243,18 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="GPT tiny, 2 -> 1 processes")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of both variants")
     parser.add_argument("--out", help="write the row as JSON here")
+    parser.add_argument(
+        "--commit-overhead",
+        action="store_true",
+        help="also time steps with an asynchronous commit after every step vs without commits",
+    )
     args = parser.parse_args(argv)
     row = run_recovery(quick=args.quick, repeats=args.repeats)
     print(table(row))
+    if args.commit_overhead:
+        row["commit_overhead"] = run_commit_overhead(quick=args.quick)
+        for k, v in row["commit_overhead"]["overhead"].items():
+            print(f"commits {k}: {v:+.1%} step time")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(row, indent=1) + "\n")
     return 0

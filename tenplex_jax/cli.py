@@ -317,6 +317,12 @@ def _parser() -> argparse.ArgumentParser:
         help="steps between orbax checkpoints (default: only at a stop and at the end)",
     )
     launch.add_argument(
+        "--store-dir",
+        metavar="DIR",
+        help="the stores' disk tier (default: RUN_DIR/stores); on a tmpfs such as /dev/shm "
+        "commits skip the disk's fsyncs",
+    )
+    launch.add_argument(
         "--recover-from",
         choices=("store", "checkpoint"),
         default="store",
@@ -352,6 +358,7 @@ def _launch(args) -> int:
             run_dir=path(args.run_dir),
             checkpoint_dir=path(args.checkpoint_dir),
             checkpoint_every=args.checkpoint_every,
+            store_dir=path(args.store_dir),
             recover_from=args.recover_from,
             grace=args.grace,
         )

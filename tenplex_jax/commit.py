@@ -50,6 +50,7 @@ from tenplex_jax.plan import make_plan
 from tenplex_jax.ptc import PTC, Box, LeafLayout, ParallelConfig
 
 FORMAT = 1
+PUT_THREADS = 4  # objects a process writes at once (each to its k + 1 stores in parallel)
 _VERSION = re.compile(r"^v(\d{8})/")
 
 
@@ -321,6 +322,8 @@ class Committer:
         self._thread: threading.Thread | None = None
         self._result: CommitReport | BaseException | None = None
         self._objects: tuple[PTC, list[StoredObject]] | None = None
+        self._gc: threading.Thread | None = None  # deletes the versions before a complete one
+        self._pool = concurrent.futures.ThreadPoolExecutor(PUT_THREADS, "commit-put")
         self.reports: list[CommitReport] = []
 
     def commit(
@@ -350,8 +353,13 @@ class Committer:
         self._thread.start()
         return self.wait() if wait else None
 
-    def wait(self, timeout: float = 600.0) -> CommitReport | None:
-        """Finish the commit in flight (if any); its report, or raise what it raised."""
+    def wait(self, timeout: float = 600.0, *, collect: bool = False) -> CommitReport | None:
+        """Finish the commit in flight (if any); its report, or raise what it raised.
+
+        ``collect`` also waits for the deletion of the versions it made obsolete.
+        """
+        if collect and self._gc is not None:
+            self._gc.join(timeout)
         if self._thread is None:
             return None
         self._thread.join(timeout)
@@ -374,17 +382,24 @@ class Committer:
             prefix = version_prefix(step)
             if manifest is not None:  # first, so that markers never point at an unknown version
                 self._put_json_all(f"{prefix}/manifest", manifest.to_json())
-            for o, data in zip(mine, copies):
-                self.replicated.put(
-                    self.process, f"{prefix}/state/{o.path}", data, box=o.box,
-                    global_shape=shapes[o.path],
-                )  # fmt: skip
+            puts = [
+                self._pool.submit(self.replicated.put, self.process, f"{prefix}/state/{o.path}",
+                                  data, box=o.box, global_shape=shapes[o.path])
+                for o, data in zip(mine, copies)
+            ]  # fmt: skip
+            for put in puts:
+                put.result()
             marker = {"process": self.process, "objects": len(mine),
                       "nbytes": sum(o.nbytes for o in mine)}  # fmt: skip
             self._put_json_all(f"{prefix}/commit/{self.process}", marker)
             complete = self._complete(step)
-            if complete:
-                delete_versions(self.stores, lambda s: s >= step)
+            if complete and (self._gc is None or not self._gc.is_alive()):
+                # off the commit's path: deleting many objects costs the stores more than writing
+                # them; a version left behind now is deleted with the next complete one
+                keep = lambda s: s >= step
+                self._gc = threading.Thread(target=delete_versions, args=(self.stores, keep),
+                                            daemon=True)  # fmt: skip
+                self._gc.start()
             report = CommitReport(step, len(mine), marker["nbytes"], copy_seconds,
                                   time.perf_counter() - tic, complete)  # fmt: skip
             self.reports.append(report)
@@ -393,8 +408,12 @@ class Committer:
             self._result = error
 
     def _put_json_all(self, path: str, obj) -> None:
+        # flush=False: a marker needs its objects in the store's memory, not on its disk; the
+        # launcher never restarts a store that died (its slot is lost), so the memory tier of a
+        # live store is what a restore reads, and waiting for fsyncs would make every commit
+        # as slow as the disk
         for client in self.stores.values():
-            client.put_json(path, obj)
+            client.put_json(path, obj, flush=False)
 
     def _complete(self, step: int) -> bool:
         own = {self.slots[self.process]: self.stores[self.slots[self.process]]}

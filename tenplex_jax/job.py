@@ -362,7 +362,8 @@ class Job:
         dir), and tell the launcher the job is done."""
         if self.spec is None:
             return
-        self.wait()
+        if self.committer is not None:
+            self.committer.wait(collect=True)
         self._checkpoint(state, ptc, step, None if dataset is None else dataset.state())
         self._write("finished.json", {"generation": self.generation, "step": step})
 

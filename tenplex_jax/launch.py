@@ -69,6 +69,7 @@ class LaunchOptions:
     run_dir: pathlib.Path | None = None  # default: a fresh temporary folder
     checkpoint_dir: pathlib.Path | None = None  # the orbax tier
     checkpoint_every: int | None = None
+    store_dir: pathlib.Path | None = None  # the stores' disk tier; default RUN_DIR/stores
     recover_from: str = "store"  # "checkpoint": ignore the stores (the benchmark's baseline)
     grace: float = 2.0  # seconds the survivors of a failure get before SIGKILL
     stop_timeout: float = 300.0  # seconds workers get to commit and exit on a planned end
@@ -123,6 +124,7 @@ class Launcher:
             self.run_dir = pathlib.Path(tempfile.mkdtemp(prefix="tenplex-launch-"))
         else:
             self.run_dir = pathlib.Path(options.run_dir)
+        self.store_dir = pathlib.Path(options.store_dir or self.run_dir / "stores")
         self.slots: dict[int, _Slot] = {}
         self.workers: list[subprocess.Popen] = []
         self._terminate = False
@@ -184,7 +186,7 @@ class Launcher:
             ready = self.run_dir / f"store-{i}.addr"
             ready.unlink(missing_ok=True)
             command = [self.options.python, "-m", "tenplex_jax.store", "--dir",
-                       str(self.run_dir / "stores" / str(i)), "--host", "127.0.0.1", "--port", "0",
+                       str(self.store_dir / str(i)), "--host", "127.0.0.1", "--port", "0",
                        "--ready-file", str(ready)]  # fmt: skip
             with open(self.run_dir / "logs" / f"store-{i}.log", "ab") as log:
                 started[i] = (_spawn(command, stdout=log, stderr=log), ready)
