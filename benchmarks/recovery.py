@@ -158,15 +158,18 @@ def recover_once(
     }
 
 
-def run_commit_overhead(*, quick: bool = False, steps: int = 24, log=print) -> dict:
+def run_commit_overhead(
+    *, quick: bool = False, steps: int = 24, repeats: int = 1, log=print
+) -> dict:
     """Step time with asynchronous commits every 4 steps and every step vs without commits.
 
     Two launched jobs of the same model and process count; the median interval between
     consecutive steps (process 0's step log, first 4 steps dropped: compile and warm-up).
     """
     model, nprocs = ("tiny", 2) if quick else (FULL_MODEL, 4)
-    medians = {}
-    for name, every in (("none", steps + 1), ("every 4 steps", 4), ("every step", 1)):
+    variants = (("none", steps + 1), ("every 4 steps", 4), ("every step", 1))
+    runs: dict[str, list[float]] = {name: [] for name, _ in variants}
+    for name, every in variants * repeats:  # in turn, so the machine's noise hits all alike
         with tempfile.TemporaryDirectory(prefix="tenplex-commit-") as run_dir:
             run = pathlib.Path(run_dir)
             command = [sys.executable, "-m", "tenplex_jax", "launch", "--nprocs", str(nprocs),
@@ -181,13 +184,15 @@ def run_commit_overhead(*, quick: bool = False, steps: int = 24, log=print) -> d
                 raise RuntimeError((run / "launcher.log").read_text(errors="replace")[-3000:])
             lines = (run / "steps.jsonl").read_text().splitlines()
             times = [json.loads(line)["time"] for line in lines][4:]
-        medians[name] = statistics.median(b - a for a, b in itertools.pairwise(times))
-        log(f"  commits {name:13s}: {medians[name] * 1e3:.1f} ms/step")
+        runs[name].append(statistics.median(b - a for a, b in itertools.pairwise(times)))
+        log(f"  commits {name:13s}: {runs[name][-1] * 1e3:.1f} ms/step")
+    medians = {name: statistics.median(values) for name, values in runs.items()}
     return {
         "kind": "commit_overhead",
         "model": model,
         "nprocs": nprocs,
         "steps": steps,
+        "runs": runs,
         "median_step_seconds": medians,
         "overhead": {k: medians[k] / medians["none"] - 1 for k in medians if k != "none"},
     }
@@ -252,7 +257,7 @@ def main(argv=None) -> int:
     row = run_recovery(quick=args.quick, repeats=args.repeats)
     print(table(row))
     if args.commit_overhead:
-        row["commit_overhead"] = run_commit_overhead(quick=args.quick)
+        row["commit_overhead"] = run_commit_overhead(quick=args.quick, repeats=args.repeats)
         for k, v in row["commit_overhead"]["overhead"].items():
             print(f"commits {k}: {v:+.1%} step time")
     if args.out:
