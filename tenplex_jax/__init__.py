@@ -20,9 +20,16 @@ The public face, in the order a user meets it::
     grad_fn = tj.batch_value_and_grad(example_losses, layout, mesh)  # bitwise across DP sizes
 """
 
+from tenplex_jax.checkpoint import (
+    Restored,
+    Saved,
+    latest_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from tenplex_jax.cluster import Cluster, DeviceType
 from tenplex_jax.data import REMAINDERS, BatchLayout, DatasetPTC, DataState
-from tenplex_jax.errors import DataError, LayoutError, PlanError
+from tenplex_jax.errors import CheckpointError, DataError, LayoutError, PlanError
 from tenplex_jax.pipeline import Stages, pipeline, restage
 from tenplex_jax.plan import LeafPlan, Piece, Plan, ShardPlan, allocate, make_plan
 from tenplex_jax.planner import Candidate, Choice, choose, estimate
@@ -37,6 +44,7 @@ __all__ = [
     "REMAINDERS",
     "BatchLayout",
     "Candidate",
+    "CheckpointError",
     "Choice",
     "Cluster",
     "DataError",
@@ -53,6 +61,8 @@ __all__ = [
     "Plan",
     "PlanError",
     "ReshardReport",
+    "Restored",
+    "Saved",
     "ShardPlan",
     "Stages",
     "allocate",
@@ -60,9 +70,12 @@ __all__ = [
     "choose",
     "device_batch",
     "estimate",
+    "latest_checkpoint",
     "make_plan",
     "pipeline",
     "place",
     "reshard",
     "restage",
+    "restore_checkpoint",
+    "save_checkpoint",
 ]

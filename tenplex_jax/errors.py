@@ -15,6 +15,10 @@ class DataError(ValueError):
     """A dataset, batch layout or saved data position breaks a rule; nothing was consumed."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unfinished, or does not fit the state it is restored into."""
+
+
 class PlanError(ValueError):
     """Two PTCs cannot be planned between, or a plan does not fit the state it is applied to."""
 
