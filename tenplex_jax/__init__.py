@@ -29,7 +29,8 @@ from tenplex_jax.checkpoint import (
 )
 from tenplex_jax.cluster import Cluster, DeviceType
 from tenplex_jax.data import REMAINDERS, BatchLayout, DatasetPTC, DataState
-from tenplex_jax.errors import CheckpointError, DataError, LayoutError, PlanError
+from tenplex_jax.elastic import Batch, ElasticJob, EventRecord
+from tenplex_jax.errors import CheckpointError, DataError, LayoutError, LostShardsError, PlanError
 from tenplex_jax.pipeline import Stages, pipeline, restage
 from tenplex_jax.plan import LeafPlan, Piece, Plan, ShardPlan, allocate, make_plan
 from tenplex_jax.planner import Candidate, Choice, choose, estimate
@@ -42,6 +43,7 @@ __all__ = [
     "MESH_AXES",
     "PTC",
     "REMAINDERS",
+    "Batch",
     "BatchLayout",
     "Candidate",
     "CheckpointError",
@@ -51,10 +53,13 @@ __all__ = [
     "DataState",
     "DatasetPTC",
     "DeviceType",
+    "ElasticJob",
+    "EventRecord",
     "LayerProfile",
     "LayoutError",
     "LeafLayout",
     "LeafPlan",
+    "LostShardsError",
     "ModelProfile",
     "ParallelConfig",
     "Piece",

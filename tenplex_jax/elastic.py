@@ -550,8 +550,10 @@ class ElasticJob:
         for ids in targets:
             if set(ids) & self.failed or not set(ids) <= set(self.devices):
                 continue
-            with contextlib.suppress(LayoutError, DataError):  # no layout: nothing to compile
+            try:
                 self._compiled(self._target(ids), ahead=True)
+            except Exception as error:  # noqa: BLE001 - a guess that fails must not stop training
+                self.log(f"compile-ahead for devices {list(ids)} skipped: {error!r}")
 
     def _done(self) -> list[_Compiled]:
         return [f.result() for f in list(self._cache.values()) if f.done() and not f.exception()]
