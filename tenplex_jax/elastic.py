@@ -326,6 +326,11 @@ class ElasticJob:
             )
         return self._configs[n]
 
+    def compile_seconds(self, devices: Iterable[int]) -> float:
+        """Compile the step afresh for the layout the job would use on ``devices`` (bypassing the
+        job's cache; JAX's own caches still apply) and return XLA's seconds: a cost-model input."""
+        return self._compile(self._target(tuple(sorted(devices))), False).seconds
+
     def close(self) -> None:
         """Stop the compile-ahead thread (waits for a compile under way)."""
         self._pool.shutdown(wait=True)
