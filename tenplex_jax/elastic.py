@@ -326,6 +326,11 @@ class ElasticJob:
             )
         return self._configs[n]
 
+    def is_compiled(self, devices: Iterable[int]) -> bool:
+        """Whether the step for the layout the job would use on ``devices`` is compiled."""
+        future = self._cache.get(self._key(self._target(tuple(sorted(devices)))))
+        return future is not None and future.done() and future.exception() is None
+
     def compile_seconds(self, devices: Iterable[int]) -> float:
         """Compile the step afresh for the layout the job would use on ``devices`` (bypassing the
         job's cache; JAX's own caches still apply) and return XLA's seconds: a cost-model input."""
@@ -461,7 +466,7 @@ class ElasticJob:
             "compile_seconds": compile_s,
             "compiled_ahead": ready,
             "cost_seconds": transfer + compile_s,
-            "grow": gain > transfer + compile_s,
+            "grow": bool(gain > transfer + compile_s),
         }
 
     def _step_estimate(self, config: ParallelConfig) -> float:
@@ -630,9 +635,12 @@ def enable_compilation_cache(directory: str | pathlib.Path) -> None:
     default) and entries of at least ``jax_persistent_cache_min_entry_size_bytes``; both are set
     to cache everything, since a resize's step is small on CPU yet still worth not recompiling.
     """
+    from jax.experimental.compilation_cache import compilation_cache
+
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    compilation_cache.reset_cache()  # JAX decides once per process; decide again with this dir
 
 
 def _reached_sync_point(step: int) -> bool:

@@ -117,12 +117,12 @@ def run(options: DemoOptions, trace: ResourceTrace, *, compile_ahead: bool = Tru
             checkpoint_every=trace.checkpoint_every,
             compile_ahead=compile_ahead,
         )
-        costs = restart_costs(job, checkpoints, options, trace, bar.write)
         bar.reset()
         fixed = dataclasses.replace(trace, events=())
         _, fixed_state, fixed_losses, fixed_samples, _, _ = train(
             "fixed", fixed, bar, compile_ahead=False
         )
+        costs = restart_costs(job, checkpoints, options, trace, bar.write)
 
     useful = sum(s for _, s, _ in job.step_log)
     by_config: dict[str, list[float]] = {}
