@@ -30,7 +30,7 @@ def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, rep
     import tenplex_jax as tj
     from models import LOGICAL_RULES, corpus_samples, example_losses, stdlib_corpus
     from tenplex_jax.demo import CPU, _profile, build_state
-    from tenplex_jax.elastic import enable_compilation_cache
+    from tenplex_jax.steps import enable_compilation_cache
 
     graphdef, _, cfg = build_state(model, 1e-3, abstract=True)
     source = corpus_samples(stdlib_corpus(), cfg.seq_len, num_samples=20 * batch)

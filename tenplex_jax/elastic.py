@@ -55,16 +55,11 @@ import dataclasses
 import math
 import pathlib
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from tenplex_jax.cluster import Cluster, DeviceType
 from tenplex_jax.data import BatchLayout, DatasetPTC
@@ -73,38 +68,11 @@ from tenplex_jax.plan import allocate, make_plan
 from tenplex_jax.planner import choose
 from tenplex_jax.profile import ModelProfile
 from tenplex_jax.ptc import PTC, ParallelConfig, Rules
-from tenplex_jax.train import BATCH_AXES, batch_value_and_grad, device_batch
+from tenplex_jax.steps import Batch, StepCache, enable_compilation_cache
+from tenplex_jax.train import BATCH_AXES, device_batch
 from tenplex_jax.transform import place, reshard
 
 KINDS = ("preempt", "fail", "offer")
-
-
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """A global batch laid out for the current mesh: what ``job.next`` hands the user's step.
-
-    ``data`` and ``weights`` (1 on real rows, 0 on padding) have leading dim ``layout.rows``,
-    sharded over ``batch_axes``; the layout and mesh are static, so a step traced for one layout
-    is never reused for another.
-    """
-
-    data: Any
-    weights: jax.Array
-    layout: BatchLayout
-    mesh: Mesh
-    batch_axes: tuple[str, ...] = BATCH_AXES
-
-    def value_and_grad(self, per_example_loss, *, wrt=nnx.Param):
-        """``fn(model) -> (loss, grads)`` over this batch (see ``tj.batch_value_and_grad``)."""
-        fn = batch_value_and_grad(
-            per_example_loss, self.layout, self.mesh, batch_axes=self.batch_axes, wrt=wrt
-        )
-        return lambda model: fn(model, self.data, self.weights)
-
-
-jax.tree_util.register_dataclass(
-    Batch, data_fields=["data", "weights"], meta_fields=["layout", "mesh", "batch_axes"]
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,13 +111,6 @@ class EventRecord:
     stall_seconds: float | None = None  # event posted -> first step done on the new layout
     estimate: dict | None = None  # growth: the numbers behind the decision
     error: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Compiled:
-    executable: Any
-    seconds: float
-    ahead: bool
 
 
 class ElasticJob:
@@ -198,19 +159,16 @@ class ElasticJob:
             enable_compilation_cache(compilation_cache_dir)
         self.failed: set[int] = set()
         self.records: list[EventRecord] = []
-        self.compiles = 0  # XLA compiles of the step (ahead or not)
         self.cache_hits = 0  # reconfigurations whose step was already compiled
         self.step_log: list[tuple[int, float, str]] = []  # (step, seconds, config) of counted steps
         self.lost_seconds = 0.0  # step time thrown away by checkpoint fallbacks
         self.checkpoints: list[tuple[int, float]] = []  # (step, seconds) of every save
         self.ptc: PTC | None = None
         self._pending: collections.deque[Event] = collections.deque()
-        self._cache: dict[tuple, concurrent.futures.Future] = {}
-        self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, "tenplex-compile")
+        self.steps_cache: StepCache | None = None  # made by jit()
         self._configs: dict[int, ParallelConfig] = {}
         self._hints: list[tuple[int, ...]] = []
-        self._fn = self._abstract = self._sample = self._stalled = None
+        self._abstract = self._sample = self._stalled = None
         self.samples: np.ndarray | None = None  # the sample index of every row of the last batch
         self._bandwidth = device_type.link_bandwidth if device_type is not None else 1e9
 
@@ -220,6 +178,11 @@ class ElasticJob:
     def step(self) -> int:
         """Global batches handed out so far: the index of the next step."""
         return self.dataset.step
+
+    @property
+    def compiles(self) -> int:
+        """XLA compiles of the step so far, ahead or not."""
+        return 0 if self.steps_cache is None else self.steps_cache.compiles
 
     @property
     def layout(self) -> BatchLayout:
@@ -238,7 +201,7 @@ class ElasticJob:
         ``job.next``'s state and batch. The state is donated; metrics come back replicated."""
         if self.ptc is None:
             raise LayoutError("call job.place(state) before job.jit(step): the step needs a layout")
-        self._fn = getattr(fn, "__wrapped__", fn)  # a jax.jit-ed step: tenplex jits it per layout
+        self.steps_cache = StepCache(fn, self._sample, list(self.devices.values()), self.batch_axes)
         self._compiled(self.ptc, ahead=True)
         self._ahead()
         return self._run
@@ -328,17 +291,18 @@ class ElasticJob:
 
     def is_compiled(self, devices: Iterable[int]) -> bool:
         """Whether the step for the layout the job would use on ``devices`` is compiled."""
-        future = self._cache.get(self._key(self._target(tuple(sorted(devices)))))
-        return future is not None and future.done() and future.exception() is None
+        return self.steps_cache.ready(self._key(self._target(tuple(sorted(devices)))))
 
     def compile_seconds(self, devices: Iterable[int]) -> float:
         """Compile the step afresh for the layout the job would use on ``devices`` (bypassing the
         job's cache; JAX's own caches still apply) and return XLA's seconds: a cost-model input."""
-        return self._compile(self._target(tuple(sorted(devices))), False).seconds
+        target = self._target(tuple(sorted(devices)))
+        return self.steps_cache.compile(target, self._layout(target.config)).seconds
 
     def close(self) -> None:
         """Stop the compile-ahead thread (waits for a compile under way)."""
-        self._pool.shutdown(wait=True)
+        if self.steps_cache is not None:
+            self.steps_cache.close()
 
     # -- events -----------------------------------------------------------------------------------
 
@@ -388,10 +352,10 @@ class ElasticJob:
         self.ptc = target
         record.devices_after, record.config_after = list(target.device_ids), str(target.config)
         key = self._key(target)
-        record.compile = "cached" if key in self._cache else "compiled"
+        record.compile = "cached" if key in self.steps_cache else "compiled"
         if record.compile == "cached":
             self.cache_hits += 1
-            if not self._cache[key].done():
+            if not self.steps_cache.ready(key):
                 record.compile = "waited"
         tic = time.perf_counter()
         compiled = self._compiled(target, ahead=False).result()
@@ -451,8 +415,9 @@ class ElasticJob:
         remaining = None if self.steps is None else max(self.steps - self.step, 0)
         gain = math.inf if remaining is None else (t_old - t_new) * remaining
         key = self._key(target)
-        ready = key in self._cache and self._cache[key].done()
-        compile_s = 0.0 if ready else max((c.seconds for c in self._done()), default=0.0)
+        ready = self.steps_cache.ready(key)
+        done = self.steps_cache.done()
+        compile_s = 0.0 if ready else max((c.seconds for c in done), default=0.0)
         transfer = plan.bytes_moved / self._bandwidth
         return {
             "source": source,
@@ -494,65 +459,14 @@ class ElasticJob:
         )
 
     def _key(self, ptc: PTC) -> tuple:
-        return (ptc.config, ptc.device_ids, self._layout(ptc.config))
+        return StepCache.key(ptc, self._layout(ptc.config))
 
     def _compiled(self, ptc: PTC, *, ahead: bool) -> concurrent.futures.Future:
-        """The future compiled step for ``ptc``: cached, compiling in the background, or new."""
-        key = self._key(ptc)
-        with self._lock:
-            future = self._cache.get(key)
-            if future is None:
-                if ahead:
-                    future = self._pool.submit(self._compile, ptc, True)
-                else:
-                    future = concurrent.futures.Future()
-                self._cache[key] = future
-                now = not ahead
-            else:
-                now = False
-        if now:
-            try:
-                future.set_result(self._compile(ptc, False))
-            except Exception as error:  # the next attempt compiles again
-                with self._lock:
-                    del self._cache[key]
-                future.set_exception(error)
-                raise
-        return future
-
-    def _compile(self, ptc: PTC, ahead: bool) -> _Compiled:
-        mesh = ptc.mesh(list(self.devices.values()))
-        layout = self._layout(ptc.config)
-        rows = NamedSharding(mesh, P(self.batch_axes))
-        shardings = ptc.shardings(mesh)
-        batch_shardings = Batch(
-            jax.tree.map(lambda _: rows, self._sample), rows, layout, mesh, self.batch_axes
-        )
-        abstract_batch = Batch(
-            jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct((layout.rows, *x.shape[1:]), x.dtype, sharding=rows),
-                self._sample,
-            ),
-            jax.ShapeDtypeStruct((layout.rows,), np.float32, sharding=rows),
-            layout,
-            mesh,
-            self.batch_axes,
-        )
-        jitted = jax.jit(
-            self._fn,
-            in_shardings=(shardings, batch_shardings),
-            out_shardings=(shardings, NamedSharding(mesh, P())),
-            donate_argnums=0,
-        )
-        tic = time.perf_counter()
-        executable = jitted.lower(ptc.abstract(mesh), abstract_batch).compile()
-        with self._lock:
-            self.compiles += 1
-        return _Compiled(executable, time.perf_counter() - tic, ahead)
+        return self.steps_cache.get(ptc, self._layout(ptc.config), ahead=ahead)
 
     def _ahead(self) -> None:
         """Compile, in the background, the steps of the likely next layouts."""
-        if not self.compile_ahead or self._fn is None:
+        if not self.compile_ahead or self.steps_cache is None:
             return
         targets = list(self._hints)
         if len(self.ptc.device_ids) > self.preempt_devices:
@@ -565,12 +479,9 @@ class ElasticJob:
             except Exception as error:  # noqa: BLE001 - a guess that fails must not stop training
                 self.log(f"compile-ahead for devices {list(ids)} skipped: {error!r}")
 
-    def _done(self) -> list[_Compiled]:
-        return [f.result() for f in list(self._cache.values()) if f.done() and not f.exception()]
-
     def _run(self, state, batch: Batch):
         """Run one step on the current layout; blocks until it is done (for the step times)."""
-        future = self._cache[self._key(self.ptc)]
+        future = self._compiled(self.ptc, ahead=False)
         if batch.layout != self.layout or batch.mesh != self.ptc.mesh(list(self.devices.values())):
             raise LayoutError(
                 f"the batch is laid out for {batch.layout} on mesh {dict(batch.mesh.shape)}, the "
@@ -626,21 +537,6 @@ def default_config(
         return valid[0]
     cluster = Cluster.uniform(n, device_type, per_node=n)
     return choose(cluster, profile, global_batch, configs=valid).best.config
-
-
-def enable_compilation_cache(directory: str | pathlib.Path) -> None:
-    """JAX's persistent compilation cache in ``directory``, for every compile however small.
-
-    JAX caches only compiles longer than ``jax_persistent_cache_min_compile_time_secs`` (1 s by
-    default) and entries of at least ``jax_persistent_cache_min_entry_size_bytes``; both are set
-    to cache everything, since a resize's step is small on CPU yet still worth not recompiling.
-    """
-    from jax.experimental.compilation_cache import compilation_cache
-
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    compilation_cache.reset_cache()  # JAX decides once per process; decide again with this dir
 
 
 def _reached_sync_point(step: int) -> bool:
