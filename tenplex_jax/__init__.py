@@ -18,6 +18,14 @@ The public face, in the order a user meets it::
     dataset = tj.DatasetPTC(samples, global_batch=64, seed=0)  # the dataset PTC: a fixed order
     layout = tj.BatchLayout(64, ranks=new.config.data * new.config.fsdp, workers=8)
     grad_fn = tj.batch_value_and_grad(example_losses, layout, mesh)  # bitwise across DP sizes
+
+    job = tj.ElasticJob(rules, dataset, workers=8)             # elastic training, your own loop
+    state = job.place(state)
+    step = job.jit(train_step)                                  # train_step(state, batch)
+    with job.handle_sigterm():                                  # SIGTERM: shrink, commit, go on
+        while job.step < 1000:
+            state, batch = job.next(state)                      # events applied between steps
+            state, metrics = step(state, batch)
 """
 
 from tenplex_jax.checkpoint import (

@@ -102,7 +102,9 @@ class EventRecord:
     bytes_kept: int = 0
     plan_seconds: float = 0.0
     reshard_seconds: float = 0.0
-    compile: str = ""  # cached (compiled before), waited (compile-ahead still running), compiled
+    compile: str = (
+        ""  # cached (compiled before), waited (compile-ahead was running), compiled (now)
+    )
     compile_seconds: float = 0.0  # what XLA took for the new layout's step, wherever it ran
     compile_wait_seconds: float = 0.0  # how long the boundary waited for it
     commit_seconds: float = 0.0
@@ -326,7 +328,11 @@ class ElasticJob:
         failed = ()
         if event.kind == "fail":
             failed = tuple(sorted(set(before.device_ids) - set(ids)))
-            self.failed |= set(failed)
+            self.failed |= set(event.devices or failed)
+        if set(ids) == set(before.device_ids):  # nothing the job runs on changes
+            record.decision, record.config_after = "stay", str(before.config)
+            self.records.append(record)
+            return state
         tic = time.perf_counter()
         target = self._target(ids)
         try:
@@ -352,11 +358,9 @@ class ElasticJob:
         self.ptc = target
         record.devices_after, record.config_after = list(target.device_ids), str(target.config)
         key = self._key(target)
-        record.compile = "cached" if key in self.steps_cache else "compiled"
-        if record.compile == "cached":
-            self.cache_hits += 1
-            if not self.steps_cache.ready(key):
-                record.compile = "waited"
+        status = self.steps_cache.status(key)
+        record.compile = {"ready": "cached", "running": "waited"}.get(status, "compiled")
+        self.cache_hits += record.compile != "compiled"
         tic = time.perf_counter()
         compiled = self._compiled(target, ahead=False).result()
         record.compile_wait_seconds = time.perf_counter() - tic

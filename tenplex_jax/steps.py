@@ -6,7 +6,8 @@ thread, or ahead, on a background thread, as ``jax.jit(fn, in_shardings=..., out
 .lower(abstract state, abstract batch).compile()``: the abstract state is the PTC's
 ``ShapeDtypeStruct`` tree with shardings and the abstract batch a :class:`Batch` of them, so no
 array exists on the new devices while their step compiles. Each entry is a future; asking for one
-that is compiling waits for it, one that failed is compiled again.
+that is compiling waits for it, one still queued behind other guesses is compiled at once on the
+caller's thread instead, one that failed is compiled again.
 
 ``enable_compilation_cache`` turns JAX's persistent compilation cache on for every compile, so a
 restarted process reads the steps it compiled before from disk.
@@ -90,6 +91,7 @@ class StepCache:
         self._futures: dict[tuple, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "tenplex-compile")
+        self._queued: set[concurrent.futures.Future] = set()  # submitted by compile-ahead
 
     @staticmethod
     def key(ptc: PTC, layout: BatchLayout) -> tuple:
@@ -97,6 +99,15 @@ class StepCache:
 
     def __contains__(self, key) -> bool:
         return key in self._futures
+
+    def status(self, key) -> str | None:
+        """``"ready"``, ``"running"``, ``"queued"`` (ahead, not started), ``"failed"`` or None."""
+        future = self._futures.get(key)
+        if future is None:
+            return None
+        if future.done():
+            return "failed" if future.cancelled() or future.exception() else "ready"
+        return "queued" if future in self._queued and not future.running() else "running"
 
     def ready(self, key) -> bool:
         future = self._futures.get(key)
@@ -108,6 +119,8 @@ class StepCache:
         key = self.key(ptc, layout)
         with self._lock:
             future = self._futures.get(key)
+            if not ahead and self.status(key) == "queued" and future.cancel():
+                future = None  # queued behind other guesses: compile it now instead of waiting
             now = future is None and not ahead
             if future is None:
                 future = (
@@ -116,6 +129,8 @@ class StepCache:
                     else concurrent.futures.Future()
                 )
                 self._futures[key] = future
+                if ahead:
+                    self._queued.add(future)
         if now:
             try:
                 future.set_result(self.compile(ptc, layout))

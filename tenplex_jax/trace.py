@@ -175,14 +175,16 @@ def checkpoint_restart(
 ) -> dict:
     """The same events under save → restart → restore: seconds, goodput and per-event costs.
 
-    The job runs the same layouts, steps and batches as the elastic run, so its time is the
-    elastic run's ``wall_seconds`` less what the elastic policy spent on events and checkpoints
+    Both are measured from the end of the first step: the start-up (placing the state, the first
+    compile, the checkpoint of step 0) is the same under both policies. The job runs the same
+    layouts, steps and batches as the elastic run, so its time is the elastic run's
+    ``wall_seconds`` less what the elastic policy spent on events and checkpoints
     (``elastic_overhead_seconds``) plus what this policy spends. Each event costs: a preemption
     notice, a save, a restore onto the new layout and a fresh compile; a failure (no notice) the
     restore, the compile and rerunning the steps since the last periodic checkpoint (every
     ``checkpoint_every`` steps from step 0, at the new layout's ``step_seconds``); a growth the
     elastic run took, a save, a restore and a compile; a declined growth nothing. Periodic saves
-    cost one save each.
+    after step 0 cost one save each.
     """
     per_event, spent = [], 0.0
     every = checkpoint_every or math.inf
@@ -201,7 +203,7 @@ def checkpoint_restart(
         cost["seconds"] = cost["save"] + cost["restore"] + cost["compile"] + cost["rerun"]
         spent += cost["seconds"]
         per_event.append(cost)
-    saves = 0 if every == math.inf else math.ceil(steps / every)
+    saves = 0 if every == math.inf else (steps - 1) // every  # step 0's is start-up
     spent += saves * costs.save_seconds
     total = wall_seconds - elastic_overhead_seconds + spent
     return {
@@ -214,9 +216,14 @@ def checkpoint_restart(
 
 
 def elastic_overhead(job: ElasticJob) -> float:
-    """Seconds the elastic run spent on its events and checkpoints, outside its steps."""
+    """Seconds the elastic run spent on its events and checkpoints after its first step.
+
+    The checkpoint of step 0 belongs to the start-up (it overlaps the first compile), which both
+    policies share and the goodput leaves out.
+    """
     events = sum(
         r.plan_seconds + r.reshard_seconds + r.compile_wait_seconds + r.restore_seconds
         for r in job.records
     )
-    return events + sum(s for _, s in job.checkpoints) + job.lost_seconds
+    saves = sum(s for step, s in job.checkpoints if step > 0)
+    return events + saves + job.lost_seconds
