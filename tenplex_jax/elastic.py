@@ -256,9 +256,12 @@ class ElasticJob:
         finally:
             signal.signal(signal.SIGTERM, previous)
 
-    def devices_after(self, kind: str, devices=None, count: int | None = None) -> tuple[int, ...]:
-        """The device ids the job would ask for after an event (before a growth decision)."""
-        current = set(self.ptc.device_ids)
+    def devices_after(
+        self, kind: str, devices=None, count: int | None = None, *, current=None
+    ) -> tuple[int, ...]:
+        """The device ids the job would ask for after an event (before a growth decision), from
+        its current devices or from ``current``."""
+        current = set(self.ptc.device_ids if current is None else current)
         if kind not in KINDS:
             raise LayoutError(f"an event kind is one of {KINDS}, got {kind!r}")
         if kind == "offer":
@@ -472,9 +475,10 @@ class ElasticJob:
         """Compile, in the background, the steps of the likely next layouts."""
         if not self.compile_ahead or self.steps_cache is None:
             return
-        targets = list(self._hints)
+        targets = list(self._hints)  # announced layouts first, then the guess
         if len(self.ptc.device_ids) > self.preempt_devices:
             targets.append(self.devices_after("preempt"))
+        self.steps_cache.cancel_queued()
         for ids in targets:
             if set(ids) & self.failed or not set(ids) <= set(self.devices):
                 continue

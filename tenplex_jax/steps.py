@@ -171,6 +171,14 @@ class StepCache:
             self.compiles += 1
         return Compiled(executable, time.perf_counter() - tic, ahead)
 
+    def cancel_queued(self) -> None:
+        """Drop the compile-ahead requests not started yet (to submit them again in a new order)."""
+        with self._lock:
+            for key, future in list(self._futures.items()):
+                if future in self._queued and future.cancel():
+                    del self._futures[key]
+                    self._queued.discard(future)
+
     def done(self) -> list[Compiled]:
         """The steps compiled so far."""
         futures = list(self._futures.values())

@@ -15,8 +15,8 @@ A trace is a TOML file (format in ``meshes/README.md``)::
     # devices = [6, 7]       # ... or exactly these ids
 
 ``replay`` runs the user's loop over a trace: it posts each event before its step boundary and,
-as a scheduler that announces its plans would, tells the job the next event's devices
-(``job.expect``) so their step compiles ahead. ``checkpoint_restart`` replays the same events
+as a scheduler that announces its plans would, tells the job the devices it will have after the
+next event (``job.expect``) so their step compiles ahead. ``checkpoint_restart`` replays the same events
 under the policy a job without tenplex_jax follows (orbax save, restart, restore, compile anew)
 with costs measured in the same run, for the goodput comparison.
 """
@@ -136,16 +136,21 @@ def replay(
     every step.
     """
     events = list(trace.events)
-    hinted = None
+    if hints and events:
+        job.expect(job.devices_after(events[0].kind, events[0].devices, events[0].count))
     while job.step < trace.steps:
+        posted = False
         while events and events[0].step <= job.step:
             e = events.pop(0)
             getattr(job, e.kind)(e.devices, count=e.count)
+            posted = True
+        if hints and posted and events:  # announce the event after these before they apply, so
+            ids = job.ptc.device_ids  # its step compiles first, ahead of the one-fewer guess
+            for e in trace.events:
+                if job.step <= e.step <= events[0].step:
+                    ids = job.devices_after(e.kind, e.devices, e.count, current=ids)
+            job.expect(ids)
         state, batch = job.next(state)
-        if hints and events and hinted != job.ptc.device_ids:
-            hinted = job.ptc.device_ids
-            e = events[0]
-            job.expect(job.devices_after(e.kind, e.devices, e.count))
         state, metrics = step(state, batch)
         if on_step is not None:
             on_step(job, metrics)
