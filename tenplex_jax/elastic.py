@@ -37,8 +37,9 @@ at the next ``job.next``:
 
 **Compiled steps** are cached per (parallel config, device order, batch layout): returning to an
 earlier layout does not recompile. After every reconfiguration a background thread compiles
-(``jit(...).lower(abstract state, abstract batch).compile()``) the likely next layouts: one device
-fewer, and any layout announced with ``job.expect(devices)``. ``compilation_cache_dir`` turns on
+(``jit(...).lower(abstract state, abstract batch).compile()``) the likely next layouts: those
+announced with ``job.expect(devices)`` (the last two, in order) and, once they are compiled or when
+none is announced, one device fewer. ``compilation_cache_dir`` turns on
 JAX's persistent compilation cache for every compile, however short.
 
 Every event becomes an ``EventRecord`` in ``job.records``: the decision, bytes moved, reshard and
@@ -241,7 +242,8 @@ class ElasticJob:
 
     def expect(self, devices: Iterable[int]) -> None:
         """A hint: the job will likely run on ``devices`` next; its step is compiled ahead."""
-        self._hints = [tuple(sorted(devices))]
+        ids = tuple(sorted(devices))
+        self._hints = [h for h in self._hints if h != ids][-1:] + [ids]  # the last two, in order
         self._ahead()
 
     @contextlib.contextmanager
@@ -475,17 +477,25 @@ class ElasticJob:
         """Compile, in the background, the steps of the likely next layouts."""
         if not self.compile_ahead or self.steps_cache is None:
             return
-        targets = list(self._hints)  # announced layouts first, then the guess
-        if len(self.ptc.device_ids) > self.preempt_devices:
-            targets.append(self.devices_after("preempt"))
-        self.steps_cache.cancel_queued()
+        current = tuple(sorted(self.ptc.device_ids))
+        usable = lambda ids: not set(ids) & self.failed and set(ids) <= set(self.devices)
+        targets = [h for h in self._hints if h != current and usable(h)]  # announced, in order
+        guess = len(current) > self.preempt_devices
+        if guess and not any(self._pending_target(ids) for ids in targets):  # all compiled
+            targets.append(self.devices_after("preempt"))  # then the guess: one device fewer
+        self.steps_cache.cancel_queued()  # resubmitted below, in this order
         for ids in targets:
-            if set(ids) & self.failed or not set(ids) <= set(self.devices):
-                continue
             try:
                 self._compiled(self._target(ids), ahead=True)
             except Exception as error:  # noqa: BLE001 - a guess that fails must not stop training
                 self.log(f"compile-ahead for devices {list(ids)} skipped: {error!r}")
+
+    def _pending_target(self, ids) -> bool:
+        """True while the step for ``ids`` is not compiled (or its layout cannot be made)."""
+        try:
+            return not self.steps_cache.ready(self._key(self._target(ids)))
+        except Exception:  # noqa: BLE001 - no layout: nothing to wait for
+            return False
 
     def _run(self, state, batch: Batch):
         """Run one step on the current layout; blocks until it is done (for the step times)."""
