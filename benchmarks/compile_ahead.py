@@ -26,7 +26,7 @@ from flax import nnx
 
 
 def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, repeats: int = 1):
-    """One row: stall seconds of both variants (medians over ``repeats``), their parts, the ratio."""
+    """One row: both variants' stall seconds (medians over ``repeats``), their parts, the ratio."""
     import tenplex_jax as tj
     from models import LOGICAL_RULES, corpus_samples, example_losses, stdlib_corpus
     from tenplex_jax.demo import CPU, _profile, build_state

@@ -28,15 +28,15 @@ at the next ``job.next``:
   in one process without ``jax.distributed`` it is always False, so SIGTERM is the signal there.
 - ``job.fail(devices)``: the devices' buffers are gone. The plan rebuilds their shards from
   surviving replicas (``make_plan(..., failed=...)`` never reads a failed device). When some box has
-  no replica, ``LostShardsError`` names the leaves; with a checkpoint the job restores the latest one
-  onto the remaining devices, rewinds the dataset cursor and reports the lost steps.
+  no replica, ``LostShardsError`` names the leaves; with a checkpoint the job restores the latest
+  one onto the remaining devices, rewinds the dataset cursor and reports the lost steps.
 - ``job.offer(devices)``: the job grows when the estimated gain over the remaining steps (step
   times from ``tenplex_jax.planner``, or measured ones scaled by the device count) exceeds the
   estimated cost (the plan's bytes over the bandwidth, plus the compile time unless the step is
   already compiled). The decision and its numbers are recorded.
 
 **Compiled steps** are cached per (parallel config, device order, batch layout): returning to an
-earlier layout does not recompile. After every reconfiguration a background thread compiles
+earlier layout does not recompile. After every reconfiguration background threads compile
 (``jit(...).lower(abstract state, abstract batch).compile()``) the likely next layouts: those
 announced with ``job.expect(devices)`` (the last two, in order) and, once they are compiled or when
 none is announced, one device fewer. ``compilation_cache_dir`` turns on
@@ -484,9 +484,11 @@ class ElasticJob:
         if guess and not any(self._pending_target(ids) for ids in targets):  # all compiled
             targets.append(self.devices_after("preempt"))  # then the guess: one device fewer
         self.steps_cache.cancel_queued()  # resubmitted below, in this order
-        for ids in targets:
+        for i, ids in enumerate(targets):
             try:
-                self._compiled(self._target(ids), ahead=True)
+                target = self._target(ids)
+                guessed = guess and i == len(targets) - 1 and ids not in self._hints
+                self.steps_cache.get(target, self._layout(target.config), ahead=True, guess=guessed)
             except Exception as error:  # noqa: BLE001 - a guess that fails must not stop training
                 self.log(f"compile-ahead for devices {list(ids)} skipped: {error!r}")
 

@@ -2,12 +2,13 @@
 
 ``StepCache`` holds the user's step ``fn(state, batch) -> (state, metrics)`` compiled for each
 (parallel config, device order, batch layout) it has met. A compile runs either now, on the caller's
-thread, or ahead, on a background thread, as ``jax.jit(fn, in_shardings=..., out_shardings=...)
-.lower(abstract state, abstract batch).compile()``: the abstract state is the PTC's
-``ShapeDtypeStruct`` tree with shardings and the abstract batch a :class:`Batch` of them, so no
-array exists on the new devices while their step compiles. Each entry is a future; asking for one
-that is compiling waits for it, one still queued behind other guesses is compiled at once on the
-caller's thread instead, one that failed is compiled again.
+thread, or ahead, on a background thread (one for announced layouts, one for guesses), as
+``jax.jit(fn, in_shardings=..., out_shardings=...).lower(abstract state, abstract batch)
+.compile()``: the abstract state is the PTC's ``ShapeDtypeStruct`` tree with shardings and the
+abstract batch a :class:`Batch` of them, so no array exists on the new devices while their step
+compiles. Each entry is a future; asking for one that is compiling waits for it, one still queued
+behind other guesses is compiled at once on the caller's thread instead, one that failed is compiled
+again.
 
 ``enable_compilation_cache`` turns JAX's persistent compilation cache on for every compile, so a
 restarted process reads the steps it compiled before from disk.
@@ -90,7 +91,10 @@ class StepCache:
         self.compiles = 0
         self._futures: dict[tuple, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, "tenplex-compile")
+        self._pools = {  # announced layouts, guesses
+            False: concurrent.futures.ThreadPoolExecutor(1, "tenplex-compile"),
+            True: concurrent.futures.ThreadPoolExecutor(1, "tenplex-compile-guess"),
+        }
         self._queued: set[concurrent.futures.Future] = set()  # submitted by compile-ahead
 
     @staticmethod
@@ -113,9 +117,12 @@ class StepCache:
         future = self._futures.get(key)
         return future is not None and future.done() and future.exception() is None
 
-    def get(self, ptc: PTC, layout: BatchLayout, *, ahead: bool) -> concurrent.futures.Future:
+    def get(
+        self, ptc: PTC, layout: BatchLayout, *, ahead: bool, guess: bool = False
+    ) -> concurrent.futures.Future:
         """The future step for ``ptc`` and ``layout``: cached, compiling, or compiled now (or, with
-        ``ahead``, started on the background thread)."""
+        ``ahead``, queued on a background thread: guesses on their own, so that a long guess
+        never delays an announced layout)."""
         key = self.key(ptc, layout)
         with self._lock:
             future = self._futures.get(key)
@@ -124,7 +131,7 @@ class StepCache:
             now = future is None and not ahead
             if future is None:
                 future = (
-                    self._pool.submit(self.compile, ptc, layout, True)
+                    self._pools[guess].submit(self.compile, ptc, layout, True)
                     if ahead
                     else concurrent.futures.Future()
                 )
@@ -185,7 +192,8 @@ class StepCache:
         return [f.result() for f in futures if f.done() and f.exception() is None]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
 
 
 def enable_compilation_cache(directory: str | pathlib.Path) -> None:

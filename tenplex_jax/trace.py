@@ -16,8 +16,8 @@ A trace is a TOML file (format in ``meshes/README.md``)::
 
 ``replay`` runs the user's loop over a trace: it posts each event before its step boundary and,
 as a scheduler that announces its plans would, tells the job the devices it will have after the
-next event (``job.expect``) so their step compiles ahead. ``checkpoint_restart`` replays the same events
-under the policy a job without tenplex_jax follows (orbax save, restart, restore, compile anew)
+next event (``job.expect``) so their step compiles ahead. ``checkpoint_restart`` replays the same
+events under the policy a job without tenplex_jax follows (orbax save, restart, restore, compile anew)
 with costs measured in the same run, for the goodput comparison.
 """
 
@@ -35,7 +35,7 @@ from tenplex_jax.errors import LayoutError
 
 @dataclasses.dataclass(frozen=True)
 class TraceEvent:
-    """A change of the job's devices before step ``step``: ``devices`` by id, or ``count`` by rule."""
+    """A change of the job's devices before step ``step``: ``devices`` by id or ``count`` by rule."""
 
     step: int
     kind: str
@@ -91,8 +91,8 @@ class ResourceTrace:
         unknown = set(data) - known
         if unknown or "devices" not in data or "steps" not in data:
             raise LayoutError(
-                f"a trace has keys devices, steps and optionally {sorted(known - {'devices', 'steps'})}; "
-                f"got {sorted(data)}"
+                f"a trace has keys devices, steps and optionally "
+                f"{sorted(known - {'devices', 'steps'})}; got {sorted(data)}"
             )
         events = []
         for raw in data.get("events", []):

@@ -55,7 +55,7 @@ def make_job(configs: dict[int, tj.ParallelConfig] | None = None, **kwargs):
 
 
 def train(job, state, step, events=None, steps=STEPS):
-    """Train to ``steps``; ``events[i](job, state)`` runs before boundary ``i``. (state, samples)."""
+    """Train to ``steps``; ``events[i](job, state)`` runs before boundary ``i``; (state, samples)"""
     events = dict(events or {})
     seen = {}
     while job.step < steps:
@@ -104,7 +104,7 @@ def poison(state, device: int) -> int:
     return poisoned
 
 
-# -- plans around failed devices (pure) -------------------------------------------------------------
+# -- plans around failed devices (pure) ----------------------------------------------------------
 
 
 def abstract():
@@ -147,7 +147,7 @@ def test_reshard_around_a_failed_device_never_reads_its_buffers():
         np.testing.assert_array_equal(a, b)
 
 
-# -- events in a training loop ------------------------------------------------------------------------
+# -- events in a training loop ------------------------------------------------------------------
 
 
 def test_sigterm_shrinks_at_the_next_step_boundary_data_exactly_once(fixed):
