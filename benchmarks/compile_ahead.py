@@ -137,5 +137,9 @@ if __name__ == "__main__":
     from benchmarks.suite import configure_jax
 
     configure_jax()
+    import json
+
     tic = time.perf_counter()
-    print(describe(run_compile_ahead()), f"({time.perf_counter() - tic:.0f} s)")
+    row = run_compile_ahead()
+    print(json.dumps(row["median"], indent=1))
+    print(describe(row), f"({time.perf_counter() - tic:.0f} s)")
