@@ -147,6 +147,46 @@ def test_reshard_around_a_failed_device_never_reads_its_buffers():
         np.testing.assert_array_equal(a, b)
 
 
+def test_trace_format_refuses_bad_events_by_rule():
+    from tenplex_jax.trace import ResourceTrace
+
+    good = {"devices": 8, "steps": 10, "events": [{"step": 2, "kind": "fail", "count": 1}]}
+    assert ResourceTrace.from_dict(good).events[0].count == 1
+    for event, rule in [
+        ({"step": 2, "kind": "reboot", "count": 1}, "kind must be one of"),
+        ({"step": 12, "kind": "fail", "count": 1}, r"lie in 1\.\.9"),
+        ({"step": 2, "kind": "fail"}, "exactly one of devices"),
+        ({"step": 2, "kind": "offer", "devices": [8]}, r"lie in 0\.\.7"),
+    ]:
+        with pytest.raises(tj.LayoutError, match=rule):
+            ResourceTrace.from_dict(good | {"events": [event]})
+
+
+def test_checkpoint_restart_pays_save_restore_compile_and_reruns_after_a_failure():
+    from tenplex_jax.trace import RestartCosts, checkpoint_restart
+
+    rec = lambda step, kind, decision: tj.EventRecord(
+        step, kind, "trace", [], [], "data=8", "data=4", decision
+    )
+    records = [rec(10, "preempt", "shrink"), rec(25, "fail", "rebuild"), rec(30, "offer", "stay")]
+    costs = RestartCosts(1.0, {"data=4": 2.0}, {"data=4": 5.0})
+    out = checkpoint_restart(
+        records,
+        {"data=4": 0.5},
+        costs,
+        steps=40,
+        checkpoint_every=20,
+        useful_seconds=20.0,
+        wall_seconds=30.0,
+        elastic_overhead_seconds=4.0,
+    )
+    assert [e["seconds"] for e in out["events"]] == [8.0, 2.0 + 5.0 + 5 * 0.5, 0.0]
+    assert out["events"][1]["lost_steps"] == 5  # steps 20..24 since the checkpoint at 20
+    assert out["periodic_saves"] == 1  # step 20 (step 0's is start-up)
+    assert out["seconds"] == 30.0 - 4.0 + 8.0 + 9.5 + 1.0
+    assert out["goodput"] == 20.0 / out["seconds"]
+
+
 # -- events in a training loop ------------------------------------------------------------------
 
 
