@@ -354,7 +354,9 @@ class ElasticJob:
                     record.config_after = str(before.config)
                     self.records.append(record)
                     return state
-            state, report = reshard(state, plan, method=self.method)
+            # after a failure the old arrays are not donated: deleting them would touch the failed
+            # devices' buffers; they are freed when the caller rebinds the state
+            state, report = reshard(state, plan, method=self.method, donate=not failed)
             record.bytes_moved, record.bytes_kept = report.bytes_moved, report.bytes_kept
             record.reshard_seconds = report.seconds
             if report.seconds > 0 and report.bytes_moved:
