@@ -217,8 +217,7 @@ class ElasticJob:
         while self._pending:
             state = self._apply(state, self._pending.popleft())
         every = self.checkpoint_every
-        due = self.checkpoint_dir is not None and every and self.step % every == 0
-        if due and (not self.checkpoints or self.checkpoints[-1][0] != self.step):
+        if self.checkpoint_dir is not None and every and self.step % every == 0:
             self._save(state)
         mesh = self.ptc.mesh(list(self.devices.values()))
         layout = self.layout
@@ -400,9 +399,6 @@ class ElasticJob:
         restored = restore_checkpoint(self.checkpoint_dir, target, step=latest)
         if restored.data_state is None:
             raise DataError(f"checkpoint {latest} in {self.checkpoint_dir} has no data state")
-        for leaf in jax.tree.leaves(state):  # the old state is gone with its devices
-            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-                leaf.delete()
         lost = self.step - restored.step
         self.dataset.restore(restored.data_state)
         record.restore_seconds = time.perf_counter() - tic
@@ -452,8 +448,11 @@ class ElasticJob:
         return choice.best.step_time
 
     def _save(self, state) -> float:
+        """Save the state at this step (once: a step already saved, e.g. before a rewind, stays)."""
         from tenplex_jax.checkpoint import save_checkpoint
 
+        if any(step == self.step for step, _ in self.checkpoints):
+            return 0.0
         tic = time.perf_counter()
         save_checkpoint(
             self.checkpoint_dir, state, self.ptc, step=self.step, data_state=self.dataset.state()
