@@ -119,9 +119,8 @@ class ReplicatedStore:
             except StoreError as error:
                 tried.append(f"store {i} ({self.addresses[i]}): {error.reason}")
         raise StoreError(
-            f"no store holds {path!r} box {None if box is None else wire.as_box(box)} (written "
-            f"by host {prefer}, replicas on stores {self.holders(prefer)}); tried "
-            + "; ".join(tried),
+            f"no store holds {path!r} box {None if box is None else wire.as_box(box)} (host "
+            f"{prefer} writes to stores {self.holders(prefer)}); tried " + "; ".join(tried),
             "not_found",
         )
 
