@@ -29,12 +29,13 @@ from tenplex_jax.checkpoint import (
 )
 from tenplex_jax.cluster import Cluster, DeviceType
 from tenplex_jax.data import REMAINDERS, BatchLayout, DatasetPTC, DataState
-from tenplex_jax.errors import CheckpointError, DataError, LayoutError, PlanError
+from tenplex_jax.errors import CheckpointError, DataError, LayoutError, PlanError, StoreError
 from tenplex_jax.pipeline import Stages, pipeline, restage
 from tenplex_jax.plan import LeafPlan, Piece, Plan, ShardPlan, allocate, make_plan
 from tenplex_jax.planner import Candidate, Choice, choose, estimate
 from tenplex_jax.profile import LayerProfile, ModelProfile
 from tenplex_jax.ptc import MESH_AXES, PTC, LeafLayout, ParallelConfig
+from tenplex_jax.store import ObjectInfo, ReplicatedStore, StoreClient, StoreProcess
 from tenplex_jax.train import batch_value_and_grad, device_batch
 from tenplex_jax.transform import ReshardReport, place, reshard
 
@@ -56,15 +57,20 @@ __all__ = [
     "LeafLayout",
     "LeafPlan",
     "ModelProfile",
+    "ObjectInfo",
     "ParallelConfig",
     "Piece",
     "Plan",
     "PlanError",
+    "ReplicatedStore",
     "ReshardReport",
     "Restored",
     "Saved",
     "ShardPlan",
     "Stages",
+    "StoreClient",
+    "StoreError",
+    "StoreProcess",
     "allocate",
     "batch_value_and_grad",
     "choose",

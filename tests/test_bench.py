@@ -35,6 +35,9 @@ def test_quick_bench_writes_every_row_and_finite_ratios(tmp_path) -> None:
         assert row["peak_bytes"] >= max(row["steady_before_bytes"], row["steady_after_bytes"])
     loop = next(r for r in rows if r["kind"] == "loop")
     assert math.isfinite(loop["overhead"]) and loop["steps_each"] > 0
+    store = next(r for r in rows if r["kind"] == "store")
+    assert kinds.count("store") == 1 and store["bytes"] > 0
+    assert all(math.isfinite(x) and x > 0 for x in store["vs_memcpy"].values())
     assert set(results["verdicts"]) == set(GOALS)
     assert all(math.isfinite(v["measured"]) for v in results["verdicts"].values())
     for name in ("reshard.png", "plan_scaling.png"):
