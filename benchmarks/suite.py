@@ -8,7 +8,8 @@
 5. loop overhead (``benchmarks.loop``);
 6. resize stall with and without compile-ahead, and the persistent compilation cache
    (``benchmarks.compile_ahead``);
-7. plan time vs tensors and devices (``benchmarks.plan_scaling``).
+7. plan time vs tensors and devices (``benchmarks.plan_scaling``);
+8. tensor store put / get throughput vs memcpy of the same bytes (``benchmarks.store``).
 
 Writes ``DIR/results.json`` (one object per row: raw runs, medians, ratios), ``DIR/summary.md``
 (the tables and goals) and PNG plots. JAX must be configured before its backend starts:
@@ -92,6 +93,7 @@ def run(options: BenchOptions, log=print) -> dict:
     import jax
 
     from benchmarks import compile_ahead, loop, plan_scaling, reshard
+    from benchmarks import store as store_bench
     from models import LOGICAL_RULES, GPTConfig
     from tenplex_jax.demo import build_state, param_count
 
@@ -151,6 +153,8 @@ def run(options: BenchOptions, log=print) -> dict:
     log("plan scaling (abstract, no devices):")
     sizes = ((8, 64), (10, 100)) if options.quick else ((8, 64, 512, 4096), (10, 100, 1000))
     rows += plan_scaling.run_plan_scaling(*sizes, repeats=options.runs, log=log)
+
+    rows.append(store_bench.run(options.quick, repeats=options.runs, log=log))
 
     results = {
         "suite": "tenplex_jax bench",
@@ -292,6 +296,11 @@ def summary_markdown(results: dict) -> str:
             f"| {r['plan_change']} | {r['devices']} | {r['tensors']} | {r['target_shards']:,} | "
             f"{r['median_seconds']['make_plan'] * 1e3:,.1f} | {r['microseconds_per_shard']:.2f} |"
         )
+    store_rows = [r for r in rows if r["kind"] == "store"]
+    if store_rows:
+        from benchmarks import store as store_bench
+
+        lines += ["", store_bench.summary_markdown(store_rows[0])]
     lines += ["", "| goal | measured | target | met |", "|---|---:|---:|---|"]
     for goal, v in results["verdicts"].items():
         lines.append(

@@ -38,13 +38,21 @@ from tenplex_jax.checkpoint import (
 from tenplex_jax.cluster import Cluster, DeviceType
 from tenplex_jax.data import REMAINDERS, BatchLayout, DatasetPTC, DataState
 from tenplex_jax.elastic import ElasticJob, EventRecord
-from tenplex_jax.errors import CheckpointError, DataError, LayoutError, LostShardsError, PlanError
+from tenplex_jax.errors import (
+    CheckpointError,
+    DataError,
+    LayoutError,
+    LostShardsError,
+    PlanError,
+    StoreError,
+)
 from tenplex_jax.pipeline import Stages, pipeline, restage
 from tenplex_jax.plan import LeafPlan, Piece, Plan, ShardPlan, allocate, make_plan
 from tenplex_jax.planner import Candidate, Choice, choose, estimate
 from tenplex_jax.profile import LayerProfile, ModelProfile
 from tenplex_jax.ptc import MESH_AXES, PTC, LeafLayout, ParallelConfig
 from tenplex_jax.steps import Batch
+from tenplex_jax.store import ObjectInfo, ReplicatedStore, StoreClient, StoreProcess
 from tenplex_jax.train import batch_value_and_grad, device_batch
 from tenplex_jax.transform import ReshardReport, place, reshard
 
@@ -70,15 +78,20 @@ __all__ = [
     "LeafPlan",
     "LostShardsError",
     "ModelProfile",
+    "ObjectInfo",
     "ParallelConfig",
     "Piece",
     "Plan",
     "PlanError",
+    "ReplicatedStore",
     "ReshardReport",
     "Restored",
     "Saved",
     "ShardPlan",
     "Stages",
+    "StoreClient",
+    "StoreError",
+    "StoreProcess",
     "allocate",
     "batch_value_and_grad",
     "choose",

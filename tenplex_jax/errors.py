@@ -43,6 +43,17 @@ class LostShardsError(PlanError):
         )
 
 
+class StoreError(RuntimeError):
+    """A tensor store request failed: bad input, a refused request, a missing or corrupt object,
+    or no store reachable. ``reason`` says which: ``"not_found"``, ``"corrupt"``, ``"too_large"``,
+    ``"auth"``, ``"unavailable"``, ``"protocol"``, ``"refused"``, ...; ``"invalid"`` for bad
+    arguments caught before anything was sent."""
+
+    def __init__(self, message: str, reason: str = "invalid"):
+        super().__init__(message)
+        self.reason = reason
+
+
 def where(path: str, shape: tuple[int, ...], spec, mesh) -> str:
     """The standard tail of an error message: which leaf, its shape, its spec, the mesh."""
     return f"leaf {path!r} (shape={tuple(shape)}, spec={spec}, mesh={mesh})"

@@ -40,6 +40,9 @@ def test_quick_bench_writes_every_row_and_finite_ratios(tmp_path) -> None:
     assert stall["runs"]["compile_ahead"][0]["compile"] == "cached"  # ready before the notice
     assert stall["runs"]["on_demand"][0]["compile"] == "compiled"
     assert math.isfinite(stall["stall_ratio"]) and stall["stall_ratio"] > 0
+    store = next(r for r in rows if r["kind"] == "store")
+    assert kinds.count("store") == 1 and store["bytes"] > 0
+    assert all(math.isfinite(x) and x > 0 for x in store["vs_memcpy"].values())
     assert set(results["verdicts"]) == set(GOALS)
     assert all(math.isfinite(v["measured"]) for v in results["verdicts"].values())
     for name in ("reshard.png", "plan_scaling.png"):

@@ -1,0 +1,424 @@
+"""The store's state: the index, the memory tier and the disk tier (see ``server`` for the rules).
+
+**Tiers.** Objects live in a memory tier (at most ``memory_bytes``, least recently used clean
+objects evicted first) and on disk under ``DIR/objects``. A plain put is acknowledged once it is
+in the memory tier and queued for disk; a durable put (and any object too large for the memory
+tier) once its file is complete. ``flush`` waits until every object acknowledged before it is on
+disk; ``put_json`` flushes first (unless asked not to).
+
+**Atomic files.** An object is one file: ``b"TPXO"`` + header length + a JSON header (path, box,
+global shape, dtype, checksum) + the bytes, written to ``DIR/tmp`` and fsynced, then renamed into
+``DIR/objects``; only then does the index point at it. Restarted on the same directory, the store
+deletes ``DIR/tmp``, indexes the complete files and verifies each file's checksum when it reads it;
+a file that fails is moved to ``DIR/corrupt`` and never served.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import queue
+import shutil
+import struct
+import sys
+import threading
+import uuid
+
+import numpy as np
+
+from tenplex_jax.store import wire
+from tenplex_jax.store.wire import ObjectInfo
+
+FILE_MAGIC = b"TPXO"
+FILE_PREFIX = struct.Struct("!4sI")
+DEFAULT_MEMORY_BYTES = 4 << 30
+IO_CHUNK_BYTES = 256 << 20
+WRITERS = 4  # threads writing the memory tier back to disk
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    info: ObjectInfo
+    seq: int  # puts of one key are ordered by seq; the newest one wins
+    on_disk: bool  # the file under objects/ holds this version
+
+
+class Refused(Exception):
+    """A request the server answers with an error; the connection stays usable."""
+
+    def __init__(self, message: str, reason: str = "refused"):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _key(kind: str, path: str, box: wire.Box = ()) -> str:
+    text = json.dumps([kind, path, [list(b) for b in box]], separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
+
+
+class Store:
+    """The store's state: the index, the memory tier, the disk writer. Thread-safe."""
+
+    def __init__(self, directory: pathlib.Path, memory_bytes: int):
+        self.dir = pathlib.Path(directory)
+        self.memory_bytes = memory_bytes
+        self.objects_dir = self.dir / "objects"
+        self.json_dir = self.dir / "json"
+        self.tmp_dir = self.dir / "tmp"
+        self.corrupt_dir = self.dir / "corrupt"
+        for d in (self.objects_dir, self.json_dir, self.corrupt_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)  # partial writes of an earlier run
+        self.tmp_dir.mkdir()
+        self.lock = threading.Lock()
+        self.seq = 0
+        self.index: dict[str, Entry] = {}
+        self.by_path: dict[str, set[str]] = collections.defaultdict(set)
+        # key -> (seq, bytes), least recently used first
+        self.memory: collections.OrderedDict[str, tuple[int, np.ndarray]]
+        self.memory = collections.OrderedDict()
+        self.memory_used = 0
+        self.dirty: dict[str, int] = {}  # keys whose newest version is only in memory -> bytes
+        self.dirty_bytes = 0
+        self.json: dict[str, bytes] = {}
+        self.writes: queue.Queue = queue.Queue()  # (ticket, key, seq) to write back, in put order
+        self.queued = 0  # tickets handed out
+        self.pending: set[int] = set()  # tickets not yet written back
+        self.written_cond = threading.Condition(self.lock)
+        self.failed: dict[str, str] = {}  # dirty keys whose write-back failed -> the error
+        self.closing = False
+        self._load()
+        # several writers: their fsyncs overlap, as the file system's journal commits them together
+        self.writers = [
+            threading.Thread(target=self._write_loop, name="store-writer", daemon=True)
+            for _ in range(WRITERS)
+        ]
+        for writer in self.writers:
+            writer.start()
+
+    # -- index and memory tier (call with the lock held) -------------------------------------
+
+    def _index_set(self, key: str, entry: Entry) -> None:
+        self.index[key] = entry
+        self.by_path[entry.info.path].add(key)
+
+    def _index_del(self, key: str) -> None:
+        entry = self.index.pop(key, None)
+        if entry is not None:
+            keys = self.by_path[entry.info.path]
+            keys.discard(key)
+            if not keys:
+                del self.by_path[entry.info.path]
+        self._forget(key)
+        self._clean(key)
+
+    def _clean(self, key: str) -> None:
+        self.dirty_bytes -= self.dirty.pop(key, 0)
+
+    def _remember(self, key: str, seq: int, data: np.ndarray) -> None:
+        self._forget(key)
+        self.memory[key] = (seq, data)
+        self.memory_used += len(data)
+
+    def _forget(self, key: str) -> None:
+        old = self.memory.pop(key, None)
+        if old is not None:
+            self.memory_used -= len(old[1])
+
+    def _evict(self) -> None:
+        """Drop clean objects, least recently used first, until the memory tier fits."""
+        if self.memory_used <= self.memory_bytes:
+            return
+        for key in list(self.memory):
+            if self.memory_used <= self.memory_bytes:
+                break
+            if key not in self.dirty:
+                self._forget(key)
+
+    # -- disk ------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        """Index the complete object files (headers only; data is verified when read)."""
+        for file in sorted(self.objects_dir.glob("*.obj")):
+            try:
+                info = ObjectInfo.from_json(self._read_header(file))
+            except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+                self._set_aside(file, f"incomplete or unreadable: {error!r}")
+                continue
+            if _key("array", info.path, info.box) != file.stem:
+                self._set_aside(file, "its name is not its (path, box)")
+                continue
+            self.seq += 1
+            self._index_set(file.stem, Entry(info, self.seq, on_disk=True))
+        for file in sorted(self.json_dir.glob("*.obj")):
+            try:
+                header, data = self._read_file(file)
+            except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+                self._set_aside(file, f"incomplete or corrupt: {error!r}")
+                continue
+            self.json[header["path"]] = bytes(data)
+
+    @staticmethod
+    def _read_header(file: pathlib.Path) -> dict:
+        with open(file, "rb") as f:
+            magic, n = FILE_PREFIX.unpack(f.read(FILE_PREFIX.size))
+            if magic != FILE_MAGIC:
+                raise ValueError(f"bad magic {magic!r}")
+            header = json.loads(f.read(n))
+            size = os.fstat(f.fileno()).st_size
+        if size != FILE_PREFIX.size + n + int(header["nbytes"]):
+            raise ValueError(f"file size {size} disagrees with its header")
+        return header
+
+    @staticmethod
+    def _read_file(file: pathlib.Path) -> tuple[dict, np.ndarray]:
+        """A file's header and bytes; ``ValueError`` unless the bytes match its checksum."""
+        with open(file, "rb") as f:
+            magic, n = FILE_PREFIX.unpack(f.read(FILE_PREFIX.size))
+            if magic != FILE_MAGIC:
+                raise ValueError(f"bad magic {magic!r}")
+            header = json.loads(f.read(n))
+            data = np.empty(int(header["nbytes"]), np.uint8)
+            view, got = memoryview(data), 0
+            while got < len(data):  # in chunks: one read(2) moves at most ~2 GiB
+                k = f.readinto(view[got : got + IO_CHUNK_BYTES])
+                if not k:
+                    break
+                got += k
+            extra = f.read(1)
+        if got != len(data) or extra:
+            raise ValueError(f"file holds {got + len(extra)}+ bytes, its header says {len(data)}")
+        digest = wire.checksum(data)
+        if digest != header["checksum"]:
+            raise ValueError(f"checksum {digest}, its header says {header['checksum']}")
+        return header, data
+
+    def _set_aside(self, file: pathlib.Path, why: str) -> None:
+        print(f"tenplex_jax.store: {file} is not served: {why}", file=sys.stderr, flush=True)
+        try:
+            os.replace(file, self.corrupt_dir / f"{file.name}.{uuid.uuid4().hex[:8]}")
+        except OSError:
+            pass
+
+    def _write_tmp(self, header: dict, data) -> pathlib.Path:
+        """A complete, fsynced file under tmp/ (not yet visible)."""
+        tmp = self.tmp_dir / f"{uuid.uuid4().hex}.tmp"
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        try:
+            with open(tmp, "wb") as f:
+                f.write(FILE_PREFIX.pack(FILE_MAGIC, len(encoded)) + encoded)
+                view = memoryview(data).cast("B")
+                f.writelines(
+                    view[start : start + IO_CHUNK_BYTES]
+                    for start in range(0, view.nbytes, IO_CHUNK_BYTES)
+                )
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    @staticmethod
+    def _sync_dir(directory: pathlib.Path) -> None:
+        """fsync a directory, so that a rename into it survives a crash of the machine. Called
+        after the lock is released (the rename is done under it): an fsync takes milliseconds."""
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self.writes.get()
+            if item is None:
+                return
+            ticket, key, seq = item
+            try:
+                self._write_back(key, seq)
+            except Exception as error:  # noqa: BLE001 (the object stays in memory; flush says so)
+                with self.lock:
+                    self.failed[key] = repr(error)
+            with self.lock:
+                self.pending.discard(ticket)
+                self.written_cond.notify_all()
+
+    def _queue_write(self, key: str, seq: int) -> None:
+        """Queue a write-back (call with the lock held)."""
+        self.queued += 1
+        self.pending.add(self.queued)
+        self.writes.put((self.queued, key, seq))
+
+    def _write_back(self, key: str, seq: int) -> None:
+        with self.lock:
+            held, entry = self.memory.get(key), self.index.get(key)
+            if held is None or held[0] != seq or entry is None or entry.seq != seq:
+                return  # replaced or deleted since it was queued
+            data = held[1]
+        tmp = self._write_tmp(entry.info.to_json(), data)
+        with self.lock:
+            entry = self.index.get(key)
+            if entry is None or entry.seq != seq:
+                tmp.unlink(missing_ok=True)
+                return
+            os.replace(tmp, self.objects_dir / f"{key}.obj")
+            self.index[key] = dataclasses.replace(entry, on_disk=True)
+            self._clean(key)
+            self.failed.pop(key, None)
+            self._evict()
+        self._sync_dir(self.objects_dir)
+
+    def flush(self) -> None:
+        """Wait until every object acknowledged before this call is on disk (later puts do not
+        hold it up); write-backs that failed are retried once, then reported."""
+        for attempt in (0, 1):
+            with self.lock:
+                if attempt:
+                    for key in self.failed:
+                        held = self.memory.get(key)
+                        if held is not None and key in self.dirty:
+                            self._queue_write(key, held[0])
+                target = self.queued
+                while min(self.pending, default=target + 1) <= target:
+                    self.written_cond.wait()
+                failed = {k: e for k, e in self.failed.items() if k in self.dirty}
+                self.failed = failed
+            if not failed:
+                return
+        paths = {self.index[k].info.path: e for k, e in failed.items() if k in self.index}
+        raise Refused(f"disk writes failed (the objects stay in memory only): {paths}", "disk")
+
+    # -- operations -----------------------------------------------------------------------------
+
+    def put(self, info: ObjectInfo, data: np.ndarray, durable: bool) -> None:
+        key = _key("array", info.path, info.box)
+        with self.lock:
+            if self.closing:
+                raise Refused("the store is shutting down; nothing stored", "unavailable")
+            self.seq += 1
+            seq = self.seq
+            # the memory tier may hold it if it fits next to the objects not yet on disk
+            room = self.memory_bytes - self.dirty_bytes + self.dirty.get(key, 0)
+            if not durable and len(data) <= room:
+                self._clean(key)
+                self._remember(key, seq, data)
+                self._index_set(key, Entry(info, seq, on_disk=False))
+                self.dirty[key] = len(data)
+                self.dirty_bytes += len(data)
+                self._evict()
+                self.failed.pop(key, None)
+                self._queue_write(key, seq)
+                return
+        tmp = self._write_tmp(info.to_json(), data)  # write-through
+        with self.lock:
+            entry = self.index.get(key)
+            if entry is not None and entry.seq > seq:
+                tmp.unlink(missing_ok=True)  # a newer put of the same key won
+                return
+            os.replace(tmp, self.objects_dir / f"{key}.obj")
+            self._index_set(key, Entry(info, seq, on_disk=True))
+            self._clean(key)
+            self.failed.pop(key, None)
+            self._forget(key)
+            if len(data) <= self.memory_bytes:
+                self._remember(key, seq, data)
+                self._evict()
+        self._sync_dir(self.objects_dir)
+
+    def find(self, path: str, box: wire.Box | None) -> str:
+        """The key of the object under ``path`` that contains ``box`` (None: the whole array)."""
+        with self.lock:
+            candidates = [self.index[k].info for k in self.by_path.get(path, ())]
+        if not candidates:
+            raise Refused(f"no object at path {path!r}", "not_found")
+        if box is None:
+            box = wire.full_box(candidates[0].global_shape)
+        holding = [i for i in candidates if wire.contains(i.box, box)]
+        if not holding:
+            stored = sorted(i.box for i in candidates)
+            raise Refused(
+                f"no object at path {path!r} contains box {box}; stored boxes: {stored}",
+                "not_found",
+            )
+        best = min(holding, key=lambda i: i.nbytes)
+        return _key("array", best.path, best.box)
+
+    def read(self, key: str) -> tuple[Entry, np.ndarray]:
+        """An object's entry and bytes: from the memory tier, else from its verified file."""
+        file = self.objects_dir / f"{key}.obj"
+        for _ in range(5):
+            with self.lock:
+                entry = self.index.get(key)
+                if entry is None:
+                    raise Refused("the object was deleted while it was read", "not_found")
+                held = self.memory.get(key)
+                if held is not None and held[0] == entry.seq:
+                    self.memory.move_to_end(key)
+                    return entry, held[1]
+            failure = None
+            try:
+                header, data = self._read_file(file)
+            except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+                failure = repr(error)
+            with self.lock:
+                if self.index.get(key) is not entry:
+                    continue  # replaced while it was read: look again
+                if failure is None and header != entry.info.to_json():
+                    failure = "the file holds another version than the index"
+                if failure is not None:
+                    self._index_del(key)
+                    self._set_aside(file, failure)
+                    raise Refused(
+                        f"object {entry.info.path!r} box {entry.info.box} is corrupt on disk "
+                        f"({failure}); it is not served",
+                        "corrupt",
+                    )
+                if len(data) <= self.memory_bytes:
+                    self._remember(key, entry.seq, data)
+                    self._evict()
+                return entry, data
+        raise Refused("the object kept changing while it was read", "busy")
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        with self.lock:
+            infos = [e.info for e in self.index.values() if e.info.path.startswith(prefix)]
+        return sorted(infos, key=lambda i: (i.path, i.box))
+
+    def delete(self, prefix: str) -> int:
+        with self.lock:
+            keys = [k for k, e in self.index.items() if e.info.path.startswith(prefix)]
+            for key in keys:
+                self._index_del(key)
+                (self.objects_dir / f"{key}.obj").unlink(missing_ok=True)
+            paths = [p for p in self.json if p.startswith(prefix)]
+            for path in paths:
+                del self.json[path]
+                (self.json_dir / f"{_key('json', path)}.obj").unlink(missing_ok=True)
+        if keys or paths:  # so that deleted objects stay deleted after a crash of the machine
+            self._sync_dir(self.objects_dir)
+            self._sync_dir(self.json_dir)
+        return len(keys) + len(paths)
+
+    def put_json(self, path: str, data: np.ndarray, flush: bool = True) -> None:
+        if flush:
+            self.flush()  # the objects put before a commit marker reach disk before it
+        header = {"path": path, "nbytes": len(data), "checksum": wire.checksum(data)}
+        tmp = self._write_tmp(header, data)
+        with self.lock:
+            os.replace(tmp, self.json_dir / f"{_key('json', path)}.obj")
+            self.json[path] = bytes(data)
+        self._sync_dir(self.json_dir)
+
+    def close(self) -> None:
+        """Refuse further puts, write every object still only in memory, stop the writer."""
+        with self.lock:
+            self.closing = True
+        for _ in self.writers:
+            self.writes.put(None)
+        for writer in self.writers:
+            writer.join()

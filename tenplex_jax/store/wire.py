@@ -1,0 +1,269 @@
+"""The tensor store's wire protocol and the records both ends share.
+
+Every message is a frame: a fixed prefix ``!4sIQ`` (magic ``b"TPXS"``, header length, body
+length), a UTF-8 JSON header, then ``body length`` raw bytes. No pickle: headers are JSON, arrays
+travel as their raw C-order bytes, described by dtype name and shape in the header.
+
+A connection opens with ``{"op": "hello", "token": ...}``; the server checks the token (when it
+has one) with ``hmac.compare_digest`` before it reads anything else. A request with a body (``put``,
+``put_json``) is answered first with ``{"ok": true, "continue": true}`` or an error: a request that
+breaks a limit is refused before its body is sent, and the connection stays usable. A ``put``
+whose header carries no checksum sends it after the body, in a trailer frame ``{"checksum": ...}``,
+so that the client checksums each chunk as it sends it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import socket
+import struct
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tenplex_jax.errors import StoreError
+
+Shape = tuple[int, ...]
+Box = tuple[tuple[int, int], ...]  # as ``tenplex_jax.ptc.Box``: half-open (start, stop) per dim
+
+MAGIC = b"TPXS"
+PREFIX = struct.Struct("!4sIQ")  # magic, header bytes, body bytes
+HELLO_HEADER_BYTES = 4096  # before the token is checked, the server reads no more than this
+MAX_HEADER_BYTES = 1 << 20  # any request header
+MAX_RESPONSE_HEADER_BYTES = 16 << 20
+MAX_PATH_CHARS = 1024
+MAX_JSON_BYTES = 64 << 20  # put_json / get_json objects
+CHECKSUM = "crc32"
+SMALL_BODY_BYTES = 64 << 10
+CHUNK_BYTES = 64 << 20  # a socket timeout bounds the transfer of each chunk
+DIGEST_CHUNK_BYTES = 1 << 20  # checksummed as sent: small enough to stay in cache
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: an array covering ``box`` of a global array of ``global_shape``.
+
+    ``checksum`` is ``"crc32:<8 hex digits>"`` of the object's C-order bytes.
+    """
+
+    path: str
+    box: Box
+    global_shape: Shape
+    dtype: str
+    nbytes: int
+    checksum: str
+
+    @property
+    def shape(self) -> Shape:
+        return box_shape(self.box)
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path,
+            "box": [list(b) for b in self.box],
+            "global_shape": list(self.global_shape),
+            "dtype": self.dtype,
+            "nbytes": self.nbytes,
+            "checksum": self.checksum,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict) -> ObjectInfo:
+        return cls(
+            path=obj["path"],
+            box=as_box(obj["box"]),
+            global_shape=tuple(int(n) for n in obj["global_shape"]),
+            dtype=str(obj["dtype"]),
+            nbytes=int(obj["nbytes"]),
+            checksum=str(obj["checksum"]),
+        )
+
+
+def checksum(data) -> str:
+    """``"crc32:<hex>"`` of a bytes-like object (zlib's crc32 runs at several GB/s)."""
+    return f"{CHECKSUM}:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def box_shape(box: Box) -> Shape:
+    return tuple(stop - start for start, stop in box)
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, int(n)) for n in shape)
+
+
+def as_box(box: Any) -> Box:
+    """A box from any nesting of int pairs (JSON lists, tuples, numpy ints); shape unchecked."""
+    try:
+        out = tuple((int(start), int(stop)) for start, stop in box)
+    except (TypeError, ValueError) as error:
+        raise StoreError(
+            f"a box is a sequence of (start, stop) int pairs, one per dim; got {box!r}"
+        ) from error
+    return out
+
+
+def check_path(path: Any) -> str:
+    if not isinstance(path, str) or not path or len(path) > MAX_PATH_CHARS or "\x00" in path:
+        raise StoreError(
+            f"a store path is a non-empty string of at most {MAX_PATH_CHARS} characters "
+            f"without NUL; got {path!r:.200}"
+        )
+    return path
+
+
+def check_box(path: str, box: Box, global_shape: Shape) -> None:
+    """Every dim of ``box`` is a (start, stop) interval inside ``global_shape``."""
+    if len(box) != len(global_shape) or any(
+        not 0 <= start <= stop <= n for (start, stop), n in zip(box, global_shape)
+    ):
+        raise StoreError(
+            f"a box must hold one (start, stop) with 0 <= start <= stop <= dim size per dim of "
+            f"the global shape; got box={box} for global_shape={global_shape} at path {path!r}"
+        )
+
+
+def contains(outer: Box, inner: Box) -> bool:
+    return len(outer) == len(inner) and all(
+        o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner)
+    )
+
+
+def local_index(outer: Box, inner: Box) -> tuple[slice, ...]:
+    """The slices of an array covering ``outer`` that select ``inner`` (global coordinates)."""
+    return tuple(slice(i0 - o0, i1 - o0) for (o0, _), (i0, i1) in zip(outer, inner))
+
+
+def dtype_of(name: str) -> np.dtype:
+    """A NumPy dtype from its name, including ml_dtypes' (``bfloat16``, ``float8_e4m3fn``, ...)."""
+    import ml_dtypes  # registers its names with NumPy
+
+    if not name.isidentifier() or name.startswith("_"):
+        raise StoreError(f"unknown dtype name {name!r:.100}")
+    try:
+        dtype = np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+    except TypeError as error:
+        raise StoreError(f"unknown dtype name {name!r}") from error
+    if (
+        not name.isidentifier()
+        or name.startswith("_")
+        or dtype.hasobject
+        or dtype.fields is not None
+        or dtype.name != name
+    ):
+        raise StoreError(f"the store holds plain numeric arrays; dtype {name!r} is not one")
+    return dtype
+
+
+def as_bytes(array: np.ndarray) -> memoryview:
+    """The C-order bytes of a contiguous array as a flat byte view (no copy; any dtype, 0-d too)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# framing
+
+
+def send_frame(sock: socket.socket, header: dict, body=None) -> None:
+    """Send a prefix + header, then ``body`` (a bytes-like object) if given."""
+    data = json.dumps(header, separators=(",", ":")).encode()
+    nbody = 0 if body is None else memoryview(body).nbytes
+    frame = PREFIX.pack(MAGIC, len(data), nbody) + data
+    if 0 < nbody <= SMALL_BODY_BYTES:  # one segment for small replies
+        sock.sendall(frame + bytes(body))
+        return
+    sock.sendall(frame)
+    if nbody:
+        send_body(sock, body)
+
+
+def send_body(sock: socket.socket, body, *, digest: bool = False) -> str | None:
+    """``sendall`` in chunks: a socket's timeout bounds each chunk, not the whole body. With
+    ``digest``, the body's checksum, computed on each chunk as it is sent (while it is in cache)."""
+    view = memoryview(body).cast("B")
+    step = DIGEST_CHUNK_BYTES if digest else CHUNK_BYTES
+    crc = 0
+    for start in range(0, view.nbytes, step):
+        chunk = view[start : start + step]
+        if digest:
+            crc = zlib.crc32(chunk, crc)
+        sock.sendall(chunk)
+    return f"{CHECKSUM}:{crc & 0xFFFFFFFF:08x}" if digest else None
+
+
+def send_header(sock: socket.socket, header: dict, body_bytes: int) -> None:
+    """Send a prefix + header announcing ``body_bytes``; the body follows separately."""
+    data = json.dumps(header, separators=(",", ":")).encode()
+    if len(data) > MAX_HEADER_BYTES:
+        raise StoreError(
+            f"a request header is at most {MAX_HEADER_BYTES} bytes; this one is {len(data)} "
+            f"({header.get('op')!r} of {str(header.get('path'))!r:.200})"
+        )
+    sock.sendall(PREFIX.pack(MAGIC, len(data), body_bytes) + data)
+
+
+def recv_into(sock: socket.socket, view: memoryview, *, digest: bool = False) -> str | None:
+    """Fill ``view`` from the socket; ``ConnectionError`` if the peer closes first. With
+    ``digest``, the checksum of the bytes, computed chunk by chunk as they arrive (cache-hot)."""
+    view = view.cast("B") if view.format != "B" else view
+    got, n, crc = 0, view.nbytes, 0
+    while got < n:
+        k = sock.recv_into(view[got:], min(n - got, 1 << 24))
+        if k == 0:
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        if digest:
+            crc = zlib.crc32(view[got : got + k], crc)
+        got += k
+    return f"{CHECKSUM}:{crc & 0xFFFFFFFF:08x}" if digest else None
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """``n`` bytes (for headers and small bodies)."""
+    buf = bytearray(n)
+    if n:
+        recv_into(sock, memoryview(buf))
+    return buf
+
+
+def recv_body(sock: socket.socket, n: int) -> tuple[np.ndarray, str]:
+    """``n`` bytes into a new uint8 array (not zero-filled first), and their checksum."""
+    buf = np.empty(n, np.uint8)
+    return buf, recv_into(sock, memoryview(buf), digest=True)
+
+
+def recv_prefix(sock: socket.socket) -> tuple[int, int] | None:
+    """(header bytes, body bytes) of the next frame; None on a clean close between frames."""
+    first = sock.recv(PREFIX.size)
+    if not first:
+        return None
+    buf = bytearray(first)
+    if len(buf) < PREFIX.size:
+        buf += recv_exact(sock, PREFIX.size - len(buf))
+    magic, nheader, nbody = PREFIX.unpack(bytes(buf))
+    if magic != MAGIC:
+        raise StoreProtocolError(f"not a tenplex_jax store frame (magic {magic!r})")
+    return nheader, nbody
+
+
+def recv_header(sock: socket.socket, nheader: int, limit: int) -> dict:
+    if nheader > limit:
+        raise StoreProtocolError(f"a header is at most {limit} bytes; got one of {nheader} bytes")
+    try:
+        header = json.loads(recv_exact(sock, nheader))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise StoreProtocolError(f"a frame header must be UTF-8 JSON: {error}") from error
+    if not isinstance(header, dict):
+        raise StoreProtocolError(f"a frame header must be a JSON object; got {type(header)}")
+    return header
+
+
+class StoreProtocolError(Exception):
+    """The peer broke the framing; the connection cannot continue."""
+
+
+def nbytes_of(shape: Shape, dtype: np.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
