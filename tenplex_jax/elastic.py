@@ -39,8 +39,9 @@ at the next ``job.next``:
 earlier layout does not recompile. After every reconfiguration background threads compile
 (``jit(...).lower(abstract state, abstract batch).compile()``) the likely next layouts: those
 announced with ``job.expect(devices)`` (the last two, in order) and, once they are compiled or when
-none is announced, one device fewer. ``compilation_cache_dir`` turns on
-JAX's persistent compilation cache for every compile, however short.
+none is announced, one device fewer (on a thread of its own, so that a guess never delays an
+announced layout). ``compilation_cache_dir`` turns on JAX's persistent compilation cache for every
+compile, however short.
 
 Every event becomes an ``EventRecord`` in ``job.records``: the decision, bytes moved, reshard and
 compile seconds, lost steps, and the stall (from the event to the first step done on the new
@@ -494,7 +495,8 @@ class ElasticJob:
                 self.log(f"compile-ahead for devices {list(ids)} skipped: {error!r}")
 
     def _pending_target(self, ids) -> bool:
-        """True while the step for ``ids`` is not compiled (or its layout cannot be made)."""
+        """True while the step for ``ids`` is not compiled; False once it is, or if ``ids`` have
+        no layout (nothing to wait for)."""
         try:
             return not self.steps_cache.ready(self._key(self._target(ids)))
         except Exception:  # noqa: BLE001 - no layout: nothing to wait for
