@@ -19,6 +19,14 @@ The public face, in the order a user meets it::
     layout = tj.BatchLayout(64, ranks=new.config.data * new.config.fsdp, workers=8)
     grad_fn = tj.batch_value_and_grad(example_losses, layout, mesh)  # bitwise across DP sizes
 
+    job = tj.ElasticJob(rules, dataset, workers=8)             # elastic training, your own loop
+    state = job.place(state)
+    step = job.jit(train_step)                                  # train_step(state, batch)
+    with job.handle_sigterm():                                  # SIGTERM: shrink, commit, go on
+        while job.step < 1000:
+            state, batch = job.next(state)                      # events applied between steps
+            state, metrics = step(state, batch)
+
     # a process of `tenplex-jax launch --nprocs 4 SCRIPT` (state in the tensor stores)
     job = tj.launch.join()                                      # jax.distributed on 127.0.0.1
     state, ptc, step = job.restore(abstract, rules, dataset, init=init)   # pulls its own shards
@@ -35,7 +43,15 @@ from tenplex_jax.checkpoint import (
 from tenplex_jax.cluster import Cluster, DeviceType
 from tenplex_jax.commit import CommitReport, PullReport
 from tenplex_jax.data import REMAINDERS, BatchLayout, DatasetPTC, DataState
-from tenplex_jax.errors import CheckpointError, DataError, LayoutError, PlanError, StoreError
+from tenplex_jax.elastic import ElasticJob, EventRecord
+from tenplex_jax.errors import (
+    CheckpointError,
+    DataError,
+    LayoutError,
+    LostShardsError,
+    PlanError,
+    StoreError,
+)
 from tenplex_jax.job import Job, join
 from tenplex_jax.launch import LaunchError, LaunchOptions
 from tenplex_jax.pipeline import Stages, pipeline, restage
@@ -43,6 +59,7 @@ from tenplex_jax.plan import LeafPlan, Piece, Plan, ShardPlan, allocate, make_pl
 from tenplex_jax.planner import Candidate, Choice, choose, estimate
 from tenplex_jax.profile import LayerProfile, ModelProfile
 from tenplex_jax.ptc import MESH_AXES, PTC, LeafLayout, ParallelConfig
+from tenplex_jax.steps import Batch
 from tenplex_jax.store import ObjectInfo, ReplicatedStore, StoreClient, StoreProcess
 from tenplex_jax.train import batch_value_and_grad, device_batch
 from tenplex_jax.transform import ReshardReport, place, reshard
@@ -51,6 +68,7 @@ __all__ = [
     "MESH_AXES",
     "PTC",
     "REMAINDERS",
+    "Batch",
     "BatchLayout",
     "Candidate",
     "CheckpointError",
@@ -61,6 +79,8 @@ __all__ = [
     "DataState",
     "DatasetPTC",
     "DeviceType",
+    "ElasticJob",
+    "EventRecord",
     "Job",
     "LaunchError",
     "LaunchOptions",
@@ -68,6 +88,7 @@ __all__ = [
     "LayoutError",
     "LeafLayout",
     "LeafPlan",
+    "LostShardsError",
     "ModelProfile",
     "ObjectInfo",
     "ParallelConfig",

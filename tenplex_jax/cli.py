@@ -10,6 +10,7 @@ the message already names the leaf, shape, spec and mesh that broke the rule.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -44,6 +45,9 @@ examples:
       a quick run; batch 12 does not split over 8 devices, so the first layout adds tensor=2
   tenplex-jax demo --method device_put
       move the state with one jax.device_put instead of the per-shard plan executor
+  tenplex-jax demo --trace meshes/philly.toml --out out/trace
+      replay a Philly-shaped resource trace (preemptions, a failure, offers) with the elastic
+      loop; per-event table, goodput against checkpoint-restart, DIR/summary.json
 
 Device sets: the run starts on devices 0..N-1; a shrink keeps the lowest-numbered current devices; a
 grow takes the highest-numbered devices (4 on 0..3 grown to 6 runs on 2..7). Each resize prints its
@@ -236,6 +240,18 @@ def _parser() -> argparse.ArgumentParser:
         help="virtual data-parallel workers; the global batch is always cut into V units whose "
         "gradients are summed in a fixed order, so results are bitwise equal on any data-parallel "
         "size; 0 for plain data parallelism (default: 8)",
+    )
+    demo.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="replay a resource trace (TOML, see meshes/README.md) with the elastic loop: "
+        "preemptions, failures and offers at its steps; its steps and devices replace --steps, "
+        "--schedule and --devices",
+    )
+    demo.add_argument(
+        "--no-compile-ahead",
+        action="store_true",
+        help="with --trace: compile each layout's step only when the job moves onto it",
     )
     demo.add_argument(
         "--samples",
@@ -458,6 +474,12 @@ def _demo(args) -> int:
 
     import jax
 
+    trace = None
+    if args.trace:
+        from tenplex_jax.trace import ResourceTrace
+
+        trace = ResourceTrace.load(args.trace)
+        args.devices = trace.devices
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
@@ -484,6 +506,16 @@ def _demo(args) -> int:
         workers=args.workers or None,
         samples=args.samples,
     )
+    if trace is not None:
+        from tenplex_jax import trace_demo
+
+        options = dataclasses.replace(options, steps=trace.steps, schedule=())
+        summary = trace_demo.run(options, trace, compile_ahead=not args.no_compile_ahead)
+        print()
+        print(trace_demo.event_table(summary))
+        print(demo.consistency_line(summary | {"epochs": summary["samples_seen"] / args.samples}))
+        print(f"wrote {options.out / 'summary.json'}")
+        return 0
     summary = demo.run(options)
     print()
     print(demo.resize_table(summary))

@@ -23,6 +23,26 @@ class PlanError(ValueError):
     """Two PTCs cannot be planned between, or a plan does not fit the state it is applied to."""
 
 
+class LostShardsError(PlanError):
+    """Some boxes of the state were held only by failed devices: no plan can rebuild them.
+
+    ``lost`` lists ``(leaf path, boxes)`` for every leaf with a box that no surviving device holds;
+    the state can only come back from a checkpoint.
+    """
+
+    def __init__(self, src, failed, lost: tuple[tuple[str, tuple], ...]):
+        self.failed = tuple(sorted(failed))
+        self.lost = lost
+        shown = "; ".join(f"{path} boxes {list(boxes)}" for path, boxes in lost[:6])
+        more = f"; and {len(lost) - 6} more leaves" if len(lost) > 6 else ""
+        super().__init__(
+            f"every shard must survive on some device to be rebuilt from a replica, but "
+            f"{len(lost)} leaves have boxes held only by failed devices {list(self.failed)} "
+            f"(source {src.config} on {list(src.device_ids)}): {shown}{more}; restore these from "
+            f"a checkpoint"
+        )
+
+
 class StoreError(RuntimeError):
     """A tensor store request failed: bad input, a refused request, a missing or corrupt object,
     or no store reachable. ``reason`` says which: ``"not_found"``, ``"corrupt"``, ``"too_large"``,

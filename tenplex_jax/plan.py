@@ -17,6 +17,12 @@ their params, layers repeat), and a leaf's shard plans depend only on its layout
 computes them once per layout and shares the frozen ``ShardPlan`` tuples between leaves, which keeps
 planning for thousands of devices and tensors under a second.
 
+**Failed devices.** ``make_plan(src, dst, failed={3})`` plans around devices whose buffers are gone:
+no piece is read from a failed device (not even a local keep), each box is taken from a surviving
+replica (data-parallel copies, replicated leaves), and a failed device cannot be a target. When a
+box of some leaf has no replica left, ``LostShardsError`` (a ``PlanError``) names every such leaf
+and box, so the caller can fall back to a checkpoint.
+
 Planning is pure: it reads two PTCs and never touches device memory. Example::
 
     plan = make_plan(PTC.of(abstract, rules, ParallelConfig(data=8), range(8)),
@@ -35,7 +41,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from tenplex_jax.errors import PlanError, where
+from tenplex_jax.errors import LostShardsError, PlanError, where
 from tenplex_jax.ptc import PTC, Box, LeafLayout
 
 KINDS = ("keep", "split", "move", "merge")
@@ -187,8 +193,20 @@ def _devs(ids: Iterable[int]) -> str:
     return f"devices {ids}"
 
 
-def make_plan(src: PTC, dst: PTC) -> Plan:
-    """The reconfiguration plan that turns a state laid out as ``src`` into one laid out as ``dst``."""
+def make_plan(src: PTC, dst: PTC, *, failed: Iterable[int] = ()) -> Plan:
+    """The reconfiguration plan that turns a state laid out as ``src`` into one laid out as ``dst``.
+
+    ``failed`` lists device ids whose buffers are lost: the plan reads nothing from them and takes
+    every box from a surviving replica; ``dst`` must not use them. Raises ``LostShardsError`` naming
+    the leaves and boxes that no surviving device holds.
+    """
+    failed = frozenset(int(d) for d in failed)
+    if failed & set(dst.device_ids):
+        raise PlanError(
+            f"the target PTC ({dst.config} on {list(dst.device_ids)}) uses failed devices "
+            f"{sorted(failed & set(dst.device_ids))}; a plan around failed devices must target "
+            f"the devices that remain"
+        )
     if len(src.leaves) != len(dst.leaves) or src.treedef != dst.treedef:
         raise PlanError(
             f"the two PTCs describe different state trees ({len(src.leaves)} vs {len(dst.leaves)} "
@@ -199,6 +217,7 @@ def make_plan(src: PTC, dst: PTC) -> Plan:
     by_layout: dict[tuple, tuple[tuple[ShardPlan, ...], dict[int, int], tuple]] = {}
     uses: collections.Counter = collections.Counter()  # layout → leaves planned with it so far
     leaves = []
+    lost: list[tuple[str, tuple]] = []  # (path, boxes held only by failed devices)
     for s, d in zip(src.leaves, dst.leaves):
         if (s.path, s.shape, s.dtype) != (d.path, d.shape, d.dtype):
             raise PlanError(
@@ -212,11 +231,26 @@ def make_plan(src: PTC, dst: PTC) -> Plan:
             for k, count in uses.items():
                 for device, n in by_layout[k][1].items():
                     load[device] += count * n
-            shards, sends = _plan_leaf(s, src.boxes(s), dst.boxes(d), host, load)
+            boxes = src.boxes(s)
+            if failed:
+                alive = {dev: box for dev, box in boxes.items() if dev not in failed}
+                gone = sorted(set(boxes.values()) - set(alive.values()))
+                if gone:
+                    by_layout[key] = ((), {}, gone)
+                    lost.append((s.path, tuple(gone)))
+                    uses[key] += 1
+                    continue
+                boxes = alive
+            shards, sends = _plan_leaf(s, boxes, dst.boxes(d), host, load)
             by_layout[key] = (shards, sends, _totals(shards))
         uses[key] += 1
         shards, _, totals = by_layout[key]
+        if not shards:  # a layout already found lost for an earlier leaf
+            lost.append((s.path, tuple(totals)))
+            continue
         leaves.append(LeafPlan(s, d, shards, totals))
+    if lost:
+        raise LostShardsError(src, failed, tuple(lost))
     return Plan(src, dst, tuple(leaves))
 
 

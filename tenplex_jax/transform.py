@@ -11,6 +11,9 @@ array afterwards raises JAX's "Array has been deleted"). A leaf whose kept shard
 state cannot be deleted without deleting them, so its dropped replicas are freed when the caller
 drops the old state — rebind: ``state, report = reshard(state, plan)``.
 
+Failed devices. A plan made with ``make_plan(..., failed=...)`` names no failed device as a source;
+the executor reads only the shards the plan names, so a lost device's buffers are never read.
+
 Before anything is copied or deleted, the state is checked against ``plan.src`` (tree, shapes, dtypes,
 device boxes); a mismatch raises ``PlanError`` and leaves the state untouched.
 """
@@ -179,7 +182,9 @@ def _execute_leaf(array: jax.Array, leaf: LeafPlan, mesh, by_id):
     host = not jax.dtypes.issubdtype(array.dtype, jax.dtypes.extended) and all(
         s.device.platform == "cpu" for s in array.addressable_shards
     )
-    local = {s.device.id: s.data for s in array.addressable_shards}
+    # only the shards the plan reads: a failed device's buffers are never touched
+    needed = {piece.src_device for shard in leaf.shards for piece in shard.pieces}
+    local = {s.device.id: s.data for s in array.addressable_shards if s.device.id in needed}
     views = {i: np.asarray(a) for i, a in local.items()} if host else local  # zero-copy on CPU
     buffers: list[jax.Array | None] = []
     todo, todo_at, todo_to, alias = [], [], [], []

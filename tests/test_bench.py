@@ -20,6 +20,7 @@ def test_quick_bench_writes_every_row_and_finite_ratios(tmp_path) -> None:
     rows = results["rows"]
     kinds = [r["kind"] for r in rows]
     assert kinds.count("memcpy") == 1 and kinds.count("loop") == 1
+    assert kinds.count("compile_ahead") == 1
     changes = [r["change"] for r in rows if r["kind"] == "reshard"]
     assert changes == [c.name for c in reshard.MATRIX]
     assert {(r["devices"], r["tensors"]) for r in rows if r["kind"] == "plan"} == {
@@ -38,6 +39,10 @@ def test_quick_bench_writes_every_row_and_finite_ratios(tmp_path) -> None:
         assert row["peak_bytes"] >= max(row["steady_before_bytes"], row["steady_after_bytes"])
     loop = next(r for r in rows if r["kind"] == "loop")
     assert math.isfinite(loop["overhead"]) and loop["steps_each"] > 0
+    stall = next(r for r in rows if r["kind"] == "compile_ahead")
+    assert stall["runs"]["compile_ahead"][0]["compile"] == "cached"  # ready before the notice
+    assert stall["runs"]["on_demand"][0]["compile"] == "compiled"
+    assert math.isfinite(stall["stall_ratio"]) and stall["stall_ratio"] > 0
     store = next(r for r in rows if r["kind"] == "store")
     assert kinds.count("store") == 1 and store["bytes"] > 0
     assert all(math.isfinite(x) and x > 0 for x in store["vs_memcpy"].values())

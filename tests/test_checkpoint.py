@@ -127,7 +127,9 @@ def test_bad_checkpoints_are_refused_clearly(tmp_path):
     other = tj.PTC.of(
         nnx.state({"model": model, "optimizer": optimizer}), RULES, ptc.config, devices[:2]
     )
-    with pytest.raises(tj.CheckpointError, match=r"target's shape and dtype.*wants \(2, 64\).*mesh=data=2"):
+    with pytest.raises(
+        tj.CheckpointError, match=r"target's shape and dtype.*wants \(2, 64\).*mesh=data=2"
+    ):
         tj.restore_checkpoint(tmp_path, other)
 
     model_only = tj.PTC.of(nnx.state({"model": model}), RULES, ptc.config, devices[:2])

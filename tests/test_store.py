@@ -383,8 +383,11 @@ def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> Non
     proc = stores.start()
     assert list(tmp_dir.iterdir()) == []  # the partial write is gone
     with tj.StoreClient(proc.address) as client:
-        assert client.get("k/w").tobytes() == old.tobytes()
-        assert client.list("k/")[0].checksum == wire.checksum(wire.as_bytes(old))
+        got = client.get("k/w")
+        # the old version, as the kill lands mid-write; the new one only if the machine stalled
+        # this test past the write's rename (complete either way, never a mix)
+        assert np.array_equal(got, old) or np.array_equal(got, old * 2)
+        assert client.list("k/")[0].checksum == wire.checksum(wire.as_bytes(got))
 
 
 @pytest.mark.parametrize("when", ["restart", "running"])

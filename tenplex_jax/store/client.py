@@ -157,7 +157,10 @@ class StoreClient:
         if request["op"] in ("put", "put_json"):
             self._reply(sock)  # "continue", or the reason the request is refused
             try:
-                if nbody:
+                if request["op"] == "put" and request.get("checksum") is None:
+                    digest = wire.send_body(sock, body, digest=True)
+                    wire.send_frame(sock, {"checksum": digest})  # the trailer
+                elif nbody:
                     wire.send_body(sock, body)
             except OSError as error:
                 raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
@@ -240,7 +243,7 @@ class StoreClient:
             "box": [list(b) for b in box],
             "global_shape": list(global_shape),
             "dtype": dtype.name,
-            "checksum": _checksum or wire.checksum(data),
+            "checksum": _checksum,  # None: computed as the bytes are sent, in a trailer
             "durable": bool(durable),
         }
         header, _ = self._call(request, data)

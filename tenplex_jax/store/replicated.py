@@ -79,8 +79,8 @@ class ReplicatedStore:
         all k+1) copies were written."""
         targets = self.holders(host)
         need = len(targets) if min_copies is None else min_copies
-        array = np.asarray(array, order="C")
-        digest = wire.checksum(wire.as_bytes(array))
+        array = np.asarray(array, order="C")  # once, not per copy
+        # each copy is checksummed chunk by chunk as it is sent, while the chunk is in cache
         futures = {
             i: self._pool.submit(
                 self.clients[i].put,
@@ -89,7 +89,6 @@ class ReplicatedStore:
                 box=box,
                 global_shape=global_shape,
                 durable=durable,
-                _checksum=digest,
             )
             for i in targets
         }
@@ -120,9 +119,8 @@ class ReplicatedStore:
             except StoreError as error:
                 tried.append(f"store {i} ({self.addresses[i]}): {error.reason}")
         raise StoreError(
-            f"no store holds {path!r} box {None if box is None else wire.as_box(box)} (written "
-            f"by host {prefer}, replicas on stores {self.holders(prefer)}); tried "
-            + "; ".join(tried),
+            f"no store holds {path!r} box {None if box is None else wire.as_box(box)} (host "
+            f"{prefer} writes to stores {self.holders(prefer)}); tried " + "; ".join(tried),
             "not_found",
         )
 

@@ -143,10 +143,18 @@ class Handler(socketserver.BaseRequestHandler):
             expected = wire.nbytes_of(wire.box_shape(box), dtype)
             self._check_body_limit(nbody, f"put of {path!r} box {box}")
             data, digest = self._body(sock, nbody, expected)
-            if digest != header.get("checksum"):
+            claimed = header.get("checksum")
+            if claimed is None:  # in a trailer frame after the body
+                prefix = wire.recv_prefix(sock)
+                if prefix is None:
+                    raise ConnectionError("the client left before its checksum trailer")
+                if prefix[1]:
+                    raise wire.StoreProtocolError("a checksum trailer has no body")
+                claimed = wire.recv_header(sock, prefix[0], wire.HELLO_HEADER_BYTES).get("checksum")
+            if digest != claimed:
                 raise Refused(
                     f"put of {path!r} box {box}: the bytes received have checksum {digest}, the "
-                    f"client sent {header.get('checksum')}; nothing stored",
+                    f"client sent {claimed}; nothing stored",
                     "checksum",
                 )
             info = ObjectInfo(path, box, global_shape, dtype.name, expected, digest)

@@ -7,7 +7,9 @@ travel as their raw C-order bytes, described by dtype name and shape in the head
 A connection opens with ``{"op": "hello", "token": ...}``; the server checks the token (when it
 has one) with ``hmac.compare_digest`` before it reads anything else. A request with a body (``put``,
 ``put_json``) is answered first with ``{"ok": true, "continue": true}`` or an error: a request that
-breaks a limit is refused before its body is sent, and the connection stays usable.
+breaks a limit is refused before its body is sent, and the connection stays usable. A ``put``
+whose header carries no checksum sends it after the body, in a trailer frame ``{"checksum": ...}``,
+so that the client checksums each chunk as it sends it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ MAX_JSON_BYTES = 64 << 20  # put_json / get_json objects
 CHECKSUM = "crc32"
 SMALL_BODY_BYTES = 64 << 10
 CHUNK_BYTES = 64 << 20  # a socket timeout bounds the transfer of each chunk
+DIGEST_CHUNK_BYTES = 1 << 20  # checksummed as sent: small enough to stay in cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,11 +181,18 @@ def send_frame(sock: socket.socket, header: dict, body=None) -> None:
         send_body(sock, body)
 
 
-def send_body(sock: socket.socket, body) -> None:
-    """``sendall`` in chunks: a socket's timeout bounds each chunk, not the whole body."""
+def send_body(sock: socket.socket, body, *, digest: bool = False) -> str | None:
+    """``sendall`` in chunks: a socket's timeout bounds each chunk, not the whole body. With
+    ``digest``, the body's checksum, computed on each chunk as it is sent (while it is in cache)."""
     view = memoryview(body).cast("B")
-    for start in range(0, view.nbytes, CHUNK_BYTES):
-        sock.sendall(view[start : start + CHUNK_BYTES])
+    step = DIGEST_CHUNK_BYTES if digest else CHUNK_BYTES
+    crc = 0
+    for start in range(0, view.nbytes, step):
+        chunk = view[start : start + step]
+        if digest:
+            crc = zlib.crc32(chunk, crc)
+        sock.sendall(chunk)
+    return f"{CHECKSUM}:{crc & 0xFFFFFFFF:08x}" if digest else None
 
 
 def send_header(sock: socket.socket, header: dict, body_bytes: int) -> None:

@@ -1,0 +1,145 @@
+"""Resize stall with and without compile-ahead, and what the persistent compilation cache saves.
+
+A preemption notice (the job's last device goes) arrives while an :class:`ElasticJob` trains the
+GPT on 8 devices; the stall is the time from the notice to the first step done on 7 devices: plan,
+reshard, waiting for the new layout's step, and that step. Two jobs run in one process, the same
+number of steps before the notice:
+
+- ``compile_ahead``: a background thread has compiled the 7-device step before the notice (the
+  job trains until it is ready, and the other variant trains as many steps);
+- ``on_demand``: the step is compiled when the job moves onto 7 devices.
+
+JAX's in-memory caches are cleared before each job, so neither reuses the other's executable.
+Then the persistent compilation cache (``jax_compilation_cache_dir``): the 7-device step compiled
+cold into an empty cache directory, and again after clearing the in-memory caches (a restarted
+process), read from disk.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import jax
+from flax import nnx
+
+
+def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, repeats: int = 1):
+    """One row: both variants' stall seconds (medians over ``repeats``), their parts, the ratio."""
+    import tenplex_jax as tj
+    from models import LOGICAL_RULES, corpus_samples, example_losses, stdlib_corpus
+    from tenplex_jax.demo import CPU, _profile, build_state
+    from tenplex_jax.steps import enable_compilation_cache
+
+    graphdef, _, cfg = build_state(model, 1e-3, abstract=True)
+    source = corpus_samples(stdlib_corpus(), cfg.seq_len, num_samples=20 * batch)
+
+    def train_step(state, batch):
+        nodes = nnx.merge(graphdef, state)
+        loss, grads = batch.value_and_grad(example_losses)(nodes["model"])
+        nodes["optimizer"].update(nodes["model"], grads)
+        return nnx.state(nodes), {"loss": loss}
+
+    def job_of(ahead: bool):
+        jax.clear_caches()
+        job = tj.ElasticJob(
+            LOGICAL_RULES,
+            tj.DatasetPTC(source, batch, seed=0),
+            devices=jax.devices()[:8],
+            workers=8,
+            profile=_profile(model),
+            device_type=CPU,
+            compile_ahead=ahead,
+        )
+        state = job.place(build_state(model, 1e-3)[1])
+        return job, state, job.jit(train_step)
+
+    def one(ahead: bool, before: int | None):
+        job, state, step = job_of(ahead)
+        while before is None or job.step < before:
+            state, b = job.next(state)
+            state, _ = step(state, b)
+            # train until the 7-device step is compiled, at least 3 steps
+            if before is None and job.step >= 3 and job.is_compiled(range(7)):
+                break
+        steps_before = job.step
+        job.preempt()  # what SIGTERM posts: the job's last device goes
+        for _ in range(after):
+            state, b = job.next(state)
+            state, _ = step(state, b)
+        job.close()
+        (r,) = job.records
+        return steps_before, {
+            "stall_seconds": r.stall_seconds,
+            "plan_seconds": r.plan_seconds,
+            "reshard_seconds": r.reshard_seconds,
+            "compile_wait_seconds": r.compile_wait_seconds,
+            "compile_seconds": r.compile_seconds,
+            "compile": r.compile,
+            "first_step_seconds": r.stall_seconds
+            - (r.plan_seconds + r.reshard_seconds + r.compile_wait_seconds),
+            "step_seconds": statistics.median(s for i, s, c in job.step_log if c == "data=8"),
+        }
+
+    runs: dict[str, list[dict]] = {"compile_ahead": [], "on_demand": []}
+    for _ in range(repeats):
+        before, row = one(True, None)
+        runs["compile_ahead"].append(row)
+        runs["on_demand"].append(one(False, before)[1])
+    median = {
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "compile"}
+        for name, rs in runs.items()
+    }
+
+    # the persistent cache: a cold compile into an empty directory, then a "restarted" one
+    job, state, _ = job_of(False)
+    seven = tuple(range(7))
+    with tempfile.TemporaryDirectory() as cache_dir:
+        enable_compilation_cache(cache_dir)
+        jax.clear_caches()
+        cold = job.compile_seconds(seven)
+        jax.clear_caches()
+        warm = job.compile_seconds(seven)
+        jax.config.update("jax_compilation_cache_dir", None)
+        from jax.experimental.compilation_cache import compilation_cache
+
+        compilation_cache.reset_cache()
+    job.close()
+    del state
+    return {
+        "kind": "compile_ahead",
+        "model": model,
+        "change": "8 -> 7 devices (data=8 -> data=7), preemption notice",
+        "steps_before_notice": before,
+        "repeats": repeats,
+        "runs": runs,
+        "median": median,
+        "stall_ratio": median["on_demand"]["stall_seconds"]
+        / median["compile_ahead"]["stall_seconds"],
+        "persistent_cache": {"cold_compile_seconds": cold, "warm_compile_seconds": warm},
+    }
+
+
+def describe(row: dict) -> str:
+    a, o = row["median"]["compile_ahead"], row["median"]["on_demand"]
+    p = row["persistent_cache"]
+    return (
+        f"  resize stall ({row['change']}, GPT {row['model']}): compile-ahead "
+        f"{a['stall_seconds']:.3f} s (waited {a['compile_wait_seconds']:.3f} s for the step), "
+        f"on demand {o['stall_seconds']:.3f} s (compile {o['compile_wait_seconds']:.3f} s): "
+        f"{row['stall_ratio']:.1f}x; persistent cache: cold compile {p['cold_compile_seconds']:.2f}"
+        f" s, from disk {p['warm_compile_seconds']:.2f} s"
+    )
+
+
+if __name__ == "__main__":
+    from benchmarks.suite import configure_jax
+
+    configure_jax()
+    import json
+
+    tic = time.perf_counter()
+    row = run_compile_ahead()
+    print(json.dumps(row["median"], indent=1))
+    print(describe(row), f"({time.perf_counter() - tic:.0f} s)")

@@ -1,0 +1,315 @@
+"""Elastic training in one process: preemption, device failure, growth, compile cache, traces.
+
+Every run trains the tiny GPT with virtual workers on (data, fsdp) layouts, so the params after a
+run with events must equal those of a run without any, bit for bit, and every step must see the
+samples the fixed run saw.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import tenplex_jax as tj
+from models import LOGICAL_RULES, corpus_samples, example_losses, stdlib_corpus
+from tenplex_jax.demo import build_state
+from tests.helpers import host_copy
+
+C = tj.ParallelConfig
+STEPS = 6
+BATCH = 24
+GRAPHDEF = build_state("tiny", 3e-3)[0]
+
+
+def train_step(state, batch):
+    """The user's step: plain Flax NNX, no tenplex_jax inside but the batch's own gradient."""
+    nodes = nnx.merge(GRAPHDEF, state)
+    loss, grads = batch.value_and_grad(example_losses)(nodes["model"])
+    nodes["optimizer"].update(nodes["model"], grads)
+    return nnx.state(nodes), {"loss": loss}
+
+
+@functools.cache
+def source():
+    return corpus_samples(stdlib_corpus(2**20), seq_len=32, num_samples=100)
+
+
+def make_job(configs: dict[int, tj.ParallelConfig] | None = None, **kwargs):
+    dataset = tj.DatasetPTC(source(), BATCH, seed=1)  # 100 samples: epochs end mid-batch
+    config = None if configs is None else configs.__getitem__
+    kwargs.setdefault("compile_ahead", False)
+    job = tj.ElasticJob(LOGICAL_RULES, dataset, workers=8, config=config, **kwargs)
+    state = job.place(build_state("tiny", 3e-3)[1])
+    return job, state, job.jit(train_step)
+
+
+def train(job, state, step, events=None, steps=STEPS):
+    """Train to ``steps``; ``events[i](job, state)`` runs before boundary ``i``; (state, samples)"""
+    events = dict(events or {})
+    seen = {}
+    while job.step < steps:
+        if job.step in events:
+            events.pop(job.step)(job, state)
+        state, batch = job.next(state)
+        seen[job.step - 1] = job.samples[job.samples >= 0]
+        state, _ = step(state, batch)
+    job.close()
+    return host_copy(state), [seen[i] for i in range(steps)]
+
+
+@pytest.fixture(scope="module")
+def fixed():
+    """The reference: STEPS steps on 8 devices (data=8), no event."""
+    job, state, step = make_job()
+    assert job.ptc.config == C(data=8)
+    return train(job, state, step)
+
+
+def assert_same_run(got, want):
+    state, samples = got
+    want_state, want_samples = want
+    for i, (a, b) in enumerate(zip(samples, want_samples)):
+        np.testing.assert_array_equal(a, b, err_msg=f"samples of step {i}")
+    assert np.unique(np.concatenate(samples[:4])).size == 4 * BATCH  # first epoch: no repeats
+    for a, b in zip(state, want_state):
+        np.testing.assert_array_equal(a, b)
+
+
+def poison(state, device: int) -> int:
+    """Overwrite every buffer ``device`` holds with 0xFF bytes (NaN): a read of it shows."""
+    poisoned = 0
+    for leaf in jax.tree.leaves(state):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+            continue
+        for shard in leaf.addressable_shards:
+            if shard.device.id == device and shard.data.nbytes:
+                raw = (ctypes.c_ubyte * shard.data.nbytes).from_address(
+                    shard.data.unsafe_buffer_pointer()
+                )
+                np.frombuffer(raw, np.uint8)[:] = 0xFF
+                if leaf.dtype == np.float32:  # the device's own buffer now reads NaN
+                    assert np.isnan(np.asarray(shard.data)).all()
+                poisoned += 1
+    return poisoned
+
+
+# -- plans around failed devices (pure) ----------------------------------------------------------
+
+
+def abstract():
+    return build_state("tiny", 3e-3, abstract=True)[1]
+
+
+def test_plan_reads_replicas_never_a_failed_device():
+    src = tj.PTC.of(abstract(), LOGICAL_RULES, C(data=2, fsdp=4), range(8))
+    dst = tj.PTC.of(abstract(), LOGICAL_RULES, C(data=7), [0, 2, 3, 4, 5, 6, 7])
+    plan = tj.make_plan(src, dst, failed=[1])
+    sources = {p.src_device for leaf in plan.leaves for s in leaf.shards for p in s.pieces}
+    assert 1 not in sources and 5 in sources  # device 1's fsdp shard comes from its replica, 5
+    assert plan.bytes_moved > 0
+    with pytest.raises(tj.PlanError, match=r"uses failed devices \[1\]"):
+        tj.make_plan(src, src, failed=[1])
+
+
+def test_plan_without_replica_names_the_lost_leaves_and_boxes():
+    src = tj.PTC.of(abstract(), LOGICAL_RULES, C(fsdp=8), range(8))
+    dst = tj.PTC.of(abstract(), LOGICAL_RULES, C(data=7), range(7))
+    with pytest.raises(tj.LostShardsError, match=r"failed devices \[7\]") as caught:
+        tj.make_plan(src, dst, failed=[7])
+    lost = dict(caught.value.lost)
+    sharded = {l.path for l in src.leaves if "fsdp" in str(l.spec)}
+    assert set(lost) == sharded and sharded  # exactly the fsdp-sharded leaves; counters survive
+    assert "model/tok_embed" in str(caught.value)
+    leaf = src.leaf("model/tok_embed")
+    assert list(lost["model/tok_embed"]) == [src.boxes(leaf)[7]]
+
+
+def test_reshard_around_a_failed_device_never_reads_its_buffers():
+    state = build_state("tiny", 3e-3)[1]
+    src = tj.PTC.of(state, LOGICAL_RULES, C(data=2, fsdp=4), jax.devices())
+    state = tj.place(state, src)
+    want = host_copy(state)
+    assert poison(state, 2) > 0
+    dst = tj.PTC.of(state, LOGICAL_RULES, C(data=7), [d for d in jax.devices() if d.id != 2])
+    state, _ = tj.reshard(state, tj.make_plan(src, tj.allocate(src, dst), failed=[2]))
+    for a, b in zip(host_copy(state), want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_trace_format_refuses_bad_events_by_rule():
+    from tenplex_jax.trace import ResourceTrace
+
+    good = {"devices": 8, "steps": 10, "events": [{"step": 2, "kind": "fail", "count": 1}]}
+    assert ResourceTrace.from_dict(good).events[0].count == 1
+    for event, rule in [
+        ({"step": 2, "kind": "reboot", "count": 1}, "kind must be one of"),
+        ({"step": 12, "kind": "fail", "count": 1}, r"lie in 1\.\.9"),
+        ({"step": 2, "kind": "fail"}, "exactly one of devices"),
+        ({"step": 2, "kind": "offer", "devices": [8]}, r"lie in 0\.\.7"),
+    ]:
+        with pytest.raises(tj.LayoutError, match=rule):
+            ResourceTrace.from_dict(good | {"events": [event]})
+
+
+def test_checkpoint_restart_pays_save_restore_compile_and_reruns_after_a_failure():
+    from tenplex_jax.trace import RestartCosts, checkpoint_restart
+
+    rec = lambda step, kind, decision: tj.EventRecord(
+        step, kind, "trace", [], [], "data=8", "data=4", decision
+    )
+    records = [rec(10, "preempt", "shrink"), rec(25, "fail", "rebuild"), rec(30, "offer", "stay")]
+    costs = RestartCosts(1.0, {"data=4": 2.0}, {"data=4": 5.0})
+    out = checkpoint_restart(
+        records,
+        {"data=4": 0.5},
+        costs,
+        steps=40,
+        checkpoint_every=20,
+        useful_seconds=20.0,
+        wall_seconds=30.0,
+        elastic_overhead_seconds=4.0,
+    )
+    assert [e["seconds"] for e in out["events"]] == [8.0, 2.0 + 5.0 + 5 * 0.5, 0.0]
+    assert out["events"][1]["lost_steps"] == 5  # steps 20..24 since the checkpoint at 20
+    assert out["periodic_saves"] == 1  # step 20 (step 0's is start-up)
+    assert out["seconds"] == 30.0 - 4.0 + 8.0 + 9.5 + 1.0
+    assert out["goodput"] == 20.0 / out["seconds"]
+
+
+# -- events in a training loop ------------------------------------------------------------------
+
+
+def test_sigterm_shrinks_at_the_next_step_boundary_data_exactly_once(fixed):
+    job, state, step = make_job()
+    previous = signal.getsignal(signal.SIGTERM)
+    timer = []
+
+    def notice(job, state):  # the signal arrives from another thread, mid-step
+        timer.append(threading.Timer(0.0, os.kill, (os.getpid(), signal.SIGTERM)))
+        timer[0].start()
+        timer[0].join()
+
+    with job.handle_sigterm():
+        got = train(job, state, step, {3: notice})
+    assert signal.getsignal(signal.SIGTERM) is previous
+    (record,) = job.records
+    assert (record.kind, record.source, record.step, record.decision) == (
+        "preempt",
+        "SIGTERM",
+        3,
+        "shrink",
+    )
+    assert record.devices_after == list(range(7)) and record.config_after == "data=7"
+    assert record.stall_seconds is not None and record.stall_seconds > record.reshard_seconds
+    assert [c for _, _, c in job.step_log] == ["data=8"] * 3 + ["data=7"] * 3
+    assert_same_run(got, fixed)
+
+
+def test_failed_device_rebuilt_from_replicas_continues_bitwise(fixed):
+    job, state, step = make_job({8: C(data=2, fsdp=4), 7: C(data=7)}, compile_ahead=True)
+
+    def fail(job, state):
+        poison(state, 7)  # its buffers are gone: a plan reading them would train on NaN
+        job.fail([7])
+
+    got = train(job, state, step, {2: fail})
+    (record,) = job.records
+    assert record.decision == "rebuild" and record.lost_steps == 0
+    assert record.devices_after == list(range(7)) and record.bytes_moved > 0
+    assert record.compile in ("cached", "waited")  # one device fewer was compiled ahead
+    assert_same_run(got, fixed)
+
+
+def test_no_replica_falls_back_to_the_last_checkpoint(fixed, tmp_path):
+    job, state, step = make_job(
+        {8: C(fsdp=8), 7: C(data=7)}, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=3
+    )
+    got = train(job, state, step, {5: lambda job, state: job.fail([7])})
+    (record,) = job.records
+    assert record.decision == "restore" and record.lost_steps == 2  # steps 3, 4 rerun
+    assert "model/tok_embed" in record.error and "held only by failed devices" in record.error
+    assert [c[0] for c in job.checkpoints] == [0, 3]
+    assert [i for i, _, _ in job.step_log] == list(range(STEPS))
+    assert_same_run(got, fixed)  # the rerun steps saw the same samples: the cursor rewound
+
+
+def test_no_replica_and_no_checkpoint_raises_the_clear_error():
+    job, state, step = make_job({8: C(fsdp=8), 7: C(data=7)})
+    state, batch = job.next(state)
+    state, _ = step(state, batch)
+    job.fail([7])
+    with pytest.raises(tj.LostShardsError, match="held only by failed devices"):
+        job.next(state)
+    job.close()
+
+
+def test_returning_to_a_config_hits_the_compile_cache():
+    backend = []  # XLA backend compiles, counted by JAX itself
+
+    def listen(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            backend.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    before_grow = []
+    job, state, step = make_job()
+    events = {
+        1: lambda job, s: job.preempt([6, 7]),
+        3: lambda job, s: (before_grow.append(len(backend)), job.offer([6, 7])),
+    }
+    try:
+        train(job, state, step, events, steps=5)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    shrink, grow = job.records
+    assert (shrink.compile, grow.compile) == ("compiled", "cached")
+    assert grow.decision == "grow" and grow.devices_after == list(range(8))
+    assert job.compiles == 2 and job.cache_hits == 1  # data=8, data=6; data=8 again from cache
+    assert before_grow[0] >= 1  # the shrink compiled data=6 (data=8 may come from JAX's cache)
+    assert len(backend) == before_grow[0]  # going back to data=8 compiled nothing
+
+
+def test_trace_replays_end_to_end_through_the_cli(tmp_path):
+    trace = tmp_path / "trace.toml"
+    trace.write_text(
+        'name = "mini"\ndevices = 8\nsteps = 6\ncheckpoint_every = 3\n'
+        '[[events]]\nstep = 2\nkind = "preempt"\ncount = 1\n'
+        '[[events]]\nstep = 4\nkind = "offer"\ndevices = [7]\n'
+    )
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, "-m", "tenplex_jax", "demo", "--trace", str(trace), "--model", "tiny"]
+        + ["--batch", "24", "--samples", "100", "--no-compile-ahead", "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "goodput: elastic" in run.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    events = summary["events"]
+    assert [(e["kind"], e["decision"], e["compile"]) for e in events] == [
+        ("preempt", "shrink", "compiled"),
+        ("offer", "grow", "cached"),  # back on the first layout: no compile
+    ]
+    assert [e["devices_after"] for e in events] == [list(range(7)), list(range(8))]
+    assert events[0]["commit_seconds"] > 0  # the notice committed a checkpoint
+    assert [c["step"] for c in summary["checkpoints"]] == [0, 2, 3]
+    assert events[1]["estimate"]["grow"] and events[1]["estimate"]["remaining_steps"] == 2
+    assert summary["exactly_once"] and summary["params_vs_fixed_run"] == "bitwise"
+    goodput = summary["goodput"]
+    assert 0 < goodput["elastic"] <= 1 and 0 < goodput["checkpoint_restart"] <= 1
+    assert set(goodput["restart_costs"]["compile_seconds"]) == {"data=7", "data=8"}
