@@ -40,21 +40,28 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "elastic_gpt_multiprocess.py"
 VARIANTS = ("store", "orbax")
+CACHED = "store, cached compile"  # optional third variant
 # the loop benchmark's GPT: 3.3M params, 38 MiB of state with the AdamW moments
 FULL_MODEL = "seq_len=128,d_model=256,n_layers=4,n_heads=4,d_ff=1024"
 
 
-def run_recovery(*, quick: bool = False, repeats: int = 1, log=print) -> dict:
-    """The recovery row: per variant, raw runs and medians; the orbax ÷ store ratios."""
+def run_recovery(*, quick: bool = False, repeats: int = 1, cached: bool = False, log=print) -> dict:
+    """The recovery row: per variant, raw runs and medians; the orbax ÷ store ratios.
+
+    ``cached`` adds a third variant: the store, with JAX's persistent compilation cache
+    (``--compile-cache``) warmed by an earlier launch on the processes left, so the new layout's
+    step loads instead of compiling.
+    """
     setup = (
         {"model": "tiny", "nprocs": 2, "devices_per_proc": 2}
         if quick
         else {"model": FULL_MODEL, "nprocs": 4, "devices_per_proc": 2}
     )
-    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    variants = (*VARIANTS, CACHED) if cached else VARIANTS
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(repeats):
-        for variant in VARIANTS:
-            with tempfile.TemporaryDirectory(prefix=f"tenplex-recovery-{variant}-") as run_dir:
+        for variant in variants:
+            with tempfile.TemporaryDirectory(prefix="tenplex-recovery-") as run_dir:
                 result = recover_once(variant, pathlib.Path(run_dir), **setup)
             runs[variant].append(result)
             phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases"].items())
@@ -64,11 +71,11 @@ def run_recovery(*, quick: bool = False, repeats: int = 1, log=print) -> dict:
                 f"{result['lost_steps']}, {result['from_processes']} -> "
                 f"{result['to_processes']} processes, {result['config']}; s: {phases})"
             )
-    median = lambda key: {v: statistics.median(r[key] for r in runs[v]) for v in VARIANTS}
+    median = lambda key: {v: statistics.median(r[key] for r in runs[v]) for v in variants}
     total, restore = median("recovery_seconds"), median("restore_seconds")
     phases = {
         v: {k: statistics.median(r["phases"][k] for r in runs[v]) for k in runs[v][0]["phases"]}
-        for v in VARIANTS
+        for v in variants
     }
     return {
         "kind": "recovery",
@@ -82,6 +89,7 @@ def run_recovery(*, quick: bool = False, repeats: int = 1, log=print) -> dict:
         "median_phases": phases,
         "speedup": total["orbax"] / total["store"],
         "restore_speedup": restore["orbax"] / restore["store"],
+        **({"cached_speedup": total["orbax"] / total[CACHED]} if cached else {}),
     }
 
 
@@ -102,6 +110,16 @@ def recover_once(
         "--devices-per-proc", str(devices_per_proc), "--commit-every", str(kill_after),
         "--grace", "0.5", "--run-dir", str(run),
     ]  # fmt: skip
+    if variant == CACHED:  # warm the cache: one step on the processes left after the kill
+        command += ["--compile-cache", str(run / "jax-cache")]
+        warm = [*command, "--nprocs", str(nprocs - 1), str(EXAMPLE), "--model", model,
+                "--steps", "1"]  # fmt: skip
+        warm[warm.index("--run-dir") + 1] = str(run / "warm")
+        with open(run / "warm.log", "wb") as out:
+            done = subprocess.run(warm, check=False, cwd=ROOT, stdout=out, stderr=out,
+                                  env=os.environ | {"JAX_PLATFORMS": "cpu"}, timeout=timeout)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError((run / "warm.log").read_text(errors="replace")[-3000:])
     if variant == "orbax":
         command += ["--checkpoint-dir", str(run / "ckpt"), "--checkpoint-every", str(kill_after),
                     "--recover-from", "checkpoint"]  # fmt: skip
@@ -234,7 +252,7 @@ def table(row: dict) -> str:
         "|---|" + "---:|" * len(names),
     ] + [
         f"| {v} | " + " | ".join(f"{row['median_phases'][v][n]:.2f}" for n in names) + " |"
-        for v in VARIANTS
+        for v in row["median_phases"]
     ]
     return f"{head}\n|---|---:|---:|---:|---:|---:|---:|---:|\n{line}\n\n" + "\n".join(phases)
 
@@ -249,12 +267,17 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="rounds of both variants")
     parser.add_argument("--out", help="write the row as JSON here")
     parser.add_argument(
+        "--cached-compile",
+        action="store_true",
+        help="a third variant: the store with a compilation cache warmed on the processes left",
+    )
+    parser.add_argument(
         "--commit-overhead",
         action="store_true",
         help="also time steps with an asynchronous commit after every step vs without commits",
     )
     args = parser.parse_args(argv)
-    row = run_recovery(quick=args.quick, repeats=args.repeats)
+    row = run_recovery(quick=args.quick, repeats=args.repeats, cached=args.cached_compile)
     print(table(row))
     if args.commit_overhead:
         row["commit_overhead"] = run_commit_overhead(quick=args.quick, repeats=args.repeats)

@@ -339,6 +339,12 @@ def _parser() -> argparse.ArgumentParser:
         "commits skip the disk's fsyncs",
     )
     launch.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        help="JAX's persistent compilation cache for every generation: a layout that some "
+        "generation (or an earlier launch) compiled loads instead of compiling",
+    )
+    launch.add_argument(
         "--recover-from",
         choices=("store", "checkpoint"),
         default="store",
@@ -375,6 +381,7 @@ def _launch(args) -> int:
             checkpoint_dir=path(args.checkpoint_dir),
             checkpoint_every=args.checkpoint_every,
             store_dir=path(args.store_dir),
+            compile_cache=path(args.compile_cache),
             recover_from=args.recover_from,
             grace=args.grace,
         )

@@ -70,6 +70,7 @@ class LaunchOptions:
     checkpoint_dir: pathlib.Path | None = None  # the orbax tier
     checkpoint_every: int | None = None
     store_dir: pathlib.Path | None = None  # the stores' disk tier; default RUN_DIR/stores
+    compile_cache: pathlib.Path | None = None  # JAX's persistent compilation cache, shared
     recover_from: str = "store"  # "checkpoint": ignore the stores (the benchmark's baseline)
     grace: float = 2.0  # seconds the survivors of a failure get before SIGKILL
     stop_timeout: float = 300.0  # seconds workers get to commit and exit on a planned end
@@ -291,6 +292,8 @@ class Launcher:
                 opts.checkpoint_every,
             )  # fmt: skip
             env = os.environ | spec.to_env() | {"PYTHONUNBUFFERED": "1"}
+            if opts.compile_cache is not None:  # a layout compiled by any generation loads
+                env["JAX_COMPILATION_CACHE_DIR"] = str(opts.compile_cache)
             command = [opts.python, opts.script, *opts.args]
             if pid == 0:
                 workers.append(_spawn(command, env=env))
