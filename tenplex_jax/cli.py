@@ -341,8 +341,8 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--compile-cache",
         metavar="DIR",
-        help="JAX's persistent compilation cache for every generation: a layout that some "
-        "generation (or an earlier launch) compiled loads instead of compiling",
+        help="JAX's persistent compilation cache for every generation (on CPU it serves the "
+        "init and one-process steps; multi-process gloo steps compile again)",
     )
     launch.add_argument(
         "--recover-from",
