@@ -25,6 +25,9 @@ exactly the shards they need. The launcher:
 4. stops when the workers finish (exit 0 after ``job.finish``), after ``--max-restarts`` failures,
    or when fewer than ``--min-procs`` slots are left.
 
+The stores' disk tier is ``RUN_DIR/stores`` (``--store-dir``); ``--compile-cache DIR`` shares
+JAX's persistent compilation cache between generations.
+
 Each generation's config is chosen by the workers from their device count (every process computes
 the same: ``tenplex_jax.job.default_config`` or the script's rule); the launcher chooses the count.
 Process 0 writes to the launcher's stdout; the others to ``RUN_DIR/logs/g<gen>-p<id>.log`` (the
