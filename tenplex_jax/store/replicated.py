@@ -92,13 +92,7 @@ class ReplicatedStore:
             )
             for i in targets
         }
-        written, failed = [], []
-        for i, future in futures.items():
-            try:
-                future.result()
-                written.append(i)
-            except StoreError as error:
-                failed.append(f"store {i} ({self.addresses[i]}): {error}")
+        written, failed = self._gather(futures)
         if len(written) < need:
             raise StoreError(
                 f"put of {path!r} box {box} from host {host} reached {len(written)} of "
@@ -123,6 +117,17 @@ class ReplicatedStore:
             f"{prefer} writes to stores {self.holders(prefer)}); tried " + "; ".join(tried),
             "not_found",
         )
+
+    def _gather(self, futures: dict) -> tuple[list[int], list[str]]:
+        """(stores whose write succeeded, a message per store whose write failed)."""
+        written, failed = [], []
+        for i, future in futures.items():
+            try:
+                future.result()
+                written.append(i)
+            except StoreError as error:
+                failed.append(f"store {i} ({self.addresses[i]}): {error}")
+        return written, failed
 
     def alive(self) -> list[bool]:
         """Whether each store answers, checked in parallel."""
@@ -150,13 +155,7 @@ class ReplicatedStore:
         futures = {
             i: self._pool.submit(self.clients[i].put_json, path, obj, flush=flush) for i in targets
         }
-        written, failed = [], []
-        for i, future in futures.items():
-            try:
-                future.result()
-                written.append(i)
-            except StoreError as error:
-                failed.append(f"store {i} ({self.addresses[i]}): {error}")
+        written, failed = self._gather(futures)
         if not written:
             raise StoreError(f"put_json of {path!r} reached no store: " + "; ".join(failed),
                              "unavailable")  # fmt: skip
