@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -73,6 +74,22 @@ def _rng_array(shape, dtype, seed=0) -> np.ndarray:
     if np.issubdtype(np.dtype(dtype), np.integer):
         return rng.integers(-1000, 1000, shape).astype(dtype)
     return rng.standard_normal(shape).astype(dtype)
+
+
+@contextlib.contextmanager
+def _partial_put(address: str, path: str, array: np.ndarray, *, durable: bool, fraction: int):
+    """A raw connection that starts a put of ``array`` and sends only 1/fraction of its body."""
+    data = wire.as_bytes(array)
+    host, port = tj.store.parse_address(address)
+    with socket.create_connection((host, port), timeout=30) as raw:
+        wire.send_frame(raw, {"op": "hello", "token": None})
+        assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["ok"]
+        header = {"op": "put", "path": path, "box": [[0, array.size]], "global_shape": [array.size],
+                  "dtype": str(array.dtype), "checksum": wire.checksum(data), "durable": durable}  # fmt: skip
+        wire.send_header(raw, header, array.nbytes)
+        assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["continue"]
+        raw.sendall(data[: array.nbytes // fraction])
+        yield raw
 
 
 def _kill(proc: tj.StoreProcess) -> None:
@@ -309,18 +326,8 @@ def test_kill_while_a_large_put_streams_serves_the_old_version(stores) -> None:
     old = np.arange(STREAMED // 4, dtype=np.float32)
     with tj.StoreClient(proc.address) as client:
         client.put("k/w", old, durable=True)
-    new = old + 1
-    data = wire.as_bytes(new)
-    host, port = tj.store.parse_address(proc.address)
-    with socket.create_connection((host, port), timeout=30) as raw:
-        wire.send_frame(raw, {"op": "hello", "token": None})
-        assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["ok"]
-        header = {"op": "put", "path": "k/w", "box": [[0, new.size]], "global_shape": [new.size],
-                  "dtype": "float32", "checksum": wire.checksum(data), "durable": False}  # fmt: skip
-        wire.send_header(raw, header, new.nbytes)
-        assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["continue"]
-        raw.sendall(data[: new.nbytes // 2])  # half the body, slowly: then the store dies
-        time.sleep(0.2)
+    with _partial_put(proc.address, "k/w", old + 1, durable=False, fraction=2):
+        time.sleep(0.2)  # half the body is sent: then the store dies
         _kill(proc)
     proc = stores.start()
     with tj.StoreClient(proc.address) as client:
@@ -497,16 +504,8 @@ def test_a_corrupt_replica_is_skipped_for_a_good_one(stores) -> None:
 def test_a_client_dying_mid_put_leaves_the_old_object(client, server) -> None:
     old = np.arange(1 << 18, dtype=np.int32)
     client.put("d/w", old)
-    host, port = tj.store.parse_address(server.address)
-    data = wire.as_bytes(old + 1)
-    with socket.create_connection((host, port), timeout=30) as raw:
-        wire.send_frame(raw, {"op": "hello", "token": None})
-        assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["ok"]
-        header = {"op": "put", "path": "d/w", "box": [[0, old.size]], "global_shape": [old.size],
-                  "dtype": "int32", "checksum": wire.checksum(data), "durable": True}  # fmt: skip
-        wire.send_header(raw, header, data.nbytes)
-        assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["continue"]
-        raw.sendall(data[: data.nbytes // 3])  # then the worker dies
+    with _partial_put(server.address, "d/w", old + 1, durable=True, fraction=3):
+        pass  # a third of the body is sent: then the worker dies
     np.testing.assert_array_equal(client.get("d/w"), old)
     assert [i.checksum for i in client.list("d/")] == [wire.checksum(wire.as_bytes(old))]
 
