@@ -28,9 +28,9 @@ from flax import nnx
 def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, repeats: int = 1):
     """One row: both variants' stall seconds (medians over ``repeats``), their parts, the ratio."""
     import tenplex_jax as tj
-    from models import LOGICAL_RULES, corpus_samples, example_losses, stdlib_corpus
-    from tenplex_jax.demo import CPU, _profile, build_state
-    from tenplex_jax.steps import enable_compilation_cache
+    from tenplex_jax_models import LOGICAL_RULES, corpus_samples, example_losses, stdlib_corpus
+    from tenplex_jax_models import CPU, build_state, profile_of
+    from tenplex_jax.elastic.steps import enable_compilation_cache
 
     graphdef, _, cfg = build_state(model, 1e-3, abstract=True)
     source = corpus_samples(stdlib_corpus(), cfg.seq_len, num_samples=20 * batch)
@@ -48,7 +48,7 @@ def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, rep
             tj.DatasetPTC(source, batch, seed=0),
             devices=jax.devices()[:8],
             workers=8,
-            profile=_profile(model),
+            profile=profile_of(model),
             device_type=CPU,
             compile_ahead=ahead,
         )
@@ -134,7 +134,7 @@ def describe(row: dict) -> str:
 
 
 if __name__ == "__main__":
-    from benchmarks.suite import configure_jax
+    from tenplex_jax_benchmarks.suite import configure_jax
 
     configure_jax()
     import json

@@ -31,10 +31,11 @@ def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: 
     """Median step seconds of both loops over ``blocks`` alternating blocks of ``steps`` steps."""
     import optax
 
-    from models import GPT, LOGICAL_RULES, corpus_samples, loss_fn, stdlib_corpus
+    from tenplex_jax_models import GPT, LOGICAL_RULES, corpus_samples, loss_fn, stdlib_corpus
     from tenplex_jax.data import BatchLayout, DatasetPTC
-    from tenplex_jax.demo import BATCH_AXES, make_train_step, param_count
-    from tenplex_jax.train import device_batch
+    from tenplex_jax.batch import BATCH_AXES
+    from tenplex_jax_models import make_train_step, param_count
+    from tenplex_jax.batch import device_batch
 
     def build():
         with nnx.use_eager_sharding(False):

@@ -46,8 +46,8 @@ def synthetic_ptc(abstract_state, rules, config, device_ids, tensors: int) -> tj
 
 
 def run_plan_scaling(devices: tuple[int, ...], tensors: tuple[int, ...], repeats: int, log):
-    from models import LOGICAL_RULES
-    from tenplex_jax.demo import build_state
+    from tenplex_jax_models import LOGICAL_RULES
+    from tenplex_jax_models import build_state
 
     _, abstract, _ = build_state("gpt100m", lr=1e-3, abstract=True)
     rows = []

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import tenplex_jax as tj
-from benchmarks.memory import MemorySampler, settle
+from tenplex_jax_benchmarks.memory import MemorySampler, settle
 
 C = tj.ParallelConfig
 STRATEGIES = ("tenplex", "orbax", "host", "device_put")
@@ -117,14 +117,14 @@ def central_bytes(src: tj.PTC, dst: tj.PTC) -> int:
     return best
 
 
-def _box_bytes(box, leaf: tj.LeafLayout) -> int:
+def _box_bytes(box, leaf: tj.ptc.LeafLayout) -> int:
     return 0 if box is None else int(np.prod([hi - lo for lo, hi in box])) * leaf.itemsize
 
 
 class _Strategies:
     """The four ways to move one placed state onto the target layout; each returns the new arrays."""
 
-    def __init__(self, state, plan: tj.Plan, workdir: str):
+    def __init__(self, state, plan: tj.plan.Plan, workdir: str):
         import orbax.checkpoint as ocp
 
         self.state, self.plan, self.workdir = state, plan, workdir
@@ -138,7 +138,7 @@ class _Strategies:
         }
         self.checkpointer = ocp.StandardCheckpointer()
         self.saves = 0
-        self.report: tj.ReshardReport | None = None
+        self.report: tj.executor.ReshardReport | None = None
 
     def run(self, strategy: str):
         if strategy == "tenplex":
@@ -239,7 +239,7 @@ def run_change(change: Change, state, rules, repeats: int, memcpy: float, log) -
     return row
 
 
-def peak_memory(state, src: tj.PTC, plan: tj.Plan) -> dict:
+def peak_memory(state, src: tj.PTC, plan: tj.plan.Plan) -> dict:
     """Peak memory of one donating reshard (the library's default) against the steady states.
 
     Steady states: the state at rest on the source layout before, and on the target layout after

@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 import tenplex_jax as tj
-from models import GPT, LOGICAL_RULES, GPTConfig
+from tenplex_jax_models import GPT, LOGICAL_RULES, GPTConfig
 
 C = tj.ParallelConfig
 MODELS = {
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         placed = tj.place(state, src)
         plan = tj.make_plan(src, dst)
         times = {}
-        for method in tj.transform.METHODS:
+        for method in tj.executor.METHODS:
             runs = []
             for _ in range(args.repeats + 1):  # the first run warms up dispatch and compile caches
                 start = time.perf_counter()

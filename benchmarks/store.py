@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 import tenplex_jax as tj
+from tenplex_jax.multihost import store
 
 
 def _interleaved_runs(ops: dict, repeats: int) -> dict[str, list[float]]:
@@ -59,17 +60,17 @@ def run(quick: bool = False, repeats: int | None = None, log=print) -> dict:
         procs = []
         try:
             procs = [
-                tj.StoreProcess.start(
+                store.StoreProcess.start(
                     f"{root}/s{i}", memory_bytes=4 * nbytes, unix_socket=f"{root}/s{i}.sock"
                 )
                 for i in (0, 1)
             ]
-            procs.append(tj.StoreProcess.start(f"{root}/disk", memory_bytes=0))
+            procs.append(store.StoreProcess.start(f"{root}/disk", memory_bytes=0))
             with (
-                tj.StoreClient(procs[0].address) as client,
-                tj.StoreClient(procs[1].unix_address) as unix,
-                tj.StoreClient(procs[2].address) as disk,
-                tj.ReplicatedStore([p.address for p in procs[:2]], replicas=1) as replicated,
+                store.StoreClient(procs[0].address) as client,
+                store.StoreClient(procs[1].unix_address) as unix,
+                store.StoreClient(procs[2].address) as disk,
+                store.ReplicatedStore([p.address for p in procs[:2]], replicas=1) as replicated,
             ):
                 disk.put("b/w", array, durable=True)
                 # a put is timed with the disk writer idle (the previous put flushed, untimed):

@@ -95,10 +95,10 @@ def run(options: BenchOptions, log=print) -> dict:
     """Run every benchmark, write the outputs to ``options.out``; returns the results."""
     import jax
 
-    from benchmarks import compile_ahead, loop, plan_scaling, reshard
-    from benchmarks import store as store_bench
-    from models import LOGICAL_RULES, GPTConfig
-    from tenplex_jax.demo import build_state, param_count
+    from tenplex_jax_benchmarks import compile_ahead, loop, plan_scaling, reshard
+    from tenplex_jax_benchmarks import store as store_bench
+    from tenplex_jax_models import LOGICAL_RULES, GPTConfig
+    from tenplex_jax_models import build_state, param_count
 
     started = time.perf_counter()
     out = pathlib.Path(options.out)
@@ -160,7 +160,7 @@ def run(options: BenchOptions, log=print) -> dict:
     rows.append(store_bench.run(options.quick, repeats=options.runs, log=log))
 
     if options.recovery:
-        from benchmarks import recovery
+        from tenplex_jax_benchmarks import recovery
 
         log("recovery after a lost process (launched jobs):")
         rows.append(recovery.run_recovery(quick=options.quick, repeats=1 if options.quick else 2,
@@ -308,13 +308,13 @@ def summary_markdown(results: dict) -> str:
         )
     store_rows = [r for r in rows if r["kind"] == "store"]
     if store_rows:
-        from benchmarks import store as store_bench
+        from tenplex_jax_benchmarks import store as store_bench
 
         lines += ["", store_bench.summary_markdown(store_rows[0])]
 
     recovered = next((r for r in rows if r["kind"] == "recovery"), None)
     if recovered is not None:
-        from benchmarks.recovery import table
+        from tenplex_jax_benchmarks.recovery import table
 
         lines += ["", table(recovered)]
     lines += ["", "| goal | measured | target | met |", "|---|---:|---:|---|"]
@@ -345,7 +345,7 @@ def plots(results: dict, out: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchmarks.reshard import STRATEGIES
+    from tenplex_jax_benchmarks.reshard import STRATEGIES
 
     reshards = [r for r in results["rows"] if r["kind"] == "reshard"]
     fig, ax = plt.subplots(figsize=(10, 4.8))

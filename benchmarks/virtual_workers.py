@@ -26,8 +26,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np
 
 import tenplex_jax as tj
-from models import LOGICAL_RULES, corpus_samples, stdlib_corpus
-from tenplex_jax.demo import build_state, make_train_step
+from tenplex_jax_models import LOGICAL_RULES, corpus_samples, stdlib_corpus
+from tenplex_jax_models import build_state, make_train_step
 
 C = tj.ParallelConfig
 LAYOUTS = [

@@ -9,7 +9,7 @@ experiments:
   sharding the ``layers`` dimension over the ``pipe`` mesh axis, so changing
   the pipeline degree is an ordinary array resharding rather than a change in
   the shape of the parameter tree. Given a mesh, ``GPT.__call__`` runs the
-  layers as a GPipe schedule over ``pipe`` with ``tenplex_jax.pipeline``.
+  layers as a GPipe schedule over ``pipe`` with ``tenplex_jax.pipelining``.
 
 * **Logical axis names.** Every parameter records, in its ``out_sharding``
   metadata, one logical name per dimension (``vocab``, ``embed``, ``mlp``,
@@ -37,7 +37,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from tenplex_jax import ModelProfile, ParallelConfig, Stages, pipeline
+from tenplex_jax import ParallelConfig, Stages, pipeline
+from tenplex_jax.planner import ModelProfile
 
 # (logical axis, mesh axis or axes) pairs in flax's logical-rules format.
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
@@ -169,7 +170,7 @@ class GPT(nnx.Module):
         """Map int32[B, T] byte tokens to float32[B, T, vocab] logits, T <= seq_len.
 
         With a ``mesh`` whose ``pipe`` axis is larger than 1, the stacked layers run as a GPipe
-        pipeline of ``microbatches`` over it (``tenplex_jax.pipeline``); the embedding and the head
+        pipeline of ``microbatches`` over it (``tenplex_jax.pipelining``); the embedding and the head
         run outside the pipeline. ``stages`` gives uneven layers per stage; the stacked weights are
         then padded (``Stages.pad``). Without a mesh the layers run as one scan.
         """

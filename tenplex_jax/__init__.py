@@ -4,119 +4,88 @@ The public face, in the order a user meets it::
 
     import tenplex_jax as tj
 
-    nodes = {"model": model, "optimizer": optimizer}            # any NNX model + optax state
-    state = nnx.state(nodes)
-    old = tj.PTC.of(state, rules, tj.ParallelConfig(data=8), jax.devices())
-    state = tj.place(state, old)                                # lay the state out as `old`
-    new = tj.PTC.of(state, rules, tj.ParallelConfig(data=2, tensor=2), jax.devices()[2:6])
-    new = tj.allocate(old, new)                                 # device order that keeps most bytes
-    plan = tj.make_plan(old, new)                               # pure: no device memory touched
-    print(plan)                                                 # bytes kept / moved per group
-    state, report = tj.reshard(state, plan)                     # bit-identical, old buffers freed
-    nnx.update(nodes, state)
+    state = nnx.state({"model": model, "optimizer": optimizer})   # any NNX model + optax state
+    ptc = tj.PTC.of(state, rules, tj.ParallelConfig(data=8), jax.devices())
+    state = tj.place(state, ptc)                                  # lay the state out as `ptc`
+    new = ptc.relayout(tj.ParallelConfig(data=2, tensor=2), jax.devices()[2:6])
+    new = tj.allocate(ptc, new)                                   # device order that keeps most bytes
+    plan = tj.make_plan(ptc, new)                                 # pure: no device memory touched
+    print(plan)                                                   # bytes kept / moved per group
+    state, report = tj.reshard(state, plan)                       # bit-identical, old buffers freed
 
-    dataset = tj.DatasetPTC(samples, global_batch=64, seed=0)  # the dataset PTC: a fixed order
-    layout = tj.BatchLayout(64, ranks=new.config.data * new.config.fsdp, workers=8)
-    grad_fn = tj.batch_value_and_grad(example_losses, layout, mesh)  # bitwise across DP sizes
-
-    job = tj.ElasticJob(rules, dataset, workers=8)             # elastic training, your own loop
-    state = job.place(state)
-    step = job.jit(train_step)                                  # train_step(state, batch)
-    with job.handle_sigterm():                                  # SIGTERM: shrink, commit, go on
+    dataset = tj.DatasetPTC(samples, global_batch=64, seed=0)     # the dataset PTC: a fixed order
+    with tj.ElasticJob(rules, dataset, workers=8) as job:         # one process, or launched
+        state = job.start(init)                                   # built, or restored
+        step = job.jit(train_step)                                # train_step(state, batch)
         while job.step < 1000:
-            state, batch = job.next(state)                      # events applied between steps
+            state, batch = job.next(state)                        # events applied between steps
             state, metrics = step(state, batch)
+        job.finish(state)
 
-    # a process of `tenplex-jax launch --nprocs 4 SCRIPT` (state in the tensor stores)
-    job = tj.launch.join()                                      # jax.distributed on 127.0.0.1
-    state, ptc, step = job.restore(abstract, rules, dataset, init=init)   # pulls its own shards
-    if job.after_step(state, ptc, step, dataset): ...           # async commits; planned resize
+The rest is one import deeper: ``tj.errors`` (every error class), ``tj.planner`` (cluster
+descriptions, model profiles, the search and the config policy), ``tj.elastic`` (the elastic loop,
+compiled steps, resource traces), ``tj.multihost`` (the launcher, the commit protocol and the
+tensor store), and the core modules ``tj.ptc``, ``tj.plan``, ``tj.executor``, ``tj.data``,
+``tj.batch``, ``tj.pipelining``, ``tj.checkpoint`` and ``tj.box``.
+
+Names are imported on first use, so that ``import tenplex_jax`` (and ``tenplex-jax --help``) does
+not wait for JAX.
 """
 
-from tenplex_jax.checkpoint import (
-    Restored,
-    Saved,
-    latest_checkpoint,
-    restore_checkpoint,
-    save_checkpoint,
-)
-from tenplex_jax.cluster import Cluster, DeviceType
-from tenplex_jax.commit import CommitReport, PullReport
-from tenplex_jax.data import REMAINDERS, BatchLayout, DatasetPTC, DataState
-from tenplex_jax.elastic import ElasticJob, EventRecord
-from tenplex_jax.errors import (
-    CheckpointError,
-    DataError,
-    LayoutError,
-    LostShardsError,
-    PlanError,
-    StoreError,
-)
-from tenplex_jax.job import Job, join
-from tenplex_jax.launch import LaunchError, LaunchOptions
-from tenplex_jax.pipeline import Stages, pipeline, restage
-from tenplex_jax.plan import LeafPlan, Piece, Plan, ShardPlan, allocate, make_plan
-from tenplex_jax.planner import Candidate, Choice, choose, estimate
-from tenplex_jax.profile import LayerProfile, ModelProfile
-from tenplex_jax.ptc import MESH_AXES, PTC, LeafLayout, ParallelConfig
-from tenplex_jax.steps import Batch
-from tenplex_jax.store import ObjectInfo, ReplicatedStore, StoreClient, StoreProcess
-from tenplex_jax.train import batch_value_and_grad, device_batch
-from tenplex_jax.transform import ReshardReport, place, reshard
+from __future__ import annotations
 
-__all__ = [
-    "MESH_AXES",
-    "PTC",
-    "REMAINDERS",
-    "Batch",
-    "BatchLayout",
-    "Candidate",
-    "CheckpointError",
-    "Choice",
-    "Cluster",
-    "CommitReport",
-    "DataError",
-    "DataState",
-    "DatasetPTC",
-    "DeviceType",
-    "ElasticJob",
-    "EventRecord",
-    "Job",
-    "LaunchError",
-    "LaunchOptions",
-    "LayerProfile",
-    "LayoutError",
-    "LeafLayout",
-    "LeafPlan",
-    "LostShardsError",
-    "ModelProfile",
-    "ObjectInfo",
-    "ParallelConfig",
-    "Piece",
-    "Plan",
-    "PlanError",
-    "PullReport",
-    "ReplicatedStore",
-    "ReshardReport",
-    "Restored",
-    "Saved",
-    "ShardPlan",
-    "Stages",
-    "StoreClient",
-    "StoreError",
-    "StoreProcess",
-    "allocate",
-    "batch_value_and_grad",
-    "choose",
-    "device_batch",
-    "estimate",
-    "join",
-    "latest_checkpoint",
-    "make_plan",
-    "pipeline",
-    "place",
-    "reshard",
-    "restage",
-    "restore_checkpoint",
-    "save_checkpoint",
-]
+import importlib
+from typing import TYPE_CHECKING
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "PTC": "ptc",
+    "ParallelConfig": "ptc",
+    "make_plan": "plan",
+    "allocate": "plan",
+    "reshard": "executor",
+    "place": "executor",
+    "DatasetPTC": "data",
+    "DataState": "data",
+    "BatchLayout": "data",
+    "Batch": "batch",
+    "batch_value_and_grad": "batch",
+    "device_batch": "batch",
+    "pipeline": "pipelining",
+    "Stages": "pipelining",
+    "save_checkpoint": "checkpoint",
+    "restore_checkpoint": "checkpoint",
+    "latest_checkpoint": "checkpoint",
+    "ElasticJob": "elastic",
+}
+_SUBMODULES = frozenset(
+    {"box", "batch", "checkpoint", "data", "errors", "executor", "pipelining", "plan", "ptc"}
+    | {"elastic", "multihost", "planner"}
+)
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)
+
+
+if TYPE_CHECKING:  # what the names above resolve to, for type checkers and editors
+    from tenplex_jax.batch import Batch, batch_value_and_grad, device_batch
+    from tenplex_jax.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
+    from tenplex_jax.data import BatchLayout, DatasetPTC, DataState
+    from tenplex_jax.elastic import ElasticJob
+    from tenplex_jax.executor import place, reshard
+    from tenplex_jax.pipelining import Stages, pipeline
+    from tenplex_jax.plan import allocate, make_plan
+    from tenplex_jax.ptc import PTC, ParallelConfig

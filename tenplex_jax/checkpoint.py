@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding
 from tenplex_jax.data import DataState
 from tenplex_jax.errors import CheckpointError, where
 from tenplex_jax.ptc import PTC
-from tenplex_jax.transform import _arrays, _check_tree
+from tenplex_jax.executor import _arrays, _check_tree
 
 FORMAT = "tenplex_jax/checkpoint/1"
 STATE, RECORD = "state", "tenplex"
@@ -102,7 +102,7 @@ def save_checkpoint(
     record = {
         "format": FORMAT,
         "step": int(step),
-        "ptc": ptc_record(ptc),
+        "ptc": ptc.to_json(),
         "data_state": None if data_state is None else dataclasses.asdict(data_state),
     }
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=not wait)
@@ -181,24 +181,6 @@ def restore_checkpoint(directory, target: PTC, *, step: int | None = None, prefi
         record["ptc"],
         item,
     )
-
-
-def ptc_record(ptc: PTC) -> dict:
-    """A PTC as JSON: config, devices, hosts and each leaf's path, shape, dtype and spec."""
-    return {
-        "config": dataclasses.asdict(ptc.config),
-        "device_ids": list(ptc.device_ids),
-        "hosts": list(ptc.hosts),
-        "leaves": [
-            {
-                "path": leaf.path,
-                "shape": list(leaf.shape),
-                "dtype": str(leaf.dtype),
-                "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec],
-            }
-            for leaf in ptc.leaves
-        ],
-    }
 
 
 def _nested(paths: list[str], values: list) -> dict:

@@ -54,6 +54,15 @@ class StoreError(RuntimeError):
         self.reason = reason
 
 
+class StoreProtocolError(Exception):
+    """A store peer broke the wire framing; the connection cannot continue (the server replies
+    with reason ``"protocol"`` and closes it; a client raises ``StoreError``)."""
+
+
+class LaunchError(RuntimeError):
+    """The launcher cannot go on: no slots left, no copy of the state, too many restarts."""
+
+
 def where(path: str, shape: tuple[int, ...], spec, mesh) -> str:
     """The standard tail of an error message: which leaf, its shape, its spec, the mesh."""
     return f"leaf {path!r} (shape={tuple(shape)}, spec={spec}, mesh={mesh})"

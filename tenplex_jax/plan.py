@@ -41,8 +41,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from tenplex_jax import box as boxes
+from tenplex_jax.box import Box
 from tenplex_jax.errors import LostShardsError, PlanError, where
-from tenplex_jax.ptc import PTC, Box, LeafLayout
+from tenplex_jax.ptc import PTC, LeafLayout
 
 KINDS = ("keep", "split", "move", "merge")
 
@@ -231,17 +233,17 @@ def make_plan(src: PTC, dst: PTC, *, failed: Iterable[int] = ()) -> Plan:
             for k, count in uses.items():
                 for device, n in by_layout[k][1].items():
                     load[device] += count * n
-            boxes = src.boxes(s)
+            held = src.boxes(s)
             if failed:
-                alive = {dev: box for dev, box in boxes.items() if dev not in failed}
-                gone = sorted(set(boxes.values()) - set(alive.values()))
+                alive = {dev: box for dev, box in held.items() if dev not in failed}
+                gone = sorted(set(held.values()) - set(alive.values()))
                 if gone:
                     by_layout[key] = ((), {}, gone)
                     lost.append((s.path, tuple(gone)))
                     uses[key] += 1
                     continue
-                boxes = alive
-            shards, sends = _plan_leaf(s, boxes, dst.boxes(d), host, load)
+                held = alive
+            shards, sends = _plan_leaf(s, held, dst.boxes(d), host, load)
             by_layout[key] = (shards, sends, _totals(shards))
         uses[key] += 1
         shards, _, totals = by_layout[key]
@@ -323,12 +325,12 @@ def _plan_leaf(
         own = src_boxes.get(dev)
         if own == box:
             shards.append(
-                ShardPlan(dev, box, "keep", (Piece(dev, own, box, _nbytes(box, itemsize), True),))
+                ShardPlan(dev, box, "keep", (Piece(dev, own, box, boxes.nbytes(box, itemsize), True),))
             )
             continue
-        if own is not None and _contains(own, box):
+        if own is not None and boxes.contains(own, box):
             shards.append(
-                ShardPlan(dev, box, "split", (Piece(dev, own, box, _nbytes(box, itemsize), True),))
+                ShardPlan(dev, box, "split", (Piece(dev, own, box, boxes.nbytes(box, itemsize), True),))
             )
             continue
         if box not in geometry:  # replicas of a target box read the same source blocks
@@ -337,10 +339,10 @@ def _plan_leaf(
                 for (lo, hi), b in zip(box, block)
             ]
             geometry[box] = [
-                (coord, src_box, part, _nbytes(part, itemsize))
+                (coord, src_box, part, boxes.nbytes(part, itemsize))
                 for coord in _product(ranges)
                 for src_box in [src_boxes[replicas[coord][0]]]
-                for part in [_intersect(src_box, box)]
+                for part in [boxes.intersect(src_box, box)]
             ]
         pieces = []
         for coord, src_box, part, n in geometry[box]:
@@ -377,8 +379,8 @@ class _Senders:
         return c
 
 
-def _block_size(boxes: dict[int, Box], dim: int) -> int:
-    lo, hi = next(iter(boxes.values()))[dim]
+def _block_size(held: dict[int, Box], dim: int) -> int:
+    lo, hi = next(iter(held.values()))[dim]
     return max(hi - lo, 1)
 
 
@@ -389,15 +391,3 @@ def _product(ranges):
     for head in ranges[0]:
         for tail in _product(ranges[1:]):
             yield (head, *tail)
-
-
-def _contains(outer: Box, inner: Box) -> bool:
-    return all(olo <= ilo and ihi <= ohi for (olo, ohi), (ilo, ihi) in zip(outer, inner))
-
-
-def _intersect(a: Box, b: Box) -> Box:
-    return tuple((max(alo, blo), min(ahi, bhi)) for (alo, ahi), (blo, bhi) in zip(a, b))
-
-
-def _nbytes(box: Box, itemsize: int) -> int:
-    return math.prod(hi - lo for lo, hi in box) * itemsize

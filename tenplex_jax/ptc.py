@@ -7,9 +7,10 @@ compared and planned between without touching device memory.
 
 Specs come from the logical axis names that Flax NNX stores on each variable
 (``nnx.with_partitioning(init, ("embed", "mlp"))`` → ``out_sharding=("embed", "mlp")``) and from
-logical-axis rules that map them to the mesh axes ``data``, ``fsdp``, ``tensor`` and ``pipe``.
-Optimizer moments carry the metadata of the param they mirror, so they get its layout; leaves without
-logical names (step counters, RNG keys and counts) are replicated.
+logical-axis rules that map them to the mesh axes ``data``, ``fsdp``, ``tensor`` and ``pipe``, with
+flax's own rule semantics (``tenplex_jax.rules``). Optimizer moments carry the metadata of the
+param they mirror, so they get its layout; leaves without logical names (step counters, RNG keys
+and counts) are replicated.
 
 Example::
 
@@ -17,6 +18,12 @@ Example::
     rules = (("embed", "fsdp"), ("mlp", "tensor"), ("vocab", "tensor"))
     ptc = PTC.of(state, rules, ParallelConfig(data=2, tensor=4), jax.devices())
     ptc.leaf("model/w1").spec   # PartitionSpec('fsdp', 'tensor')
+    new = ptc.relayout(ParallelConfig(fsdp=4), jax.devices()[4:])   # the same state, laid out anew
+
+**A PTC describes the state as it is.** Built from a live state whose arrays already carry
+``NamedSharding``s, ``PTC.of`` checks that the computed layout is the one on the devices and names
+the leaf and both specs when it is not (planning from a layout that is not there would move the
+wrong bytes); a new layout of a placed state comes from ``ptc.relayout`` or an abstract state.
 
 **Uneven dims.** A dim of size ``n`` sharded over mesh axes of total size ``k`` needs ``n % k == 0``.
 When it does not divide, ``PTC.of`` refuses the config with a ``LayoutError`` naming the leaf, dim,
@@ -37,11 +44,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from tenplex_jax.errors import LayoutError, where
+from tenplex_jax import box as boxes
+from tenplex_jax import rules as logical_rules
+from tenplex_jax.box import Box, Shape
+from tenplex_jax.errors import LayoutError, PlanError, where
+from tenplex_jax.rules import Rules
 
-Shape = tuple[int, ...]
-Box = tuple[tuple[int, int], ...]  # one half-open (start, stop) interval per dim, in global indices
-Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+__all__ = ["MESH_AXES", "PTC", "Box", "LeafLayout", "ParallelConfig", "Rules", "Shape"]
 
 # Mesh axis order, outermost first: tensor parallel groups are neighbouring devices, pipeline stages
 # the farthest apart, as on real clusters where neighbours share the fastest links.
@@ -141,11 +150,15 @@ class PTC:
     hosts: tuple[int, ...]
     leaves: tuple[LeafLayout, ...]
     treedef: Any = dataclasses.field(compare=False)
+    # how the specs were derived, for relayout (None for a PTC read back without them)
+    rules: tuple | None = dataclasses.field(default=None, compare=False)
+    allow_replicate: bool = dataclasses.field(default=False, compare=False)
 
     def __post_init__(self):
         if len(self.device_ids) != self.config.num_devices:
             raise LayoutError(
-                f"config {self.config} needs {self.config.num_devices} devices, got {len(self.device_ids)}"
+                f"config {self.config} needs {self.config.num_devices} devices, got "
+                f"{len(self.device_ids)}"
             )
         if len(set(self.device_ids)) != len(self.device_ids):
             raise LayoutError(f"device ids must be distinct, got {self.device_ids}")
@@ -170,7 +183,45 @@ class PTC:
         ``state`` is an ``nnx.State`` (live or from ``nnx.eval_shape``), NNX graph nodes such as
         ``(model, optimizer)``, or any pytree of arrays / ``ShapeDtypeStruct``. ``devices`` are
         ``jax.Device`` objects or bare device ids (for planning without devices); in mesh order.
+        Arrays that already carry ``NamedSharding``s must be laid out as computed (else
+        ``LayoutError`` names the leaf and both specs): for another layout, ``relayout``.
         """
+        paths, leaves, treedef = flatten_state(state)
+        pairs = [_logical_and_value(path, leaf) for path, leaf in zip(paths, leaves)]
+        logical, values = [p[0] for p in pairs], [p[1] for p in pairs]
+        ptc = cls._build(paths, logical, values, treedef, rules, config, devices, hosts,
+                         allow_replicate)  # fmt: skip
+        for leaf, value in zip(ptc.leaves, values):
+            ptc._check_placed(leaf, value)
+        return ptc
+
+    def relayout(
+        self,
+        config: ParallelConfig,
+        devices: Sequence[jax.Device | int],
+        *,
+        hosts: Sequence[int] | None = None,
+        rules: Rules | None = None,
+        allow_replicate: bool | None = None,
+    ) -> PTC:
+        """The same state laid out over ``config`` on ``devices``, by the same rules (or ``rules``).
+
+        Pure, like ``of`` on an abstract state: the target of a plan from this PTC.
+        """
+        rules = self.rules if rules is None else rules
+        if rules is None:
+            raise LayoutError(
+                f"this PTC ({self.config} on {list(self.device_ids)}) does not know the rules it "
+                "was laid out by (it was read back from a record without them): pass rules="
+            )
+        values = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self.leaves]
+        replicate = self.allow_replicate if allow_replicate is None else allow_replicate
+        return self._build([leaf.path for leaf in self.leaves],
+                           [leaf.logical for leaf in self.leaves], values, self.treedef, rules,
+                           config, devices, hosts, replicate)  # fmt: skip
+
+    @classmethod
+    def _build(cls, paths, logical, values, treedef, rules, config, devices, hosts, replicate):
         if len(devices) == 0:
             raise LayoutError(f"a PTC needs at least one device, got none (config {config})")
         ids = tuple(d if isinstance(d, (int, np.integer)) else d.id for d in devices)
@@ -178,14 +229,111 @@ class PTC:
             hosts = tuple(
                 0 if isinstance(d, (int, np.integer)) else d.process_index for d in devices
             )
-        mesh = config.abstract_mesh()
-        rule_map = _rule_map(rules, mesh)
-        paths, leaves, treedef = flatten_state(state)
-        layouts = tuple(
-            _layout(path, leaf, rule_map, mesh, allow_replicate)
-            for path, leaf in zip(paths, leaves)
+        rules = logical_rules.normalize(rules, MESH_AXES)
+        sizes, mesh = config.shape, _mesh_str(config)
+        layouts = []
+        for path, names, value in zip(paths, logical, values):
+            shape, dtype = tuple(value.shape), value.dtype
+            if names is None:
+                layouts.append(LeafLayout(path, shape, dtype, PartitionSpec()))
+                continue
+            if len(names) != len(shape):
+                raise LayoutError(
+                    f"logical axes {names} name {len(names)} dims but the leaf has "
+                    f"{len(shape)}: " + where(path, shape, names, mesh)
+                )
+            spec, dropped = logical_rules.spec(names, rules, sizes, path, shape,
+                                               allow_replicate=replicate, mesh=mesh)  # fmt: skip
+            layouts.append(LeafLayout(path, shape, dtype, spec, names, dropped))
+        return cls(config, ids, tuple(int(h) for h in hosts), tuple(layouts), treedef, rules,
+                   replicate)  # fmt: skip
+
+    def _check_placed(self, leaf: LeafLayout, value) -> None:
+        """A value placed with a ``NamedSharding`` must hold the boxes this PTC gives it."""
+        sharding = getattr(value, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            return  # host data, a single device, or an abstract value: not laid out yet
+        mesh = sharding.mesh
+        if (
+            mesh.axis_names == MESH_AXES
+            and tuple(mesh.axis_sizes) == tuple(self.config.shape.values())
+            and tuple(d.id for d in mesh.devices.flat) == self.device_ids
+            and _entries(sharding.spec, leaf) == _entries(leaf.spec, leaf)
+        ):
+            return
+        have = {d.id: boxes.of_index(index, leaf.shape)
+                for d, index in sharding.devices_indices_map(leaf.shape).items()}  # fmt: skip
+        if have == self.boxes(leaf):
+            return  # the same boxes on the same devices, written another way
+        on = sorted(have)
+        raise LayoutError(
+            f"a PTC of a placed state must describe the layout it has: the array is placed as "
+            f"{sharding.spec} on mesh {dict(mesh.shape)} over devices "
+            f"{on if len(on) <= 16 else f'{on[:16]}...'}, the rules give {leaf.spec} on "
+            f"{_mesh_str(self.config)} over {list(self.device_ids)}; for a new layout of this "
+            f"state use ptc.relayout(config, devices), or PTC.of on an abstract state "
+            f"(jax.eval_shape): " + where(leaf.path, leaf.shape, leaf.spec, _mesh_str(self.config))
         )
-        return cls(config, ids, tuple(int(h) for h in hosts), layouts, treedef)
+
+    # -- records ------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        """The PTC as JSON: config, devices, hosts, rules and each leaf's path, shape, dtype, spec
+        and logical names (not the tree structure: ``from_json`` takes it from a PTC)."""
+        return {
+            "config": dataclasses.asdict(self.config),
+            "device_ids": list(self.device_ids),
+            "hosts": list(self.hosts),
+            "rules": None if self.rules is None else [list(rule) for rule in self.rules],
+            "leaves": [
+                {
+                    "path": leaf.path,
+                    "shape": list(leaf.shape),
+                    "dtype": str(leaf.dtype),
+                    "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec],
+                    "logical": None if leaf.logical is None else list(leaf.logical),
+                }
+                for leaf in self.leaves
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, record: dict, like: PTC) -> PTC:
+        """The PTC of ``to_json``'s record, with ``like``'s tree structure; ``PlanError`` unless
+        the record's leaves (paths, shapes, dtypes) are ``like``'s."""
+        leaves = tuple(
+            LeafLayout(
+                r["path"],
+                tuple(r["shape"]),
+                np.dtype(r["dtype"]),
+                PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in r["spec"])),
+                None if r.get("logical") is None else tuple(r["logical"]),
+            )
+            for r in record["leaves"]
+        )
+        got = [(leaf.path, leaf.shape, np.dtype(leaf.dtype).name) for leaf in leaves]
+        want = [(leaf.path, leaf.shape, np.dtype(leaf.dtype).name) for leaf in like.leaves]
+        if got != want:
+            show = lambda leaf: f"{leaf[0]!r} {leaf[2]}{list(leaf[1])}"
+            diff = next(
+                (f"recorded leaf {show(a)} vs asked {show(b)}" for a, b in zip(got, want) if a != b),
+                f"{len(got)} recorded leaves vs {len(want)} asked",
+            )
+            raise PlanError(
+                f"the record holds another state than the one asked for: {diff}; use the state "
+                "it was recorded from (same model, optimizer and tree)"
+            )
+        rules = record.get("rules")
+        if rules is not None:
+            rules = tuple((n, tuple(a) if isinstance(a, list) else a) for n, a in rules)
+        return cls(
+            ParallelConfig(**record["config"]),
+            tuple(record["device_ids"]),
+            tuple(record["hosts"]),
+            leaves,
+            like.treedef,
+            rules,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -207,7 +355,7 @@ class PTC:
         coords = np.indices(tuple(self.config.shape.values())).reshape(4, -1).T  # [device, 4]
         sizes = self.config.shape
         per_dim = []
-        for dim, entry in enumerate(_spec_entries(leaf.spec, len(leaf.shape))):
+        for dim, entry in enumerate(logical_rules.spec_entries(leaf.spec, len(leaf.shape))):
             index = np.zeros(len(coords), dtype=np.int64)
             count = 1
             for axis in entry:  # major to minor
@@ -296,32 +444,10 @@ def _is_graph_nodes(state) -> bool:
     return len(nodes) > 0 and all(nnx.graph.is_graph_node(n) for n in nodes)
 
 
-def _rule_map(rules: Rules, mesh: AbstractMesh) -> dict[str, list[tuple[str, ...]]]:
-    """Logical name → candidate mesh-axis tuples, in rule order (flax's rule semantics)."""
-    out: dict[str, list[tuple[str, ...]]] = {}
-    for rule in rules:
-        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise LayoutError(f"a logical-axis rule is (logical_name, mesh_axes), got {rule!r}")
-        name, axes = rule
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        unknown = [a for a in axes if a not in mesh.axis_names]
-        if unknown:
-            raise LayoutError(
-                f"rule {rule!r} maps logical axis {name!r} to mesh axes {unknown} that do not exist; "
-                f"mesh axes are {mesh.axis_names} (mesh={_mesh_str(mesh)})"
-            )
-        out.setdefault(name, []).append(axes)
-    return out
-
-
-def _mesh_str(mesh: AbstractMesh) -> str:
-    return "{" + ", ".join(f"{n}: {s}" for n, s in zip(mesh.axis_names, mesh.axis_sizes)) + "}"
-
-
-def _layout(path: str, leaf, rule_map, mesh: AbstractMesh, allow_replicate: bool) -> LeafLayout:
+def _logical_and_value(path: str, leaf) -> tuple[tuple[str | None, ...] | None, Any]:
+    """(logical names or None, the array-like value) of one leaf of a state."""
     if isinstance(leaf, nnx.Variable):
-        logical = leaf.get_metadata().get("out_sharding")
-        value = leaf.get_value()
+        logical, value = leaf.get_metadata().get("out_sharding"), leaf.get_value()
     else:
         logical, value = None, leaf
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
@@ -329,54 +455,12 @@ def _layout(path: str, leaf, rule_map, mesh: AbstractMesh, allow_replicate: bool
             f"leaf {path!r} is {type(value).__name__}, not an array; every leaf of a "
             f"state must be an array or ShapeDtypeStruct"
         )
-    shape, dtype = tuple(value.shape), value.dtype
-    if logical is None:
-        return LeafLayout(path, shape, dtype, PartitionSpec())
-    logical = tuple(logical)
-    if len(logical) != len(shape):
-        raise LayoutError(
-            f"logical axes {logical} name {len(logical)} dims but the leaf has "
-            f"{len(shape)}: " + where(path, shape, logical, _mesh_str(mesh))
-        )
-    entries, used = [], set()
-    for name in logical:
-        if name is None:
-            entries.append(())
-            continue
-        if name not in rule_map:
-            raise LayoutError(
-                f"logical axis {name!r} has no rule (known: {sorted(rule_map)}): "
-                + where(path, shape, logical, _mesh_str(mesh))
-            )
-        # flax semantics: the first candidate whose mesh axes are still unused by this leaf wins.
-        choice = next((axes for axes in rule_map[name] if not used & set(axes)), ())
-        used |= set(choice)
-        entries.append(choice)
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    entries, replicated = _fit(path, shape, entries, sizes, allow_replicate, mesh)
-    spec = PartitionSpec(*(None if not e else e[0] if len(e) == 1 else e for e in entries))
-    return LeafLayout(path, shape, dtype, spec, logical, replicated)
+    return (None if logical is None else tuple(logical)), value
 
 
-def _fit(path, shape, entries, sizes, allow_replicate, mesh):
-    """Drop mesh axes (innermost first) from dims they do not divide, or refuse."""
-    fitted, replicated = [], []
-    for dim, entry in enumerate(entries):
-        entry = list(entry)
-        while entry and shape[dim] % math.prod(sizes[a] for a in entry):
-            if not allow_replicate:
-                spec = PartitionSpec(*(None if not e else tuple(e) for e in entries))
-                raise LayoutError(
-                    f"dim {dim} of size {shape[dim]} is sharded over mesh axes {tuple(entry)} of total size "
-                    f"{math.prod(sizes[a] for a in entry)}, which does not divide it; pass "
-                    f"allow_replicate=True to replicate it along those axes, or choose another config: "
-                    + where(path, shape, spec, _mesh_str(mesh))
-                )
-            replicated.append((dim, entry.pop()))
-        fitted.append(tuple(entry))
-    return fitted, tuple(replicated)
+def _mesh_str(config: ParallelConfig) -> str:
+    return "{" + ", ".join(f"{n}: {s}" for n, s in config.shape.items()) + "}"
 
 
-def _spec_entries(spec: PartitionSpec, ndim: int) -> list[tuple[str, ...]]:
-    entries = list(spec) + [None] * (ndim - len(spec))
-    return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries]
+def _entries(spec: PartitionSpec, leaf: LeafLayout) -> list[tuple[str, ...]]:
+    return logical_rules.spec_entries(spec, len(leaf.shape))

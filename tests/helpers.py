@@ -7,7 +7,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models import GPT, LOGICAL_RULES, GPTConfig
+from tenplex_jax_models import GPT, LOGICAL_RULES, GPTConfig
 
 RULES = LOGICAL_RULES
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 
-from benchmarks import reshard
-from benchmarks.suite import GOALS
-from tenplex_jax.cli import main
+from tenplex_jax_benchmarks import reshard
+from tenplex_jax_benchmarks.suite import GOALS
+from tenplex_jax._cli import main
 
 
 def test_quick_bench_writes_every_row_and_finite_ratios(tmp_path) -> None:

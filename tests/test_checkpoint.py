@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import tenplex_jax as tj
-from models import GPTConfig
+from tenplex_jax_models import GPTConfig
 from tests.helpers import RULES, assert_shards_equal, host_copy, train_state
 
 
@@ -69,11 +69,11 @@ def test_keeps_steps_and_reads_the_one_asked(tmp_path):
     for step in (2, 3):
         tj.save_checkpoint(tmp_path, later, ptc, step=step, keep=2)
     assert tj.latest_checkpoint(tmp_path) == 3
-    with pytest.raises(tj.CheckpointError, match="no finished checkpoint for step 1"):
+    with pytest.raises(tj.errors.CheckpointError, match="no finished checkpoint for step 1"):
         tj.restore_checkpoint(tmp_path, ptc, step=1)  # deleted by keep=2
     assert not all(np.array_equal(a, b) for a, b in zip(first, host_copy(later)))
     assert_shards_equal(tj.restore_checkpoint(tmp_path, ptc, step=2).state, host_copy(later), ptc)
-    with pytest.raises(tj.CheckpointError, match="already exists"):
+    with pytest.raises(tj.errors.CheckpointError, match="already exists"):
         tj.save_checkpoint(tmp_path, later, ptc, step=3)
 
 
@@ -84,7 +84,7 @@ def test_unfinished_step_is_never_read(tmp_path):
     shutil.copytree(tmp_path / "4", tmp_path / "9.orbax-checkpoint-tmp-1234")
     assert tj.latest_checkpoint(tmp_path) == 4
     assert tj.restore_checkpoint(tmp_path, ptc).step == 4
-    with pytest.raises(tj.CheckpointError, match="no finished checkpoint for step 9"):
+    with pytest.raises(tj.errors.CheckpointError, match="no finished checkpoint for step 9"):
         tj.restore_checkpoint(tmp_path, ptc, step=9)
 
 
@@ -109,16 +109,16 @@ def test_restores_a_plain_orbax_checkpoint_given_the_rules(tmp_path):
     restored = tj.restore_checkpoint(tmp_path / "managed", target, prefix="model")
     assert restored.step == 12 and not restored.tenplex
     assert_shards_equal(restored.state, want, target)
-    with pytest.raises(tj.CheckpointError, match="pass prefix= to map them"):
+    with pytest.raises(tj.errors.CheckpointError, match="pass prefix= to map them"):
         tj.restore_checkpoint(tmp_path / "managed", target)
 
 
 def test_bad_checkpoints_are_refused_clearly(tmp_path):
     devices = jax.devices()
     state, ptc = _placed(tj.ParallelConfig(data=2), devices[:2])
-    with pytest.raises(tj.CheckpointError, match="no finished checkpoint step"):
+    with pytest.raises(tj.errors.CheckpointError, match="no finished checkpoint step"):
         tj.restore_checkpoint(tmp_path, ptc)
-    with pytest.raises(tj.CheckpointError, match="not a directory"):
+    with pytest.raises(tj.errors.CheckpointError, match="not a directory"):
         tj.restore_checkpoint(tmp_path / "nowhere", ptc)
     tj.save_checkpoint(tmp_path, state, ptc, step=1)
 
@@ -128,14 +128,14 @@ def test_bad_checkpoints_are_refused_clearly(tmp_path):
         nnx.state({"model": model, "optimizer": optimizer}), RULES, ptc.config, devices[:2]
     )
     with pytest.raises(
-        tj.CheckpointError, match=r"target's shape and dtype.*wants \(2, 64\).*mesh=data=2"
+        tj.errors.CheckpointError, match=r"target's shape and dtype.*wants \(2, 64\).*mesh=data=2"
     ):
         tj.restore_checkpoint(tmp_path, other)
 
     model_only = tj.PTC.of(nnx.state({"model": model}), RULES, ptc.config, devices[:2])
-    with pytest.raises(tj.CheckpointError, match="must be in the checkpoint"):
+    with pytest.raises(tj.errors.CheckpointError, match="must be in the checkpoint"):
         tj.restore_checkpoint(tmp_path, model_only, prefix="params")
 
-    with pytest.raises(tj.PlanError, match="does not match the PTC"):
+    with pytest.raises(tj.errors.PlanError, match="does not match the PTC"):
         tj.save_checkpoint(tmp_path, nnx.state({"model": model}), ptc, step=2)
     assert tj.latest_checkpoint(tmp_path) == 1

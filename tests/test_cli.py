@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 
-from tenplex_jax.cli import main
+from tenplex_jax._cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

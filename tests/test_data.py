@@ -48,7 +48,7 @@ def test_a_memory_cap_keeps_the_global_batch_by_accumulating(ranks, max_rows):
         assert layout.accumulate == 1
     virtual = tj.BatchLayout.fit(24, min(ranks, 6), max_rows=max(max_rows, 4), workers=6)
     assert virtual.microbatch == 4
-    with pytest.raises(tj.DataError, match="exceeds max_rows=3; use at least 8 workers"):
+    with pytest.raises(tj.errors.DataError, match="exceeds max_rows=3; use at least 8 workers"):
         tj.BatchLayout.fit(24, 2, max_rows=3, workers=6)
 
 
@@ -63,7 +63,7 @@ def test_a_memory_cap_keeps_the_global_batch_by_accumulating(ranks, max_rows):
     ],
 )
 def test_bad_layouts_name_the_rule(kwargs, rule):
-    with pytest.raises(tj.DataError, match=rule):
+    with pytest.raises(tj.errors.DataError, match=rule):
         tj.BatchLayout(**kwargs)
 
 
@@ -117,7 +117,7 @@ def run(ds_args, sequence, steps, save_at_resize):
 def resize_runs(draw):
     batch = draw(st.integers(1, 16))
     n = draw(st.integers(batch, 5 * batch).filter(lambda n: n % batch or n == batch))
-    remainder = draw(st.sampled_from(tj.REMAINDERS))
+    remainder = draw(st.sampled_from(tj.data.REMAINDERS))
     steps = draw(st.integers(1, 3 * -(-n // batch)))
     points = sorted(draw(st.sets(st.integers(1, max(1, steps - 1)), max_size=4)) | {0})
     divisors = [d for d in range(1, batch + 1) if batch % d == 0]
@@ -187,7 +187,7 @@ def test_restoring_a_state_saved_for_another_order_is_refused_and_consumes_nothi
     args = {"source": np.arange(50), "global_batch": 8, "seed": 5, "remainder": "carry"} | change
     other = tj.DatasetPTC(args.pop("source"), **args)
     other.next_batch(tj.BatchLayout(other.global_batch, ranks=1))
-    with pytest.raises(tj.DataError, match=rule):
+    with pytest.raises(tj.errors.DataError, match=rule):
         other.restore(saved)
     assert other.step == 1
 
@@ -195,25 +195,25 @@ def test_restoring_a_state_saved_for_another_order_is_refused_and_consumes_nothi
 def test_a_position_inside_a_batch_is_refused():
     ds = tj.DatasetPTC(np.arange(50), 8)
     state = ds.state()
-    with pytest.raises(tj.DataError, match="not a global-batch boundary"):
+    with pytest.raises(tj.errors.DataError, match="not a global-batch boundary"):
         ds.restore(tj.DataState(**{**state.__dict__, "consumed": 13}))
     assert ds.step == 0
 
 
 def test_bad_datasets_are_refused():
-    with pytest.raises(tj.DataError, match="fewer than one global batch of 8"):
+    with pytest.raises(tj.errors.DataError, match="fewer than one global batch of 8"):
         tj.DatasetPTC(np.arange(5), 8)
-    with pytest.raises(tj.DataError, match="remainder must be one of"):
+    with pytest.raises(tj.errors.DataError, match="remainder must be one of"):
         tj.DatasetPTC(np.arange(50), 8, remainder="wrap")
-    with pytest.raises(tj.DataError, match="one length"):
+    with pytest.raises(tj.errors.DataError, match="one length"):
         tj.DatasetPTC({"a": np.arange(50), "b": np.arange(40)}, 8)
-    with pytest.raises(tj.DataError, match="len"):
+    with pytest.raises(tj.errors.DataError, match="len"):
         tj.DatasetPTC(iter(range(50)), 8)
     ds = tj.DatasetPTC(np.arange(50), 8)
-    with pytest.raises(tj.DataError, match="global batch is fixed"):
+    with pytest.raises(tj.errors.DataError, match="global batch is fixed"):
         ds.next_batch(tj.BatchLayout(16, ranks=2))
     assert ds.step == 0
-    with pytest.raises(tj.DataError, match="keys"):
+    with pytest.raises(tj.errors.DataError, match="keys"):
         tj.DataState.from_json('{"consumed": 3}')
 
 

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tenplex_jax as tj
-from models import GPT, GPTConfig, corpus_samples, example_losses, stdlib_corpus
+from tenplex_jax_models import GPT, GPTConfig, corpus_samples, example_losses, stdlib_corpus
 from tests.helpers import RULES, host_copy
 
 C = tj.ParallelConfig
@@ -166,9 +166,9 @@ def test_padded_uneven_ranks_give_the_gradient_of_the_unpadded_batch(workers, ac
 
 def test_a_layout_for_another_rank_count_than_the_mesh_is_refused():
     mesh = C(data=4, tensor=2).make_mesh(jax.devices())
-    with pytest.raises(tj.DataError, match=r"for 8 data-parallel ranks, but the mesh .* has 4"):
+    with pytest.raises(tj.errors.DataError, match=r"for 8 data-parallel ranks, but the mesh .* has 4"):
         tj.batch_value_and_grad(example_losses, tj.BatchLayout(24, ranks=8), mesh)
-    with pytest.raises(tj.DataError, match="not axes of the mesh"):
+    with pytest.raises(tj.errors.DataError, match="not axes of the mesh"):
         tj.batch_value_and_grad(
             example_losses, tj.BatchLayout(24, ranks=4), mesh, batch_axes=("replica",)
         )

@@ -22,8 +22,8 @@ import pytest
 from flax import nnx
 
 import tenplex_jax as tj
-from models import LOGICAL_RULES, corpus_samples, example_losses, stdlib_corpus
-from tenplex_jax.demo import build_state
+from tenplex_jax_models import LOGICAL_RULES, corpus_samples, example_losses, stdlib_corpus
+from tenplex_jax_models import build_state
 from tests.helpers import host_copy
 
 C = tj.ParallelConfig
@@ -118,14 +118,14 @@ def test_plan_reads_replicas_never_a_failed_device():
     sources = {p.src_device for leaf in plan.leaves for s in leaf.shards for p in s.pieces}
     assert 1 not in sources and 5 in sources  # device 1's fsdp shard comes from its replica, 5
     assert plan.bytes_moved > 0
-    with pytest.raises(tj.PlanError, match=r"uses failed devices \[1\]"):
+    with pytest.raises(tj.errors.PlanError, match=r"uses failed devices \[1\]"):
         tj.make_plan(src, src, failed=[1])
 
 
 def test_plan_without_replica_names_the_lost_leaves_and_boxes():
     src = tj.PTC.of(abstract(), LOGICAL_RULES, C(fsdp=8), range(8))
     dst = tj.PTC.of(abstract(), LOGICAL_RULES, C(data=7), range(7))
-    with pytest.raises(tj.LostShardsError, match=r"failed devices \[7\]") as caught:
+    with pytest.raises(tj.errors.LostShardsError, match=r"failed devices \[7\]") as caught:
         tj.make_plan(src, dst, failed=[7])
     lost = dict(caught.value.lost)
     sharded = {l.path for l in src.leaves if "fsdp" in str(l.spec)}
@@ -148,7 +148,7 @@ def test_reshard_around_a_failed_device_never_reads_its_buffers():
 
 
 def test_trace_format_refuses_bad_events_by_rule():
-    from tenplex_jax.trace import ResourceTrace
+    from tenplex_jax.elastic.trace import ResourceTrace
 
     good = {"devices": 8, "steps": 10, "events": [{"step": 2, "kind": "fail", "count": 1}]}
     assert ResourceTrace.from_dict(good).events[0].count == 1
@@ -158,14 +158,14 @@ def test_trace_format_refuses_bad_events_by_rule():
         ({"step": 2, "kind": "fail"}, "exactly one of devices"),
         ({"step": 2, "kind": "offer", "devices": [8]}, r"lie in 0\.\.7"),
     ]:
-        with pytest.raises(tj.LayoutError, match=rule):
+        with pytest.raises(tj.errors.LayoutError, match=rule):
             ResourceTrace.from_dict(good | {"events": [event]})
 
 
 def test_checkpoint_restart_pays_save_restore_compile_and_reruns_after_a_failure():
-    from tenplex_jax.trace import RestartCosts, checkpoint_restart
+    from tenplex_jax.elastic.trace import RestartCosts, checkpoint_restart
 
-    rec = lambda step, kind, decision: tj.EventRecord(
+    rec = lambda step, kind, decision: tj.elastic.EventRecord(
         step, kind, "trace", [], [], "data=8", "data=4", decision
     )
     records = [rec(10, "preempt", "shrink"), rec(25, "fail", "rebuild"), rec(30, "offer", "stay")]
@@ -249,7 +249,7 @@ def test_no_replica_and_no_checkpoint_raises_the_clear_error():
     state, batch = job.next(state)
     state, _ = step(state, batch)
     job.fail([7])
-    with pytest.raises(tj.LostShardsError, match="held only by failed devices"):
+    with pytest.raises(tj.errors.LostShardsError, match="held only by failed devices"):
         job.next(state)
     job.close()
 

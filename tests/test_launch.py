@@ -1,7 +1,8 @@
 """Multi-process elastic training under ``tenplex-jax launch``: real processes, stores and kills.
 
-One launched job (GPT tiny, 4 processes x 2 CPU devices, replicas=1, a commit every 2 steps, an
-orbax checkpoint every 4) runs through two failures, each injected by PID at a known step while the
+One launched job (``examples/elastic_gpt.py``, the script that also runs alone: GPT tiny, 4
+processes x 2 CPU devices, replicas=1, a commit every 2 steps, an orbax checkpoint every 4) runs
+through two failures, each injected by PID at a known step while the
 job is paused (``--pause-after``, commits finished):
 
 1. after step 3: SIGKILL worker 3 and its store. The job goes on with 3 processes; worker 3's
@@ -9,8 +10,9 @@ job is paused (``--pause-after``, commits finished):
 2. after step 6: SIGKILL worker 2 and both stores holding its shards (2 and 0). No copy survives:
    the launcher names the leaves and falls back to the orbax checkpoint of step 4 on the one
    process left; lost steps = 6 - 4.
-3. after step 7: a planned resize to 2 processes (``RUN_DIR/resize``): the processes agree on
-   step 8, commit it synchronously and exit; a new slot gets a new store; lost steps = 0.
+3. after step 7: a planned resize to 2 processes (``RUN_DIR/resize``): at the next step
+   boundary the process (agreeing on step 7) commits synchronously and exits; a new slot gets a
+   new store; lost steps = 0.
 
 The final params must equal, bit for bit, a single-process run of 10 steps fed the same batches,
 and the steps that count must have trained each global batch of the dataset order exactly once.
@@ -31,10 +33,11 @@ import numpy as np
 import pytest
 
 import tenplex_jax as tj
-from tenplex_jax.commit import stored_objects
+from tenplex_jax.multihost import store
+from tenplex_jax.multihost.commit import stored_objects
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "elastic_gpt_multiprocess.py"
+EXAMPLE = ROOT / "examples" / "elastic_gpt.py"
 STEPS, BATCH, WORKERS, SAMPLES = 10, 24, 8, 100
 TIMEOUT = 300  # the whole job, seconds
 
@@ -129,22 +132,22 @@ def reference(job):
 
 
 def reference_run():
-    """The same steps in this one process on 8 devices, never interrupted."""
-    from models import LOGICAL_RULES, corpus_samples, stdlib_corpus
-    from tenplex_jax.demo import build_state, make_train_step
+    """The same steps in this one process on 8 devices with the same script's job, never
+    interrupted: (final state on the host, the samples of every step, the abstract state)."""
+    from tenplex_jax_models import (LOGICAL_RULES, build_state, corpus_samples, stdlib_corpus,
+                                    train_step)  # fmt: skip
     from tests.helpers import host_copy
 
     graphdef, abstract, cfg = build_state("tiny", 3e-3, 0, abstract=True)
-    ptc = tj.PTC.of(abstract, LOGICAL_RULES, tj.ParallelConfig(fsdp=8), jax.devices())
-    state = jax.jit(lambda: build_state("tiny", 3e-3, 0)[1], out_shardings=ptc.shardings())()
     dataset = tj.DatasetPTC(corpus_samples(stdlib_corpus(2**20), cfg.seq_len, SAMPLES), BATCH)
-    layout = tj.BatchLayout(BATCH, ranks=8, workers=WORKERS)
-    step = make_train_step(graphdef, ptc, layout)
     samples = []
-    for i in range(STEPS):
-        batch, weights, seen = tj.device_batch(dataset, i, layout, ptc.mesh())
-        state, _ = step(state, batch, weights)
-        samples.append(seen[seen >= 0])
+    with tj.ElasticJob(LOGICAL_RULES, dataset, workers=WORKERS, compile_ahead=False) as job:
+        state = job.start(lambda: build_state("tiny", 3e-3, 0)[1])
+        step = job.jit(train_step(graphdef))
+        while job.step < STEPS:
+            state, batch = job.next(state)
+            samples.append(job.samples[job.samples >= 0])
+            state, _ = step(state, batch)
     return host_copy(state), samples, abstract
 
 
@@ -153,7 +156,7 @@ def test_job_survives_two_failures_and_finishes(job):
     gens = [e for e in events(job["run"]) if e["event"] == "generation"]
     assert [g["processes"] for g in gens] == [4, 3, 1, 2], job["log"][-3000:]
     assert [g["slots"] for g in gens] == [[0, 1, 2, 3], [0, 1, 2], [1], [1, 4]]
-    assert [g["restore"] for g in gens] == ["init", "store:2", "checkpoint:4", "store:8"]
+    assert [g["restore"] for g in gens] == ["init", "store:2", "checkpoint:4", "store:7"]
     assert [g["lost_steps"] for g in gens] == [None, 1, 2, 0]  # 0: the resize was planned
     kinds = [e["event"] for e in events(job["run"])]
     assert kinds.count("failure") == 2 and kinds.count("resize") == 1
@@ -193,12 +196,12 @@ def test_every_global_batch_trained_exactly_once(job, reference):
 
 def test_dead_workers_shards_come_from_their_replicas(job, reference):
     _, _, abstract = reference
-    from models import LOGICAL_RULES
+    from tenplex_jax_models import LOGICAL_RULES
 
     reports = [json.loads((job["run"] / f"restore-g1-p{i}.json").read_text()) for i in range(3)]
     assert all(r["source"] == "store" and r["step"] == 2 for r in reports)
-    gen0 = tj.PTC.of(abstract, LOGICAL_RULES, tj.ParallelConfig(fsdp=8), range(8),
-                     hosts=[0, 0, 1, 1, 2, 2, 3, 3])  # fmt: skip
+    config = tj.planner.choose_config(8, abstract, LOGICAL_RULES, BATCH, WORKERS)  # the job's
+    gen0 = tj.PTC.of(abstract, LOGICAL_RULES, config, range(8), hosts=[0, 0, 1, 1, 2, 2, 3, 3])
     lost = sum(o.nbytes for o in stored_objects(gen0, [0, 1, 2, 3], 1) if o.process == 3)
     assert lost > 0
     assert sum(r["pull"]["replica_for_lost_writer"] for r in reports) >= lost
@@ -272,35 +275,34 @@ def test_a_commit_writes_each_distinct_box_once_spread_over_the_processes(config
 
 
 def test_a_stored_version_of_another_state_is_refused_naming_the_leaf():
-    from models import GPTConfig
-    from tenplex_jax.checkpoint import ptc_record
-    from tenplex_jax.commit import ptc_from_record
+    from tenplex_jax_models import GPTConfig
     from tests.helpers import RULES, abstract_state
 
     small = tj.PTC.of(abstract_state(GPTConfig.small()), RULES, tj.ParallelConfig(fsdp=2), [0, 1])
     tiny = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(fsdp=2), [0, 1])
-    back = ptc_from_record(ptc_record(tiny), tiny)
-    assert (back.config, back.device_ids, back.hosts) == (tiny.config, tiny.device_ids, tiny.hosts)
-    layout = lambda p: [(l.path, l.shape, l.spec) for l in p.leaves]
-    assert layout(back) == layout(tiny)
+    back = tj.PTC.from_json(json.loads(json.dumps(tiny.to_json())), tiny)
+    assert back == tiny and back.rules == tiny.rules
+    assert back.relayout(tj.ParallelConfig(data=2), [2, 3]) == tiny.relayout(
+        tj.ParallelConfig(data=2), [2, 3]
+    )
     with pytest.raises(
-        tj.PlanError,
-        match=r"another state.*stored leaf '0/b1' float32\[2, 256\] vs asked '0/b1' float32\[2, 64\]",
+        tj.errors.PlanError,
+        match=r"another state.*recorded leaf '0/b1' float32\[2, 256\] vs asked '0/b1' float32\[2, 64\]",
     ):
-        ptc_from_record(ptc_record(small), tiny)
+        tj.PTC.from_json(small.to_json(), tiny)
 
 
 def test_a_complete_version_deletes_the_older_ones(job):
     """Slot 1's store lived through every generation; restarted on its directory (the disk tier),
     it holds the last version only: each complete commit deleted the versions before it."""
-    from tenplex_jax.commit import version_of
+    from tenplex_jax.multihost.commit import version_of
 
-    store = tj.StoreProcess.start(job["run"] / "stores" / "1")
+    proc = store.StoreProcess.start(job["run"] / "stores" / "1")
     try:
-        client = tj.StoreClient(store.address)
+        client = store.StoreClient(proc.address)
         arrays = {version_of(o.path) for o in client.list("v")}
         markers = {version_of(p) for p in client.list_json("v")}
         client.close()
     finally:
-        store.stop()
+        proc.stop()
     assert arrays == markers == {STEPS}

@@ -17,7 +17,7 @@ import optax
 import pytest
 from flax import nnx
 
-from models import GPT, LOGICAL_RULES, GPTConfig, batch_at, loss_fn, stdlib_corpus
+from tenplex_jax_models import GPT, LOGICAL_RULES, GPTConfig, batch_at, loss_fn, stdlib_corpus
 
 STACKED = ("ln1_scale", "wq", "wk", "wv", "wo", "ln2_scale", "w1", "b1", "w2", "b2")
 

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tenplex_jax as tj
-from models import GPTConfig, batch_at, loss_fn, stdlib_corpus
+from tenplex_jax_models import GPTConfig, batch_at, loss_fn, stdlib_corpus
 from tests.helpers import RULES, train_state
 
 C = tj.ParallelConfig
@@ -112,7 +112,7 @@ def _train(schedule: dict[int, tuple], steps: int):
             config, devices, microbatches, *new_stages = schedule[i]
             new_stages = new_stages[0] if new_stages else None
             if new_stages != stages:  # uneven stages: re-pad the layers dim first
-                state, ptc = tj.restage(state, ptc, RULES, stages, new_stages)
+                state, ptc = tj.pipelining.restage(state, ptc, RULES, stages, new_stages)
                 stages = new_stages
             new = tj.PTC.of(state, RULES, config, [jax.devices()[d] for d in devices])
             # the core plan, nothing pipeline-specific: the layers dim changes its spec
@@ -192,17 +192,17 @@ def test_bad_pipelines_are_refused_before_anything_runs():
     mesh = C(pipe=4, data=2).make_mesh(jax.devices())
     layer = lambda h, p: h @ p["w"]
     params = {"w": jnp.zeros((2, 8, 8))}
-    with pytest.raises(tj.LayoutError, match="2 layers do not split evenly into 4 pipeline stages"):
+    with pytest.raises(tj.errors.LayoutError, match="2 layers do not split evenly into 4 pipeline stages"):
         tj.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2)
     params = {"w": jnp.zeros((4, 8, 8))}
-    with pytest.raises(tj.LayoutError, match=r"divide into 3 microbatches.*shape \(8, 8\)"):
+    with pytest.raises(tj.errors.LayoutError, match=r"divide into 3 microbatches.*shape \(8, 8\)"):
         tj.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=3)
-    with pytest.raises(tj.LayoutError, match="has 2 stages but mesh axis 'pipe' has size 4"):
+    with pytest.raises(tj.errors.LayoutError, match="has 2 stages but mesh axis 'pipe' has size 4"):
         tj.pipeline(
             layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2, stages=tj.Stages((1, 3))
         )
     with pytest.raises(
-        tj.LayoutError, match=r"needs 8 rows .* leaf \"\['w'\]\" has shape \(4, 8, 8\)"
+        tj.errors.LayoutError, match=r"needs 8 rows .* leaf \"\['w'\]\" has shape \(4, 8, 8\)"
     ):
         stages = tj.Stages((1, 1, 1, 2))  # padded: 4 stages x 2 slots
         tj.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2, stages=stages)

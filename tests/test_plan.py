@@ -16,7 +16,7 @@ from tests.helpers import RULES, abstract_state
 
 
 def one_leaf(config, spec, shape=(8, 8), devices=None, hosts=None):
-    leaf = tj.LeafLayout("w", shape, np.dtype(np.float32), P(*spec))
+    leaf = tj.ptc.LeafLayout("w", shape, np.dtype(np.float32), P(*spec))
     devices = tuple(range(config.num_devices)) if devices is None else tuple(devices)
     return tj.PTC(config, devices, tuple(hosts or (0,) * len(devices)), (leaf,), "tree")
 
@@ -90,10 +90,10 @@ def test_replicas_on_one_host_share_the_sending():
 def test_mismatched_trees_are_refused():
     a = one_leaf(tj.ParallelConfig(), (), shape=(8, 8))
     b = one_leaf(tj.ParallelConfig(), (), shape=(8, 4))
-    with pytest.raises(tj.PlanError, match=r"leaf 'w' \(8, 8\).*does not match"):
+    with pytest.raises(tj.errors.PlanError, match=r"leaf 'w' \(8, 8\).*does not match"):
         tj.make_plan(a, b)
     c = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(), range(1))
-    with pytest.raises(tj.PlanError, match="different state trees"):
+    with pytest.raises(tj.errors.PlanError, match="different state trees"):
         tj.make_plan(a, c)
 
 

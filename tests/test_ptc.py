@@ -77,7 +77,7 @@ def test_boxes_equal_named_sharding_indices(config):
 )
 def test_boxes_property(sizes, dims, data):
     config = tj.ParallelConfig(data=sizes[0], fsdp=sizes[1], tensor=sizes[2], pipe=sizes[3])
-    axes = data.draw(st.permutations(tj.MESH_AXES))
+    axes = data.draw(st.permutations(tj.ptc.MESH_AXES))
     spec = []
     for i, _ in enumerate(dims):
         spec.append(data.draw(st.sampled_from([None, axes[i], (axes[i], axes[-1])])))
@@ -85,7 +85,7 @@ def test_boxes_property(sizes, dims, data):
         len((e,) if isinstance(e, str) else e) for e in spec if e
     ):
         return  # a mesh axis used twice is not a valid spec
-    leaf = tj.LeafLayout("x", tuple(d * 8 for d in dims), np.float32, P(*spec))
+    leaf = tj.ptc.LeafLayout("x", tuple(d * 8 for d in dims), np.float32, P(*spec))
     ptc = tj.PTC(config, tuple(range(config.num_devices)), (0,) * config.num_devices, (leaf,), None)
     mesh = config.make_mesh(jax.devices()[: config.num_devices])
     want = NamedSharding(mesh, leaf.spec).devices_indices_map(leaf.shape)
@@ -104,7 +104,7 @@ def test_first_unused_rule_wins_like_flax():
 
 
 def test_indivisible_dim_is_refused_with_leaf_dim_axis_and_sizes():
-    with pytest.raises(tj.LayoutError) as err:
+    with pytest.raises(tj.errors.LayoutError) as err:
         tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=2, tensor=3), range(6))
     msg = str(err.value)
     for part in (
@@ -133,22 +133,22 @@ def test_bad_input_errors_name_leaf_shape_spec_and_mesh():
     with nnx.use_eager_sharding(False):
         state = {"w": nnx.Param(np.zeros((4, 8), np.float32), out_sharding=("embed", "nope"))}
     with pytest.raises(
-        tj.LayoutError, match=r"logical axis 'nope' has no rule.*leaf 'w'.*shape=\(4, 8\).*mesh="
+        tj.errors.LayoutError, match=r"logical axis 'nope' has no rule.*leaf 'w'.*shape=\(4, 8\).*mesh="
     ):
         tj.PTC.of(state, (("embed", "fsdp"),), tj.ParallelConfig(fsdp=2), range(2))
     with pytest.raises(
-        tj.LayoutError, match=r"mesh axes \['model'\] that do not exist.*mesh axes are"
+        tj.errors.LayoutError, match=r"mesh axes \['model'\] that do not exist.*mesh axes are"
     ):
         tj.PTC.of(state, (("embed", "model"), ("nope", None)), tj.ParallelConfig(), range(1))
-    with pytest.raises(tj.LayoutError, match="at least one device"):
+    with pytest.raises(tj.errors.LayoutError, match="at least one device"):
         tj.PTC.of(state, (("embed", None), ("nope", None)), tj.ParallelConfig(), [])
-    with pytest.raises(tj.LayoutError, match="needs 4 devices, got 2"):
+    with pytest.raises(tj.errors.LayoutError, match="needs 4 devices, got 2"):
         tj.PTC.of(state, (("embed", None), ("nope", None)), tj.ParallelConfig(data=4), range(2))
-    with pytest.raises(tj.LayoutError, match="distinct"):
+    with pytest.raises(tj.errors.LayoutError, match="distinct"):
         tj.PTC.of(state, (("embed", None), ("nope", None)), tj.ParallelConfig(data=2), [1, 1])
-    with pytest.raises(tj.LayoutError, match="integers >= 1"):
+    with pytest.raises(tj.errors.LayoutError, match="integers >= 1"):
         tj.ParallelConfig(data=0)
-    with pytest.raises(tj.LayoutError, match="axis=size"):
+    with pytest.raises(tj.errors.LayoutError, match="axis=size"):
         tj.ParallelConfig.parse("model=2")
 
 

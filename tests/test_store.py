@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import tenplex_jax as tj
-from tenplex_jax.store import wire
+from tenplex_jax.multihost import store
+from tenplex_jax.multihost.store import wire
 
 BIG = 200 << 20  # bytes of the object a server is killed while writing to disk
 STREAMED = 64 << 20  # bytes of the object a server is killed while receiving
@@ -30,8 +31,8 @@ class Stores:
     def __init__(self, root: pathlib.Path):
         self.root, self.procs = root, []
 
-    def start(self, name: str = "s0", **kwargs) -> tj.StoreProcess:
-        proc = tj.StoreProcess.start(self.root / name, **kwargs)
+    def start(self, name: str = "s0", **kwargs) -> store.StoreProcess:
+        proc = store.StoreProcess.start(self.root / name, **kwargs)
         self.procs.append(proc)
         return proc
 
@@ -62,7 +63,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    with tj.StoreClient(server.address, timeout=30) as c:
+    with store.StoreClient(server.address, timeout=30) as c:
         yield c
         c.delete("")
 
@@ -80,7 +81,7 @@ def _rng_array(shape, dtype, seed=0) -> np.ndarray:
 def _partial_put(address: str, path: str, array: np.ndarray, *, durable: bool, fraction: int):
     """A raw connection that starts a put of ``array`` and sends only 1/fraction of its body."""
     data = wire.as_bytes(array)
-    host, port = tj.store.parse_address(address)
+    host, port = store.parse_address(address)
     with socket.create_connection((host, port), timeout=30) as raw:
         wire.send_frame(raw, {"op": "hello", "token": None})
         assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["ok"]
@@ -92,7 +93,7 @@ def _partial_put(address: str, path: str, array: np.ndarray, *, durable: bool, f
         yield raw
 
 
-def _kill(proc: tj.StoreProcess) -> None:
+def _kill(proc: store.StoreProcess) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.popen.wait(timeout=30)
 
@@ -144,10 +145,10 @@ def test_range_reads_equal_numpy_slicing(client) -> None:
         got = client.get("rr/w", tuple(sub))
         np.testing.assert_array_equal(got, full[tuple(slice(a, b) for a, b in sub)])
     # a box that leaves the stored object is refused with the stored boxes named
-    with pytest.raises(tj.StoreError, match=r"contains box .*stored boxes: \[\(\(2, 7\)") as err:
+    with pytest.raises(tj.errors.StoreError, match=r"contains box .*stored boxes: \[\(\(2, 7\)") as err:
         client.get("rr/w", ((1, 3), (0, 7), (3, 6)))
     assert err.value.reason == "not_found"
-    with pytest.raises(tj.StoreError, match="no object at path 'rr/missing'"):
+    with pytest.raises(tj.errors.StoreError, match="no object at path 'rr/missing'"):
         client.get("rr/missing", ((0, 1),))
 
 
@@ -177,29 +178,29 @@ def test_list_and_delete_by_prefix(client) -> None:
     assert [i.path for i in client.list()] == ["v2/a", "v2/b/c"]
     assert client.get_json("v1/COMMIT", default=None) is None
     assert client.get_json("v2/COMMIT") == {"step": 2}
-    with pytest.raises(tj.StoreError, match="no JSON object") as err:
+    with pytest.raises(tj.errors.StoreError, match="no JSON object") as err:
         client.get_json("v1/COMMIT")
     assert err.value.reason == "not_found"
 
 
 def test_bad_arguments_are_refused_before_sending(client) -> None:
-    with pytest.raises(tj.StoreError, match="shape must be its box's extent"):
+    with pytest.raises(tj.errors.StoreError, match="shape must be its box's extent"):
         client.put("bad/x", np.zeros((2, 3)), box=((0, 2), (0, 2)), global_shape=(4, 4))
-    with pytest.raises(tj.StoreError, match=r"global_shape=\(4, 4\)"):
+    with pytest.raises(tj.errors.StoreError, match=r"global_shape=\(4, 4\)"):
         client.put("bad/x", np.zeros((2, 3)), box=((3, 5), (0, 3)), global_shape=(4, 4))
-    with pytest.raises(tj.StoreError, match="non-empty string"):
+    with pytest.raises(tj.errors.StoreError, match="non-empty string"):
         client.put("", np.zeros(2))
-    with pytest.raises(tj.StoreError, match="plain numeric arrays"):
+    with pytest.raises(tj.errors.StoreError, match="plain numeric arrays"):
         client.put("bad/x", np.array(["a"], dtype=object))
-    with pytest.raises(tj.StoreError, match="global_shape is needed"):
+    with pytest.raises(tj.errors.StoreError, match="global_shape is needed"):
         client.put("bad/x", np.zeros(2), box=((2, 4),))
-    with pytest.raises(tj.StoreError, match="not plain JSON"):
+    with pytest.raises(tj.errors.StoreError, match="not plain JSON"):
         client.put_json("bad/m", {"n": np.int64(3)})
     assert client.list("bad/") == []
 
 
 def test_server_verifies_the_checksum_of_a_put(client) -> None:
-    with pytest.raises(tj.StoreError, match="nothing stored") as err:
+    with pytest.raises(tj.errors.StoreError, match="nothing stored") as err:
         client.put("ck/x", np.arange(4, dtype=np.int32), _checksum="crc32:00000000")
     assert err.value.reason == "checksum"
     assert client.list("ck/") == []
@@ -232,8 +233,8 @@ def test_concurrent_puts_and_gets_on_one_client(client) -> None:
 
 def test_oversize_requests_are_refused_and_the_server_keeps_serving(stores) -> None:
     proc = stores.start(max_body_bytes=1 << 20)
-    with tj.StoreClient(proc.address) as client:
-        with pytest.raises(tj.StoreError, match=r"at most 1048576 bytes .* 2097152 bytes") as err:
+    with store.StoreClient(proc.address) as client:
+        with pytest.raises(tj.errors.StoreError, match=r"at most 1048576 bytes .* 2097152 bytes") as err:
             client.put("big/x", np.zeros(1 << 19, np.float32))  # 2 MiB
         assert err.value.reason == "too_large"
         client.put("big/y", np.ones(1 << 10, np.float32))  # the same connection still works
@@ -241,7 +242,7 @@ def test_oversize_requests_are_refused_and_the_server_keeps_serving(stores) -> N
         assert [i.path for i in client.list()] == ["big/y"]
 
         # a raw client announcing a 2 GiB header gets an error frame, not a 2 GiB allocation
-        host, port = tj.store.parse_address(proc.address)
+        host, port = store.parse_address(proc.address)
         with socket.create_connection((host, port), timeout=10) as raw:
             wire.send_frame(raw, {"op": "hello", "token": None})
             assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["ok"]
@@ -254,8 +255,8 @@ def test_oversize_requests_are_refused_and_the_server_keeps_serving(stores) -> N
             reply = wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)
             assert not reply["ok"] and "not a tenplex_jax store frame" in reply["error"]
         np.testing.assert_array_equal(client.get("big/y"), np.ones(1 << 10, np.float32))
-    with pytest.raises(tj.StoreError, match="request header is at most"):
-        tj.StoreClient(proc.address).get("p" * 1000, tuple((0, 1) for _ in range(300_000)))
+    with pytest.raises(tj.errors.StoreError, match="request header is at most"):
+        store.StoreClient(proc.address).get("p" * 1000, tuple((0, 1) for _ in range(300_000)))
 
 
 def test_a_token_is_required_when_configured(stores, tmp_path) -> None:
@@ -263,17 +264,17 @@ def test_a_token_is_required_when_configured(stores, tmp_path) -> None:
     token_file.write_text("s3cret-token\n")
     proc = stores.start(token_file=token_file)
     for token, what in ((None, "no token"), ("wrong", "a wrong token")):
-        with pytest.raises(tj.StoreError, match=f"requires a token; got {what}") as err:
-            tj.StoreClient(proc.address, token=token).list()
+        with pytest.raises(tj.errors.StoreError, match=f"requires a token; got {what}") as err:
+            store.StoreClient(proc.address, token=token).list()
         assert err.value.reason == "auth"
-    with tj.StoreClient(proc.address, token="s3cret-token") as client:
+    with store.StoreClient(proc.address, token="s3cret-token") as client:
         client.put("t/x", np.arange(3))
         np.testing.assert_array_equal(client.get("t/x"), np.arange(3))
 
 
 def test_a_non_loopback_address_without_token_refuses_to_start(tmp_path) -> None:
     # 192.0.2.1 (TEST-NET-1) is on no interface: even a broken check could not bind it
-    cmd = [sys.executable, "-m", "tenplex_jax.store", "--dir", str(tmp_path / "d"),
+    cmd = [sys.executable, "-m", "tenplex_jax.multihost.store", "--dir", str(tmp_path / "d"),
            "--host", "192.0.2.1", "--ready-file", str(tmp_path / "ready")]  # fmt: skip
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
@@ -287,20 +288,20 @@ def test_a_non_loopback_address_without_token_refuses_to_start(tmp_path) -> None
 def test_objects_survive_a_clean_restart_and_a_kill_after_flush(stores) -> None:
     arrays = {f"r/{i}": _rng_array((100, 10), np.float32, seed=i) for i in range(5)}
     proc = stores.start()
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         for path, array in arrays.items():
             client.put(path, array)  # memory tier; SIGTERM writes them out
         client.put_json("r/COMMIT", {"step": 7})
     proc.stop()
     proc = stores.start()
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         for path, array in arrays.items():
             np.testing.assert_array_equal(client.get(path), array)
         client.put("r/late", arrays["r/0"] + 1)
         client.flush()
         _kill(proc)
     proc = stores.start()
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         np.testing.assert_array_equal(client.get("r/late"), arrays["r/0"] + 1)
         assert client.get_json("r/COMMIT") == {"step": 7}
         assert len(client.list("r/")) == 6
@@ -309,13 +310,13 @@ def test_objects_survive_a_clean_restart_and_a_kill_after_flush(stores) -> None:
 def test_a_commit_marker_on_disk_implies_its_objects_are(stores) -> None:
     proc = stores.start()
     arrays = [_rng_array((256, 256), np.float32, seed=i) for i in range(8)]
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         for i, array in enumerate(arrays):
             client.put(f"c/{i}", array)  # acknowledged from memory
         client.put_json("c/COMMIT", {"objects": len(arrays)})
     _kill(proc)  # no chance to write anything more
     proc = stores.start()
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         assert client.get_json("c/COMMIT") == {"objects": 8}
         for i, array in enumerate(arrays):
             np.testing.assert_array_equal(client.get(f"c/{i}"), array)
@@ -324,13 +325,13 @@ def test_a_commit_marker_on_disk_implies_its_objects_are(stores) -> None:
 def test_kill_while_a_large_put_streams_serves_the_old_version(stores) -> None:
     proc = stores.start()
     old = np.arange(STREAMED // 4, dtype=np.float32)
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         client.put("k/w", old, durable=True)
     with _partial_put(proc.address, "k/w", old + 1, durable=False, fraction=2):
         time.sleep(0.2)  # half the body is sent: then the store dies
         _kill(proc)
     proc = stores.start()
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         got = client.get("k/w")
         assert got.tobytes() == old.tobytes()
         assert [i.checksum for i in client.list("k/")] == [wire.checksum(wire.as_bytes(old))]
@@ -340,12 +341,12 @@ def test_kill_while_a_large_put_streams_serves_the_old_version(stores) -> None:
 def test_kill_after_a_memory_acknowledged_put_serves_one_whole_version(stores) -> None:
     proc = stores.start()
     v1 = np.arange(8 << 20, dtype=np.float32)  # 32 MiB: the disk writer may still be busy
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         client.put("a/w", v1, durable=True)
         client.put("a/w", v1 + 1)  # acknowledged from memory
     _kill(proc)
     proc = stores.start()
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         got = client.get("a/w")
         assert np.array_equal(got, v1) or np.array_equal(got, v1 + 1)
         assert client.list("a/")[0].checksum == wire.checksum(wire.as_bytes(got))
@@ -354,7 +355,7 @@ def test_kill_after_a_memory_acknowledged_put_serves_one_whole_version(stores) -
 def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> None:
     proc = stores.start()
     old = np.arange(BIG // 4, dtype=np.float32)
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         client.put("k/w", old, durable=True)
     tmp_dir = proc.dir / "tmp"
     outcome = {}
@@ -370,10 +371,10 @@ def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> Non
 
     def put_new():
         try:
-            with tj.StoreClient(proc.address) as c:
+            with store.StoreClient(proc.address) as c:
                 c.put("k/w", old * 2, durable=True)
             outcome["acked"] = True
-        except tj.StoreError as error:
+        except tj.errors.StoreError as error:
             outcome["error"] = error
 
     before = disk_bytes()
@@ -389,7 +390,7 @@ def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> Non
     assert outcome["error"].reason == "unavailable"
     proc = stores.start()
     assert list(tmp_dir.iterdir()) == []  # the partial write is gone
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         got = client.get("k/w")
         # the old version, as the kill lands mid-write; the new one only if the machine stalled
         # this test past the write's rename (complete either way, never a mix)
@@ -401,7 +402,7 @@ def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> Non
 def test_a_corrupted_file_is_detected_and_not_served(stores, when) -> None:
     array = _rng_array((64, 64), np.float32)
     proc = stores.start(memory_bytes=0)  # every read comes from disk
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         client.put("x/w", array, durable=True)
         client.put("x/ok", array + 1, durable=True)
     [file] = [f for f in (proc.dir / "objects").glob("*.obj") if b'"x/w"' in f.read_bytes()[:400]]
@@ -412,10 +413,10 @@ def test_a_corrupted_file_is_detected_and_not_served(stores, when) -> None:
     file.write_bytes(raw)
     if when == "restart":
         proc = stores.start(memory_bytes=0)
-    with tj.StoreClient(proc.address) as client:
-        with pytest.raises(tj.StoreError, match=r"'x/w' box \(\(0, 64\), \(0, 64\)\) is corrupt"):
+    with store.StoreClient(proc.address) as client:
+        with pytest.raises(tj.errors.StoreError, match=r"'x/w' box \(\(0, 64\), \(0, 64\)\) is corrupt"):
             client.get("x/w", ((0, 1), (0, 64)))
-        with pytest.raises(tj.StoreError) as err:
+        with pytest.raises(tj.errors.StoreError) as err:
             client.get("x/w")
         assert err.value.reason == "not_found"  # set aside: not listed, not served
         assert [i.path for i in client.list("x/")] == ["x/ok"]
@@ -425,13 +426,13 @@ def test_a_corrupted_file_is_detected_and_not_served(stores, when) -> None:
 
 def test_a_truncated_file_is_set_aside_at_start(stores) -> None:
     proc = stores.start()
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         client.put("t/w", np.arange(1000, dtype=np.int32), durable=True)
     proc.stop()
     [file] = (proc.dir / "objects").glob("*.obj")
     file.write_bytes(file.read_bytes()[:-10])
     proc = stores.start()
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         assert client.list() == []
     assert [f.name.split(".")[0] for f in (proc.dir / "corrupt").iterdir()] == [file.stem]
 
@@ -439,7 +440,7 @@ def test_a_truncated_file_is_set_aside_at_start(stores) -> None:
 def test_the_memory_tier_is_bounded_and_evicted_objects_come_from_disk(stores) -> None:
     proc = stores.start(memory_bytes=10_000)
     arrays = [_rng_array((1000,), np.float32, seed=i) for i in range(6)]  # 4000 bytes each
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         for i, array in enumerate(arrays):
             client.put(f"m/{i}", array)
         client.flush()
@@ -456,7 +457,7 @@ def test_the_memory_tier_is_bounded_and_evicted_objects_come_from_disk(stores) -
 def test_a_killed_store_is_recovered_from_its_replica(stores) -> None:
     procs = [stores.start(f"s{i}") for i in range(3)]
     full = _rng_array((12, 8), np.float32)
-    with tj.ReplicatedStore([p.address for p in procs], replicas=1, connect_timeout=1) as rs:
+    with store.ReplicatedStore([p.address for p in procs], replicas=1, connect_timeout=1) as rs:
         for host in range(3):  # host h writes rows 4h:4h+4 to stores h and h+1
             box = ((4 * host, 4 * host + 4), (0, 8))
             written = rs.put(host, "v1/w", full[4 * host : 4 * host + 4], box=box,
@@ -471,12 +472,12 @@ def test_a_killed_store_is_recovered_from_its_replica(stores) -> None:
         np.testing.assert_array_equal(got, full[9:12, 2:5])
         np.testing.assert_array_equal(rs.get("v1/w", ((4, 8), (0, 8)), prefer=1), full[4:8])
         # a put to a dead store fails unless fewer copies are accepted
-        with pytest.raises(tj.StoreError, match=r"reached 1 of 2 stores .*store 2 \(127"):
+        with pytest.raises(tj.errors.StoreError, match=r"reached 1 of 2 stores .*store 2 \(127"):
             rs.put(1, "v2/w", full[4:8], box=((4, 8), (0, 8)), global_shape=full.shape)
         assert rs.put(1, "v2/w", full[4:8], box=((4, 8), (0, 8)), global_shape=full.shape,
                       min_copies=1) == [1]  # fmt: skip
         _kill(procs[0])
-        with pytest.raises(tj.StoreError) as err:
+        with pytest.raises(tj.errors.StoreError) as err:
             rs.get("v1/w", ((9, 12), (2, 5)), prefer=2)
         message = str(err.value)
         assert "'v1/w' box ((9, 12), (2, 5))" in message
@@ -488,7 +489,7 @@ def test_a_killed_store_is_recovered_from_its_replica(stores) -> None:
 def test_a_corrupt_replica_is_skipped_for_a_good_one(stores) -> None:
     procs = [stores.start(f"s{i}", memory_bytes=0) for i in range(2)]
     array = _rng_array((32, 32), np.float32)
-    with tj.ReplicatedStore([p.address for p in procs], replicas=1) as rs:
+    with store.ReplicatedStore([p.address for p in procs], replicas=1) as rs:
         assert rs.put(0, "v/w", array, durable=True) == [0, 1]
         [file] = (procs[0].dir / "objects").glob("*.obj")
         raw = bytearray(file.read_bytes())
@@ -514,10 +515,10 @@ def test_a_stopped_store_is_skipped_within_the_connect_timeout(stores) -> None:
     procs = [stores.start(f"s{i}") for i in range(2)]
     array = _rng_array((16, 16), np.float32)
     addresses = [p.address for p in procs]
-    with tj.ReplicatedStore(addresses, replicas=1) as rs:
+    with store.ReplicatedStore(addresses, replicas=1) as rs:
         rs.put(0, "v/w", array)
     os.kill(procs[0].pid, signal.SIGSTOP)  # accepts connections (the kernel does), never answers
-    with tj.ReplicatedStore(addresses, replicas=1, connect_timeout=1) as rs:
+    with store.ReplicatedStore(addresses, replicas=1, connect_timeout=1) as rs:
         tic = time.monotonic()
         np.testing.assert_array_equal(rs.get("v/w", ((0, 4), (0, 16)), prefer=0), array[:4])
         assert time.monotonic() - tic < 10
@@ -526,7 +527,7 @@ def test_a_stopped_store_is_skipped_within_the_connect_timeout(stores) -> None:
 
 def test_a_second_server_on_the_same_dir_refuses_to_start(stores) -> None:
     stores.start("s0")
-    with pytest.raises(tj.StoreError, match="exited with 2 before listening"):
+    with pytest.raises(tj.errors.StoreError, match="exited with 2 before listening"):
         stores.start("s0", stderr=subprocess.DEVNULL)
 
 
@@ -538,30 +539,30 @@ def test_the_unix_socket_serves_the_same_store_to_this_user_only(stores, tmp_pat
     assert proc.unix_address == f"unix:{path}"
     assert path.stat().st_mode & 0o077 == 0  # no access for group or others
     full = _rng_array((8, 8), ml_dtypes.bfloat16)
-    with tj.StoreClient(proc.unix_address, token="tok") as unix:
+    with store.StoreClient(proc.unix_address, token="tok") as unix:
         unix.put("u/w", full)
-        with tj.StoreClient(proc.address, token="tok") as tcp:
+        with store.StoreClient(proc.address, token="tok") as tcp:
             np.testing.assert_array_equal(tcp.get("u/w", ((2, 5), (1, 8))), full[2:5, 1:8])
-    with pytest.raises(tj.StoreError, match="requires a token"):
-        tj.StoreClient(proc.unix_address).list()
+    with pytest.raises(tj.errors.StoreError, match="requires a token"):
+        store.StoreClient(proc.unix_address).list()
     proc.stop()
     assert not path.exists()
 
 
 def test_a_failed_disk_write_blocks_the_commit_marker_until_it_succeeds(stores) -> None:
-    from tenplex_jax.store.tiers import _key
+    from tenplex_jax.multihost.store.tiers import _key
 
     proc = stores.start()
     array = _rng_array((128,), np.float32)
     blocker = proc.dir / "objects" / f"{_key('array', 'f/w', ((0, 128),))}.obj"
     blocker.mkdir()  # a directory where the object's file must go: its rename fails
     (blocker / "x").write_text("x")
-    with tj.StoreClient(proc.address) as client:
-        with pytest.raises(tj.StoreError, match="failed on the store's disk") as err:
+    with store.StoreClient(proc.address) as client:
+        with pytest.raises(tj.errors.StoreError, match="failed on the store's disk") as err:
             client.put("f/w", array, durable=True)
         assert err.value.reason == "disk"
         client.put("f/w", array)  # acknowledged from memory; its write-back fails
-        with pytest.raises(tj.StoreError, match=r"disk writes failed .*'f/w'") as err:
+        with pytest.raises(tj.errors.StoreError, match=r"disk writes failed .*'f/w'") as err:
             client.put_json("f/COMMIT", {"step": 1})
         assert err.value.reason == "disk"
         assert client.get_json("f/COMMIT", default=None) is None
@@ -574,7 +575,7 @@ def test_a_failed_disk_write_blocks_the_commit_marker_until_it_succeeds(stores) 
         assert client.stats()["dirty"] == 0
     _kill(proc)
     proc = stores.start()
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         np.testing.assert_array_equal(client.get("f/w"), array)
         assert client.get_json("f/COMMIT") == {"step": 1}
 
@@ -595,7 +596,7 @@ def test_the_client_refuses_bytes_that_fail_their_checksum() -> None:
                 if request["op"] == "hello":
                     wire.send_frame(conn, {"ok": True})
                     continue
-                info = tj.ObjectInfo("w", ((0, 6),), (6,), "int32", 24, wire.checksum(good))
+                info = store.ObjectInfo("w", ((0, 6),), (6,), "int32", 24, wire.checksum(good))
                 reply = {"ok": True, "info": info.to_json(), "box": [[0, 6]],
                          "checksum": info.checksum}  # fmt: skip
                 wire.send_frame(conn, reply, bad.tobytes())
@@ -604,8 +605,8 @@ def test_the_client_refuses_bytes_that_fail_their_checksum() -> None:
     thread.start()
     try:
         host, port = listener.getsockname()
-        with pytest.raises(tj.StoreError, match="received bytes have checksum") as err:
-            tj.StoreClient(f"{host}:{port}", timeout=10).get("w")
+        with pytest.raises(tj.errors.StoreError, match="received bytes have checksum") as err:
+            store.StoreClient(f"{host}:{port}", timeout=10).get("w")
         assert err.value.reason == "corrupt"
     finally:
         thread.join(10)
@@ -621,7 +622,7 @@ def test_concurrent_puts_gets_and_deletes_stay_consistent_across_a_kill(stores) 
     def work(thread: int):
         rng = np.random.default_rng(thread)
         try:
-            with tj.StoreClient(proc.address) as client:
+            with store.StoreClient(proc.address) as client:
                 for i in range(40):
                     key = keys[rng.integers(len(keys))]
                     tag = thread * 1000 + i
@@ -633,7 +634,7 @@ def test_concurrent_puts_gets_and_deletes_stay_consistent_across_a_kill(stores) 
                     elif action < 0.9:
                         try:
                             got = client.get(key)
-                        except tj.StoreError as error:
+                        except tj.errors.StoreError as error:
                             assert error.reason == "not_found", error
                             continue
                         assert (got == got[0]).all() and int(got[0]) in written[key]
@@ -648,12 +649,12 @@ def test_concurrent_puts_gets_and_deletes_stay_consistent_across_a_kill(stores) 
     for t in threads:
         t.join(120)
     assert not errors, errors
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         client.flush()
         before = {(i.path, i.box): i.checksum for i in client.list("cc/")}
     _kill(proc)
     proc = stores.start(memory_bytes=64 << 10)
-    with tj.StoreClient(proc.address) as client:
+    with store.StoreClient(proc.address) as client:
         after = {(i.path, i.box): i.checksum for i in client.list("cc/")}
         assert after == before  # flushed: exactly what was served before the kill
         for (path, box), digest in after.items():  # a 4 KB and a 32 KB object per path

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tenplex_jax as tj
-from models import batch_at, loss_fn, stdlib_corpus
+from tenplex_jax_models import batch_at, loss_fn, stdlib_corpus
 from tests.helpers import RULES, train_state
 
 C = tj.ParallelConfig

@@ -39,7 +39,7 @@ def target(state, config, devices):
     return tj.PTC.of(state, RULES, config, [jax.devices()[i] for i in devices])
 
 
-@pytest.mark.parametrize("method", tj.transform.METHODS)
+@pytest.mark.parametrize("method", tj.executor.METHODS)
 @pytest.mark.parametrize(
     "name,src_cfg,src_devs,dst_cfg,dst_devs", MATRIX, ids=[m[0] for m in MATRIX]
 )
@@ -78,7 +78,7 @@ def test_donation_frees_replaced_leaves_and_keeps_shared_ones():
         reused = any(s.kind == "keep" for s in leaf.shards)
         assert array.is_deleted() != reused, leaf.path
     assert all(not x.is_deleted() for x in jax.tree.leaves(new))
-    with pytest.raises(tj.PlanError, match="deleted array"):
+    with pytest.raises(tj.errors.PlanError, match="deleted array"):
         tj.reshard(state, plan)  # the old state was consumed
 
 
@@ -107,11 +107,11 @@ def test_wrong_tree_or_wrong_layout_is_refused_and_the_state_is_untouched():
     expected = host_copy(state)
     plan = tj.make_plan(src, target(state, C(data=4, tensor=2), range(8)))
     with pytest.raises(
-        tj.PlanError, match=r"tree does not match.*at leaf 0: state 'b1' vs PTC '0/b1'"
+        tj.errors.PlanError, match=r"tree does not match.*at leaf 0: state 'b1' vs PTC '0/b1'"
     ):
         tj.reshard(nnx.state(nodes[0]), plan)  # the model alone, not model + optimizer
     other, other_ptc, _ = laid_out(C(fsdp=8), range(8), seed=1)
-    with pytest.raises(tj.PlanError, match=r"not laid out as the plan's source PTC says.*leaf '0/"):
+    with pytest.raises(tj.errors.PlanError, match=r"not laid out as the plan's source PTC says.*leaf '0/"):
         tj.reshard(other, plan)
     assert_shards_equal(state, expected, src)
     assert_shards_equal(other, host_copy(other), other_ptc)

@@ -1,6 +1,6 @@
 """The commit protocol: versions of a train state in the tensor stores.
 
-A multi-process job keeps its state in one tensor store per host slot (``tenplex_jax.store``), so
+A multi-process job keeps its state in one tensor store per host slot (``tenplex_jax.multihost.store``), so
 that a later generation of processes — more, fewer, or the same minus a dead one — can pull exactly
 the shards it needs. A *version* is the state at one step, laid out in the stores as::
 
@@ -41,13 +41,14 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
-from tenplex_jax.checkpoint import ptc_record
 from tenplex_jax.data import DataState
 from tenplex_jax.errors import PlanError, StoreError
 from tenplex_jax.plan import make_plan
-from tenplex_jax.ptc import PTC, Box, LeafLayout, ParallelConfig
+from tenplex_jax import box as boxes
+from tenplex_jax.box import Box
+from tenplex_jax.ptc import PTC
 
 FORMAT = 1
 PUT_THREADS = 4  # objects a process writes at once (each to its k + 1 stores in parallel)
@@ -79,7 +80,7 @@ class StoredObject:
     def to_json(self) -> dict:
         return {
             "path": self.path,
-            "box": [list(b) for b in self.box],
+            "box": boxes.to_json(self.box),
             "process": self.process,
             "device": self.device,
             "slots": list(self.slots),
@@ -90,7 +91,7 @@ class StoredObject:
     def from_json(cls, record: dict) -> StoredObject:
         return cls(
             record["path"],
-            _box(record["box"]),
+            boxes.parse(record["box"]),
             int(record["process"]),
             int(record["device"]),
             tuple(int(s) for s in record["slots"]),
@@ -118,7 +119,7 @@ def stored_objects(ptc: PTC, slots: Sequence[int], replicas: int) -> list[Stored
             writer = processes[(i + j) % len(processes)]
             device = min(d for d in devices if process_of[d] == writer)
             held = tuple(slots[(writer + r) % n] for r in range(k + 1))
-            size = int(np.prod([hi - lo for lo, hi in box], dtype=np.int64)) * leaf.itemsize
+            size = boxes.nbytes(box, leaf.itemsize)
             out.append(StoredObject(leaf.path, box, writer, device, held, size))
     return out
 
@@ -135,38 +136,6 @@ def _check_keys(ptc: PTC) -> None:
 
 
 # -- the manifest --------------------------------------------------------------------------------
-
-
-def ptc_from_record(record: dict, like: PTC) -> PTC:
-    """The stored PTC, with ``like``'s tree structure (after checking the leaves match)."""
-    leaves = tuple(
-        LeafLayout(
-            r["path"],
-            tuple(r["shape"]),
-            np.dtype(r["dtype"]),
-            PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in r["spec"])),
-        )
-        for r in record["leaves"]
-    )
-    got = [(l.path, l.shape, np.dtype(l.dtype).name) for l in leaves]
-    want = [(l.path, l.shape, np.dtype(l.dtype).name) for l in like.leaves]
-    if got != want:
-        show = lambda leaf: f"{leaf[0]!r} {leaf[2]}{list(leaf[1])}"
-        diff = next(
-            (f"stored leaf {show(a)} vs asked {show(b)}" for a, b in zip(got, want) if a != b),
-            f"{len(got)} stored leaves vs {len(want)} asked",
-        )
-        raise PlanError(
-            f"the stored version holds another state than the one asked for: {diff}; restore "
-            "the state it was committed from (same model, optimizer and tree)"
-        )
-    return PTC(
-        ParallelConfig(**record["config"]),
-        tuple(record["device_ids"]),
-        tuple(record["hosts"]),
-        leaves,
-        like.treedef,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,10 +177,6 @@ class Manifest:
             tuple(StoredObject.from_json(o) for o in record["objects"]),
             None if data is None else DataState(**data),
         )
-
-
-def _box(value) -> Box:
-    return tuple((int(lo), int(hi)) for lo, hi in value)
 
 
 # -- versions in the stores (no JAX needed: the launcher calls these too) --------------------------
@@ -269,7 +234,7 @@ def missing_objects(clients: dict[int, Any], manifest: Manifest) -> list[StoredO
     held: dict[int, set] = {}
     for slot, client in clients.items():
         try:
-            held[slot] = {(i.path, _box(i.box)) for i in client.list(prefix)}
+            held[slot] = {(i.path, boxes.parse(i.box)) for i in client.list(prefix)}
         except StoreError:
             continue
     return [
@@ -345,7 +310,7 @@ class Committer:
         copy_seconds = time.perf_counter() - tic
         manifest = None
         if self.process == 0:
-            manifest = Manifest(step, self.slots, self.replicas, ptc_record(ptc), tuple(objects),
+            manifest = Manifest(step, self.slots, self.replicas, ptc.to_json(), tuple(objects),
                                 data_state)  # fmt: skip
         shapes = {leaf.path: leaf.shape for leaf in ptc.leaves}
         args = (step, mine, copies, shapes, manifest, copy_seconds)
@@ -370,6 +335,14 @@ class Committer:
         if isinstance(result, BaseException):
             raise result
         return result
+
+    def close(self) -> None:
+        """Finish what is in flight, then release the write threads and connections."""
+        try:
+            self.wait(collect=True)
+        finally:
+            self._pool.shutdown(wait=True)
+            self.replicated.close()
 
     def _objects_of(self, ptc: PTC) -> list[StoredObject]:
         if self._objects is None or self._objects[0] != ptc:
@@ -458,7 +431,7 @@ def pull(
     ``clients`` maps the slots whose stores are up to their clients; ``slot`` is this process's.
     """
     tic = time.perf_counter()
-    source = ptc_from_record(manifest.ptc, target)
+    source = PTC.from_json(manifest.ptc, target)
     # offset the stored devices' ids: they belong to processes that no longer exist, and a shared
     # id would make the plan "keep" a box that this process does not hold
     offset = max(target.device_ids) + 1
@@ -469,17 +442,16 @@ def pull(
     reader = _Reader(clients, slot, version_prefix(manifest.step))
     jobs = []  # (leaf index, target box): one read per distinct box of this process
     for i, leaf_plan in enumerate(plan.leaves):
-        boxes = {s.box: s for s in leaf_plan.shards if s.device in local}
-        jobs += [(i, shard) for shard in boxes.values()]
+        distinct = {s.box: s for s in leaf_plan.shards if s.device in local}
+        jobs += [(i, shard) for shard in distinct.values()]
 
     def fetch(job):
         i, shard = job
         leaf = target.leaves[i]
-        out = np.empty([hi - lo for lo, hi in shard.box], dtype=np.dtype(leaf.dtype))
+        out = np.empty(boxes.shape(shard.box), dtype=np.dtype(leaf.dtype))
         for piece in shard.pieces:
             o = where[(leaf.path, piece.src_box)]
-            rel = tuple(slice(lo - s, hi - s) for (lo, hi), (s, _) in zip(piece.box, shard.box))
-            out[rel] = reader.read(o, piece.box)
+            out[boxes.index(piece.box, shard.box)] = reader.read(o, piece.box)
         return (i, shard.box), out
 
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:

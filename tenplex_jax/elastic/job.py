@@ -1,15 +1,16 @@
-"""Elastic training in one process: the user's Flax loop keeps training while its devices change.
+"""``ElasticJob``: the user's Flax loop keeps training while its devices change.
 
 The user keeps their own train step and their own loop; tenplex_jax owns the state's layout (its
-PTC), the dataset PTC and the step's shardings, and applies reconfigurations between steps::
+PTC), the dataset PTC and the step's shardings, and applies reconfigurations between steps. The
+same script runs in one process and as a process of ``tenplex-jax launch``::
 
-    job = tj.ElasticJob(rules, tj.DatasetPTC(samples, global_batch=24), workers=8)
-    state = job.place(nnx.state({"model": model, "optimizer": optimizer}))
-    step = job.jit(train_step)               # train_step(state, batch) -> (state, metrics)
-    with job.handle_sigterm():               # SIGTERM: a preemption notice
+    with tj.ElasticJob(rules, tj.DatasetPTC(samples, global_batch=24), workers=8) as job:
+        state = job.start(init)              # init() -> nnx.state({"model": .., "optimizer": ..})
+        step = job.jit(train_step)           # train_step(state, batch) -> (state, metrics)
         while job.step < 1000:
             state, batch = job.next(state)   # the step boundary: pending events, then a batch
             state, metrics = step(state, batch)
+        job.finish(state)
 
     def train_step(state, batch):            # the user's step: any Flax NNX code
         nodes = nnx.merge(graphdef, state)
@@ -17,31 +18,44 @@ PTC), the dataset PTC and the step's shardings, and applies reconfigurations bet
         nodes["optimizer"].update(nodes["model"], grads)
         return nnx.state(nodes), {"loss": loss}
 
+**Start.** ``job.start(init)`` lays the state out on the initial devices: restored from the latest
+orbax checkpoint under ``checkpoint_dir`` when there is one (the dataset cursor with it), else
+built by ``init()`` straight into the layout (``init`` may also be a state, which is placed).
+
 **Events** are posted at any time (from a signal handler, another thread or the loop) and applied
-at the next ``job.next``:
+at the next ``job.next`` (see ``tenplex_jax.elastic.events``):
 
 - ``job.preempt(devices)``: a preemption notice; the job shrinks onto the devices that remain and
-  commits (an orbax checkpoint when ``checkpoint_dir`` is set). SIGTERM under
-  ``job.handle_sigterm()`` posts one without device names; the rule is then that the job's last
-  ``preempt_devices`` devices (highest ids) go, as when a scheduler reclaims the last host.
-  ``jax.experimental.multihost_utils.reached_preemption_sync_point`` is polled at every boundary;
-  in one process without ``jax.distributed`` it is always False, so SIGTERM is the signal there.
+  saves a checkpoint when ``checkpoint_dir`` is set. SIGTERM under ``job.handle_sigterm()`` posts
+  one without device names: the job's last ``preempt_devices`` devices (highest ids) go.
 - ``job.fail(devices)``: the devices' buffers are gone. The plan rebuilds their shards from
   surviving replicas (``make_plan(..., failed=...)`` never reads a failed device). When some box has
   no replica, ``LostShardsError`` names the leaves; with a checkpoint the job restores the latest
-  one onto the remaining devices, rewinds the dataset cursor and reports the lost steps.
+  one onto the remaining devices, rewinds the dataset cursor and records the lost steps.
 - ``job.offer(devices)``: the job grows when the estimated gain over the remaining steps (step
-  times from ``tenplex_jax.planner``, or measured ones scaled by the device count) exceeds the
-  estimated cost (the plan's bytes over the bandwidth, plus the compile time unless the step is
-  already compiled). The decision and its numbers are recorded.
+  times from the planner with ``profile`` and ``device_type``, else measured ones scaled by the
+  device count) exceeds the estimated cost (the plan's bytes over the bandwidth, plus the compile
+  unless the step is compiled). The decision and its numbers are recorded.
+- ``job.redeploy(devices)``: move onto exactly these devices.
 
 **Compiled steps** are cached per (parallel config, device order, batch layout): returning to an
 earlier layout does not recompile. After every reconfiguration background threads compile
 (``jit(...).lower(abstract state, abstract batch).compile()``) the likely next layouts: those
 announced with ``job.expect(devices)`` (the last two, in order) and, once they are compiled or when
 none is announced, one device fewer (on a thread of its own, so that a guess never delays an
-announced layout). ``compilation_cache_dir`` turns on JAX's persistent compilation cache for every
-compile, however short.
+announced layout). JAX's persistent compilation cache is the user's to turn on
+(``tj.elastic.enable_compilation_cache``): the job changes no process-wide setting.
+
+**Step times.** Steps are dispatched asynchronously. The first step on each layout is waited for
+(it ends the event's stall and gives the measured step time growth decisions use);
+``exact_step_times=True`` waits for every step and logs its time.
+
+**Launched.** In a process of ``tenplex-jax launch`` the job runs on all the processes' devices;
+``start`` restores from where the launcher says (the tensor stores, the orbax tier, or ``init``);
+``next`` commits to the stores every ``--commit-every`` steps and, when the launcher ends the
+generation (a planned resize or stop), commits synchronously and raises ``SystemExit(0)``: the next
+generation resumes at that step. Devices change only by generation there, so ``preempt``,
+``fail``, ``offer`` and ``redeploy`` refuse.
 
 Every event becomes an ``EventRecord`` in ``job.records``: the decision, bytes moved, reshard and
 compile seconds, lost steps, and the stall (from the event to the first step done on the new
@@ -53,8 +67,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
-import math
+import os
 import pathlib
 import signal
 import time
@@ -63,58 +76,18 @@ from collections.abc import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
-from tenplex_jax.cluster import Cluster, DeviceType
+from tenplex_jax.batch import BATCH_AXES, Batch, device_batch
 from tenplex_jax.data import BatchLayout, DatasetPTC
+from tenplex_jax.elastic import events
+from tenplex_jax.elastic.events import DECISIONS, KINDS, Event, EventRecord
+from tenplex_jax.elastic.steps import StepCache
 from tenplex_jax.errors import DataError, LayoutError, LostShardsError
+from tenplex_jax.executor import place, reshard
 from tenplex_jax.plan import allocate, make_plan
-from tenplex_jax.planner import choose
-from tenplex_jax.profile import ModelProfile
+from tenplex_jax.planner import Cluster, DeviceType, ModelProfile, choose, choose_config
 from tenplex_jax.ptc import PTC, ParallelConfig, Rules
-from tenplex_jax.steps import Batch, StepCache, enable_compilation_cache
-from tenplex_jax.train import BATCH_AXES, device_batch
-from tenplex_jax.transform import place, reshard
 
-KINDS = ("preempt", "fail", "offer")
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """A change of the job's devices, applied at the next step boundary."""
-
-    kind: str  # "preempt", "fail" or "offer"
-    devices: tuple[int, ...] | None  # None: the rule (the job's last `count` devices / lowest free)
-    count: int | None = None
-    source: str = "api"
-    posted: float = dataclasses.field(default_factory=time.perf_counter)
-
-
-@dataclasses.dataclass
-class EventRecord:
-    """What one event did; ``dataclasses.asdict`` gives the JSON of ``summary.json``."""
-
-    step: int
-    kind: str
-    source: str
-    devices_before: list[int]
-    devices_after: list[int]
-    config_before: str
-    config_after: str
-    decision: str  # shrink, rebuild, restore, grow, stay
-    bytes_moved: int = 0
-    bytes_kept: int = 0
-    plan_seconds: float = 0.0
-    reshard_seconds: float = 0.0
-    compile: str = (
-        ""  # cached (compiled before), waited (compile-ahead was running), compiled (now)
-    )
-    compile_seconds: float = 0.0  # what XLA took for the new layout's step, wherever it ran
-    compile_wait_seconds: float = 0.0  # how long the boundary waited for it
-    commit_seconds: float = 0.0
-    restore_seconds: float = 0.0
-    lost_steps: int = 0
-    stall_seconds: float | None = None  # event posted -> first step done on the new layout
-    estimate: dict | None = None  # growth: the numbers behind the decision
-    error: str | None = None
+__all__ = ["KINDS", "ElasticJob", "EventRecord"]
 
 
 class ElasticJob:
@@ -123,10 +96,11 @@ class ElasticJob:
     ``rules`` are the logical-axis rules of the state; ``dataset`` serves the global batches
     (its ``step`` is the job's step). ``devices`` are all the devices the job may ever use
     (default ``jax.devices()``); it starts on ``initial`` (default all). ``config(n)`` picks the
-    parallel config for ``n`` devices (default: ``default_config``, data and FSDP meshes, chosen by
-    the planner when ``profile`` and ``device_type`` are given). ``workers`` sets virtual workers,
+    parallel config for ``n`` devices (default: ``tj.planner.choose_config``, which asks the
+    planner when ``profile`` and ``device_type`` are given). ``workers`` sets virtual workers,
     which make the params bitwise equal across data-parallel and FSDP sizes. ``steps`` (the run's
-    length) lets growth weigh its gain over the remaining steps.
+    length) lets growth weigh its gain over the remaining steps. A context manager: leaving it
+    stops the compile threads and, when launched, the commits' threads and connections.
     """
 
     def __init__(
@@ -144,12 +118,31 @@ class ElasticJob:
         checkpoint_dir: str | pathlib.Path | None = None,
         checkpoint_every: int | None = None,
         compile_ahead: bool = True,
-        compilation_cache_dir: str | pathlib.Path | None = None,
         preempt_devices: int = 1,
         method: str = "plan",
         batch_axes: Sequence[str] = BATCH_AXES,
+        exact_step_times: bool = False,
         log: Callable[[str], None] | None = None,
     ):
+        from tenplex_jax.multihost.launch import JobSpec
+
+        spec = JobSpec.from_env(os.environ)
+        self._worker = None
+        if spec is not None:  # a process of `tenplex-jax launch`
+            if not jax.distributed.is_initialized():
+                raise LayoutError(
+                    "this process has a launched job's description but has not joined it: "
+                    "tenplex-jax launch starts scripts as `python -m tenplex_jax.multihost SCRIPT`"
+                )
+            if devices is not None or initial is not None:
+                raise LayoutError(
+                    "a launched job runs on every device of its processes; devices= and "
+                    "initial= are for one process (the launcher sets the process count)"
+                )
+            from tenplex_jax.multihost.worker import Worker
+
+            self._worker = Worker(spec, checkpoint_dir, checkpoint_every)
+            compile_ahead = False  # another layout is another generation of processes
         self.rules, self.dataset, self.workers = rules, dataset, workers
         self.devices = {d.id: d for d in (jax.devices() if devices is None else devices)}
         self.initial = tuple(sorted(self.devices) if initial is None else initial)
@@ -157,24 +150,30 @@ class ElasticJob:
         self.steps, self.method, self.batch_axes = steps, method, tuple(batch_axes)
         self.checkpoint_dir = None if checkpoint_dir is None else pathlib.Path(checkpoint_dir)
         self.checkpoint_every, self.compile_ahead = checkpoint_every, compile_ahead
-        self.preempt_devices = preempt_devices
+        self.preempt_devices, self.exact_step_times = preempt_devices, exact_step_times
         self.log = log or (lambda text: None)
-        if compilation_cache_dir is not None:
-            enable_compilation_cache(compilation_cache_dir)
         self.failed: set[int] = set()
         self.records: list[EventRecord] = []
         self.cache_hits = 0  # reconfigurations whose step was already compiled
-        self.step_log: list[tuple[int, float, str]] = []  # (step, seconds, config) of counted steps
+        self.step_log: list[tuple[int, float, str]] = []  # (step, seconds, config) of timed steps
         self.lost_seconds = 0.0  # step time thrown away by checkpoint fallbacks
         self.checkpoints: list[tuple[int, float]] = []  # (step, seconds) of every save
+        self.resumed: int | None = None  # the checkpoint step start() restored, if any
         self.ptc: PTC | None = None
-        self._pending: collections.deque[Event] = collections.deque()
         self.steps_cache: StepCache | None = None  # made by jit()
+        self.samples: np.ndarray | None = None  # the sample index of every row of the last batch
+        self._pending: collections.deque[Event] = collections.deque()
         self._configs: dict[int, ParallelConfig] = {}
         self._hints: list[tuple[int, ...]] = []
-        self._abstract = self._sample = self._stalled = None
-        self.samples: np.ndarray | None = None  # the sample index of every row of the last batch
+        self._abstract = self._sample = None
+        self._stalled: tuple[EventRecord | None, float] | None = None  # (record, posted)
         self._bandwidth = device_type.link_bandwidth if device_type is not None else 1e9
+
+    def __enter__(self) -> ElasticJob:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- the user's side --------------------------------------------------------------------------
 
@@ -192,41 +191,114 @@ class ElasticJob:
     def layout(self) -> BatchLayout:
         return self._layout(self.ptc.config)
 
-    def place(self, state):
-        """Lay ``state`` (built without a mesh) out on the initial devices; returns it placed."""
-        self._abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    @property
+    def launched(self) -> bool:
+        """Whether this process is a worker of ``tenplex-jax launch``."""
+        return self._worker is not None
+
+    @property
+    def process_index(self) -> int:
+        return 0 if self._worker is None else self._worker.process_index
+
+    @property
+    def generation(self) -> int:
+        """The launched job's generation of processes (0 in one process)."""
+        return 0 if self._worker is None else self._worker.generation
+
+    @property
+    def run_dir(self) -> pathlib.Path | None:
+        """The launcher's run directory (None in one process)."""
+        return None if self._worker is None else self._worker.run_dir
+
+    @property
+    def restored(self) -> dict | None:
+        """In a launched job: where ``start`` took the state from, its step and costs."""
+        return None if self._worker is None else self._worker.restored
+
+    def start(self, init):
+        """The job's state laid out on its initial devices: restored when there is a state to
+        resume (a launched generation's, or the latest checkpoint under ``checkpoint_dir``), else
+        ``init()`` jitted straight into the layout. ``init`` is a function returning the state
+        (an ``nnx.State`` or any pytree of arrays), or the state itself (placed as it is)."""
+        if self.ptc is not None:
+            raise LayoutError("job.start() lays the state out once; the job already has a layout")
+        if callable(init):
+            self._abstract = jax.eval_shape(init)
+        else:
+            self._abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init)
         self._sample = jax.tree.map(np.asarray, self.dataset.load(np.zeros(1, np.int64)))
         ids = self.initial
-        self.ptc = PTC.of(self._abstract, self.rules, self.config_for(len(ids)), ids)
-        return place(state, self.ptc)
+        devices = [self.devices[i] for i in ids]
+        self.ptc = PTC.of(self._abstract, self.rules, self.config_for(len(ids)), devices)
+
+        def build():
+            if callable(init):
+                return jax.jit(init, out_shardings=self.ptc.shardings(self._mesh()))()
+            return place(init, self.ptc)
+
+        if self._worker is not None:
+            return self._worker.restore(self.ptc, build, self.dataset)
+        latest = None
+        if self.checkpoint_dir is not None:
+            from tenplex_jax.checkpoint import latest_checkpoint
+
+            latest = latest_checkpoint(self.checkpoint_dir)
+        if latest is None:
+            return build()
+        from tenplex_jax.checkpoint import restore_checkpoint
+
+        restored = restore_checkpoint(self.checkpoint_dir, self.ptc, step=latest)
+        if restored.data_state is None:
+            raise DataError(f"checkpoint {latest} in {self.checkpoint_dir} has no data state")
+        self.dataset.restore(restored.data_state)
+        self.resumed = latest
+        self.checkpoints.append((latest, 0.0))  # already saved: not saved again
+        self.log(f"resumed from checkpoint {latest} in {self.checkpoint_dir}")
+        return restored.state
 
     def jit(self, fn: Callable) -> Callable:
         """The user's ``fn(state, batch) -> (state, metrics)``, compiled per layout; call it with
         ``job.next``'s state and batch. The state is donated; metrics come back replicated."""
         if self.ptc is None:
-            raise LayoutError("call job.place(state) before job.jit(step): the step needs a layout")
+            raise LayoutError("call job.start(init) before job.jit(step): the step needs a layout")
         self.steps_cache = StepCache(fn, self._sample, list(self.devices.values()), self.batch_axes)
         self._compiled(self.ptc, ahead=True)
+        self._stalled = (None, time.perf_counter())  # time the first step too
         self._ahead()
         return self._run
 
     def next(self, state):
-        """The step boundary: apply pending events, save a due checkpoint; (state, next batch)."""
-        with contextlib.suppress(Exception):  # False in one process (no preemption sync manager)
-            if jax.process_count() > 1 and _reached_sync_point(self.step):
-                self._pending.append(Event("preempt", None, source="preemption sync point"))
+        """The step boundary: apply pending events, save a due checkpoint (one process) or commit
+        (launched); (state, the next batch)."""
+        if self.ptc is None:
+            raise LayoutError("call job.start(init) before job.next(state)")
+        if self._worker is not None:
+            self._launched_boundary(state)
         while self._pending:
             state = self._apply(state, self._pending.popleft())
         every = self.checkpoint_every
-        if self.checkpoint_dir is not None and every and self.step % every == 0:
-            self._save(state)
-        mesh = self.ptc.mesh(list(self.devices.values()))
-        layout = self.layout
+        if self._worker is None and self.checkpoint_dir is not None and every:
+            if self.step % every == 0:
+                self._save(state)
+        mesh, layout = self._mesh(), self.layout
         data, weights, self.samples = device_batch(
             self.dataset, self.step, layout, mesh, self.batch_axes
         )
         self.dataset.step += 1
         return state, Batch(data, weights, layout, mesh, self.batch_axes)
+
+    def finish(self, state) -> None:
+        """The end of training: a final checkpoint (with ``checkpoint_dir``) and, when launched,
+        the commits finished and the launcher told that the job is done."""
+        if self._worker is not None:
+            self._worker.finish(state, self.ptc, self.step, self.dataset)
+        elif self.checkpoint_dir is not None:
+            self._save(state)
+
+    def wait(self) -> None:
+        """Finish the commit in flight, if any (launched jobs commit in the background)."""
+        if self._worker is not None:
+            self._worker.wait()
 
     def preempt(self, devices: Iterable[int] | None = None, *, count: int | None = None) -> None:
         """A preemption notice for ``devices`` (default: the job's last ``count`` devices)."""
@@ -239,6 +311,10 @@ class ElasticJob:
     def offer(self, devices: Iterable[int] | None = None, *, count: int | None = None) -> None:
         """``devices`` are offered (default: the ``count`` lowest-numbered unused devices)."""
         self._post("offer", devices, count)
+
+    def redeploy(self, devices: Iterable[int]) -> None:
+        """Move onto exactly ``devices`` at the next step boundary."""
+        self._post("redeploy", devices, None)
 
     def expect(self, devices: Iterable[int]) -> None:
         """A hint: the job will likely run on ``devices`` next; its step is compiled ahead."""
@@ -263,28 +339,23 @@ class ElasticJob:
     ) -> tuple[int, ...]:
         """The device ids the job would ask for after an event (before a growth decision), from
         its current devices or from ``current``."""
-        current = set(self.ptc.device_ids if current is None else current)
-        if kind not in KINDS:
-            raise LayoutError(f"an event kind is one of {KINDS}, got {kind!r}")
-        if kind == "offer":
-            free = sorted(set(self.devices) - current - self.failed)
-            offered = set(free[: count or 0] if devices is None else devices) - self.failed
-            return tuple(sorted(current | offered))
-        gone = set(
-            sorted(current)[-(count or self.preempt_devices) :] if devices is None else devices
+        return events.devices_after(
+            kind,
+            self.ptc.device_ids if current is None else current,
+            devices,
+            count,
+            usable=self.devices,
+            failed=self.failed,
+            default_count=self.preempt_devices,
         )
-        left = tuple(sorted(current - gone))
-        if not left:
-            raise LayoutError(f"a {kind} of devices {sorted(gone)} leaves the job no device")
-        return left
 
     def config_for(self, n: int) -> ParallelConfig:
         """The parallel config the job uses on ``n`` devices."""
         if n not in self._configs:
-            self._configs[n] = (
-                self._choose(n)
-                if self._choose is not None
-                else default_config(
+            if self._choose is not None:
+                self._configs[n] = self._choose(n)
+            else:
+                self._configs[n] = choose_config(
                     n,
                     self._abstract,
                     self.rules,
@@ -293,7 +364,6 @@ class ElasticJob:
                     profile=self.profile,
                     device_type=self.device_type,
                 )
-            )
         return self._configs[n]
 
     def is_compiled(self, devices: Iterable[int]) -> bool:
@@ -307,29 +377,29 @@ class ElasticJob:
         return self.steps_cache.compile(target, self._layout(target.config)).seconds
 
     def close(self) -> None:
-        """Stop the compile-ahead thread (waits for a compile under way)."""
+        """Stop the compile-ahead threads (waits for a compile under way) and, when launched,
+        the commit threads and store connections."""
         if self.steps_cache is not None:
             self.steps_cache.close()
+        if self._worker is not None:
+            self._worker.close()
 
     # -- events -----------------------------------------------------------------------------------
 
     def _post(self, kind, devices, count, source="api"):
+        if self._worker is not None:
+            raise LayoutError(
+                f"job.{kind}(): a launched job's devices change by generation (a lost process, "
+                f"RUN_DIR/resize, SIGTERM to the launcher), not within one"
+            )
         ids = None if devices is None else tuple(int(d) for d in devices)
         self._pending.append(Event(kind, ids, count, source))  # deque.append: signal-safe
 
     def _apply(self, state, event: Event):
         before = self.ptc
         ids = self.devices_after(event.kind, event.devices, event.count)
-        record = EventRecord(
-            self.step,
-            event.kind,
-            event.source,
-            list(before.device_ids),
-            list(ids),
-            str(before.config),
-            "",
-            "",
-        )
+        record = EventRecord(self.step, event.kind, event.source, list(before.device_ids),
+                             list(ids), str(before.config), "", "")  # fmt: skip
         failed = ()
         if event.kind == "fail":
             failed = tuple(sorted(set(before.device_ids) - set(ids)))
@@ -361,11 +431,10 @@ class ElasticJob:
             record.reshard_seconds = report.seconds
             if report.seconds > 0 and report.bytes_moved:
                 self._bandwidth = report.bytes_moved / report.seconds
-            record.decision = {"preempt": "shrink", "fail": "rebuild", "offer": "grow"}[event.kind]
+            record.decision = DECISIONS[event.kind]
         self.ptc = target
         record.devices_after, record.config_after = list(target.device_ids), str(target.config)
-        key = self._key(target)
-        status = self.steps_cache.status(key)
+        status = self.steps_cache.status(self._key(target))
         record.compile = {"ready": "cached", "running": "waited"}.get(status, "compiled")
         self.cache_hits += record.compile != "compiled"
         tic = time.perf_counter()
@@ -385,7 +454,7 @@ class ElasticJob:
         return state
 
     def _target(self, ids: tuple[int, ...]) -> PTC:
-        new = PTC.of(self._abstract, self.rules, self.config_for(len(ids)), ids)
+        new = self.ptc.relayout(self.config_for(len(ids)), [self.devices[i] for i in ids])
         return allocate(self.ptc, new)
 
     def _fall_back(self, state, target: PTC, error: LostShardsError, record: EventRecord):
@@ -420,27 +489,17 @@ class ElasticJob:
             recent = [s for _, s, c in self.step_log[-5:] if c == str(old)]
             t_old = float(np.median(recent)) if recent else 0.0
             t_new = t_old * old.num_devices / new.num_devices
-        remaining = None if self.steps is None else max(self.steps - self.step, 0)
-        gain = math.inf if remaining is None else (t_old - t_new) * remaining
-        key = self._key(target)
-        ready = self.steps_cache.ready(key)
-        done = self.steps_cache.done()
-        compile_s = 0.0 if ready else max((c.seconds for c in done), default=0.0)
-        transfer = plan.bytes_moved / self._bandwidth
-        return {
-            "source": source,
-            "step_seconds_now": t_old,
-            "step_seconds_new": t_new,
-            "remaining_steps": remaining,
-            "gain_seconds": gain,
-            "bytes_moved": plan.bytes_moved,
-            "bandwidth": self._bandwidth,
-            "transfer_seconds": transfer,
-            "compile_seconds": compile_s,
-            "compiled_ahead": ready,
-            "cost_seconds": transfer + compile_s,
-            "grow": bool(gain > transfer + compile_s),
-        }
+        ready = self.steps_cache.ready(self._key(target))
+        return events.growth(
+            step_seconds_now=t_old,
+            step_seconds_new=t_new,
+            remaining_steps=None if self.steps is None else max(self.steps - self.step, 0),
+            bytes_moved=plan.bytes_moved,
+            bandwidth=self._bandwidth,
+            compile_seconds=max((c.seconds for c in self.steps_cache.done()), default=0.0),
+            compiled_ahead=ready,
+            source=source,
+        )
 
     def _step_estimate(self, config: ParallelConfig) -> float:
         n = config.num_devices
@@ -462,7 +521,24 @@ class ElasticJob:
         self.checkpoints.append((self.step, seconds))
         return seconds
 
+    def _launched_boundary(self, state) -> None:
+        """Commits, and the end of a generation the launcher asked for (or JAX's preemption
+        sync point reached): the generation commits, then this process exits."""
+        from jax.experimental import multihost_utils
+
+        action = self._worker.boundary(state, self.ptc, self.step, self.dataset)
+        if action is None and multihost_utils.reached_preemption_sync_point(self.step):
+            self._worker.commit(state, self.ptc, self.step, self.dataset, wait=True,
+                                checkpoint=True)  # fmt: skip
+            action = "preempted"
+        if action is not None:
+            self.log(f"step {self.step}: generation {self.generation} ends ({action}), committed")
+            raise SystemExit(0)
+
     # -- compiled steps ---------------------------------------------------------------------------
+
+    def _mesh(self):
+        return self.ptc.mesh(list(self.devices.values()))
 
     def _layout(self, config: ParallelConfig) -> BatchLayout:
         return BatchLayout(
@@ -483,29 +559,30 @@ class ElasticJob:
         usable = lambda ids: not set(ids) & self.failed and set(ids) <= set(self.devices)
         targets = [h for h in self._hints if h != current and usable(h)]  # announced, in order
         guess = len(current) > self.preempt_devices
-        if guess and not any(self._pending_target(ids) for ids in targets):  # all compiled
+        if guess and all(self._compiled_for(ids) for ids in targets):
             targets.append(self.devices_after("preempt"))  # then the guess: one device fewer
         self.steps_cache.cancel_queued()  # resubmitted below, in this order
         for i, ids in enumerate(targets):
             try:
                 target = self._target(ids)
-                guessed = guess and i == len(targets) - 1 and ids not in self._hints
-                self.steps_cache.get(target, self._layout(target.config), ahead=True, guess=guessed)
-            except Exception as error:  # noqa: BLE001 - a guess that fails must not stop training
-                self.log(f"compile-ahead for devices {list(ids)} skipped: {error!r}")
+            except (LayoutError, DataError) as error:  # no layout for these devices
+                self.log(f"compile-ahead for devices {list(ids)} skipped: {error}")
+                continue
+            guessed = guess and i == len(targets) - 1 and ids not in self._hints
+            self.steps_cache.get(target, self._layout(target.config), ahead=True, guess=guessed)
 
-    def _pending_target(self, ids) -> bool:
-        """True while the step for ``ids`` is not compiled; False once it is, or if ``ids`` have
-        no layout (nothing to wait for)."""
+    def _compiled_for(self, ids) -> bool:
+        """Whether the step for ``ids`` is compiled; True when ``ids`` have no layout (nothing to
+        wait for)."""
         try:
-            return not self.steps_cache.ready(self._key(self._target(ids)))
-        except Exception:  # noqa: BLE001 - no layout: nothing to wait for
-            return False
+            return self.steps_cache.ready(self._key(self._target(ids)))
+        except (LayoutError, DataError):
+            return True
 
     def _run(self, state, batch: Batch):
-        """Run one step on the current layout; blocks until it is done (for the step times)."""
+        """Run one step on the current layout (asynchronously, but for the timed steps)."""
         future = self._compiled(self.ptc, ahead=False)
-        if batch.layout != self.layout or batch.mesh != self.ptc.mesh(list(self.devices.values())):
+        if batch.layout != self.layout or batch.mesh != self._mesh():
             raise LayoutError(
                 f"the batch is laid out for {batch.layout} on mesh {dict(batch.mesh.shape)}, the "
                 f"job runs {self.ptc.config} on {list(self.ptc.device_ids)}: pass the state and "
@@ -514,55 +591,15 @@ class ElasticJob:
         executable = future.result().executable
         tic = time.perf_counter()
         state, metrics = executable(state, batch)
-        jax.block_until_ready((state, metrics))
-        done = time.perf_counter()
-        self.step_log.append((self.step - 1, done - tic, str(self.ptc.config)))
-        if self._stalled is not None:
-            record, posted = self._stalled
-            record.stall_seconds, self._stalled = done - posted, None
+        if self._worker is not None:
+            self._worker.reached(self.step)
+        if self.exact_step_times or self._stalled is not None:
+            jax.block_until_ready((state, metrics))
+            done = time.perf_counter()
+            self.step_log.append((self.step - 1, done - tic, str(self.ptc.config)))
+            if self._stalled is not None:
+                record, posted = self._stalled
+                if record is not None:
+                    record.stall_seconds = done - posted
+                self._stalled = None
         return state, metrics
-
-
-def default_config(
-    n: int,
-    abstract_state,
-    rules: Rules,
-    global_batch: int,
-    workers: int | None,
-    *,
-    profile: ModelProfile | None = None,
-    device_type: DeviceType | None = None,
-) -> ParallelConfig:
-    """The ``(data, fsdp)`` config of ``n`` devices for a state and global batch.
-
-    Candidates lay the state out without replicating an indivisible dim and give every
-    data-parallel rank a unit of the batch. With a ``profile`` and ``device_type`` the planner
-    (``tenplex_jax.planner.choose``) picks the fastest; otherwise the one with the least FSDP
-    (pure data parallelism when the batch allows it). Tensor and pipeline degrees stay 1: virtual
-    workers keep the params bitwise equal across data and FSDP sizes only.
-    """
-    valid, refused = [], []
-    for f in (d for d in range(1, n + 1) if n % d == 0):
-        config = ParallelConfig(data=n // f, fsdp=f)
-        try:
-            PTC.of(abstract_state, rules, config, range(n))
-            BatchLayout(global_batch, ranks=n, workers=workers)
-        except (LayoutError, DataError) as error:
-            refused.append(f"{config}: {str(error).split(';')[0]}")
-            continue
-        valid.append(config)
-    if not valid:
-        raise LayoutError(
-            f"no (data, fsdp) config lays the state out on {n} devices with global batch "
-            f"{global_batch}: " + "; ".join(refused)
-        )
-    if profile is None or device_type is None:
-        return valid[0]
-    cluster = Cluster.uniform(n, device_type, per_node=n)
-    return choose(cluster, profile, global_batch, configs=valid).best.config
-
-
-def _reached_sync_point(step: int) -> bool:
-    from jax.experimental import multihost_utils
-
-    return bool(multihost_utils.reached_preemption_sync_point(step))

@@ -20,7 +20,7 @@ replica, a stage's tick (forward + backward of one microbatch) is::
       + send and receive of one microbatch to the next stage                     pipeline
 
 and the step is ``(microbatches + pipe - 1) * slowest tick`` (the GPipe schedule of
-``tenplex_jax.pipeline`` runs every stage in lockstep at every tick) plus the gradient all-reduce
+``tenplex_jax.pipelining`` runs every stage in lockstep at every tick) plus the gradient all-reduce
 over ``data`` and the part outside the pipeline (embedding, head), which every stage runs. Links
 inside a node run at the device type's ``link_bandwidth``, others at the cluster's network
 bandwidth. Memory per device: ``state_factor`` × (the stage's stacked rows + the outside params) /
@@ -49,10 +49,10 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from tenplex_jax.cluster import Cluster
+from tenplex_jax.planner.cluster import Cluster
 from tenplex_jax.errors import PlanError
-from tenplex_jax.pipeline import Stages
-from tenplex_jax.profile import ModelProfile
+from tenplex_jax.pipelining import Stages
+from tenplex_jax.planner.profile import ModelProfile
 from tenplex_jax.ptc import ParallelConfig
 
 GIB = 2**30

@@ -9,9 +9,11 @@ from typing import Any, Self
 
 import numpy as np
 
-from tenplex_jax.errors import StoreError
-from tenplex_jax.store import wire
-from tenplex_jax.store.wire import Box, ObjectInfo, Shape
+from tenplex_jax import box as boxes
+from tenplex_jax.errors import StoreError, StoreProtocolError
+from tenplex_jax.multihost.store import wire
+from tenplex_jax.box import Box, Shape
+from tenplex_jax.multihost.store.wire import ObjectInfo
 
 _MISSING = object()
 _BROKEN = ("unavailable", "protocol")  # reasons after which a connection is not reused
@@ -117,7 +119,7 @@ class StoreClient:
             if prefix is None:
                 raise ConnectionError("the store closed the connection")
             header = wire.recv_header(sock, prefix[0], wire.MAX_RESPONSE_HEADER_BYTES)
-        except (OSError, wire.StoreProtocolError) as error:
+        except (OSError, StoreProtocolError) as error:
             raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
         if not header.get("ok"):
             reason = header.get("reason", "refused")
@@ -220,17 +222,17 @@ class StoreClient:
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("="))
         path = wire.check_path(path)
-        box = wire.full_box(array.shape) if box is None else wire.as_box(box)
+        box = boxes.full(array.shape) if box is None else wire.as_box(box)
         if global_shape is None and any(start for start, _ in box):
             raise StoreError(
                 f"put of {path!r}: global_shape is needed when the box {box} does not start at "
                 f"the origin"
             )
         global_shape = (
-            wire.box_shape(box) if global_shape is None else tuple(int(n) for n in global_shape)
+            boxes.shape(box) if global_shape is None else tuple(int(n) for n in global_shape)
         )
         wire.check_box(path, box, global_shape)
-        if wire.box_shape(box) != array.shape:
+        if boxes.shape(box) != array.shape:
             raise StoreError(
                 f"the array's shape must be its box's extent; got shape {array.shape} for box "
                 f"{box} at path {path!r}"
@@ -263,7 +265,7 @@ class StoreClient:
 
         def into(header):
             info = ObjectInfo.from_json(header["info"])
-            shape = wire.box_shape(wire.as_box(header["box"]))
+            shape = boxes.shape(wire.as_box(header["box"]))
             return np.empty(shape, wire.dtype_of(info.dtype))
 
         header, out = self._call(request, into=into)

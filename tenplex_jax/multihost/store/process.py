@@ -51,7 +51,7 @@ class StoreProcess:
         directory.mkdir(parents=True, exist_ok=True)
         ready = directory.parent / f".{directory.name}.ready.{os.getpid()}.{time.monotonic_ns()}"
         ready.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "tenplex_jax.store", "--dir", str(directory),
+        cmd = [sys.executable, "-m", "tenplex_jax.multihost.store", "--dir", str(directory),
                "--host", host, "--port", str(port), "--ready-file", str(ready)]  # fmt: skip
         if memory_bytes is not None:
             cmd += ["--memory-bytes", str(memory_bytes)]

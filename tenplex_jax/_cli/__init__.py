@@ -1,6 +1,7 @@
 """The ``tenplex-jax`` command line: ``plan`` a reshard without devices, run the ``demo`` or ``bench``.
 
-Heavy modules (JAX, Flax, the reference model in ``models/``) are imported inside the subcommands:
+Heavy modules (JAX, Flax, the reference model ``tenplex_jax_models``) are imported inside the
+subcommands:
 ``demo`` must set JAX's platform and CPU device count before any backend starts, and ``--help``
 should not wait for them. Bad input (an unknown axis, an indivisible dim, a device list of the wrong
 length) is reported with the library's own message and exit status 2, without a traceback, because
@@ -296,7 +297,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Start a tensor store per host slot and NPROCS worker processes of SCRIPT\n"
         "(jax.distributed on 127.0.0.1); when a worker dies, a resize is asked for\n"
         "(echo N > RUN_DIR/resize) or SIGTERM arrives, start the next generation, which\n"
-        "pulls its shards from the stores. The script calls tenplex_jax.launch.join().",
+        "pulls its shards from the stores. The script calls tenplex_jax.multihost.launch.join().",
         epilog=LAUNCH_EXAMPLES,
         formatter_class=form,
     )
@@ -364,7 +365,8 @@ def _parser() -> argparse.ArgumentParser:
 def _launch(args) -> int:
     import pathlib
 
-    from tenplex_jax.launch import LaunchError, LaunchOptions, launch
+    from tenplex_jax.errors import LaunchError
+    from tenplex_jax.multihost.launch import LaunchOptions, launch
 
     path = lambda p: None if p is None else pathlib.Path(p)
     try:
@@ -398,8 +400,7 @@ def _plan(args) -> int:
     if args.from_config is None or args.to_config is None:
         print("tenplex-jax plan: error: give --from and --to, or --cluster", file=sys.stderr)
         return 2
-    from models import LOGICAL_RULES
-    from tenplex_jax.demo import build_state, param_count
+    from tenplex_jax_models import LOGICAL_RULES, build_state, param_count
     from tenplex_jax.errors import LayoutError
     from tenplex_jax.plan import allocate, make_plan
     from tenplex_jax.ptc import PTC
@@ -444,14 +445,13 @@ def _plan(args) -> int:
 
 def _choose(args) -> int:
     """The planner's table for the GPT on (the first N devices of) a cluster description."""
-    from models import GPTConfig, profile
-    from tenplex_jax.cluster import Cluster
-    from tenplex_jax.planner import choose
+    from tenplex_jax.planner import Cluster, choose
+    from tenplex_jax_models import profile_of
 
     cluster = Cluster.load(args.cluster)
     if args.devices is not None:
         cluster = cluster.take(args.devices)
-    model = profile(GPTConfig.by_name(args.model), name=f"gpt {args.model}")
+    model = profile_of(args.model)
     choice = choose(
         cluster,
         model,
@@ -483,7 +483,7 @@ def _demo(args) -> int:
 
     trace = None
     if args.trace:
-        from tenplex_jax.trace import ResourceTrace
+        from tenplex_jax.elastic.trace import ResourceTrace
 
         trace = ResourceTrace.load(args.trace)
         args.devices = trace.devices
@@ -498,7 +498,7 @@ def _demo(args) -> int:
                 file=sys.stderr,
             )
             return 2
-    from tenplex_jax import demo
+    from tenplex_jax._cli import demo
 
     options = demo.DemoOptions(
         out=pathlib.Path(args.out),
@@ -514,7 +514,7 @@ def _demo(args) -> int:
         samples=args.samples,
     )
     if trace is not None:
-        from tenplex_jax import trace_demo
+        from tenplex_jax._cli import trace_demo
 
         options = dataclasses.replace(options, steps=trace.steps, schedule=())
         summary = trace_demo.run(options, trace, compile_ahead=not args.no_compile_ahead)
@@ -535,7 +535,7 @@ def _bench(args) -> int:
     """Configure JAX (8 GPUs if present, else 8 fake CPU devices), then run the suite."""
     import pathlib
 
-    from benchmarks import suite  # the benchmarks live outside the library
+    from tenplex_jax_benchmarks import suite  # the benchmarks live outside the library
 
     try:
         suite.configure_jax()
@@ -582,7 +582,7 @@ def _ids_text(ids: Sequence[int]) -> str:
 
 
 def _schedule(text: str) -> tuple[tuple[int, int], ...]:
-    from tenplex_jax.demo import parse_schedule
+    from tenplex_jax._cli.demo import parse_schedule
 
     try:
         return parse_schedule(text)

@@ -9,7 +9,8 @@ A trace is a TOML file (format in ``meshes/README.md``)::
 
     [[events]]
     step = 6                 # posted before step 6: applied at that step boundary
-    kind = "preempt"         # preempt (a notice), fail (buffers gone), offer (devices come back)
+    kind = "preempt"         # preempt (a notice), fail (buffers gone), offer (devices come back),
+                             # redeploy (move onto exactly `devices`)
     count = 2                # how many devices: the job's last ones (preempt, fail) or the
                              # lowest-numbered free ones (offer) ...
     # devices = [6, 7]       # ... or exactly these ids
@@ -29,7 +30,8 @@ import pathlib
 import tomllib
 from collections.abc import Callable, Mapping
 
-from tenplex_jax.elastic import KINDS, ElasticJob, EventRecord
+from tenplex_jax.elastic.events import KINDS, EventRecord
+from tenplex_jax.elastic.job import ElasticJob
 from tenplex_jax.errors import LayoutError
 
 
@@ -68,6 +70,8 @@ class ResourceTrace:
                 )
             if (e.devices is None) == (e.count is None):
                 raise LayoutError(f"{where}: give exactly one of devices (ids) or count")
+            if e.kind == "redeploy" and e.devices is None:
+                raise LayoutError(f"{where}: a redeploy names its devices (ids), not a count")
             ids = e.devices or ()
             if any(not 0 <= d < self.devices for d in ids) or (e.count is not None and e.count < 1):
                 raise LayoutError(
@@ -142,7 +146,10 @@ def replay(
         posted = False
         while events and events[0].step <= job.step:
             e = events.pop(0)
-            getattr(job, e.kind)(e.devices, count=e.count)
+            if e.kind == "redeploy":
+                job.redeploy(e.devices)
+            else:
+                getattr(job, e.kind)(e.devices, count=e.count)
             posted = True
         if hints and posted and events:  # announce the event after these before they apply, so
             ids = job.ptc.device_ids  # its step compiles first, ahead of the one-fewer guess

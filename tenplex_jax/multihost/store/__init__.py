@@ -1,6 +1,6 @@
 """The tensor store: path-addressed arrays outside the workers, with range reads and replicas.
 
-A store server runs per host (``python -m tenplex_jax.store --dir DIR --port 0 --ready-file F``,
+A store server runs per host (``python -m tenplex_jax.multihost.store --dir DIR --port 0 --ready-file F``,
 or ``StoreProcess.start``) and outlives the workers. An object is an array addressed by
 ``(path, box)``: ``path`` names a leaf (``"v3/model/layers/0/attn/wq"``: a version prefix plus the
 leaf's tree path), ``box`` the global index box it covers, ``((start, stop), ...)`` per dim as in
@@ -45,15 +45,15 @@ an address may be ``"unix:PATH"`` for a server started with ``--unix-socket PATH
 ``ReplicatedStore.put`` returns the store indices written and raises unless ``min_copies``
 (default: all k+1) were; ``ReplicatedStore`` also has ``holders``, ``list``, ``delete``,
 ``put_json``, ``get_json``, ``flush`` and ``close``; ``StoreProcess`` starts a server subprocess.
-The module is a package so that ``python -m tenplex_jax.store`` runs the server cleanly:
+The module is a package so that ``python -m tenplex_jax.multihost.store`` runs the server cleanly:
 ``client.py`` (``StoreClient``), ``replicated.py`` (``ReplicatedStore``), ``process.py``
 (``StoreProcess``), ``server.py`` (the server and its command line), ``tiers.py`` (its memory and
 disk tiers) and ``wire.py`` (the protocol and ``ObjectInfo``).
 """
 
-from tenplex_jax.store.client import StoreClient, parse_address
-from tenplex_jax.store.process import StoreProcess
-from tenplex_jax.store.replicated import ReplicatedStore
-from tenplex_jax.store.wire import ObjectInfo
+from tenplex_jax.multihost.store.client import StoreClient, parse_address
+from tenplex_jax.multihost.store.process import StoreProcess
+from tenplex_jax.multihost.store.replicated import ReplicatedStore
+from tenplex_jax.multihost.store.wire import ObjectInfo
 
 __all__ = ["ObjectInfo", "ReplicatedStore", "StoreClient", "StoreProcess", "parse_address"]

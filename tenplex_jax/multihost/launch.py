@@ -2,24 +2,29 @@
 
 JAX cannot change the process set of a running job, so — as in Tenplex — the state lives in tensor
 stores outside the workers, and a change of workers is a new *generation* of processes that pull
-exactly the shards they need. The launcher:
+exactly the shards they need. The script is the one that runs alone: an ordinary loop over
+``tj.ElasticJob``, which uses the stores and generations underneath when it finds itself launched.
+The launcher:
 
-1. starts one tensor store per host slot (``python -m tenplex_jax.store``; they outlive workers);
-2. starts generation 0: ``--nprocs`` copies of the script, each told (one JSON environment
-   variable, see ``tenplex_jax.job``) the coordinator ``127.0.0.1:<free port>``, its process id,
-   the process count, its slot, the store addresses, the generation, the replica count, the commit
-   interval and where to restore from; the script calls ``tj.launch.join()``;
+1. starts one tensor store per host slot (``python -m tenplex_jax.multihost.store``; they outlive
+   the workers);
+2. starts generation 0: ``--nprocs`` processes ``python -m tenplex_jax.multihost SCRIPT ARGS``,
+   each told in one JSON environment variable (:class:`JobSpec`) the coordinator
+   ``127.0.0.1:<free port>``, its process id, the process count, its slot, the store addresses,
+   the generation, the replica count, the commit interval and where to restore from; that entry
+   point joins ``jax.distributed`` and runs the script as ``__main__``;
 3. watches the workers and the stores. A generation ends when
    - a worker exits nonzero or by a signal, or a store dies: a *failure*. The survivors (they hang
      in collectives) get ``--grace`` seconds, then SIGKILL; all are reaped by PID. The failed slots
      are dropped and the next generation runs on the slots left, restoring the latest complete
      version from the stores, where the dead worker's shards come from their replicas. Lost steps
      = the last step reached minus the restored step. If no copy of some shard survives, the
-     launcher names the leaves and falls back to the latest orbax checkpoint (``--checkpoint-dir``).
+     launcher names the leaves and falls back to the latest orbax checkpoint (``--checkpoint-dir``,
+     or the script's ``ElasticJob(checkpoint_dir=...)``).
    - a resize is requested: ``echo N > RUN_DIR/resize``. The workers agree on a step, commit
      synchronously (0 lost steps) and exit; the next generation runs N processes (new slots get
      new stores).
-   - SIGTERM: the same planned end, then the launcher stops (with ``--checkpoint-dir`` the last
+   - SIGTERM: the same planned end, then the launcher stops (with a checkpoint dir the last
      commit is also an orbax checkpoint, which the next launch resumes from). Ctrl-C (SIGINT)
      stops at once: every child is killed and reaped.
 4. stops when the workers finish (exit 0 after ``job.finish``), after ``--max-restarts`` failures,
@@ -29,9 +34,10 @@ The stores' disk tier is ``RUN_DIR/stores`` (``--store-dir``); ``--compile-cache
 JAX's persistent compilation cache between generations.
 
 Each generation's config is chosen by the workers from their device count (every process computes
-the same: ``tenplex_jax.job.default_config`` or the script's rule); the launcher chooses the count.
-Process 0 writes to the launcher's stdout; the others to ``RUN_DIR/logs/g<gen>-p<id>.log`` (the
-tail is printed when one fails). Events go to stdout and ``RUN_DIR/events.jsonl``.
+the same, with ``tenplex_jax.planner.choose_config`` or the script's rule); the launcher chooses
+the count. Process 0 writes to the launcher's stdout; the others to
+``RUN_DIR/logs/g<gen>-p<id>.log`` (the tail is printed when one fails). Events go to stdout and
+``RUN_DIR/events.jsonl``.
 """
 
 from __future__ import annotations
@@ -48,15 +54,55 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 
-from tenplex_jax.errors import StoreError
-from tenplex_jax.job import CONTROL, Job, JobSpec, join
+from tenplex_jax.errors import LaunchError, StoreError
 
-__all__ = ["Job", "LaunchError", "LaunchOptions", "Launcher", "join"]
+__all__ = ["JobSpec", "LaunchOptions", "Launcher", "launch"]
+
+ENV = "TENPLEX_JOB"  # the launcher passes the whole job description as one JSON variable
+CONTROL = "control.json"  # in the run dir: the launcher's request to end the generation
+CHECKPOINT = "checkpoint.json"  # in the run dir: the script's own checkpoint dir, for fallbacks
+ACTIONS = ("resize", "stop")
 
 
-class LaunchError(RuntimeError):
-    """The launcher cannot go on: no slots left, no copy of the state, too many restarts."""
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """What the launcher tells each worker process of a generation."""
+
+    coordinator: str  # "127.0.0.1:port" of the jax.distributed coordinator (process 0)
+    process_id: int
+    num_processes: int
+    devices_per_process: int
+    generation: int
+    slots: tuple[int, ...]  # process -> host slot (its tensor store)
+    stores: dict[int, str]  # slot -> address, for every store that is up
+    replicas: int
+    commit_every: int
+    restore: str  # "init", "store:<step>" or "checkpoint:<step>"
+    run_dir: str
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+
+    def to_env(self) -> dict[str, str]:
+        record = dataclasses.asdict(self)
+        record["stores"] = {str(k): v for k, v in self.stores.items()}
+        return {ENV: json.dumps(record, sort_keys=True)}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> JobSpec | None:
+        text = environ.get(ENV)
+        if not text:
+            return None
+        record = json.loads(text)
+        record["slots"] = tuple(record["slots"])
+        record["stores"] = {int(k): v for k, v in record["stores"].items()}
+        return cls(**record)
+
+    @property
+    def slot(self) -> int:
+        return self.slots[self.process_id]
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +235,7 @@ class Launcher:
         for i in indices:
             ready = self.run_dir / f"store-{i}.addr"
             ready.unlink(missing_ok=True)
-            command = [self.options.python, "-m", "tenplex_jax.store", "--dir",
+            command = [self.options.python, "-m", "tenplex_jax.multihost.store", "--dir",
                        str(self.store_dir / str(i)), "--host", "127.0.0.1", "--port", "0",
                        "--ready-file", str(ready)]  # fmt: skip
             with open(self.run_dir / "logs" / f"store-{i}.log", "ab") as log:
@@ -215,7 +261,7 @@ class Launcher:
         return slot in self.slots and self.slots[slot].store.poll() is None
 
     def _clients(self) -> dict:
-        from tenplex_jax.store import StoreClient
+        from tenplex_jax.multihost.store import StoreClient
 
         clients = {}
         for i in sorted(self.slots):
@@ -227,7 +273,7 @@ class Launcher:
     # -- where the next generation's state comes from ------------------------------------------
 
     def _choose_source(self, number: int, reached: int | None) -> tuple[str, int]:
-        from tenplex_jax.commit import delete_versions, latest_complete, missing_objects
+        from tenplex_jax.multihost.commit import delete_versions, latest_complete, missing_objects
 
         opts = self.options
         clients = self._clients()
@@ -253,7 +299,7 @@ class Launcher:
                 step, _, kind = max(candidates)
                 if kind == "checkpoint" and manifest is not None and opts.recover_from == "store":
                     self._event("fallback", step=step, detail=f"restoring the orbax checkpoint "
-                                f"of step {step} from {opts.checkpoint_dir}")  # fmt: skip
+                                f"of step {step} from {self._checkpoint_dir()}")  # fmt: skip
             elif manifest is None:  # nothing was committed yet: start over
                 kind, step = "init", 0
             else:
@@ -269,15 +315,22 @@ class Launcher:
                 with contextlib.suppress(Exception):
                     client.close()
 
+    def _checkpoint_dir(self) -> pathlib.Path | None:
+        """``--checkpoint-dir``, else the one the script's job uses (it says so in the run dir)."""
+        if self.options.checkpoint_dir is not None:
+            return pathlib.Path(self.options.checkpoint_dir)
+        try:
+            return pathlib.Path(json.loads((self.run_dir / CHECKPOINT).read_text())["directory"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def _latest_checkpoint(self) -> int | None:
-        if (
-            self.options.checkpoint_dir is None
-            or not pathlib.Path(self.options.checkpoint_dir).exists()
-        ):
+        directory = self._checkpoint_dir()
+        if directory is None or not directory.exists():
             return None
         from tenplex_jax.checkpoint import latest_checkpoint
 
-        return latest_checkpoint(self.options.checkpoint_dir)
+        return latest_checkpoint(directory)
 
     # -- generations -----------------------------------------------------------------------------
 
@@ -297,7 +350,7 @@ class Launcher:
             env = os.environ | spec.to_env() | {"PYTHONUNBUFFERED": "1"}
             if opts.compile_cache is not None:  # a layout compiled by any generation loads
                 env["JAX_COMPILATION_CACHE_DIR"] = str(opts.compile_cache)
-            command = [opts.python, opts.script, *opts.args]
+            command = [opts.python, "-m", "tenplex_jax.multihost", opts.script, *opts.args]
             if pid == 0:
                 workers.append(_spawn(command, env=env))
                 logs.append(None)

@@ -34,7 +34,9 @@ from jax.sharding import NamedSharding
 
 from tenplex_jax.errors import PlanError, where
 from tenplex_jax.plan import LeafPlan, Plan
-from tenplex_jax.ptc import PTC, Box, flatten_state
+from tenplex_jax import box as boxes
+from tenplex_jax.box import Box
+from tenplex_jax.ptc import PTC, flatten_state
 
 METHODS = ("plan", "device_put")
 
@@ -157,7 +159,7 @@ def check_state(arrays, plan: Plan) -> None:
                 + where(leaf.path, leaf.shape, leaf.spec, src.config)
             )
         have = {
-            d.id: _box(idx, leaf.shape)
+            d.id: boxes.of_index(idx, leaf.shape)
             for d, idx in array.sharding.devices_indices_map(leaf.shape).items()
         }
         if have != src.boxes(leaf):
@@ -256,18 +258,13 @@ def _copy_on_host(shard, views: dict[int, np.ndarray]) -> tuple[np.ndarray, int,
     out = _aligned_empty(shape, dtype)
     moved = kept = 0
     for piece in shard.pieces:
-        src = views[piece.src_device][_relative(piece.box, piece.src_box)]
-        np.copyto(out[_relative(piece.box, shard.box)], src)
+        src = views[piece.src_device][boxes.index(piece.box, piece.src_box)]
+        np.copyto(out[boxes.index(piece.box, shard.box)], src)
         if piece.local:
             kept += src.nbytes
         else:
             moved += src.nbytes
     return out, moved, kept
-
-
-def _relative(box: Box, outer: Box) -> tuple:
-    # the leading Ellipsis keeps a scalar's index a 0-d view, not a copy of its element
-    return (..., *(slice(lo - olo, hi - olo) for (lo, hi), (olo, _) in zip(box, outer)))
 
 
 def _aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
@@ -288,7 +285,3 @@ def _assemble(parts: list[tuple[Box, jax.Array]], concatenate) -> jax.Array:
             groups = [[p for p in parts if p[0][dim][0] == s] for s in starts]
             return concatenate([_assemble(g, concatenate) for g in groups], dim)
     raise PlanError(f"pieces {[box for box, _ in parts]} overlap; a merge needs disjoint pieces")
-
-
-def _box(index: tuple[slice, ...], shape) -> Box:
-    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))

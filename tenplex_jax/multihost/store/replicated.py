@@ -9,9 +9,10 @@ from typing import Any, Self
 import numpy as np
 
 from tenplex_jax.errors import StoreError
-from tenplex_jax.store import wire
-from tenplex_jax.store.client import _MISSING, StoreClient
-from tenplex_jax.store.wire import Box, ObjectInfo, Shape
+from tenplex_jax.multihost.store import wire
+from tenplex_jax.multihost.store.client import _MISSING, StoreClient
+from tenplex_jax.box import Box, Shape
+from tenplex_jax.multihost.store.wire import ObjectInfo
 
 
 class ReplicatedStore:

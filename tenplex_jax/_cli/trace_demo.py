@@ -23,108 +23,45 @@ import time
 
 import jax
 import numpy as np
-from flax import nnx
 
+from tenplex_jax._cli.demo import MIB, DemoOptions, compare_states, exactly_once, train
 from tenplex_jax.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
-from tenplex_jax.data import DatasetPTC
-from tenplex_jax.demo import (
-    CPU,
-    MIB,
-    DemoOptions,
-    _profile,
-    build_state,
-    compare_states,
-    exactly_once,
-    param_count,
-)
-from tenplex_jax.elastic import ElasticJob
+from tenplex_jax.elastic import ElasticJob, ResourceTrace
+from tenplex_jax.elastic.trace import RestartCosts, checkpoint_restart, elastic_overhead
+from tenplex_jax.executor import place
 from tenplex_jax.ptc import PTC, ParallelConfig
-from tenplex_jax.trace import (
-    ResourceTrace,
-    RestartCosts,
-    checkpoint_restart,
-    elastic_overhead,
-    replay,
-)
 
 
 def run(options: DemoOptions, trace: ResourceTrace, *, compile_ahead: bool = True) -> dict:
     """Replay ``trace``, train a fixed run, measure the restart costs; write ``summary.json``."""
     from tqdm import tqdm
 
-    from models import LOGICAL_RULES, corpus_samples, example_losses, stdlib_corpus
+    from tenplex_jax_models import build_state, corpus_samples, param_count, stdlib_corpus
 
     started = time.perf_counter()
     out = pathlib.Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoints = out / "checkpoints"
     shutil.rmtree(checkpoints, ignore_errors=True)
-    graphdef, _, cfg = build_state(options.model, options.lr, options.seed, abstract=True)
+    _, abstract, cfg = build_state(options.model, options.lr, options.seed, abstract=True)
     source = corpus_samples(stdlib_corpus(), cfg.seq_len, options.samples)
-    devices = jax.devices()[: trace.devices]
-
-    def train_step(state, batch):  # the user's step: plain Flax NNX
-        nodes = nnx.merge(graphdef, state)
-        loss, grads = batch.value_and_grad(example_losses)(nodes["model"])
-        nodes["optimizer"].update(nodes["model"], grads)
-        return nnx.state(nodes), {"loss": loss}
-
-    def train(name, trace, bar, **kwargs):
-        job = ElasticJob(
-            LOGICAL_RULES,
-            DatasetPTC(source, options.batch, seed=options.seed),
-            devices=devices,
-            workers=options.workers,
-            profile=_profile(options.model),
-            device_type=CPU,
-            steps=trace.steps,
-            method=options.method,
-            log=bar.write,
-            **kwargs,
-        )
-        losses, samples, first = {}, {}, []
-
-        def on_step(job, metrics):
-            i = job.step - 1
-            losses[i], samples[i] = float(metrics["loss"]), job.samples[job.samples >= 0]
-            first.append(time.perf_counter())
-            bar.n = job.step
-            bar.set_postfix(
-                {"run": name, "loss": f"{losses[i]:.3f}", "config": str(job.ptc.config)}
-            )
-
-        tic = time.perf_counter()
-        state = job.place(build_state(options.model, options.lr, options.seed)[1])
-        state = replay(job, state, job.jit(train_step), trace, on_step=on_step)
-        wall = time.perf_counter() - first[0]  # from the end of the first step: start-up apart
-        job.close()
-        initial = first[0] - tic
-        host = [np.asarray(x) for x in jax.tree.leaves(state)]
-        return (
-            job,
-            host,
-            [losses[i] for i in range(trace.steps)],
-            [samples[i] for i in range(trace.steps)],
-            wall,
-            initial,
-        )
-
     with tqdm(total=trace.steps, desc=f"{options.model} {trace.name}", unit="step") as bar:
-        job, state, losses, samples, wall, initial = train(
-            "elastic",
+        elastic = train(
+            options,
             trace,
+            source,
             bar,
             checkpoint_dir=checkpoints if trace.checkpoint_every else None,
             checkpoint_every=trace.checkpoint_every,
             compile_ahead=compile_ahead,
+            exact_step_times=True,
         )
         bar.reset()
-        fixed = dataclasses.replace(trace, events=())
-        _, fixed_state, fixed_losses, fixed_samples, _, _ = train(
-            "fixed", fixed, bar, compile_ahead=False
-        )
-        costs = restart_costs(job, checkpoints, options, trace, bar.write)
+        fixed = train(options, dataclasses.replace(trace, events=()), source, bar,
+                      compile_ahead=False, exact_step_times=True)  # fmt: skip
+        costs = restart_costs(elastic.job, checkpoints, options, bar.write)
 
+    job, wall = elastic.job, elastic.wall
     useful = sum(s for i, s, _ in job.step_log if i > 0)  # steps after the first
     by_config: dict[str, list[float]] = {}
     for _, s, c in job.step_log:
@@ -144,10 +81,10 @@ def run(options: DemoOptions, trace: ResourceTrace, *, compile_ahead: bool = Tru
         dataclasses.asdict(r) | {"checkpoint_restart": c}
         for r, c in zip(job.records, baseline.pop("events"))
     ]
-    seen = np.concatenate(samples)
+    seen = np.concatenate(elastic.samples)
     summary = {
         "model": options.model,
-        "param_count": param_count(build_state(options.model, options.lr, abstract=True)[1]),
+        "param_count": param_count(abstract),
         "state_bytes": job.ptc.nbytes,
         "global_batch": options.batch,
         "virtual_workers": options.workers,
@@ -168,34 +105,33 @@ def run(options: DemoOptions, trace: ResourceTrace, *, compile_ahead: bool = Tru
             "useful_seconds": useful,
             "lost_seconds": job.lost_seconds,
             "elastic_wall_seconds": wall,
-            "start_up_seconds": initial,
+            "start_up_seconds": elastic.start_up,
             "checkpoint_restart_seconds": baseline["seconds"],
             "checkpoint_restart_event_seconds": baseline["event_seconds"],
             "elastic_overhead_seconds": elastic_overhead(job),
             "checkpoint_restart_periodic_saves": baseline["periodic_saves"],
             "restart_costs": dataclasses.asdict(costs),
         },
-        "exactly_once": exactly_once(samples, fixed_samples, options.samples),
+        "exactly_once": exactly_once(elastic.samples, fixed.samples, options.samples),
         "samples_seen": int(seen.size),
         "samples_expected": trace.steps * options.batch,
-        "params_vs_fixed_run": compare_states(state, fixed_state),
-        "losses": losses,
-        "fixed_run_losses": fixed_losses,
+        "params_vs_fixed_run": compare_states(elastic.state, fixed.state),
+        "losses": elastic.losses,
+        "fixed_run_losses": fixed.losses,
         "total_seconds": time.perf_counter() - started,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
 
 
-def restart_costs(job: ElasticJob, checkpoints, options, trace, log) -> RestartCosts:
+def restart_costs(job: ElasticJob, checkpoints, options, log) -> RestartCosts:
     """A save (the run's median, or one timed now), a restore onto each layout the run moved to,
     and a fresh compile of each, measured now on the run's final state and checkpoints."""
-    from models import LOGICAL_RULES
+    from tenplex_jax_models import LOGICAL_RULES, build_state
 
     saves = [s for _, s in job.checkpoints]
     if latest_checkpoint(checkpoints) is None or not saves:
-        _, state, _ = build_state(options.model, options.lr, options.seed)
-        state = job.place(state)
+        state = place(build_state(options.model, options.lr, options.seed)[1], job.ptc)
         tic = time.perf_counter()
         save_checkpoint(checkpoints, state, job.ptc, step=10**9, data_state=job.dataset.state())
         saves = [time.perf_counter() - tic]

@@ -1,4 +1,4 @@
-"""The tensor store server: ``python -m tenplex_jax.store --dir DIR [--port 0] [--ready-file F]``.
+"""The tensor store server: ``python -m tenplex_jax.multihost.store --dir DIR [--port 0] [--ready-file F]``.
 
 One process per host (the launcher starts it; it outlives the workers). A threaded TCP server,
 bound to 127.0.0.1 unless ``--host`` says otherwise; bound anywhere else it refuses to start
@@ -40,10 +40,11 @@ import threading
 
 import numpy as np
 
-from tenplex_jax.errors import StoreError
-from tenplex_jax.store import wire
-from tenplex_jax.store.tiers import DEFAULT_MEMORY_BYTES, Refused, Store
-from tenplex_jax.store.wire import ObjectInfo
+from tenplex_jax import box as boxes
+from tenplex_jax.errors import StoreError, StoreProtocolError
+from tenplex_jax.multihost.store import wire
+from tenplex_jax.multihost.store.tiers import DEFAULT_MEMORY_BYTES, Store
+from tenplex_jax.multihost.store.wire import ObjectInfo
 
 DEFAULT_MAX_BODY_BYTES = 8 << 30
 DEFAULT_TIMEOUT = 120.0
@@ -68,7 +69,7 @@ class Handler(socketserver.BaseRequestHandler):
                 header = wire.recv_header(sock, nheader, wire.MAX_HEADER_BYTES)
                 try:
                     self._serve(sock, header, nbody)
-                except (Refused, StoreError) as error:
+                except StoreError as error:
                     reason = getattr(error, "reason", "refused")
                     wire.send_frame(sock, {"ok": False, "error": str(error), "reason": reason})
                 except (KeyError, TypeError, ValueError, OverflowError) as error:
@@ -79,7 +80,7 @@ class Handler(socketserver.BaseRequestHandler):
                         raise
                     message = f"{header.get('op')!r} failed on the store's disk: {error!r}"
                     wire.send_frame(sock, {"ok": False, "error": message, "reason": "disk"})
-        except wire.StoreProtocolError as error:
+        except StoreProtocolError as error:
             self._try_send(sock, {"ok": False, "error": str(error), "reason": "protocol"})
         except (OSError, ConnectionError):
             return  # the client went away or timed out
@@ -97,7 +98,7 @@ class Handler(socketserver.BaseRequestHandler):
         nheader, nbody = prefix
         header = wire.recv_header(sock, nheader, wire.HELLO_HEADER_BYTES)
         if header.get("op") != "hello" or nbody:
-            raise wire.StoreProtocolError("a connection must open with a hello frame")
+            raise StoreProtocolError("a connection must open with a hello frame")
         token = self.server.token
         if token is not None:
             given = header.get("token")
@@ -117,14 +118,14 @@ class Handler(socketserver.BaseRequestHandler):
     def _body(self, sock: socket.socket, nbody: int, expected: int) -> tuple[np.ndarray, str]:
         """Say continue, then read a body of exactly ``expected`` bytes; (bytes, checksum)."""
         if nbody != expected:
-            raise Refused(f"the body must be {expected} bytes (shape x itemsize); got {nbody}")
+            raise StoreError(f"the body must be {expected} bytes (shape x itemsize); got {nbody}", "refused")
         wire.send_frame(sock, {"ok": True, "continue": True})
         return wire.recv_body(sock, nbody)
 
     def _check_body_limit(self, nbody: int, what: str, limit: int | None = None) -> None:
         limit = self.server.max_body if limit is None else limit
         if nbody > limit:
-            raise Refused(
+            raise StoreError(
                 f"a request body is at most {limit} bytes (--max-body-bytes); {what} is "
                 f"{nbody} bytes",
                 "too_large",
@@ -133,14 +134,14 @@ class Handler(socketserver.BaseRequestHandler):
     def _serve(self, sock: socket.socket, header: dict, nbody: int) -> None:
         op, store = header.get("op"), self.server.store
         if op != "put" and op != "put_json" and nbody:
-            raise wire.StoreProtocolError(f"op {op!r} takes no body")
+            raise StoreProtocolError(f"op {op!r} takes no body")
         if op == "put":
             path = wire.check_path(header.get("path"))
             dtype = wire.dtype_of(str(header.get("dtype")))
             global_shape = tuple(int(n) for n in header["global_shape"])
             box = wire.as_box(header["box"])
             wire.check_box(path, box, global_shape)
-            expected = wire.nbytes_of(wire.box_shape(box), dtype)
+            expected = wire.nbytes_of(boxes.shape(box), dtype)
             self._check_body_limit(nbody, f"put of {path!r} box {box}")
             data, digest = self._body(sock, nbody, expected)
             claimed = header.get("checksum")
@@ -149,10 +150,10 @@ class Handler(socketserver.BaseRequestHandler):
                 if prefix is None:
                     raise ConnectionError("the client left before its checksum trailer")
                 if prefix[1]:
-                    raise wire.StoreProtocolError("a checksum trailer has no body")
+                    raise StoreProtocolError("a checksum trailer has no body")
                 claimed = wire.recv_header(sock, prefix[0], wire.HELLO_HEADER_BYTES).get("checksum")
             if digest != claimed:
-                raise Refused(
+                raise StoreError(
                     f"put of {path!r} box {box}: the bytes received have checksum {digest}, the "
                     f"client sent {claimed}; nothing stored",
                     "checksum",
@@ -170,7 +171,7 @@ class Handler(socketserver.BaseRequestHandler):
             else:
                 dtype = wire.dtype_of(info.dtype)
                 full = np.frombuffer(data, dtype=np.dtype(f"V{dtype.itemsize}"))
-                sub = full.reshape(info.shape)[wire.local_index(info.box, box)]
+                sub = full.reshape(info.shape)[boxes.index(box, info.box)]
                 out = wire.as_bytes(np.ascontiguousarray(sub))
                 digest = wire.checksum(out)
             reply = {"ok": True, "info": info.to_json(), "box": [list(b) for b in box],
@@ -187,7 +188,7 @@ class Handler(socketserver.BaseRequestHandler):
         elif op == "delete":
             prefix = header.get("prefix")
             if not isinstance(prefix, str):
-                raise Refused(f"delete needs a string prefix; got {prefix!r}")
+                raise StoreError(f"delete needs a string prefix; got {prefix!r}", "refused")
             wire.send_frame(sock, {"ok": True, "deleted": store.delete(prefix)})
         elif op == "put_json":
             path = wire.check_path(header.get("path"))
@@ -196,7 +197,7 @@ class Handler(socketserver.BaseRequestHandler):
             try:
                 json.loads(data.tobytes())
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
-                raise Refused(f"put_json of {path!r}: the body is not JSON: {error}") from error
+                raise StoreError(f"put_json of {path!r}: the body is not JSON: {error}", "refused") from error
             store.put_json(path, data, flush=header.get("flush", True) is not False)
             wire.send_frame(sock, {"ok": True})
         elif op == "get_json":
@@ -204,7 +205,7 @@ class Handler(socketserver.BaseRequestHandler):
             with store.lock:
                 data = store.json.get(path)
             if data is None:
-                raise Refused(f"no JSON object at path {path!r}", "not_found")
+                raise StoreError(f"no JSON object at path {path!r}", "not_found")
             wire.send_frame(sock, {"ok": True}, data)
         elif op == "flush":
             store.flush()
@@ -216,7 +217,7 @@ class Handler(socketserver.BaseRequestHandler):
                          "json": len(store.json), "pid": os.getpid()}  # fmt: skip
             wire.send_frame(sock, {"ok": True, "stats": stats})
         else:
-            raise Refused(f"unknown op {op!r}")
+            raise StoreError(f"unknown op {op!r}", "refused")
 
 
 class Server(socketserver.ThreadingTCPServer):
@@ -260,7 +261,7 @@ def is_loopback(host: str) -> bool:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tenplex_jax.store",
+        prog="python -m tenplex_jax.multihost.store",
         description="A tenplex_jax tensor store server (one per host).",
     )
     parser.add_argument("--dir", required=True, help="directory of the disk tier")
@@ -315,7 +316,7 @@ def main(argv=None) -> int:
         tmp = ready.with_name(ready.name + ".tmp")
         tmp.write_text(address)
         os.replace(tmp, ready)
-    print(f"tenplex_jax.store: serving {directory} on {address}", file=sys.stderr, flush=True)
+    print(f"tenplex_jax.multihost.store: serving {directory} on {address}", file=sys.stderr, flush=True)
     while not stop.wait(1.0):
         pass
     for each in servers:

@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from tenplex_jax.errors import StoreError
+from tenplex_jax import box as boxes
+from tenplex_jax.box import Box, Shape
+from tenplex_jax.errors import StoreError, StoreProtocolError
 
-Shape = tuple[int, ...]
-Box = tuple[tuple[int, int], ...]  # as ``tenplex_jax.ptc.Box``: half-open (start, stop) per dim
 
 MAGIC = b"TPXS"
 PREFIX = struct.Struct("!4sIQ")  # magic, header bytes, body bytes
@@ -59,12 +59,12 @@ class ObjectInfo:
 
     @property
     def shape(self) -> Shape:
-        return box_shape(self.box)
+        return boxes.shape(self.box)
 
     def to_json(self) -> dict:
         return {
             "path": self.path,
-            "box": [list(b) for b in self.box],
+            "box": boxes.to_json(self.box),
             "global_shape": list(self.global_shape),
             "dtype": self.dtype,
             "nbytes": self.nbytes,
@@ -88,18 +88,10 @@ def checksum(data) -> str:
     return f"{CHECKSUM}:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
 
-def box_shape(box: Box) -> Shape:
-    return tuple(stop - start for start, stop in box)
-
-
-def full_box(shape: Sequence[int]) -> Box:
-    return tuple((0, int(n)) for n in shape)
-
-
 def as_box(box: Any) -> Box:
     """A box from any nesting of int pairs (JSON lists, tuples, numpy ints); shape unchecked."""
     try:
-        out = tuple((int(start), int(stop)) for start, stop in box)
+        out = boxes.parse(box)
     except (TypeError, ValueError) as error:
         raise StoreError(
             f"a box is a sequence of (start, stop) int pairs, one per dim; got {box!r}"
@@ -118,24 +110,11 @@ def check_path(path: Any) -> str:
 
 def check_box(path: str, box: Box, global_shape: Shape) -> None:
     """Every dim of ``box`` is a (start, stop) interval inside ``global_shape``."""
-    if len(box) != len(global_shape) or any(
-        not 0 <= start <= stop <= n for (start, stop), n in zip(box, global_shape)
-    ):
+    if not boxes.within(box, global_shape):
         raise StoreError(
             f"a box must hold one (start, stop) with 0 <= start <= stop <= dim size per dim of "
             f"the global shape; got box={box} for global_shape={global_shape} at path {path!r}"
         )
-
-
-def contains(outer: Box, inner: Box) -> bool:
-    return len(outer) == len(inner) and all(
-        o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner)
-    )
-
-
-def local_index(outer: Box, inner: Box) -> tuple[slice, ...]:
-    """The slices of an array covering ``outer`` that select ``inner`` (global coordinates)."""
-    return tuple(slice(i0 - o0, i1 - o0) for (o0, _), (i0, i1) in zip(outer, inner))
 
 
 def dtype_of(name: str) -> np.dtype:
@@ -259,10 +238,6 @@ def recv_header(sock: socket.socket, nheader: int, limit: int) -> dict:
     if not isinstance(header, dict):
         raise StoreProtocolError(f"a frame header must be a JSON object; got {type(header)}")
     return header
-
-
-class StoreProtocolError(Exception):
-    """The peer broke the framing; the connection cannot continue."""
 
 
 def nbytes_of(shape: Shape, dtype: np.dtype) -> int:

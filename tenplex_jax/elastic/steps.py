@@ -32,35 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from tenplex_jax.data import BatchLayout
 from tenplex_jax.ptc import PTC
-from tenplex_jax.train import BATCH_AXES, batch_value_and_grad
-
-
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """A global batch laid out for the current mesh: what ``job.next`` hands the user's step.
-
-    ``data`` and ``weights`` (1 on real rows, 0 on padding) have leading dim ``layout.rows``,
-    sharded over ``batch_axes``; the layout and mesh are static, so a step traced for one layout
-    is never reused for another.
-    """
-
-    data: Any
-    weights: jax.Array
-    layout: BatchLayout
-    mesh: Mesh
-    batch_axes: tuple[str, ...] = BATCH_AXES
-
-    def value_and_grad(self, per_example_loss, *, wrt=nnx.Param):
-        """``fn(model) -> (loss, grads)`` over this batch (see ``tj.batch_value_and_grad``)."""
-        fn = batch_value_and_grad(
-            per_example_loss, self.layout, self.mesh, batch_axes=self.batch_axes, wrt=wrt
-        )
-        return lambda model: fn(model, self.data, self.weights)
-
-
-jax.tree_util.register_dataclass(
-    Batch, data_fields=["data", "weights"], meta_fields=["layout", "mesh", "batch_axes"]
-)
+from tenplex_jax.batch import BATCH_AXES, Batch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,8 +30,10 @@ import uuid
 
 import numpy as np
 
-from tenplex_jax.store import wire
-from tenplex_jax.store.wire import ObjectInfo
+from tenplex_jax import box as boxes
+from tenplex_jax.errors import StoreError
+from tenplex_jax.multihost.store import wire
+from tenplex_jax.multihost.store.wire import ObjectInfo
 
 FILE_MAGIC = b"TPXO"
 FILE_PREFIX = struct.Struct("!4sI")
@@ -47,15 +49,7 @@ class Entry:
     on_disk: bool  # the file under objects/ holds this version
 
 
-class Refused(Exception):
-    """A request the server answers with an error; the connection stays usable."""
-
-    def __init__(self, message: str, reason: str = "refused"):
-        super().__init__(message)
-        self.reason = reason
-
-
-def _key(kind: str, path: str, box: wire.Box = ()) -> str:
+def _key(kind: str, path: str, box: boxes.Box = ()) -> str:
     text = json.dumps([kind, path, [list(b) for b in box]], separators=(",", ":"))
     return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
 
@@ -198,7 +192,7 @@ class Store:
         return header, data
 
     def _set_aside(self, file: pathlib.Path, why: str) -> None:
-        print(f"tenplex_jax.store: {file} is not served: {why}", file=sys.stderr, flush=True)
+        print(f"tenplex_jax.multihost.store: {file} is not served: {why}", file=sys.stderr, flush=True)
         try:
             os.replace(file, self.corrupt_dir / f"{file.name}.{uuid.uuid4().hex[:8]}")
         except OSError:
@@ -291,7 +285,7 @@ class Store:
             if not failed:
                 return
         paths = {self.index[k].info.path: e for k, e in failed.items() if k in self.index}
-        raise Refused(f"disk writes failed (the objects stay in memory only): {paths}", "disk")
+        raise StoreError(f"disk writes failed (the objects stay in memory only): {paths}", "disk")
 
     # -- operations -----------------------------------------------------------------------------
 
@@ -299,7 +293,7 @@ class Store:
         key = _key("array", info.path, info.box)
         with self.lock:
             if self.closing:
-                raise Refused("the store is shutting down; nothing stored", "unavailable")
+                raise StoreError("the store is shutting down; nothing stored", "unavailable")
             self.seq += 1
             seq = self.seq
             # the memory tier may hold it if it fits next to the objects not yet on disk
@@ -330,18 +324,18 @@ class Store:
                 self._evict()
         self._sync_dir(self.objects_dir)
 
-    def find(self, path: str, box: wire.Box | None) -> str:
+    def find(self, path: str, box: boxes.Box | None) -> str:
         """The key of the object under ``path`` that contains ``box`` (None: the whole array)."""
         with self.lock:
             candidates = [self.index[k].info for k in self.by_path.get(path, ())]
         if not candidates:
-            raise Refused(f"no object at path {path!r}", "not_found")
+            raise StoreError(f"no object at path {path!r}", "not_found")
         if box is None:
-            box = wire.full_box(candidates[0].global_shape)
-        holding = [i for i in candidates if wire.contains(i.box, box)]
+            box = boxes.full(candidates[0].global_shape)
+        holding = [i for i in candidates if boxes.contains(i.box, box)]
         if not holding:
             stored = sorted(i.box for i in candidates)
-            raise Refused(
+            raise StoreError(
                 f"no object at path {path!r} contains box {box}; stored boxes: {stored}",
                 "not_found",
             )
@@ -355,7 +349,7 @@ class Store:
             with self.lock:
                 entry = self.index.get(key)
                 if entry is None:
-                    raise Refused("the object was deleted while it was read", "not_found")
+                    raise StoreError("the object was deleted while it was read", "not_found")
                 held = self.memory.get(key)
                 if held is not None and held[0] == entry.seq:
                     self.memory.move_to_end(key)
@@ -373,7 +367,7 @@ class Store:
                 if failure is not None:
                     self._index_del(key)
                     self._set_aside(file, failure)
-                    raise Refused(
+                    raise StoreError(
                         f"object {entry.info.path!r} box {entry.info.box} is corrupt on disk "
                         f"({failure}); it is not served",
                         "corrupt",
@@ -382,7 +376,7 @@ class Store:
                     self._remember(key, entry.seq, data)
                     self._evict()
                 return entry, data
-        raise Refused("the object kept changing while it was read", "busy")
+        raise StoreError("the object kept changing while it was read", "busy")
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         with self.lock:

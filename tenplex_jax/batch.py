@@ -1,4 +1,8 @@
-"""Gradients of a global batch laid out by a :class:`BatchLayout`, inside the user's jitted step.
+"""A global batch on the devices, and its gradients inside the user's jitted step.
+
+:func:`device_batch` lays global batch ``k`` of a :class:`DatasetPTC` out over the mesh's batch
+axes (each device reads only its rows); :class:`Batch` carries it with its layout and mesh, as
+``ElasticJob.next`` hands it to the step.
 
 :func:`batch_value_and_grad` replaces ``nnx.value_and_grad`` in a train step. It takes a
 *per-example* loss, so that padding rows (weight 0) drop out, and returns the mean loss over the
@@ -25,6 +29,7 @@ rounding) depends on the shard shapes, which breaks bitwise equality across FSDP
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -188,3 +193,31 @@ def _normalize(total, grads, weights):
     count = jnp.sum(weights)  # a small integer in float32: exact in any summation order
     grads = jax.tree.map(lambda g: g / count, grads)
     return total / count, jax.lax.optimization_barrier(grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A global batch laid out for the current mesh: what ``job.next`` hands the user's step.
+
+    ``data`` and ``weights`` (1 on real rows, 0 on padding) have leading dim ``layout.rows``,
+    sharded over ``batch_axes``; the layout and mesh are static, so a step traced for one layout
+    is never reused for another.
+    """
+
+    data: Any
+    weights: jax.Array
+    layout: BatchLayout
+    mesh: Mesh
+    batch_axes: tuple[str, ...] = BATCH_AXES
+
+    def value_and_grad(self, per_example_loss, *, wrt=nnx.Param):
+        """``fn(model) -> (loss, grads)`` over this batch (see ``tj.batch_value_and_grad``)."""
+        fn = batch_value_and_grad(
+            per_example_loss, self.layout, self.mesh, batch_axes=self.batch_axes, wrt=wrt
+        )
+        return lambda model: fn(model, self.data, self.weights)
+
+
+jax.tree_util.register_dataclass(
+    Batch, data_fields=["data", "weights"], meta_fields=["layout", "mesh", "batch_axes"]
+)

@@ -1,0 +1,97 @@
+"""The reference GPT's train state and train steps, for the demo, the examples, tests and benchmarks.
+
+``build_state`` makes the GPT and its AdamW optimizer as one NNX state (live, or abstract for
+planning); ``train_step`` is the step an :class:`tenplex_jax.ElasticJob` compiles per layout;
+``make_train_step`` is the same step jitted by hand for one PTC, for code that drives the layout
+itself (the reshard benchmarks, a reference run).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tenplex_jax as tj
+
+from .gpt import GPT, GPTConfig, example_losses, profile
+
+# One fake CPU device, as described in meshes/cpu8.toml: what the demo tells the planner it runs on.
+CPU = tj.planner.DeviceType("cpu", memory=2 * tj.planner.GIB, flops=5e9, link_bandwidth=10e9)
+
+
+def build_state(model, lr: float, seed: int = 0, *, abstract: bool = False):
+    """(graphdef, state, GPTConfig) of the GPT and its AdamW optimizer, built without a mesh.
+
+    ``model`` is a preset name (``"tiny"``, ``"small"``, ``"gpt100m"``) or a ``GPTConfig``. The
+    state is ``{"model": ..., "optimizer": ...}``, so tree paths read ``model/..``,
+    ``optimizer/..``. Built under ``use_eager_sharding(False)``, so no mesh is needed: the layout
+    comes afterwards (``abstract=True`` gives ``ShapeDtypeStruct`` leaves via ``nnx.eval_shape``:
+    no device touched, nothing allocated).
+    """
+    cfg = model if isinstance(model, GPTConfig) else GPTConfig.by_name(model)
+
+    def build():
+        gpt = GPT(cfg, rngs=nnx.Rngs(seed))
+        return {"model": gpt, "optimizer": nnx.Optimizer(gpt, optax.adamw(lr), wrt=nnx.Param)}
+
+    with nnx.use_eager_sharding(False):
+        nodes = nnx.eval_shape(build) if abstract else build()
+    graphdef, state = nnx.split(nodes)
+    return graphdef, state, cfg
+
+
+def param_count(state) -> int:
+    """Parameters of the model part of a ``{"model", "optimizer"}`` state."""
+    return sum(math.prod(v.shape) for v in jax.tree.leaves(state["model"]))
+
+
+@functools.cache
+def profile_of(name: str) -> tj.planner.ModelProfile:
+    """The planner's profile of a GPT preset (cached: it lowers and costs the block)."""
+    return profile(GPTConfig.by_name(name), name=f"gpt {name}")
+
+
+def train_step(graphdef):
+    """``step(state, batch) -> (state, {"loss": loss})`` for ``ElasticJob.jit``: one AdamW step on
+    the batch's bitwise gradient (``batch.value_and_grad``)."""
+
+    def step(state, batch):
+        nodes = nnx.merge(graphdef, state)
+        loss, grads = batch.value_and_grad(example_losses)(nodes["model"])
+        nodes["optimizer"].update(nodes["model"], grads)
+        return nnx.state(nodes), {"loss": loss}
+
+    return step
+
+
+def make_train_step(graphdef, ptc: tj.PTC, layout: tj.BatchLayout):
+    """The jitted ``(state, batch, weights) -> (state, loss)`` for one layout; donates the state.
+
+    Pinned to the PTC's shardings, so each step keeps the layout the next plan starts from. The
+    gradient comes from ``tj.batch_value_and_grad``: with virtual workers it has the same bits on
+    any data-parallel size.
+    """
+    from tenplex_jax.batch import BATCH_AXES
+
+    mesh = ptc.mesh()
+    grad_fn = tj.batch_value_and_grad(example_losses, layout, mesh, batch_axes=BATCH_AXES)
+
+    def step(state, batch, weights):
+        nodes = nnx.merge(graphdef, state)
+        loss, grads = grad_fn(nodes["model"], batch, weights)
+        nodes["optimizer"].update(nodes["model"], grads)
+        return nnx.state(nodes), loss
+
+    rows = NamedSharding(mesh, P(BATCH_AXES))
+    return jax.jit(
+        step,
+        in_shardings=(ptc.shardings(mesh), rows, rows),
+        out_shardings=(ptc.shardings(mesh), NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )

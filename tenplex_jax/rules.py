@@ -1,0 +1,114 @@
+"""Logical axis names → a ``PartitionSpec``: flax's rule semantics, fitted to the mesh sizes.
+
+Logical names belong to the model (``("embed", "mlp")``), mesh axes to the hardware (``data``,
+``fsdp``, ``tensor``, ``pipe``); rules map one to the other. The mapping is flax's own
+(``flax.linen.logical_to_mesh_axes``, what t5x and MaxText use), called here rather than
+reimplemented, so a PTC agrees with the shardings the user's own ``jit`` gets from the same rules:
+
+- rules are tried in order; a rule gives its mesh axes to a dim whose logical name it names when
+  that dim is still unassigned and none of those mesh axes is used by another dim of the array;
+- a logical name that no rule assigns (or a rule that maps it to ``None``) leaves its dim
+  replicated; ``None`` in the logical names is a dim that is never sharded.
+
+>>> spec(("embed", "mlp"), (("mlp", "tensor"), ("embed", "tensor")), {"tensor": 4}, "w")
+(PartitionSpec(None, 'tensor'), ())
+
+On top of flax, a dim must divide by the product of its mesh axes' sizes. When it does not,
+``spec`` refuses with a ``LayoutError`` naming the leaf, dim, axes and sizes — or, with
+``allow_replicate=True``, drops the dim's mesh axes innermost first until the rest divides and
+reports the dropped ``(dim, axis)`` pairs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+
+from flax.linen import spmd
+from jax.sharding import PartitionSpec
+
+from tenplex_jax.errors import LayoutError, where
+
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+Logical = tuple[str | None, ...]
+
+
+def normalize(rules: Rules, mesh_axes: Sequence[str]) -> tuple:
+    """``rules`` as a hashable tuple, after checking each is ``(name, mesh axes)`` over mesh axes
+    that exist."""
+    out = []
+    for rule in rules:
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise LayoutError(f"a logical-axis rule is (logical_name, mesh_axes), got {rule!r}")
+        name, axes = rule
+        named = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        unknown = [a for a in named if a not in mesh_axes]
+        if unknown or not all(isinstance(a, str) for a in named):
+            raise LayoutError(
+                f"rule {tuple(rule)!r} maps logical axis {name!r} to mesh axes {unknown or named} "
+                f"that do not exist; mesh axes are {tuple(mesh_axes)}"
+            )
+        out.append((name, axes if axes is None or isinstance(axes, str) else tuple(axes)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _flax_entries(logical: Logical, rules: tuple) -> tuple[tuple[str, ...], ...]:
+    """Per dim, the mesh axes flax assigns (a tuple, empty when replicated)."""
+    spec = spmd.logical_to_mesh_axes(logical, rules)
+    entries = list(spec) + [None] * (len(logical) - len(spec))
+    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
+
+
+def spec(
+    logical: Logical,
+    rules: tuple,
+    sizes: Mapping[str, int],
+    path: str,
+    shape: Sequence[int] | None = None,
+    *,
+    allow_replicate: bool = False,
+    mesh: str = "",
+) -> tuple[PartitionSpec, tuple[tuple[int, str], ...]]:
+    """(spec, replicated (dim, mesh axis) pairs) of a leaf with ``logical`` names under ``rules``.
+
+    ``rules`` come from :func:`normalize`; ``sizes`` maps mesh axes to sizes; ``shape`` (default:
+    every dim divides) is checked for divisibility.
+    """
+    shown = mesh or str(dict(sizes))
+    try:
+        entries = _flax_entries(tuple(logical), rules)
+    except ValueError as error:  # flax: a logical name used by two dims
+        raise LayoutError(
+            f"flax's logical-axis rules refuse the names {tuple(logical)}: {error}: "
+            + where(path, tuple(shape or ()), tuple(logical), shown)
+        ) from None
+    replicated: list[tuple[int, str]] = []
+    if shape is not None:
+        fitted = []
+        for dim, entry in enumerate(entries):
+            entry = list(entry)
+            while entry and shape[dim] % math.prod(sizes[a] for a in entry):
+                if not allow_replicate:
+                    raise LayoutError(
+                        f"dim {dim} of size {shape[dim]} is sharded over mesh axes {tuple(entry)} "
+                        f"of total size {math.prod(sizes[a] for a in entry)}, which does not "
+                        f"divide it; pass allow_replicate=True to replicate it along those axes, "
+                        f"or choose another config: "
+                        + where(path, tuple(shape), _spec(entries), shown)
+                    )
+                replicated.append((dim, entry.pop()))
+            fitted.append(tuple(entry))
+        entries = tuple(fitted)
+    return _spec(entries), tuple(replicated)
+
+
+def _spec(entries) -> PartitionSpec:
+    return PartitionSpec(*(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries))
+
+
+def spec_entries(spec: PartitionSpec, ndim: int) -> list[tuple[str, ...]]:
+    """Per dim of an ``ndim`` array, the mesh axes ``spec`` shards it over (major to minor)."""
+    entries = list(spec) + [None] * (ndim - len(spec))
+    return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries]

@@ -1,7 +1,0 @@
-"""``python -m tenplex_jax.store --dir DIR [--port 0] [--ready-file F]``: run a store server."""
-
-import sys
-
-from tenplex_jax.store.server import main
-
-sys.exit(main())
