@@ -18,8 +18,8 @@ starts a new generation on the processes left; ``echo 2 > RUN_DIR/resize`` asks 
 resize (no step lost); SIGTERM to the launcher stops the job after a commit. Process 0 prints a
 line per step.
 
-``--pause-after 3,6`` holds a launched job once after each of those steps (its commits finished)
-until RUN_DIR/resume-STEP exists, so that a test, a benchmark or a person can kill a process at a
+``--pause-after 3,6`` holds a launched job once at the boundary after each of those steps (its
+commits finished) until RUN_DIR/resume-STEP exists, so that a test, a benchmark or a person can kill a process at a
 known step; each process marks RUN_DIR/paused-STEP-p<id> while it waits.
 """
 
@@ -88,8 +88,12 @@ def main(argv=None) -> int:
         say = print if job.process_index == 0 else (lambda *a, **k: None)
         say(f"generation {job.generation}: {jax.process_count()} processes, {job.ptc.config}, "
             f"from step {job.step}; restored {json.dumps(job.restored)}", flush=True)  # fmt: skip
+        pauses = {int(s) for s in args.pause_after.split(",") if s}
         while job.step < args.steps:
-            state, batch = job.next(state)
+            boundary = job.step
+            state, batch = job.next(state)  # launched: commits here, or ends the generation
+            if boundary in pauses and job.run_dir is not None:
+                pause(job, boundary)
             state, metrics = step(state, batch)
             loss = float(metrics["loss"])
             say(f"step {job.step:4d}  loss {loss:.4f}  {job.ptc.config}", flush=True)
@@ -99,8 +103,6 @@ def main(argv=None) -> int:
                           "time": time.time()}  # fmt: skip
                 with open(args.log, "a") as f:
                     f.write(json.dumps(record) + "\n")
-            if str(job.step) in args.pause_after.split(",") and job.run_dir is not None:
-                pause(job)
         job.finish(state)
         if args.out:
             from jax.experimental import multihost_utils
@@ -120,14 +122,15 @@ def gpt_config(text: str) -> GPTConfig:
     return GPTConfig(**{key.strip(): int(value) for key, value in fields.items()})
 
 
-def pause(job, timeout: float = 300.0) -> None:
-    """Once per job: wait, with the commits finished, until RUN_DIR/resume-STEP exists."""
-    marker = job.run_dir / f"paused-{job.step}-p{job.process_index}"
+def pause(job, step: int, timeout: float = 300.0) -> None:
+    """Once per job, at the boundary after ``step`` steps: wait, with the commits finished,
+    until RUN_DIR/resume-STEP exists."""
+    marker = job.run_dir / f"paused-{step}-p{job.process_index}"
     if marker.exists():  # an earlier generation paused here already
         return
     job.wait()
     marker.write_text(str(job.generation))
-    resume = job.run_dir / f"resume-{job.step}"
+    resume = job.run_dir / f"resume-{step}"
     deadline = time.monotonic() + timeout
     while not resume.exists():
         if time.monotonic() > deadline:

@@ -1,7 +1,9 @@
-"""A stand-in worker for the launcher's process-management test: no JAX, only the protocol.
+"""A stand-in worker for the launcher's process-management test: no training, only the protocol.
 
-Generation 0: process 1 exits with status 3 at once, process 0 hangs (as a survivor blocked in a
-collective would) until the launcher kills it. Later generations: write ``ready-g<gen>`` and wait
+Started like every worker (``python -m tenplex_jax.multihost``, which joins ``jax.distributed``).
+Generation 0: process 1 exits with status 3 at once (and must not wait in JAX's shutdown barrier
+for its peer), process 0 hangs (as a survivor blocked in a collective would) until the launcher
+kills it. Later generations: write ``ready-g<gen>`` and wait
 for the launcher's control file, then exit 0 as a worker does after its final commit.
 """
 

@@ -38,7 +38,7 @@ def test_restores_onto_another_layout_with_step_and_cursor(tmp_path):
     saved = tj.save_checkpoint(tmp_path, state, ptc, step=7, data_state=cursor)
     assert saved.step == 7 and tj.latest_checkpoint(tmp_path) == 7
 
-    target = tj.PTC.of(state, RULES, tj.ParallelConfig(data=3), devices[5:8])
+    target = ptc.relayout(tj.ParallelConfig(data=3), devices[5:8])
     restored = tj.restore_checkpoint(tmp_path, target)
     assert restored.tenplex and restored.step == 7 and restored.data_state == cursor
     assert restored.source["config"] == {"data": 2, "fsdp": 2, "tensor": 2, "pipe": 1}

@@ -65,7 +65,8 @@ def train(schedule: dict, steps: int, workers: int | None = WORKERS, microbatche
     for i in range(steps):
         if i in schedule:
             config, ids = schedule[i]
-            new = tj.PTC.of(state, RULES, config, [jax.devices()[d] for d in ids])
+            devs = [jax.devices()[d] for d in ids]
+            new = tj.PTC.of(state, RULES, config, devs) if ptc is None else ptc.relayout(config, devs)
             if ptc is None:
                 state = tj.place(state, new)
             else:

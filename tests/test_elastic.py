@@ -19,25 +19,20 @@ import threading
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 import tenplex_jax as tj
-from tenplex_jax_models import LOGICAL_RULES, corpus_samples, example_losses, stdlib_corpus
-from tenplex_jax_models import build_state
+from tenplex_jax_models import LOGICAL_RULES, build_state, corpus_samples, stdlib_corpus, train_step
 from tests.helpers import host_copy
 
 C = tj.ParallelConfig
 STEPS = 6
 BATCH = 24
-GRAPHDEF = build_state("tiny", 3e-3)[0]
+# the user's step: plain Flax NNX, no tenplex_jax inside but the batch's own gradient
+STEP = train_step(build_state("tiny", 3e-3, abstract=True)[0])
 
 
-def train_step(state, batch):
-    """The user's step: plain Flax NNX, no tenplex_jax inside but the batch's own gradient."""
-    nodes = nnx.merge(GRAPHDEF, state)
-    loss, grads = batch.value_and_grad(example_losses)(nodes["model"])
-    nodes["optimizer"].update(nodes["model"], grads)
-    return nnx.state(nodes), {"loss": loss}
+def init():
+    return build_state("tiny", 3e-3)[1]
 
 
 @functools.cache
@@ -47,11 +42,17 @@ def source():
 
 def make_job(configs: dict[int, tj.ParallelConfig] | None = None, **kwargs):
     dataset = tj.DatasetPTC(source(), BATCH, seed=1)  # 100 samples: epochs end mid-batch
-    config = None if configs is None else configs.__getitem__
+    def config(n):  # the contract: LayoutError when the rule has no layout for n devices
+        if n not in configs:
+            raise tj.errors.LayoutError(f"this test's rule has no layout for {n} devices")
+        return configs[n]
+
     kwargs.setdefault("compile_ahead", False)
-    job = tj.ElasticJob(LOGICAL_RULES, dataset, workers=8, config=config, **kwargs)
-    state = job.place(build_state("tiny", 3e-3)[1])
-    return job, state, job.jit(train_step)
+    kwargs.setdefault("exact_step_times", True)
+    job = tj.ElasticJob(LOGICAL_RULES, dataset, workers=8,
+                        config=None if configs is None else config, **kwargs)
+    state = job.start(init)
+    return job, state, job.jit(STEP)
 
 
 def train(job, state, step, events=None, steps=STEPS):
@@ -141,7 +142,7 @@ def test_reshard_around_a_failed_device_never_reads_its_buffers():
     state = tj.place(state, src)
     want = host_copy(state)
     assert poison(state, 2) > 0
-    dst = tj.PTC.of(state, LOGICAL_RULES, C(data=7), [d for d in jax.devices() if d.id != 2])
+    dst = src.relayout(C(data=7), [d for d in jax.devices() if d.id != 2])
     state, _ = tj.reshard(state, tj.make_plan(src, tj.allocate(src, dst), failed=[2]))
     for a, b in zip(host_copy(state), want):
         np.testing.assert_array_equal(a, b)
@@ -313,3 +314,77 @@ def test_trace_replays_end_to_end_through_the_cli(tmp_path):
     goodput = summary["goodput"]
     assert 0 < goodput["elastic"] <= 1 and 0 < goodput["checkpoint_restart"] <= 1
     assert set(goodput["restart_costs"]["compile_seconds"]) == {"data=7", "data=8"}
+
+
+# -- the job as an object: what it owns, what it leaves alone ------------------------------------
+
+
+def _compile_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("tenplex-compile")]
+
+
+def test_leaving_the_job_stops_its_compile_threads_and_changes_no_jax_setting():
+    names = [
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+        "jax_enable_x64",
+        "jax_default_matmul_precision",
+    ]
+    before = {n: getattr(jax.config, n) for n in names}
+    assert not _compile_threads()
+    with tj.ElasticJob(LOGICAL_RULES, tj.DatasetPTC(source(), BATCH), workers=8) as job:
+        state = job.start(init)
+        step = job.jit(STEP)  # compile-ahead on: the guess of one device fewer compiles
+        state, batch = job.next(state)
+        step(state, batch)
+        assert _compile_threads()
+    assert not _compile_threads()
+    assert {n: getattr(jax.config, n) for n in names} == before
+
+
+def test_steps_run_asynchronously_but_the_first_on_each_layout(fixed):
+    job, state, step = make_job(exact_step_times=False)
+    got = train(job, state, step, {3: lambda job, s: job.preempt([7])})
+    assert [(i, c) for i, _, c in job.step_log] == [(0, "data=8"), (3, "data=7")]
+    (record,) = job.records
+    assert record.stall_seconds is not None  # the first step on data=7 was waited for
+    assert_same_run(got, fixed)
+
+
+def test_redeploy_moves_onto_exactly_the_given_devices(fixed):
+    job, state, step = make_job()
+    events = {
+        2: lambda job, s: job.redeploy([0, 1, 2, 3]),
+        4: lambda job, s: job.redeploy([2, 3, 4, 5, 6, 7]),
+    }
+    got = train(job, state, step, events)
+    assert [(r.decision, sorted(r.devices_after), r.config_after) for r in job.records] == [
+        ("move", [0, 1, 2, 3], "data=4"),
+        ("move", [2, 3, 4, 5, 6, 7], "data=6"),
+    ]
+    assert job.records[1].bytes_kept > 0  # devices 2 and 3 kept their replicas
+    assert_same_run(got, fixed)
+    with pytest.raises(tj.errors.LayoutError, match=r"redeploy names the devices.*unusable: \[9\]"):
+        job.devices_after("redeploy", [0, 9])
+
+
+def test_start_resumes_from_the_latest_checkpoint_with_the_data_cursor(fixed, tmp_path):
+    job, state, step = make_job(checkpoint_dir=tmp_path, checkpoint_every=2)
+    first, _ = train(job, state, step, steps=3)  # saves steps 0 and 2
+    assert [s for s, _ in job.checkpoints] == [0, 2]
+    job, state, step = make_job(checkpoint_dir=tmp_path, checkpoint_every=2)
+    assert job.resumed == 2 and job.step == 2
+    seen = {}
+    while job.step < STEPS:
+        state, batch = job.next(state)
+        seen[job.step - 1] = job.samples[job.samples >= 0]
+        state, _ = step(state, batch)
+    job.finish(state)  # a final checkpoint of the last step
+    job.close()
+    assert [s for s, _ in job.checkpoints] == [2, 4, 6]
+    for i in range(2, STEPS):
+        np.testing.assert_array_equal(seen[i], fixed[1][i])
+    for a, b in zip(host_copy(state), fixed[0]):
+        np.testing.assert_array_equal(a, b)
+    assert tj.latest_checkpoint(tmp_path) == STEPS

@@ -2,16 +2,16 @@
 
 One launched job (``examples/elastic_gpt.py``, the script that also runs alone: GPT tiny, 4
 processes x 2 CPU devices, replicas=1, a commit every 2 steps, an orbax checkpoint every 4) runs
-through two failures, each injected by PID at a known step while the
-job is paused (``--pause-after``, commits finished):
+through two failures, each injected by PID at a known step while the job is paused at a step
+boundary (``--pause-after``, commits finished):
 
 1. after step 3: SIGKILL worker 3 and its store. The job goes on with 3 processes; worker 3's
    shards come from their replicas on store 0; lost steps = 3 - 2.
 2. after step 6: SIGKILL worker 2 and both stores holding its shards (2 and 0). No copy survives:
    the launcher names the leaves and falls back to the orbax checkpoint of step 4 on the one
    process left; lost steps = 6 - 4.
-3. after step 7: a planned resize to 2 processes (``RUN_DIR/resize``): at the next step
-   boundary the process (agreeing on step 7) commits synchronously and exits; a new slot gets a
+3. after step 7: a planned resize to 2 processes (``RUN_DIR/resize``): the process finds the
+   request at the next step boundary (step 8), commits synchronously and exits; a new slot gets a
    new store; lost steps = 0.
 
 The final params must equal, bit for bit, a single-process run of 10 steps fed the same batches,
@@ -156,7 +156,7 @@ def test_job_survives_two_failures_and_finishes(job):
     gens = [e for e in events(job["run"]) if e["event"] == "generation"]
     assert [g["processes"] for g in gens] == [4, 3, 1, 2], job["log"][-3000:]
     assert [g["slots"] for g in gens] == [[0, 1, 2, 3], [0, 1, 2], [1], [1, 4]]
-    assert [g["restore"] for g in gens] == ["init", "store:2", "checkpoint:4", "store:7"]
+    assert [g["restore"] for g in gens] == ["init", "store:2", "checkpoint:4", "store:8"]
     assert [g["lost_steps"] for g in gens] == [None, 1, 2, 0]  # 0: the resize was planned
     kinds = [e["event"] for e in events(job["run"])]
     assert kinds.count("failure") == 2 and kinds.count("resize") == 1
@@ -306,3 +306,34 @@ def test_a_complete_version_deletes_the_older_ones(job):
     finally:
         proc.stop()
     assert arrays == markers == {STEPS}
+
+
+def test_a_launched_job_refuses_in_process_device_changes_and_finishes(tmp_path):
+    """The same ElasticJob API in a launched process (1 process, real jax.distributed): devices
+    are the launcher's, device events refuse, the script's own checkpoint dir reaches the
+    launcher (its fallback), and finish ends the job."""
+    command = [sys.executable, "-m", "tenplex_jax", "launch", "--nprocs", "1", "--run-dir",
+               str(tmp_path), str(ROOT / "tests" / "launched_checks.py"), str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    seen = json.loads((tmp_path / "checks.json").read_text())
+    assert seen["launched"] is True and seen["processes"] == 1 and seen["step"] == 2
+    assert "runs on every device of its processes" in seen["devices_refused"]
+    assert "change by generation" in seen["preempt_refused"]
+    rows = np.arange(96, dtype=np.float32).reshape(24, 4)  # the script's dataset
+    order = tj.DatasetPTC(rows, global_batch=8)
+    trained = np.concatenate([order.indices(0)[0], order.indices(1)[0]])
+    np.testing.assert_array_equal(seen["w"], rows[trained].sum(0))
+    checkpoint = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert checkpoint["directory"] == str(tmp_path / "ckpt")
+    assert tj.latest_checkpoint(tmp_path / "ckpt") == 2  # finish saved the last step
+    assert [e["event"] for e in events(tmp_path)][-1] == "finished"
+
+
+def test_a_job_description_without_the_launchers_entry_point_is_refused(monkeypatch):
+    spec = tj.multihost.JobSpec("127.0.0.1:1", 0, 1, 2, 0, (0,), {0: "127.0.0.1:2"}, 0, 1,
+                                "init", "/nonexistent")  # fmt: skip
+    monkeypatch.setenv(*next(iter(spec.to_env().items())))
+    dataset = tj.DatasetPTC(np.zeros((8, 2), np.float32), global_batch=8)
+    with pytest.raises(tj.errors.LayoutError, match=r"python -m tenplex_jax.multihost SCRIPT"):
+        tj.ElasticJob((), dataset)

@@ -114,7 +114,7 @@ def _train(schedule: dict[int, tuple], steps: int):
             if new_stages != stages:  # uneven stages: re-pad the layers dim first
                 state, ptc = tj.pipelining.restage(state, ptc, RULES, stages, new_stages)
                 stages = new_stages
-            new = tj.PTC.of(state, RULES, config, [jax.devices()[d] for d in devices])
+            new = ptc.relayout(config, [jax.devices()[d] for d in devices])
             # the core plan, nothing pipeline-specific: the layers dim changes its spec
             plans.append(tj.make_plan(ptc, new))
             state, _ = tj.reshard(state, plans[-1])

@@ -50,7 +50,8 @@ def run(schedule: dict[int, tuple[C, range]], steps: int) -> tuple[list[float], 
     for i in range(steps):
         if i in schedule:
             config, devices = schedule[i]
-            new = tj.PTC.of(state, RULES, config, [jax.devices()[d] for d in devices])
+            devs = [jax.devices()[d] for d in devices]
+            new = tj.PTC.of(state, RULES, config, devs) if ptc is None else ptc.relayout(config, devs)
             if ptc is None:
                 state = tj.place(state, new)
             else:

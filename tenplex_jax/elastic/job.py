@@ -96,8 +96,9 @@ class ElasticJob:
     ``rules`` are the logical-axis rules of the state; ``dataset`` serves the global batches
     (its ``step`` is the job's step). ``devices`` are all the devices the job may ever use
     (default ``jax.devices()``); it starts on ``initial`` (default all). ``config(n)`` picks the
-    parallel config for ``n`` devices (default: ``tj.planner.choose_config``, which asks the
-    planner when ``profile`` and ``device_type`` are given). ``workers`` sets virtual workers,
+    parallel config for ``n`` devices, raising ``tj.errors.LayoutError`` when it has none (default:
+    ``tj.planner.choose_config``, which asks the planner when ``profile`` and ``device_type`` are
+    given). ``workers`` sets virtual workers,
     which make the params bitwise equal across data-parallel and FSDP sizes. ``steps`` (the run's
     length) lets growth weigh its gain over the remaining steps. A context manager: leaving it
     stops the compile threads and, when launched, the commits' threads and connections.

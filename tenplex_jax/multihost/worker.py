@@ -26,6 +26,7 @@ import pathlib
 import runpy
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -66,7 +67,24 @@ def main(argv: list[str] | None = None) -> int:
     Worker.joined = started, time.time()
     sys.argv = list(argv)
     sys.path.insert(0, str(pathlib.Path(argv[0]).resolve().parent))  # as `python SCRIPT` would
-    runpy.run_path(argv[0], run_name="__main__")
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
+        if done.code is not None and not isinstance(done.code, int):
+            print(done.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported, then the process ends with status 1
+        traceback.print_exc()
+        code = 1
+    else:
+        code = 0
+    if code != 0:
+        # a failed worker ends now with its status: at a normal exit JAX would wait in
+        # jax.distributed's shutdown barrier for peers that are still training, and the
+        # launcher would not see the failure until they time out
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return 0
 
 
