@@ -312,8 +312,7 @@ class Launcher:
             return f"{kind}:{step}" if kind != "init" else "init", step
         finally:
             for client in clients.values():
-                with contextlib.suppress(Exception):
-                    client.close()
+                client.close()
 
     def _checkpoint_dir(self) -> pathlib.Path | None:
         """``--checkpoint-dir``, else the one the script's job uses (it says so in the run dir)."""
