@@ -1,9 +1,21 @@
 """The state transformer: executes a reconfiguration plan on a live state, in one process.
 
 ``reshard(state, plan)`` builds every target shard as the plan says: a kept shard reuses its buffer
-(no copy), a split slices the local shard, a move slices on the source device first (so only the
-needed bytes cross) and copies, a merge concatenates its pieces on the target device. The shards are
-assembled with ``jax.make_array_from_single_device_arrays`` onto the target mesh.
+(no copy), a split takes a slice of the local shard, a move copies a box (or the slice of one that
+is needed) from another device, a merge assembles several pieces. The shards become the new leaf
+with ``jax.make_array_from_single_device_arrays`` on the target mesh. Two paths copy the bytes:
+
+- the **device path** (:func:`_device_leaf`), for any platform: each piece is sliced on its source
+  device (only the needed bytes cross), every piece is sent to its *target* device with one
+  batched ``jax.device_put``, and the pieces of a merge are concatenated there. This is the path
+  GPU and TPU leaves take, and PRNG-key leaves everywhere;
+- the **host path** (:func:`_host_leaf`), for CPU devices, whose buffers are host memory: each
+  piece is copied once, from a zero-copy NumPy view of its source into its place in a fresh
+  aligned buffer that the target device adopts (XLA's CPU slice and copy between CPU devices ran
+  several times slower than a NumPy copy), a thread per core (NumPy releases the GIL).
+
+``executor="auto"`` picks the host path for CPU leaves and the device path for the rest;
+``"host"`` and ``"device"`` force one (the tests run every change both ways on CPU).
 
 Donation. Old buffers are released leaf by leaf as the new leaf is built, so the peak stays near the
 state size plus one leaf: a leaf none of whose buffers is reused is deleted at once (using the old
@@ -21,8 +33,8 @@ device boxes); a mismatch raises ``PlanError`` and leaves the state untouched.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
-import functools
 import os
 import time
 from collections.abc import Sequence
@@ -32,13 +44,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from tenplex_jax.errors import PlanError, where
-from tenplex_jax.plan import LeafPlan, Plan
 from tenplex_jax import box as boxes
 from tenplex_jax.box import Box
+from tenplex_jax.errors import PlanError, where
+from tenplex_jax.plan import LeafPlan, Plan, ShardPlan
 from tenplex_jax.ptc import PTC, flatten_state
 
 METHODS = ("plan", "device_put")
+EXECUTORS = ("auto", "host", "device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,21 +77,27 @@ def reshard(
     *,
     donate: bool = True,
     method: str = "plan",
+    executor: str = "auto",
     devices: Sequence[jax.Device] | None = None,
 ):
     """Apply ``plan`` to ``state`` → ``(new_state, ReshardReport)``; values are bit-identical.
 
     ``state`` is the tree the plan's source PTC was built from (an ``nnx.State``, or NNX graph nodes,
     whose ``nnx.state`` is used; write it back with ``nnx.update(nodes, new_state)``). ``method="plan"``
-    runs the per-shard executor; ``"device_put"`` hands the whole tree to ``jax.device_put`` (reported
-    bytes are then the plan's, since ``device_put`` does not say what it copied).
+    runs the per-shard executor, on the path ``executor`` says (see the module docstring);
+    ``"device_put"`` hands the whole tree to ``jax.device_put`` (reported bytes are then the plan's,
+    since ``device_put`` does not say what it copied).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
     paths, arrays, treedef = _arrays(state)
     _check_tree(paths, treedef, plan.src)
     check_state(arrays, plan)
     mesh = plan.dst.mesh(devices)
+    choose = {"auto": _path_of, "host": _host_only, "device": lambda array, leaf: _device_leaf}
+    paths_of = [choose[executor](array, leaf) for array, leaf in zip(arrays, plan.leaves)]
     start = time.perf_counter()
     if method == "device_put":
         shardings = [NamedSharding(mesh, leaf.dst.spec) for leaf in plan.leaves]
@@ -90,13 +109,22 @@ def reshard(
         return jax.tree_util.tree_unflatten(treedef, out), report
     by_id = {d.id: d for d in mesh.devices.flat}
     out, moved, kept = [], 0, 0
-    for array, leaf in zip(arrays, plan.leaves):
-        new, leaf_moved, leaf_kept, reused = _execute_leaf(array, leaf, mesh, by_id)
-        out.append(new)
-        moved, kept = moved + leaf_moved, kept + leaf_kept
-        if donate and not reused:
-            jax.block_until_ready(new)  # the copies read the old buffers; they must finish first
-            array.delete()
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if _host_leaf in paths_of and (os.cpu_count() or 1) > 1:
+            pool = stack.enter_context(
+                concurrent.futures.ThreadPoolExecutor(os.cpu_count(), "tenplex-copy")
+            )
+        for array, leaf, execute in zip(arrays, plan.leaves, paths_of):
+            shards, leaf_moved, leaf_kept = execute(array, leaf, by_id, pool)
+            new = jax.make_array_from_single_device_arrays(
+                leaf.dst.shape, NamedSharding(mesh, leaf.dst.spec), shards
+            )
+            out.append(new)
+            moved, kept = moved + leaf_moved, kept + leaf_kept
+            if donate and not any(s.kind == "keep" for s in leaf.shards):
+                jax.block_until_ready(new)  # the copies read the old buffers; they must finish
+                array.delete()
     jax.block_until_ready(out)
     report = ReshardReport(method, moved, kept, time.perf_counter() - start, len(out))
     return jax.tree_util.tree_unflatten(treedef, out), report
@@ -170,92 +198,128 @@ def check_state(arrays, plan: Plan) -> None:
             )
 
 
-def _execute_leaf(array: jax.Array, leaf: LeafPlan, mesh, by_id):
-    """Build one target leaf; returns (array, bytes moved, bytes kept, whether old buffers live on).
+# -- choosing a path ---------------------------------------------------------------------------
 
-    Each piece is sliced at its source, so only the needed bytes cross; every new shard is then
-    assembled (a merge concatenates its pieces) and all of the leaf's shards go out in one batched
-    ``jax.device_put``. On CPU devices, whose buffers are host memory, each piece is copied once,
-    from a zero-copy NumPy view of its source into its place in the new shard's buffer, which the
-    target device adopts: XLA's CPU slice and its copy between CPU devices both ran several times
-    slower than a NumPy copy. A leaf's shards are copied on a thread per core (NumPy releases the
-    GIL), which measured 1.3-1.6x faster than one thread on the benchmark's reshard matrix. Elsewhere, slices run as ``lax.slice`` on the source device.
-    """
-    host = not jax.dtypes.issubdtype(array.dtype, jax.dtypes.extended) and all(
+
+def _on_host(array: jax.Array) -> bool:
+    """Whether NumPy can view this array's buffers: plain dtypes on CPU devices."""
+    return not jax.dtypes.issubdtype(array.dtype, jax.dtypes.extended) and all(
         s.device.platform == "cpu" for s in array.addressable_shards
     )
-    # only the shards the plan reads: a failed device's buffers are never touched
-    needed = {piece.src_device for shard in leaf.shards for piece in shard.pieces}
-    local = {s.device.id: s.data for s in array.addressable_shards if s.device.id in needed}
-    views = {i: np.asarray(a) for i, a in local.items()} if host else local  # zero-copy on CPU
-    buffers: list[jax.Array | None] = []
-    todo, todo_at, todo_to, alias = [], [], [], []
-    moved = kept = 0
-    reused = False
-    copies = iter(())
-    if host:  # NumPy copies release the GIL: run a leaf's shards on all cores
-        work = [shard for shard in leaf.shards if shard.kind != "keep"]
-        copies = (
-            _pool().map(_copy_on_host, work, [views] * len(work))
-            if len(work) > 1
-            else map(_copy_on_host, work, [views] * len(work))
+
+
+def _path_of(array: jax.Array, leaf: LeafPlan):
+    return _host_leaf if _on_host(array) else _device_leaf
+
+
+def _host_only(array: jax.Array, leaf: LeafPlan):
+    if not _on_host(array):
+        platforms = sorted({s.device.platform for s in array.addressable_shards})
+        raise PlanError(
+            f"executor='host' copies through NumPy views of CPU buffers, but this leaf is "
+            f"{array.dtype} on {platforms}; use executor='auto' or 'device': "
+            + where(leaf.path, leaf.dst.shape, leaf.dst.spec, "the plan's target")
         )
+    return _host_leaf
+
+
+def _sources(array: jax.Array, leaf: LeafPlan) -> dict[int, jax.Array]:
+    """The source shards the plan reads, by device id: a failed device's are never touched."""
+    needed = {piece.src_device for shard in leaf.shards for piece in shard.pieces}
+    return {s.device.id: s.data for s in array.addressable_shards if s.device.id in needed}
+
+
+# -- the device path ---------------------------------------------------------------------------
+
+
+def _device_leaf(array: jax.Array, leaf: LeafPlan, by_id, pool=None):
+    """One target leaf's shards with JAX ops; (shards in target order, bytes moved, kept).
+
+    Every piece reaches its target device before it is assembled: JAX refuses to concatenate
+    arrays committed to different devices.
+    """
+    local = _sources(array, leaf)
+    moved = kept = 0
+    pieces, targets = [], []  # every piece, sliced at its source, and the device it goes to
     for shard in leaf.shards:
         if shard.kind == "keep":
-            buffers.append(local[shard.device])
-            kept += local[shard.device].nbytes
-            reused = True
             continue
-        if host:
-            block, shard_moved, shard_kept = next(copies)
-            moved, kept = moved + shard_moved, kept + shard_kept
-            alias.append(True)  # a fresh, aligned buffer: the target device adopts it, no 2nd copy
-        else:
-            parts = []
-            for piece in shard.pieces:
-                whole = piece.box == piece.src_box
-                data = local[piece.src_device] if whole else _slice(local[piece.src_device], piece)
-                if piece.local:
-                    kept += data.nbytes
-                else:
-                    moved += data.nbytes
-                parts.append((piece.box, data))
-            block = _assemble(parts, jax.lax.concatenate)
-            alias.append(None)
-        todo.append(block)
-        todo_at.append(len(buffers))
-        todo_to.append(by_id[shard.device])
-        buffers.append(None)
-    for i, data in zip(todo_at, jax.device_put(todo, todo_to, may_alias=alias) if todo else ()):
-        buffers[i] = data
-    new = jax.make_array_from_single_device_arrays(
-        leaf.dst.shape, NamedSharding(mesh, leaf.dst.spec), buffers
-    )
-    return new, moved, kept, reused
+        for piece in shard.pieces:
+            data = local[piece.src_device]
+            if piece.box != piece.src_box:
+                data = data[boxes.index(piece.box, piece.src_box)]  # runs on the source device
+            if piece.local:
+                kept += data.nbytes
+            else:
+                moved += data.nbytes
+            pieces.append(data)
+            targets.append(by_id[shard.device])
+    arrived = iter(jax.device_put(pieces, targets) if pieces else ())
+    shards = []
+    for shard in leaf.shards:
+        if shard.kind == "keep":
+            shards.append(local[shard.device])
+            kept += local[shard.device].nbytes
+            continue
+        parts = [(piece.box, next(arrived)) for piece in shard.pieces]
+        shards.append(_assemble(parts))
+    return shards, moved, kept
 
 
-@functools.cache
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1, "tenplex-copy")
+def _assemble(parts: list[tuple[Box, jax.Array]]) -> jax.Array:
+    """Concatenate pieces that tile a box on a grid (all on one device): split on the first dim
+    with several starts, recursively."""
+    if len(parts) == 1:
+        return parts[0][1]
+    for dim in range(len(parts[0][0])):
+        starts = sorted({box[dim][0] for box, _ in parts})
+        if len(starts) > 1:
+            groups = [[p for p in parts if p[0][dim][0] == s] for s in starts]
+            return jax.lax.concatenate([_assemble(g) for g in groups], dim)
+    raise PlanError(f"pieces {[box for box, _ in parts]} overlap; a merge needs disjoint pieces")
 
 
-def _slice(data: jax.Array, piece) -> jax.Array:
-    box, outer = piece.box, piece.src_box
-    starts = [lo - olo for (lo, _), (olo, _) in zip(box, outer)]
-    stops = [hi - olo for (_, hi), (olo, _) in zip(box, outer)]
-    return jax.lax.slice(data, starts, stops)
+# -- the host path -----------------------------------------------------------------------------
 
 
-def _copy_on_host(shard, views: dict[int, np.ndarray]) -> tuple[np.ndarray, int, int]:
+def _host_leaf(array: jax.Array, leaf: LeafPlan, by_id, pool=None):
+    """One target leaf's shards through host memory; (shards in target order, bytes moved, kept).
+
+    ``pool`` runs the shards' copies in parallel (NumPy releases the GIL).
+    """
+    local = _sources(array, leaf)
+    views = {i: np.asarray(a) for i, a in local.items()}  # zero-copy on CPU
+    work = [shard for shard in leaf.shards if shard.kind != "keep"]
+    copy = pool.map if pool is not None and len(work) > 1 else map
+    copies = iter(copy(_copy_on_host, work, [views] * len(work)))
+    shards, blocks, targets = [], [], []
+    moved = kept = 0
+    for shard in leaf.shards:
+        if shard.kind == "keep":
+            shards.append(local[shard.device])
+            kept += local[shard.device].nbytes
+            continue
+        block, shard_moved, shard_kept = next(copies)
+        moved, kept = moved + shard_moved, kept + shard_kept
+        blocks.append(block)
+        targets.append((len(shards), by_id[shard.device]))
+        shards.append(None)
+    # a fresh, aligned buffer: the target device adopts it, no second copy
+    for (i, _), data in zip(targets, jax.device_put(blocks, [d for _, d in targets],
+                                                    may_alias=True) if blocks else ()):  # fmt: skip
+        shards[i] = data
+    return shards, moved, kept
+
+
+def _copy_on_host(shard: ShardPlan, views: dict[int, np.ndarray]) -> tuple[np.ndarray, int, int]:
     """One target shard built in host memory: (buffer, bytes moved, bytes kept).
 
     Every piece is copied once, straight from a zero-copy view of its source buffer into its place
     in a fresh buffer aligned for the CPU client to adopt without copying again. (A NumPy view of a
     JAX buffer would be adopted as an alias of the source memory, not copied.)
     """
-    shape = tuple(hi - lo for lo, hi in shard.box)
     dtype = views[shard.pieces[0].src_device].dtype
-    out = _aligned_empty(shape, dtype)
+    out = _aligned_empty(boxes.shape(shard.box), dtype)
     moved = kept = 0
     for piece in shard.pieces:
         src = views[piece.src_device][boxes.index(piece.box, piece.src_box)]
@@ -273,15 +337,3 @@ def _aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     start = -raw.ctypes.data % alignment
     return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def _assemble(parts: list[tuple[Box, jax.Array]], concatenate) -> jax.Array:
-    """Concatenate pieces that tile a box on a grid: split on the first dim with several starts."""
-    if len(parts) == 1:
-        return parts[0][1]
-    for dim in range(len(parts[0][0])):
-        starts = sorted({box[dim][0] for box, _ in parts})
-        if len(starts) > 1:
-            groups = [[p for p in parts if p[0][dim][0] == s] for s in starts]
-            return concatenate([_assemble(g, concatenate) for g in groups], dim)
-    raise PlanError(f"pieces {[box for box, _ in parts]} overlap; a merge needs disjoint pieces")

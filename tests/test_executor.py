@@ -1,0 +1,247 @@
+"""The state transformer: shard-by-shard equality over a matrix of changes on both executor paths
+(the host path and the device path GPUs take, forced on CPU), bytes, donation, errors."""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import tenplex_jax as tj
+from tests.helpers import RULES, assert_shards_equal, host_copy, train_state
+
+C = tj.ParallelConfig
+PATHS = ("host", "device")
+# (name, source config, source devices, target config, target devices[, failed devices])
+MATRIX = [
+    ("dp 8->4", C(data=8), range(8), C(data=4), range(4)),
+    ("dp 4->6 on 2..7", C(data=4), range(4), C(data=6), range(2, 8)),
+    ("tp 2->4", C(data=4, tensor=2), range(8), C(data=2, tensor=4), range(8)),
+    ("fsdp 4->2", C(data=2, fsdp=4), range(8), C(data=4, fsdp=2), range(8)),
+    ("dp2,tp4 -> dp3,tp2", C(data=2, tensor=4), range(8), C(data=3, tensor=2), range(6)),
+    ("disjoint", C(data=2, tensor=2), range(4), C(fsdp=2, tensor=2), range(4, 8)),
+    ("mixed with pipe", C(pipe=2, data=2, tensor=2), range(8), C(fsdp=4, tensor=2), range(8)),
+    ("grow 2->8 reversed", C(fsdp=2), range(2), C(data=2, fsdp=2, tensor=2), range(7, -1, -1)),
+    # failures: every box comes from a surviving replica, the failed device is never read
+    ("fail dp 8->7", C(data=8), range(8), C(data=7), range(7), (7,)),
+    ("fail dp2,fsdp4 -> tp2", C(data=2, fsdp=4), range(8), C(data=3, tensor=2), [0, 2, 3, 4, 5, 6], (1, 7)),
+    ("fail pipe2,dp2 -> pipe2", C(pipe=2, data=2, tensor=2), range(8), C(pipe=2, tensor=2), [0, 1, 6, 7], (2, 3)),
+]
+IDS = [m[0] for m in MATRIX]
+
+
+def laid_out(config, devices, seed=0):
+    """A tiny GPT + AdamW state, one optimizer step in (so the moments are not zero), laid out."""
+    model, optimizer = train_state(seed=seed)
+    grads = jax.tree.map(lambda p: 1e-2 * np.ones_like(p), nnx.state(model, nnx.Param))
+    optimizer.update(model, grads)
+    state = nnx.state((model, optimizer))
+    devices = [jax.devices()[i] for i in devices]
+    ptc = tj.PTC.of(state, RULES, config, devices)
+    return tj.place(state, ptc), ptc, (model, optimizer)
+
+
+def target(ptc, config, devices):
+    return ptc.relayout(config, [jax.devices()[i] for i in devices])
+
+
+def poison(state, devices) -> None:
+    """Overwrite every buffer on ``devices`` with 0xFF bytes (NaN): a read of one would show."""
+    for leaf in jax.tree.leaves(state):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+            continue  # a key's buffer is not plain memory; keys are replicated and kept anyway
+        for shard in leaf.addressable_shards:
+            if shard.device.id in devices and shard.data.nbytes:
+                raw = (ctypes.c_ubyte * shard.data.nbytes).from_address(
+                    shard.data.unsafe_buffer_pointer()
+                )
+                np.frombuffer(raw, np.uint8)[:] = 0xFF
+
+
+def run_row(row, executor, method="plan"):
+    """Reshard a row of MATRIX; (plan, new state, report, the expected host copy)."""
+    name, src_cfg, src_devs, dst_cfg, dst_devs, *failed = row
+    failed = failed[0] if failed else ()
+    state, src, _ = laid_out(src_cfg, src_devs)
+    expected = host_copy(state)
+    poison(state, failed)
+    dst = tj.allocate(src, target(src, dst_cfg, dst_devs))
+    plan = tj.make_plan(src, dst, failed=failed)
+    new, report = tj.reshard(state, plan, method=method, executor=executor, donate=not failed)
+    return plan, new, report, expected
+
+
+KINDS_SEEN = collections.defaultdict(set)  # executor path -> shard kinds the matrix executed
+
+
+@pytest.mark.parametrize("executor", PATHS)
+@pytest.mark.parametrize("row", MATRIX, ids=IDS)
+def test_both_paths_reshard_every_change_bit_identical_shard_by_shard(row, executor):
+    plan, new, report, expected = run_row(row, executor)
+    assert_shards_equal(new, expected, plan.dst)
+    # measured from the copied buffers, not read from the plan
+    assert (report.bytes_moved, report.bytes_kept) == (plan.bytes_moved, plan.bytes_kept)
+    KINDS_SEEN[executor] |= set(plan.kinds)
+
+
+@pytest.mark.parametrize("executor", PATHS)
+def test_the_matrix_executes_keep_split_move_and_merge_on_both_paths(executor):
+    if len(KINDS_SEEN[executor]) < 4:  # run alone: execute the matrix here
+        for row in MATRIX:
+            KINDS_SEEN[executor] |= set(run_row(row, executor)[0].kinds)
+    assert KINDS_SEEN[executor] >= {"keep", "split", "move", "merge"}
+
+
+@pytest.mark.parametrize("row", [MATRIX[1], MATRIX[4], MATRIX[-2]], ids=[IDS[1], IDS[4], IDS[-2]])
+def test_device_put_method_gives_the_same_shards(row):
+    plan, new, _, expected = run_row(row, "auto", method="device_put")
+    assert_shards_equal(new, expected, plan.dst)
+
+
+@pytest.mark.parametrize("executor", PATHS)
+def test_merging_pieces_from_several_devices_onto_one(executor):
+    """P(None, "tensor") from tensor=4 to tensor=2: both target shards are merges of two pieces on
+    two devices. The device path once concatenated them where they lay, and JAX refused ("Received
+    incompatible devices for jitted computation")."""
+    with nnx.use_eager_sharding(False):
+        w = np.arange(64, dtype=np.float32).reshape(8, 8)
+        state = nnx.State({"w": nnx.Param(w, out_sharding=(None, "mlp"))})
+    src = tj.PTC.of(state, (("mlp", "tensor"),), C(tensor=4), jax.devices()[:4])
+    state = tj.place(state, src)
+    plan = tj.make_plan(src, src.relayout(C(tensor=2), jax.devices()[:2]))
+    assert [s.kind for s in plan.leaves[0].shards] == ["merge", "merge"]
+    new, report = tj.reshard(state, plan, executor=executor)
+    assert_shards_equal(new, [w], plan.dst)
+    # device 0 keeps its own columns 0..1 and receives 2..3; device 1 receives 4..5 and 6..7
+    assert report.bytes_moved == plan.bytes_moved == w.nbytes * 3 // 4
+    assert report.bytes_kept == plan.bytes_kept == w.nbytes // 4
+
+
+def test_prng_keys_take_the_device_path_and_the_host_path_refuses_them():
+    """Key arrays are not plain memory: "auto" moves them on the device path (sliced and merged
+    like any leaf); forcing the host path is refused before anything moves."""
+    keys = jax.random.split(jax.random.key(3), 8)
+    with nnx.use_eager_sharding(False):
+        state = nnx.State({"keys": nnx.Variable(keys, out_sharding=("mlp",))})
+    src = tj.PTC.of(state, (("mlp", "tensor"),), C(tensor=4), jax.devices()[:4])
+    state = tj.place(state, src)
+    expected = host_copy(state)
+    plan = tj.make_plan(src, src.relayout(C(tensor=2), jax.devices()[2:4]))
+    assert set(plan.kinds) == {"merge"}
+    with pytest.raises(tj.errors.PlanError, match=r"executor='host'.*key<fry>.*'keys'"):
+        tj.reshard(state, plan, executor="host")
+    assert_shards_equal(state, expected, src)  # refused before anything moved
+    new, report = tj.reshard(state, plan)
+    assert_shards_equal(new, expected, plan.dst)
+    assert (report.bytes_moved, report.bytes_kept) == (plan.bytes_moved, plan.bytes_kept)
+
+
+def test_a_plan_that_keeps_every_shard_copies_nothing_and_reuses_buffers():
+    state, src, _ = laid_out(C(data=2, tensor=4), range(8))
+    plan = tj.make_plan(src, target(src, C(data=2, tensor=4), range(8)))
+    pointers = [
+        s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(state) for s in x.addressable_shards
+    ]
+    new, report = tj.reshard(state, plan)
+    assert report.bytes_moved == plan.bytes_moved == 0
+    assert [
+        s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(new) for s in x.addressable_shards
+    ] == pointers
+
+
+def test_donation_frees_replaced_leaves_and_keeps_shared_ones():
+    state, src, _ = laid_out(C(data=2, tensor=4), range(8))
+    plan = tj.make_plan(src, target(src, C(data=3, tensor=2), range(2, 8)))
+    old = jax.tree.leaves(state)
+    new, _ = tj.reshard(state, plan, donate=True)
+    for array, leaf in zip(old, plan.leaves):
+        reused = any(s.kind == "keep" for s in leaf.shards)
+        assert array.is_deleted() != reused, leaf.path
+    assert all(not x.is_deleted() for x in jax.tree.leaves(new))
+    with pytest.raises(tj.errors.PlanError, match="deleted array"):
+        tj.reshard(state, plan)  # the old state was consumed
+
+
+def test_donating_a_placed_state_leaves_the_callers_input_alive():
+    model, optimizer = train_state()
+    before = jax.device_put(nnx.state((model, optimizer)), jax.devices()[0])  # already on a device
+    expected = host_copy(before)
+    ptc = tj.PTC.of(before, RULES, C(), jax.devices()[:1])  # the layout it already has
+    placed = tj.place(before, ptc)
+    tj.reshard(placed, tj.make_plan(ptc, target(ptc, C(data=4), range(4, 8))), donate=True)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(before))
+    for got, want in zip(host_copy(before), expected):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_without_donation_the_old_state_stays_valid():
+    state, src, _ = laid_out(C(fsdp=4, tensor=2), range(8))
+    expected = host_copy(state)
+    plan = tj.make_plan(src, target(src, C(data=2, tensor=2), range(4, 8)))
+    tj.reshard(state, plan, donate=False)
+    assert_shards_equal(state, expected, src)
+
+
+def test_wrong_tree_or_wrong_layout_is_refused_and_the_state_is_untouched():
+    state, src, nodes = laid_out(C(data=2, tensor=4), range(8))
+    expected = host_copy(state)
+    plan = tj.make_plan(src, target(src, C(data=4, tensor=2), range(8)))
+    with pytest.raises(
+        tj.errors.PlanError, match=r"tree does not match.*at leaf 0: state 'b1' vs PTC '0/b1'"
+    ):
+        tj.reshard(nnx.state(nodes[0]), plan)  # the model alone, not model + optimizer
+    other, other_ptc, _ = laid_out(C(fsdp=8), range(8), seed=1)
+    with pytest.raises(tj.errors.PlanError, match=r"not laid out as the plan's source PTC says.*leaf '0/"):
+        tj.reshard(other, plan)
+    assert_shards_equal(state, expected, src)
+    assert_shards_equal(other, host_copy(other), other_ptc)
+    new, _ = tj.reshard(state, plan)  # still usable after the refusals
+    assert_shards_equal(new, expected, plan.dst)
+
+
+def test_reshard_accepts_nnx_graph_nodes():
+    model, optimizer = train_state()
+    src = tj.PTC.of((model, optimizer), RULES, C(data=8), jax.devices())
+    nnx.update((model, optimizer), tj.place((model, optimizer), src))
+    expected = host_copy(nnx.state((model, optimizer)))
+    dst = src.relayout(C(fsdp=2, tensor=2), jax.devices()[:4])
+    new, _ = tj.reshard((model, optimizer), tj.make_plan(src, dst))
+    nnx.update((model, optimizer), new)
+    assert_shards_equal(nnx.state((model, optimizer)), expected, dst)
+
+
+def test_reshard_onto_an_allocated_device_order():
+    """allocate permutes the target's mesh order; the executor builds the new mesh in that order."""
+    state, src, _ = laid_out(C(data=4, tensor=2), range(8))
+    expected = host_copy(state)
+    dst = tj.allocate(src, target(src, C(data=2, tensor=4), range(8)))
+    assert dst.device_ids != tuple(range(8))  # the allocation is not the given order
+    plan = tj.make_plan(src, dst)
+    new, report = tj.reshard(state, plan)
+    assert_shards_equal(new, expected, dst)
+    assert [d.id for d in plan.dst.mesh().devices.flat] == list(dst.device_ids)
+    assert report.bytes_moved == plan.bytes_moved == 0  # tp 2 -> 4 in place: all local splits
+
+
+@pytest.mark.parametrize("executor", PATHS)
+@pytest.mark.parametrize("name", ["dp 4->6 on 2..7", "fsdp 4->2", "disjoint"])
+def test_new_shards_own_their_memory_unless_kept(name, executor):
+    """A moved or split shard is a copy, never a view of the old buffer that donation frees."""
+    _, src_cfg, src_devs, dst_cfg, dst_devs = next(row for row in MATRIX if row[0] == name)
+    state, ptc, _ = laid_out(src_cfg, src_devs)
+    plan = tj.make_plan(ptc, target(ptc, dst_cfg, dst_devs))
+    old = {
+        shard.data.unsafe_buffer_pointer()
+        for array in jax.tree.leaves(state)
+        for shard in array.addressable_shards
+    }
+    new, _ = tj.reshard(state, plan, donate=False, executor=executor)
+    for array, leaf in zip(jax.tree.leaves(new), plan.leaves):
+        kinds = {s.device: s.kind for s in leaf.shards}
+        for shard in array.addressable_shards:
+            shared = shard.data.unsafe_buffer_pointer() in old
+            assert shared == (kinds[shard.device.id] == "keep"), (leaf.path, shard.device)
