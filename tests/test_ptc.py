@@ -132,12 +132,16 @@ def test_indivisible_dim_is_replicated_when_allowed():
 def test_bad_input_errors_name_leaf_shape_spec_and_mesh():
     with nnx.use_eager_sharding(False):
         state = {"w": nnx.Param(np.zeros((4, 8), np.float32), out_sharding=("embed", "nope"))}
+        twice = {"w": nnx.Param(np.zeros((4, 8), np.float32), out_sharding=("embed", "embed"))}
+    # as in flax, a logical name without a rule leaves its dim replicated
+    ptc = tj.PTC.of(state, (("embed", "fsdp"),), tj.ParallelConfig(fsdp=2), range(2))
+    assert ptc.leaf("w").spec == P("fsdp", None)
     with pytest.raises(
-        tj.errors.LayoutError, match=r"logical axis 'nope' has no rule.*leaf 'w'.*shape=\(4, 8\).*mesh="
+        tj.errors.LayoutError, match=r"refuse the names \('embed', 'embed'\).*leaf 'w'.*shape=\(4, 8\)"
     ):
-        tj.PTC.of(state, (("embed", "fsdp"),), tj.ParallelConfig(fsdp=2), range(2))
+        tj.PTC.of(twice, (("embed", "fsdp"),), tj.ParallelConfig(fsdp=2), range(2))
     with pytest.raises(
-        tj.errors.LayoutError, match=r"mesh axes \['model'\] that do not exist.*mesh axes are"
+        tj.errors.LayoutError, match=r"rule \('embed', 'model'\).*mesh axes \['model'\] that do not exist.*mesh axes are"
     ):
         tj.PTC.of(state, (("embed", "model"), ("nope", None)), tj.ParallelConfig(), range(1))
     with pytest.raises(tj.errors.LayoutError, match="at least one device"):
@@ -156,3 +160,66 @@ def test_parse_and_str_round_trip():
     config = tj.ParallelConfig.parse("data=2, tensor=4")
     assert config == tj.ParallelConfig(data=2, tensor=4) and config.num_devices == 8
     assert tj.ParallelConfig.parse(str(config)) == config
+
+
+# -- a PTC describes the state as it is; relayout gives another layout of it -------------------
+
+
+def test_a_placed_state_must_be_laid_out_as_its_ptc_says():
+    model, optimizer = train_state()
+    state = nnx.state((model, optimizer))
+    ptc = tj.PTC.of(state, RULES, tj.ParallelConfig(data=2, tensor=4), jax.devices())
+    placed = tj.place(state, ptc)
+    assert tj.PTC.of(placed, RULES, ptc.config, jax.devices()) == ptc  # what is on the devices
+    # the same spec on another mesh is another layout: the leaf, both specs and meshes are named
+    with pytest.raises(
+        tj.errors.LayoutError,
+        match=r"placed as P\('pipe', 'tensor'\) on mesh \{.*'tensor': 4\}.*the rules give "
+        r"P\('pipe', 'tensor'\) on \{.*tensor: 1\}.*ptc\.relayout.*leaf '0/b1' \(shape=\(2, 64\)",
+    ):
+        tj.PTC.of(placed, RULES, tj.ParallelConfig(data=8), jax.devices())
+    with pytest.raises(tj.errors.LayoutError, match=r"over devices \[0, 1, 2, 3, 4, 5, 6, 7\]"):
+        tj.PTC.of(placed, RULES, ptc.config, jax.devices()[::-1])  # another allocation
+    assert tj.PTC.of(state, RULES, tj.ParallelConfig(data=8), jax.devices())  # unplaced: any
+
+
+def test_the_same_boxes_written_another_way_are_the_layout_on_the_devices():
+    with nnx.use_eager_sharding(False):
+        state = {"w": nnx.Param(np.zeros((8, 4), np.float32), out_sharding=("embed", None))}
+    ptc = tj.PTC.of(state, (("embed", ("fsdp", "tensor")),), tj.ParallelConfig(fsdp=4), range(4))
+    assert ptc.leaf("w").spec == P(("fsdp", "tensor"), None)  # tensor has size 1
+    mesh = ptc.mesh()
+    state["w"].set_value(jax.device_put(state["w"].get_value(), NamedSharding(mesh, P("fsdp"))))
+    assert tj.PTC.of(state, (("embed", ("fsdp", "tensor")),), ptc.config, range(4)) == ptc
+
+
+def test_relayout_equals_a_ptc_of_the_abstract_state_and_keeps_the_rules():
+    ptc = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=2, tensor=4), range(8))
+    for config, devices in [(tj.ParallelConfig(fsdp=4), range(4, 8)), (CONFIGS[3], range(8))]:
+        new = ptc.relayout(config, devices)
+        assert new == tj.PTC.of(abstract_state(), RULES, config, devices)
+        assert new.rules == ptc.rules
+    wider = ptc.relayout(tj.ParallelConfig(tensor=3), range(3), allow_replicate=True)
+    assert wider.leaf("0/w1").replicated == ((2, "tensor"),)
+    with pytest.raises(tj.errors.LayoutError, match="does not divide"):
+        ptc.relayout(tj.ParallelConfig(tensor=3), range(3))
+
+
+def test_the_json_record_round_trips_and_refuses_another_state():
+    ptc = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(fsdp=2, tensor=2), range(4),
+                    hosts=[0, 0, 1, 1])  # fmt: skip
+    import json
+
+    back = tj.PTC.from_json(json.loads(json.dumps(ptc.to_json())), ptc)
+    assert back == ptc and back.hosts == (0, 0, 1, 1) and back.rules == ptc.rules
+    assert [leaf.logical for leaf in back.leaves] == [leaf.logical for leaf in ptc.leaves]
+    assert back.relayout(tj.ParallelConfig(data=2), [5, 6]) == ptc.relayout(
+        tj.ParallelConfig(data=2), [5, 6]
+    )
+    record = ptc.to_json()
+    record["rules"] = None
+    with pytest.raises(tj.errors.LayoutError, match="pass rules="):
+        tj.PTC.from_json(record, ptc).relayout(tj.ParallelConfig(data=2), [5, 6])
+    record["leaves"][3]["shape"][0] += 1
+    with pytest.raises(tj.errors.PlanError, match=r"recorded leaf '0/\w+' float32"):
+        tj.PTC.from_json(record, ptc)
