@@ -22,24 +22,17 @@ import tempfile
 import time
 
 import jax
-from flax import nnx
 
 
 def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, repeats: int = 1):
     """One row: both variants' stall seconds (medians over ``repeats``), their parts, the ratio."""
     import tenplex_jax as tj
-    from tenplex_jax_models import LOGICAL_RULES, corpus_samples, example_losses, stdlib_corpus
-    from tenplex_jax_models import CPU, build_state, profile_of
-    from tenplex_jax.elastic.steps import enable_compilation_cache
+    from tenplex_jax.elastic import enable_compilation_cache
+    from tenplex_jax_models import (CPU, LOGICAL_RULES, build_state, corpus_samples, profile_of,
+                                    stdlib_corpus, train_step)  # fmt: skip
 
     graphdef, _, cfg = build_state(model, 1e-3, abstract=True)
     source = corpus_samples(stdlib_corpus(), cfg.seq_len, num_samples=20 * batch)
-
-    def train_step(state, batch):
-        nodes = nnx.merge(graphdef, state)
-        loss, grads = batch.value_and_grad(example_losses)(nodes["model"])
-        nodes["optimizer"].update(nodes["model"], grads)
-        return nnx.state(nodes), {"loss": loss}
 
     def job_of(ahead: bool):
         jax.clear_caches()
@@ -51,9 +44,10 @@ def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, rep
             profile=profile_of(model),
             device_type=CPU,
             compile_ahead=ahead,
+            exact_step_times=True,
         )
-        state = job.place(build_state(model, 1e-3)[1])
-        return job, state, job.jit(train_step)
+        state = job.start(lambda: build_state(model, 1e-3)[1])
+        return job, state, job.jit(train_step(graphdef))
 
     def one(ahead: bool, before: int | None):
         job, state, step = job_of(ahead)

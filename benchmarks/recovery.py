@@ -1,7 +1,7 @@
 """Recovery time after a lost process: the tensor stores vs restarting from an orbax checkpoint.
 
-Both variants run the same job under ``tenplex-jax launch`` (``examples/elastic_gpt_multiprocess.py``,
-the GPT on ``--nprocs`` processes x ``--devices-per-proc`` CPU devices) and lose the same host the
+Both variants run the same job under ``tenplex-jax launch`` (``examples/elastic_gpt.py``, the GPT
+on ``--nprocs`` processes x ``--devices-per-proc`` CPU devices) and lose the same host the
 same way: after step ``K`` (whose commit, and in the orbax variant whose checkpoint, is finished)
 the last worker and its store are SIGKILLed. The launcher then starts a generation on the processes
 left, which restores
@@ -13,11 +13,11 @@ left, which restores
 
 Recovery time = from the kill to the end of the first train step on the new config; it also holds
 what both variants share (failure detection, the survivors' grace period, process start-up,
-``jax.distributed`` init, compiling the step), so the *restore* column — the time ``job.restore``
-took in process 0 — isolates the part that differs. The variants take turns, ``repeats`` rounds;
+``jax.distributed`` init, compiling the step), so the *restore* column — the time ``job.start``
+took to restore in process 0 — isolates the part that differs. The variants take turns, ``repeats`` rounds;
 the ratios are orbax ÷ store of the medians, measured in the same run.
 
-    python -m benchmarks.recovery [--quick] [--repeats 2] [--commit-overhead] [--out FILE]
+    python -m tenplex_jax_benchmarks.recovery [--quick] [--repeats 2] [--commit-overhead] [--out FILE]
 
 ``--commit-overhead`` also runs the job three times more, with a commit every 4 steps, after every
 step and without commits, and reports the step time ratios: the price of the asynchronous commits.
@@ -38,7 +38,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "elastic_gpt_multiprocess.py"
+EXAMPLE = ROOT / "examples" / "elastic_gpt.py"
 VARIANTS = ("store", "orbax")
 CACHED = ("store, cached compile", "orbax, cached compile")  # optional: both with a warm cache
 # the loop benchmark's GPT: 3.3M params, 38 MiB of state with the AdamW moments

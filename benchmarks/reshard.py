@@ -18,10 +18,12 @@ strategy, the bandwidth against memcpy, and the peak memory of one donating resh
 from __future__ import annotations
 
 import dataclasses
+import gc
 import shutil
 import statistics
 import tempfile
 import time
+import weakref
 
 import jax
 import numpy as np
@@ -246,7 +248,7 @@ def peak_memory(state, src: tj.PTC, plan: tj.plan.Plan) -> dict:
     (old state dropped). The state is placed afresh: an array timed by the host strategy holds the
     NumPy copy that ``jax.device_get`` caches on it.
     """
-    without = settle()  # the process without this row's state
+    without, baseline = settle(), live_arrays()  # the process without this row's state
     placed = tj.place(state, src)
     jax.block_until_ready(placed)
     before = settle()
@@ -255,9 +257,14 @@ def peak_memory(state, src: tj.PTC, plan: tj.plan.Plan) -> dict:
         jax.block_until_ready(new)
         del placed  # rebinding, as a training loop does, frees the replicas no target shard reuses
     after = settle()
+    live_after = live_buffer_bytes(since=baseline)
     del new
     steady, peak = max(before, after), max(sampler.peak, before, after)
     return {
+        # exact, from JAX's live arrays: the buffers left after the donating reshard, against the
+        # target layout's own bytes (with replicas); anything above is an old buffer not freed
+        "live_after_bytes": live_after,
+        "leaked_bytes": live_after - _replicated_bytes(plan.dst),
         "memory_metric": sampler.metric,
         "memory_without_state_bytes": without,
         "steady_before_bytes": before,
@@ -267,6 +274,29 @@ def peak_memory(state, src: tj.PTC, plan: tj.plan.Plan) -> dict:
         # only the memory above the process without this state: the runtime does not dilute it
         "state_peak_ratio": (peak - without) / max(steady - without, 1),
     }
+
+
+def live_arrays() -> dict[int, weakref.ref]:
+    """The JAX arrays alive in this process now, by id (held weakly: a baseline keeps none alive)."""
+    gc.collect()
+    return {id(a): weakref.ref(a) for a in jax.live_arrays() if not a.is_deleted()}
+
+
+def live_buffer_bytes(since: dict[int, weakref.ref] | None = None) -> int:
+    """Bytes of the distinct device buffers held by live JAX arrays made after ``since`` (a
+    :func:`live_arrays` baseline; default: all)."""
+    since = since or {}
+    buffers = {}
+    for ref in live_arrays().values():
+        array = ref()
+        if array is None or (id(array) in since and since[id(array)]() is array):
+            continue
+        plain = not jax.dtypes.issubdtype(array.dtype, jax.dtypes.extended)
+        for shard in array.addressable_shards:
+            data = shard.data  # arrays sharing a kept buffer count it once
+            where = data.unsafe_buffer_pointer() if plain else (id(array), shard.index)
+            buffers[(shard.device.id, where)] = data.nbytes
+    return sum(buffers.values())
 
 
 def _replicated_bytes(ptc: tj.PTC) -> int:

@@ -14,7 +14,7 @@ directory. Timed, per operation, the median of ``repeats`` runs of one array of 
 
 Every figure is also given as a ratio to ``np.copyto`` of the same bytes into a buffer whose pages
 are mapped (``memcpy``), and into a fresh buffer (``memcpy_fresh``). Run alone with
-``python -m benchmarks.store [--quick]``.
+``python -m tenplex_jax_benchmarks.store [--quick]``.
 """
 
 from __future__ import annotations

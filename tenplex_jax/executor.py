@@ -40,6 +40,7 @@ import time
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -143,7 +144,23 @@ def place(state, ptc):
     mesh = ptc.mesh()
     shardings = [NamedSharding(mesh, leaf.spec) for leaf in ptc.leaves]
     placed = jax.device_put(arrays, shardings, may_alias=False)
+    # jax 0.10 still hands back the input's own buffer for a leaf replicated onto a device that
+    # holds it, may_alias=False or not: copy those, or a donating reshard would free the caller's
+    placed = [_unaliased(x, y, s) for x, y, s in zip(arrays, placed, shardings)]
     return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def _unaliased(given, placed: jax.Array, sharding: NamedSharding) -> jax.Array:
+    if not isinstance(given, jax.Array):
+        return placed  # host data: always copied
+    extended = jax.dtypes.issubdtype(given.dtype, jax.dtypes.extended)  # no buffer pointer
+    if extended or _buffers(given) & _buffers(placed):
+        return jax.device_put(jnp.copy(given), sharding)
+    return placed
+
+
+def _buffers(array: jax.Array) -> set[tuple[int, int]]:
+    return {(s.device.id, s.data.unsafe_buffer_pointer()) for s in array.addressable_shards}
 
 
 def _arrays(state):

@@ -178,6 +178,23 @@ def test_donating_a_placed_state_leaves_the_callers_input_alive():
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("committed", [False, True])
+def test_placing_never_shares_a_buffer_with_the_callers_state(committed):
+    """Replicated leaves (the optimizer's step and count) placed onto a mesh that includes the
+    device holding them: the caller's arrays must survive a donating reshard of the placed state."""
+    model, optimizer = train_state()
+    given = nnx.state((model, optimizer))  # built on the default device, uncommitted
+    if committed:
+        given = jax.device_put(given, jax.devices()[0])
+    expected = host_copy(given)
+    ptc = tj.PTC.of(given, RULES, C(fsdp=2, tensor=2), jax.devices()[:4])
+    placed = tj.place(given, ptc)
+    tj.reshard(placed, tj.make_plan(ptc, target(ptc, C(data=4), range(4, 8))), donate=True)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(given))
+    for got, want in zip(host_copy(given), expected):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_without_donation_the_old_state_stays_valid():
     state, src, _ = laid_out(C(fsdp=4, tensor=2), range(8))
     expected = host_copy(state)
