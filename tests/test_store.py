@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import tenplex_jax as tj
+from tenplex_jax import box as boxes
 from tenplex_jax.multihost import store
 from tenplex_jax.multihost.store import wire
 
@@ -93,6 +94,18 @@ def _partial_put(address: str, path: str, array: np.ndarray, *, durable: bool, f
         yield raw
 
 
+def _when(proc: store.StoreProcess, condition, timeout: float = 60.0):
+    """Ask the store for its stats until ``condition(stats)`` is truthy; return that value. The
+    store reports its transfers under way, so a test acts on what the store says it is doing."""
+    deadline = time.monotonic() + timeout
+    with store.StoreClient(proc.address) as client:
+        while time.monotonic() < deadline:
+            found = condition(client.stats())
+            if found:
+                return found
+    raise AssertionError(f"the store never reported what the test waits for in {timeout:.0f} s")
+
+
 def _kill(proc: store.StoreProcess) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.popen.wait(timeout=30)
@@ -118,12 +131,12 @@ def _kill(proc: store.StoreProcess) -> None:
 def test_round_trip_is_bitwise(client, shape, dtype) -> None:
     array = _rng_array(shape, dtype)
     info = client.put("rt/x", array)
-    assert info.box == wire.full_box(shape) and info.global_shape == shape
+    assert info.box == boxes.full(shape) and info.global_shape == shape
     assert info.dtype == np.dtype(dtype).name and info.nbytes == array.nbytes
     out = client.get("rt/x")
     assert out.dtype == array.dtype and out.shape == shape
     assert out.tobytes() == array.tobytes()
-    assert client.get("rt/x", wire.full_box(shape)).tobytes() == array.tobytes()
+    assert client.get("rt/x", boxes.full(shape)).tobytes() == array.tobytes()
 
 
 def test_non_contiguous_arrays_are_stored_in_c_order(client) -> None:
@@ -328,7 +341,10 @@ def test_kill_while_a_large_put_streams_serves_the_old_version(stores) -> None:
     with store.StoreClient(proc.address) as client:
         client.put("k/w", old, durable=True)
     with _partial_put(proc.address, "k/w", old + 1, durable=False, fraction=2):
-        time.sleep(0.2)  # half the body is sent: then the store dies
+        # the store reports half the body received (the rest never comes): then it dies
+        seen = _when(proc, lambda stats: [r for r in stats["receiving"] if r["path"] == "k/w"
+                                          and r["bytes"] == STREAMED // 2])  # fmt: skip
+        assert seen[0]["of"] == STREAMED
         _kill(proc)
     proc = stores.start()
     with store.StoreClient(proc.address) as client:
@@ -360,15 +376,6 @@ def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> Non
     tmp_dir = proc.dir / "tmp"
     outcome = {}
 
-    def disk_bytes() -> int:
-        total = 0
-        for f in proc.dir.rglob("*"):
-            try:
-                total += f.stat().st_size if f.is_file() else 0
-            except FileNotFoundError:
-                pass
-        return total
-
     def put_new():
         try:
             with store.StoreClient(proc.address) as c:
@@ -377,16 +384,13 @@ def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> Non
         except tj.errors.StoreError as error:
             outcome["error"] = error
 
-    before = disk_bytes()
     writer = threading.Thread(target=put_new)
     writer.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not outcome and disk_bytes() == before:
-        time.sleep(0.0005)  # until the new version is being written, wherever that is
-    changed = disk_bytes() != before
+    # the store reports the new version's file being written (in tmp/, not yet renamed)
+    seen = _when(proc, lambda stats: [w for w in stats["writing"] if w["path"] == "k/w"])
     _kill(proc)  # mid-write: the tmp file holds part of the new version
     writer.join(60)
-    assert changed and "acked" not in outcome, ("the write was not caught in progress", outcome)
+    assert seen[0]["of"] == BIG and "acked" not in outcome, outcome
     assert outcome["error"].reason == "unavailable"
     proc = stores.start()
     assert list(tmp_dir.iterdir()) == []  # the partial write is gone

@@ -115,12 +115,20 @@ class Handler(socketserver.BaseRequestHandler):
         wire.send_frame(sock, {"ok": True, "version": 1})
         return True
 
-    def _body(self, sock: socket.socket, nbody: int, expected: int) -> tuple[np.ndarray, str]:
+    def _body(self, sock: socket.socket, nbody: int, expected: int, path: str):
         """Say continue, then read a body of exactly ``expected`` bytes; (bytes, checksum)."""
         if nbody != expected:
-            raise StoreError(f"the body must be {expected} bytes (shape x itemsize); got {nbody}", "refused")
+            raise StoreError(
+                f"the body must be {expected} bytes (shape x itemsize); got {nbody}", "refused"
+            )
         wire.send_frame(sock, {"ok": True, "continue": True})
-        return wire.recv_body(sock, nbody)
+        receiving, me = self.server.store.receiving, threading.get_ident()
+        receiving[me] = {"path": path, "bytes": 0, "of": nbody}
+        try:
+            return wire.recv_body(sock, nbody, lambda got: receiving.update(
+                {me: {"path": path, "bytes": got, "of": nbody}}))  # fmt: skip
+        finally:
+            receiving.pop(me, None)
 
     def _check_body_limit(self, nbody: int, what: str, limit: int | None = None) -> None:
         limit = self.server.max_body if limit is None else limit
@@ -143,7 +151,7 @@ class Handler(socketserver.BaseRequestHandler):
             wire.check_box(path, box, global_shape)
             expected = wire.nbytes_of(boxes.shape(box), dtype)
             self._check_body_limit(nbody, f"put of {path!r} box {box}")
-            data, digest = self._body(sock, nbody, expected)
+            data, digest = self._body(sock, nbody, expected, path)
             claimed = header.get("checksum")
             if claimed is None:  # in a trailer frame after the body
                 prefix = wire.recv_prefix(sock)
@@ -193,7 +201,7 @@ class Handler(socketserver.BaseRequestHandler):
         elif op == "put_json":
             path = wire.check_path(header.get("path"))
             self._check_body_limit(nbody, f"put_json of {path!r}", wire.MAX_JSON_BYTES)
-            data, _ = self._body(sock, nbody, nbody)
+            data, _ = self._body(sock, nbody, nbody, path)
             try:
                 json.loads(data.tobytes())
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -214,7 +222,10 @@ class Handler(socketserver.BaseRequestHandler):
             with store.lock:
                 stats = {"objects": len(store.index), "memory_bytes": store.memory_used,
                          "memory_objects": len(store.memory), "dirty": len(store.dirty),
-                         "json": len(store.json), "pid": os.getpid()}  # fmt: skip
+                         "json": len(store.json), "pid": os.getpid(),
+                         # transfers under way: request bodies arriving, files being written
+                         "receiving": list(store.receiving.values()),
+                         "writing": list(store.writing.values())}  # fmt: skip
             wire.send_frame(sock, {"ok": True, "stats": stats})
         else:
             raise StoreError(f"unknown op {op!r}", "refused")

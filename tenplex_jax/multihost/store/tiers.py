@@ -84,6 +84,9 @@ class Store:
         self.pending: set[int] = set()  # tickets not yet written back
         self.written_cond = threading.Condition(self.lock)
         self.failed: dict[str, str] = {}  # dirty keys whose write-back failed -> the error
+        # transfers under way, by thread, for `stats` (set and popped whole: atomic under the GIL)
+        self.receiving: dict[int, dict] = {}  # request bodies: path, bytes so far, of
+        self.writing: dict[int, dict] = {}  # files being written: path, bytes so far, of
         self.closing = False
         self._load()
         # several writers: their fsyncs overlap, as the file system's journal commits them together
@@ -202,19 +205,22 @@ class Store:
         """A complete, fsynced file under tmp/ (not yet visible)."""
         tmp = self.tmp_dir / f"{uuid.uuid4().hex}.tmp"
         encoded = json.dumps(header, separators=(",", ":")).encode()
+        view = memoryview(data).cast("B")
+        path, me = header.get("path"), threading.get_ident()
         try:
             with open(tmp, "wb") as f:
                 f.write(FILE_PREFIX.pack(FILE_MAGIC, len(encoded)) + encoded)
-                view = memoryview(data).cast("B")
-                f.writelines(
-                    view[start : start + IO_CHUNK_BYTES]
-                    for start in range(0, view.nbytes, IO_CHUNK_BYTES)
-                )
+                for start in range(0, view.nbytes, IO_CHUNK_BYTES):
+                    self.writing[me] = {"path": path, "bytes": start, "of": view.nbytes}
+                    f.write(view[start : start + IO_CHUNK_BYTES])
+                self.writing[me] = {"path": path, "bytes": view.nbytes, "of": view.nbytes}
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        finally:
+            self.writing.pop(me, None)
         return tmp
 
     @staticmethod

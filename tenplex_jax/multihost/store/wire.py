@@ -185,9 +185,12 @@ def send_header(sock: socket.socket, header: dict, body_bytes: int) -> None:
     sock.sendall(PREFIX.pack(MAGIC, len(data), body_bytes) + data)
 
 
-def recv_into(sock: socket.socket, view: memoryview, *, digest: bool = False) -> str | None:
+def recv_into(
+    sock: socket.socket, view: memoryview, *, digest: bool = False, progress=None
+) -> str | None:
     """Fill ``view`` from the socket; ``ConnectionError`` if the peer closes first. With
-    ``digest``, the checksum of the bytes, computed chunk by chunk as they arrive (cache-hot)."""
+    ``digest``, the checksum of the bytes, computed chunk by chunk as they arrive (cache-hot);
+    ``progress(bytes so far)`` after each chunk."""
     view = view.cast("B") if view.format != "B" else view
     got, n, crc = 0, view.nbytes, 0
     while got < n:
@@ -197,6 +200,8 @@ def recv_into(sock: socket.socket, view: memoryview, *, digest: bool = False) ->
         if digest:
             crc = zlib.crc32(view[got : got + k], crc)
         got += k
+        if progress is not None:
+            progress(got)
     return f"{CHECKSUM}:{crc & 0xFFFFFFFF:08x}" if digest else None
 
 
@@ -208,10 +213,10 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def recv_body(sock: socket.socket, n: int) -> tuple[np.ndarray, str]:
+def recv_body(sock: socket.socket, n: int, progress=None) -> tuple[np.ndarray, str]:
     """``n`` bytes into a new uint8 array (not zero-filled first), and their checksum."""
     buf = np.empty(n, np.uint8)
-    return buf, recv_into(sock, memoryview(buf), digest=True)
+    return buf, recv_into(sock, memoryview(buf), digest=True, progress=progress)
 
 
 def recv_prefix(sock: socket.socket) -> tuple[int, int] | None:
