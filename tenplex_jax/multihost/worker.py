@@ -275,10 +275,11 @@ class Worker:
             self.committer.wait()
 
     def finish(self, state, ptc: PTC, step: int, dataset: DatasetPTC) -> None:
-        """End of training: wait for the commits, save a final orbax checkpoint (with a
-        checkpoint dir) and tell the launcher the job is done."""
-        if self.committer is not None:
-            self.committer.wait(collect=True)
+        """End of training: commit the last step (the boundary after it never comes), save a
+        final orbax checkpoint (with a checkpoint dir), and tell the launcher the job is done."""
+        if step != self.last_commit:
+            self.commit(state, ptc, step, dataset, wait=True, checkpoint=True)
+        self.committer.wait(collect=True)
         self._checkpoint(state, ptc, step, dataset.state())
         self._write("finished.json", {"generation": self.generation, "step": step})
 
