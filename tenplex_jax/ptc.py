@@ -250,7 +250,9 @@ class PTC:
 
     def _check_placed(self, leaf: LeafLayout, value) -> None:
         """A value placed with a ``NamedSharding`` must hold the boxes this PTC gives it."""
-        sharding = getattr(value, "sharding", None)
+        # only arrays on devices: an abstract value's sharding (jax.eval_shape of a sharded
+        # init) describes no bytes, and is what a new layout is computed from
+        sharding = value.sharding if isinstance(value, jax.Array) else None
         if not isinstance(sharding, NamedSharding):
             return  # host data, a single device, or an abstract value: not laid out yet
         mesh = sharding.mesh
@@ -278,20 +280,26 @@ class PTC:
     # -- records ------------------------------------------------------------------------------
 
     def to_json(self) -> dict:
-        """The PTC as JSON: config, devices, hosts, rules and each leaf's path, shape, dtype, spec
-        and logical names (not the tree structure: ``from_json`` takes it from a PTC)."""
+        """The PTC as JSON: config, devices, hosts, rules and each leaf's path, shape, dtype, spec,
+        logical names and replicated dims (not the tree structure: ``from_json`` takes it from a
+        PTC)."""
+        rules = self.rules
+        if rules is not None:
+            rules = [[name, list(a) if isinstance(a, tuple) else a] for name, a in rules]
         return {
-            "config": dataclasses.asdict(self.config),
-            "device_ids": list(self.device_ids),
-            "hosts": list(self.hosts),
-            "rules": None if self.rules is None else [list(rule) for rule in self.rules],
+            "config": {axis: int(size) for axis, size in dataclasses.asdict(self.config).items()},
+            "device_ids": [int(d) for d in self.device_ids],
+            "hosts": [int(h) for h in self.hosts],
+            "rules": rules,
+            "allow_replicate": self.allow_replicate,
             "leaves": [
                 {
                     "path": leaf.path,
                     "shape": list(leaf.shape),
-                    "dtype": str(leaf.dtype),
+                    "dtype": _dtype_str(leaf.dtype),
                     "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec],
                     "logical": None if leaf.logical is None else list(leaf.logical),
+                    "replicated": [[dim, axis] for dim, axis in leaf.replicated],
                 }
                 for leaf in self.leaves
             ],
@@ -301,18 +309,8 @@ class PTC:
     def from_json(cls, record: dict, like: PTC) -> PTC:
         """The PTC of ``to_json``'s record, with ``like``'s tree structure; ``PlanError`` unless
         the record's leaves (paths, shapes, dtypes) are ``like``'s."""
-        leaves = tuple(
-            LeafLayout(
-                r["path"],
-                tuple(r["shape"]),
-                np.dtype(r["dtype"]),
-                PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in r["spec"])),
-                None if r.get("logical") is None else tuple(r["logical"]),
-            )
-            for r in record["leaves"]
-        )
-        got = [(leaf.path, leaf.shape, np.dtype(leaf.dtype).name) for leaf in leaves]
-        want = [(leaf.path, leaf.shape, np.dtype(leaf.dtype).name) for leaf in like.leaves]
+        got = [(r["path"], tuple(r["shape"]), r["dtype"]) for r in record["leaves"]]
+        want = [(leaf.path, leaf.shape, _dtype_str(leaf.dtype)) for leaf in like.leaves]
         if got != want:
             show = lambda leaf: f"{leaf[0]!r} {leaf[2]}{list(leaf[1])}"
             diff = next(
@@ -323,6 +321,19 @@ class PTC:
                 f"the record holds another state than the one asked for: {diff}; use the state "
                 "it was recorded from (same model, optimizer and tree)"
             )
+        # dtypes come from ``like`` (they were checked equal by name): a PRNG key dtype
+        # ("key<fry>") has no numpy spelling to parse
+        leaves = tuple(
+            LeafLayout(
+                r["path"],
+                tuple(r["shape"]),
+                same.dtype,
+                PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in r["spec"])),
+                None if r.get("logical") is None else tuple(r["logical"]),
+                tuple((int(dim), axis) for dim, axis in r.get("replicated", ())),
+            )
+            for r, same in zip(record["leaves"], like.leaves)
+        )
         rules = record.get("rules")
         if rules is not None:
             rules = tuple((n, tuple(a) if isinstance(a, list) else a) for n, a in rules)
@@ -333,6 +344,7 @@ class PTC:
             leaves,
             like.treedef,
             rules,
+            bool(record.get("allow_replicate", False)),
         )
 
     @property
@@ -456,6 +468,11 @@ def _logical_and_value(path: str, leaf) -> tuple[tuple[str | None, ...] | None, 
             f"state must be an array or ShapeDtypeStruct"
         )
     return (None if logical is None else tuple(logical)), value
+
+
+def _dtype_str(dtype) -> str:
+    """A dtype's name: numpy's for array dtypes, JAX's (``key<fry>``) for PRNG keys."""
+    return str(dtype) if _is_key(dtype) else np.dtype(dtype).name
 
 
 def _mesh_str(config: ParallelConfig) -> str:

@@ -11,7 +11,7 @@ reimplemented, so a PTC agrees with the shardings the user's own ``jit`` gets fr
   replicated; ``None`` in the logical names is a dim that is never sharded.
 
 >>> spec(("embed", "mlp"), (("mlp", "tensor"), ("embed", "tensor")), {"tensor": 4}, "w")
-(PartitionSpec(None, 'tensor'), ())
+(P(None, 'tensor'), ())
 
 On top of flax, a dim must divide by the product of its mesh axes' sizes. When it does not,
 ``spec`` refuses with a ``LayoutError`` naming the leaf, dim, axes and sizes — or, with
@@ -37,17 +37,29 @@ Logical = tuple[str | None, ...]
 def normalize(rules: Rules, mesh_axes: Sequence[str]) -> tuple:
     """``rules`` as a hashable tuple, after checking each is ``(name, mesh axes)`` over mesh axes
     that exist."""
+    if not isinstance(rules, (tuple, list)):
+        raise LayoutError(
+            f"logical-axis rules are a sequence of (logical_name, mesh_axes) pairs, got "
+            f"{type(rules).__name__} {rules!r}"
+        )
     out = []
     for rule in rules:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
             raise LayoutError(f"a logical-axis rule is (logical_name, mesh_axes), got {rule!r}")
         name, axes = rule
-        named = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        unknown = [a for a in named if a not in mesh_axes]
-        if unknown or not all(isinstance(a, str) for a in named):
+        named = () if axes is None else tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+        unknown = [a for a in named if not isinstance(a, str) or a not in mesh_axes]
+        if unknown:
             raise LayoutError(
-                f"rule {tuple(rule)!r} maps logical axis {name!r} to mesh axes {unknown or named} "
+                f"rule {tuple(rule)!r} maps logical axis {name!r} to mesh axes {unknown} "
                 f"that do not exist; mesh axes are {tuple(mesh_axes)}"
+            )
+        if len(set(named)) != len(named):
+            # flax would hand the dim a spec naming one mesh axis twice, which jax refuses
+            raise LayoutError(
+                f"a rule shards a dim over distinct mesh axes, but rule {tuple(rule)!r} names "
+                f"{[a for a in dict.fromkeys(named) if named.count(a) > 1]} more than once; "
+                f"mesh axes are {tuple(mesh_axes)}"
             )
         out.append((name, axes if axes is None or isinstance(axes, str) else tuple(axes)))
     return tuple(out)
@@ -77,6 +89,11 @@ def spec(
     every dim divides) is checked for divisibility.
     """
     shown = mesh or str(dict(sizes))
+    if not all(name is None or isinstance(name, str) for name in logical):
+        raise LayoutError(
+            f"logical axis names are strings, or None for a dim never sharded, got "
+            f"{tuple(logical)!r}: " + where(path, tuple(shape or ()), tuple(logical), shown)
+        )
     try:
         entries = _flax_entries(tuple(logical), rules)
     except ValueError as error:  # flax: a logical name used by two dims

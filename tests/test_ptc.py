@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from flax.linen import logical_to_mesh_axes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tenplex_jax as tj
+from tenplex_jax_models import GPTConfig
 from tests.helpers import RULES, abstract_state, train_state
 
 CONFIGS = [
@@ -129,19 +134,39 @@ def test_indivisible_dim_is_replicated_when_allowed():
     assert ptc.leaf("0/tok_embed").spec == P(None, "fsdp")  # vocab 256 % 3 != 0
 
 
+def test_rule_order_not_dim_order_decides_like_flax():
+    # "mlp" has the first rule, so it takes tensor; "embed" then finds tensor used and replicates
+    rules = (("mlp", "tensor"), ("embed", "tensor"))
+    with nnx.use_eager_sharding(False):
+        state = {"w": nnx.Param(np.zeros((4, 8), np.float32), out_sharding=("embed", "mlp"))}
+    ptc = tj.PTC.of(state, rules, tj.ParallelConfig(tensor=2), range(2))
+    assert ptc.leaf("w").spec == P(None, "tensor") == logical_to_mesh_axes(("embed", "mlp"), rules)
+    assert ptc.boxes(ptc.leaf("w")) == {0: ((0, 4), (0, 4)), 1: ((0, 4), (4, 8))}
+
+
+def test_logical_axis_without_rule_is_replicated_like_flax():
+    """flax (t5x, MaxText) replicates a dim whose logical name no rule maps; so does a PTC (the
+    old PTC refused it)."""
+    with nnx.use_eager_sharding(False):
+        state = {"w": nnx.Param(np.zeros((4, 8), np.float32), out_sharding=("embed", "nope"))}
+    ptc = tj.PTC.of(state, (("embed", "fsdp"),), tj.ParallelConfig(fsdp=2), range(2))
+    assert ptc.leaf("w").spec == P("fsdp", None)
+    assert logical_to_mesh_axes(("embed", "nope"), (("embed", "fsdp"),)) == P("fsdp", None)
+    assert ptc.leaf("w").logical == ("embed", "nope")
+
+
 def test_bad_input_errors_name_leaf_shape_spec_and_mesh():
     with nnx.use_eager_sharding(False):
         state = {"w": nnx.Param(np.zeros((4, 8), np.float32), out_sharding=("embed", "nope"))}
-        twice = {"w": nnx.Param(np.zeros((4, 8), np.float32), out_sharding=("embed", "embed"))}
-    # as in flax, a logical name without a rule leaves its dim replicated
-    ptc = tj.PTC.of(state, (("embed", "fsdp"),), tj.ParallelConfig(fsdp=2), range(2))
-    assert ptc.leaf("w").spec == P("fsdp", None)
+        bad = {"v": nnx.Param(np.zeros((4, 8, 2), np.float32), out_sharding=("embed", "nope"))}
     with pytest.raises(
-        tj.errors.LayoutError, match=r"refuse the names \('embed', 'embed'\).*leaf 'w'.*shape=\(4, 8\)"
+        tj.errors.LayoutError,
+        match=r"logical axes \('embed', 'nope'\) name 2 dims but the leaf has 3: "
+        r"leaf 'v' \(shape=\(4, 8, 2\), spec=\('embed', 'nope'\), mesh=\{pipe: 1",
     ):
-        tj.PTC.of(twice, (("embed", "fsdp"),), tj.ParallelConfig(fsdp=2), range(2))
+        tj.PTC.of(bad, (("embed", "fsdp"),), tj.ParallelConfig(fsdp=2), range(2))
     with pytest.raises(
-        tj.errors.LayoutError, match=r"rule \('embed', 'model'\).*mesh axes \['model'\] that do not exist.*mesh axes are"
+        tj.errors.LayoutError, match=r"mesh axes \['model'\] that do not exist.*mesh axes are"
     ):
         tj.PTC.of(state, (("embed", "model"), ("nope", None)), tj.ParallelConfig(), range(1))
     with pytest.raises(tj.errors.LayoutError, match="at least one device"):
@@ -162,64 +187,144 @@ def test_parse_and_str_round_trip():
     assert tj.ParallelConfig.parse(str(config)) == config
 
 
-# -- a PTC describes the state as it is; relayout gives another layout of it -------------------
+# -- a PTC of a placed state describes the layout it has ------------------------------------------
+
+PLACED = tj.ParallelConfig(data=2, tensor=4)
+OTHER = tj.ParallelConfig(fsdp=2, tensor=4)
 
 
-def test_a_placed_state_must_be_laid_out_as_its_ptc_says():
-    model, optimizer = train_state()
-    state = nnx.state((model, optimizer))
-    ptc = tj.PTC.of(state, RULES, tj.ParallelConfig(data=2, tensor=4), jax.devices())
-    placed = tj.place(state, ptc)
-    assert tj.PTC.of(placed, RULES, ptc.config, jax.devices()) == ptc  # what is on the devices
-    # the same spec on another mesh is another layout: the leaf, both specs and meshes are named
-    with pytest.raises(
-        tj.errors.LayoutError,
-        match=r"placed as P\('pipe', 'tensor'\) on mesh \{.*'tensor': 4\}.*the rules give "
-        r"P\('pipe', 'tensor'\) on \{.*tensor: 1\}.*ptc\.relayout.*leaf '0/b1' \(shape=\(2, 64\)",
+@pytest.fixture(scope="module")
+def placed():
+    """(state laid out as PLACED on all 8 devices, its PTC)."""
+    ptc = tj.PTC.of(abstract_state(), RULES, PLACED, jax.devices())
+    return tj.place(train_state(), ptc), ptc
+
+
+def test_ptc_of_a_placed_state_under_another_layout_names_the_leaf_and_both_specs(placed):
+    state, ptc = placed
+    other = tj.PTC.of(abstract_state(), RULES, OTHER, jax.devices())
+    first = next(b for a, b in zip(ptc.leaves, other.leaves) if ptc.boxes(a) != other.boxes(b))
+    with pytest.raises(tj.errors.LayoutError) as err:
+        tj.PTC.of(state, RULES, OTHER, jax.devices())
+    msg = str(err.value)
+    for part in (
+        f"placed as {ptc.leaf(first.path).spec} on mesh",
+        f"the rules give {first.spec} on {{pipe: 1, data: 1, fsdp: 2, tensor: 4}}",
+        f"leaf '{first.path}' (shape={first.shape}",
+        "ptc.relayout(config, devices)",
     ):
-        tj.PTC.of(placed, RULES, tj.ParallelConfig(data=8), jax.devices())
-    with pytest.raises(tj.errors.LayoutError, match=r"over devices \[0, 1, 2, 3, 4, 5, 6, 7\]"):
-        tj.PTC.of(placed, RULES, ptc.config, jax.devices()[::-1])  # another allocation
-    assert tj.PTC.of(state, RULES, tj.ParallelConfig(data=8), jax.devices())  # unplaced: any
+        assert part in msg, msg
+    # the same config over the devices in another order is another allocation: refused too
+    with pytest.raises(tj.errors.LayoutError, match="must describe the layout it has"):
+        tj.PTC.of(state, RULES, PLACED, jax.devices()[::-1])
 
 
-def test_the_same_boxes_written_another_way_are_the_layout_on_the_devices():
+def test_ptc_of_a_placed_state_in_its_own_layout_is_that_layout(placed):
+    state, ptc = placed
+    assert tj.PTC.of(state, RULES, PLACED, jax.devices()) == ptc
+    assert tj.PTC.of(state, RULES, PLACED, [d.id for d in jax.devices()]) == ptc
+
+
+def test_ptc_of_a_placed_state_accepts_an_equivalent_spelling():
+    # placed with specs naming size-1 axes: P('pipe', 'fsdp', 'tensor') on pipe=fsdp=tensor=1 ...
+    spelled = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=8), jax.devices())
+    state = tj.place(train_state(), spelled)
+    assert spelled.leaf("0/w1").spec == P("pipe", "fsdp", "tensor")
+    # ... is the replicated layout that rules mapping nothing give: the same boxes on each device
+    ptc = tj.PTC.of(state, (("embed", None),), tj.ParallelConfig(data=8), jax.devices())
+    assert ptc.leaf("0/w1").spec == P(None, None, None)
+    # and a user's own mesh with other axis names holding the same boxes is accepted as well
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    w = jax.device_put(np.zeros((8, 16), np.float32), NamedSharding(mesh, P("x", "y")))
     with nnx.use_eager_sharding(False):
-        state = {"w": nnx.Param(np.zeros((8, 4), np.float32), out_sharding=("embed", None))}
-    ptc = tj.PTC.of(state, (("embed", ("fsdp", "tensor")),), tj.ParallelConfig(fsdp=4), range(4))
-    assert ptc.leaf("w").spec == P(("fsdp", "tensor"), None)  # tensor has size 1
-    mesh = ptc.mesh()
-    state["w"].set_value(jax.device_put(state["w"].get_value(), NamedSharding(mesh, P("fsdp"))))
-    assert tj.PTC.of(state, (("embed", ("fsdp", "tensor")),), ptc.config, range(4)) == ptc
+        own = {"w": nnx.Param(w, out_sharding=("embed", "mlp"))}
+    rules = (("embed", "data"), ("mlp", "tensor"))
+    assert tj.PTC.of(own, rules, tj.ParallelConfig(data=2, tensor=4), jax.devices()).leaf(
+        "w"
+    ).spec == P("data", "tensor")
+    with pytest.raises(
+        tj.errors.LayoutError, match=r"placed as P\('x', 'y'\) on mesh \{'x': 2, 'y': 4\}"
+    ):
+        tj.PTC.of(own, rules[:1], tj.ParallelConfig(data=2, tensor=4), jax.devices())
 
 
-def test_relayout_equals_a_ptc_of_the_abstract_state_and_keeps_the_rules():
-    ptc = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=2, tensor=4), range(8))
-    for config, devices in [(tj.ParallelConfig(fsdp=4), range(4, 8)), (CONFIGS[3], range(8))]:
-        new = ptc.relayout(config, devices)
-        assert new == tj.PTC.of(abstract_state(), RULES, config, devices)
-        assert new.rules == ptc.rules
-    wider = ptc.relayout(tj.ParallelConfig(tensor=3), range(3), allow_replicate=True)
-    assert wider.leaf("0/w1").replicated == ((2, "tensor"),)
-    with pytest.raises(tj.errors.LayoutError, match="does not divide"):
-        ptc.relayout(tj.ParallelConfig(tensor=3), range(3))
+def test_relayout_of_a_placed_state_gives_the_new_layout_and_a_plan_to_it(placed):
+    _, ptc = placed
+    new = ptc.relayout(OTHER, jax.devices()[::-1])
+    assert new == tj.PTC.of(abstract_state(), RULES, OTHER, jax.devices()[::-1])
+    assert new.rules == ptc.rules and new.allow_replicate is False
+    moved, _ = tj.reshard(tj.place(train_state(), ptc), tj.make_plan(ptc, new))
+    assert tj.PTC.of(moved, RULES, OTHER, jax.devices()[::-1]) == new
+    # other rules for the same state: every leaf replicated
+    flat = ptc.relayout(OTHER, jax.devices(), rules=())
+    assert all(entry is None for leaf in flat.leaves for entry in leaf.spec)
 
 
-def test_the_json_record_round_trips_and_refuses_another_state():
-    ptc = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(fsdp=2, tensor=2), range(4),
-                    hosts=[0, 0, 1, 1])  # fmt: skip
-    import json
-
-    back = tj.PTC.from_json(json.loads(json.dumps(ptc.to_json())), ptc)
-    assert back == ptc and back.hosts == (0, 0, 1, 1) and back.rules == ptc.rules
-    assert [leaf.logical for leaf in back.leaves] == [leaf.logical for leaf in ptc.leaves]
-    assert back.relayout(tj.ParallelConfig(data=2), [5, 6]) == ptc.relayout(
-        tj.ParallelConfig(data=2), [5, 6]
+def test_unplaced_and_abstract_states_take_any_layout(placed):
+    _, ptc = placed
+    assert tj.PTC.of(train_state(), RULES, OTHER, jax.devices()) == ptc.relayout(
+        OTHER, jax.devices()
     )
+    # an abstract state whose values carry PLACED's shardings describes no bytes: it is the
+    # starting point of any new layout
+    sharded = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        abstract_state(),
+        ptc.shardings(),
+    )
+    assert jax.tree.leaves(sharded)[0].sharding.mesh.shape["data"] == 2
+    assert tj.PTC.of(sharded, RULES, OTHER, range(8)) == ptc.relayout(OTHER, range(8))
+
+
+# -- one JSON encoding ------------------------------------------------------------------------------
+
+
+def test_json_round_trip_keeps_specs_logical_names_replicated_dims_rules_and_keys():
+    model, optimizer = train_state()
+    state = (model, optimizer, nnx.Rngs(0, dropout=1))
+    config = tj.ParallelConfig(data=2, tensor=3)
+    ptc = tj.PTC.of(state, RULES, config, range(6), hosts=[0, 0, 0, 1, 1, 1],
+                    allow_replicate=True)  # fmt: skip
+    assert any(leaf.replicated for leaf in ptc.leaves)  # tensor=3 does not divide 4 heads
+    assert any(jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) for leaf in ptc.leaves)
+    record = json.loads(json.dumps(ptc.to_json()))
+    back = tj.PTC.from_json(record, like=ptc)
+    assert back == ptc  # config, devices, hosts and every leaf (path, shape, dtype, spec, ...)
+    assert [leaf.logical for leaf in back.leaves] == [leaf.logical for leaf in ptc.leaves]
+    assert [leaf.replicated for leaf in back.leaves] == [leaf.replicated for leaf in ptc.leaves]
+    assert back.rules == ptc.rules and back.allow_replicate
+    assert back.treedef == ptc.treedef
+    # read back, it lays the state out anew as the original would, indivisible dims included
+    for target in (tj.ParallelConfig(fsdp=2, tensor=2), tj.ParallelConfig(tensor=3)):
+        assert back.relayout(target, range(4, 4 + target.num_devices)) == ptc.relayout(
+            target, range(4, 4 + target.num_devices)
+        )
+
+
+def test_json_of_another_state_is_refused_naming_the_leaf():
+    ptc = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=2), range(2))
+    model, _ = train_state()
+    model_only = tj.PTC.of(nnx.state(model), RULES, tj.ParallelConfig(data=2), range(2))
+    with pytest.raises(tj.errors.PlanError, match=r"recorded leaf '0/\w+' .* vs asked '\w+'"):
+        tj.PTC.from_json(ptc.to_json(), like=model_only)
+    bigger = tj.PTC.of(
+        abstract_state(dataclasses.replace(GPTConfig.tiny(), d_model=64)),
+        RULES,
+        ptc.config,
+        range(2),
+    )
+    first = next(a for a, b in zip(ptc.leaves, bigger.leaves) if a.shape != b.shape)
+    with pytest.raises(tj.errors.PlanError, match=rf"recorded leaf '{first.path}' float32"):
+        tj.PTC.from_json(ptc.to_json(), like=bigger)
+
+
+def test_relayout_of_a_record_without_rules_asks_for_them():
+    ptc = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=2), range(2))
     record = ptc.to_json()
-    record["rules"] = None
-    with pytest.raises(tj.errors.LayoutError, match="pass rules="):
-        tj.PTC.from_json(record, ptc).relayout(tj.ParallelConfig(data=2), [5, 6])
-    record["leaves"][3]["shape"][0] += 1
-    with pytest.raises(tj.errors.PlanError, match=r"recorded leaf '0/\w+' float32"):
-        tj.PTC.from_json(record, ptc)
+    record["rules"] = None  # as an older record, or one written by hand
+    back = tj.PTC.from_json(record, like=ptc)
+    with pytest.raises(tj.errors.LayoutError, match="does not know the rules.*pass rules="):
+        back.relayout(tj.ParallelConfig(tensor=2), range(2))
+    assert back.relayout(tj.ParallelConfig(tensor=2), range(2), rules=RULES) == ptc.relayout(
+        tj.ParallelConfig(tensor=2), range(2)
+    )
