@@ -32,6 +32,7 @@ device boxes); a mismatch raises ``PlanError`` and leaves the state untouched.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -64,6 +65,8 @@ class ReshardReport:
     bytes_kept: int  # bytes of target shards that came from the same device
     seconds: float
     leaves: int
+    # executor path ("host", "device") -> shard kind -> shards it built; empty for "device_put"
+    kinds: dict[str, collections.Counter] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         return (
@@ -110,6 +113,7 @@ def reshard(
         return jax.tree_util.tree_unflatten(treedef, out), report
     by_id = {d.id: d for d in mesh.devices.flat}
     out, moved, kept = [], 0, 0
+    kinds: dict[str, collections.Counter] = {}
     with contextlib.ExitStack() as stack:
         pool = None
         if _host_leaf in paths_of and (os.cpu_count() or 1) > 1:
@@ -123,11 +127,14 @@ def reshard(
             )
             out.append(new)
             moved, kept = moved + leaf_moved, kept + leaf_kept
+            built = kinds.setdefault("host" if execute is _host_leaf else "device",
+                                     collections.Counter())  # fmt: skip
+            built.update(shard.kind for shard in leaf.shards)
             if donate and not any(s.kind == "keep" for s in leaf.shards):
                 jax.block_until_ready(new)  # the copies read the old buffers; they must finish
                 array.delete()
     jax.block_until_ready(out)
-    report = ReshardReport(method, moved, kept, time.perf_counter() - start, len(out))
+    report = ReshardReport(method, moved, kept, time.perf_counter() - start, len(out), kinds)
     return jax.tree_util.tree_unflatten(treedef, out), report
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import threading
 
 import jax
 import numpy as np
@@ -85,14 +86,16 @@ def test_both_paths_reshard_every_change_bit_identical_shard_by_shard(row, execu
     assert_shards_equal(new, expected, plan.dst)
     # measured from the copied buffers, not read from the plan
     assert (report.bytes_moved, report.bytes_kept) == (plan.bytes_moved, plan.bytes_kept)
-    KINDS_SEEN[executor] |= set(plan.kinds)
+    # the forced path built every shard (the GPT state holds no key, which goes to the device)
+    assert set(report.kinds) == {executor} and report.kinds[executor] == plan.kinds
+    KINDS_SEEN[executor] |= set(report.kinds[executor])
 
 
 @pytest.mark.parametrize("executor", PATHS)
 def test_the_matrix_executes_keep_split_move_and_merge_on_both_paths(executor):
     if len(KINDS_SEEN[executor]) < 4:  # run alone: execute the matrix here
         for row in MATRIX:
-            KINDS_SEEN[executor] |= set(run_row(row, executor)[0].kinds)
+            KINDS_SEEN[executor] |= set(run_row(row, executor)[2].kinds[executor])
     assert KINDS_SEEN[executor] >= {"keep", "split", "move", "merge"}
 
 
@@ -138,6 +141,23 @@ def test_prng_keys_take_the_device_path_and_the_host_path_refuses_them():
     new, report = tj.reshard(state, plan)
     assert_shards_equal(new, expected, plan.dst)
     assert (report.bytes_moved, report.bytes_kept) == (plan.bytes_moved, plan.bytes_kept)
+    assert report.kinds == {"device": collections.Counter(merge=2)}
+
+
+def test_the_host_paths_copy_threads_end_with_the_call():
+    before = {t.ident for t in threading.enumerate()}
+    *_, report, _ = run_row(MATRIX[2], "host")  # tp 2 -> 4: many shards, copied on a pool
+    assert sum(report.kinds["host"].values()) > 1
+    assert not [t.name for t in threading.enumerate()
+                if t.ident not in before and t.name.startswith("tenplex-copy")]  # fmt: skip
+
+
+def test_an_unknown_executor_is_refused_before_anything_moves():
+    state, src, _ = laid_out(C(data=2), range(2))
+    plan = tj.make_plan(src, target(src, C(data=4), range(4)))
+    with pytest.raises(ValueError, match=r"executor must be one of \('auto', 'host', 'device'\)"):
+        tj.reshard(state, plan, executor="gpu")
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
 
 
 def test_a_plan_that_keeps_every_shard_copies_nothing_and_reuses_buffers():
