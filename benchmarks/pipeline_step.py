@@ -31,7 +31,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tenplex_jax as tj
-from tenplex_jax_models import GPT, LOGICAL_RULES, GPTConfig, batch_at, loss_fn, profile, stdlib_corpus
+from tenplex_jax_models import (
+    GPT,
+    LOGICAL_RULES,
+    GPTConfig,
+    batch_at,
+    loss_fn,
+    profile,
+    stdlib_corpus,
+)
 
 C = tj.ParallelConfig
 MODEL = GPTConfig(seq_len=128, d_model=128, n_layers=8, n_heads=4, d_ff=512)
@@ -74,7 +82,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
     corpus = stdlib_corpus(2**22)
-    cpu = tj.planner.Cluster.uniform(8, tj.planner.DeviceType("cpu", 2 * 2**30, 5e9, 10e9), per_node=8)
+    cpu = tj.planner.Cluster.uniform(
+        8, tj.planner.DeviceType("cpu", 2 * 2**30, 5e9, 10e9), per_node=8
+    )
     prof = profile(MODEL)
     runs = []
     for name, config, microbatches, pipelined in LAYOUTS:

@@ -24,7 +24,9 @@ A100 = tj.planner.DeviceType("a100", 40 * 2**30, 150e12, 300e9, 1.8)
 def mixed(n: int) -> tj.planner.Cluster:
     """Half H100 nodes, half A100 nodes, 8 devices a node."""
     kinds = tuple(0 if i < n // 2 else 1 for i in range(n))
-    return tj.planner.Cluster(f"{n} mixed", (H100, A100), kinds, tuple(i // 8 for i in range(n)), 25e9)
+    return tj.planner.Cluster(
+        f"{n} mixed", (H100, A100), kinds, tuple(i // 8 for i in range(n)), 25e9
+    )
 
 
 def main(argv=None) -> int:

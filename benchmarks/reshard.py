@@ -120,7 +120,7 @@ def central_bytes(src: tj.PTC, dst: tj.PTC) -> int:
 
 
 def _box_bytes(box, leaf: tj.ptc.LeafLayout) -> int:
-    return 0 if box is None else int(np.prod([hi - lo for lo, hi in box])) * leaf.itemsize
+    return 0 if box is None else tj.box.nbytes(box, leaf.itemsize)
 
 
 class _Strategies:

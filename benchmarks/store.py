@@ -26,7 +26,6 @@ import time
 
 import numpy as np
 
-import tenplex_jax as tj
 from tenplex_jax.multihost import store
 
 

@@ -63,7 +63,27 @@ _SUBMODULES = frozenset(
     | {"elastic", "multihost", "planner"}
 )
 
-__all__ = sorted(_EXPORTS)
+__all__ = [  # the same names as _EXPORTS, spelled out for tools that read __all__ statically
+    "PTC",
+    "Batch",
+    "BatchLayout",
+    "DataState",
+    "DatasetPTC",
+    "ElasticJob",
+    "ParallelConfig",
+    "Stages",
+    "allocate",
+    "batch_value_and_grad",
+    "device_batch",
+    "latest_checkpoint",
+    "make_plan",
+    "pipeline",
+    "place",
+    "reshard",
+    "restore_checkpoint",
+    "save_checkpoint",
+]
+assert sorted(__all__) == sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
@@ -81,11 +101,37 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what the names above resolve to, for type checkers and editors
-    from tenplex_jax.batch import Batch, batch_value_and_grad, device_batch
-    from tenplex_jax.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
-    from tenplex_jax.data import BatchLayout, DatasetPTC, DataState
-    from tenplex_jax.elastic import ElasticJob
-    from tenplex_jax.executor import place, reshard
-    from tenplex_jax.pipelining import Stages, pipeline
-    from tenplex_jax.plan import allocate, make_plan
-    from tenplex_jax.ptc import PTC, ParallelConfig
+    from tenplex_jax.batch import (
+        Batch as Batch,
+        batch_value_and_grad as batch_value_and_grad,
+        device_batch as device_batch,
+    )
+    from tenplex_jax.checkpoint import (
+        latest_checkpoint as latest_checkpoint,
+        restore_checkpoint as restore_checkpoint,
+        save_checkpoint as save_checkpoint,
+    )
+    from tenplex_jax.data import (
+        BatchLayout as BatchLayout,
+        DatasetPTC as DatasetPTC,
+        DataState as DataState,
+    )
+    from tenplex_jax.elastic import (
+        ElasticJob as ElasticJob,
+    )
+    from tenplex_jax.executor import (
+        place as place,
+        reshard as reshard,
+    )
+    from tenplex_jax.pipelining import (
+        Stages as Stages,
+        pipeline as pipeline,
+    )
+    from tenplex_jax.plan import (
+        allocate as allocate,
+        make_plan as make_plan,
+    )
+    from tenplex_jax.ptc import (
+        PTC as PTC,
+        ParallelConfig as ParallelConfig,
+    )

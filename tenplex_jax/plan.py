@@ -36,7 +36,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
-import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -325,12 +324,16 @@ def _plan_leaf(
         own = src_boxes.get(dev)
         if own == box:
             shards.append(
-                ShardPlan(dev, box, "keep", (Piece(dev, own, box, boxes.nbytes(box, itemsize), True),))
+                ShardPlan(
+                    dev, box, "keep", (Piece(dev, own, box, boxes.nbytes(box, itemsize), True),)
+                )
             )
             continue
         if own is not None and boxes.contains(own, box):
             shards.append(
-                ShardPlan(dev, box, "split", (Piece(dev, own, box, boxes.nbytes(box, itemsize), True),))
+                ShardPlan(
+                    dev, box, "split", (Piece(dev, own, box, boxes.nbytes(box, itemsize), True),)
+                )
             )
             continue
         if box not in geometry:  # replicas of a target box read the same source blocks

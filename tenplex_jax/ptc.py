@@ -314,7 +314,11 @@ class PTC:
         if got != want:
             show = lambda leaf: f"{leaf[0]!r} {leaf[2]}{list(leaf[1])}"
             diff = next(
-                (f"recorded leaf {show(a)} vs asked {show(b)}" for a, b in zip(got, want) if a != b),
+                (
+                    f"recorded leaf {show(a)} vs asked {show(b)}"
+                    for a, b in zip(got, want)
+                    if a != b
+                ),
                 f"{len(got)} recorded leaves vs {len(want)} asked",
             )
             raise PlanError(

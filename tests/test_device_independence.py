@@ -66,7 +66,9 @@ def train(schedule: dict, steps: int, workers: int | None = WORKERS, microbatche
         if i in schedule:
             config, ids = schedule[i]
             devs = [jax.devices()[d] for d in ids]
-            new = tj.PTC.of(state, RULES, config, devs) if ptc is None else ptc.relayout(config, devs)
+            new = (
+                tj.PTC.of(state, RULES, config, devs) if ptc is None else ptc.relayout(config, devs)
+            )
             if ptc is None:
                 state = tj.place(state, new)
             else:
@@ -167,7 +169,9 @@ def test_padded_uneven_ranks_give_the_gradient_of_the_unpadded_batch(workers, ac
 
 def test_a_layout_for_another_rank_count_than_the_mesh_is_refused():
     mesh = C(data=4, tensor=2).make_mesh(jax.devices())
-    with pytest.raises(tj.errors.DataError, match=r"for 8 data-parallel ranks, but the mesh .* has 4"):
+    with pytest.raises(
+        tj.errors.DataError, match=r"for 8 data-parallel ranks, but the mesh .* has 4"
+    ):
         tj.batch_value_and_grad(example_losses, tj.BatchLayout(24, ranks=8), mesh)
     with pytest.raises(tj.errors.DataError, match="not axes of the mesh"):
         tj.batch_value_and_grad(

@@ -42,6 +42,7 @@ def source():
 
 def make_job(configs: dict[int, tj.ParallelConfig] | None = None, **kwargs):
     dataset = tj.DatasetPTC(source(), BATCH, seed=1)  # 100 samples: epochs end mid-batch
+
     def config(n):  # the contract: LayoutError when the rule has no layout for n devices
         if n not in configs:
             raise tj.errors.LayoutError(f"this test's rule has no layout for {n} devices")
@@ -49,8 +50,9 @@ def make_job(configs: dict[int, tj.ParallelConfig] | None = None, **kwargs):
 
     kwargs.setdefault("compile_ahead", False)
     kwargs.setdefault("exact_step_times", True)
-    job = tj.ElasticJob(LOGICAL_RULES, dataset, workers=8,
-                        config=None if configs is None else config, **kwargs)
+    job = tj.ElasticJob(
+        LOGICAL_RULES, dataset, workers=8, config=None if configs is None else config, **kwargs
+    )
     state = job.start(init)
     return job, state, job.jit(STEP)
 

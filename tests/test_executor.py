@@ -29,8 +29,22 @@ MATRIX = [
     ("grow 2->8 reversed", C(fsdp=2), range(2), C(data=2, fsdp=2, tensor=2), range(7, -1, -1)),
     # failures: every box comes from a surviving replica, the failed device is never read
     ("fail dp 8->7", C(data=8), range(8), C(data=7), range(7), (7,)),
-    ("fail dp2,fsdp4 -> tp2", C(data=2, fsdp=4), range(8), C(data=3, tensor=2), [0, 2, 3, 4, 5, 6], (1, 7)),
-    ("fail pipe2,dp2 -> pipe2", C(pipe=2, data=2, tensor=2), range(8), C(pipe=2, tensor=2), [0, 1, 6, 7], (2, 3)),
+    (
+        "fail dp2,fsdp4 -> tp2",
+        C(data=2, fsdp=4),
+        range(8),
+        C(data=3, tensor=2),
+        [0, 2, 3, 4, 5, 6],
+        (1, 7),
+    ),
+    (
+        "fail pipe2,dp2 -> pipe2",
+        C(pipe=2, data=2, tensor=2),
+        range(8),
+        C(pipe=2, tensor=2),
+        [0, 1, 6, 7],
+        (2, 3),
+    ),
 ]
 IDS = [m[0] for m in MATRIX]
 
@@ -232,7 +246,9 @@ def test_wrong_tree_or_wrong_layout_is_refused_and_the_state_is_untouched():
     ):
         tj.reshard(nnx.state(nodes[0]), plan)  # the model alone, not model + optimizer
     other, other_ptc, _ = laid_out(C(fsdp=8), range(8), seed=1)
-    with pytest.raises(tj.errors.PlanError, match=r"not laid out as the plan's source PTC says.*leaf '0/"):
+    with pytest.raises(
+        tj.errors.PlanError, match=r"not laid out as the plan's source PTC says.*leaf '0/"
+    ):
         tj.reshard(other, plan)
     assert_shards_equal(state, expected, src)
     assert_shards_equal(other, host_copy(other), other_ptc)

@@ -192,7 +192,9 @@ def test_bad_pipelines_are_refused_before_anything_runs():
     mesh = C(pipe=4, data=2).make_mesh(jax.devices())
     layer = lambda h, p: h @ p["w"]
     params = {"w": jnp.zeros((2, 8, 8))}
-    with pytest.raises(tj.errors.LayoutError, match="2 layers do not split evenly into 4 pipeline stages"):
+    with pytest.raises(
+        tj.errors.LayoutError, match="2 layers do not split evenly into 4 pipeline stages"
+    ):
         tj.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2)
     params = {"w": jnp.zeros((4, 8, 8))}
     with pytest.raises(tj.errors.LayoutError, match=r"divide into 3 microbatches.*shape \(8, 8\)"):

@@ -127,7 +127,9 @@ def test_heterogeneous_stages_get_layers_in_proportion_to_speed(speeds, layers, 
 def test_cost_objective_rents_the_devices_with_most_samples_per_dollar():
     cheap = _type("cheap", 50, usd=1.0)  # 50 TFLOP/s per $
     dear = _type("dear", 100, usd=4.0)  # 25 TFLOP/s per $
-    cluster = tj.planner.Cluster("mix", (dear, cheap), (0,) * 4 + (1,) * 4, (0,) * 4 + (1,) * 4, 10e9)
+    cluster = tj.planner.Cluster(
+        "mix", (dear, cheap), (0,) * 4 + (1,) * 4, (0,) * 4 + (1,) * 4, 10e9
+    )
     model = _model()
     fastest = tj.planner.choose(cluster, model, 64)
     assert len(fastest.best.devices) == 8  # the time objective uses every device it was given
@@ -155,7 +157,9 @@ def test_no_config_fits_memory_is_a_clear_error():
 
 def test_more_stages_than_layers_is_refused():
     cluster = tj.planner.Cluster.uniform(4, _type("d", 100))
-    with pytest.raises(tj.errors.PlanError, match="at most one pipeline stage per layer.*4 stages for 2"):
+    with pytest.raises(
+        tj.errors.PlanError, match="at most one pipeline stage per layer.*4 stages for 2"
+    ):
         tj.planner.choose(cluster, _model(flops=(1e12, 1e12)), 8, configs=[C(pipe=4)])
     with pytest.raises(tj.errors.LayoutError, match="2 layers do not split evenly into 4"):
         tj.Stages.even(2, 4)

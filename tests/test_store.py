@@ -158,7 +158,9 @@ def test_range_reads_equal_numpy_slicing(client) -> None:
         got = client.get("rr/w", tuple(sub))
         np.testing.assert_array_equal(got, full[tuple(slice(a, b) for a, b in sub)])
     # a box that leaves the stored object is refused with the stored boxes named
-    with pytest.raises(tj.errors.StoreError, match=r"contains box .*stored boxes: \[\(\(2, 7\)") as err:
+    with pytest.raises(
+        tj.errors.StoreError, match=r"contains box .*stored boxes: \[\(\(2, 7\)"
+    ) as err:
         client.get("rr/w", ((1, 3), (0, 7), (3, 6)))
     assert err.value.reason == "not_found"
     with pytest.raises(tj.errors.StoreError, match="no object at path 'rr/missing'"):
@@ -247,7 +249,9 @@ def test_concurrent_puts_and_gets_on_one_client(client) -> None:
 def test_oversize_requests_are_refused_and_the_server_keeps_serving(stores) -> None:
     proc = stores.start(max_body_bytes=1 << 20)
     with store.StoreClient(proc.address) as client:
-        with pytest.raises(tj.errors.StoreError, match=r"at most 1048576 bytes .* 2097152 bytes") as err:
+        with pytest.raises(
+            tj.errors.StoreError, match=r"at most 1048576 bytes .* 2097152 bytes"
+        ) as err:
             client.put("big/x", np.zeros(1 << 19, np.float32))  # 2 MiB
         assert err.value.reason == "too_large"
         client.put("big/y", np.ones(1 << 10, np.float32))  # the same connection still works
@@ -418,7 +422,9 @@ def test_a_corrupted_file_is_detected_and_not_served(stores, when) -> None:
     if when == "restart":
         proc = stores.start(memory_bytes=0)
     with store.StoreClient(proc.address) as client:
-        with pytest.raises(tj.errors.StoreError, match=r"'x/w' box \(\(0, 64\), \(0, 64\)\) is corrupt"):
+        with pytest.raises(
+            tj.errors.StoreError, match=r"'x/w' box \(\(0, 64\), \(0, 64\)\) is corrupt"
+        ):
             client.get("x/w", ((0, 1), (0, 64)))
         with pytest.raises(tj.errors.StoreError) as err:
             client.get("x/w")

@@ -51,7 +51,9 @@ def run(schedule: dict[int, tuple[C, range]], steps: int) -> tuple[list[float], 
         if i in schedule:
             config, devices = schedule[i]
             devs = [jax.devices()[d] for d in devices]
-            new = tj.PTC.of(state, RULES, config, devs) if ptc is None else ptc.relayout(config, devs)
+            new = (
+                tj.PTC.of(state, RULES, config, devs) if ptc is None else ptc.relayout(config, devs)
+            )
             if ptc is None:
                 state = tj.place(state, new)
             else:

@@ -26,8 +26,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tenplex_jax.data import BatchLayout

@@ -104,7 +104,6 @@ class JobSpec:
         return self.slots[self.process_id]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class LaunchOptions:
     script: str

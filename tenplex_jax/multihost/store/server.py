@@ -205,7 +205,9 @@ class Handler(socketserver.BaseRequestHandler):
             try:
                 json.loads(data.tobytes())
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
-                raise StoreError(f"put_json of {path!r}: the body is not JSON: {error}", "refused") from error
+                raise StoreError(
+                    f"put_json of {path!r}: the body is not JSON: {error}", "refused"
+                ) from error
             store.put_json(path, data, flush=header.get("flush", True) is not False)
             wire.send_frame(sock, {"ok": True})
         elif op == "get_json":
@@ -327,7 +329,11 @@ def main(argv=None) -> int:
         tmp = ready.with_name(ready.name + ".tmp")
         tmp.write_text(address)
         os.replace(tmp, ready)
-    print(f"tenplex_jax.multihost.store: serving {directory} on {address}", file=sys.stderr, flush=True)
+    print(
+        f"tenplex_jax.multihost.store: serving {directory} on {address}",
+        file=sys.stderr,
+        flush=True,
+    )
     while not stop.wait(1.0):
         pass
     for each in servers:

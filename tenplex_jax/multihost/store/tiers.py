@@ -195,7 +195,9 @@ class Store:
         return header, data
 
     def _set_aside(self, file: pathlib.Path, why: str) -> None:
-        print(f"tenplex_jax.multihost.store: {file} is not served: {why}", file=sys.stderr, flush=True)
+        print(
+            f"tenplex_jax.multihost.store: {file} is not served: {why}", file=sys.stderr, flush=True
+        )
         try:
             os.replace(file, self.corrupt_dir / f"{file.name}.{uuid.uuid4().hex[:8]}")
         except OSError:

@@ -20,7 +20,6 @@ import math
 import socket
 import struct
 import zlib
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
