@@ -1,17 +1,16 @@
 """Loop overhead: what tenplex_jax puts in a training loop against a plain jitted loop.
 
-The elastic training loop does not exist yet; what a tenplex_jax loop runs today, between resizes,
-is the demo's path: the train state laid out by a PTC, the jitted step looked up in a cache keyed by
-the layout (config, device ids, batch layout), the global batch read from the dataset PTC and
-placed per device (``device_batch``), and the gradient from ``batch_value_and_grad`` with padding
-weights. It runs in plain data-parallel mode (``workers=None``); virtual workers, which buy bitwise
-device independence with extra compute, are measured in their own section of RESULTS.md. The plain
-loop is what a JAX user writes on the same mesh: shardings from ``nnx.get_partition_spec`` under the
-same logical-axis rules, one ``jax.jit`` of ``nnx.value_and_grad`` of the mean loss, the same global
-batches put with ``jax.device_put``. Both loops alternate in blocks of steps, so the machine's noise
-falls on both alike; the overhead is the ratio of their median step times, minus one.
-
-When the elastic loop lands, ``tenplex_loop`` below is the function to point at it.
+The tenplex_jax loop is the elastic loop between resizes: ``tj.ElasticJob`` owns the layout (the
+state placed by its PTC), the dataset PTC and the step compiled for the layout; each step is
+``job.next`` (pending events, then the global batch placed per device with padding weights) and
+the job's step (the gradient from ``batch.value_and_grad``). It runs in plain data-parallel mode
+(``workers=None``) and without compile-ahead, so that no background compile competes with the
+timed steps; virtual workers, which buy bitwise device independence with extra compute, are
+measured in their own section of RESULTS.md. The plain loop is what a JAX user writes on the same
+mesh: shardings from ``nnx.get_partition_spec`` under the same logical-axis rules, one ``jax.jit``
+of ``nnx.value_and_grad`` of the mean loss, the same global batches put with ``jax.device_put``.
+Both loops alternate in blocks of steps, so the machine's noise falls on both alike; the overhead
+is the ratio of their median step times, minus one.
 """
 
 from __future__ import annotations
@@ -30,12 +29,17 @@ import tenplex_jax as tj
 def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: int, steps: int):
     """Median step seconds of both loops over ``blocks`` alternating blocks of ``steps`` steps."""
     import optax
+    from tenplex_jax_models import (
+        GPT,
+        LOGICAL_RULES,
+        corpus_samples,
+        loss_fn,
+        param_count,
+        stdlib_corpus,
+        train_step,
+    )
 
-    from tenplex_jax_models import GPT, LOGICAL_RULES, corpus_samples, loss_fn, stdlib_corpus
-    from tenplex_jax.data import BatchLayout, DatasetPTC
     from tenplex_jax.batch import BATCH_AXES
-    from tenplex_jax_models import make_train_step, param_count
-    from tenplex_jax.batch import device_batch
 
     def build():
         with nnx.use_eager_sharding(False):
@@ -47,32 +51,31 @@ def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: 
         return nnx.split(nodes)
 
     samples = corpus_samples(stdlib_corpus(), model_cfg.seq_len, num_samples=batch * steps)
-    dataset = DatasetPTC(samples, batch, seed=0)
+    dataset = tj.DatasetPTC(samples, batch, seed=0)
     devices = jax.devices()[: config.num_devices]
-    plain_layout = BatchLayout(batch, ranks=1)
+    plain_layout = tj.BatchLayout(batch, ranks=1)
     batches = [dataset.batch(i, plain_layout)[0] for i in range(steps)]  # the same global batches
 
-    # tenplex_jax: PTC layout, step cache keyed by layout, batch placed with the layout's sharding
+    # tenplex_jax: the elastic loop on a fixed set of devices
     graphdef, state = build()
-    ptc = tj.PTC.of(state, LOGICAL_RULES, config, devices)
-    tenplex_state = tj.place(state, ptc)
-    cache: dict = {}
+    job = tj.ElasticJob(
+        LOGICAL_RULES, dataset, devices=devices, config=lambda n: config, compile_ahead=False
+    )
+    tenplex_state = job.start(state)
+    tenplex_step = job.jit(train_step(graphdef))
 
     def tenplex_loop(state):
+        job.dataset.step = 0  # every block replays the plain loop's global batches
         times = []
-        for i in range(steps):
+        for _ in range(steps):
             tic = time.perf_counter()
-            layout = BatchLayout(batch, ranks=ptc.config.data * ptc.config.fsdp, workers=None)
-            key = (str(ptc.config), ptc.device_ids, layout)
-            if key not in cache:
-                cache[key] = make_train_step(graphdef, ptc, layout)
-            rows, weights, _ = device_batch(dataset, i, layout, ptc.mesh(), BATCH_AXES)
-            state, loss = cache[key](state, rows, weights)
-            float(loss)
+            state, b = job.next(state)
+            state, metrics = tenplex_step(state, b)
+            float(metrics["loss"])
             times.append(time.perf_counter() - tic)
         return state, times
 
-    # plain JAX: the same step function and mesh, shardings straight from NNX's metadata
+    # plain JAX: the same model and mesh, shardings straight from NNX's metadata
     plain_graphdef, plain_state = build()
     mesh = config.make_mesh(devices)
     with nnx.logical_axis_rules(LOGICAL_RULES):
@@ -81,14 +84,14 @@ def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: 
     plain_state = jax.device_put(plain_state, shardings)
     batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
 
-    def train_step(state, batch):
+    def plain_train_step(state, batch):
         nodes = nnx.merge(plain_graphdef, state)
         loss, grads = nnx.value_and_grad(loss_fn)(nodes["model"], batch)
         nodes["optimizer"].update(nodes["model"], grads)
         return nnx.state(nodes), loss
 
     plain_step = jax.jit(
-        train_step,
+        plain_train_step,
         in_shardings=(shardings, batch_sharding),
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
@@ -103,23 +106,24 @@ def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: 
             times.append(time.perf_counter() - tic)
         return state, times
 
-    tenplex_state, _ = tenplex_loop(tenplex_state)  # warm-up: compile both
-    plain_state, _ = plain_loop(plain_state)
     tenplex_times, plain_times = [], []
-    for block in range(blocks):
-        first, second = (tenplex_loop, plain_loop) if block % 2 == 0 else (plain_loop, tenplex_loop)
-        for loop in (first, second):
-            if loop is tenplex_loop:
-                tenplex_state, times = loop(tenplex_state)
-                tenplex_times += times
-            else:
-                plain_state, times = loop(plain_state)
-                plain_times += times
+    with job:  # its compile threads stop at the end
+        tenplex_state, _ = tenplex_loop(tenplex_state)  # warm-up: compile both
+        plain_state, _ = plain_loop(plain_state)
+        for block in range(blocks):
+            order = (tenplex_loop, plain_loop) if block % 2 == 0 else (plain_loop, tenplex_loop)
+            for loop in order:
+                if loop is tenplex_loop:
+                    tenplex_state, times = loop(tenplex_state)
+                    tenplex_times += times
+                else:
+                    plain_state, times = loop(plain_state)
+                    plain_times += times
     tenplex_s, plain_s = statistics.median(tenplex_times), statistics.median(plain_times)
     return {
         "kind": "loop",
         "change": "loop overhead",
-        "loop": "demo path (PTC layout, step cache, dataset PTC + device_batch, plain DP)",
+        "loop": "ElasticJob between resizes (job.next + job.jit step, plain DP)",
         "config": str(config),
         "params": param_count(state),
         "global_batch": batch,

@@ -45,11 +45,15 @@ def synthetic_ptc(abstract_state, rules, config, device_ids, tensors: int) -> tj
     return tj.PTC(config, base.device_ids, base.hosts, leaves, treedef=("synthetic", tensors))
 
 
-def run_plan_scaling(devices: tuple[int, ...], tensors: tuple[int, ...], repeats: int, log):
-    from tenplex_jax_models import LOGICAL_RULES
-    from tenplex_jax_models import build_state
+def run_plan_scaling(
+    devices: tuple[int, ...], tensors: tuple[int, ...], repeats: int, log, model: str = "gpt100m"
+):
+    """One row per device count x tensor count x change: ``make_plan`` seconds (median of
+    ``repeats``) and the target shards planned. ``model`` is the GPT preset whose leaf layouts
+    the tensors cycle through."""
+    from tenplex_jax_models import LOGICAL_RULES, build_state
 
-    _, abstract, _ = build_state("gpt100m", lr=1e-3, abstract=True)
+    _, abstract, _ = build_state(model, lr=1e-3, abstract=True)
     rows = []
     for n in devices:
         for t in tensors:

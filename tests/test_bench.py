@@ -9,11 +9,14 @@ reshard leaves exactly the target layout's buffers alive.
 from __future__ import annotations
 
 import math
+import time
 
+import numpy as np
 import pytest
 
 import tenplex_jax as tj
-from tenplex_jax_benchmarks import reshard
+from tenplex_jax_benchmarks import plan_scaling, reshard
+from tenplex_jax_benchmarks.memory import MemorySampler, settle
 from tenplex_jax_benchmarks.suite import GOALS
 from tests.helpers import RULES, abstract_state, train_state
 
@@ -52,6 +55,30 @@ def test_a_reshard_that_keeps_a_buffer_alive_is_seen_as_a_leak(state):
     kept_alive = reshard.live_buffer_bytes(since=baseline)
     assert kept_alive == reshard._replicated_bytes(src) + reshard._replicated_bytes(plan.dst)
     del placed, new
+
+
+def test_the_memory_sampler_sees_a_peak_that_is_gone_by_the_end_of_the_block() -> None:
+    nbytes = 64 << 20
+    before = settle()
+    with MemorySampler() as sampler:
+        transient = np.ones(nbytes, np.uint8)  # every page written: resident
+        deadline = time.monotonic() + 30
+        while sampler.peak < before + nbytes and time.monotonic() < deadline:
+            time.sleep(1e-3)  # until the sampling thread has read it
+        del transient
+    assert sampler.peak >= before + nbytes > settle()
+
+
+def test_plan_scaling_plans_one_shard_per_leaf_and_target_device() -> None:
+    sizes = (8, 16), (10, 25)
+    rows = plan_scaling.run_plan_scaling(*sizes, repeats=1, log=lambda _: None, model="tiny")
+    assert [(r["devices"], r["tensors"], r["plan_change"]) for r in rows] == [
+        (n, t, change) for n in sizes[0] for t in sizes[1] for change in ("reshape", "shrink")
+    ]
+    for row in rows:
+        targets = row["devices"] if row["plan_change"] == "reshape" else row["devices"] // 2
+        assert row["target_shards"] == row["tensors"] * targets, row
+        assert row["bytes_moved"] > 0 and len(row["runs_seconds"]) == 1
 
 
 def test_central_strategy_moves_at_least_the_plan_minimum() -> None:

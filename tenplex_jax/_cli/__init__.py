@@ -72,9 +72,10 @@ DIR/summary.md, DIR/reshard.png and DIR/plan_scaling.png.
 LAUNCH_EXAMPLES = """\
 examples:
   tenplex-jax launch --nprocs 4 --devices-per-proc 2 --commit-every 5 \\
-      examples/elastic_gpt_multiprocess.py --steps 40
-      4 processes x 2 CPU devices train the GPT; kill one (kill -9 PID) and the job goes on
-      with 3, its shards pulled from the replicas in the other stores
+      examples/elastic_gpt.py --steps 40
+      4 processes x 2 CPU devices train the GPT (the script that also runs alone); kill one
+      (kill -9 PID) and the job goes on with 3, its shards pulled from the replicas in the
+      other stores
   echo 2 > RUN_DIR/resize
       a planned resize to 2 processes: commit (no lost steps), new generation
   kill -TERM LAUNCHER_PID
@@ -297,7 +298,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Start a tensor store per host slot and NPROCS worker processes of SCRIPT\n"
         "(jax.distributed on 127.0.0.1); when a worker dies, a resize is asked for\n"
         "(echo N > RUN_DIR/resize) or SIGTERM arrives, start the next generation, which\n"
-        "pulls its shards from the stores. The script calls tenplex_jax.multihost.launch.join().",
+        "pulls its shards from the stores. The script is an ordinary loop over\n"
+        "tenplex_jax.ElasticJob, the same that runs in one process.",
         epilog=LAUNCH_EXAMPLES,
         formatter_class=form,
     )
