@@ -1,8 +1,12 @@
-"""Own per-shard executor vs ``jax.device_put`` of the whole tree, over the core change matrix.
+"""The executor's two paths vs ``jax.device_put`` of the whole tree, over the core change matrix.
 
-Both execute the same plan on the same GPT + AdamW state, in one process run; medians of ``--repeats``
-runs after a warm-up; the ratio per row is device_put time ÷ executor time (> 1: the executor is
-faster). Donation is off so every repeat starts from the same source state.
+All three execute the same plan on the same GPT + AdamW state, in one process run, taking turns in
+every round (a warm-up round first), so the machine's noise falls on all alike: the executor's
+host path (``executor="host"``: NumPy copies of CPU buffers), its device path (``"device"``: JAX
+slices and ``device_put`` of every piece to its target, the path GPUs take), and one
+``jax.device_put`` (``method="device_put"``). Medians of ``--repeats`` rounds; the ratios per row
+are device_put time ÷ each path's time (> 1: that path is faster). Donation is off so every round
+starts from the same source state.
 
     python benchmarks/reshard_methods.py [--model medium] [--repeats 5] [--allocate] [--out FILE]
 """
@@ -56,39 +60,51 @@ def main(argv=None) -> int:
         state = nnx.state((model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)))
     devices = jax.devices()
     rows = []
-    for name, src_cfg, src_devs, dst_cfg, dst_devs in MATRIX:
+    for name_, src_cfg, src_devs, dst_cfg, dst_devs in MATRIX:
         src = tj.PTC.of(state, LOGICAL_RULES, src_cfg, [devices[i] for i in src_devs])
         dst = tj.PTC.of(state, LOGICAL_RULES, dst_cfg, [devices[i] for i in dst_devs])
         dst = tj.allocate(src, dst) if args.allocate else dst
         placed = tj.place(state, src)
         plan = tj.make_plan(src, dst)
-        times = {}
-        for method in tj.executor.METHODS:
-            runs = []
-            for _ in range(args.repeats + 1):  # the first run warms up dispatch and compile caches
+        strategies = {
+            "host": dict(executor="host"),
+            "device": dict(executor="device"),
+            "device_put": dict(method="device_put"),
+        }
+        runs = {name: [] for name in strategies}
+        for round_ in range(args.repeats + 1):  # round 0 warms up dispatch and compile caches
+            for name, kwargs in strategies.items():
                 start = time.perf_counter()
-                out, _ = tj.reshard(placed, plan, donate=False, method=method)
-                runs.append(time.perf_counter() - start)
+                out, _ = tj.reshard(placed, plan, donate=False, **kwargs)
+                if round_:
+                    runs[name].append(time.perf_counter() - start)
                 del out
-            times[method] = statistics.median(runs[1:])
+        times = {name: statistics.median(r) for name, r in runs.items()}
         row = {
-            "change": name,
+            "change": name_,
             "state_mib": round(src.nbytes / 2**20, 2),
             "moved_mib": round(plan.bytes_moved / 2**20, 2),
             "kept_mib": round(plan.bytes_kept / 2**20, 2),
-            "executor_s": times["plan"],
-            "device_put_s": times["device_put"],
-            "device_put_over_executor": times["device_put"] / times["plan"],
+            "median_seconds": times,
+            "device_put_over_host": times["device_put"] / times["host"],
+            "device_put_over_device": times["device_put"] / times["device"],
         }
         rows.append(row)
         print(
-            f"{name:22s} moved {row['moved_mib']:8.2f} MiB kept {row['kept_mib']:8.2f} MiB  "
-            f"executor {row['executor_s'] * 1e3:8.1f} ms  device_put {row['device_put_s'] * 1e3:8.1f} ms"
-            f"  ratio {row['device_put_over_executor']:5.2f}",
+            f"{name_:22s} moved {row['moved_mib']:8.2f} MiB kept {row['kept_mib']:8.2f} MiB  "
+            + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in times.items())
+            + f"  device_put/host {row['device_put_over_host']:5.2f}"
+            f"  device_put/device {row['device_put_over_device']:5.2f}",
             flush=True,
         )
-    geomean = statistics.geometric_mean(r["device_put_over_executor"] for r in rows)
-    print(f"geometric mean of device_put / executor over {len(rows)} changes: {geomean:.2f}")
+    geomean = {
+        path: statistics.geometric_mean(r[f"device_put_over_{path}"] for r in rows)
+        for path in ("host", "device")
+    }
+    print(
+        f"geometric mean over {len(rows)} changes of device_put time / path time: "
+        + ", ".join(f"{path} {g:.2f}" for path, g in geomean.items())
+    )
     if args.out:
         with open(args.out, "w") as f:
             result = {"model": args.model, "allocate": args.allocate, "jax": jax.__version__}
