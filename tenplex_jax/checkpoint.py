@@ -18,14 +18,23 @@ of ``nnx.state(model)`` restores into the ``"model/"`` part of a ``{"model", "op
 >>> state, step = restored.state, restored.step
 >>> dataset.restore(restored.data_state)                # the cursor resumes exactly once
 
-Only finished checkpoints are read: orbax writes each step into a temporary directory and renames it
-when every process is done, so a save killed half-way is never restored.
+Only finished, intact checkpoints are read. Orbax writes each step into a temporary directory and
+renames it when every process is done; then process 0 lists every file of the step with its size
+and crc32 (``tenplex-files.json``, written atomically, last). A step without that list is
+unfinished; a restore checks every file it will read against it before orbax reads a byte, and
+raises ``CheckpointError`` naming the step, the leaf and the file when one differs or is missing.
+``latest_checkpoint`` names the newest step whose files all check. Each leaf is stored in its own
+directory (orbax without OCDBT: a chunk file per saved shard), so a damaged file names its leaf.
+Checkpoints written by plain orbax have no file list and are read unchecked.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import pathlib
+import threading
 from typing import Any
 
 import jax
@@ -33,13 +42,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
+from tenplex_jax import checksums
 from tenplex_jax.data import DataState
-from tenplex_jax.errors import CheckpointError, where
-from tenplex_jax.ptc import PTC
+from tenplex_jax.errors import CheckpointError, DataError, where
 from tenplex_jax.executor import _arrays, _check_tree
+from tenplex_jax.ptc import PTC
 
-FORMAT = "tenplex_jax/checkpoint/1"
+FORMAT = "tenplex_jax/checkpoint/2"  # 2: a leaf per directory, the step's files checksummed
+FORMATS = ("tenplex_jax/checkpoint/1", FORMAT)  # 1: OCDBT, no file list (read unchecked)
 STATE, RECORD = "state", "tenplex"
+FILES = "tenplex-files.json"  # in a step directory: its files, sizes and checksums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +75,18 @@ class Restored:
 
 @dataclasses.dataclass(frozen=True)
 class Saved:
-    """A save in flight (``wait=False``) or done: ``wait()`` blocks until the step is on disk."""
+    """A save in flight (``wait=False``) or done: ``wait()`` blocks until the step is on disk,
+    its file list included (raising what the save raised)."""
 
     step: int
     path: pathlib.Path
-    manager: ocp.CheckpointManager = dataclasses.field(repr=False)
+    finisher: threading.Thread = dataclasses.field(repr=False)
+    outcome: list = dataclasses.field(repr=False)  # [] while running, then [None] or [error]
 
     def wait(self) -> Saved:
-        self.manager.close()  # waits for the background write, then releases its threads
+        self.finisher.join()
+        if self.outcome and self.outcome[0] is not None:
+            raise self.outcome[0]
         return self
 
 
@@ -106,8 +122,16 @@ def save_checkpoint(
         "data_state": None if data_state is None else dataclasses.asdict(data_state),
     }
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=not wait)
-    manager = ocp.CheckpointManager(directory, options=options)
+    manager = ocp.CheckpointManager(
+        directory,
+        options=options,
+        item_handlers={  # a directory per leaf (no OCDBT): a damaged file names its leaf
+            STATE: ocp.PyTreeCheckpointHandler(use_ocdbt=False),
+            RECORD: ocp.JsonCheckpointHandler(),
+        },
+    )
     if int(step) in manager.all_steps():
+        manager.close()
         raise CheckpointError(
             f"step {step} already exists under {directory}; steps are written once"
         )
@@ -120,30 +144,73 @@ def save_checkpoint(
             }
         ),
     )
-    saved = Saved(int(step), directory / str(int(step)), manager)
+    step_dir, outcome = directory / str(int(step)), []
+
+    def finish():  # the file list goes last: a step without it is unfinished
+        try:
+            manager.wait_until_finished()
+            if jax.process_index() == 0:
+                _write_file_list(step_dir)
+            outcome.append(None)
+        except Exception as error:  # noqa: BLE001 - raised again by Saved.wait()
+            outcome.append(error)
+        finally:
+            manager.close()
+
+    finisher = threading.Thread(target=finish, name=f"tenplex-checkpoint-{step}")
+    finisher.start()
+    saved = Saved(int(step), step_dir, finisher, outcome)
     return saved.wait() if wait else saved
 
 
-def latest_checkpoint(directory) -> int | None:
-    """The newest finished step under ``directory``, or ``None`` if there is none."""
+def saved_steps(directory) -> list[int]:
+    """Every step orbax finished writing under ``directory`` (checked or not), ascending."""
     directory = pathlib.Path(directory)
     if not directory.is_dir():
-        return None
-    steps = ocp.path.step.latest_step_metadata(directory, ocp.path.step.standard_name_format())
-    return None if steps is None else steps.step
+        return []
+    steps = ocp.path.step.checkpoint_steps(directory)
+    return sorted(s for s in steps if ocp.path.step.is_checkpoint_finalized(directory / str(s)))
 
 
-def restore_checkpoint(directory, target: PTC, *, step: int | None = None, prefix: str = ""):
+def latest_checkpoint(directory) -> int | None:
+    """The newest finished step under ``directory`` whose files all check (every file of a step
+    written by ``save_checkpoint`` is read and its checksum compared), or ``None``: an unfinished
+    or damaged step is passed over for an earlier intact one."""
+    directory = pathlib.Path(directory)
+    for step in reversed(saved_steps(directory)):
+        step_dir = directory / str(step)
+        if not (step_dir / RECORD).is_dir():
+            return step  # written by plain orbax: nothing recorded to check it against
+        try:
+            _check_files(step_dir, step, leaves=None)
+        except CheckpointError:
+            continue
+        return step
+    return None
+
+
+def restore_checkpoint(
+    directory, target: PTC, *, step: int | None = None, prefix: str = "", verify: bool = True
+):
     """Read a checkpoint onto ``target``'s layout; returns :class:`Restored`.
 
     ``directory`` is a directory of steps (as written by ``save_checkpoint`` or an orbax
-    ``CheckpointManager``; ``step`` defaults to the latest finished one) or one plain orbax PyTree
+    ``CheckpointManager``; ``step`` defaults to the latest intact one) or one plain orbax PyTree
     checkpoint. Every leaf of ``target`` must be in the checkpoint with the same shape and dtype;
     checkpoint leaves the target lacks are not read. ``prefix`` is prepended to checkpoint paths.
+    The files the restore reads are checked against the step's file list first; a damaged,
+    missing or unfinished step raises ``CheckpointError`` and nothing is restored. ``verify=False``
+    skips reading them for their checksums (``latest_checkpoint`` has just checked the step).
     """
     item, step_dir = _locate(pathlib.Path(directory).absolute(), step)
+    step = _plain_step(step_dir)
+    checked = verify and step_dir is not None and (step_dir / RECORD).is_dir()
+    if checked:  # the metadata and the record, before either is read
+        _check_files(step_dir, step, leaves=set())
     record = _read_record(step_dir / RECORD) if step_dir is not None else None
-    stored = _stored_leaves(item)
+    if record is not None and record["format"] == FORMATS[0]:
+        checked = False  # written before the file lists: read unchecked
+    stored = _orbax(lambda: _stored_leaves(item), item, step)
     mesh = target.mesh()
     restore_paths, targets = [], []
     for leaf in target.leaves:
@@ -160,27 +227,129 @@ def restore_checkpoint(directory, target: PTC, *, step: int | None = None, prefi
         restore_paths.append(key)
         sharding = NamedSharding(mesh, leaf.spec)
         targets.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
+    if checked:  # the leaves' files, before orbax reads them
+        _check_files(step_dir, step, leaves={_orbax_name(key): key for key in restore_paths})
     tree = _nested(restore_paths, targets)
-    restored = ocp.PyTreeCheckpointer().restore(
-        item,
-        args=ocp.args.PyTreeRestore(
-            item=tree,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
-            partial_restore=True,
+    restored = _orbax(
+        lambda: ocp.PyTreeCheckpointer().restore(
+            item,
+            args=ocp.args.PyTreeRestore(
+                item=tree,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+                partial_restore=True,
+            ),
         ),
+        item,
+        step,
     )
     arrays = [_get(restored, key) for key in restore_paths]
     state = jax.tree_util.tree_unflatten(target.treedef, arrays)
     if record is None:
-        return Restored(state, _plain_step(step_dir), None, None, item)
+        return Restored(state, step, None, None, item)
     data = record.get("data_state")
     return Restored(
         state,
-        int(record["step"]),
-        None if data is None else DataState(**data),
+        record["step"],
+        None if data is None else DataState.from_dict(data),
         record["ptc"],
         item,
     )
+
+
+# -- the file list of a step ----------------------------------------------------------------------
+
+
+def _write_file_list(step_dir: pathlib.Path) -> None:
+    """List every file of a finished step with its size and checksum, atomically, last."""
+    names = sorted(
+        str(p.relative_to(step_dir))
+        for p in step_dir.rglob("*")
+        if p.is_file() and p.name != FILES and not p.name.startswith(f".{FILES}")
+    )
+    sums = checksums.of_files(step_dir, names)
+    body = {"files": {name: {"bytes": s[0], "checksum": s[1]} for name, s in sums.items() if s}}
+    body["checksum"] = checksums.of(json.dumps(body["files"], sort_keys=True).encode())
+    tmp = step_dir / f".{FILES}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(body, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, step_dir / FILES)
+    fd = os.open(step_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename survives a crash of the machine
+    finally:
+        os.close(fd)
+
+
+def _check_files(step_dir: pathlib.Path, step, *, leaves: dict[str, str] | set | None) -> None:
+    """``CheckpointError`` unless the files a restore of ``leaves`` reads (orbax's name -> the
+    leaf's path; ``None``: every leaf, an empty set: none) match the step's file list; the
+    metadata and record files are always checked."""
+    where_ = f"checkpoint step {step} in {step_dir.parent}"
+    try:
+        body = json.loads((step_dir / FILES).read_text())
+        files = body["files"]
+        if checksums.of(json.dumps(files, sort_keys=True).encode()) != body["checksum"]:
+            raise ValueError("its own checksum does not match")
+        listed = {name: (int(f["bytes"]), str(f["checksum"])) for name, f in files.items()}
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{where_} is unfinished or damaged: it has no file list ({FILES}, written after "
+            f"every file of the step); nothing restored"
+        ) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(
+            f"{where_} is damaged: its file list {FILES} cannot be read ({error}); nothing restored"
+        ) from None
+    leaf_dirs = {name.split("/")[1] for name in listed if name.startswith(f"{STATE}/")
+                 and name.endswith("/.zarray") and name.count("/") == 2}  # fmt: skip
+    wanted = []
+    for name in listed:
+        parts = name.split("/")
+        leaf = parts[1] if parts[0] == STATE and len(parts) > 2 and parts[1] in leaf_dirs else None
+        if leaf is None or leaves is None or leaf in leaves:
+            wanted.append((name, leaf))
+    found = checksums.of_files(step_dir, [name for name, _ in wanted])
+    damaged = []
+    for name, leaf in wanted:
+        got, (nbytes, checksum) = found[name], listed[name]
+        if got is None:
+            why = "is missing"
+        elif got != (nbytes, checksum):
+            why = f"has {got[0]} bytes, {got[1]} where {nbytes} bytes, {checksum} were written"
+        else:
+            continue
+        shown = "" if leaf is None else f"leaf {_leaf_name(leaf, leaves)!r}: "
+        damaged.append(f"{shown}file {name} {why}")
+    if damaged:
+        more = f"; and {len(damaged) - 4} more" if len(damaged) > 4 else ""
+        raise CheckpointError(
+            f"{where_} is damaged, nothing restored: " + "; ".join(damaged[:4]) + more
+        )
+
+
+def _leaf_name(orbax_name: str, leaves) -> str:
+    if isinstance(leaves, dict):
+        return leaves.get(orbax_name, orbax_name)
+    return orbax_name.replace(".", "/")
+
+
+def _orbax_name(key: str) -> str:
+    """The directory orbax stores a leaf in (its nested keys joined by ".")."""
+    return key.replace("/", ".")
+
+
+def _orbax(read, item, step):
+    """Run an orbax read; anything it raises on a checkpoint it cannot read is a CheckpointError."""
+    try:
+        return read()
+    except CheckpointError:
+        raise
+    except Exception as error:  # orbax and tensorstore raise anything on bad files
+        raise CheckpointError(
+            f"checkpoint {item} (step {step}) cannot be read: {type(error).__name__}: {error}"
+        ) from error
 
 
 def _nested(paths: list[str], values: list) -> dict:
@@ -238,12 +407,25 @@ def _is_pytree(path: pathlib.Path) -> bool:
 
 
 def _read_record(path: pathlib.Path) -> dict | None:
+    """The tenplex record of a step, its fields checked (a wrong type is a damaged record)."""
     if not path.is_dir():
         return None
-    record = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(path)
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
+    record = _orbax(lambda: ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(path), path, "?")
+    problem = None
+    if not isinstance(record, dict) or record.get("format") not in FORMATS:
+        problem = f"the format is not one of {FORMATS}"
+    elif type(record.get("step")) is not int or record["step"] < 0:
+        problem = f"step {record.get('step')!r} is not an integer >= 0"
+    elif not isinstance(record.get("ptc"), dict):
+        problem = "it holds no PTC record"
+    elif record.get("data_state") is not None:
+        try:
+            DataState.from_dict(record["data_state"])
+        except DataError as error:
+            problem = str(error)
+    if problem is not None:
         raise CheckpointError(
-            f"{path} is not a tenplex_jax checkpoint record (format {FORMAT!r}): {str(record)[:200]}"
+            f"{path} is not a valid tenplex_jax checkpoint record: {problem}: {str(record)[:200]}"
         )
     return record
 

@@ -190,18 +190,43 @@ class DataState:
     remainder: str
     consumed: int = 0
 
+    def __post_init__(self):
+        counts = {name: getattr(self, name) for name in ("num_samples", "global_batch", "seed",
+                                                         "consumed")}  # fmt: skip
+        bad = {k: v for k, v in counts.items()
+               if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0}  # fmt: skip
+        bad |= {k: v for k in ("num_samples", "global_batch") if (v := counts[k]) == 0}
+        if bad or not isinstance(self.fingerprint, str) or self.remainder not in REMAINDERS:
+            raise DataError(
+                f"a data state has a string fingerprint, integer counts (num_samples and "
+                f"global_batch >= 1, seed and consumed >= 0) and a remainder in {REMAINDERS}; "
+                f"got {self!r}" + (f" (bad: {bad})" if bad else "")
+            )
+        for name, value in counts.items():  # NumPy integers are kept as Python ints
+            object.__setattr__(self, name, int(value))
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> DataState:
+    def from_dict(cls, record) -> DataState:
+        """A data state from the dict ``to_json`` encodes; ``DataError`` on anything else."""
         fields = {f.name for f in dataclasses.fields(cls)}
-        record = json.loads(text)
         if not isinstance(record, dict) or set(record) != fields:
             raise DataError(
-                f"a data state is a JSON object with keys {sorted(fields)}, got {text!r}"
+                f"a data state is an object with keys {sorted(fields)}, got {record!r:.300}"
             )
         return cls(**record)
+
+    @classmethod
+    def from_json(cls, text: str) -> DataState:
+        try:
+            record = json.loads(text)
+        except (TypeError, ValueError, RecursionError) as error:
+            raise DataError(
+                f"a data state is JSON text, got {str(text)[:200]!r}: {error}"
+            ) from None
+        return cls.from_dict(record)
 
 
 class DatasetPTC:

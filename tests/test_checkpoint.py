@@ -139,3 +139,105 @@ def test_bad_checkpoints_are_refused_clearly(tmp_path):
     with pytest.raises(tj.errors.PlanError, match="does not match the PTC"):
         tj.save_checkpoint(tmp_path, nnx.state({"model": model}), ptc, step=2)
     assert tj.latest_checkpoint(tmp_path) == 1
+
+
+# -- every file of a step is checked: nothing damaged or unfinished is restored -------------------
+
+
+def _two_steps(tmp_path):
+    """Steps 3 and 5 of a laid-out state (the second one trained a little further)."""
+    state, ptc = _placed(tj.ParallelConfig(data=2, fsdp=2, tensor=2), jax.devices())
+    tj.save_checkpoint(tmp_path, state, ptc, step=3, data_state=_data_state(48))
+    later = jax.tree.map(lambda x: x + 1 if jnp_float(x) else x, state)
+    tj.save_checkpoint(tmp_path, later, ptc, step=5, data_state=_data_state(80))
+    return state, later, ptc
+
+
+def jnp_float(x) -> bool:
+    return jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+
+
+def _chunk(step_dir, leaf_dir: str):
+    """A data file of one leaf (a chunk: one saved shard)."""
+    chunks = sorted(
+        p for p in (step_dir / "state" / leaf_dir).iterdir() if not p.name.startswith(".")
+    )
+    return chunks[len(chunks) // 2]
+
+
+def test_a_flipped_bit_in_a_leafs_file_is_refused_naming_the_leaf_and_step(tmp_path):
+    state, _, ptc = _two_steps(tmp_path)
+    chunk = _chunk(tmp_path / "5", "model.tok_embed")
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0x10  # one bit
+    chunk.write_bytes(raw)
+    with pytest.raises(tj.errors.CheckpointError) as err:
+        tj.restore_checkpoint(tmp_path, ptc, step=5)
+    message = str(err.value)
+    assert "step 5" in message and "damaged" in message, message
+    assert "leaf 'model/tok_embed'" in message and chunk.name in message, message
+    # the newest intact step is named and restored instead
+    assert tj.latest_checkpoint(tmp_path) == 3
+    restored = tj.restore_checkpoint(tmp_path, ptc)
+    assert restored.step == 3 and restored.data_state.consumed == 48
+    assert_shards_equal(restored.state, host_copy(state), ptc)
+    # a restore that does not read the damaged leaf is not refused: only the files read are checked
+    optimizer_only = tj.PTC.of(nnx.state({"optimizer": train_state()[1]}), RULES, ptc.config,
+                               jax.devices())  # fmt: skip
+    assert tj.restore_checkpoint(tmp_path, optimizer_only, step=5).step == 5
+
+
+@pytest.mark.parametrize(
+    "damage, rule",
+    [
+        ("truncate", r"model/w1.*has \d+ bytes"),
+        ("remove", r"model/w1.*is missing"),
+        ("metadata", r"file state/_METADATA has"),
+        ("record", r"file tenplex/.* has"),
+        ("no file list", r"unfinished or damaged: it has no file list"),
+        ("file list", r"file list tenplex-files.json cannot be read"),
+    ],
+)
+def test_a_damaged_or_unfinished_step_is_a_checkpoint_error_and_passed_over(tmp_path, damage, rule):
+    _, _, ptc = _two_steps(tmp_path)
+    step_dir = tmp_path / "5"
+    if damage == "truncate":
+        chunk = _chunk(step_dir, "model.w1")
+        chunk.write_bytes(chunk.read_bytes()[:-7])
+    elif damage == "remove":
+        _chunk(step_dir, "model.w1").unlink()
+    elif damage == "metadata":
+        path = step_dir / "state" / "_METADATA"
+        path.write_text(path.read_text().replace('"', "'", 1))
+    elif damage == "record":
+        path = step_dir / "tenplex" / "metadata"
+        path.write_text(path.read_text().replace('"step": 5', '"step": 6'))
+    elif damage == "no file list":  # killed after orbax finished, before the list was written
+        (step_dir / "tenplex-files.json").unlink()
+    else:
+        path = step_dir / "tenplex-files.json"
+        path.write_text(path.read_text().replace("crc32:", "crc33:", 1))
+    with pytest.raises(tj.errors.CheckpointError, match=rf"step 5.*{rule}"):
+        tj.restore_checkpoint(tmp_path, ptc, step=5)
+    assert tj.latest_checkpoint(tmp_path) == 3
+
+
+def test_a_record_with_a_fractional_step_is_refused(tmp_path):
+    from tenplex_jax import checkpoint
+
+    _, _, ptc = _two_steps(tmp_path)
+    step_dir = tmp_path / "5"
+    path = step_dir / "tenplex" / "metadata"
+    path.write_text(path.read_text().replace('"step": 5', '"step": 5.9'))
+    checkpoint._write_file_list(step_dir)  # a consistent file list: the record itself is wrong
+    with pytest.raises(tj.errors.CheckpointError, match=r"step 5.9 is not an integer"):
+        tj.restore_checkpoint(tmp_path, ptc, step=5)
+
+
+def test_an_asynchronous_save_lists_its_files_when_it_is_waited_for(tmp_path):
+    state, ptc = _placed(tj.ParallelConfig(fsdp=4), jax.devices()[:4])
+    saved = tj.save_checkpoint(tmp_path, state, ptc, step=2, wait=False)
+    saved.wait()
+    assert (tmp_path / "2" / "tenplex-files.json").is_file()
+    assert tj.latest_checkpoint(tmp_path) == 2
+    assert_shards_equal(tj.restore_checkpoint(tmp_path, ptc).state, host_copy(state), ptc)

@@ -266,3 +266,28 @@ def test_device_batch_reads_each_ranks_rows_once_and_places_them_on_its_devices(
         rows = samples[shard.index[0]]
         np.testing.assert_array_equal(np.asarray(shard.data)[rows >= 0], data[rows[rows >= 0]])
     assert float(np.asarray(weights).sum()) == 10
+
+
+@pytest.mark.parametrize(
+    "change, rule",
+    [
+        ({"consumed": 16.0}, "integer counts"),
+        ({"consumed": -8}, "integer counts"),
+        ({"global_batch": 0}, "integer counts"),
+        ({"seed": True}, "integer counts"),
+        ({"fingerprint": 3}, "string fingerprint"),
+        ({"remainder": "wrap"}, "remainder in"),
+    ],
+)
+def test_a_saved_position_with_a_bad_field_is_a_data_error(change, rule):
+    ds = tj.DatasetPTC(np.arange(50), 8)
+    ds.next_batch(tj.BatchLayout(8, ranks=1))
+    record = json.loads(ds.state().to_json()) | change
+    with pytest.raises(tj.errors.DataError, match=rule):
+        tj.DataState.from_json(json.dumps(record))
+    for text in ("{not json", '"a string"', "[1, 2]", "[" * 100000):
+        with pytest.raises(tj.errors.DataError, match="data state"):
+            tj.DataState.from_json(text)
+    # NumPy integers are integers: kept, as Python ints
+    state = tj.DataState(**{**ds.state().__dict__, "consumed": np.int64(8)})
+    assert type(state.consumed) is int and ds.state() == state

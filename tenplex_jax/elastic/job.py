@@ -248,7 +248,7 @@ class ElasticJob:
             return build()
         from tenplex_jax.checkpoint import restore_checkpoint
 
-        restored = restore_checkpoint(self.checkpoint_dir, self.ptc, step=latest)
+        restored = restore_checkpoint(self.checkpoint_dir, self.ptc, step=latest, verify=False)
         if restored.data_state is None:
             raise DataError(f"checkpoint {latest} in {self.checkpoint_dir} has no data state")
         self.dataset.restore(restored.data_state)
@@ -467,7 +467,7 @@ class ElasticJob:
             raise error
         self.log(f"step {self.step}: {error}; restoring checkpoint {latest}")
         tic = time.perf_counter()
-        restored = restore_checkpoint(self.checkpoint_dir, target, step=latest)
+        restored = restore_checkpoint(self.checkpoint_dir, target, step=latest, verify=False)
         if restored.data_state is None:
             raise DataError(f"checkpoint {latest} in {self.checkpoint_dir} has no data state")
         lost = self.step - restored.step

@@ -175,7 +175,7 @@ class Manifest:
             int(record["replicas"]),
             record["ptc"],
             tuple(StoredObject.from_json(o) for o in record["objects"]),
-            None if data is None else DataState(**data),
+            None if data is None else DataState.from_dict(data),
         )
 
 

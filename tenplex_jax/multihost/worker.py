@@ -158,9 +158,9 @@ class Worker:
         self._write(f"restore-g{self.generation}-p{self.process_index}.json", record, every=True)
         self._start_committer()
         if self.checkpoint_dir is not None:  # read before any process of this generation saves
-            from tenplex_jax.checkpoint import latest_checkpoint
+            from tenplex_jax.checkpoint import saved_steps
 
-            self._checkpointed = latest_checkpoint(self.checkpoint_dir)
+            self._checkpointed = max(saved_steps(self.checkpoint_dir), default=None)
         return state
 
     def _pull(self, ptc: PTC, step: int):

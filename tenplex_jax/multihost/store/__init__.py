@@ -25,6 +25,10 @@ only after the object's file is complete and fsynced; ``flush()`` waits for ever
 reach disk, and ``put_json`` flushes first (``flush=False`` skips that wait), so a commit marker
 on disk implies its objects are.
 
+**Replacing.** A put replaces the objects of its path that it conflicts with: another global shape
+or dtype (another array under that path), or a box that overlaps its own; disjoint boxes of one
+array live side by side. So a ``get`` can only ever return the newest bytes of a box.
+
 **Versions.** Give every commit its own path prefix (``"v3/"``) and ``delete`` old prefixes:
 a put replaces an object atomically on each store, but a ``ReplicatedStore.put`` that raised may
 have reached some of its stores, and a replica that missed an overwrite of the same

@@ -86,7 +86,10 @@ class StoreClient:
             # the hello exchange is part of connecting: a store that accepts but does not answer
             # (stopped, overloaded) is given up on within the connect timeout too
             sock.settimeout(self._connect_timeout)
-            wire.send_frame(sock, {"op": "hello", "token": self._token})
+            try:
+                wire.send_frame(sock, {"op": "hello", "token": self._token})
+            except OSError:
+                pass  # the reply says why (a store over its connection cap answers and closes)
             self._reply(sock)
             sock.settimeout(self._timeout)
         except BaseException:
@@ -128,7 +131,8 @@ class StoreClient:
 
     def _call(self, request: dict, body=None, into=None) -> tuple[dict, Any]:
         """One request → (reply header, reply body). ``body`` follows a "continue" reply;
-        ``into(header)`` may return a writable array for the reply body (no copy)."""
+        ``into(header, body bytes)`` returns a writable array for the reply body (no copy), having
+        checked the sizes the server announced (raising ``StoreError``)."""
         for attempt in (0, 1):
             sock, reused = self._checkout()
             try:
@@ -176,19 +180,27 @@ class StoreClient:
             header, nreply = self._reply(sock)
         finally:
             sock.settimeout(self._timeout)
+        # a reply's sizes are the server's claims: checked before a byte is allocated for them
         try:
-            out = into(header) if into is not None else None
-        except BaseException:
+            if into is not None:
+                out = into(header, nreply)
+            elif nreply > wire.MAX_REPLY_BODY_BYTES:
+                raise StoreError(f"a {request['op']!r} reply body is at most "
+                                 f"{wire.MAX_REPLY_BODY_BYTES} bytes; the store announced "
+                                 f"{nreply}", "protocol")  # fmt: skip
+        except (StoreError, MemoryError) as error:
             sock.close()  # the reply's body is unread: the connection cannot be reused
+            if isinstance(error, MemoryError):
+                raise StoreError(f"store {self.address}: no memory for the reply of {nreply} "
+                                 f"bytes", "too_large") from None  # fmt: skip
+            raise StoreError(f"store {self.address}: {error}", "protocol") from None
+        except BaseException:
+            sock.close()
             raise
         try:
-            if out is None:
+            if into is None:
                 data = wire.recv_exact(sock, nreply)
             else:
-                if out.nbytes != nreply:
-                    raise StoreError(
-                        f"store {self.address}: sent {nreply} bytes for {out.nbytes}", "protocol"
-                    )
                 header["received"] = wire.recv_into(sock, wire.as_bytes(out), digest=True)
                 data = out
         except OSError as error:
@@ -228,9 +240,7 @@ class StoreClient:
                 f"put of {path!r}: global_shape is needed when the box {box} does not start at "
                 f"the origin"
             )
-        global_shape = (
-            boxes.shape(box) if global_shape is None else tuple(int(n) for n in global_shape)
-        )
+        global_shape = boxes.shape(box) if global_shape is None else wire.as_shape(global_shape)
         wire.check_box(path, box, global_shape)
         if boxes.shape(box) != array.shape:
             raise StoreError(
@@ -263,10 +273,21 @@ class StoreClient:
             "box": None if box is None else [list(b) for b in box],
         }
 
-        def into(header):
-            info = ObjectInfo.from_json(header["info"])
-            shape = boxes.shape(wire.as_box(header["box"]))
-            return np.empty(shape, wire.dtype_of(info.dtype))
+        def into(header, nreply):
+            info = ObjectInfo.from_json(header.get("info"))
+            sent = wire.as_box(header.get("box"))
+            if (
+                info.path != path
+                or not boxes.contains(info.box, sent)
+                or sent != (info.box if box is None else box)
+            ):
+                raise StoreError(f"get of {path!r} box {box}: the reply is for {info.path!r} "
+                                 f"box {sent} of an object {info.box}")  # fmt: skip
+            dtype = wire.dtype_of(info.dtype)
+            if nreply != wire.nbytes_of(boxes.shape(sent), dtype):
+                raise StoreError(f"get of {path!r}: {nreply} bytes announced for box {sent} of "
+                                 f"{dtype.name}")  # fmt: skip
+            return np.empty(boxes.shape(sent), dtype)
 
         header, out = self._call(request, into=into)
         digest = header["received"]  # computed as the bytes arrived
@@ -281,7 +302,17 @@ class StoreClient:
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every array object whose path starts with ``prefix`` (plain string prefix)."""
         _, body = self._call({"op": "list", "prefix": str(prefix)})
-        return [ObjectInfo.from_json(obj) for obj in json.loads(body)]
+        listing = self._decode(body, "list")
+        if not isinstance(listing, list):
+            raise StoreError(f"store {self.address}: a listing is a JSON list", "protocol")
+        return [ObjectInfo.from_json(obj) for obj in listing]
+
+    def _decode(self, body, what: str) -> Any:
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError) as error:
+            raise StoreError(f"store {self.address}: the {what} reply is not JSON: {error!r:.200}",
+                             "protocol") from None  # fmt: skip
 
     def delete(self, prefix: str) -> int:
         """Remove the array and JSON objects whose path starts with ``prefix``; how many."""
@@ -307,17 +338,23 @@ class StoreClient:
                 f"put_json objects are at most {wire.MAX_JSON_BYTES} bytes; {path!r} is "
                 f"{len(data)} bytes"
             )
-        self._call({"op": "put_json", "path": path, "flush": bool(flush)}, data)
+        request = {"op": "put_json", "path": path, "flush": bool(flush),
+                   "checksum": wire.checksum(data)}  # fmt: skip
+        self._call(request, data)
 
     def get_json(self, path: str, default: Any = _MISSING) -> Any:
         """The JSON object at ``path``; ``default`` if given and there is none."""
         try:
-            _, body = self._call({"op": "get_json", "path": wire.check_path(path)})
+            header, body = self._call({"op": "get_json", "path": wire.check_path(path)})
         except StoreError as error:
             if error.reason == "not_found" and default is not _MISSING:
                 return default
             raise
-        return json.loads(body)
+        if wire.checksum(body) != header.get("checksum"):
+            raise StoreError(f"store {self.address}: get_json of {path!r}: received bytes have "
+                             f"checksum {wire.checksum(body)}, the store sent "
+                             f"{header.get('checksum')}", "corrupt")  # fmt: skip
+        return self._decode(body, "get_json")
 
     def list_json(self, prefix: str = "") -> list[str]:
         header, _ = self._call({"op": "list_json", "prefix": str(prefix)})

@@ -46,7 +46,10 @@ class StoreProcess:
         unix_socket=None,
         timeout: float = 60.0,
         stderr=None,
+        args: tuple[str, ...] = (),
     ) -> StoreProcess:
+        """Start a server on ``directory``; ``args`` are more of its command-line options (e.g.
+        ``("--max-connections", "8")``)."""
         directory = pathlib.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         ready = directory.parent / f".{directory.name}.ready.{os.getpid()}.{time.monotonic_ns()}"
@@ -61,6 +64,7 @@ class StoreProcess:
             cmd += ["--token-file", str(token_file)]
         if unix_socket is not None:
             cmd += ["--unix-socket", str(unix_socket)]
+        cmd += [str(a) for a in args]
         # the server runs the same tenplex_jax as this process, wherever the caller's cwd is
         root = str(pathlib.Path(__file__).resolve().parents[2])
         env = dict(os.environ)

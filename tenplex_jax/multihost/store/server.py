@@ -5,6 +5,12 @@ bound to 127.0.0.1 unless ``--host`` says otherwise; bound anywhere else it refu
 without ``--token-file``. ``--unix-socket PATH`` serves the same store on a Unix socket too (mode
 0600), for clients on the same host: ``StoreClient("unix:PATH")``.
 
+**Limits.** At most ``--max-connections`` connections at once (one more is told ``"busy"``), a
+hello within ``--handshake-timeout`` seconds, and every request body and reply admitted against
+one transfer budget of ``max(--memory-bytes, 64 MiB)`` before its bytes are received or produced
+(``Budget``): the server's memory stays within the memory tier plus that budget, plus a bounded
+header per connection, whatever clients do.
+
 **Tiers.** Objects live in a memory tier (at most ``--memory-bytes``, least recently used clean
 objects evicted first) and on disk under ``DIR/objects``. A plain put is acknowledged once it is
 in the memory tier and queued for disk; ``durable=True`` (and any object larger than the memory
@@ -13,19 +19,22 @@ acknowledged before it is on disk; ``put_json`` flushes first (unless asked not 
 durably, so a commit marker on disk implies that the objects put before it are on disk.
 SIGTERM / SIGINT flush too.
 
-**Atomic files.** An object is one file: ``b"TPXO"`` + header length + a JSON header (path, box,
-global shape, dtype, checksum) + the bytes. It is written to ``DIR/tmp`` and fsynced; only then
-is it renamed into ``DIR/objects`` and does the index point at it (the directory is fsynced before
-a durable put or a flush returns). Several writer threads overlap their fsyncs. A restarted
-store deletes ``DIR/tmp``, indexes complete files (a file whose size disagrees with its header is
-set aside), and verifies every file's checksum when it reads it: a file that fails is moved to
-``DIR/corrupt`` and never served. So after a crash the store serves each object's last complete
+**Atomic files.** An object is one file: ``b"TPX2"`` + header length + the header's crc32 + a
+JSON header (path, box, global shape, dtype, checksum) + the bytes. It is written to ``DIR/tmp``
+and fsynced; only then is it renamed into ``DIR/objects`` and does the index point at it (the
+directory is fsynced before a durable put or a flush returns). Several writer threads overlap
+their fsyncs. A restarted store deletes ``DIR/tmp``, indexes complete files whose header checks (a
+file whose header fails its crc32, or whose size disagrees with it, is set aside), and verifies
+every file's data checksum when it reads it: a file that fails is moved to ``DIR/corrupt`` and
+never served. So after a crash the store serves each object's last complete
 version or nothing; never a partial one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import fcntl
 import hmac
 import ipaddress
@@ -35,8 +44,10 @@ import pathlib
 import signal
 import socket
 import socketserver
+import stat
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -48,6 +59,55 @@ from tenplex_jax.multihost.store.wire import ObjectInfo
 
 DEFAULT_MAX_BODY_BYTES = 8 << 30
 DEFAULT_TIMEOUT = 120.0
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)  # out of fds or memory
+
+
+class Budget:
+    """The bytes of request bodies and replies in flight, at most ``limit`` at once.
+
+    A transfer is admitted before its bytes are received or produced: it waits for room until
+    ``timeout`` seconds pass, then is refused (reason ``"busy"``); one larger than the whole budget
+    is refused at once (``"too_large"``). So however clients behave (bodies sent without their
+    checksum trailer, replies never read), the bytes in flight stay within ``limit``.
+    """
+
+    def __init__(self, limit: int, timeout: float):
+        self.limit, self.timeout, self.used, self.waiting = limit, timeout, 0, 0
+        self.cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int, what: str):
+        if nbytes > self.limit:
+            raise StoreError(
+                f"{what} is {nbytes} bytes, more than the store's transfer budget of "
+                f"{self.limit} bytes (--memory-bytes)",
+                "too_large",
+            )
+        deadline = time.monotonic() + self.timeout
+        with self.cond:
+            self.waiting += 1
+            try:
+                while self.used + nbytes > self.limit:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise StoreError(
+                            f"{what} ({nbytes} bytes) waited {self.timeout:.0f} s for room in the "
+                            f"store's transfer budget of {self.limit} bytes (--memory-bytes), "
+                            f"held by other transfers; try again",
+                            "busy",
+                        )
+                    self.cond.wait(left)
+            finally:
+                self.waiting -= 1
+            self.used += nbytes
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.used -= nbytes
+                self.cond.notify_all()
 
 
 class Handler(socketserver.BaseRequestHandler):
@@ -92,19 +152,24 @@ class Handler(socketserver.BaseRequestHandler):
             pass
 
     def _hello(self, sock: socket.socket) -> bool:
-        prefix = wire.recv_prefix(sock)
-        if prefix is None:
+        # the whole hello within the handshake deadline, however slowly a peer sends it (a
+        # per-receive timeout alone lets one byte a second hold a connection for ever)
+        hello = wire.recv_hello(sock, time.monotonic() + self.server.handshake_s)
+        if hello is None:
             return False
-        nheader, nbody = prefix
-        header = wire.recv_header(sock, nheader, wire.HELLO_HEADER_BYTES)
+        header, nbody = hello
         if header.get("op") != "hello" or nbody:
             raise StoreProtocolError("a connection must open with a hello frame")
         token = self.server.token
         if token is not None:
             given = header.get("token")
-            if not isinstance(given, str) or not hmac.compare_digest(
-                given.encode(), token.encode()
-            ):
+            try:
+                valid = isinstance(given, str) and hmac.compare_digest(
+                    given.encode(), token.encode()
+                )
+            except UnicodeEncodeError:  # a lone surrogate: no token of ours
+                valid = False
+            if not valid:
                 missing = "no token" if given is None else "a wrong token"
                 wire.send_frame(
                     sock,
@@ -116,7 +181,8 @@ class Handler(socketserver.BaseRequestHandler):
         return True
 
     def _body(self, sock: socket.socket, nbody: int, expected: int, path: str):
-        """Say continue, then read a body of exactly ``expected`` bytes; (bytes, checksum)."""
+        """Say continue, then read a body of exactly ``expected`` bytes; (bytes, checksum). Call
+        with the body's bytes held in the transfer budget."""
         if nbody != expected:
             raise StoreError(
                 f"the body must be {expected} bytes (shape x itemsize); got {nbody}", "refused"
@@ -146,45 +212,57 @@ class Handler(socketserver.BaseRequestHandler):
         if op == "put":
             path = wire.check_path(header.get("path"))
             dtype = wire.dtype_of(str(header.get("dtype")))
-            global_shape = tuple(int(n) for n in header["global_shape"])
+            global_shape = wire.as_shape(header["global_shape"])
             box = wire.as_box(header["box"])
             wire.check_box(path, box, global_shape)
             expected = wire.nbytes_of(boxes.shape(box), dtype)
-            self._check_body_limit(nbody, f"put of {path!r} box {box}")
-            data, digest = self._body(sock, nbody, expected, path)
-            claimed = header.get("checksum")
-            if claimed is None:  # in a trailer frame after the body
-                prefix = wire.recv_prefix(sock)
-                if prefix is None:
-                    raise ConnectionError("the client left before its checksum trailer")
-                if prefix[1]:
-                    raise StoreProtocolError("a checksum trailer has no body")
-                claimed = wire.recv_header(sock, prefix[0], wire.HELLO_HEADER_BYTES).get("checksum")
-            if digest != claimed:
-                raise StoreError(
-                    f"put of {path!r} box {box}: the bytes received have checksum {digest}, the "
-                    f"client sent {claimed}; nothing stored",
-                    "checksum",
-                )
-            info = ObjectInfo(path, box, global_shape, dtype.name, expected, digest)
-            store.put(info, data, durable=bool(header.get("durable")))
+            what = f"put of {path!r} box {box}"
+            self._check_body_limit(nbody, what)
+            with self.server.budget.hold(nbody, what):
+                data, digest = self._body(sock, nbody, expected, path)
+                claimed = header.get("checksum")
+                if claimed is None:  # in a trailer frame after the body
+                    prefix = wire.recv_prefix(sock)
+                    if prefix is None:
+                        raise ConnectionError("the client left before its checksum trailer")
+                    if prefix[1]:
+                        raise StoreProtocolError("a checksum trailer has no body")
+                    trailer = wire.recv_header(sock, prefix[0], wire.HELLO_HEADER_BYTES)
+                    claimed = trailer.get("checksum")
+                if digest != claimed:
+                    raise StoreError(
+                        f"{what}: the bytes received have checksum {digest}, the client sent "
+                        f"{claimed}; nothing stored",
+                        "checksum",
+                    )
+                info = ObjectInfo(path, box, global_shape, dtype.name, expected, digest)
+                store.put(info, data, durable=bool(header.get("durable")))
+                del data  # the store holds it now, or has written it through
             wire.send_frame(sock, {"ok": True, "info": info.to_json()})
         elif op == "get":
             path = wire.check_path(header.get("path"))
             box = None if header.get("box") is None else wire.as_box(header["box"])
-            entry, data = store.read(store.find(path, box))
-            info = entry.info
-            if box is None or box == info.box:
-                box, out, digest = info.box, data, info.checksum
-            else:
-                dtype = wire.dtype_of(info.dtype)
-                full = np.frombuffer(data, dtype=np.dtype(f"V{dtype.itemsize}"))
-                sub = full.reshape(info.shape)[boxes.index(box, info.box)]
-                out = wire.as_bytes(np.ascontiguousarray(sub))
-                digest = wire.checksum(out)
-            reply = {"ok": True, "info": info.to_json(), "box": [list(b) for b in box],
-                     "checksum": digest}  # fmt: skip
-            wire.send_frame(sock, reply, out)
+            key = store.find(path, box)
+            info = store.info(key)
+            whole = box is None or box == info.box
+            reply_bytes = info.nbytes + (0 if whole else wire.nbytes_of(
+                boxes.shape(box), wire.dtype_of(info.dtype)))  # fmt: skip
+            # the object as read (from disk, or shared with the memory tier) and a sub-box's copy
+            with self.server.budget.hold(reply_bytes, f"get of {path!r} box {box}"):
+                entry, data = store.read(key)
+                info = entry.info
+                if whole:
+                    box, out, digest = info.box, data, info.checksum
+                else:
+                    dtype = wire.dtype_of(info.dtype)
+                    full = np.frombuffer(data, dtype=np.dtype(f"V{dtype.itemsize}"))
+                    sub = full.reshape(info.shape)[boxes.index(box, info.box)]
+                    out = wire.as_bytes(np.ascontiguousarray(sub))
+                    digest = wire.checksum(out)
+                reply = {"ok": True, "info": info.to_json(), "box": [list(b) for b in box],
+                         "checksum": digest}  # fmt: skip
+                wire.send_frame(sock, reply, out)
+                del data, out
         elif op == "list":
             listing = [i.to_json() for i in store.list(str(header.get("prefix", "")))]
             wire.send_frame(sock, {"ok": True}, json.dumps(listing).encode())
@@ -200,23 +278,26 @@ class Handler(socketserver.BaseRequestHandler):
             wire.send_frame(sock, {"ok": True, "deleted": store.delete(prefix)})
         elif op == "put_json":
             path = wire.check_path(header.get("path"))
-            self._check_body_limit(nbody, f"put_json of {path!r}", wire.MAX_JSON_BYTES)
-            data, _ = self._body(sock, nbody, nbody, path)
-            try:
-                json.loads(data.tobytes())
-            except (UnicodeDecodeError, json.JSONDecodeError) as error:
-                raise StoreError(
-                    f"put_json of {path!r}: the body is not JSON: {error}", "refused"
-                ) from error
-            store.put_json(path, data, flush=header.get("flush", True) is not False)
+            what = f"put_json of {path!r}"
+            self._check_body_limit(nbody, what, wire.MAX_JSON_BYTES)
+            with self.server.budget.hold(nbody, what):
+                data, digest = self._body(sock, nbody, nbody, path)
+                if digest != header.get("checksum"):
+                    raise StoreError(f"{what}: the bytes received have checksum {digest}, the "
+                                     f"client sent {header.get('checksum')}; nothing stored",
+                                     "checksum")  # fmt: skip
+                try:
+                    json.loads(data.tobytes())
+                except (ValueError, RecursionError) as error:
+                    raise StoreError(f"{what}: the body is not JSON: {error!r:.300}",
+                                     "refused") from None  # fmt: skip
+                store.put_json(path, data, flush=header.get("flush", True) is not False)
             wire.send_frame(sock, {"ok": True})
         elif op == "get_json":
             path = wire.check_path(header.get("path"))
-            with store.lock:
-                data = store.json.get(path)
-            if data is None:
-                raise StoreError(f"no JSON object at path {path!r}", "not_found")
-            wire.send_frame(sock, {"ok": True}, data)
+            with self.server.budget.hold(store.json_bytes(path), f"get_json of {path!r}"):
+                data = store.get_json(path)
+                wire.send_frame(sock, {"ok": True, "checksum": wire.checksum(data)}, data)
         elif op == "flush":
             store.flush()
             wire.send_frame(sock, {"ok": True})
@@ -227,40 +308,136 @@ class Handler(socketserver.BaseRequestHandler):
                          "json": len(store.json), "pid": os.getpid(),
                          # transfers under way: request bodies arriving, files being written
                          "receiving": list(store.receiving.values()),
-                         "writing": list(store.writing.values())}  # fmt: skip
+                         "writing": list(store.writing.values()),
+                         "connections": self.server.connections(),
+                         "transfer_bytes": self.server.budget.used,
+                         "transfers_waiting": self.server.budget.waiting,
+                         "transfer_limit": self.server.budget.limit}  # fmt: skip
             wire.send_frame(sock, {"ok": True, "stats": stats})
         else:
             raise StoreError(f"unknown op {op!r}", "refused")
 
 
-class Server(socketserver.ThreadingTCPServer):
+class _Limits:
+    """What both servers share: the store, its token, its limits, and the connection cap.
+
+    At most ``max_connections`` connections are served at once; one beyond is answered with a
+    ``"busy"`` error and closed, without a thread. When ``accept`` fails for want of file
+    descriptors or memory, the accept loop backs off (10 ms doubling to 1 s) instead of spinning.
+    """
+
     daemon_threads = True
-    allow_reuse_address = True
     request_queue_size = 128
 
-    def __init__(self, address, store: Store, token: str | None, max_body: int, timeout_s: float):
-        host = address[0]
-        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.store, self.token, self.max_body, self.timeout_s = store, token, max_body, timeout_s
+    def setup_limits(self, store: Store, token, options) -> None:
+        self.store, self.token = store, token
+        self.max_body, self.timeout_s = options.max_body_bytes, options.timeout
+        self.handshake_s, self.max_connections = options.handshake_timeout, options.max_connections
+        self.budget = options.budget
+        self._lock, self._active, self._backoff = threading.Lock(), 0, 0.0
+
+    def connections(self) -> int:
+        with self._lock:
+            return self._active
+
+    def get_request(self):
+        try:
+            request = super().get_request()
+        except OSError as error:
+            if error.errno in ACCEPT_ERRORS:
+                self._backoff = min(max(2 * self._backoff, 0.01), 1.0)
+                time.sleep(self._backoff)
+            raise
+        self._backoff = 0.0
+        return request
+
+    def process_request(self, request, client_address):
+        with self._lock:
+            admitted = self._active < self.max_connections
+            self._active += admitted
+        if admitted:
+            super().process_request(request, client_address)
+            return
+        _refuse(request, f"this store serves at most {self.max_connections} connections at "
+                         f"once (--max-connections); try again")  # fmt: skip
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._lock:
+                self._active -= 1
+
+
+class Server(_Limits, socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+
+    def __init__(self, address, store: Store, token: str | None, options):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.setup_limits(store, token, options)
         super().__init__(address, Handler)
 
 
-class UnixServer(socketserver.ThreadingUnixStreamServer):
-    """The same service on a Unix socket (same host only; about twice TCP loopback's bandwidth)."""
+class UnixServer(_Limits, socketserver.ThreadingUnixStreamServer):
+    """The same service on a Unix socket (same host only; about twice TCP loopback's bandwidth).
 
-    daemon_threads = True
-    request_queue_size = 128
+    It takes ``path`` only when nothing is there or a stale socket is (one whose server is gone);
+    a live server's socket or any other file is refused, never removed. ``remove`` deletes the
+    socket at exit only if it is still this server's (the same inode).
+    """
 
-    def __init__(self, path: str, store: Store, token: str | None, max_body: int, timeout_s: float):
-        self.store, self.token, self.max_body, self.timeout_s = store, token, max_body, timeout_s
-        if os.path.exists(path) and not os.path.isdir(path):
-            os.unlink(path)  # a socket left by a killed server (the dir lock says none runs)
+    def __init__(self, path: str, store: Store, token: str | None, options):
+        self.setup_limits(store, token, options)
+        _claim_socket_path(path)
         umask = os.umask(0o077)  # only this user may connect, from the moment it exists
         try:
             super().__init__(path, Handler)
         finally:
             os.umask(umask)
         os.chmod(path, 0o600)
+        status = os.stat(path)
+        self.socket_path, self.socket_id = path, (status.st_dev, status.st_ino)
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            status = os.stat(self.socket_path)
+            if (status.st_dev, status.st_ino) == self.socket_id:
+                os.unlink(self.socket_path)
+
+
+def _claim_socket_path(path: str) -> None:
+    """Make ``path`` free for a new socket: nothing there, or a stale socket (removed)."""
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(status.st_mode):
+        raise StoreError(f"--unix-socket {path} exists and is not a socket; it is not removed",
+                         "refused")  # fmt: skip
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # no server behind it: left by one that was killed
+        return
+    except OSError as error:
+        raise StoreError(f"--unix-socket {path}: cannot tell whether a server uses it ({error}); "
+                         f"it is not removed", "refused") from None  # fmt: skip
+    finally:
+        probe.close()
+    raise StoreError(f"--unix-socket {path} is the socket of a running server; it is not taken",
+                     "refused")  # fmt: skip
+
+
+def _refuse(sock: socket.socket, message: str) -> None:
+    """Tell a connection over the cap "busy", from the accept loop without waiting: the frame
+    fits the new socket's empty send buffer, and a Linux peer reads it even when closing the
+    socket with its hello unread sends a reset."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        wire.send_frame(sock, {"ok": False, "error": message, "reason": "busy"})
 
 
 def is_loopback(host: str) -> bool:
@@ -286,7 +463,17 @@ def main(argv=None) -> int:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES})")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                        help="seconds a connection may stay silent (default 120)")  # fmt: skip
+                        help="seconds a connection may stay silent, and a transfer may wait for "
+                             "room in the budget (default 120)")  # fmt: skip
+    parser.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=DEFAULT_HANDSHAKE_TIMEOUT,
+        help="seconds a new connection has to complete its hello (default 10)",
+    )
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                        help=f"connections served at once; more are refused as busy (default "
+                             f"{DEFAULT_MAX_CONNECTIONS})")  # fmt: skip
     parser.add_argument("--ready-file", help='written with "host:port" once listening')
     parser.add_argument("--unix-socket", metavar="PATH",
                         help='also serve on this Unix socket (address "unix:PATH")')  # fmt: skip
@@ -297,6 +484,19 @@ def main(argv=None) -> int:
         token = pathlib.Path(args.token_file).read_text().strip()
         if not token:
             parser.error(f"--token-file {args.token_file} is empty")
+        mode = pathlib.Path(args.token_file).stat().st_mode
+        if mode & 0o077:
+            print(
+                f"tenplex_jax.multihost.store: warning: --token-file {args.token_file} can be read "
+                f"by other users (mode {stat.S_IMODE(mode):o}); chmod 600 it",
+                file=sys.stderr,
+                flush=True,
+            )
+    for name in ("memory_bytes", "max_body_bytes", "max_connections"):
+        if getattr(args, name) < (0 if name == "memory_bytes" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    # the bytes in flight (request bodies, replies) share one budget the size of the memory tier
+    args.budget = Budget(max(args.memory_bytes, wire.MAX_JSON_BYTES), args.timeout)
     if not is_loopback(args.host) and token is None:
         parser.error(
             f"binding to {args.host} (not a loopback address) requires --token-file: any host "
@@ -311,7 +511,7 @@ def main(argv=None) -> int:
         parser.error(f"another store server is serving {directory}")
 
     store = Store(directory, args.memory_bytes)
-    server = Server((args.host, args.port), store, token, args.max_body_bytes, args.timeout)
+    server = Server((args.host, args.port), store, token, args)
     host, port = server.server_address[:2]
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     stop = threading.Event()
@@ -319,9 +519,12 @@ def main(argv=None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     servers = [server]
     if args.unix_socket:
-        servers.append(
-            UnixServer(args.unix_socket, store, token, args.max_body_bytes, args.timeout)
-        )
+        try:
+            servers.append(UnixServer(args.unix_socket, store, token, args))
+        except StoreError as error:
+            server.server_close()
+            store.close()
+            parser.error(str(error))
     for each in servers:
         threading.Thread(target=each.serve_forever, name="store-server", daemon=True).start()
     if args.ready_file:
@@ -339,7 +542,7 @@ def main(argv=None) -> int:
     for each in servers:
         each.shutdown()
         each.server_close()
-    if args.unix_socket:
-        pathlib.Path(args.unix_socket).unlink(missing_ok=True)
+        if isinstance(each, UnixServer):
+            each.remove()
     store.close()
     return 0

@@ -6,11 +6,13 @@ in the memory tier and queued for disk; a durable put (and any object too large 
 tier) once its file is complete. ``flush`` waits until every object acknowledged before it is on
 disk; ``put_json`` flushes first (unless asked not to).
 
-**Atomic files.** An object is one file: ``b"TPXO"`` + header length + a JSON header (path, box,
-global shape, dtype, checksum) + the bytes, written to ``DIR/tmp`` and fsynced, then renamed into
-``DIR/objects``; only then does the index point at it. Restarted on the same directory, the store
-deletes ``DIR/tmp``, indexes the complete files and verifies each file's checksum when it reads it;
-a file that fails is moved to ``DIR/corrupt`` and never served.
+**Atomic files.** An object is one file: ``b"TPX2"`` + header length + the header's crc32 + a
+JSON header (path, box, global shape, dtype, checksum) + the bytes, written to ``DIR/tmp`` and
+fsynced, then renamed into ``DIR/objects``; only then does the index point at it. Restarted on
+the same directory, the store deletes ``DIR/tmp``, indexes the complete files whose header checks
+and verifies each file's data checksum when it reads it; JSON objects are files too, read and
+checked on every ``get_json`` (never held in memory). A file that fails is moved to
+``DIR/corrupt`` and never served.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import struct
 import sys
 import threading
 import uuid
+import zlib
 
 import numpy as np
 
@@ -35,8 +38,8 @@ from tenplex_jax.errors import StoreError
 from tenplex_jax.multihost.store import wire
 from tenplex_jax.multihost.store.wire import ObjectInfo
 
-FILE_MAGIC = b"TPXO"
-FILE_PREFIX = struct.Struct("!4sI")
+FILE_MAGIC = b"TPX2"  # an object file: magic, header bytes, header crc32, JSON header, data
+FILE_PREFIX = struct.Struct("!4sII")
 DEFAULT_MEMORY_BYTES = 4 << 30
 IO_CHUNK_BYTES = 256 << 20
 WRITERS = 4  # threads writing the memory tier back to disk
@@ -78,7 +81,7 @@ class Store:
         self.memory_used = 0
         self.dirty: dict[str, int] = {}  # keys whose newest version is only in memory -> bytes
         self.dirty_bytes = 0
-        self.json: dict[str, bytes] = {}
+        self.json: dict[str, int] = {}  # path -> bytes of the JSON objects (on disk only)
         self.writes: queue.Queue = queue.Queue()  # (ticket, key, seq) to write back, in put order
         self.queued = 0  # tickets handed out
         self.pending: set[int] = set()  # tickets not yet written back
@@ -143,7 +146,7 @@ class Store:
         for file in sorted(self.objects_dir.glob("*.obj")):
             try:
                 info = ObjectInfo.from_json(self._read_header(file))
-            except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+            except (OSError, ValueError, KeyError, TypeError, struct.error, StoreError) as error:
                 self._set_aside(file, f"incomplete or unreadable: {error!r}")
                 continue
             if _key("array", info.path, info.box) != file.stem:
@@ -157,29 +160,39 @@ class Store:
             except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
                 self._set_aside(file, f"incomplete or corrupt: {error!r}")
                 continue
-            self.json[header["path"]] = bytes(data)
+            self.json[header["path"]] = len(data)
 
     @staticmethod
-    def _read_header(file: pathlib.Path) -> dict:
+    def _header_of(f) -> dict:
+        """The JSON header at the start of an open object file, checked against its crc32."""
+        magic, n, crc = FILE_PREFIX.unpack(f.read(FILE_PREFIX.size))
+        if magic != FILE_MAGIC:
+            raise ValueError(f"bad magic {magic!r} (not a {FILE_MAGIC!r} object file)")
+        encoded = f.read(n)
+        if zlib.crc32(encoded) != crc:
+            raise ValueError(f"the header's checksum is {zlib.crc32(encoded):08x}, not {crc:08x}")
+        header = json.loads(encoded)
+        if not isinstance(header, dict) or type(header.get("nbytes")) is not int:
+            raise ValueError(
+                f"a header is a JSON object with an integer nbytes, got {header!r:.200}"
+            )
+        return header
+
+    @classmethod
+    def _read_header(cls, file: pathlib.Path) -> dict:
         with open(file, "rb") as f:
-            magic, n = FILE_PREFIX.unpack(f.read(FILE_PREFIX.size))
-            if magic != FILE_MAGIC:
-                raise ValueError(f"bad magic {magic!r}")
-            header = json.loads(f.read(n))
-            size = os.fstat(f.fileno()).st_size
-        if size != FILE_PREFIX.size + n + int(header["nbytes"]):
+            header = cls._header_of(f)
+            size, at = os.fstat(f.fileno()).st_size, f.tell()
+        if size != at + header["nbytes"]:
             raise ValueError(f"file size {size} disagrees with its header")
         return header
 
-    @staticmethod
-    def _read_file(file: pathlib.Path) -> tuple[dict, np.ndarray]:
-        """A file's header and bytes; ``ValueError`` unless the bytes match its checksum."""
+    @classmethod
+    def _read_file(cls, file: pathlib.Path) -> tuple[dict, np.ndarray]:
+        """A file's header and bytes; ``ValueError`` unless both match their checksums."""
         with open(file, "rb") as f:
-            magic, n = FILE_PREFIX.unpack(f.read(FILE_PREFIX.size))
-            if magic != FILE_MAGIC:
-                raise ValueError(f"bad magic {magic!r}")
-            header = json.loads(f.read(n))
-            data = np.empty(int(header["nbytes"]), np.uint8)
+            header = cls._header_of(f)
+            data = np.empty(header["nbytes"], np.uint8)
             view, got = memoryview(data), 0
             while got < len(data):  # in chunks: one read(2) moves at most ~2 GiB
                 k = f.readinto(view[got : got + IO_CHUNK_BYTES])
@@ -211,7 +224,7 @@ class Store:
         path, me = header.get("path"), threading.get_ident()
         try:
             with open(tmp, "wb") as f:
-                f.write(FILE_PREFIX.pack(FILE_MAGIC, len(encoded)) + encoded)
+                f.write(FILE_PREFIX.pack(FILE_MAGIC, len(encoded), zlib.crc32(encoded)) + encoded)
                 for start in range(0, view.nbytes, IO_CHUNK_BYTES):
                     self.writing[me] = {"path": path, "bytes": start, "of": view.nbytes}
                     f.write(view[start : start + IO_CHUNK_BYTES])
@@ -298,15 +311,20 @@ class Store:
     # -- operations -----------------------------------------------------------------------------
 
     def put(self, info: ObjectInfo, data: np.ndarray, durable: bool) -> None:
+        """Store an object. It replaces the objects of its path it conflicts with: another
+        global shape or dtype (another array), or a box that overlaps its own (stale bytes);
+        disjoint boxes of the same array are its siblings and stay."""
         key = _key("array", info.path, info.box)
         with self.lock:
             if self.closing:
                 raise StoreError("the store is shutting down; nothing stored", "unavailable")
+            dropped = self._drop_conflicts(key, info)
             self.seq += 1
             seq = self.seq
             # the memory tier may hold it if it fits next to the objects not yet on disk
             room = self.memory_bytes - self.dirty_bytes + self.dirty.get(key, 0)
-            if not durable and len(data) <= room:
+            in_memory = not durable and len(data) <= room
+            if in_memory:
                 self._clean(key)
                 self._remember(key, seq, data)
                 self._index_set(key, Entry(info, seq, on_disk=False))
@@ -315,7 +333,10 @@ class Store:
                 self._evict()
                 self.failed.pop(key, None)
                 self._queue_write(key, seq)
-                return
+        if dropped:  # the conflicting objects stay gone after a crash of the machine
+            self._sync_dir(self.objects_dir)
+        if in_memory:
+            return
         tmp = self._write_tmp(info.to_json(), data)  # write-through
         with self.lock:
             entry = self.index.get(key)
@@ -331,6 +352,27 @@ class Store:
                 self._remember(key, seq, data)
                 self._evict()
         self._sync_dir(self.objects_dir)
+
+    def _drop_conflicts(self, key: str, info: ObjectInfo) -> int:
+        """Remove the objects ``info`` replaces (call with the lock held); how many."""
+        dropped = 0
+        for other_key in list(self.by_path.get(info.path, ())):
+            other = self.index[other_key].info
+            if other_key == key:
+                continue
+            overlap = all(lo < hi for lo, hi in boxes.intersect(other.box, info.box))
+            if (other.global_shape, other.dtype) != (info.global_shape, info.dtype) or overlap:
+                self._index_del(other_key)
+                (self.objects_dir / f"{other_key}.obj").unlink(missing_ok=True)
+                dropped += 1
+        return dropped
+
+    def info(self, key: str) -> ObjectInfo:
+        with self.lock:
+            entry = self.index.get(key)
+        if entry is None:
+            raise StoreError("the object was deleted before it was read", "not_found")
+        return entry.info
 
     def find(self, path: str, box: boxes.Box | None) -> str:
         """The key of the object under ``path`` that contains ``box`` (None: the whole array)."""
@@ -413,8 +455,34 @@ class Store:
         tmp = self._write_tmp(header, data)
         with self.lock:
             os.replace(tmp, self.json_dir / f"{_key('json', path)}.obj")
-            self.json[path] = bytes(data)
+            self.json[path] = len(data)
         self._sync_dir(self.json_dir)
+
+    def json_bytes(self, path: str) -> int:
+        with self.lock:
+            nbytes = self.json.get(path)
+        if nbytes is None:
+            raise StoreError(f"no JSON object at path {path!r}", "not_found")
+        return nbytes
+
+    def get_json(self, path: str) -> np.ndarray:
+        """A JSON object's bytes, read from its file (JSON objects are not held in memory) and
+        checked; a file that fails is set aside and the object is gone."""
+        file = self.json_dir / f"{_key('json', path)}.obj"
+        try:
+            header, data = self._read_file(file)
+            if header.get("path") != path:
+                raise ValueError(f"the file holds {header.get('path')!r}")
+        except FileNotFoundError:
+            raise StoreError(f"no JSON object at path {path!r}", "not_found") from None
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+            with self.lock:
+                self.json.pop(path, None)
+                self._set_aside(file, repr(error))
+            raise StoreError(
+                f"JSON object {path!r} is corrupt on disk ({error!r}); it is not served", "corrupt"
+            ) from None
+        return data
 
     def close(self) -> None:
         """Refuse further puts, write every object still only in memory, stop the writer."""

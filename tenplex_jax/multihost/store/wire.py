@@ -19,12 +19,14 @@ import json
 import math
 import socket
 import struct
+import time
 import zlib
 from typing import Any
 
 import numpy as np
 
 from tenplex_jax import box as boxes
+from tenplex_jax import checksums
 from tenplex_jax.box import Box, Shape
 from tenplex_jax.errors import StoreError, StoreProtocolError
 
@@ -32,11 +34,12 @@ from tenplex_jax.errors import StoreError, StoreProtocolError
 MAGIC = b"TPXS"
 PREFIX = struct.Struct("!4sIQ")  # magic, header bytes, body bytes
 HELLO_HEADER_BYTES = 4096  # before the token is checked, the server reads no more than this
-MAX_HEADER_BYTES = 1 << 20  # any request header
+MAX_HEADER_BYTES = 64 << 10  # any request header (a put's: a path, a box, a shape, a dtype)
 MAX_RESPONSE_HEADER_BYTES = 16 << 20
 MAX_PATH_CHARS = 1024
+MAX_DIMS = 32  # NumPy's own limit on a stored array's dims
 MAX_JSON_BYTES = 64 << 20  # put_json / get_json objects
-CHECKSUM = "crc32"
+MAX_REPLY_BODY_BYTES = 1 << 30  # a client accepts no larger reply that is not an array it asked for
 SMALL_BODY_BYTES = 64 << 10
 CHUNK_BYTES = 64 << 20  # a socket timeout bounds the transfer of each chunk
 DIGEST_CHUNK_BYTES = 1 << 20  # checksummed as sent: small enough to stay in cache
@@ -71,31 +74,75 @@ class ObjectInfo:
         }
 
     @classmethod
-    def from_json(cls, obj: dict) -> ObjectInfo:
-        return cls(
-            path=obj["path"],
-            box=as_box(obj["box"]),
-            global_shape=tuple(int(n) for n in obj["global_shape"]),
-            dtype=str(obj["dtype"]),
-            nbytes=int(obj["nbytes"]),
-            checksum=str(obj["checksum"]),
-        )
+    def from_json(cls, obj: Any) -> ObjectInfo:
+        """An object's record from a server's reply or a file's header, every field checked
+        (its byte count against its box and dtype): ``StoreError`` (reason ``"protocol"``) for
+        anything else, so that no peer's claim is trusted unchecked."""
+        try:
+            path, box = check_path(obj["path"]), as_box(obj["box"])
+            global_shape, dtype = as_shape(obj["global_shape"]), dtype_of(str(obj["dtype"]))
+            nbytes, digest = obj["nbytes"], obj["checksum"]
+            check_box(path, box, global_shape)
+            if type(nbytes) is not int or nbytes != nbytes_of(boxes.shape(box), dtype):
+                raise StoreError(f"nbytes {nbytes!r} is not the box's size in {dtype.name}")
+            if not isinstance(digest, str) or not digest.startswith(checksums.PREFIX):
+                raise StoreError(f"checksum {digest!r:.100} is not a crc32")
+        except (KeyError, TypeError, StoreError) as error:
+            raise StoreError(
+                f"an object record has a path, a box inside its global shape, a dtype, its byte "
+                f"count and a checksum; got {obj!r:.300} ({error!r:.200})",
+                "protocol",
+            ) from None
+        return cls(path, box, global_shape, dtype.name, nbytes, digest)
 
 
 def checksum(data) -> str:
-    """``"crc32:<hex>"`` of a bytes-like object (zlib's crc32 runs at several GB/s)."""
-    return f"{CHECKSUM}:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+    """``"crc32:<hex>"`` of a bytes-like object: ``tenplex_jax.checksums.of``."""
+    return checksums.of(data)
 
 
 def as_box(box: Any) -> Box:
-    """A box from any nesting of int pairs (JSON lists, tuples, numpy ints); shape unchecked."""
+    """A box from a sequence of (start, stop) integer pairs (JSON lists, tuples, NumPy ints; not
+    floats or bools), ordered (start <= stop), at most ``MAX_DIMS`` dims; shape unchecked."""
+    problem = None
     try:
-        out = boxes.parse(box)
-    except (TypeError, ValueError) as error:
+        pairs = list(box)
+        if len(pairs) > MAX_DIMS:
+            problem = f"more than {MAX_DIMS} dims"
+        elif not all(len(pair) == 2 and all(map(_is_int, pair)) for pair in pairs):
+            problem = "an entry that is not an integer"
+        else:
+            out = boxes.parse(pairs)
+            if any(stop < start for start, stop in out):
+                problem = "a stop before its start"
+    except (TypeError, ValueError):
+        problem = "not a sequence of pairs"
+    if problem is not None:
         raise StoreError(
-            f"a box is a sequence of (start, stop) int pairs, one per dim; got {box!r}"
-        ) from error
+            f"a box is a sequence of (start, stop) integer pairs with start <= stop, one per dim; "
+            f"got {box!r:.200} ({problem})"
+        )
     return out
+
+
+def as_shape(shape: Any) -> Shape:
+    """A global shape from a sequence of integers >= 0 (not floats or bools), at most
+    ``MAX_DIMS`` of them."""
+    try:
+        dims = list(shape)
+        valid = len(dims) <= MAX_DIMS and all(_is_int(n) and n >= 0 for n in dims)
+    except TypeError:
+        valid = False
+    if not valid:
+        raise StoreError(
+            f"a global shape is a sequence of at most {MAX_DIMS} integers >= 0; got {shape!r:.200}"
+        )
+    return tuple(int(n) for n in dims)
+
+
+def _is_int(value: Any) -> bool:
+    """An integer, not a float or a bool (JSON's ``1.0`` and ``true`` are not dims or offsets)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def check_path(path: Any) -> str:
@@ -104,6 +151,10 @@ def check_path(path: Any) -> str:
             f"a store path is a non-empty string of at most {MAX_PATH_CHARS} characters "
             f"without NUL; got {path!r:.200}"
         )
+    try:
+        path.encode()
+    except UnicodeEncodeError:
+        raise StoreError(f"a store path is valid UTF-8; got {path!r:.200}") from None
     return path
 
 
@@ -132,6 +183,9 @@ def dtype_of(name: str) -> np.dtype:
         or dtype.hasobject
         or dtype.fields is not None
         or dtype.name != name
+        or dtype.itemsize == 0  # str, bytes, void: an object of any size in no bytes
+        or dtype.kind not in "biufcV"
+        or (dtype.kind == "V" and not hasattr(ml_dtypes, name))  # raw void: only ml_dtypes'
     ):
         raise StoreError(f"the store holds plain numeric arrays; dtype {name!r} is not one")
     return dtype
@@ -170,7 +224,7 @@ def send_body(sock: socket.socket, body, *, digest: bool = False) -> str | None:
         if digest:
             crc = zlib.crc32(chunk, crc)
         sock.sendall(chunk)
-    return f"{CHECKSUM}:{crc & 0xFFFFFFFF:08x}" if digest else None
+    return checksums.text(crc) if digest else None
 
 
 def send_header(sock: socket.socket, header: dict, body_bytes: int) -> None:
@@ -201,7 +255,7 @@ def recv_into(
         got += k
         if progress is not None:
             progress(got)
-    return f"{CHECKSUM}:{crc & 0xFFFFFFFF:08x}" if digest else None
+    return checksums.text(crc) if digest else None
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -226,19 +280,63 @@ def recv_prefix(sock: socket.socket) -> tuple[int, int] | None:
     buf = bytearray(first)
     if len(buf) < PREFIX.size:
         buf += recv_exact(sock, PREFIX.size - len(buf))
+    return _unpack_prefix(buf)
+
+
+def _unpack_prefix(buf) -> tuple[int, int]:
     magic, nheader, nbody = PREFIX.unpack(bytes(buf))
     if magic != MAGIC:
         raise StoreProtocolError(f"not a tenplex_jax store frame (magic {magic!r})")
     return nheader, nbody
 
 
+def recv_hello(sock: socket.socket, deadline: float) -> tuple[dict, int] | None:
+    """The first frame of a connection, (header, body bytes), whole by ``deadline`` (a
+    ``time.monotonic()`` value) however slowly the peer sends it; None if it closes first.
+    Raises ``TimeoutError`` at the deadline."""
+    timeout = sock.gettimeout()
+
+    def exact(n: int) -> bytearray | None:
+        buf = bytearray()
+        while len(buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the hello was not complete by the handshake deadline")
+            sock.settimeout(left if timeout is None else min(left, timeout))
+            chunk = sock.recv(n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return buf
+
+    try:
+        prefix = exact(PREFIX.size)
+        if prefix is None:
+            return None
+        nheader, nbody = _unpack_prefix(prefix)
+        if nheader > HELLO_HEADER_BYTES:
+            raise StoreProtocolError(
+                f"a hello header is at most {HELLO_HEADER_BYTES} bytes; got one of {nheader}"
+            )
+        encoded = exact(nheader)
+    finally:
+        sock.settimeout(timeout)
+    if encoded is None:
+        raise ConnectionError("the peer closed the connection within its hello")
+    return _parse_header(encoded), nbody
+
+
 def recv_header(sock: socket.socket, nheader: int, limit: int) -> dict:
     if nheader > limit:
         raise StoreProtocolError(f"a header is at most {limit} bytes; got one of {nheader} bytes")
+    return _parse_header(recv_exact(sock, nheader))
+
+
+def _parse_header(encoded) -> dict:
     try:
-        header = json.loads(recv_exact(sock, nheader))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise StoreProtocolError(f"a frame header must be UTF-8 JSON: {error}") from error
+        header = json.loads(encoded)
+    except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, too deep, huge integers
+        raise StoreProtocolError(f"a frame header must be UTF-8 JSON: {error!r:.300}") from None
     if not isinstance(header, dict):
         raise StoreProtocolError(f"a frame header must be a JSON object; got {type(header)}")
     return header

@@ -1,0 +1,201 @@
+"""The tensor store before and after a change, in one run: throughput, and memory under attack.
+
+``--before REF`` names another revision of this repository (a commit, a tag); its ``tenplex_jax``
+is extracted into a temporary directory and its servers and clients run from there, the working
+tree's from here, the two taking turns:
+
+- **throughput**: ``benchmarks/store.py``'s operations (put, get, sub-box get, disk get, Unix
+  socket, replicated put), each as a ratio to memcpy of the same bytes measured in the same
+  process, ``--rounds`` subprocesses per version, alternating;
+- **memory under attack**: a server with a 64 MiB memory tier, then 20 puts of 40 MiB that send
+  their body but never the checksum trailer, then 8 gets of 40 MiB disk objects whose replies are
+  never read; the growth of the server's peak RSS (VmHWM) over its idle peak.
+
+    python -m tenplex_jax_benchmarks.store_hardening --before REF [--rounds 3] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MIB = 1 << 20
+ATTACK_TIER, ATTACK_OBJECT = 64 * MIB, 40 * MIB
+HERE = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _tree(ref: str, root: pathlib.Path) -> pathlib.Path:
+    """The ``tenplex_jax`` package of revision ``ref``, extracted under ``root``."""
+    archive = subprocess.run(["git", "-C", str(HERE), "archive", ref, "tenplex_jax"],
+                             check=True, capture_output=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    return root
+
+
+def _in(tree: pathlib.Path, code: str) -> dict:
+    """Run ``code`` (which prints one JSON object last) with ``tree``'s tenplex_jax."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(HERE)]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
+                         text=True, cwd=tempfile.gettempdir()).stdout  # fmt: skip
+    return json.loads(out.strip().splitlines()[-1])
+
+
+THROUGHPUT = """
+import json
+from benchmarks.store import run
+row = run(quick={quick}, log=lambda *a: None)
+print(json.dumps(row["vs_memcpy"]))
+"""
+
+ATTACK = """
+import json, sys
+sys.path.insert(1, {here!r})
+from benchmarks.store_hardening import attack
+print(json.dumps(attack()))
+"""
+
+
+def attack() -> dict:
+    """Peak RSS growth (bytes) of a server over its idle peak under each attack (a fresh server
+    for each), run with this process's ``tenplex_jax`` (whichever version its path gives)."""
+    import numpy as np
+
+    from tenplex_jax.multihost import store
+    from tenplex_jax.multihost.store import wire
+
+    body = np.ones(ATTACK_OBJECT, np.uint8)
+    with tempfile.TemporaryDirectory(prefix="tenplex-attack-") as root:
+        with _server(f"{root}/a") as (proc, client, idle):
+            held = []
+            for i in range(20):  # bodies sent, trailers withheld
+                sock = _connect(proc.address)
+                request = {"op": "put", "path": f"w/{i}", "box": [[0, ATTACK_OBJECT]],
+                           "global_shape": [ATTACK_OBJECT], "dtype": "uint8",
+                           "checksum": None}  # fmt: skip
+                wire.send_header(sock, request, ATTACK_OBJECT)
+                held.append(sock)
+            for sock in held:  # the body goes to every put the server says continue to
+                if _answered(sock, 1.0):
+                    sock.sendall(body)
+            _settle(client)
+            trailers = _peak_rss(proc.pid) - idle
+            for sock in held:
+                sock.close()
+        with _server(f"{root}/b") as (proc, client, idle):
+            for i in range(8):
+                client.put(f"disk/{i}", body, durable=True)
+        with _server(f"{root}/b") as (proc, client, idle):  # the objects on disk only
+            held = []
+            for i in range(8):  # replies never read
+                sock = _connect(proc.address)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                wire.send_frame(sock, {"op": "get", "path": f"disk/{i}", "box": None})
+                held.append(sock)
+            time.sleep(3.0)  # the server reads what it is allowed to
+            replies = _peak_rss(proc.pid) - idle
+            for sock in held:
+                sock.close()
+    return {"withheld_trailers": trailers, "unread_replies": replies}
+
+
+@contextlib.contextmanager
+def _server(directory: str):
+    """A store server with the attack's memory tier: (process, a client, its idle peak RSS)."""
+    from tenplex_jax.multihost import store
+
+    proc = store.StoreProcess.start(directory, memory_bytes=ATTACK_TIER)
+    try:
+        with store.StoreClient(proc.address, timeout=120) as client:
+            client.stats()
+            yield proc, client, _peak_rss(proc.pid)
+    finally:
+        proc.stop()
+
+
+def _connect(address: str) -> socket.socket:
+    from tenplex_jax.multihost import store
+    from tenplex_jax.multihost.store import wire
+
+    sock = socket.create_connection(store.parse_address(address), timeout=120)
+    wire.send_frame(sock, {"op": "hello", "token": None})
+    prefix = wire.recv_prefix(sock)
+    wire.recv_header(sock, prefix[0], 1 << 20)
+    return sock
+
+
+def _answered(sock: socket.socket, timeout: float) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return bool(sock.recv(1 << 16))
+    except TimeoutError:
+        return False
+    finally:
+        sock.settimeout(120)
+
+
+def _settle(client) -> None:
+    """Wait until no request body is arriving any more."""
+    deadline = time.monotonic() + 120
+    while client.stats()["receiving"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _peak_rss(pid: int) -> int:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+def run_store_hardening(before: str, rounds: int = 3, quick: bool = False, log=print) -> dict:
+    with tempfile.TemporaryDirectory(prefix="tenplex-before-") as root:
+        trees = {"before": _tree(before, pathlib.Path(root)), "after": HERE}
+        ratios: dict = {v: [] for v in trees}
+        attacks: dict = {}
+        for _ in range(rounds):
+            for version, tree in trees.items():
+                ratios[version].append(_in(tree, THROUGHPUT.format(quick=quick)))
+        for version, tree in trees.items():
+            with contextlib.suppress(subprocess.CalledProcessError):
+                attacks[version] = _in(tree, ATTACK.format(here=str(HERE)))
+    ops = list(ratios["after"][0])
+    medians = {v: {op: statistics.median(r[op] for r in runs) for op in ops}
+               for v, runs in ratios.items()}  # fmt: skip
+    for op in ops:
+        if op.startswith("memcpy"):
+            continue
+        b, a = medians["before"][op], medians["after"][op]
+        log(f"  {op:15s} before {b:.3f}  after {a:.3f} x memcpy  (after / before {a / b:.2f})")
+    for version, grown in attacks.items():
+        log(f"  {version}: peak RSS growth under withheld trailers "
+            f"{grown['withheld_trailers'] / MIB:.0f} MiB, under unread replies "
+            f"{grown['unread_replies'] / MIB:.0f} MiB (memory tier {ATTACK_TIER // MIB} MiB)")  # fmt: skip
+    return {"kind": "store_hardening", "before": before, "rounds": rounds, "quick": quick,
+            "vs_memcpy_runs": ratios, "vs_memcpy": medians, "attack_rss_growth": attacks,
+            "attack_memory_tier": ATTACK_TIER, "attack_object": ATTACK_OBJECT}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, help="the revision to compare against")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="32 MiB objects instead of 256 MiB")
+    parser.add_argument("--out", help="write the row as JSON here")
+    args = parser.parse_args(argv)
+    row = run_store_hardening(args.before, args.rounds, args.quick)
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(row, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,427 @@
+"""The tensor store against hostile peers: bounded memory, connections and handshakes, refused
+Unix socket paths, and malformed requests answered with errors, never a crash.
+
+Every server is a real subprocess on 127.0.0.1, every attacker a raw socket speaking the wire
+protocol (or not). Tests wait on what the server reports (``stats``, its peak RSS, its open file
+descriptors, a connection it closed), never on a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import resource
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import tenplex_jax as tj
+from tenplex_jax.multihost import store
+from tenplex_jax.multihost.store import wire
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def stores(tmp_path):
+    procs = []
+
+    def start(name="s0", **kwargs):
+        proc = store.StoreProcess.start(tmp_path / name, **kwargs)
+        procs.append(proc)
+        return proc
+
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)  # a stopped one must be able to die
+            proc.kill()
+
+
+def _wait_for(predicate, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+    return value
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident set size so far (bytes), from the kernel (VmHWM)."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def _raw(address: str, hello: bool = True, token=None) -> socket.socket:
+    sock = socket.create_connection(store.parse_address(address), timeout=30)
+    if hello:
+        wire.send_frame(sock, {"op": "hello", "token": token})
+        assert _reply(sock)["ok"]
+    return sock
+
+
+def _reply(sock: socket.socket) -> dict:
+    prefix = wire.recv_prefix(sock)
+    assert prefix is not None, "the server closed the connection"
+    header = wire.recv_header(sock, prefix[0], 1 << 20)
+    if prefix[1]:
+        wire.recv_exact(sock, prefix[1])
+    return header
+
+
+def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    """Whether the peer closes ``sock`` within ``timeout`` (reading and dropping what it sends)."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:  # reset
+        return True
+    return True
+
+
+# -- memory: one budget for every byte in flight ---------------------------------------------------
+
+
+def test_withheld_trailers_and_unread_replies_stay_within_the_memory_bound(stores) -> None:
+    """20 puts of 40 MiB that send their body but never the checksum trailer, then 8 gets of
+    40 MiB disk objects whose replies are never read: the server's peak RSS grows by at most
+    the stated bound, 2 x --memory-bytes (the memory tier and the transfer budget), and a small
+    put from a well-behaved client is still served while the attack holds the budget."""
+    limit, size = 64 * MIB, 40 * MIB
+    proc = stores(memory_bytes=limit, args=("--timeout", "60"))
+    body = np.ones(size, np.uint8)
+    with store.StoreClient(proc.address) as client:
+        for i in range(8):  # disk objects for the gets (the memory tier holds at most one)
+            client.put(f"disk/{i}", body, durable=True)
+        client.flush()
+        base = _peak_rss(proc.pid)
+        attackers = []
+        try:
+            for i in range(20):
+                sock = _raw(proc.address)
+                request = {"op": "put", "path": f"w/{i}", "box": [[0, size]],
+                           "global_shape": [size], "dtype": "uint8", "checksum": None}  # fmt: skip
+                wire.send_header(sock, request, size)
+                attackers.append(sock)
+            # one put is admitted and receives its body; the other 19 wait for room
+            admitted = next(s for s in attackers if _ready(s))
+            assert _reply(admitted)["continue"]
+            admitted.sendall(body)  # and then never the trailer
+            _wait_for(lambda: (st := client.stats())["transfers_waiting"] == 19
+                      and st["receiving"] == [] and st["transfer_bytes"] == size,
+                      "one body received, 19 puts waiting")  # fmt: skip
+            put_peak = _peak_rss(proc.pid) - base
+            client.put("ok/small", np.arange(1000))  # fits beside the held body
+            np.testing.assert_array_equal(client.get("ok/small"), np.arange(1000))
+        finally:
+            for sock in attackers:
+                sock.close()
+        _wait_for(lambda: client.stats()["transfer_bytes"] == 0, "the budget released")
+        readers = []
+        try:
+            for i in range(8):
+                sock = _raw(proc.address)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                wire.send_frame(sock, {"op": "get", "path": f"disk/{i}", "box": None})
+                readers.append(sock)  # never read
+            _wait_for(lambda: client.stats()["transfers_waiting"] == 7, "7 gets waiting")
+            get_peak = _peak_rss(proc.pid) - base
+        finally:
+            for sock in readers:
+                sock.close()
+    bound = 2 * limit + 16 * MIB  # + the allocator's slack
+    assert put_peak <= bound, f"withheld trailers: peak RSS grew {put_peak / MIB:.0f} MiB"
+    assert get_peak <= bound, f"unread replies: peak RSS grew {get_peak / MIB:.0f} MiB"
+
+
+def _ready(sock: socket.socket) -> bool:
+    """Whether the server has answered ``sock`` (without reading the answer)."""
+    sock.settimeout(0.0)
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK))
+    except BlockingIOError:
+        return False
+    finally:
+        sock.settimeout(30)
+
+
+def test_a_transfer_larger_than_the_budget_is_refused_before_its_body(stores) -> None:
+    proc = stores(memory_bytes=0, max_body_bytes=1 << 30)  # the budget: 64 MiB at least
+    with store.StoreClient(proc.address) as client:
+        with pytest.raises(tj.errors.StoreError, match=r"transfer budget of 67108864 bytes") as err:
+            client.put("big", np.zeros(65 * MIB, np.uint8))
+        assert err.value.reason == "too_large"
+        client.put("fits", np.zeros(MIB, np.uint8))  # the connection goes on
+        assert client.stats()["transfer_bytes"] == 0
+
+
+# -- connections: a cap, a handshake deadline, an accept loop that backs off -----------------------
+
+
+def test_connections_over_the_cap_are_told_busy_and_silent_ones_leave_at_the_deadline(
+    stores,
+) -> None:
+    """300 silent connections (no hello): the server keeps at most --max-connections threads
+    for them, answers the rest "busy" without blocking its accept loop, closes the silent ones
+    at the handshake deadline, and then serves a real client."""
+    proc = stores(args=("--max-connections", "8", "--handshake-timeout", "2"))
+    threads_before = psutil.Process(proc.pid).num_threads()
+    silent = [_raw(proc.address, hello=False) for _ in range(300)]
+    try:
+        with pytest.raises(tj.errors.StoreError, match=r"at most 8 connections") as err:
+            store.StoreClient(proc.address, timeout=10).list()
+        assert err.value.reason == "busy"
+        # a thread per admitted connection, a timer-free deadline: no thread per refused one
+        assert psutil.Process(proc.pid).num_threads() <= threads_before + 8
+        # every silent connection is closed by the server: at the deadline or as refused
+        assert all(_closed_by_peer(sock, timeout=30) for sock in silent)
+    finally:
+        for sock in silent:
+            sock.close()
+    with store.StoreClient(proc.address, timeout=10) as client:
+        client.put("after", np.arange(4))
+        assert client.stats()["connections"] == 1
+
+
+def test_a_hello_sent_a_byte_at_a_time_is_cut_at_the_handshake_deadline(stores) -> None:
+    """The per-receive timeout (--timeout) alone let one byte a second hold a connection."""
+    proc = stores(args=("--handshake-timeout", "1", "--timeout", "120"))
+    frame = wire.PREFIX.pack(wire.MAGIC, 200, 0) + b" " * 200
+    sock = _raw(proc.address, hello=False)
+    start = time.monotonic()
+    try:
+        for i in range(len(frame)):
+            try:
+                sock.send(frame[i : i + 1])
+            except OSError:
+                break  # reset by the server
+            if _closed_by_peer(sock, timeout=0.2):
+                break
+        waited = time.monotonic() - start
+    finally:
+        sock.close()
+    assert waited < 10, f"the trickling hello held its connection {waited:.1f} s"
+
+
+def test_at_the_descriptor_limit_the_accept_loop_backs_off_and_recovers(stores) -> None:
+    """With no file descriptor left, accept fails; the server must neither spin on it (a core at
+    100 %) nor stop serving once descriptors are free again."""
+    proc = stores(args=("--handshake-timeout", "60"))
+    server = psutil.Process(proc.pid)
+    limit = server.num_fds() + 20
+    resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (limit, limit))
+    held = []
+    try:
+        for _ in range(40):  # 20 are accepted, the rest wait in the listen backlog
+            held.append(_raw(proc.address, hello=False))
+        _wait_for(lambda: server.num_fds() >= limit, "the server at its descriptor limit")
+        cpu = sum(server.cpu_times()[:2])
+        time.sleep(3.0)  # a window to measure: the CPU the accept loop burns in 3 s
+        burnt = sum(server.cpu_times()[:2]) - cpu
+        assert burnt < 0.5, f"the accept loop spun: {burnt:.2f} s of CPU in 3 s"
+    finally:
+        for sock in held:
+            sock.close()
+    with store.StoreClient(proc.address, timeout=30) as client:
+        client.put("after", np.arange(4))
+        np.testing.assert_array_equal(client.get("after"), np.arange(4))
+
+
+# -- the Unix socket path ------------------------------------------------------------------------
+
+
+def test_the_unix_socket_path_is_never_a_file_and_never_a_live_servers(stores, tmp_path) -> None:
+    path = tmp_path / "store.sock"
+    path.write_text("precious")
+    with pytest.raises(tj.errors.StoreError, match="exited with 2"):
+        stores("a", unix_socket=path, stderr=subprocess.DEVNULL)
+    assert path.read_text() == "precious"
+    path.unlink()
+
+    first = stores("b", unix_socket=path)
+    with pytest.raises(tj.errors.StoreError, match="exited with 2"):
+        stores("c", unix_socket=path, stderr=subprocess.DEVNULL)
+    with store.StoreClient(first.unix_address) as client:  # still the first server's socket
+        client.put("x", np.arange(3))
+        assert client.stats()["pid"] == first.pid
+
+    first.kill()  # leaves a stale socket behind
+    assert path.is_socket()
+    second = stores("d", unix_socket=path)
+    with store.StoreClient(second.unix_address) as client:
+        assert client.stats()["pid"] == second.pid
+    second.stop()
+    assert not path.exists()  # its own socket, removed at exit
+
+
+# -- malformed requests: an error reply, never a crash ---------------------------------------------
+
+# each with the body size the request implies (so that only the rule it breaks refuses it)
+BAD_PUTS = {
+    "inverted box": ({"box": [[5, 2]], "global_shape": [8], "dtype": "int8"}, 0),
+    "float box entry": ({"box": [[0.5, 4]], "global_shape": [8], "dtype": "int8"}, 4),
+    "bool box entry": ({"box": [[False, True]], "global_shape": [8], "dtype": "int8"}, 1),
+    "float global shape": ({"box": [[0, 4]], "global_shape": [8.0], "dtype": "int8"}, 4),
+    "100 dims": ({"box": [[0, 1]] * 100, "global_shape": [1] * 100, "dtype": "int8"}, 1),
+    "str dtype": ({"box": [[0, 10**15]], "global_shape": [10**15], "dtype": "str"}, 0),
+    "bytes dtype": ({"box": [[0, 4]], "global_shape": [4], "dtype": "bytes"}, 0),
+    "void dtype": ({"box": [[0, 4]], "global_shape": [4], "dtype": "void"}, 0),
+    "object dtype": ({"box": [[0, 4]], "global_shape": [4], "dtype": "object"}, 32),
+    "negative dim": ({"box": [[0, 0]], "global_shape": [-1], "dtype": "int8"}, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PUTS))
+def test_a_malformed_put_is_refused_with_a_reason(stores, case, tmp_path) -> None:
+    log = tmp_path / "stderr"
+    fields, nbody = BAD_PUTS[case]
+    with open(log, "w") as stderr:
+        proc = stores(stderr=stderr)
+        sock = _raw(proc.address)
+        wire.send_header(sock, {"op": "put", "path": "bad", "checksum": None, **fields}, nbody)
+        reply = _reply(sock)
+        assert not reply["ok"] and reply["reason"] in ("invalid", "refused", "protocol"), reply
+        wire.send_frame(sock, {"op": "list", "prefix": ""})  # the connection goes on
+        assert _reply(sock)["ok"]
+        sock.close()
+    with store.StoreClient(proc.address) as client:
+        assert client.list() == []
+    assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.parametrize("box", [[[5, 2]], [[0.5, 2]], [[0, 1]] * 40], ids=["inverted", "float",
+                                                                          "40 dims"])  # fmt: skip
+def test_a_malformed_get_is_refused_with_a_reason(stores, box) -> None:
+    proc = stores()
+    with store.StoreClient(proc.address) as client:
+        client.put("x", np.arange(8))
+    sock = _raw(proc.address)
+    wire.send_frame(sock, {"op": "get", "path": "x", "box": box})
+    reply = _reply(sock)
+    assert not reply["ok"] and reply["reason"] in ("invalid", "refused", "protocol"), reply
+    sock.close()
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"[" * 30000 + b"]" * 30000,  # deeply nested
+        b'{"op": "list", "prefix": ' + b"9" * 5000 + b"}",  # an integer of 5000 digits
+        b'{"op": "get", "path": "\\ud800"}',  # a lone surrogate
+        b'{"op": "put", "path": "x", "box": {"a": 1}, "global_shape": [1], "dtype": "int8"}',
+        b"\xff\xfe not UTF-8",
+    ],
+    ids=["nested", "huge int", "lone surrogate", "box object", "bad utf8"],
+)
+def test_malformed_headers_get_an_error_reply_and_the_server_serves_on(stores, header) -> None:
+    proc = stores()
+    sock = _raw(proc.address)
+    sock.sendall(wire.PREFIX.pack(wire.MAGIC, len(header), 0) + header)
+    reply = _reply(sock)
+    assert not reply["ok"] and reply["reason"] in ("protocol", "invalid", "refused"), reply
+    sock.close()
+    with store.StoreClient(proc.address) as client:
+        client.put("alive", np.arange(2))
+
+
+def test_a_lone_surrogate_token_is_a_wrong_token(stores, tmp_path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret")
+    token_file.chmod(0o600)
+    proc = stores(token_file=token_file)
+    sock = _raw(proc.address, hello=False)
+    wire.send_frame(sock, {"op": "hello", "token": "\ud800"})
+    reply = _reply(sock)
+    assert not reply["ok"] and reply["reason"] == "auth"
+    with store.StoreClient(proc.address, token="s3cret") as client:
+        client.put("alive", np.arange(2))
+
+
+def test_a_token_file_others_can_read_is_warned_about(stores, tmp_path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret")
+    log = tmp_path / "stderr"
+    for mode, warned in ((0o644, True), (0o600, False)):
+        token_file.chmod(mode)
+        with open(log, "w") as stderr:
+            stores(f"s{mode:o}", token_file=token_file, stderr=stderr).stop()
+        assert ("can be read by other users" in log.read_text()) == warned, mode
+
+
+# -- a hostile server: the client checks every size before it allocates ---------------------------
+
+
+class _FakeServer:
+    """A server on 127.0.0.1 answering every request after the hello with ``reply(request)``."""
+
+    def __init__(self, reply):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.reply = reply
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        host, port = self.listener.getsockname()
+        self.address = f"{host}:{port}"
+
+    def _serve(self):
+        with contextlib.suppress(OSError):
+            conn, _ = self.listener.accept()
+            with conn:
+                while (prefix := wire.recv_prefix(conn)) is not None:
+                    request = wire.recv_header(conn, prefix[0], 1 << 20)
+                    if request["op"] == "hello":
+                        wire.send_frame(conn, {"ok": True})
+                        continue
+                    header, nbody = self.reply(request)
+                    data = json.dumps(header).encode()  # announces nbody, sends a little of it
+                    conn.sendall(wire.PREFIX.pack(wire.MAGIC, len(data), nbody) + data)
+                    conn.sendall(b"\0" * min(nbody, 1 << 16))
+
+    def close(self):
+        self.listener.close()
+        self.thread.join(10)
+
+
+HUGE = {"path": "w", "box": [[0, 2**60]], "global_shape": [2**60], "dtype": "int32",
+        "nbytes": 2**62, "checksum": "crc32:00000000"}  # fmt: skip
+SMALL_BOX = {"ok": True, "box": [[0, 1]], "checksum": "x"}
+
+
+@pytest.mark.parametrize(
+    "op, reply",
+    [
+        ("get", lambda r: ({"ok": True, "info": HUGE, "box": HUGE["box"], "checksum": "x"}, 2**62)),
+        ("get", lambda r: ({**SMALL_BOX, "info": {**HUGE, "nbytes": 4}}, 4)),
+        ("get", lambda r: ({**SMALL_BOX, "info": {**HUGE, "path": "other"}}, 4)),
+        ("list", lambda r: ({"ok": True}, 2**62)),
+        ("get_json", lambda r: ({"ok": True, "checksum": "x"}, 2**62)),
+    ],
+    ids=["2^62-byte object", "nbytes disagrees", "another path", "huge listing", "huge json"],
+)
+def test_the_client_checks_a_servers_claims_before_allocating(op, reply) -> None:
+    fake = _FakeServer(reply)
+    try:
+        client = store.StoreClient(fake.address, timeout=10)
+        call = {"get": lambda: client.get("w"), "list": client.list,
+                "get_json": lambda: client.get_json("w")}[op]  # fmt: skip
+        with pytest.raises(tj.errors.StoreError) as err:
+            call()
+        assert err.value.reason in ("protocol", "too_large"), err.value
+        client.close()
+    finally:
+        fake.close()
