@@ -176,9 +176,9 @@ def run_store_hardening(before: str, rounds: int = 3, quick: bool = False, log=p
         b, a = medians["before"][op], medians["after"][op]
         log(f"  {op:15s} before {b:.3f}  after {a:.3f} x memcpy  (after / before {a / b:.2f})")
     for version, grown in attacks.items():
-        log(f"  {version}: peak RSS growth under withheld trailers "
-            f"{grown['withheld_trailers'] / MIB:.0f} MiB, under unread replies "
-            f"{grown['unread_replies'] / MIB:.0f} MiB (memory tier {ATTACK_TIER // MIB} MiB)")  # fmt: skip
+        trailers, replies = (grown[k] / MIB for k in ("withheld_trailers", "unread_replies"))
+        log(f"  {version}: peak RSS growth under withheld trailers {trailers:.0f} MiB, under "
+            f"unread replies {replies:.0f} MiB (memory tier {ATTACK_TIER // MIB} MiB)")  # fmt: skip
     return {"kind": "store_hardening", "before": before, "rounds": rounds, "quick": quick,
             "vs_memcpy_runs": ratios, "vs_memcpy": medians, "attack_rss_growth": attacks,
             "attack_memory_tier": ATTACK_TIER, "attack_object": ATTACK_OBJECT}  # fmt: skip

@@ -104,12 +104,14 @@ def test_withheld_trailers_and_unread_replies_stay_within_the_memory_bound(store
     the stated bound, 2 x --memory-bytes (the memory tier and the transfer budget), and a small
     put from a well-behaved client is still served while the attack holds the budget."""
     limit, size = 64 * MIB, 40 * MIB
-    proc = stores(memory_bytes=limit, args=("--timeout", "60"))
     body = np.ones(size, np.uint8)
+    proc = stores(memory_bytes=limit)
     with store.StoreClient(proc.address) as client:
-        for i in range(8):  # disk objects for the gets (the memory tier holds at most one)
+        for i in range(8):  # objects for the gets
             client.put(f"disk/{i}", body, durable=True)
-        client.flush()
+    proc.stop()
+    proc = stores(memory_bytes=limit, args=("--timeout", "60"))  # they are on disk only
+    with store.StoreClient(proc.address) as client:
         base = _peak_rss(proc.pid)
         attackers = []
         try:
@@ -161,14 +163,32 @@ def _ready(sock: socket.socket) -> bool:
         sock.settimeout(30)
 
 
-def test_a_transfer_larger_than_the_budget_is_refused_before_its_body(stores) -> None:
-    proc = stores(memory_bytes=0, max_body_bytes=1 << 30)  # the budget: 64 MiB at least
+def test_an_object_larger_than_the_budget_streams_through_disk_a_chunk_at_a_time(stores) -> None:
+    """With a memory tier of 0 the transfer budget is 64 MiB: a 96 MiB put is written to disk as
+    it arrives and gets read it back a 16 MiB chunk at a time, whole or a sub-box, bit for bit,
+    the server's peak RSS growing by far less than the object; a damaged file is refused."""
+    proc = stores(memory_bytes=0)
+    full = np.random.default_rng(0).integers(0, 255, (96, 1 << 20), dtype=np.uint8)
     with store.StoreClient(proc.address) as client:
-        with pytest.raises(tj.errors.StoreError, match=r"transfer budget of 67108864 bytes") as err:
-            client.put("big", np.zeros(65 * MIB, np.uint8))
-        assert err.value.reason == "too_large"
-        client.put("fits", np.zeros(MIB, np.uint8))  # the connection goes on
+        idle = _peak_rss(proc.pid)
+        client.put("big", full)
+        np.testing.assert_array_equal(client.get("big"), full)
+        np.testing.assert_array_equal(client.get("big", ((17, 80), (5, 1000))), full[17:80, 5:1000])
+        assert _peak_rss(proc.pid) - idle < 64 * MIB
         assert client.stats()["transfer_bytes"] == 0
+        [file] = (proc.dir / "objects").glob("*.obj")
+        with open(file, "r+b") as f:  # one bit of the data, far from the header
+            f.seek(50 * MIB)
+            byte = f.read(1)
+            f.seek(50 * MIB)
+            f.write(bytes([byte[0] ^ 4]))
+        with pytest.raises(tj.errors.StoreError, match="corrupt on disk") as err:
+            client.get("big", ((0, 2), (0, 8)))
+        assert err.value.reason == "corrupt"
+        with pytest.raises(tj.errors.StoreError) as err:
+            client.get("big")
+        assert err.value.reason == "not_found"  # set aside, never served again
+        assert len(list((proc.dir / "corrupt").iterdir())) == 1
 
 
 # -- connections: a cap, a handshake deadline, an accept loop that backs off -----------------------

@@ -188,9 +188,9 @@ class StoreClient:
                 raise StoreError(f"a {request['op']!r} reply body is at most "
                                  f"{wire.MAX_REPLY_BODY_BYTES} bytes; the store announced "
                                  f"{nreply}", "protocol")  # fmt: skip
-        except (StoreError, MemoryError) as error:
+        except (StoreError, MemoryError, ValueError) as error:
             sock.close()  # the reply's body is unread: the connection cannot be reused
-            if isinstance(error, MemoryError):
+            if not isinstance(error, StoreError):  # NumPy: no memory, or an impossible size
                 raise StoreError(f"store {self.address}: no memory for the reply of {nreply} "
                                  f"bytes", "too_large") from None  # fmt: skip
             raise StoreError(f"store {self.address}: {error}", "protocol") from None
@@ -203,6 +203,8 @@ class StoreClient:
             else:
                 header["received"] = wire.recv_into(sock, wire.as_bytes(out), digest=True)
                 data = out
+                if header.get("checksum") is None:  # streamed from the store's disk: a trailer
+                    header["checksum"] = self._reply(sock)[0].get("checksum")
         except OSError as error:
             raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
         return header, data

@@ -9,7 +9,8 @@ without ``--token-file``. ``--unix-socket PATH`` serves the same store on a Unix
 hello within ``--handshake-timeout`` seconds, and every request body and reply admitted against
 one transfer budget of ``max(--memory-bytes, 64 MiB)`` before its bytes are received or produced
 (``Budget``): the server's memory stays within the memory tier plus that budget, plus a bounded
-header per connection, whatever clients do.
+header per connection, whatever clients do. An object larger than the budget streams through a
+``STREAM_CHUNK_BYTES`` buffer: written to disk as it arrives, read from disk a chunk at a time.
 
 **Tiers.** Objects live in a memory tier (at most ``--memory-bytes``, least recently used clean
 objects evicted first) and on disk under ``DIR/objects``. A plain put is acknowledged once it is
@@ -34,10 +35,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import hmac
 import ipaddress
+import itertools
 import json
 import os
 import pathlib
@@ -48,12 +51,14 @@ import stat
 import sys
 import threading
 import time
+import zlib
 
 import numpy as np
 
 from tenplex_jax import box as boxes
+from tenplex_jax import checksums
 from tenplex_jax.errors import StoreError, StoreProtocolError
-from tenplex_jax.multihost.store import wire
+from tenplex_jax.multihost.store import tiers, wire
 from tenplex_jax.multihost.store.tiers import DEFAULT_MEMORY_BYTES, Store
 from tenplex_jax.multihost.store.wire import ObjectInfo
 
@@ -196,6 +201,73 @@ class Handler(socketserver.BaseRequestHandler):
         finally:
             receiving.pop(me, None)
 
+    def _check_claim(self, sock: socket.socket, header: dict, digest: str, what: str) -> None:
+        """The checksum the client claims for a put's body (in its header, or in a trailer frame
+        after the body) must be the one of the bytes received."""
+        claimed = header.get("checksum")
+        if claimed is None:
+            prefix = wire.recv_prefix(sock)
+            if prefix is None:
+                raise ConnectionError("the client left before its checksum trailer")
+            if prefix[1]:
+                raise StoreProtocolError("a checksum trailer has no body")
+            claimed = wire.recv_header(sock, prefix[0], wire.HELLO_HEADER_BYTES).get("checksum")
+        if digest != claimed:
+            raise StoreError(
+                f"{what}: the bytes received have checksum {digest}, the client sent {claimed}; "
+                f"nothing stored",
+                "checksum",
+            )
+
+    def _put_streamed(self, sock, header: dict, info: ObjectInfo, what: str) -> ObjectInfo:
+        """A put larger than the transfer budget: its body goes to a tmp file as it arrives,
+        a chunk at a time, and becomes the object once its checksum is confirmed."""
+        wire.send_frame(sock, {"ok": True, "continue": True})
+        buf = np.empty(min(tiers.STREAM_CHUNK_BYTES, info.nbytes), np.uint8)
+        receiving, me = self.server.store.receiving, threading.get_ident()
+
+        def chunks():
+            for at in range(0, info.nbytes, len(buf)):
+                receiving[me] = {"path": info.path, "bytes": at, "of": info.nbytes}
+                view = memoryview(buf)[: min(len(buf), info.nbytes - at)]
+                wire.recv_into(sock, view)
+                yield view
+
+        try:
+            tmp, digest = self.server.store.receive_file(info, chunks())
+        finally:
+            receiving.pop(me, None)
+        try:
+            self._check_claim(sock, header, digest, what)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        info = dataclasses.replace(info, checksum=digest)
+        self.server.store.put_file(info, tmp)
+        return info
+
+    def _get_streamed(self, sock, key: str, info: ObjectInfo, box) -> None:
+        """A reply larger than the transfer budget, read from disk a chunk at a time; its
+        checksum follows in a trailer frame, or an error when the file fails its own."""
+        nbytes = wire.nbytes_of(boxes.shape(box), wire.dtype_of(info.dtype))
+        reply = {"ok": True, "info": info.to_json(), "box": [list(b) for b in box],
+                 "checksum": None}  # fmt: skip
+        pieces = self.server.store.stream(key, box)
+        first = next(pieces, None)  # a file that cannot be opened or read is an error reply
+        wire.send_header(sock, reply, nbytes)
+        crc, sent = 0, 0
+        try:
+            for piece in itertools.chain([] if first is None else [first], pieces):
+                crc = zlib.crc32(piece, crc)
+                wire.send_body(sock, piece)
+                sent += piece.nbytes
+        except StoreError as error:  # the file failed its checksum: the bytes sent are void
+            if sent != nbytes:
+                raise ConnectionError("a streamed reply broke off") from error
+            wire.send_frame(sock, {"ok": False, "error": str(error), "reason": error.reason})
+            return
+        wire.send_frame(sock, {"ok": True, "checksum": checksums.text(crc)})
+
     def _check_body_limit(self, nbody: int, what: str, limit: int | None = None) -> None:
         limit = self.server.max_body if limit is None else limit
         if nbody > limit:
@@ -218,36 +290,31 @@ class Handler(socketserver.BaseRequestHandler):
             expected = wire.nbytes_of(boxes.shape(box), dtype)
             what = f"put of {path!r} box {box}"
             self._check_body_limit(nbody, what)
-            with self.server.budget.hold(nbody, what):
-                data, digest = self._body(sock, nbody, expected, path)
-                claimed = header.get("checksum")
-                if claimed is None:  # in a trailer frame after the body
-                    prefix = wire.recv_prefix(sock)
-                    if prefix is None:
-                        raise ConnectionError("the client left before its checksum trailer")
-                    if prefix[1]:
-                        raise StoreProtocolError("a checksum trailer has no body")
-                    trailer = wire.recv_header(sock, prefix[0], wire.HELLO_HEADER_BYTES)
-                    claimed = trailer.get("checksum")
-                if digest != claimed:
-                    raise StoreError(
-                        f"{what}: the bytes received have checksum {digest}, the client sent "
-                        f"{claimed}; nothing stored",
-                        "checksum",
-                    )
-                info = ObjectInfo(path, box, global_shape, dtype.name, expected, digest)
-                store.put(info, data, durable=bool(header.get("durable")))
-                del data  # the store holds it now, or has written it through
+            info = ObjectInfo(path, box, global_shape, dtype.name, expected, "")
+            if nbody > self.server.budget.limit:  # written to disk as it arrives
+                with self.server.budget.hold(tiers.STREAM_CHUNK_BYTES, what):
+                    info = self._put_streamed(sock, header, info, what)
+            else:
+                with self.server.budget.hold(nbody, what):
+                    data, digest = self._body(sock, nbody, expected, path)
+                    self._check_claim(sock, header, digest, what)
+                    info = dataclasses.replace(info, checksum=digest)
+                    store.put(info, data, durable=bool(header.get("durable")))
+                    del data  # the store holds it now, or has written it through
             wire.send_frame(sock, {"ok": True, "info": info.to_json()})
         elif op == "get":
             path = wire.check_path(header.get("path"))
             box = None if header.get("box") is None else wire.as_box(header["box"])
             key = store.find(path, box)
-            info = store.info(key)
+            info, in_memory = store.info(key)
             whole = box is None or box == info.box
-            reply_bytes = info.nbytes + (0 if whole else wire.nbytes_of(
+            # the object as read from disk (one in the memory tier is shared), a sub-box's copy
+            reply_bytes = (0 if in_memory else info.nbytes) + (0 if whole else wire.nbytes_of(
                 boxes.shape(box), wire.dtype_of(info.dtype)))  # fmt: skip
-            # the object as read (from disk, or shared with the memory tier) and a sub-box's copy
+            if reply_bytes > self.server.budget.limit:  # read from disk a chunk at a time
+                with self.server.budget.hold(tiers.STREAM_CHUNK_BYTES, f"get of {path!r}"):
+                    self._get_streamed(sock, key, info, box or info.box)
+                return
             with self.server.budget.hold(reply_bytes, f"get of {path!r} box {box}"):
                 entry, data = store.read(key)
                 info = entry.info

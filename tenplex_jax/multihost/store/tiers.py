@@ -20,7 +20,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import itertools
 import json
+import math
 import os
 import pathlib
 import queue
@@ -34,6 +36,7 @@ import zlib
 import numpy as np
 
 from tenplex_jax import box as boxes
+from tenplex_jax import checksums
 from tenplex_jax.errors import StoreError
 from tenplex_jax.multihost.store import wire
 from tenplex_jax.multihost.store.wire import ObjectInfo
@@ -42,6 +45,7 @@ FILE_MAGIC = b"TPX2"  # an object file: magic, header bytes, header crc32, JSON 
 FILE_PREFIX = struct.Struct("!4sII")
 DEFAULT_MEMORY_BYTES = 4 << 30
 IO_CHUNK_BYTES = 256 << 20
+STREAM_CHUNK_BYTES = 16 << 20  # objects larger than the transfer budget move this much at a time
 WRITERS = 4  # threads writing the memory tier back to disk
 
 
@@ -50,6 +54,21 @@ class Entry:
     info: ObjectInfo
     seq: int  # puts of one key are ordered by seq; the newest one wins
     on_disk: bool  # the file under objects/ holds this version
+
+
+def _piece(raw: bytes, dtype, lead, j, rows, shape, axis, local) -> memoryview | None:
+    """The part of ``local`` (a tuple of slices into an object of ``shape``) inside one
+    contiguous read: indices ``lead`` on the axes before ``axis``, rows ``j .. j + rows`` on it;
+    None when the read holds none of it."""
+    for i, s in zip(lead, local):
+        if not s.start <= i < s.stop:
+            return None
+    lo, hi = max(j, local[axis].start), min(j + rows, local[axis].stop)
+    if lo >= hi:
+        return None
+    block = np.frombuffer(raw, np.dtype(f"V{dtype.itemsize}")).reshape((rows,) + shape[axis + 1 :])
+    part = block[(slice(lo - j, hi - j),) + tuple(local[axis + 1 :])]
+    return wire.as_bytes(np.ascontiguousarray(part))
 
 
 def _key(kind: str, path: str, box: boxes.Box = ()) -> str:
@@ -217,18 +236,41 @@ class Store:
             pass
 
     def _write_tmp(self, header: dict, data) -> pathlib.Path:
-        """A complete, fsynced file under tmp/ (not yet visible)."""
-        tmp = self.tmp_dir / f"{uuid.uuid4().hex}.tmp"
-        encoded = json.dumps(header, separators=(",", ":")).encode()
+        """A complete, fsynced file under tmp/ (not yet visible) holding ``data``."""
         view = memoryview(data).cast("B")
-        path, me = header.get("path"), threading.get_ident()
+        chunks = (view[at : at + IO_CHUNK_BYTES] for at in range(0, view.nbytes, IO_CHUNK_BYTES))
+        return self._write_chunks(header, chunks)[0]
+
+    def _write_chunks(self, header: dict, chunks) -> tuple[pathlib.Path, str]:
+        """A complete, fsynced file under tmp/ from ``chunks`` (bytes-like, in order, together
+        ``header["nbytes"]``); (its path, the data's checksum). A header whose checksum is None
+        gets the data's, computed as they are written: the header goes first with a placeholder
+        of the same length, then again."""
+        tmp = self.tmp_dir / f"{uuid.uuid4().hex}.tmp"
+        digest = header.get("checksum")
+        path, nbytes, me = header.get("path"), header["nbytes"], threading.get_ident()
+
+        def encoded_header(checksum: str) -> bytes:
+            encoded = json.dumps({**header, "checksum": checksum}, separators=(",", ":")).encode()
+            return FILE_PREFIX.pack(FILE_MAGIC, len(encoded), zlib.crc32(encoded)) + encoded
+
         try:
             with open(tmp, "wb") as f:
-                f.write(FILE_PREFIX.pack(FILE_MAGIC, len(encoded), zlib.crc32(encoded)) + encoded)
-                for start in range(0, view.nbytes, IO_CHUNK_BYTES):
-                    self.writing[me] = {"path": path, "bytes": start, "of": view.nbytes}
-                    f.write(view[start : start + IO_CHUNK_BYTES])
-                self.writing[me] = {"path": path, "bytes": view.nbytes, "of": view.nbytes}
+                f.write(encoded_header(digest or checksums.text(0)))
+                crc, done = 0, 0
+                for chunk in chunks:
+                    self.writing[me] = {"path": path, "bytes": done, "of": nbytes}
+                    if digest is None:
+                        crc = zlib.crc32(chunk, crc)
+                    f.write(chunk)
+                    done += memoryview(chunk).nbytes
+                if done != nbytes:
+                    raise StoreError(f"{path!r}: {done} bytes written of {nbytes}", "protocol")
+                self.writing[me] = {"path": path, "bytes": done, "of": nbytes}
+                if digest is None:
+                    digest = checksums.text(crc)
+                    f.seek(0)
+                    f.write(encoded_header(digest))
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException:
@@ -236,7 +278,7 @@ class Store:
             raise
         finally:
             self.writing.pop(me, None)
-        return tmp
+        return tmp, digest
 
     @staticmethod
     def _sync_dir(directory: pathlib.Path) -> None:
@@ -353,6 +395,84 @@ class Store:
                 self._evict()
         self._sync_dir(self.objects_dir)
 
+    def receive_file(self, info: ObjectInfo, chunks) -> tuple[pathlib.Path, str]:
+        """Write an object too large to hold in memory straight to a tmp file as its bytes
+        arrive (``chunks``); (the file, the data's checksum). ``put_file`` makes it visible."""
+        header = {**info.to_json(), "checksum": None}
+        return self._write_chunks(header, chunks)
+
+    def put_file(self, info: ObjectInfo, tmp: pathlib.Path) -> None:
+        """Make a complete tmp file of ``info`` the object (it replaces what it conflicts with,
+        as ``put``); the newest install of a key wins."""
+        key = _key("array", info.path, info.box)
+        with self.lock:
+            if self.closing:
+                tmp.unlink(missing_ok=True)
+                raise StoreError("the store is shutting down; nothing stored", "unavailable")
+            self._drop_conflicts(key, info)
+            self.seq += 1
+            os.replace(tmp, self.objects_dir / f"{key}.obj")
+            self._forget(key)
+            self._clean(key)
+            self.failed.pop(key, None)
+            self._index_set(key, Entry(info, self.seq, on_disk=True))
+        self._sync_dir(self.objects_dir)
+
+    def stream(self, key: str, box: boxes.Box, chunk_bytes: int = STREAM_CHUNK_BYTES):
+        """The bytes of ``box`` of an object on disk, in C order, as pieces read a chunk at a
+        time (at most ``chunk_bytes`` held at once). The whole file is read, so that its checksum
+        is checked: after the last piece, a file that fails raises ``StoreError`` ("corrupt"),
+        is set aside and is no longer served."""
+        with self.lock:
+            entry = self.index.get(key)
+        if entry is None:
+            raise StoreError("the object was deleted before it was read", "not_found")
+        info, file = entry.info, self.objects_dir / f"{key}.obj"
+        dtype = wire.dtype_of(info.dtype)
+        # a scalar is read as the one element of a 1-d array (the same bytes)
+        shape, item = info.shape or (1,), dtype.itemsize
+        local = boxes.index(box, info.box)[1:] or (slice(0, 1),)  # the sub-box, object coords
+        # split along the first axis whose trailing block fits a chunk (the last one at worst):
+        # each read is contiguous, ``step`` indices of that axis
+        last = len(shape) - 1
+        axis = next(k for k in range(last + 1)
+                    if k == last or math.prod(shape[k + 1 :]) * item <= chunk_bytes)  # fmt: skip
+        inner = math.prod(shape[axis + 1 :]) * item
+        step = max(1, chunk_bytes // inner)
+        crc = 0
+        try:
+            with open(file, "rb") as f:
+                header = self._header_of(f)
+                if header != info.to_json():
+                    raise ValueError("the file holds another version than the index")
+                start = f.tell()
+                for lead in itertools.product(*(range(n) for n in shape[:axis])):
+                    for j in range(0, shape[axis], step):
+                        rows = min(step, shape[axis] - j)
+                        flat = int(np.ravel_multi_index(lead + (j,), shape[: axis + 1]))
+                        f.seek(start + flat * inner)
+                        raw = f.read(rows * inner)
+                        if len(raw) != rows * inner:
+                            raise ValueError(f"the file ends {len(raw)} bytes into a read")
+                        crc = zlib.crc32(raw, crc)
+                        wanted = _piece(raw, dtype, lead, j, rows, shape, axis, local)
+                        if wanted is not None:
+                            yield wanted
+                if f.read(1):
+                    raise ValueError("the file holds more bytes than its header says")
+            if checksums.text(crc) != info.checksum:
+                raise ValueError(f"checksum {checksums.text(crc)}, its header says {info.checksum}")
+        except (OSError, ValueError, struct.error) as error:
+            with self.lock:
+                if self.index.get(key) is entry:
+                    self._index_del(key)
+                    self._set_aside(file, repr(error))
+            raise StoreError(
+                f"object {info.path!r} box {info.box} is corrupt on disk ({error!r}); it is not "
+                f"served",
+                "corrupt",
+            ) from None
+
     def _drop_conflicts(self, key: str, info: ObjectInfo) -> int:
         """Remove the objects ``info`` replaces (call with the lock held); how many."""
         dropped = 0
@@ -367,12 +487,15 @@ class Store:
                 dropped += 1
         return dropped
 
-    def info(self, key: str) -> ObjectInfo:
+    def info(self, key: str) -> tuple[ObjectInfo, bool]:
+        """An object's record, and whether its bytes are in the memory tier (objects not yet
+        on disk always are)."""
         with self.lock:
             entry = self.index.get(key)
-        if entry is None:
-            raise StoreError("the object was deleted before it was read", "not_found")
-        return entry.info
+            if entry is None:
+                raise StoreError("the object was deleted before it was read", "not_found")
+            held = self.memory.get(key)
+            return entry.info, held is not None and held[0] == entry.seq
 
     def find(self, path: str, box: boxes.Box | None) -> str:
         """The key of the object under ``path`` that contains ``box`` (None: the whole array)."""
