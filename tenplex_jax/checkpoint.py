@@ -21,8 +21,9 @@ of ``nnx.state(model)`` restores into the ``"model/"`` part of a ``{"model", "op
 Only finished, intact checkpoints are read. Orbax writes each step into a temporary directory and
 renames it when every process is done; then process 0 lists every file of the step with its size
 and crc32 (``tenplex-files.json``, written atomically, last). A step without that list is
-unfinished; a restore checks every file it will read against it before orbax reads a byte, and
-raises ``CheckpointError`` naming the step, the leaf and the file when one differs or is missing.
+unfinished. A restore checks its metadata and record against it first, then every file of the
+leaves it reads while orbax reads them, and raises ``CheckpointError`` naming the step, the leaf
+and the file when one differs or is missing (the arrays read are dropped: none is returned).
 ``latest_checkpoint`` names the newest step whose files all check. Each leaf is stored in its own
 directory (orbax without OCDBT: a chunk file per saved shard), so a damaged file names its leaf.
 Checkpoints written by plain orbax have no file list and are read unchecked.
@@ -198,9 +199,10 @@ def restore_checkpoint(
     ``CheckpointManager``; ``step`` defaults to the latest intact one) or one plain orbax PyTree
     checkpoint. Every leaf of ``target`` must be in the checkpoint with the same shape and dtype;
     checkpoint leaves the target lacks are not read. ``prefix`` is prepended to checkpoint paths.
-    The files the restore reads are checked against the step's file list first; a damaged,
-    missing or unfinished step raises ``CheckpointError`` and nothing is restored. ``verify=False``
-    skips reading them for their checksums (``latest_checkpoint`` has just checked the step).
+    The files the restore reads are checked against the step's file list (while orbax reads
+    them); a damaged, missing or unfinished step raises ``CheckpointError`` and nothing is
+    restored. ``verify=False`` skips reading them for their checksums (``latest_checkpoint`` has
+    just checked the step).
     """
     item, step_dir = _locate(pathlib.Path(directory).absolute(), step)
     step = _plain_step(step_dir)
@@ -227,21 +229,28 @@ def restore_checkpoint(
         restore_paths.append(key)
         sharding = NamedSharding(mesh, leaf.spec)
         targets.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
-    if checked:  # the leaves' files, before orbax reads them
-        _check_files(step_dir, step, leaves={_orbax_name(key): key for key in restore_paths})
     tree = _nested(restore_paths, targets)
-    restored = _orbax(
-        lambda: ocp.PyTreeCheckpointer().restore(
-            item,
-            args=ocp.args.PyTreeRestore(
-                item=tree,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
-                partial_restore=True,
+
+    def read():
+        return _orbax(
+            lambda: ocp.PyTreeCheckpointer().restore(
+                item,
+                args=ocp.args.PyTreeRestore(
+                    item=tree,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+                    partial_restore=True,
+                ),
             ),
-        ),
-        item,
-        step,
-    )
+            item,
+            step,
+        )
+
+    if checked:  # the leaves' files: their sizes first, their bytes while orbax reads them
+        leaves = {_orbax_name(key): key for key in restore_paths}
+        _check_files(step_dir, step, leaves=leaves, contents=False)
+        restored = _while_checked(read, lambda: _check_files(step_dir, step, leaves=leaves))
+    else:
+        restored = read()
     arrays = [_get(restored, key) for key in restore_paths]
     state = jax.tree_util.tree_unflatten(target.treedef, arrays)
     if record is None:
@@ -282,10 +291,13 @@ def _write_file_list(step_dir: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _check_files(step_dir: pathlib.Path, step, *, leaves: dict[str, str] | set | None) -> None:
+def _check_files(
+    step_dir: pathlib.Path, step, *, leaves: dict[str, str] | set | None, contents: bool = True
+) -> None:
     """``CheckpointError`` unless the files a restore of ``leaves`` reads (orbax's name -> the
     leaf's path; ``None``: every leaf, an empty set: none) match the step's file list; the
-    metadata and record files are always checked."""
+    metadata and record files are always checked. ``contents=False`` compares sizes only (a
+    stat per file: what makes a reader fail outright, a missing or truncated file)."""
     where_ = f"checkpoint step {step} in {step_dir.parent}"
     try:
         body = json.loads((step_dir / FILES).read_text())
@@ -310,14 +322,17 @@ def _check_files(step_dir: pathlib.Path, step, *, leaves: dict[str, str] | set |
         leaf = parts[1] if parts[0] == STATE and len(parts) > 2 and parts[1] in leaf_dirs else None
         if leaf is None or leaves is None or leaf in leaves:
             wanted.append((name, leaf))
-    found = checksums.of_files(step_dir, [name for name, _ in wanted])
+    names = [name for name, _ in wanted]
+    found = checksums.of_files(step_dir, names) if contents else _sizes(step_dir, names, listed)
     damaged = []
     for name, leaf in wanted:
         got, (nbytes, checksum) = found[name], listed[name]
         if got is None:
             why = "is missing"
-        elif got != (nbytes, checksum):
-            why = f"has {got[0]} bytes, {got[1]} where {nbytes} bytes, {checksum} were written"
+        elif got[0] != nbytes:
+            why = f"has {got[0]} bytes where {nbytes} were written"
+        elif got[1] != checksum:
+            why = f"has checksum {got[1]} where {checksum} was written"
         else:
             continue
         shown = "" if leaf is None else f"leaf {_leaf_name(leaf, leaves)!r}: "
@@ -327,6 +342,45 @@ def _check_files(step_dir: pathlib.Path, step, *, leaves: dict[str, str] | set |
         raise CheckpointError(
             f"{where_} is damaged, nothing restored: " + "; ".join(damaged[:4]) + more
         )
+
+
+def _sizes(root: pathlib.Path, names, listed) -> dict:
+    """``checksums.of_files``'s answer from a stat per file: the size found, the listed checksum."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = (os.stat(root / name).st_size, listed[name][1])
+        except FileNotFoundError:
+            out[name] = None
+    return out
+
+
+def _while_checked(read, check):
+    """``read()`` while ``check()`` runs on a thread (both read the same files, mostly from the
+    page cache, and crc32 releases the GIL); the check's ``CheckpointError`` wins over whatever
+    ``read`` returned or raised, so damaged bytes never reach the caller."""
+    failed: list[CheckpointError] = []
+
+    def run():
+        try:
+            check()
+        except CheckpointError as error:
+            failed.append(error)
+
+    checker = threading.Thread(target=run, name="tenplex-checkpoint-check")
+    checker.start()
+    try:
+        result = read()
+    except BaseException as error:
+        checker.join()
+        if failed:
+            raise failed[0] from error
+        raise
+    checker.join()
+    if failed:
+        del result  # the restored arrays hold damaged bytes
+        raise failed[0]
+    return result
 
 
 def _leaf_name(orbax_name: str, leaves) -> str:
