@@ -423,6 +423,30 @@ def test_a_corrupted_file_is_detected_and_not_served(stores, when) -> None:
     assert len(list((proc.dir / "corrupt").iterdir())) == 1
 
 
+@pytest.mark.parametrize("when", ["running", "restart"])
+def test_a_corrupted_json_object_is_set_aside_never_served(stores, when) -> None:
+    """JSON objects (commit markers, manifests) live on disk only, each read checked on every
+    get_json (and at start): a flipped byte is never served, and never parsed."""
+    proc = stores.start()
+    with store.StoreClient(proc.address) as client:
+        client.put_json("v1/COMMIT", {"step": 12345})
+        client.put_json("v1/OTHER", {"step": 1})
+    [file] = [f for f in (proc.dir / "json").glob("*.obj") if b"12345" in f.read_bytes()]
+    if when == "restart":
+        proc.stop()
+    file.write_bytes(file.read_bytes().replace(b"12345", b"12346"))
+    if when == "restart":
+        proc = stores.start()
+    with store.StoreClient(proc.address) as client:
+        if when == "running":
+            with pytest.raises(tj.errors.StoreError, match="'v1/COMMIT' is corrupt") as err:
+                client.get_json("v1/COMMIT")
+            assert err.value.reason == "corrupt"
+        assert client.get_json("v1/COMMIT", default=None) is None
+        assert client.list_json("v1/") == ["v1/OTHER"]
+    assert len(list((proc.dir / "corrupt").iterdir())) == 1
+
+
 @pytest.mark.parametrize(
     "field, old, new",
     [
