@@ -53,8 +53,12 @@ def test_bad_input_exits_2_with_the_reason(capsys) -> None:
     assert main(["plan", "--model", "tiny", "--from", "data=3", "--to", "tensor=3",
                  "--allow-replicate"]) == 0  # fmt: skip
     capsys.readouterr()
-    assert main(["plan", "--from", "model=2", "--to", "data=2"]) == 2
+    assert main(["plan", "--from", "data=two", "--to", "data=2"]) == 2
     assert "axis=size" in capsys.readouterr().err
+    # a mesh of the user's own axes: the reference model's rules name axes it lacks
+    assert main(["plan", "--from", "model=2", "--to", "data=2"]) == 2
+    err = capsys.readouterr().err
+    assert "that do not exist; mesh axes are ('model',)" in err and "leaf 'model/" in err
     assert main(["plan", "--from", "data=8", "--from-devices", "0-3", "--to", "data=4"]) == 2
     assert "needs 8 devices, got 4" in capsys.readouterr().err
 

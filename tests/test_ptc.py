@@ -177,8 +177,9 @@ def test_bad_input_errors_name_leaf_shape_spec_and_mesh():
         tj.PTC.of(state, (("embed", None), ("nope", None)), tj.ParallelConfig(data=2), [1, 1])
     with pytest.raises(tj.errors.LayoutError, match="integers >= 1"):
         tj.ParallelConfig(data=0)
-    with pytest.raises(tj.errors.LayoutError, match="axis=size"):
-        tj.ParallelConfig.parse("model=2")
+    for text in ("model", "data=two", "data=2,data=4", ""):
+        with pytest.raises(tj.errors.LayoutError, match="axis=size"):
+            tj.ParallelConfig.parse(text)
 
 
 def test_parse_and_str_round_trip():
@@ -323,7 +324,7 @@ def test_relayout_of_a_record_without_rules_asks_for_them():
     record = ptc.to_json()
     record["rules"] = None  # as an older record, or one written by hand
     back = tj.PTC.from_json(record, like=ptc)
-    with pytest.raises(tj.errors.LayoutError, match="does not know the rules.*pass rules="):
+    with pytest.raises(tj.errors.LayoutError, match="knows no logical-axis rules.*pass rules="):
         back.relayout(tj.ParallelConfig(tensor=2), range(2))
     assert back.relayout(tj.ParallelConfig(tensor=2), range(2), rules=RULES) == ptc.relayout(
         tj.ParallelConfig(tensor=2), range(2)
