@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 import optax
@@ -50,3 +52,19 @@ def assert_shards_equal(state, expected: list[np.ndarray], ptc) -> None:
             np.testing.assert_array_equal(
                 np.asarray(data), want[shard.index], err_msg=f"{layout.path} on {shard.device}"
             )
+
+
+def minimum_bytes(src, dst, failed=()) -> int:
+    """The fewest bytes any plan from ``src`` to ``dst`` must copy between devices: every target
+    box less what its own device already holds of it (a failed device holds nothing)."""
+    total = 0
+    for s, d in zip(src.leaves, dst.leaves):
+        held = {dev: box for dev, box in src.boxes(s).items() if dev not in failed}
+        for dev, box in dst.boxes(d).items():
+            own = held.get(dev)
+            overlap = 0
+            if own is not None:
+                overlap = math.prod(max(0, min(a1, b1) - max(a0, b0))
+                                    for (a0, a1), (b0, b1) in zip(own, box))  # fmt: skip
+            total += (math.prod(hi - lo for lo, hi in box) - overlap) * d.itemsize
+    return total
