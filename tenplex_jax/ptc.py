@@ -76,15 +76,18 @@ class LeafLayout:
 
     ``logical`` holds the leaf's logical names (``None`` for a leaf laid out by its sharding, or
     without names); with ``direct``, they are mesh axes (flax's ``nn.Partitioned``), not logical.
+    Two layouts are equal when they lay the same leaf out the same way (path, shape, dtype,
+    spec), however they were derived.
     """
 
     path: str
     shape: Shape
     dtype: Any
     spec: PartitionSpec
-    logical: tuple | None = None
-    replicated: tuple[tuple[int, str], ...] = ()  # (dim, mesh axis) dropped because indivisible
-    direct: bool = False
+    logical: tuple | None = dataclasses.field(default=None, compare=False)
+    # (dim, mesh axis) dropped because indivisible
+    replicated: tuple[tuple[int, str], ...] = dataclasses.field(default=(), compare=False)
+    direct: bool = dataclasses.field(default=False, compare=False)
 
     @property
     def itemsize(self) -> int:

@@ -48,7 +48,7 @@ def normalize(
             f"logical-axis rules are a sequence of (logical_name, mesh_axes) pairs, got "
             f"{type(rules).__name__} {rules!r}"
         )
-    out = []
+    out, bad = [], []
     for rule in rules:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
             raise LayoutError(f"a logical-axis rule is (logical_name, mesh_axes), got {rule!r}")
@@ -56,17 +56,8 @@ def normalize(
         named = () if axes is None else tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
         unknown = [a for a in named if not isinstance(a, str) or a not in mesh_axes]
         if unknown:
-            user = next((leaf for leaf in leaves if leaf[2] and name in leaf[2]), None)
-            shown = f" (mesh {mesh})" if mesh else ""
-            raise LayoutError(
-                f"rule {tuple(rule)!r} maps logical axis {name!r} to mesh axes {unknown} "
-                f"that do not exist; mesh axes are {tuple(mesh_axes)}{shown}"
-                + (
-                    ": it would lay out " + where(user[0], user[1], tuple(user[2]), mesh)
-                    if user
-                    else "; no leaf names it: drop the rule or use a mesh with those axes"
-                )
-            )
+            bad.append((tuple(rule), name, unknown))
+            continue
         if len(set(named)) != len(named):
             # flax would hand the dim a spec naming one mesh axis twice, which jax refuses
             raise LayoutError(
@@ -75,6 +66,21 @@ def normalize(
                 f"mesh axes are {tuple(mesh_axes)}"
             )
         out.append((name, axes if axes is None or isinstance(axes, str) else tuple(axes)))
+    if bad:  # the first bad rule a leaf uses, else the first bad rule
+        leaves = list(leaves)
+        users = [next((leaf for leaf in leaves if leaf[2] and b[1] in leaf[2]), None) for b in bad]
+        rule, name, unknown = next((b for b, u in zip(bad, users) if u), bad[0])
+        user = next((u for u in users if u), None)
+        shown = f" (mesh {mesh})" if mesh else ""
+        raise LayoutError(
+            f"rule {rule!r} maps logical axis {name!r} to mesh axes {unknown} that do not exist; "
+            f"mesh axes are {tuple(mesh_axes)}{shown}"
+            + (
+                ": it would lay out " + where(user[0], user[1], tuple(user[2]), mesh)
+                if user
+                else "; no leaf names it: drop the rule or use a mesh with those axes"
+            )
+        )
     return tuple(out)
 
 
