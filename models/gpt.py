@@ -139,8 +139,9 @@ class GPTConfig:
 
     @classmethod
     def moe_small(cls) -> GPTConfig:
-        """The small model with 4 experts of top-2 routing per layer (about 530K parameters)."""
-        return dataclasses.replace(cls.small(), n_experts=4)
+        """The small model with 4 experts of half its MLP width and top-2 routing per layer: each
+        token's MLP compute is the dense model's (about 200K parameters)."""
+        return dataclasses.replace(cls.small(), n_experts=4, d_ff=128)
 
     @classmethod
     def by_name(cls, name: str) -> GPTConfig:

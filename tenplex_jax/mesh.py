@@ -187,9 +187,9 @@ class ParallelConfig:
         return cls.of({name: int(size) for name, size in record["axes"]}, axis_types=types)
 
     def __str__(self) -> str:
-        if self.is_default:
-            return ",".join(f"{a}={s}" for a, s in self.shape.items() if s > 1) or "single"
-        text = ",".join(f"{a}={s}" for a, s in self.shape.items())
+        """The axes larger than 1 (``data=2,expert=4``, or ``single``), and the axis types
+        unless all Auto; :meth:`describe` names every axis."""
+        text = ",".join(f"{a}={s}" for a, s in self.shape.items() if s > 1) or "single"
         auto = all(t == AxisType.Auto for t in self.axis_types)
         return text if auto else f"{text} [{_types(self.axis_types)}]"
 

@@ -120,8 +120,8 @@ def test_experts_are_sharded_over_the_expert_axis_in_every_layout():
 def test_every_expert_resize_is_shard_by_shard_equal_and_moves_the_minimum(runs):
     (_, _, reshards), _ = runs
     assert [str(plan.dst.config) for plan, _ in reshards] == [
-        "pipe=1,data=1,fsdp=1,expert=2,tensor=2",
-        "pipe=1,data=1,fsdp=2,expert=4,tensor=1",
+        "expert=2,tensor=2",
+        "fsdp=2,expert=4",
     ]
     for plan, report in reshards:  # each one checked shard by shard as it ran
         assert report.bytes_moved == plan.bytes_moved == minimum_bytes(plan.src, plan.dst)

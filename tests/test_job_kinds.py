@@ -256,7 +256,7 @@ def test_a_rule_naming_an_axis_the_target_mesh_lacks_names_the_leaf_and_both_lay
             "it is laid out as P('stage', 'shard') on {replica: 2, stage: 1, shard: 1, seq: 1, "
             "expert: 1, model: 2} (Explicit) now"
         ),
-        "relayout from replica=2,stage=1,shard=1,seq=1,expert=1,model=2 [Explicit] on devices 0..3",
+        "relayout from replica=2,model=2 [Explicit] on devices 0..3",
     ):
         assert part in message, message
     assert_untouched(state, expected, src)
