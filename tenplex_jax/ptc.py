@@ -89,6 +89,12 @@ class LeafLayout:
     replicated: tuple[tuple[int, str], ...] = dataclasses.field(default=(), compare=False)
     direct: bool = dataclasses.field(default=False, compare=False)
 
+    def __post_init__(self):
+        # one spelling per layout: an entry per dim (None, an axis, or a tuple of axes)
+        entries = logical_rules.spec_entries(self.spec, len(self.shape))
+        if len(entries) == len(self.shape):
+            object.__setattr__(self, "spec", logical_rules.as_spec(entries))
+
     @property
     def itemsize(self) -> int:
         # PRNG key dtypes are not numpy dtypes but carry their own itemsize.

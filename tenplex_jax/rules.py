@@ -174,15 +174,16 @@ def fit(
                         f"of total size {math.prod(sizes[a] for a in entry)}, which does not "
                         f"divide it; pass allow_replicate=True to replicate it along those axes, "
                         f"or choose another config: "
-                        + where(path, tuple(shape), _spec(entries), mesh or str(dict(sizes)))
+                        + where(path, tuple(shape), as_spec(entries), mesh or str(dict(sizes)))
                     )
                 replicated.append((dim, entry.pop()))
             fitted.append(tuple(entry))
         entries = tuple(fitted)
-    return _spec(entries), tuple(replicated)
+    return as_spec(entries), tuple(replicated)
 
 
-def _spec(entries) -> PartitionSpec:
+def as_spec(entries) -> PartitionSpec:
+    """The spec of per-dim mesh axes: ``None``, one axis, or a tuple of them, for each dim."""
     return PartitionSpec(*(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries))
 
 
