@@ -12,7 +12,8 @@ Two schedules:
 - the default changes every dimension: the mixture-of-experts GPT goes from ``data=2,expert=4`` on
   8 devices to ``expert=2,tensor=2`` on 4, ``pipe=2,data=3`` on 6 (a GPipe pipeline) and back to
   ``data=2,expert=4`` on 8. Tensor, expert and pipeline changes regroup float32 sums, so the params
-  agree with the fixed run to rounding (``params_vs_fixed_run`` gives the max relative difference);
+  agree with the fixed run to rounding (``params_vs_fixed_run`` gives the max relative difference;
+  a rounding difference that flips a token's top-k choice makes the runs drift further apart);
 - ``--bitwise`` changes the data-parallel degree only (8 → 4 → 6 → 8, the planner choosing data and
   FSDP sizes for each count): with virtual workers the params equal the fixed run bit for bit.
 
