@@ -198,7 +198,7 @@ def test_pytree_activations_flow_through_the_pipeline_as_a_moe_layers_loss():
     batch = {k: jnp.asarray(v) for k, v in batch_at(stdlib_corpus(2**20), 1, 6, 32).items()}
     want = example_losses(model, batch)
     graphdef, state = nnx.split(model)
-    ptc = tj.PTC.of(state, MOE_RULES, moe_config(pipe=2, expert=2, tensor=2), jax.devices())
+    ptc = tj.PTC.of(state, MOE_RULES, moe_config(pipe=2, expert=2), jax.devices()[:4])
     mesh = ptc.mesh()
     got = jax.jit(
         lambda s, b: example_losses(nnx.merge(graphdef, s), b, mesh=mesh, microbatches=3)
