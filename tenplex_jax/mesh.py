@@ -34,7 +34,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from tenplex_jax.errors import LayoutError
 
-__all__ = ["MESH_AXES", "ParallelConfig"]
+__all__ = ["MESH_AXES", "ParallelConfig", "resolve"]
 
 # The default axes, outermost first: tensor-parallel groups are neighbouring devices, pipeline
 # stages the farthest apart, as on real clusters where neighbours share the fastest links.
@@ -216,3 +216,59 @@ class ParallelConfig:
 def _types(types: tuple[AxisType, ...]) -> str:
     names = {t.name for t in types}
     return names.pop() if len(names) == 1 else "/".join(t.name for t in types)
+
+
+# -- a mesh and its devices, as PTCs take them -----------------------------------------------
+
+
+def resolve(
+    config: ParallelConfig | Mesh | AbstractMesh, devices: Sequence | None
+) -> tuple[ParallelConfig, list]:
+    """(config, devices in mesh order) of a ParallelConfig or AbstractMesh with devices, or of a
+    Mesh (its own devices)."""
+    if isinstance(config, Mesh):
+        own = list(config.devices.flat)
+        if devices is not None and [device_id(d) for d in devices] != [d.id for d in own]:
+            raise LayoutError(
+                f"a Mesh brings its own devices: mesh {dict(config.shape)} over "
+                f"{show_ids([d.id for d in own])} was given devices {show_ids([device_id(d) for d in devices])}"
+            )
+        return ParallelConfig.of(config), own
+    if not isinstance(config, (ParallelConfig, AbstractMesh)):
+        raise LayoutError(
+            f"a PTC is laid out over a ParallelConfig, an AbstractMesh or a Mesh, got "
+            f"{type(config).__name__} {config!r}"
+        )
+    config = ParallelConfig.of(config)
+    if devices is None:
+        raise LayoutError(
+            f"a PTC over {config.describe()} needs its devices (jax.Device objects or ids, in "
+            f"mesh order); a concrete Mesh brings its own"
+        )
+    return config, list(devices)
+
+
+def ids_and_hosts(devices, hosts) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if len(devices) == 0:
+        raise LayoutError("a PTC needs at least one device, got none")
+    ids = tuple(device_id(d) for d in devices)
+    if hosts is None:
+        hosts = tuple(0 if isinstance(d, (int, np.integer)) else d.process_index for d in devices)
+    return ids, tuple(int(h) for h in hosts)
+
+
+def device_id(device) -> int:
+    return int(device) if isinstance(device, (int, np.integer)) else device.id
+
+
+def show_ids(ids: Sequence[int]) -> str:
+    ids = list(ids)
+    if len(ids) > 2 and ids == list(range(ids[0], ids[0] + len(ids))):
+        return f"devices {ids[0]}..{ids[-1]}"
+    return f"devices {ids if len(ids) <= 16 else f'{ids[:16]}...'}"
+
+
+def show_mesh(mesh) -> str:
+    if isinstance(mesh, Mesh):
+        return f"mesh {dict(mesh.shape)} over {show_ids([d.id for d in mesh.devices.flat])}"
+    return f"abstract mesh {dict(mesh.shape)}"

@@ -37,11 +37,8 @@ the leaf and both specs and meshes when it is not (planning from a layout that i
 move the wrong bytes); a new layout of a placed state comes from ``ptc.relayout`` or an abstract
 state.
 
-**Uneven dims.** A dim of size ``n`` sharded over mesh axes of total size ``k`` needs ``n % k == 0``.
-When it does not divide, a PTC is refused with a ``LayoutError`` naming the leaf, dim, axes and
-sizes — unless ``allow_replicate=True`` (``PTC.of``): then the mesh axes of that dim are dropped,
-innermost first, until the rest divides; the dropped axes replicate the dim and are recorded in
-``LeafLayout.replicated`` so the plan summary shows them.
+**Uneven dims** are refused (``LayoutError`` naming the leaf, dim, axes and sizes) unless
+``allow_replicate=True`` replicates them along some of their axes (see ``tenplex_jax.rules``).
 """
 
 from __future__ import annotations
@@ -60,7 +57,7 @@ from tenplex_jax import rules as logical_rules
 from tenplex_jax import tree
 from tenplex_jax.box import Box, Shape
 from tenplex_jax.errors import LayoutError, PlanError, where
-from tenplex_jax.mesh import MESH_AXES, ParallelConfig
+from tenplex_jax.mesh import MESH_AXES, ParallelConfig, ids_and_hosts, resolve, show_ids, show_mesh
 from tenplex_jax.rules import Rules
 from tenplex_jax.tree import flatten_state
 
@@ -163,7 +160,7 @@ class PTC:
         ``LayoutError`` names the leaf, both specs and both meshes): for another layout,
         ``relayout``.
         """
-        config, devices = _mesh_and_devices(config, devices)
+        config, devices = resolve(config, devices)
         paths, leaves, treedef = flatten_state(state)
         names = [tree.names_of(leaf) for leaf in leaves]
         values = [tree.value_and_check(path, leaf) for path, leaf in zip(paths, leaves)]
@@ -217,15 +214,15 @@ class PTC:
             elif sharding.mesh != mesh:
                 raise LayoutError(
                     f"a PTC lays every leaf out on one mesh, but leaf {first!r} is on "
-                    f"{_show_mesh(mesh)} and leaf {path!r} (shape={tuple(value.shape)}, "
-                    f"spec={sharding.spec}) on {_show_mesh(sharding.mesh)}"
+                    f"{show_mesh(mesh)} and leaf {path!r} (shape={tuple(value.shape)}, "
+                    f"spec={sharding.spec}) on {show_mesh(sharding.mesh)}"
                 )
         if mesh is None:
             raise LayoutError("a PTC needs at least one leaf; the state has none")
         if isinstance(mesh, Mesh):
-            config, devices = _mesh_and_devices(mesh, devices)
+            config, devices = resolve(mesh, devices)
         else:
-            config, devices = _mesh_and_devices(ParallelConfig.of(mesh), devices)
+            config, devices = resolve(ParallelConfig.of(mesh), devices)
         shown, sizes = config.describe(), config.shape
         layouts = []
         for path, value, sharding in zip(paths, values, given):
@@ -239,7 +236,7 @@ class PTC:
                 )
             spec, _ = logical_rules.fit(tuple(entries), sizes, path, shape, mesh=shown)
             layouts.append(LeafLayout(path, shape, value.dtype, spec))
-        ids, hosts = _ids_and_hosts(devices, hosts)
+        ids, hosts = ids_and_hosts(devices, hosts)
         return cls(config, ids, hosts, tuple(layouts), treedef)
 
     def relayout(
@@ -264,7 +261,7 @@ class PTC:
                 "(it was built from shardings, or read back from a record without them): pass "
                 "rules=, or build the target PTC itself (PTC.from_shardings of the target tree)"
             )
-        config, devices = _mesh_and_devices(config, devices)
+        config, devices = resolve(config, devices)
         names = [(leaf.logical, leaf.direct) for leaf in self.leaves]
         values = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self.leaves]
         replicate = self.allow_replicate if allow_replicate is None else allow_replicate
@@ -274,7 +271,7 @@ class PTC:
     @classmethod
     def _build(cls, paths, names, values, treedef, rules, config, devices, hosts, replicate,
                source=None):  # fmt: skip
-        ids, hosts = _ids_and_hosts(devices, hosts)
+        ids, hosts = ids_and_hosts(devices, hosts)
         sizes, mesh = config.shape, config.describe()
         used = [(p, tuple(v.shape), n) for p, (n, direct), v in zip(paths, names, values)
                 if n is not None and not direct]  # fmt: skip
@@ -308,7 +305,7 @@ class PTC:
             came = (f"; it is laid out as {leaf.spec} on {source.config.describe()} now"
                     if leaf is not None else "")  # fmt: skip
             raise LayoutError(
-                f"relayout from {source.config} on {_ids(source.device_ids)}: {error}{came}"
+                f"relayout from {source.config} on {show_ids(source.device_ids)}: {error}{came}"
             ) from None
         return cls(config, ids, hosts, tuple(layouts), treedef, rules, replicate)
 
@@ -336,7 +333,7 @@ class PTC:
             f"a PTC of a placed state must describe the layout it has: the array is placed as "
             f"{sharding.spec} on mesh {dict(mesh.shape)} over devices "
             f"{on if len(on) <= 16 else f'{on[:16]}...'}, the rules give {leaf.spec} on "
-            f"{self.config.describe()} over {_ids(self.device_ids)}; for a new layout of this "
+            f"{self.config.describe()} over {show_ids(self.device_ids)}; for a new layout of this "
             f"state use ptc.relayout(config, devices), PTC.of on an abstract state "
             f"(jax.eval_shape), or PTC.from_shardings(state) for the layout it has: "
             + where(leaf.path, leaf.shape, leaf.spec, self.config.describe())
@@ -469,8 +466,8 @@ class PTC:
         if missing:
             raise LayoutError(
                 f"a mesh is built from devices this process has, but the PTC for "
-                f"{self.config.describe()} over {_ids(self.device_ids)} names devices {missing} "
-                f"that it does not have (it has {_ids(sorted(by_id))})"
+                f"{self.config.describe()} over {show_ids(self.device_ids)} names devices {missing} "
+                f"that it does not have (it has {show_ids(sorted(by_id))})"
             )
         return self.config.make_mesh([by_id[i] for i in self.device_ids])
 
@@ -505,57 +502,6 @@ class PTC:
             note = f"  (replicated {leaf.replicated})" if leaf.replicated else ""
             lines.append(f"  {leaf.path:48s} {leaf.shape!s:20s} {leaf.spec!s}{note}")
         return "\n".join(lines)
-
-
-def _mesh_and_devices(config: MeshLike, devices: Devices | None) -> tuple[ParallelConfig, list]:
-    """(config, devices in mesh order) of a ParallelConfig or AbstractMesh with devices, or of a
-    Mesh (its own devices)."""
-    if isinstance(config, Mesh):
-        own = list(config.devices.flat)
-        if devices is not None and [_id(d) for d in devices] != [d.id for d in own]:
-            raise LayoutError(
-                f"a Mesh brings its own devices: mesh {dict(config.shape)} over "
-                f"{_ids([d.id for d in own])} was given devices {_ids([_id(d) for d in devices])}"
-            )
-        return ParallelConfig.of(config), own
-    if not isinstance(config, (ParallelConfig, AbstractMesh)):
-        raise LayoutError(
-            f"a PTC is laid out over a ParallelConfig, an AbstractMesh or a Mesh, got "
-            f"{type(config).__name__} {config!r}"
-        )
-    config = ParallelConfig.of(config)
-    if devices is None:
-        raise LayoutError(
-            f"a PTC over {config.describe()} needs its devices (jax.Device objects or ids, in "
-            f"mesh order); a concrete Mesh brings its own"
-        )
-    return config, list(devices)
-
-
-def _ids_and_hosts(devices, hosts) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    if len(devices) == 0:
-        raise LayoutError("a PTC needs at least one device, got none")
-    ids = tuple(_id(d) for d in devices)
-    if hosts is None:
-        hosts = tuple(0 if isinstance(d, (int, np.integer)) else d.process_index for d in devices)
-    return ids, tuple(int(h) for h in hosts)
-
-
-def _id(device) -> int:
-    return int(device) if isinstance(device, (int, np.integer)) else device.id
-
-
-def _ids(ids: Sequence[int]) -> str:
-    ids = list(ids)
-    if len(ids) > 2 and ids == list(range(ids[0], ids[0] + len(ids))):
-        return f"devices {ids[0]}..{ids[-1]}"
-    return f"devices {ids if len(ids) <= 16 else f'{ids[:16]}...'}"
-
-
-def _show_mesh(mesh) -> str:
-    if isinstance(mesh, Mesh):
-        return f"mesh {dict(mesh.shape)} over {_ids([d.id for d in mesh.devices.flat])}"
-    return f"abstract mesh {dict(mesh.shape)}"
 
 
 def _json_names(names: tuple) -> list:
