@@ -5,13 +5,25 @@ never imports it, only the command line's demo, the examples, tests and benchmar
 """
 
 from .data import batch_at, corpus_samples, stdlib_corpus
-from .gpt import GPT, LOGICAL_RULES, GPTConfig, example_losses, loss_fn, profile
+from .gpt import (
+    GPT,
+    LOGICAL_RULES,
+    MOE_AXES,
+    MOE_RULES,
+    GPTConfig,
+    example_losses,
+    loss_fn,
+    moe_config,
+    profile,
+)
 from .train import CPU, build_state, make_train_step, param_count, profile_of, train_step
 
 __all__ = [
     "CPU",
     "GPT",
     "LOGICAL_RULES",
+    "MOE_AXES",
+    "MOE_RULES",
     "GPTConfig",
     "batch_at",
     "build_state",
@@ -19,6 +31,7 @@ __all__ = [
     "example_losses",
     "loss_fn",
     "make_train_step",
+    "moe_config",
     "param_count",
     "profile",
     "profile_of",

@@ -19,6 +19,17 @@ experiments:
   described by a mesh shape plus these rules, and the same checkpoint can be
   placed on any such configuration.
 
+* **Mixture of experts.** With ``n_experts > 0`` (presets ``moe-tiny``,
+  ``moe-small``) each layer's MLP is a mixture of experts: a router picks the
+  ``top_k`` experts of every token, tokens go to their experts' buffers of
+  ``capacity`` slots per sequence (GShard/Switch dispatch; a token over capacity
+  skips that expert and keeps its residual), and the experts' outputs are
+  combined with the renormalised router weights. The experts' weights are
+  stacked on an ``expert`` logical axis (``MOE_RULES`` maps it to the ``expert``
+  mesh axis: expert parallelism), and each sequence adds Switch's
+  load-balancing loss. Routing is per sequence, so an example's loss never
+  depends on the other examples of the batch.
+
 The forward pass is pure: it places no sharding constraints on activations,
 leaving placement to whatever sharding the parameters and inputs carry.
 """
@@ -51,8 +62,23 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("layers", "pipe"),
 )
 
+# The mixture-of-experts GPT's mesh: the default axes and ``expert``, whose devices hold different
+# experts; tensor-parallel groups stay neighbours.
+MOE_AXES = ("pipe", "data", "fsdp", "expert", "tensor")
+MOE_RULES: tuple[tuple[str, Any], ...] = LOGICAL_RULES + (("expert", "expert"),)
+
+
+def moe_config(**sizes: int) -> ParallelConfig:
+    """A config over ``MOE_AXES``: ``moe_config(expert=4, data=2)``; other axes have size 1."""
+    unknown = set(sizes) - set(MOE_AXES)
+    if unknown:
+        raise ValueError(f"the MoE mesh has axes {MOE_AXES}, got {sorted(unknown)}")
+    return ParallelConfig.of({axis: sizes.get(axis, 1) for axis in MOE_AXES})
+
+
 # The per-layer weights, stacked along a leading ``layers`` dim.
 STACKED = ("ln1_scale", "wq", "wk", "wv", "wo", "ln2_scale", "w1", "b1", "w2", "b2")
+STACKED_MOE = STACKED + ("router",)
 _NORM_EPS = 1e-6
 _INIT_STD = 0.02
 
@@ -67,6 +93,10 @@ class GPTConfig:
     n_layers: int = 2
     n_heads: int = 4
     d_ff: int = 256
+    n_experts: int = 0  # 0: a dense MLP; else that many experts per layer
+    top_k: int = 2  # experts per token
+    capacity_factor: float = 1.25  # expert buffer slots per sequence, over an even split
+    aux_weight: float = 0.01  # weight of Switch's load-balancing loss
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads != 0:
@@ -74,6 +104,13 @@ class GPTConfig:
         for name in ("vocab", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must lie in 1..n_experts={self.n_experts}")
+
+    @property
+    def capacity(self) -> int:
+        """Slots per expert and sequence: ``top_k * seq_len / n_experts`` times the factor."""
+        return math.ceil(self.top_k * self.seq_len * self.capacity_factor / self.n_experts)
 
     @property
     def d_head(self) -> int:
@@ -96,12 +133,25 @@ class GPTConfig:
         return cls(d_model=768, n_layers=16, n_heads=12, d_ff=3072, seq_len=1024)
 
     @classmethod
+    def moe_tiny(cls) -> GPTConfig:
+        """The tiny model with 4 experts of top-2 routing per layer."""
+        return dataclasses.replace(cls.tiny(), n_experts=4)
+
+    @classmethod
+    def moe_small(cls) -> GPTConfig:
+        """The small model with 4 experts of half its MLP width and top-2 routing per layer: each
+        token's MLP compute is the dense model's (about 200K parameters)."""
+        return dataclasses.replace(cls.small(), n_experts=4, d_ff=128)
+
+    @classmethod
     def by_name(cls, name: str) -> GPTConfig:
         """Look up a preset by name, e.g. from a command-line flag."""
         presets: dict[str, Callable[[], GPTConfig]] = {
             "tiny": cls.tiny,
             "small": cls.small,
             "gpt100m": cls.gpt100m,
+            "moe-tiny": cls.moe_tiny,
+            "moe-small": cls.moe_small,
         }
         if name not in presets:
             raise ValueError(f"unknown GPT preset {name!r}; valid names: {sorted(presets)}")
@@ -147,17 +197,25 @@ class GPT(nnx.Module):
         self.wo = _param(rngs, normal, (L, H, Dh, d), ("layers", "heads", "kv", "embed"))
 
         self.ln2_scale = _param(rngs, ones, (L, d), ("layers", "embed"))
-        self.w1 = _param(rngs, normal, (L, d, F), ("layers", "embed", "mlp"))
-        self.b1 = _param(rngs, zeros, (L, F), ("layers", "mlp"))
-        self.w2 = _param(rngs, normal, (L, F, d), ("layers", "mlp", "embed"))
-        self.b2 = _param(rngs, zeros, (L, d), ("layers", "embed"))
+        if cfg.n_experts:  # experts stacked after the layers: (layers, expert, ...)
+            E = cfg.n_experts
+            self.router = _param(rngs, normal, (L, d, E), ("layers", "embed", None))
+            self.w1 = _param(rngs, normal, (L, E, d, F), ("layers", "expert", "embed", "mlp"))
+            self.b1 = _param(rngs, zeros, (L, E, F), ("layers", "expert", "mlp"))
+            self.w2 = _param(rngs, normal, (L, E, F, d), ("layers", "expert", "mlp", "embed"))
+            self.b2 = _param(rngs, zeros, (L, E, d), ("layers", "expert", "embed"))
+        else:
+            self.w1 = _param(rngs, normal, (L, d, F), ("layers", "embed", "mlp"))
+            self.b1 = _param(rngs, zeros, (L, F), ("layers", "mlp"))
+            self.w2 = _param(rngs, normal, (L, F, d), ("layers", "mlp", "embed"))
+            self.b2 = _param(rngs, zeros, (L, d), ("layers", "embed"))
 
         self.final_norm_scale = _param(rngs, ones, (d,), ("embed",))
         self.unembed = _param(rngs, normal, (d, cfg.vocab), ("embed", "vocab"))
 
     def _layer_params(self) -> dict[str, jax.Array]:
         """The stacked per-layer weights, as the xs of the layer scan."""
-        return {name: getattr(self, name)[...] for name in STACKED}
+        return {name: getattr(self, name)[...] for name in stacked(self.cfg)}
 
     def __call__(
         self,
@@ -174,6 +232,18 @@ class GPT(nnx.Module):
         run outside the pipeline. ``stages`` gives uneven layers per stage; the stacked weights are
         then padded (``Stages.pad``). Without a mesh the layers run as one scan.
         """
+        return self.forward(tokens, mesh=mesh, microbatches=microbatches, stages=stages)[0]
+
+    def forward(
+        self,
+        tokens: jax.Array,
+        *,
+        mesh: Mesh | None = None,
+        microbatches: int = 1,
+        stages: Stages | None = None,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """(logits, float32[B] load-balancing loss per sequence summed over the layers, or None
+        for the dense model); arguments as for ``__call__``."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
         T = tokens.shape[1]
@@ -182,20 +252,86 @@ class GPT(nnx.Module):
 
         x = jnp.take(self.tok_embed[...], tokens, axis=0)
         x = x + self.pos_embed[...][:T]
-        # a Python float, not a traced value: the pipeline's shard_map must not close over tracers
-        block = functools.partial(_block, scale=1.0 / math.sqrt(self.cfg.d_head))
+        block = block_fn(self.cfg)
         params = self._layer_params()
+        aux = None
+        if self.cfg.n_experts:  # the activations carry each sequence's load-balancing loss
+            x = (x, jnp.zeros(x.shape[:1], jnp.float32))
         if mesh is not None or stages is not None:
             mesh = mesh if mesh is not None else ParallelConfig().abstract_mesh()
             x = pipeline(block, params, x, mesh=mesh, microbatches=microbatches, stages=stages)
         else:
             x, _ = jax.lax.scan(lambda h, p: (block(h, p), None), x, params)
+        if self.cfg.n_experts:
+            x, aux = x
         x = _rms_norm(x, self.final_norm_scale[...])
-        return jnp.einsum("btd,dv->btv", x, self.unembed[...])
+        return jnp.einsum("btd,dv->btv", x, self.unembed[...]), aux
+
+
+def stacked(cfg: GPTConfig) -> tuple[str, ...]:
+    """The names of the stacked per-layer weights of a model with ``cfg``."""
+    return STACKED_MOE if cfg.n_experts else STACKED
+
+
+def block_fn(cfg: GPTConfig) -> Callable:
+    """One layer as ``(activations, layer params) -> activations``: the dense block, or for a
+    mixture of experts ``((h, aux), p) -> (h, aux + this layer's load-balancing loss)``."""
+    # a Python float, not a traced value: the pipeline's shard_map must not close over tracers
+    scale = 1.0 / math.sqrt(cfg.d_head)
+    if cfg.n_experts:
+        return functools.partial(_moe_block, scale=scale, top_k=cfg.top_k, capacity=cfg.capacity)
+    return functools.partial(_block, scale=scale)
 
 
 def _block(h: jax.Array, p: dict[str, jax.Array], scale: jax.Array) -> jax.Array:
     """One pre-norm transformer layer: causal self-attention, then the MLP."""
+    h = _attention(h, p, scale)
+    m = _rms_norm(h, p["ln2_scale"])
+    m = jax.nn.gelu(jnp.einsum("btd,df->btf", m, p["w1"]) + p["b1"])
+    return h + jnp.einsum("btf,fd->btd", m, p["w2"]) + p["b2"]
+
+
+def _moe_block(hx, p: dict[str, jax.Array], scale: float, top_k: int, capacity: int):
+    """One pre-norm layer whose MLP is a mixture of experts; ``hx = (h, aux)``."""
+    h, aux = hx
+    h = _attention(h, p, scale)
+    out, balance = _experts(_rms_norm(h, p["ln2_scale"]), p, top_k, capacity)
+    return h + out, aux + balance
+
+
+def _experts(x: jax.Array, p: dict[str, jax.Array], top_k: int, capacity: int):
+    """Top-k routing over ``p["router"]`` and the experts' MLPs: (float32[b, t, d] output,
+    float32[b] Switch load-balancing loss of each sequence).
+
+    Every sequence routes on its own: its tokens' k choices fill each expert's ``capacity``
+    slots first choices first, then in token order; a choice over capacity is dropped (its
+    gate's share of the token is then zero, and the residual carries it).
+    """
+    b, t, _ = x.shape
+    n = p["router"].shape[-1]
+    probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, p["router"]), axis=-1)
+    gates, chosen = jax.lax.top_k(probs, top_k)  # [b, t, k]
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    picks = jax.nn.one_hot(chosen, n, dtype=x.dtype)  # [b, t, k, e]
+    # a choice's slot in its expert's buffer: the choices before it, first choices first
+    order = jnp.swapaxes(picks, 1, 2).reshape(b, top_k * t, n)
+    slot = jnp.swapaxes((jnp.cumsum(order, axis=1) - order).reshape(b, top_k, t, n), 1, 2)
+    kept = picks * (slot < capacity)
+    slots = jax.nn.one_hot(jnp.sum(slot * picks, axis=-1).astype(jnp.int32), capacity)
+    dispatch = jnp.einsum("btke,btkc->btec", kept, slots)  # [b, t, e, c]: 0/1
+    combine = jnp.einsum("btk,btke,btkc->btec", gates, kept, slots)
+    tokens = jnp.einsum("btec,btd->becd", dispatch, x)  # each expert's buffer
+    hidden = jax.nn.gelu(jnp.einsum("becd,edf->becf", tokens, p["w1"]) + p["b1"][:, None])
+    y = jnp.einsum("becf,efd->becd", hidden, p["w2"]) + p["b2"][:, None]
+    out = jnp.einsum("btec,becd->btd", combine, y)
+    # Switch: n * sum_e (share of choices routed to e) * (mean router probability of e)
+    share = jnp.sum(picks, axis=(1, 2)) / (t * top_k)
+    balance = n * jnp.sum(share * jnp.mean(probs, axis=1), axis=-1)
+    return out, balance
+
+
+def _attention(h: jax.Array, p: dict[str, jax.Array], scale: float) -> jax.Array:
+    """The causal self-attention half of a layer, with its residual."""
     T = h.shape[1]
     causal = jnp.tril(jnp.ones((T, T), dtype=bool))
     a = _rms_norm(h, p["ln1_scale"])
@@ -206,11 +342,7 @@ def _block(h: jax.Array, p: dict[str, jax.Array], scale: jax.Array) -> jax.Array
     scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1)
     attn = jnp.einsum("bhts,bshk->bthk", probs, v)
-    h = h + jnp.einsum("bthk,hkd->btd", attn, p["wo"])
-
-    m = _rms_norm(h, p["ln2_scale"])
-    m = jax.nn.gelu(jnp.einsum("btd,df->btf", m, p["w1"]) + p["b1"])
-    return h + jnp.einsum("btf,fd->btd", m, p["w2"]) + p["b2"]
+    return h + jnp.einsum("bthk,hkd->btd", attn, p["wo"])
 
 
 def loss_fn(model: GPT, batch: dict[str, jax.Array], **pipelining) -> jax.Array:
@@ -222,10 +354,14 @@ def loss_fn(model: GPT, batch: dict[str, jax.Array], **pipelining) -> jax.Array:
 
 
 def example_losses(model: GPT, batch: dict[str, jax.Array], **pipelining) -> jax.Array:
-    """float32[batch]: each example's mean next-byte cross entropy over its positions."""
-    logits = model(batch["inputs"], **pipelining)
+    """float32[batch]: each example's mean next-byte cross entropy over its positions (plus, for
+    a mixture of experts, its load-balancing loss averaged over the layers, weighted)."""
+    logits, aux = model.forward(batch["inputs"], **pipelining)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.mean(losses, axis=-1)
+    losses = jnp.mean(losses, axis=-1)
+    if aux is None:
+        return losses
+    return losses + model.cfg.aux_weight / model.cfg.n_layers * aux
 
 
 def profile(cfg: GPTConfig, name: str = "gpt") -> ModelProfile:
@@ -239,9 +375,12 @@ def profile(cfg: GPTConfig, name: str = "gpt") -> ModelProfile:
     abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     one_layer = {
         k: jax.ShapeDtypeStruct(getattr(model, k).shape[1:], getattr(model, k).dtype)
-        for k in STACKED
+        for k in stacked(cfg)
     }
     block = functools.partial(_block, scale=1.0 / jnp.sqrt(jnp.float32(cfg.d_head)))
+    if cfg.n_experts:  # the layer's cost, its load-balancing loss carried along
+        moe = block_fn(cfg)
+        block = lambda h, p: moe((h, jnp.zeros(h.shape[:1], jnp.float32)), p)[0]
     hidden = lambda b: jax.ShapeDtypeStruct((b, cfg.seq_len, cfg.d_model), jnp.float32)
     names = ("tok_embed", "pos_embed", "final_norm_scale", "unembed")
     outer = {k: abstract(getattr(model, k)) for k in names}

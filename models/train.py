@@ -59,28 +59,45 @@ def profile_of(name: str) -> tj.planner.ModelProfile:
 
 def train_step(graphdef):
     """``step(state, batch) -> (state, {"loss": loss})`` for ``ElasticJob.jit``: one AdamW step on
-    the batch's bitwise gradient (``batch.value_and_grad``)."""
+    the batch's bitwise gradient (``batch.value_and_grad``); the layers run as a GPipe pipeline
+    when the mesh has a ``pipe`` axis larger than 1."""
 
     def step(state, batch):
         nodes = nnx.merge(graphdef, state)
-        loss, grads = batch.value_and_grad(example_losses)(nodes["model"])
+        losses = pipelined(example_losses, batch.mesh, batch.layout)
+        loss, grads = batch.value_and_grad(losses)(nodes["model"])
         nodes["optimizer"].update(nodes["model"], grads)
         return nnx.state(nodes), {"loss": loss}
 
     return step
 
 
-def make_train_step(graphdef, ptc: tj.PTC, layout: tj.BatchLayout):
+def pipelined(losses, mesh, layout: tj.BatchLayout):
+    """``losses`` (a per-example loss of the GPT) with its layers pipelined over the mesh's
+    ``pipe`` axis: in as many microbatches as divide the rows of one pass (a virtual worker's
+    unit, or a rank's microbatch) up to twice the stages; ``losses`` itself without a pipe axis."""
+    stages = mesh.shape.get("pipe", 1)
+    if stages == 1:
+        return losses
+    rows = layout.unit if layout.virtual else layout.rows // layout.accumulate
+    micro = max(m for m in range(1, min(rows, 2 * stages) + 1) if rows % m == 0)
+    return functools.partial(losses, mesh=mesh, microbatches=micro)
+
+
+def make_train_step(graphdef, ptc: tj.PTC, layout: tj.BatchLayout, batch_axes=None):
     """The jitted ``(state, batch, weights) -> (state, loss)`` for one layout; donates the state.
 
     Pinned to the PTC's shardings, so each step keeps the layout the next plan starts from. The
-    gradient comes from ``tj.batch_value_and_grad``: with virtual workers it has the same bits on
-    any data-parallel size.
+    gradient comes from ``tj.batch_value_and_grad`` over ``batch_axes`` (default
+    ``("data", "fsdp")``): with virtual workers it has the same bits on any data-parallel size.
+    The layers run as a pipeline when the mesh has a ``pipe`` axis larger than 1.
     """
     from tenplex_jax.batch import BATCH_AXES
 
+    batch_axes = BATCH_AXES if batch_axes is None else tuple(batch_axes)
     mesh = ptc.mesh()
-    grad_fn = tj.batch_value_and_grad(example_losses, layout, mesh, batch_axes=BATCH_AXES)
+    losses = pipelined(example_losses, mesh, layout)
+    grad_fn = tj.batch_value_and_grad(losses, layout, mesh, batch_axes=batch_axes)
 
     def step(state, batch, weights):
         nodes = nnx.merge(graphdef, state)
@@ -88,7 +105,7 @@ def make_train_step(graphdef, ptc: tj.PTC, layout: tj.BatchLayout):
         nodes["optimizer"].update(nodes["model"], grads)
         return nnx.state(nodes), loss
 
-    rows = NamedSharding(mesh, P(BATCH_AXES))
+    rows = NamedSharding(mesh, P(batch_axes))
     return jax.jit(
         step,
         in_shardings=(ptc.shardings(mesh), rows, rows),

@@ -25,8 +25,14 @@ The public face, in the order a user meets it::
 The rest is one import deeper: ``tj.errors`` (every error class), ``tj.planner`` (cluster
 descriptions, model profiles, the search and the config policy), ``tj.elastic`` (the elastic loop,
 compiled steps, resource traces), ``tj.multihost`` (the launcher, the commit protocol and the
-tensor store), and the core modules ``tj.ptc``, ``tj.plan``, ``tj.executor``, ``tj.data``,
-``tj.batch``, ``tj.pipelining``, ``tj.checkpoint`` and ``tj.box``.
+tensor store), and the core modules ``tj.ptc``, ``tj.mesh``, ``tj.rules``, ``tj.tree``,
+``tj.plan``, ``tj.executor``, ``tj.data``, ``tj.batch``, ``tj.pipelining``, ``tj.checkpoint`` and
+``tj.box``.
+
+A PTC comes from whatever the job has: ``tj.PTC.of(state, rules, mesh)`` for logical names (Flax
+NNX variables, Linen boxes) and rules on any mesh (``tj.ParallelConfig(...)``, or the user's own
+``Mesh`` / ``jax.make_mesh`` / ``AbstractMesh``), ``tj.PTC.from_shardings(state)`` for any pytree
+of arrays, or ShapeDtypeStructs, as their shardings lay them out.
 
 Names are imported on first use, so that ``import tenplex_jax`` (and ``tenplex-jax --help``) does
 not wait for JAX.
@@ -59,7 +65,8 @@ _EXPORTS = {
     "ElasticJob": "elastic",
 }
 _SUBMODULES = frozenset(
-    {"box", "batch", "checkpoint", "data", "errors", "executor", "pipelining", "plan", "ptc"}
+    {"box", "batch", "checkpoint", "data", "errors", "executor", "mesh", "pipelining", "plan"}
+    | {"ptc", "rules", "tree"}
     | {"elastic", "multihost", "planner"}
 )
 

@@ -43,10 +43,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
-from tenplex_jax import checksums
+from tenplex_jax import checksums, tree
 from tenplex_jax.data import DataState
 from tenplex_jax.errors import CheckpointError, DataError, where
-from tenplex_jax.executor import _arrays, _check_tree
+from tenplex_jax.executor import check_tree
 from tenplex_jax.ptc import PTC
 
 FORMAT = "tenplex_jax/checkpoint/2"  # 2: a leaf per directory, the step's files checksummed
@@ -107,13 +107,13 @@ def save_checkpoint(
     background; call ``.wait()`` on the result before relying on the step. ``keep`` bounds the number
     of steps kept (oldest deleted first). Every process of a multi-process job must call this.
     """
-    paths, arrays, treedef = _arrays(state)
-    _check_tree(paths, treedef, ptc)
+    paths, arrays, _ = tree.arrays(state)
+    check_tree(paths, ptc)
     for array, leaf in zip(arrays, ptc.leaves):
         if tuple(np.shape(array)) != leaf.shape:
             raise CheckpointError(
                 f"the state has shape {tuple(np.shape(array))} where the PTC says otherwise: "
-                + where(leaf.path, leaf.shape, leaf.spec, ptc.config)
+                + where(leaf.path, leaf.shape, leaf.spec, ptc.config.describe())
             )
     directory = pathlib.Path(directory).absolute()
     record = {
@@ -224,7 +224,7 @@ def restore_checkpoint(
             raise CheckpointError(
                 f"a checkpoint leaf must have the target's shape and dtype: {item} has {key!r} "
                 f"as {tuple(shape or ())} {dtype}, the target wants {leaf.shape} {leaf.dtype}: "
-                + where(leaf.path, leaf.shape, leaf.spec, target.config)
+                + where(leaf.path, leaf.shape, leaf.spec, target.config.describe())
             )
         restore_paths.append(key)
         sharding = NamedSharding(mesh, leaf.spec)
@@ -517,7 +517,7 @@ def _missing_message(leaf, target: PTC, stored: dict, prefix: str, item) -> str:
     return (
         f"every target leaf must be in the checkpoint: {item} (prefix {prefix!r}) has no "
         f"{leaf.path!r}; it holds {len(stored)} leaves, e.g. {list(stored)[:4]}{hint}: "
-        + where(leaf.path, leaf.shape, leaf.spec, target.config)
+        + where(leaf.path, leaf.shape, leaf.spec, target.config.describe())
     )
 
 

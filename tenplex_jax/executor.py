@@ -43,14 +43,14 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 
 from tenplex_jax import box as boxes
+from tenplex_jax import tree
 from tenplex_jax.box import Box
-from tenplex_jax.errors import PlanError, where
+from tenplex_jax.errors import LayoutError, PlanError, where
 from tenplex_jax.plan import LeafPlan, Plan, ShardPlan
-from tenplex_jax.ptc import PTC, flatten_state
+from tenplex_jax.ptc import PTC
 
 METHODS = ("plan", "device_put")
 EXECUTORS = ("auto", "host", "device")
@@ -96,10 +96,12 @@ def reshard(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-    paths, arrays, treedef = _arrays(state)
-    _check_tree(paths, treedef, plan.src)
+    paths, arrays, treedef = tree.arrays(state)
+    check_tree(paths, plan.src)
     check_state(arrays, plan)
-    mesh = plan.dst.mesh(devices)
+    mesh = _target_mesh(plan, devices)
+    if isinstance(plan.dst.treedef, jax.tree_util.PyTreeDef):
+        treedef = plan.dst.treedef  # the target's containers (an orbax target's dicts, boxes, ...)
     choose = {"auto": _path_of, "host": _host_only, "device": lambda array, leaf: _device_leaf}
     paths_of = [choose[executor](array, leaf) for array, leaf in zip(arrays, plan.leaves)]
     start = time.perf_counter()
@@ -146,8 +148,8 @@ def place(state, ptc):
     buffers with ``state`` (``may_alias=False``), so a later donating ``reshard`` of the placed
     state cannot free arrays the caller still holds.
     """
-    paths, arrays, treedef = _arrays(state)
-    _check_tree(paths, treedef, ptc)
+    paths, arrays, treedef = tree.arrays(state)
+    check_tree(paths, ptc)
     mesh = ptc.mesh()
     shardings = [NamedSharding(mesh, leaf.spec) for leaf in ptc.leaves]
     placed = jax.device_put(arrays, shardings, may_alias=False)
@@ -170,24 +172,47 @@ def _buffers(array: jax.Array) -> set[tuple[int, int]]:
     return {(s.device.id, s.data.unsafe_buffer_pointer()) for s in array.addressable_shards}
 
 
-def _arrays(state):
-    """(paths, arrays, treedef) of a state: NNX variables unwrapped to the arrays they hold."""
-    paths, leaves, treedef = flatten_state(state)
-    return paths, [x.get_value() if isinstance(x, nnx.Variable) else x for x in leaves], treedef
-
-
-def _check_tree(paths: list[str], treedef, ptc: PTC) -> None:
-    if treedef == ptc.treedef:
-        return
+def check_tree(paths: list[str], ptc: PTC) -> None:
     want = [leaf.path for leaf in ptc.leaves]
+    if paths == want:
+        return
     first = next(
         (i for i, (a, b) in enumerate(zip(paths, want)) if a != b), min(len(paths), len(want))
     )
+    leaf = ptc.leaves[first] if first < len(want) else None
     raise PlanError(
         f"the state's tree does not match the PTC's: the state has {len(paths)} leaves, the PTC "
         f"{len(want)}; first difference at leaf {first}: state "
         f"{paths[first] if first < len(paths) else '(none)'!r} vs PTC "
-        f"{want[first] if first < len(want) else '(none)'!r} (PTC {ptc.config})"
+        f"{want[first] if first < len(want) else '(none)'!r} (PTC {ptc.config} on "
+        f"{list(ptc.device_ids)}"
+        + (f"; its leaf {leaf.path!r} has shape {leaf.shape}, spec {leaf.spec})" if leaf else ")")
+    )
+
+
+def _target_mesh(plan: Plan, devices) -> jax.sharding.Mesh:
+    """The target mesh, or a ``LayoutError`` naming the target devices this process lacks and the
+    first leaf that would go there, before anything moves."""
+    have = {d.id for d in (jax.devices() if devices is None else devices)}
+    missing = sorted(set(plan.dst.device_ids) - have)
+    if not missing:
+        return plan.dst.mesh(devices)
+    leaf = next((l for l in plan.leaves if any(s.device in missing for s in l.shards)), None)
+    raise LayoutError(
+        f"a plan runs on devices this process has, but the target PTC names devices {missing} "
+        f"that it does not have (it has {sorted(have)}); nothing was moved"
+        + (": " + _both(leaf, plan) if leaf is not None else "")
+    )
+
+
+def _both(leaf: LeafPlan, plan: Plan) -> str:
+    """A leaf in both layouts: path, shape, source and target specs and meshes."""
+    return where(
+        leaf.path,
+        leaf.dst.shape,
+        f"{leaf.src.spec} -> {leaf.dst.spec}",
+        f"{plan.src.config.describe()} over {list(plan.src.device_ids)} -> "
+        f"{plan.dst.config.describe()} over {list(plan.dst.device_ids)}",
     )
 
 
@@ -198,27 +223,35 @@ def check_state(arrays, plan: Plan) -> None:
         if not isinstance(array, jax.Array):
             raise PlanError(
                 f"a live state holds jax.Arrays, got {type(array).__name__}: "
-                + where(leaf.path, leaf.shape, leaf.spec, src.config)
+                + where(leaf.path, leaf.shape, leaf.spec, src.config.describe())
             )
         if tuple(array.shape) != leaf.shape or array.dtype != leaf.dtype:
             raise PlanError(
                 f"the state has shape {array.shape} dtype {array.dtype} where the plan expects "
-                f"{leaf.dtype}: " + where(leaf.path, leaf.shape, leaf.spec, src.config)
+                f"{leaf.dtype}: " + where(leaf.path, leaf.shape, leaf.spec, src.config.describe())
             )
         if array.is_deleted():
             raise PlanError(
                 "the state holds a deleted array (donated by an earlier reshard or jit): "
-                + where(leaf.path, leaf.shape, leaf.spec, src.config)
+                + where(leaf.path, leaf.shape, leaf.spec, src.config.describe())
             )
         have = {
             d.id: boxes.of_index(idx, leaf.shape)
             for d, idx in array.sharding.devices_indices_map(leaf.shape).items()
         }
         if have != src.boxes(leaf):
+            sharding = array.sharding
+            placed = (
+                f"{sharding.spec} on mesh {dict(sharding.mesh.shape)}"
+                if isinstance(sharding, NamedSharding)
+                else f"{sharding}"
+            )
             raise PlanError(
-                f"the state is not laid out as the plan's source PTC says (sharding {array.sharding}); "
-                f"build the plan from the state's current PTC: "
-                + where(leaf.path, leaf.shape, leaf.spec, f"{src.config} on {list(src.device_ids)}")
+                f"the state is not laid out as the plan's source PTC says: the array is placed "
+                f"as {placed} over devices {sorted(have)}, the PTC says {leaf.spec} on "
+                f"{src.config.describe()} over {list(src.device_ids)}; build the plan from the "
+                f"state's current PTC (PTC.from_shardings(state) reads it): "
+                + where(leaf.path, leaf.shape, leaf.spec, src.config.describe())
             )
 
 

@@ -145,7 +145,9 @@ def pipeline(
     """Apply stacked layers to ``x`` as a GPipe pipeline over the ``axis`` mesh axis.
 
     ``layer_params`` is a pytree of arrays with a leading layers dim (padded when ``stages`` is
-    uneven), sharded over ``axis``; ``x`` is ``[batch, ...]``. Returns what
+    uneven), sharded over ``axis``; ``x`` is ``[batch, ...]``, or a pytree of such arrays that
+    ``layer_fn`` maps to one of the same structure (e.g. the activations and a per-example loss
+    that every layer adds to). Returns what
     ``lax.scan(lambda h, p: (layer_fn(h, p), None), x, layer_params)[0]`` returns (on the unpadded
     layers), to within floating-point reassociation. With ``mesh.shape[axis] == 1`` it is that scan.
     With ``remat`` (the default, as in GPipe) each layer is recomputed in the backward pass
@@ -169,9 +171,11 @@ def pipeline(
     if n_stages == 1:
         return _layers(layer_fn, layer_params, jnp.asarray(stages.mask), x, uneven)
 
-    batch = x.shape[0]
     # Microbatch j takes rows j, j + m, j + 2m, ...: a reshape that keeps the batch sharding.
-    xs = jnp.swapaxes(x.reshape((batch // microbatches, microbatches) + x.shape[1:]), 0, 1)
+    split = lambda a: jnp.swapaxes(
+        a.reshape((a.shape[0] // microbatches, microbatches) + a.shape[1:]), 0, 1
+    )
+    xs = jax.tree.map(split, x)
     mask = jnp.asarray(stages.mask)
 
     def spmd(params, mask, xs):
@@ -185,7 +189,7 @@ def pipeline(
         axis_names=frozenset({axis}),
     )
     ys = run(layer_params, mask, xs)
-    return jnp.swapaxes(ys, 0, 1).reshape(x.shape[:1] + ys.shape[2:])
+    return jax.tree.map(lambda y: jnp.swapaxes(y, 0, 1).reshape((-1,) + y.shape[2:]), ys)
 
 
 def _context_mesh(mesh: Mesh):
@@ -214,30 +218,39 @@ def _layers(layer_fn: LayerFn, params, mask: jax.Array, h: jax.Array, uneven: bo
 def _gpipe(layer_fn: LayerFn, params, mask, xs, n_stages: int, axis: str, uneven: bool):
     """One stage's view of the schedule: ``xs`` is ``[microbatches, mb, ...]`` on every stage."""
     stage = jax.lax.axis_index(axis)
-    n_micro = xs.shape[0]
+    n_micro = jax.tree.leaves(xs)[0].shape[0]
     last = n_stages - 1
     shift = [(s, (s + 1) % n_stages) for s in range(n_stages)]
+    where = lambda c, a, b: jax.tree.map(lambda u, v: jnp.where(c, u, v), a, b)
 
     def tick(carry, t):
         held, outputs = carry
         # stage 0 takes in microbatch t; the others take what the previous stage passed on
-        fresh = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, n_micro - 1), keepdims=False)
-        held = jnp.where(stage == 0, fresh, held)
+        index = jnp.minimum(t, n_micro - 1)
+        fresh = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), xs)
+        held = where(stage == 0, fresh, held)
         held = _layers(layer_fn, params, mask, held, uneven)
         done = t - last  # the microbatch the last stage finishes at this tick
         slot = jnp.clip(done, 0, n_micro - 1)
         write = (stage == last) & (done >= 0)
-        current = jax.lax.dynamic_index_in_dim(outputs, slot, keepdims=False)
-        outputs = jax.lax.dynamic_update_index_in_dim(
-            outputs, jnp.where(write, held, current), slot, axis=0
-        )
+
+        def store(out, new):
+            current = jax.lax.dynamic_index_in_dim(out, slot, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(
+                out, jnp.where(write, new, current), slot, axis=0
+            )
+
+        outputs = jax.tree.map(store, outputs, held)
         return (jax.lax.ppermute(held, axis, shift), outputs), None
 
     # the carries differ between stages: mark them varying over the pipe axis
-    start = jax.lax.pcast((jnp.zeros_like(xs[0]), jnp.zeros_like(xs)), (axis,), to="varying")
+    zeros = jax.tree.map(jnp.zeros_like, (jax.tree.map(lambda a: a[0], xs), xs))
+    start = jax.lax.pcast(zeros, (axis,), to="varying")
     (_, outputs), _ = jax.lax.scan(tick, start, jnp.arange(n_micro + n_stages - 1))
     # only the last stage wrote outputs: the sum over stages hands them to every stage
-    return jax.lax.psum(jnp.where(stage == last, outputs, jnp.zeros_like(outputs)), axis)
+    return jax.tree.map(
+        lambda out: jax.lax.psum(jnp.where(stage == last, out, jnp.zeros_like(out)), axis), outputs
+    )
 
 
 def _check(params, x, stages: Stages, n_stages: int, microbatches: int, axis: str, mesh) -> None:
@@ -257,10 +270,12 @@ def _check(params, x, stages: Stages, n_stages: int, microbatches: int, axis: st
             )
     if not isinstance(microbatches, (int, np.integer)) or microbatches < 1:
         raise LayoutError(f"microbatches must be an integer >= 1, got {microbatches!r}")
-    if x.ndim == 0 or x.shape[0] % microbatches:
+    shapes = [tuple(a.shape) for a in jax.tree.leaves(x)]
+    if not shapes or any(not s or s[0] % microbatches or s[0] != shapes[0][0] for s in shapes):
         raise LayoutError(
-            f"the batch dim must divide into {microbatches} microbatches, got activations of shape "
-            f"{tuple(x.shape)} (mesh={mesh_text})"
+            f"the batch dim must divide into {microbatches} microbatches, the same in every "
+            f"activation, got activations of shape {shapes[0] if len(shapes) == 1 else shapes} "
+            f"(mesh={mesh_text})"
         )
 
 

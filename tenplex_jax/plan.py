@@ -42,8 +42,8 @@ import numpy as np
 
 from tenplex_jax import box as boxes
 from tenplex_jax.box import Box
-from tenplex_jax.errors import LostShardsError, PlanError, where
-from tenplex_jax.ptc import PTC, LeafLayout
+from tenplex_jax.errors import LostShardsError, PlanError
+from tenplex_jax.ptc import PTC, LeafLayout, dtype_name
 
 KINDS = ("keep", "split", "move", "merge")
 
@@ -189,7 +189,7 @@ class Plan:
 
 def _devs(ids: Iterable[int]) -> str:
     ids = list(ids)
-    if ids == list(range(ids[0], ids[0] + len(ids))):
+    if len(ids) > 1 and ids == list(range(ids[0], ids[0] + len(ids))):
         return f"devices {ids[0]}..{ids[-1]}"
     return f"devices {ids}"
 
@@ -208,11 +208,7 @@ def make_plan(src: PTC, dst: PTC, *, failed: Iterable[int] = ()) -> Plan:
             f"{sorted(failed & set(dst.device_ids))}; a plan around failed devices must target "
             f"the devices that remain"
         )
-    if len(src.leaves) != len(dst.leaves) or src.treedef != dst.treedef:
-        raise PlanError(
-            f"the two PTCs describe different state trees ({len(src.leaves)} vs {len(dst.leaves)} "
-            f"leaves); a plan maps one state onto a new layout of the same state"
-        )
+    check_same_state(src, dst)
     host = dict(zip(src.device_ids, src.hosts)) | dict(zip(dst.device_ids, dst.hosts))
     # layout → (shards, bytes each sender sends, totals): one computation serves all its leaves
     by_layout: dict[tuple, tuple[tuple[ShardPlan, ...], dict[int, int], tuple]] = {}
@@ -220,12 +216,6 @@ def make_plan(src: PTC, dst: PTC, *, failed: Iterable[int] = ()) -> Plan:
     leaves = []
     lost: list[tuple[str, tuple]] = []  # (path, boxes held only by failed devices)
     for s, d in zip(src.leaves, dst.leaves):
-        if (s.path, s.shape, s.dtype) != (d.path, d.shape, d.dtype):
-            raise PlanError(
-                f"leaf {s.path!r} {s.shape} {s.dtype} in the source PTC does not match leaf {d.path!r} "
-                f"{d.shape} {d.dtype} in the target PTC: "
-                + where(d.path, d.shape, d.spec, dst.config)
-            )
         key = (s.shape, s.itemsize, s.spec, d.spec)
         if key not in by_layout:
             load: dict[int, int] = collections.Counter()  # bytes each sender sends so far
@@ -253,6 +243,35 @@ def make_plan(src: PTC, dst: PTC, *, failed: Iterable[int] = ()) -> Plan:
     if lost:
         raise LostShardsError(src, failed, tuple(lost))
     return Plan(src, dst, tuple(leaves))
+
+
+def check_same_state(src: PTC, dst: PTC) -> None:
+    """``PlanError`` unless ``src`` and ``dst`` have the same leaves in the same order (paths,
+    shapes, dtypes): two layouts of one state. The containers may differ (an ``nnx.State`` and the
+    plain dict of an orbax target, Linen boxes and unboxed arrays); the first differing leaf is
+    named with both specs and both meshes."""
+    pairs = zip(src.leaves, dst.leaves)
+    bad = next(((i, s, d) for i, (s, d) in enumerate(pairs)
+                if (s.path, s.shape, s.dtype) != (d.path, d.shape, d.dtype)), None)  # fmt: skip
+    if bad is None and len(src.leaves) == len(dst.leaves):
+        return
+    show = lambda leaf: (
+        "(none)" if leaf is None else
+        f"{leaf.path!r} {dtype_name(leaf.dtype)}{list(leaf.shape)} spec={leaf.spec}"
+    )  # fmt: skip
+    if bad is None:
+        i = min(len(src.leaves), len(dst.leaves))
+        s = src.leaves[i] if i < len(src.leaves) else None
+        d = dst.leaves[i] if i < len(dst.leaves) else None
+    else:
+        i, s, d = bad
+    raise PlanError(
+        f"a plan maps one state onto a new layout of the same state (the same leaf paths, shapes "
+        f"and dtypes, in order), but the source PTC has {len(src.leaves)} leaves and the target "
+        f"{len(dst.leaves)}; leaf {i} is {show(s)} on {src.config.describe()} over "
+        f"{_devs(src.device_ids)} in the source, {show(d)} on {dst.config.describe()} over "
+        f"{_devs(dst.device_ids)} in the target"
+    )
 
 
 def _totals(shards: tuple[ShardPlan, ...]) -> tuple[int, int, collections.Counter]:

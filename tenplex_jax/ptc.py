@@ -2,34 +2,43 @@
 
 A PTC records, for every leaf of a train state (params, optimizer moments, step counters, RNG state),
 its tree path, shape, dtype and ``PartitionSpec`` (the *slicing* and *partitioning* of the Tenplex
-paper), plus the mesh's device ids (the *allocation*). It holds no arrays, so two PTCs can be built,
-compared and planned between without touching device memory.
+paper), plus the mesh (a :class:`ParallelConfig`: axis names, sizes, types) and its device ids in
+mesh order (the *allocation*). It holds no arrays, so two PTCs can be built, compared and planned
+between without touching device memory. A PTC comes from whatever the job has:
 
-Specs come from the logical axis names that Flax NNX stores on each variable
-(``nnx.with_partitioning(init, ("embed", "mlp"))`` → ``out_sharding=("embed", "mlp")``) and from
-logical-axis rules that map them to the mesh axes ``data``, ``fsdp``, ``tensor`` and ``pipe``, with
-flax's own rule semantics (``tenplex_jax.rules``). Optimizer moments carry the metadata of the
-param they mirror, so they get its layout; leaves without logical names (step counters, RNG keys
-and counts) are replicated.
+- ``PTC.of(state, rules, mesh)``: logical axis names and flax logical-axis rules, resolved by flax's
+  own semantics (``tenplex_jax.rules``). The names are those Flax NNX stores on each variable
+  (``nnx.with_partitioning(init, ("embed", "mlp"))``) or a Linen box holds
+  (``nn.with_logical_partitioning``; an ``nn.Partitioned`` box names mesh axes, used as they are).
+  Optimizer moments carry their param's names, so they get its layout; leaves without names (step
+  counters, RNG keys and counts) are replicated.
+- ``PTC.from_shardings(state)``: the ``NamedSharding`` each leaf already has: a live state of any
+  pytree of ``jax.Array`` (plain dicts, equinox-style modules, NNX state), or a tree of
+  ``ShapeDtypeStruct`` with shardings (an orbax restore target); ``from_shardings(abstract, tree)``
+  takes them from a separate tree of shardings (a ``jit``'s ``out_shardings``).
+
+The mesh is any mesh: ``ParallelConfig(data=2, tensor=4)`` for the four default axes, or the user's
+own ``Mesh`` / ``jax.make_mesh`` / ``AbstractMesh`` with any axis names, order and types. Source and
+target of a plan may come from different kinds and meshes with different axis names.
 
 Example::
 
     state = nnx.state((model, optimizer))
     rules = (("embed", "fsdp"), ("mlp", "tensor"), ("vocab", "tensor"))
     ptc = PTC.of(state, rules, ParallelConfig(data=2, tensor=4), jax.devices())
-    ptc.leaf("model/w1").spec   # PartitionSpec('fsdp', 'tensor')
+    ptc.leaf("0/w1").spec   # PartitionSpec(None, 'fsdp', 'tensor')
     new = ptc.relayout(ParallelConfig(fsdp=4), jax.devices()[4:])   # the same state, laid out anew
+    mesh = jax.make_mesh((2, 2), ("replica", "model"), devices=jax.devices()[:4])
+    other = ptc.relayout(mesh, rules=(("embed", "replica"), ("mlp", "model")))   # the user's mesh
 
 **A PTC describes the state as it is.** Built from a live state whose arrays already carry
 ``NamedSharding``s, ``PTC.of`` checks that the computed layout is the one on the devices and names
-the leaf and both specs when it is not (planning from a layout that is not there would move the
-wrong bytes); a new layout of a placed state comes from ``ptc.relayout`` or an abstract state.
+the leaf and both specs and meshes when it is not (planning from a layout that is not there would
+move the wrong bytes); a new layout of a placed state comes from ``ptc.relayout`` or an abstract
+state.
 
-**Uneven dims.** A dim of size ``n`` sharded over mesh axes of total size ``k`` needs ``n % k == 0``.
-When it does not divide, ``PTC.of`` refuses the config with a ``LayoutError`` naming the leaf, dim,
-axis and sizes — unless ``allow_replicate=True``: then the mesh axes of that dim are dropped, innermost
-first, until the rest divides; the dropped axes replicate the dim and are recorded in
-``LeafLayout.replicated`` so the plan summary shows them.
+**Uneven dims** are refused (``LayoutError`` naming the leaf, dim, axes and sizes) unless
+``allow_replicate=True`` replicates them along some of their axes (see ``tenplex_jax.rules``).
 """
 
 from __future__ import annotations
@@ -41,87 +50,47 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from tenplex_jax import box as boxes
 from tenplex_jax import rules as logical_rules
+from tenplex_jax import tree
 from tenplex_jax.box import Box, Shape
 from tenplex_jax.errors import LayoutError, PlanError, where
+from tenplex_jax.mesh import MESH_AXES, ParallelConfig, ids_and_hosts, resolve, show_ids, show_mesh
 from tenplex_jax.rules import Rules
+from tenplex_jax.tree import flatten_state
 
 __all__ = ["MESH_AXES", "PTC", "Box", "LeafLayout", "ParallelConfig", "Rules", "Shape"]
 
-# Mesh axis order, outermost first: tensor parallel groups are neighbouring devices, pipeline stages
-# the farthest apart, as on real clusters where neighbours share the fastest links.
-MESH_AXES = ("pipe", "data", "fsdp", "tensor")
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    """A parallel configuration: the size of each mesh axis. Any axis may be 1."""
-
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-    pipe: int = 1
-
-    def __post_init__(self):
-        for axis in MESH_AXES:
-            size = getattr(self, axis)
-            if not isinstance(size, (int, np.integer)) or size < 1:
-                raise LayoutError(
-                    f"mesh axis sizes must be integers >= 1, got {axis}={size!r} in {self!r}"
-                )
-
-    @property
-    def shape(self) -> dict[str, int]:
-        """Axis sizes in mesh order (``MESH_AXES``)."""
-        return {axis: getattr(self, axis) for axis in MESH_AXES}
-
-    @property
-    def num_devices(self) -> int:
-        return math.prod(self.shape.values())
-
-    @classmethod
-    def parse(cls, text: str) -> ParallelConfig:
-        """``"data=2,tensor=4"`` → ``ParallelConfig(data=2, tensor=4)``."""
-        sizes = {}
-        if text.strip() == "single":
-            return cls()
-        for part in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
-            name, _, value = part.partition("=")
-            if name not in MESH_AXES or not value.isdigit():
-                raise LayoutError(
-                    f"a parallel config is 'axis=size,...' with axes {MESH_AXES}, got {text!r}"
-                )
-            sizes[name] = int(value)
-        return cls(**sizes)
-
-    def __str__(self) -> str:
-        return ",".join(f"{a}={s}" for a, s in self.shape.items() if s > 1) or "single"
-
-    def abstract_mesh(self) -> AbstractMesh:
-        return AbstractMesh(tuple(self.shape.values()), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
-
-    def make_mesh(self, devices: Sequence[jax.Device]) -> Mesh:
-        """A mesh of Auto axes (what Flax NNX layers expect) over ``devices`` in the given order."""
-        if len(devices) != self.num_devices:
-            raise LayoutError(f"config {self} needs {self.num_devices} devices, got {len(devices)}")
-        grid = np.array(list(devices), dtype=object).reshape(tuple(self.shape.values()))
-        return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+MeshLike = ParallelConfig | Mesh | AbstractMesh
+Devices = Sequence[jax.Device | int]
 
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
-    """The layout of one leaf: path, shape, dtype, spec, and the logical names it came from."""
+    """The layout of one leaf: path, shape, dtype, spec, and the axis names it came from.
+
+    ``logical`` holds the leaf's logical names (``None`` for a leaf laid out by its sharding, or
+    without names); with ``direct``, they are mesh axes (flax's ``nn.Partitioned``), not logical.
+    Two layouts are equal when they lay the same leaf out the same way (path, shape, dtype,
+    spec), however they were derived.
+    """
 
     path: str
     shape: Shape
     dtype: Any
     spec: PartitionSpec
-    logical: tuple[str | None, ...] | None = None
-    replicated: tuple[tuple[int, str], ...] = ()  # (dim, mesh axis) dropped because indivisible
+    logical: tuple | None = dataclasses.field(default=None, compare=False)
+    # (dim, mesh axis) dropped because indivisible
+    replicated: tuple[tuple[int, str], ...] = dataclasses.field(default=(), compare=False)
+    direct: bool = dataclasses.field(default=False, compare=False)
+
+    def __post_init__(self):
+        # one spelling per layout: an entry per dim (None, an axis, or a tuple of axes)
+        entries = logical_rules.spec_entries(self.spec, len(self.shape))
+        if len(entries) == len(self.shape):
+            object.__setattr__(self, "spec", logical_rules.as_spec(entries))
 
     @property
     def itemsize(self) -> int:
@@ -141,8 +110,8 @@ def _is_key(dtype) -> bool:
 class PTC:
     """Parallelizable tensor collection: the abstract layout of a whole train state.
 
-    ``device_ids`` lists the mesh's devices in row-major mesh order (``MESH_AXES``); ``hosts`` gives the
-    process index of each, used to prefer same-host sources when planning.
+    ``device_ids`` lists the mesh's devices in row-major mesh order (``config.names``); ``hosts``
+    gives the process index of each, used to prefer same-host sources when planning.
     """
 
     config: ParallelConfig
@@ -150,7 +119,7 @@ class PTC:
     hosts: tuple[int, ...]
     leaves: tuple[LeafLayout, ...]
     treedef: Any = dataclasses.field(compare=False)
-    # how the specs were derived, for relayout (None for a PTC read back without them)
+    # how the specs were derived, for relayout (None for a PTC of shardings or read without them)
     rules: tuple | None = dataclasses.field(default=None, compare=False)
     allow_replicate: bool = dataclasses.field(default=False, compare=False)
 
@@ -167,86 +136,178 @@ class PTC:
                 f"need one host per device, got {len(self.hosts)} for {len(self.device_ids)}"
             )
 
+    # -- constructors -------------------------------------------------------------------------
+
     @classmethod
     def of(
         cls,
         state,
         rules: Rules,
-        config: ParallelConfig,
-        devices: Sequence[jax.Device | int],
+        config: MeshLike,
+        devices: Devices | None = None,
         *,
         hosts: Sequence[int] | None = None,
         allow_replicate: bool = False,
     ) -> PTC:
-        """The PTC of ``state`` laid out by ``rules`` over ``config`` on ``devices``.
+        """The PTC of ``state`` laid out by logical-axis ``rules`` over a mesh.
 
         ``state`` is an ``nnx.State`` (live or from ``nnx.eval_shape``), NNX graph nodes such as
-        ``(model, optimizer)``, or any pytree of arrays / ``ShapeDtypeStruct``. ``devices`` are
-        ``jax.Device`` objects or bare device ids (for planning without devices); in mesh order.
-        Arrays that already carry ``NamedSharding``s must be laid out as computed (else
-        ``LayoutError`` names the leaf and both specs): for another layout, ``relayout``.
+        ``(model, optimizer)``, Flax Linen variables with ``nn.LogicallyPartitioned`` /
+        ``nn.Partitioned`` boxes (and an optax state built from them), or any pytree of arrays /
+        ``ShapeDtypeStruct``. ``config`` is a ``ParallelConfig``, an ``AbstractMesh`` (both with
+        ``devices``: ``jax.Device`` objects or bare ids, in mesh order) or a ``Mesh`` (its own
+        devices). Arrays that already carry ``NamedSharding``s must be laid out as computed (else
+        ``LayoutError`` names the leaf, both specs and both meshes): for another layout,
+        ``relayout``.
         """
+        config, devices = resolve(config, devices)
         paths, leaves, treedef = flatten_state(state)
-        pairs = [_logical_and_value(path, leaf) for path, leaf in zip(paths, leaves)]
-        logical, values = [p[0] for p in pairs], [p[1] for p in pairs]
-        ptc = cls._build(paths, logical, values, treedef, rules, config, devices, hosts,
+        names = [tree.names_of(leaf) for leaf in leaves]
+        values = [tree.value_and_check(path, leaf) for path, leaf in zip(paths, leaves)]
+        ptc = cls._build(paths, names, values, treedef, rules, config, devices, hosts,
                          allow_replicate)  # fmt: skip
         for leaf, value in zip(ptc.leaves, values):
             ptc._check_placed(leaf, value)
         return ptc
 
+    @classmethod
+    def from_shardings(
+        cls,
+        state,
+        shardings=None,
+        *,
+        devices: Devices | None = None,
+        hosts: Sequence[int] | None = None,
+    ) -> PTC:
+        """The PTC of ``state`` as its leaves are laid out: each one's own ``NamedSharding``.
+
+        ``state`` is any pytree of ``jax.Array`` (the ground truth of what is on the devices) or
+        of ``ShapeDtypeStruct`` with shardings (an orbax restore target); NNX variables and Linen
+        boxes are unwrapped. ``shardings`` instead gives them as a tree shaped like the state, a
+        prefix of it, or one sharding for all (a ``jit``'s ``out_shardings``), for a state of any
+        array-likes. Every leaf must have a ``NamedSharding`` on one mesh; an ``AbstractMesh``
+        needs ``devices`` (ids in mesh order). Such a PTC knows no rules: the target of a plan
+        from it is another PTC (``from_shardings`` of the target tree, or ``PTC.of``).
+
+        >>> state = jax.jit(init, out_shardings=shardings)()
+        >>> src = PTC.from_shardings(state)
+        >>> dst = PTC.from_shardings(orbax_target)   # ShapeDtypeStructs with the new shardings
+        >>> state, _ = reshard(state, make_plan(src, dst))
+        """
+        paths, leaves, treedef = flatten_state(state)
+        values = [tree.value_and_check(path, leaf) for path, leaf in zip(paths, leaves)]
+        if shardings is None:
+            given = [getattr(value, "sharding", None) for value in values]
+        else:
+            given = tree.per_leaf(shardings, state, treedef, len(values))
+        mesh, first = None, None
+        for path, value, sharding in zip(paths, values, given):
+            if not isinstance(sharding, NamedSharding):
+                raise LayoutError(
+                    f"a PTC from shardings needs a NamedSharding at every leaf, but leaf {path!r} "
+                    f"(shape={tuple(value.shape)}) has {sharding!r}: place it on the mesh with "
+                    f"jax.device_put(x, NamedSharding(mesh, P())) (P() replicates it), or give "
+                    f"shardings="
+                )
+            if mesh is None:
+                mesh, first = sharding.mesh, path
+            elif sharding.mesh != mesh:
+                raise LayoutError(
+                    f"a PTC lays every leaf out on one mesh, but leaf {first!r} is on "
+                    f"{show_mesh(mesh)} and leaf {path!r} (shape={tuple(value.shape)}, "
+                    f"spec={sharding.spec}) on {show_mesh(sharding.mesh)}"
+                )
+        if mesh is None:
+            raise LayoutError("a PTC needs at least one leaf; the state has none")
+        if isinstance(mesh, Mesh):
+            config, devices = resolve(mesh, devices)
+        else:
+            config, devices = resolve(ParallelConfig.of(mesh), devices)
+        shown, sizes = config.describe(), config.shape
+        layouts = []
+        for path, value, sharding in zip(paths, values, given):
+            shape = tuple(value.shape)
+            entries = logical_rules.spec_entries(sharding.spec, len(shape))
+            if len(entries) != len(shape) or any(a not in sizes for e in entries for a in e):
+                raise LayoutError(
+                    f"a sharding's spec names one mesh axis or None per dim of its array, got "
+                    f"{sharding.spec} for {len(shape)} dims: "
+                    + where(path, shape, sharding.spec, shown)
+                )
+            spec, _ = logical_rules.fit(tuple(entries), sizes, path, shape, mesh=shown)
+            layouts.append(LeafLayout(path, shape, value.dtype, spec))
+        ids, hosts = ids_and_hosts(devices, hosts)
+        return cls(config, ids, hosts, tuple(layouts), treedef)
+
     def relayout(
         self,
-        config: ParallelConfig,
-        devices: Sequence[jax.Device | int],
+        config: MeshLike,
+        devices: Devices | None = None,
         *,
         hosts: Sequence[int] | None = None,
         rules: Rules | None = None,
         allow_replicate: bool | None = None,
     ) -> PTC:
-        """The same state laid out over ``config`` on ``devices``, by the same rules (or ``rules``).
+        """The same state laid out over ``config`` (a ``ParallelConfig``, ``AbstractMesh`` or
+        ``Mesh``, as in :meth:`of`), by the same rules (or ``rules``, e.g. for a mesh with other
+        axis names).
 
         Pure, like ``of`` on an abstract state: the target of a plan from this PTC.
         """
         rules = self.rules if rules is None else rules
         if rules is None:
             raise LayoutError(
-                f"this PTC ({self.config} on {list(self.device_ids)}) does not know the rules it "
-                "was laid out by (it was read back from a record without them): pass rules="
+                f"this PTC ({self.config} on {list(self.device_ids)}) knows no logical-axis rules "
+                "(it was built from shardings, or read back from a record without them): pass "
+                "rules=, or build the target PTC itself (PTC.from_shardings of the target tree)"
             )
+        config, devices = resolve(config, devices)
+        names = [(leaf.logical, leaf.direct) for leaf in self.leaves]
         values = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self.leaves]
         replicate = self.allow_replicate if allow_replicate is None else allow_replicate
-        return self._build([leaf.path for leaf in self.leaves],
-                           [leaf.logical for leaf in self.leaves], values, self.treedef, rules,
-                           config, devices, hosts, replicate)  # fmt: skip
+        return self._build([leaf.path for leaf in self.leaves], names, values, self.treedef,
+                           rules, config, devices, hosts, replicate, source=self)  # fmt: skip
 
     @classmethod
-    def _build(cls, paths, logical, values, treedef, rules, config, devices, hosts, replicate):
-        if len(devices) == 0:
-            raise LayoutError(f"a PTC needs at least one device, got none (config {config})")
-        ids = tuple(d if isinstance(d, (int, np.integer)) else d.id for d in devices)
-        if hosts is None:
-            hosts = tuple(
-                0 if isinstance(d, (int, np.integer)) else d.process_index for d in devices
-            )
-        rules = logical_rules.normalize(rules, MESH_AXES)
-        sizes, mesh = config.shape, _mesh_str(config)
-        layouts = []
-        for path, names, value in zip(paths, logical, values):
-            shape, dtype = tuple(value.shape), value.dtype
-            if names is None:
-                layouts.append(LeafLayout(path, shape, dtype, PartitionSpec()))
-                continue
-            if len(names) != len(shape):
-                raise LayoutError(
-                    f"logical axes {names} name {len(names)} dims but the leaf has "
-                    f"{len(shape)}: " + where(path, shape, names, mesh)
-                )
-            spec, dropped = logical_rules.spec(names, rules, sizes, path, shape,
-                                               allow_replicate=replicate, mesh=mesh)  # fmt: skip
-            layouts.append(LeafLayout(path, shape, dtype, spec, names, dropped))
-        return cls(config, ids, tuple(int(h) for h in hosts), tuple(layouts), treedef, rules,
-                   replicate)  # fmt: skip
+    def _build(cls, paths, names, values, treedef, rules, config, devices, hosts, replicate,
+               source=None):  # fmt: skip
+        ids, hosts = ids_and_hosts(devices, hosts)
+        sizes, mesh = config.shape, config.describe()
+        used = [(p, tuple(v.shape), n) for p, (n, direct), v in zip(paths, names, values)
+                if n is not None and not direct]  # fmt: skip
+        try:
+            rules = logical_rules.normalize(rules, config.names, mesh=mesh, leaves=used)
+            layouts = []
+            for i, (path, (logical, direct), value) in enumerate(zip(paths, names, values)):
+                shape, dtype = tuple(value.shape), value.dtype
+                if logical is None:
+                    layouts.append(LeafLayout(path, shape, dtype, PartitionSpec()))
+                    continue
+                if len(logical) != len(shape):
+                    raise LayoutError(
+                        f"{'mesh' if direct else 'logical'} axes {logical} name {len(logical)} "
+                        f"dims but the leaf has {len(shape)}: " + where(path, shape, logical, mesh)
+                    )
+                if direct:  # flax's nn.Partitioned: mesh axes already
+                    spec, dropped = logical_rules.direct(
+                        logical, sizes, path, shape, allow_replicate=replicate, mesh=mesh
+                    )
+                else:
+                    spec, dropped = logical_rules.spec(
+                        logical, rules, sizes, path, shape, allow_replicate=replicate, mesh=mesh
+                    )
+                layouts.append(LeafLayout(path, shape, dtype, spec, logical, dropped, direct))
+        except LayoutError as error:
+            if source is None:
+                raise
+            # a relayout: say where the leaf comes from, so both layouts are in the message
+            leaf = next((l for l in source.leaves if f"leaf {l.path!r}" in str(error)), None)
+            came = (f"; it is laid out as {leaf.spec} on {source.config.describe()} now"
+                    if leaf is not None else "")  # fmt: skip
+            raise LayoutError(
+                f"relayout from {source.config} on {show_ids(source.device_ids)}: {error}{came}"
+            ) from None
+        return cls(config, ids, hosts, tuple(layouts), treedef, rules, replicate)
 
     def _check_placed(self, leaf: LeafLayout, value) -> None:
         """A value placed with a ``NamedSharding`` must hold the boxes this PTC gives it."""
@@ -257,8 +318,8 @@ class PTC:
             return  # host data, a single device, or an abstract value: not laid out yet
         mesh = sharding.mesh
         if (
-            mesh.axis_names == MESH_AXES
-            and tuple(mesh.axis_sizes) == tuple(self.config.shape.values())
+            mesh.axis_names == self.config.names
+            and tuple(mesh.axis_sizes) == self.config.sizes
             and tuple(d.id for d in mesh.devices.flat) == self.device_ids
             and _entries(sharding.spec, leaf) == _entries(leaf.spec, leaf)
         ):
@@ -272,22 +333,23 @@ class PTC:
             f"a PTC of a placed state must describe the layout it has: the array is placed as "
             f"{sharding.spec} on mesh {dict(mesh.shape)} over devices "
             f"{on if len(on) <= 16 else f'{on[:16]}...'}, the rules give {leaf.spec} on "
-            f"{_mesh_str(self.config)} over {list(self.device_ids)}; for a new layout of this "
-            f"state use ptc.relayout(config, devices), or PTC.of on an abstract state "
-            f"(jax.eval_shape): " + where(leaf.path, leaf.shape, leaf.spec, _mesh_str(self.config))
+            f"{self.config.describe()} over {show_ids(self.device_ids)}; for a new layout of this "
+            f"state use ptc.relayout(config, devices), PTC.of on an abstract state "
+            f"(jax.eval_shape), or PTC.from_shardings(state) for the layout it has: "
+            + where(leaf.path, leaf.shape, leaf.spec, self.config.describe())
         )
 
     # -- records ------------------------------------------------------------------------------
 
     def to_json(self) -> dict:
         """The PTC as JSON: config, devices, hosts, rules and each leaf's path, shape, dtype, spec,
-        logical names and replicated dims (not the tree structure: ``from_json`` takes it from a
+        axis names and replicated dims (not the tree structure: ``from_json`` takes it from a
         PTC)."""
         rules = self.rules
         if rules is not None:
             rules = [[name, list(a) if isinstance(a, tuple) else a] for name, a in rules]
         return {
-            "config": {axis: int(size) for axis, size in dataclasses.asdict(self.config).items()},
+            "config": self.config.to_json(),
             "device_ids": [int(d) for d in self.device_ids],
             "hosts": [int(h) for h in self.hosts],
             "rules": rules,
@@ -296,10 +358,11 @@ class PTC:
                 {
                     "path": leaf.path,
                     "shape": list(leaf.shape),
-                    "dtype": _dtype_str(leaf.dtype),
+                    "dtype": dtype_name(leaf.dtype),
                     "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec],
-                    "logical": None if leaf.logical is None else list(leaf.logical),
+                    "logical": None if leaf.logical is None else _json_names(leaf.logical),
                     "replicated": [[dim, axis] for dim, axis in leaf.replicated],
+                    "direct": leaf.direct,
                 }
                 for leaf in self.leaves
             ],
@@ -310,7 +373,7 @@ class PTC:
         """The PTC of ``to_json``'s record, with ``like``'s tree structure; ``PlanError`` unless
         the record's leaves (paths, shapes, dtypes) are ``like``'s."""
         got = [(r["path"], tuple(r["shape"]), r["dtype"]) for r in record["leaves"]]
-        want = [(leaf.path, leaf.shape, _dtype_str(leaf.dtype)) for leaf in like.leaves]
+        want = [(leaf.path, leaf.shape, dtype_name(leaf.dtype)) for leaf in like.leaves]
         if got != want:
             show = lambda leaf: f"{leaf[0]!r} {leaf[2]}{list(leaf[1])}"
             diff = next(
@@ -333,8 +396,9 @@ class PTC:
                 tuple(r["shape"]),
                 same.dtype,
                 PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in r["spec"])),
-                None if r.get("logical") is None else tuple(r["logical"]),
+                None if r.get("logical") is None else _names(r["logical"]),
                 tuple((int(dim), axis) for dim, axis in r.get("replicated", ())),
+                bool(r.get("direct", False)),
             )
             for r, same in zip(record["leaves"], like.leaves)
         )
@@ -342,7 +406,7 @@ class PTC:
         if rules is not None:
             rules = tuple((n, tuple(a) if isinstance(a, list) else a) for n, a in rules)
         return cls(
-            ParallelConfig(**record["config"]),
+            ParallelConfig.from_json(record["config"]),
             tuple(record["device_ids"]),
             tuple(record["hosts"]),
             leaves,
@@ -350,6 +414,8 @@ class PTC:
             rules,
             bool(record.get("allow_replicate", False)),
         )
+
+    # -- reading it ---------------------------------------------------------------------------
 
     @property
     def nbytes(self) -> int:
@@ -368,14 +434,14 @@ class PTC:
 
         Computed from the spec alone; a scalar gives shape ``[0, devices, 2]``.
         """
-        coords = np.indices(tuple(self.config.shape.values())).reshape(4, -1).T  # [device, 4]
-        sizes = self.config.shape
+        names, sizes = self.config.names, self.config.shape
+        coords = np.indices(self.config.sizes).reshape(len(names), -1).T  # [device, axes]
         per_dim = []
         for dim, entry in enumerate(logical_rules.spec_entries(leaf.spec, len(leaf.shape))):
             index = np.zeros(len(coords), dtype=np.int64)
             count = 1
             for axis in entry:  # major to minor
-                index = index * sizes[axis] + coords[:, MESH_AXES.index(axis)]
+                index = index * sizes[axis] + coords[:, names.index(axis)]
                 count *= sizes[axis]
             block = leaf.shape[dim] // count
             per_dim.append(np.stack([index * block, (index + 1) * block], axis=1))
@@ -393,12 +459,15 @@ class PTC:
         return {dev: boxes[i] for dev, i in zip(self.device_ids, which.ravel().tolist())}
 
     def mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """The concrete mesh; devices are looked up by id among ``devices`` (default ``jax.devices()``)."""
+        """The concrete mesh; devices are looked up by id among ``devices`` (default
+        ``jax.devices()``). ``LayoutError`` names the devices this process does not have."""
         by_id = {d.id: d for d in (jax.devices() if devices is None else devices)}
         missing = [i for i in self.device_ids if i not in by_id]
         if missing:
             raise LayoutError(
-                f"PTC for {self.config} names devices {missing} that this process does not have"
+                f"a mesh is built from devices this process has, but the PTC for "
+                f"{self.config.describe()} over {show_ids(self.device_ids)} names devices {missing} "
+                f"that it does not have (it has {show_ids(sorted(by_id))})"
             )
         return self.config.make_mesh([by_id[i] for i in self.device_ids])
 
@@ -435,52 +504,17 @@ class PTC:
         return "\n".join(lines)
 
 
-def flatten_state(state) -> tuple[list[str], list[Any], Any]:
-    """(paths, leaves, treedef) of a state; leaves are NNX variables or array-likes.
-
-    ``treedef`` is the array-level treedef: ``tree_unflatten(treedef, arrays)`` rebuilds the state.
-    """
-    if _is_graph_nodes(state):
-        state = nnx.state(state)
-    is_var = lambda x: isinstance(x, nnx.Variable)
-    with_paths, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_var)
-    arrays, treedef = jax.tree_util.tree_flatten(state)
-    if len(arrays) != len(with_paths):
-        raise LayoutError("every NNX variable in the state must hold exactly one array")
-    paths = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in with_paths]
-    return paths, [leaf for _, leaf in with_paths], treedef
+def _json_names(names: tuple) -> list:
+    return [list(n) if isinstance(n, tuple) else n for n in names]
 
 
-def _is_graph_nodes(state) -> bool:
-    """NNX objects, or a tuple / list / dict of them, such as ``{"model": m, "optimizer": o}``."""
-    if isinstance(state, dict):
-        nodes = list(state.values())
-    else:
-        nodes = list(state) if isinstance(state, (tuple, list)) else [state]
-    return len(nodes) > 0 and all(nnx.graph.is_graph_node(n) for n in nodes)
+def _names(names: list) -> tuple:
+    return tuple(tuple(n) if isinstance(n, list) else n for n in names)
 
 
-def _logical_and_value(path: str, leaf) -> tuple[tuple[str | None, ...] | None, Any]:
-    """(logical names or None, the array-like value) of one leaf of a state."""
-    if isinstance(leaf, nnx.Variable):
-        logical, value = leaf.get_metadata().get("out_sharding"), leaf.get_value()
-    else:
-        logical, value = None, leaf
-    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-        raise LayoutError(
-            f"leaf {path!r} is {type(value).__name__}, not an array; every leaf of a "
-            f"state must be an array or ShapeDtypeStruct"
-        )
-    return (None if logical is None else tuple(logical)), value
-
-
-def _dtype_str(dtype) -> str:
+def dtype_name(dtype) -> str:
     """A dtype's name: numpy's for array dtypes, JAX's (``key<fry>``) for PRNG keys."""
     return str(dtype) if _is_key(dtype) else np.dtype(dtype).name
-
-
-def _mesh_str(config: ParallelConfig) -> str:
-    return "{" + ", ".join(f"{n}: {s}" for n, s in config.shape.items()) + "}"
 
 
 def _entries(spec: PartitionSpec, leaf: LeafLayout) -> list[tuple[str, ...]]:

@@ -1,15 +1,50 @@
-"""Shared builders for the tests: a real NNX GPT + optax AdamW train state."""
+"""Shared builders for the tests: a real NNX GPT + optax AdamW train state, the matrix of layout
+changes every kind of state is resharded through, and shard-by-shard checks."""
 
 from __future__ import annotations
+
+import ctypes
+import math
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
 
+from tenplex_jax import ParallelConfig
 from tenplex_jax_models import GPT, LOGICAL_RULES, GPTConfig
 
 RULES = LOGICAL_RULES
+C = ParallelConfig
+# (name, source config, source devices, target config, target devices[, failed devices])
+MATRIX = [
+    ("dp 8->4", C(data=8), range(8), C(data=4), range(4)),
+    ("dp 4->6 on 2..7", C(data=4), range(4), C(data=6), range(2, 8)),
+    ("tp 2->4", C(data=4, tensor=2), range(8), C(data=2, tensor=4), range(8)),
+    ("fsdp 4->2", C(data=2, fsdp=4), range(8), C(data=4, fsdp=2), range(8)),
+    ("dp2,tp4 -> dp3,tp2", C(data=2, tensor=4), range(8), C(data=3, tensor=2), range(6)),
+    ("disjoint", C(data=2, tensor=2), range(4), C(fsdp=2, tensor=2), range(4, 8)),
+    ("mixed with pipe", C(pipe=2, data=2, tensor=2), range(8), C(fsdp=4, tensor=2), range(8)),
+    ("grow 2->8 reversed", C(fsdp=2), range(2), C(data=2, fsdp=2, tensor=2), range(7, -1, -1)),
+    # failures: every box comes from a surviving replica, the failed device is never read
+    ("fail dp 8->7", C(data=8), range(8), C(data=7), range(7), (7,)),
+    (
+        "fail dp2,fsdp4 -> tp2",
+        C(data=2, fsdp=4),
+        range(8),
+        C(data=3, tensor=2),
+        [0, 2, 3, 4, 5, 6],
+        (1, 7),
+    ),
+    (
+        "fail pipe2,dp2 -> pipe2",
+        C(pipe=2, data=2, tensor=2),
+        range(8),
+        C(pipe=2, tensor=2),
+        [0, 1, 6, 7],
+        (2, 3),
+    ),
+]
 
 
 def train_state(cfg: GPTConfig | None = None, seed: int = 0, lr: float = 1e-2):
@@ -50,3 +85,77 @@ def assert_shards_equal(state, expected: list[np.ndarray], ptc) -> None:
             np.testing.assert_array_equal(
                 np.asarray(data), want[shard.index], err_msg=f"{layout.path} on {shard.device}"
             )
+
+
+def minimum_bytes(src, dst, failed=()) -> int:
+    """The fewest bytes any plan from ``src`` to ``dst`` must copy between devices: every target
+    box less what its own device already holds of it (a failed device holds nothing)."""
+    total = 0
+    for s, d in zip(src.leaves, dst.leaves):
+        held = {dev: box for dev, box in src.boxes(s).items() if dev not in failed}
+        for dev, box in dst.boxes(d).items():
+            own = held.get(dev)
+            overlap = 0
+            if own is not None:
+                overlap = math.prod(max(0, min(a1, b1) - max(a0, b0))
+                                    for (a0, a1), (b0, b1) in zip(own, box))  # fmt: skip
+            total += (math.prod(hi - lo for lo, hi in box) - overlap) * d.itemsize
+    return total
+
+
+def poison(state, devices) -> None:
+    """Overwrite every buffer on ``devices`` with 0xFF bytes (NaN): a read of one would show."""
+    for leaf in jax.tree.leaves(state):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+            continue  # a key's buffer is not plain memory; keys are replicated and kept anyway
+        for shard in leaf.addressable_shards:
+            if shard.device.id in devices and shard.data.nbytes:
+                raw = (ctypes.c_ubyte * shard.data.nbytes).from_address(
+                    shard.data.unsafe_buffer_pointer()
+                )
+                np.frombuffer(raw, np.uint8)[:] = 0xFF
+
+
+# -- a Flax Linen model with logical boxes --------------------------------------------------------
+
+
+def linen_state(seed: int = 0, layers: int = 2):
+    """``{"params", "opt_state"}`` of a small Linen language model and AdamW after one update.
+
+    Weights carry ``nn.with_logical_partitioning`` boxes, its stacked layers (``nn.scan``) add the
+    ``layers`` name, and one scale carries an ``nn.Partitioned`` box naming the mesh axis
+    ``fsdp``; optax keeps the boxes on the moments. Names follow ``RULES``."""
+    import flax.linen as nn
+
+    normal = nn.initializers.normal(0.02)
+    boxed = nn.with_logical_partitioning
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            up = nn.Dense(64, kernel_init=boxed(normal, ("embed", "mlp")),
+                          bias_init=boxed(nn.initializers.zeros, ("mlp",)))  # fmt: skip
+            down = nn.Dense(32, kernel_init=boxed(normal, ("mlp", "embed")),
+                            bias_init=boxed(nn.initializers.zeros, ("embed",)))  # fmt: skip
+            return x + down(nn.gelu(up(x))), None
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            embed = nn.Embed(256, 32, embedding_init=boxed(normal, ("vocab", "embed")))
+            stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                            length=layers, metadata_params={nn.PARTITION_NAME: "layers"})  # fmt: skip
+            x, _ = stack()(embed(tokens), None)
+            scale = self.param(
+                "scale", nn.with_partitioning(nn.initializers.ones, ("fsdp",)), (32,)
+            )
+            return embed.attend(x * scale)
+
+    model = LM()
+    tokens = np.arange(16, dtype=np.int32).reshape(2, 8)
+    params = model.init(jax.random.key(seed), tokens)["params"]
+    tx = optax.adamw(1e-2)
+    grads = jax.grad(lambda p: model.apply({"params": p}, tokens).mean())(params)
+    opt_state = tx.init(params)
+    _, opt_state = tx.update(grads, opt_state, params)
+    return {"params": params, "opt_state": opt_state}

@@ -41,7 +41,15 @@ def test_restores_onto_another_layout_with_step_and_cursor(tmp_path):
     target = ptc.relayout(tj.ParallelConfig(data=3), devices[5:8])
     restored = tj.restore_checkpoint(tmp_path, target)
     assert restored.tenplex and restored.step == 7 and restored.data_state == cursor
-    assert restored.source["config"] == {"data": 2, "fsdp": 2, "tensor": 2, "pipe": 1}
+    assert restored.source["config"] == {
+        "axes": [["pipe", 1], ["data", 2], ["fsdp", 2], ["tensor", 2]],
+        "axis_types": ["Auto"] * 4,
+    }
+    # and the record written before meshes had names of their own still reads
+    old = {"data": 2, "fsdp": 2, "tensor": 2, "pipe": 1}
+    assert tj.ParallelConfig.from_json(old) == tj.ParallelConfig.from_json(
+        restored.source["config"]
+    )
     assert_shards_equal(restored.state, want, target)
     # the restored cursor resumes the dataset where it stood
     dataset = tj.DatasetPTC(np.arange(100), global_batch=16, seed=3)
@@ -128,7 +136,8 @@ def test_bad_checkpoints_are_refused_clearly(tmp_path):
         nnx.state({"model": model, "optimizer": optimizer}), RULES, ptc.config, devices[:2]
     )
     with pytest.raises(
-        tj.errors.CheckpointError, match=r"target's shape and dtype.*wants \(2, 64\).*mesh=data=2"
+        tj.errors.CheckpointError,
+        match=r"target's shape and dtype.*wants \(2, 64\).*mesh=\{pipe: 1, data: 2",
     ):
         tj.restore_checkpoint(tmp_path, other)
 

@@ -1,4 +1,4 @@
-"""Tests for the ``tenplex-jax`` command line: plan output, bad input, and one end-to-end demo.
+"""Tests for the ``tenplex-jax`` command line: plan output, bad input, and both demos end to end.
 
 ``plan`` runs in-process (it touches no device, so the shared 8-device backend is fine); the demo
 runs in a subprocess because it configures JAX's platform and device count before JAX starts.
@@ -13,6 +13,8 @@ import pathlib
 import re
 import subprocess
 import sys
+
+import numpy as np
 
 from tenplex_jax._cli import main
 
@@ -53,16 +55,19 @@ def test_bad_input_exits_2_with_the_reason(capsys) -> None:
     assert main(["plan", "--model", "tiny", "--from", "data=3", "--to", "tensor=3",
                  "--allow-replicate"]) == 0  # fmt: skip
     capsys.readouterr()
-    assert main(["plan", "--from", "model=2", "--to", "data=2"]) == 2
+    assert main(["plan", "--from", "data=two", "--to", "data=2"]) == 2
     assert "axis=size" in capsys.readouterr().err
+    # a mesh of the user's own axes: the reference model's rules name axes it lacks
+    assert main(["plan", "--from", "model=2", "--to", "data=2"]) == 2
+    err = capsys.readouterr().err
+    assert "that do not exist; mesh axes are ('model',)" in err and "leaf 'model/" in err
     assert main(["plan", "--from", "data=8", "--from-devices", "0-3", "--to", "data=4"]) == 2
     assert "needs 8 devices, got 4" in capsys.readouterr().err
 
 
-def test_demo_end_to_end(tmp_path) -> None:
-    cmd = [sys.executable, "-m", "tenplex_jax", "demo", "--model", "tiny", "--steps", "8"]
-    cmd += ["--schedule", "2:4,4:6,6:8", "--batch", "16", "--samples", "50"]
-    cmd += ["--out", str(tmp_path)]
+def _demo(tmp_path, *args) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run ``tenplex-jax demo ARGS --out tmp_path`` in a fresh process; (process, summary)."""
+    cmd = [sys.executable, "-m", "tenplex_jax", "demo", *args, "--out", str(tmp_path)]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -71,7 +76,33 @@ def test_demo_end_to_end(tmp_path) -> None:
         cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    return done, json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_the_default_demo_changes_data_expert_tensor_and_pipe(tmp_path) -> None:
+    """The default schedule's layouts on the MoE GPT, shortened: every dimension changes, every
+    sample is trained once, and the params agree with the fixed run to float32 rounding."""
+    schedule = "0:data=2,expert=4; 2:expert=2,tensor=2; 4:pipe=2,data=3; 6:data=2,expert=4"
+    done, summary = _demo(tmp_path, "--model", "moe-tiny", "--steps", "8", "--batch", "16",
+                          "--samples", "50", "--schedule", schedule)  # fmt: skip
+    assert summary["mode"] == "every dimension" and summary["schedule"] == schedule
+    assert summary["initial"]["config"] == "data=2,expert=4"
+    assert [(r["from_config"], r["to_config"], r["to"]) for r in summary["resizes"]] == [
+        ("data=2,expert=4", "expert=2,tensor=2", 4),
+        ("expert=2,tensor=2", "pipe=2,data=3", 6),
+        ("pipe=2,data=3", "data=2,expert=4", 8),
+    ]
+    assert all(r["bytes_moved"] > 0 for r in summary["resizes"])
+    assert summary["exactly_once"] is True and summary["samples_seen"] == 128
+    difference = summary["params_vs_fixed_run"]
+    assert difference != "bitwise" and 0 < difference["max_rel"] < 1e-4, difference
+    np.testing.assert_allclose(summary["losses"], summary["fixed_run_losses"], rtol=1e-5)
+    assert "max rel diff" in done.stdout
+
+
+def test_the_bitwise_demo_end_to_end(tmp_path) -> None:
+    done, summary = _demo(tmp_path, "--bitwise", "--model", "tiny", "--steps", "8", "--schedule",
+                          "2:4,4:6,6:8", "--batch", "16", "--samples", "50")  # fmt: skip
     assert [(r["from"], r["to"]) for r in summary["resizes"]] == [(8, 4), (4, 6), (6, 8)]
     assert [r["step"] for r in summary["resizes"]] == [2, 4, 6]
     for record in summary["resizes"]:

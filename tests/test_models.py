@@ -178,3 +178,78 @@ def test_bad_inputs(tiny: GPT) -> None:
         tiny(jnp.zeros((1, tiny.cfg.seq_len + 1), jnp.int32))
     with pytest.raises(ValueError):
         tiny(jnp.zeros((4,), jnp.int32))
+
+
+# -- the mixture-of-experts variant -----------------------------------------------------------
+
+
+def _reference_experts(x, p, top_k, capacity):
+    """A loop over sequences, tokens and choices: what ``_experts`` computes with einsums."""
+    b, t, _ = x.shape
+    n = p["router"].shape[-1]
+    out, balance = np.zeros_like(x), np.zeros(b, np.float32)
+    gelu = lambda v: np.asarray(jax.nn.gelu(jnp.asarray(v)))
+    for s in range(b):
+        logits = x[s] @ p["router"]
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+        filled = np.zeros(n, int)
+        for choice in range(top_k):  # first choices fill the buffers first, then token order
+            for token in range(t):
+                e = chosen[token, choice]
+                if filled[e] < capacity:
+                    gate = probs[token, e] / probs[token, chosen[token]].sum()
+                    h = gelu(x[s, token] @ p["w1"][e] + p["b1"][e])
+                    out[s, token] += gate * (h @ p["w2"][e] + p["b2"][e])
+                filled[e] += 1
+        share = np.bincount(chosen.ravel(), minlength=n) / (t * top_k)
+        balance[s] = n * np.sum(share * probs.mean(0))
+    return out, balance
+
+
+def test_experts_route_each_token_to_its_top_k_within_capacity() -> None:
+    from tenplex_jax_models.gpt import _experts
+
+    rng = np.random.default_rng(0)
+    d, f, n, t = 8, 16, 4, 12
+    p = {
+        "router": rng.normal(size=(d, n)).astype(np.float32),
+        "w1": rng.normal(size=(n, d, f)).astype(np.float32) * 0.3,
+        "b1": rng.normal(size=(n, f)).astype(np.float32) * 0.1,
+        "w2": rng.normal(size=(n, f, d)).astype(np.float32) * 0.3,
+        "b2": rng.normal(size=(n, d)).astype(np.float32) * 0.1,
+    }
+    x = rng.normal(size=(3, t, d)).astype(np.float32)
+    for top_k, capacity in ((2, 4), (1, 2), (2, 12)):  # tight buffers drop choices; 12 none
+        got, balance = jax.jit(_experts, static_argnums=(2, 3))(x, p, top_k, capacity)
+        want, want_balance = _reference_experts(x, p, top_k, capacity)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(balance), want_balance, rtol=1e-5)
+
+
+def test_moe_params_stack_experts_after_layers() -> None:
+    cfg = GPTConfig.moe_tiny()
+    model = _build(cfg)
+    params = _params(model)
+    for name in ("w1", "b1", "w2", "b2"):
+        axes = params[name].get_metadata()["out_sharding"]
+        assert axes[:2] == ("layers", "expert") and params[name].shape[:2] == (2, 4), name
+    assert params["router"].shape == (cfg.n_layers, cfg.d_model, cfg.n_experts)
+    assert GPTConfig.by_name("moe-small").capacity == math.ceil(2 * 64 * 1.25 / 4)
+
+
+def test_moe_loss_adds_the_load_balancing_loss_and_trains() -> None:
+    from tenplex_jax_models import example_losses
+
+    cfg = GPTConfig.moe_tiny()
+    model = _build(cfg)
+    batch = {k: jnp.asarray(v) for k, v in batch_at(stdlib_corpus(2**16), 0, 4, 32).items()}
+    logits, aux = model.forward(batch["inputs"])
+    cross = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean(-1)
+    assert aux.shape == (4,) and bool(jnp.all(aux > 0))
+    np.testing.assert_allclose(
+        example_losses(model, batch), cross + cfg.aux_weight / cfg.n_layers * aux, rtol=1e-6
+    )
+    with pytest.raises(ValueError, match="top_k=5 must lie in 1..n_experts=4"):
+        GPTConfig(n_experts=4, top_k=5)

@@ -188,6 +188,24 @@ def test_uneven_stage_boundaries_change_mid_training_by_restage_then_the_core_pl
     assert [p.dst.leaf("0/wq").shape[0] for p in plans] == [6, 6, 4]
 
 
+def test_pytree_activations_flow_through_the_pipeline_as_a_moe_layers_loss():
+    """The mixture-of-experts GPT carries (activations, per-sequence balance loss) through its
+    layers; pipelined over pipe=2 (with experts on an expert axis) it computes what the scan does."""
+    from tenplex_jax_models import MOE_RULES, GPT, example_losses, moe_config
+
+    with nnx.use_eager_sharding(False):
+        model = GPT(GPTConfig.moe_tiny(), rngs=nnx.Rngs(0))
+    batch = {k: jnp.asarray(v) for k, v in batch_at(stdlib_corpus(2**20), 1, 6, 32).items()}
+    want = example_losses(model, batch)
+    graphdef, state = nnx.split(model)
+    ptc = tj.PTC.of(state, MOE_RULES, moe_config(pipe=2, expert=2), jax.devices()[:4])
+    mesh = ptc.mesh()
+    got = jax.jit(
+        lambda s, b: example_losses(nnx.merge(graphdef, s), b, mesh=mesh, microbatches=3)
+    )(tj.place(state, ptc), batch)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6)
+
+
 def test_bad_pipelines_are_refused_before_anything_runs():
     mesh = C(pipe=4, data=2).make_mesh(jax.devices())
     layer = lambda h, p: h @ p["w"]

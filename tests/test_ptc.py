@@ -12,7 +12,7 @@ from flax import nnx
 from flax.linen import logical_to_mesh_axes
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tenplex_jax as tj
@@ -177,8 +177,9 @@ def test_bad_input_errors_name_leaf_shape_spec_and_mesh():
         tj.PTC.of(state, (("embed", None), ("nope", None)), tj.ParallelConfig(data=2), [1, 1])
     with pytest.raises(tj.errors.LayoutError, match="integers >= 1"):
         tj.ParallelConfig(data=0)
-    with pytest.raises(tj.errors.LayoutError, match="axis=size"):
-        tj.ParallelConfig.parse("model=2")
+    for text in ("model", "data=two", "data=2,data=4", ""):
+        with pytest.raises(tj.errors.LayoutError, match="axis=size"):
+            tj.ParallelConfig.parse(text)
 
 
 def test_parse_and_str_round_trip():
@@ -323,8 +324,128 @@ def test_relayout_of_a_record_without_rules_asks_for_them():
     record = ptc.to_json()
     record["rules"] = None  # as an older record, or one written by hand
     back = tj.PTC.from_json(record, like=ptc)
-    with pytest.raises(tj.errors.LayoutError, match="does not know the rules.*pass rules="):
+    with pytest.raises(tj.errors.LayoutError, match="knows no logical-axis rules.*pass rules="):
         back.relayout(tj.ParallelConfig(tensor=2), range(2))
     assert back.relayout(tj.ParallelConfig(tensor=2), range(2), rules=RULES) == ptc.relayout(
         tj.ParallelConfig(tensor=2), range(2)
     )
+
+
+# -- bring your own mesh ----------------------------------------------------------------------------
+
+
+def test_a_config_is_any_mesh_as_it_is():
+    mesh = jax.make_mesh((2, 4), ("replica", "model"))  # Explicit axes by default in this jax
+    config = tj.ParallelConfig.of(mesh)
+    assert config.names == ("replica", "model") and config.sizes == (2, 4)
+    assert config.axis_types == (AxisType.Explicit,) * 2
+    assert config.make_mesh(list(mesh.devices.flat)) == mesh
+    assert tj.ParallelConfig.of(mesh.abstract_mesh) == config
+    auto = tj.ParallelConfig.of({"replica": 2, "model": 4})
+    assert auto != config and auto.axis_types == (AxisType.Auto,) * 2
+    assert tj.ParallelConfig.of(auto, axis_types=AxisType.Explicit) == config
+    # the default axes as a mesh are the default config; absent default axes have size 1
+    default = tj.ParallelConfig(data=2, tensor=4)
+    assert tj.ParallelConfig.of(default.make_mesh(jax.devices())) == default
+    assert (config.data, config.tensor, config.size("model")) == (1, 1, 4)
+    # str shows the axes larger than 1 (and the types), describe every axis; JSON keeps all
+    assert str(config) == "replica=2,model=4 [Explicit]" and str(default) == "data=2,tensor=4"
+    assert config.describe() == "{replica: 2, model: 4} (Explicit)"
+    assert repr(default) == "ParallelConfig(data=2, fsdp=1, tensor=4, pipe=1)"
+    assert tj.ParallelConfig.from_json(json.loads(json.dumps(config.to_json()))) == config
+    assert tj.ParallelConfig.parse("data=2,expert=4") == tj.ParallelConfig.of(
+        {"data": 2, "expert": 4}
+    )
+    assert tj.ParallelConfig.parse("tensor=4,data=2") == default  # default names: default order
+    with pytest.raises(tj.errors.LayoutError, match=r"integers >= 1, got x=0 in mesh \{'x': 0\}"):
+        tj.ParallelConfig.of({"x": 0})
+    with pytest.raises(tj.errors.LayoutError, match="non-empty strings"):
+        tj.ParallelConfig.of({"": 2})
+    with pytest.raises(tj.errors.LayoutError, match="Mesh, an AbstractMesh or a"):
+        tj.ParallelConfig.of([("x", 2)])
+
+
+def test_ptc_of_a_users_mesh_takes_its_devices_and_abstract_meshes_take_ids():
+    mesh = jax.make_mesh((2, 2), ("batch", "model"), devices=jax.devices()[4:])
+    rules = (("embed", "batch"), ("mlp", "model"), ("heads", "model"), ("vocab", "model"))
+    ptc = tj.PTC.of(abstract_state(), rules, mesh)
+    assert ptc.device_ids == (4, 5, 6, 7) and ptc.mesh() == mesh
+    assert ptc.leaf("0/w1").spec == P(None, "batch", "model")
+    assert tj.PTC.of(abstract_state(), rules, mesh.abstract_mesh, range(4, 8)) == ptc
+    assert ptc.relayout(mesh) == ptc
+    with pytest.raises(tj.errors.LayoutError, match="a Mesh brings its own devices"):
+        tj.PTC.of(abstract_state(), rules, mesh, range(4))
+    with pytest.raises(tj.errors.LayoutError, match="needs its devices"):
+        tj.PTC.of(abstract_state(), rules, mesh.abstract_mesh)
+
+
+def test_ptc_from_shardings_reads_each_leafs_own_sharding():
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    state = {
+        "w": jax.device_put(np.ones((8, 16), np.float32), NamedSharding(mesh, P("x", "y"))),
+        "b": jax.device_put(np.ones((16,), np.float32), NamedSharding(mesh, P(("x", "y")))),
+        "step": jax.device_put(np.int32(0), NamedSharding(mesh, P())),
+    }
+    ptc = tj.PTC.from_shardings(state)
+    assert ptc.config == tj.ParallelConfig.of(mesh) and ptc.device_ids == tuple(range(8))
+    assert [(l.path, l.spec) for l in ptc.leaves] == [
+        ("b", P(("x", "y"))),
+        ("step", P()),
+        ("w", P("x", "y")),
+    ]
+    assert ptc.rules is None and all(l.logical is None for l in ptc.leaves)
+    # the same from an abstract tree and one sharding for every leaf, or a prefix tree
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    one = NamedSharding(mesh, P())
+    assert all(e is None for l in tj.PTC.from_shardings(abstract, one).leaves for e in l.spec)
+    prefix = {"b": one, "step": one, "w": NamedSharding(mesh, P("x"))}
+    assert tj.PTC.from_shardings(abstract, prefix).leaf("w").spec == P("x", None)
+    # an abstract mesh names no devices: give their ids
+    on_abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(mesh.abstract_mesh, s.spec)
+        ),
+        abstract,
+        {k: v.sharding for k, v in state.items()},
+    )
+    with pytest.raises(tj.errors.LayoutError, match="needs its devices"):
+        tj.PTC.from_shardings(on_abstract)
+    assert tj.PTC.from_shardings(on_abstract, devices=range(8)) == ptc
+    with pytest.raises(tj.errors.LayoutError, match="knows no logical-axis rules"):
+        ptc.relayout(tj.ParallelConfig(data=8), range(8))
+
+
+def test_ptc_from_shardings_refuses_leaves_off_the_mesh_or_on_two_meshes():
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    placed = jax.device_put(np.ones((8,), np.float32), NamedSharding(mesh, P("x")))
+    with pytest.raises(
+        tj.errors.LayoutError,
+        match=r"needs a NamedSharding at every leaf, but leaf 'step' \(shape=\(\)\) has "
+        r"SingleDeviceSharding.*jax.device_put\(x, NamedSharding\(mesh, P\(\)\)\)",
+    ):
+        tj.PTC.from_shardings({"w": placed, "step": jax.numpy.zeros((), np.int32)})
+    other = jax.make_mesh((8,), ("z",))
+    moved = jax.device_put(np.ones((8,), np.float32), NamedSharding(other, P("z")))
+    with pytest.raises(
+        tj.errors.LayoutError,
+        match=r"one mesh, but leaf 'a' is on mesh \{'x': 2, 'y': 4\} over devices 0..7 and "
+        r"leaf 'b' \(shape=\(8,\), spec=P\('z',\)\) on mesh \{'z': 8\}",
+    ):
+        tj.PTC.from_shardings({"a": placed, "b": moved})
+    with pytest.raises(tj.errors.LayoutError, match="tree shaped like the state or a prefix"):
+        tj.PTC.from_shardings({"a": placed}, {"a": NamedSharding(mesh, P()), "c": None})
+
+
+def test_a_linen_partitioned_box_names_mesh_axes_that_must_exist():
+    import flax.linen as nn
+
+    state = {"w": nn.Partitioned(jax.ShapeDtypeStruct((8, 4), np.float32), ("fsdp", None))}
+    ptc = tj.PTC.of(state, (), tj.ParallelConfig(fsdp=2), range(2))
+    assert ptc.leaf("w").spec == P("fsdp", None) and ptc.leaf("w").direct
+    assert tj.PTC.from_json(ptc.to_json(), like=ptc).leaf("w").direct
+    with pytest.raises(
+        tj.errors.LayoutError,
+        match=r"nn.Partitioned names one mesh axis.*whose axes \['fsdp'\] the mesh lacks: "
+        r"leaf 'w' \(shape=\(8, 4\)",
+    ):
+        tj.PTC.of(state, (), jax.make_mesh((2,), ("x",), devices=jax.devices()[:2]))

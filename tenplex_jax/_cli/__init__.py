@@ -41,8 +41,14 @@ any model and any device count is computed on a laptop in seconds.
 DEMO_EXAMPLES = """\
 examples:
   tenplex-jax demo --out out/demo
-      small GPT, 60 steps on 8 fake CPU devices, resized 8 -> 4 -> 6 -> 8 at steps 15, 30, 45
-  tenplex-jax demo --model tiny --steps 8 --schedule 2:4,4:6,6:8 --batch 12 --out /tmp/demo
+      the mixture-of-experts GPT, 60 steps on 8 fake CPU devices, through every dimension:
+      data=2,expert=4 on 8 -> expert=2,tensor=2 on 4 -> pipe=2,data=3 on 6 -> data=2,expert=4 on 8
+  tenplex-jax demo --bitwise --out out/bitwise
+      the small dense GPT resized 8 -> 4 -> 6 -> 8 (data and FSDP sizes the planner picks):
+      params bit-identical to a run without resizes
+  tenplex-jax demo --model small --schedule "0:data=8; 20:tensor=4; 40:pipe=2,fsdp=2"
+      a schedule of your own: at each step, a layout over the model's axes
+  tenplex-jax demo --bitwise --model tiny --steps 8 --schedule 2:4,4:6,6:8 --batch 12
       a quick run; batch 12 does not split over 8 devices, so the first layout adds tensor=2
   tenplex-jax demo --method device_put
       move the state with one jax.device_put instead of the per-shard plan executor
@@ -54,6 +60,7 @@ Device sets: the run starts on devices 0..N-1; a shrink keeps the lowest-numbere
 grow takes the highest-numbered devices (4 on 0..3 grown to 6 runs on 2..7). Each resize prints its
 plan; the end prints a table of resizes and writes DIR/loss.png and DIR/summary.json.
 """
+MODEL_NAMES = MODELS + ("moe-tiny", "moe-small")
 
 
 BENCH_EXAMPLES = """\
@@ -204,15 +211,27 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default="out/demo", metavar="DIR", help="output folder (default: out/demo)"
     )
     demo.add_argument(
-        "--model", choices=MODELS, default="small", help="GPT preset (default: small)"
+        "--model",
+        choices=MODEL_NAMES,
+        default=None,
+        help="GPT preset (default: moe-small; small with --bitwise or --trace)",
     )
     demo.add_argument("--steps", type=_positive, default=60, help="training steps (default: 60)")
     demo.add_argument(
+        "--bitwise",
+        action="store_true",
+        help="the data-parallel schedule 15:4,30:6,45:8 on the small GPT: params bit-identical to "
+        "a run without resizes",
+    )
+    demo.add_argument(
         "--schedule",
         type=_schedule,
-        default="15:4,30:6,45:8",
-        metavar="STEP:N,...",
-        help="at each STEP move the job onto N devices (default: 15:4,30:6,45:8; '' for none)",
+        default=None,
+        metavar="SCHEDULE",
+        help="'STEP:N,...' moves the job onto N devices at each STEP (the planner picks the "
+        "layout); 'STEP:axis=size,...; ...' onto that layout over the model's axes, a step-0 "
+        "entry being the first (default: 0:data=2,expert=4; 15:expert=2,tensor=2; "
+        "30:pipe=2,data=3; 45:data=2,expert=4 for the MoE GPT, 15:4,30:6,45:8 with --bitwise)",
     )
     demo.add_argument(
         "--batch",
@@ -502,11 +521,13 @@ def _demo(args) -> int:
             return 2
     from tenplex_jax._cli import demo
 
+    model = args.model or ("small" if args.bitwise or trace is not None else "moe-small")
     options = demo.DemoOptions(
         out=pathlib.Path(args.out),
-        model=args.model,
+        model=model,
         steps=args.steps,
-        schedule=args.schedule,
+        schedule=args.schedule or (),
+        bitwise=args.bitwise,
         batch=args.batch,
         lr=args.lr,
         method=args.method,

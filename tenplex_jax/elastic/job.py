@@ -67,6 +67,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import math
 import os
 import pathlib
 import signal
@@ -542,9 +543,8 @@ class ElasticJob:
         return self.ptc.mesh(list(self.devices.values()))
 
     def _layout(self, config: ParallelConfig) -> BatchLayout:
-        return BatchLayout(
-            self.dataset.global_batch, ranks=config.data * config.fsdp, workers=self.workers
-        )
+        ranks = math.prod(config.size(axis) for axis in self.batch_axes)
+        return BatchLayout(self.dataset.global_batch, ranks=ranks, workers=self.workers)
 
     def _key(self, ptc: PTC) -> tuple:
         return StepCache.key(ptc, self._layout(ptc.config))
