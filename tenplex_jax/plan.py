@@ -286,35 +286,124 @@ def allocate(src: PTC, dst: PTC) -> PTC:
     The order of a mesh's devices is the PTC's *allocation*: which device gets which box. For the
     same device set and config, some orders let devices keep (or split) the shards they hold while
     others make every shard move. This solves the assignment of devices to mesh positions that
-    maximizes the bytes each device already holds of its new boxes (``linear_sum_assignment`` on the
-    [device, position] overlap matrix), so ``make_plan(src, allocate(src, dst))`` moves no more bytes
-    than ``make_plan(src, dst)``, usually fewer. Devices are only permuted, never added or dropped.
-    """
-    from scipy.optimize import linear_sum_assignment  # a dependency of jax itself
+    maximizes the bytes each device already holds of its new boxes, so ``make_plan(src,
+    allocate(src, dst))`` moves no more bytes than ``make_plan(src, dst)``, usually fewer. Devices
+    are only permuted, never added or dropped; a device stays where it is unless moving it gains.
 
-    overlap = np.zeros((len(dst.device_ids),) * 2, dtype=np.float64)  # [device, position]
-    src_index = [src.device_ids.index(d) if d in src.device_ids else -1 for d in dst.device_ids]
-    held = [i for i, j in enumerate(src_index) if j >= 0]
-    if not held:
+    Devices that hold the same boxes of every leaf (data-parallel replicas) are interchangeable,
+    and so are positions that get the same boxes: the assignment is solved between these classes
+    as a transportation problem (an LP whose vertex solutions are integral), a few dozen classes
+    where a device-by-position assignment would have thousands of rows: 4096 devices take
+    milliseconds instead of minutes.
+    """
+    held = {d: i for i, d in enumerate(src.device_ids)}
+    rows = [held.get(d, -1) for d in dst.device_ids]  # each dst device's mesh index in src
+    if all(r < 0 for r in rows):
         return dst
-    for s, d in zip(src.leaves, dst.leaves):
-        a = src.intervals(s)[:, [src_index[i] for i in held]]  # [dims, held devices, 2]
-        b = dst.intervals(d)  # [dims, positions, 2]
+    src_class, src_boxes = _classes(src)  # [src devices] -> class; class -> boxes per layout
+    dst_class, dst_boxes = _classes(dst)
+    # bytes a device of source class i holds of the boxes of a position of target class j
+    weight = np.zeros((len(src_boxes[0]), len(dst_boxes[0])), dtype=np.float64)
+    for (s_key, d_key), itemsize in _layout_pairs(src, dst).items():
+        a = src_boxes[1][s_key]  # [dims, source classes, 2]
+        b = dst_boxes[1][d_key]  # [dims, target classes, 2]
         lo = np.maximum(a[:, :, None, 0], b[:, None, :, 0])
         hi = np.minimum(a[:, :, None, 1], b[:, None, :, 1])
         # a scalar has no dims: the empty product is 1 element, held in full by every replica
-        overlap[held] += np.prod(np.clip(hi - lo, 0, None), axis=0) * d.itemsize
-    rows, cols = linear_sum_assignment(overlap, maximize=True)
-    order = [0] * len(cols)
-    for device, position in zip(rows, cols):
-        order[position] = device
-    if overlap[rows, cols].sum() <= overlap[np.arange(len(order)), np.arange(len(order))].sum():
+        weight += np.prod(np.clip(hi - lo, 0, None), axis=0) * itemsize
+    device_class = np.array([src_class[r] if r >= 0 else -1 for r in rows])
+    flow = _transport(weight, device_class, dst_class)
+    given = sum(weight[c, j] for c, j in zip(device_class, dst_class) if c >= 0)
+    if (flow * weight).sum() <= given:
         return dst  # the given order is already as good: keep the user's allocation
+    order = _assign(flow, device_class, dst_class)
     return dataclasses.replace(
         dst,
         device_ids=tuple(dst.device_ids[i] for i in order),
         hosts=tuple(dst.hosts[i] for i in order),
     )
+
+
+def _classes(ptc: PTC) -> tuple[np.ndarray, tuple[list, dict]]:
+    """Each mesh position's class (positions holding the same box of every leaf share one) and,
+    per leaf layout ``(shape, spec)``, the classes' intervals ``[dims, classes, 2]``."""
+    per_layout, keys = {}, []
+    for leaf in ptc.leaves:
+        key = (leaf.shape, leaf.spec)
+        if key not in per_layout:
+            per_layout[key] = ptc.intervals(leaf)  # [dims, positions, 2]
+            keys.append(key)
+    n = len(ptc.device_ids)
+    signature = np.concatenate(
+        [per_layout[k].transpose(1, 0, 2).reshape(n, -1) for k in keys] + [np.zeros((n, 1), int)],
+        axis=1,
+    )
+    _, first, which = np.unique(signature, axis=0, return_index=True, return_inverse=True)
+    which = which.ravel()
+    return which, (list(first), {k: v[:, first] for k, v in per_layout.items()})
+
+
+def _layout_pairs(src: PTC, dst: PTC) -> dict[tuple, int]:
+    """((src shape, spec), (dst shape, spec)) -> the itemsizes of the leaves laid out so, summed."""
+    pairs: dict[tuple, int] = collections.Counter()
+    for s, d in zip(src.leaves, dst.leaves):
+        pairs[((s.shape, s.spec), (d.shape, d.spec))] += d.itemsize
+    return pairs
+
+
+def _transport(weight: np.ndarray, device_class: np.ndarray, position_class: np.ndarray):
+    """How many devices of each source class go to positions of each target class: the
+    transportation problem maximizing the bytes kept, over the class pairs that share bytes (every
+    other pair gains nothing, so the leftover devices fill the leftover positions in any order)."""
+    from scipy.optimize import linprog  # a dependency of jax itself
+    from scipy.sparse import csr_matrix
+
+    supply = np.bincount(device_class[device_class >= 0], minlength=weight.shape[0])
+    demand = np.bincount(position_class, minlength=weight.shape[1])
+    flow = np.zeros_like(weight)
+    i, j = np.nonzero(weight)
+    if not len(i):
+        return flow
+    n = len(i)
+    rows = np.concatenate([i, weight.shape[0] + j])
+    constraints = csr_matrix((np.ones(2 * n), (rows, np.concatenate([np.arange(n)] * 2))),
+                             shape=(sum(weight.shape), n))  # fmt: skip
+    # scale to keep HiGHS's tolerances meaningful for byte counts of any size
+    result = linprog(-weight[i, j] / weight.max(), A_ub=constraints,
+                     b_ub=np.concatenate([supply, demand]), bounds=(0, None), method="highs-ds")  # fmt: skip
+    if result.status != 0:  # cannot happen for a feasible, bounded transportation problem
+        raise PlanError(f"allocation: the transportation LP failed: {result.message}")
+    flow[i, j] = np.round(result.x)  # a simplex vertex of a bipartite LP is integral
+    return flow
+
+
+def _assign(flow: np.ndarray, device_class: np.ndarray, position_class: np.ndarray) -> list[int]:
+    """Device index (into ``dst.device_ids``) per mesh position, following ``flow``: a device that
+    already sits at a position its flow allows stays, the others take the first free positions of
+    their target class in mesh order, and the rest fill the rest in order."""
+    flow = flow.astype(np.int64)
+    n = len(position_class)
+    order, used = [-1] * n, [False] * n
+    for p in range(n):  # stay where the flow allows it
+        c, j = device_class[p], position_class[p]
+        if c >= 0 and flow[c, j] > 0:
+            flow[c, j] -= 1
+            order[p], used[p] = p, True
+    free: dict[int, list[int]] = collections.defaultdict(list)
+    for p in range(n - 1, -1, -1):
+        if not used[p] and device_class[p] >= 0:
+            free[device_class[p]].append(p)  # popped from the end: lowest mesh index first
+    for p in range(n):
+        if order[p] >= 0:
+            continue
+        for c in np.nonzero(flow[:, position_class[p]] > 0)[0]:
+            if free[c]:
+                flow[c, position_class[p]] -= 1
+                order[p] = free[c].pop()
+                used[order[p]] = True
+                break
+    rest = iter(q for q in range(n) if not used[q])
+    return [q if q >= 0 else next(rest) for q in order]
 
 
 def _plan_leaf(
@@ -382,7 +471,8 @@ class _Senders:
     """The replicas of one source block, handing out the closest sender for each piece read.
 
     Same host first, then the least bytes sent for this leaf, then the least sent ``before`` it, then
-    the lowest id (for determinism). One heap per host keeps each choice logarithmic in the replicas.
+    the lowest id (for determinism). One heap per host, and a heap of the hosts' best (stale entries
+    skipped), keep each choice logarithmic in the replicas and hosts.
     """
 
     def __init__(self, devices: list[int], host: dict[int, int], before: dict[int, int]):
@@ -391,12 +481,23 @@ class _Senders:
             self.heaps[host.get(c)].append((0, before.get(c, 0), c))
         for heap in self.heaps.values():
             heapq.heapify(heap)
+        self.tops = [(heap[0], h) for h, heap in self.heaps.items()]  # (a host's best, host)
+        heapq.heapify(self.tops)
         self.sent: dict[int, int] = {}
 
     def take(self, target_host: int | None, nbytes: int) -> int:
-        heap = self.heaps.get(target_host) or min(self.heaps.values(), key=lambda h: h[0])
+        if target_host not in self.heaps:  # the best sender of any host
+            if len(self.heaps) == 1:
+                target_host = next(iter(self.heaps))
+            else:
+                while self.heaps[self.tops[0][1]][0] != self.tops[0][0]:
+                    heapq.heappop(self.tops)  # a host whose best has sent since
+                target_host = self.tops[0][1]
+        heap = self.heaps[target_host]
         sent, before, c = heap[0]
         heapq.heapreplace(heap, (sent + nbytes, before, c))
+        if len(self.heaps) > 1:  # one host: its heap is the only choice, no tops to keep
+            heapq.heappush(self.tops, (heap[0], target_host))
         self.sent[c] = sent + nbytes
         return c
 

@@ -187,6 +187,33 @@ def test_allocation_never_moves_more_and_only_permutes_devices(change, data):
     assert tj.make_plan(src, better).bytes_moved <= tj.make_plan(src, dst).bytes_moved
 
 
+@settings(max_examples=25, deadline=None)
+@given(change=CHANGES, data=st.data())
+def test_allocation_keeps_as_many_bytes_as_the_best_device_to_position_assignment(change, data):
+    # allocate solves between classes of interchangeable devices and positions; the optimum must be
+    # that of the full assignment of every device to every mesh position (Hungarian, by brute force)
+    from scipy.optimize import linear_sum_assignment
+
+    (sd, sf, stt), (dd, df, dt) = change
+    src_cfg = tj.ParallelConfig(data=sd, fsdp=sf, tensor=stt)
+    dst_cfg = tj.ParallelConfig(data=dd, fsdp=df, tensor=dt)
+    src_devs = data.draw(st.permutations(range(8)))[: src_cfg.num_devices]
+    src = tj.PTC.of(abstract_state(), RULES, src_cfg, src_devs, allow_replicate=True)
+    dst_devs = data.draw(st.permutations(range(8)))[: dst_cfg.num_devices]
+    dst = tj.PTC.of(abstract_state(), RULES, dst_cfg, dst_devs, allow_replicate=True)
+    overlap = np.zeros((len(dst_devs), len(dst_devs)))  # [device, position]
+    for s, d in zip(src.leaves, dst.leaves):
+        held, wanted = src.boxes(s), list(dst.boxes(d).values())
+        for i, device in enumerate(dst_devs):
+            if device in held:
+                for j, box in enumerate(wanted):
+                    part = tj.box.intersect(held[device], box)
+                    overlap[i, j] += tj.box.size(part) * d.itemsize if all(
+                        lo < hi for lo, hi in part) or not part else 0  # fmt: skip
+    rows, cols = linear_sum_assignment(overlap, maximize=True)
+    assert tj.make_plan(src, tj.allocate(src, dst)).bytes_kept == overlap[rows, cols].sum()
+
+
 def test_leaves_of_one_layout_share_shard_plans_with_consistent_totals():
     # params and their two AdamW moments share layouts: planned once, totals match the shards
     src = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=2, tensor=4), range(8))
@@ -202,3 +229,39 @@ def test_leaves_of_one_layout_share_shard_plans_with_consistent_totals():
     assert len(by_layout) < len(plan.leaves)
     # the senders' loads add up to the bytes moved, leaf by leaf
     assert sum(plan.senders.values()) == plan.bytes_moved
+
+
+class _ReferenceSenders:
+    """The sender choice by its definition, one linear scan per piece: a same-host replica with
+    the least bytes sent (then sent before, then id), else the least loaded replica of any host."""
+
+    def __init__(self, devices, host, before):
+        self.devices, self.host, self.before = list(devices), host, before
+        self.sent = {}
+
+    def take(self, target_host, nbytes):
+        order = lambda c: (self.sent.get(c, 0), self.before.get(c, 0), c)  # noqa: E731
+        same = [c for c in self.devices if self.host.get(c) == target_host]
+        c = min(same or self.devices, key=order)
+        self.sent[c] = self.sent.get(c, 0) + nbytes
+        return c
+
+
+@settings(max_examples=30, deadline=None)
+@given(change=CHANGES, data=st.data())
+def test_senders_are_the_closest_least_loaded_replicas_on_any_hosts(change, data):
+    (sd, sf, stt), (dd, df, dt) = change
+    src_cfg = tj.ParallelConfig(data=sd, fsdp=sf, tensor=stt)
+    dst_cfg = tj.ParallelConfig(data=dd, fsdp=df, tensor=dt)
+    hosts = data.draw(st.lists(st.integers(0, 3), min_size=8, max_size=8))
+    src_devs = data.draw(st.permutations(range(8)))[: src_cfg.num_devices]
+    dst_devs = data.draw(st.permutations(range(8)))[: dst_cfg.num_devices]
+    src = tj.PTC.of(abstract_state(), RULES, src_cfg, src_devs,
+                    hosts=[hosts[d] for d in src_devs], allow_replicate=True)  # fmt: skip
+    dst = tj.PTC.of(abstract_state(), RULES, dst_cfg, dst_devs,
+                    hosts=[hosts[d] for d in dst_devs], allow_replicate=True)  # fmt: skip
+    plan = tj.make_plan(src, dst)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tj.plan, "_Senders", _ReferenceSenders)
+        reference = tj.make_plan(src, dst)
+    assert [l.shards for l in plan.leaves] == [l.shards for l in reference.leaves]
