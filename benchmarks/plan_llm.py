@@ -1,8 +1,7 @@
 """Plan time for a 70B-class decoder's whole train state, abstract, on 128 device ids.
 
-The state is shaped like Llama 2 70B: d_model 8192, 80 stacked layers, 64 query heads and 8
-key/value heads of 128, a gated MLP of 28672, a vocabulary of 32000 (69.0B parameters), with bf16
-params, fp32 AdamW moments (mu, nu) and the step count: about 690 GB, held as ``ShapeDtypeStruct``
+The state is ``tenplex_jax_models.llm``'s, shaped like Llama 2 70B (69.0B parameters): bf16
+params, fp32 AdamW moments (mu, nu) and the step count, about 690 GB, held as ``ShapeDtypeStruct``
 leaves in NNX variables that carry logical axis names, so nothing is allocated.
 
 The change is the issue's: from a MaxText-style 5-axis mesh ``(data 2, stage 4, fsdp 4, expert 2,
@@ -25,14 +24,12 @@ import pathlib
 import statistics
 import time
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import AbstractMesh
 
 import tenplex_jax as tj
 
-LAYERS, D, HEADS, KV_HEADS, HEAD, FF, VOCAB = 80, 8192, 64, 8, 128, 28672, 32000
+from tenplex_jax_models.llm import abstract_state, params
+
 SOURCE = {"data": 2, "stage": 4, "fsdp": 4, "expert": 2, "tensor": 2}
 TARGET = {"data": 4, "fsdp": 16, "tensor": 2}
 SOURCE_RULES = (
@@ -51,46 +48,6 @@ TARGET_RULES = (
     ("vocab", "tensor"),
 )
 HOST_DEVICES = 8
-
-
-def params() -> dict[str, tuple[tuple[int, ...], tuple]]:
-    """name -> (shape, logical names) of the decoder's params, layers stacked."""
-    return {
-        "embed": ((VOCAB, D), ("vocab", "embed")),
-        "attn_norm": ((LAYERS, D), ("layers", "embed")),
-        "wq": ((LAYERS, D, HEADS, HEAD), ("layers", "embed", "heads", None)),
-        "wk": ((LAYERS, D, KV_HEADS, HEAD), ("layers", "embed", "kv_heads", None)),
-        "wv": ((LAYERS, D, KV_HEADS, HEAD), ("layers", "embed", "kv_heads", None)),
-        "wo": ((LAYERS, HEADS, HEAD, D), ("layers", "heads", None, "embed")),
-        "mlp_norm": ((LAYERS, D), ("layers", "embed")),
-        "w_gate": ((LAYERS, D, FF), ("layers", "embed", "mlp")),
-        "w_up": ((LAYERS, D, FF), ("layers", "embed", "mlp")),
-        "w_down": ((LAYERS, FF, D), ("layers", "mlp", "embed")),
-        "final_norm": ((D,), ("embed",)),
-        "unembed": ((D, VOCAB), ("embed", "vocab")),
-    }
-
-
-def abstract_state() -> nnx.State:
-    """bf16 params, fp32 AdamW moments, the step count: ShapeDtypeStructs, nothing allocated."""
-
-    def tree(dtype):
-        return {
-            name: nnx.Param(jax.ShapeDtypeStruct(shape, dtype), out_sharding=names)
-            for name, (shape, names) in params().items()
-        }
-
-    with nnx.use_eager_sharding(False):
-        return nnx.State(
-            {
-                "params": tree(jnp.bfloat16),
-                "opt_state": {
-                    "mu": tree(jnp.float32),
-                    "nu": tree(jnp.float32),
-                    "count": nnx.Variable(jax.ShapeDtypeStruct((), jnp.int32)),
-                },
-            }
-        )
 
 
 def ptcs() -> tuple[tj.PTC, tj.PTC]:
