@@ -1,4 +1,5 @@
-"""The ``tenplex-jax`` command line: ``plan`` a reshard without devices, run the ``demo`` or ``bench``.
+"""The ``tenplex-jax`` command line: ``plan`` a reshard without devices, run the ``demo`` or ``bench``,
+``launch`` a multi-process job, ``simulate`` a trace on a described cluster.
 
 Heavy modules (JAX, Flax, the reference model ``tenplex_jax_models``) are imported inside the
 subcommands:
@@ -68,9 +69,9 @@ examples:
   tenplex-jax bench --out out/bench
       the full suite on the 114.5M-param GPT (about 10 minutes on 2 CPU cores)
   tenplex-jax bench --quick --out /tmp/bench
-      the same rows on a small model and small sizes, in about two minutes
-  tenplex-jax bench --quick --no-recovery --out /tmp/bench
-      without the recovery row (launched multi-process jobs): under a minute
+      the same rows on a small model and small sizes, without the recovery row: about a minute
+  tenplex-jax bench --quick --recovery --out /tmp/bench
+      with the recovery row (launched multi-process jobs, about a minute more)
 
 Runs on 8 GPUs when the machine has them, else on 8 fake CPU devices. Writes DIR/results.json,
 DIR/summary.md, DIR/reshard.png and DIR/plan_scaling.png.
@@ -310,6 +311,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the recovery row (stores vs orbax restart; launched jobs, about a minute)",
     )
+    bench.add_argument(
+        "--recovery",
+        action="store_true",
+        help="run the recovery row with --quick too (a full run always does)",
+    )
 
     launch = sub.add_parser(
         "launch",
@@ -380,6 +386,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     launch.add_argument("script", metavar="SCRIPT", help="the training script (python file)")
     launch.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments")
+
+    from tenplex_jax._cli import simulate
+
+    simulate.add_parser(sub)
     return parser
 
 
@@ -569,7 +579,7 @@ def _bench(args) -> int:
         out=pathlib.Path(args.out),
         quick=args.quick,
         repeats=args.repeats,
-        recovery=not args.no_recovery,
+        recovery=not args.no_recovery and (args.recovery or not args.quick),
     )
     suite.run(options)
     return 0

@@ -112,9 +112,11 @@ def growth(
     compile_seconds: float,
     compiled_ahead: bool,
     source: str,
+    restart_seconds: float = 0.0,
 ) -> dict:
     """Grow now? The estimated gain over the remaining steps against the reconfiguration's cost:
-    the plan's bytes over the bandwidth, plus the compile unless the step is compiled ahead."""
+    the plan's bytes over the bandwidth, plus the compile unless the step is compiled ahead, plus
+    ``restart_seconds`` where the change starts new processes (a new generation)."""
     gain = (
         math.inf
         if remaining_steps is None
@@ -133,6 +135,7 @@ def growth(
         "transfer_seconds": transfer,
         "compile_seconds": compile_s,
         "compiled_ahead": compiled_ahead,
-        "cost_seconds": transfer + compile_s,
-        "grow": bool(gain > transfer + compile_s),
+        "restart_seconds": restart_seconds,
+        "cost_seconds": transfer + compile_s + restart_seconds,
+        "grow": bool(gain > transfer + compile_s + restart_seconds),
     }

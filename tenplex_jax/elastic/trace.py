@@ -55,10 +55,13 @@ class ResourceTrace:
     events: tuple[TraceEvent, ...]
     checkpoint_every: int | None = None
     description: str = ""
+    minutes: float | None = None  # wall-clock length, for the simulator: step s at s/steps of it
 
     def __post_init__(self):
         if self.devices < 1 or self.steps < 1:
             raise LayoutError(f"a trace needs devices >= 1 and steps >= 1, got {self}")
+        if self.minutes is not None and not self.minutes > 0:
+            raise LayoutError(f"trace {self.name!r}: minutes must be > 0, got {self.minutes}")
         last = 0
         for e in self.events:
             where = f"trace {self.name!r}, event at step {e.step}"
@@ -91,7 +94,7 @@ class ResourceTrace:
 
     @classmethod
     def from_dict(cls, data: Mapping, default_name: str = "trace") -> ResourceTrace:
-        known = {"name", "description", "devices", "steps", "checkpoint_every", "events"}
+        known = {"name", "description", "devices", "steps", "checkpoint_every", "events", "minutes"}
         unknown = set(data) - known
         if unknown or "devices" not in data or "steps" not in data:
             raise LayoutError(
@@ -121,6 +124,7 @@ class ResourceTrace:
             tuple(events),
             data.get("checkpoint_every"),
             data.get("description", ""),
+            None if data.get("minutes") is None else float(data["minutes"]),
         )
 
 

@@ -10,11 +10,21 @@ A cluster is read from a TOML file (see ``meshes/``)::
     tflops = 400                 # sustained training throughput, not the datasheet peak
     link_gbps = 450              # GB/s between devices of one node (NVLink)
     usd_per_hour = 4.0           # optional; needed for the throughput-per-dollar objective
+    host_link_gbps = 25          # optional: GB/s each way between a device and host memory (PCIe)
+    memory_gbps = 2000           # optional: GB/s of a copy within a device's memory (HBM)
+    host_memory = false          # optional: the device's memory is host memory (CPU devices)
 
     [[nodes]]
     type = "h100"
     count = 8                    # devices of this node
     repeat = 1                   # optional: that many identical nodes
+
+Optional cluster-wide fields, used by the reconfiguration simulator (``tenplex_jax.simulator``)::
+
+    node_network_gbps = 400      # GB/s of one node's NICs together (default: its devices' sum)
+    host_memory_gbps = 200       # GB/s of one node's host memory for copies (default: unlimited)
+    storage_gbps = 5             # GB/s one node reads or writes remote checkpoint storage
+    storage_total_gbps = 500     # GB/s of the storage system for all nodes together (default: unlimited)
 
 Devices are numbered in file order, node after node. Units are plain SI in the dataclasses (bytes,
 FLOP/s, bytes/s); the file uses GiB, TFLOP/s and GB/s because that is how datasheets speak.
@@ -30,21 +40,33 @@ from collections.abc import Mapping, Sequence
 from tenplex_jax.errors import PlanError
 
 GIB = 2**30
-_TYPE_FIELDS = {"memory_gib", "tflops", "link_gbps", "usd_per_hour", "description"}
+_TYPE_FIELDS = {
+    "memory_gib", "tflops", "link_gbps", "usd_per_hour", "description", "host_link_gbps",
+    "memory_gbps", "host_memory",
+}  # fmt: skip
+_CLUSTER_FIELDS = {
+    "name", "description", "network_gbps", "types", "nodes", "node_network_gbps",
+    "host_memory_gbps", "storage_gbps", "storage_total_gbps",
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceType:
-    """One kind of accelerator: memory in bytes, sustained FLOP/s, intra-node bytes/s, $/hour."""
+    """One kind of accelerator: memory in bytes, sustained FLOP/s, intra-node bytes/s, $/hour;
+    for the simulator also bytes/s to and from host memory, bytes/s of an on-device copy, and
+    whether its memory is the host's (a CPU device: its copies load the node's host memory)."""
 
     name: str
     memory: int
     flops: float
     link_bandwidth: float
     usd_per_hour: float = 0.0
+    host_bandwidth: float = 25e9
+    memory_bandwidth: float = 1e12
+    host_memory: bool = False
 
     def __post_init__(self):
-        for field in ("memory", "flops", "link_bandwidth"):
+        for field in ("memory", "flops", "link_bandwidth", "host_bandwidth", "memory_bandwidth"):
             if not getattr(self, field) > 0:
                 raise PlanError(
                     f"device type {self.name!r} needs {field} > 0, got {getattr(self, field)!r}"
@@ -57,13 +79,21 @@ class DeviceType:
 class Cluster:
     """Devices in order: ``kinds[i]`` is device ``i``'s type (an index into ``types``), ``nodes[i]``
     its node. Devices of one node talk at their type's ``link_bandwidth``; across nodes at
-    ``network_bandwidth`` (bytes/s per device)."""
+    ``network_bandwidth`` (bytes/s per device), and a node's NICs together at
+    ``node_network_bandwidth`` (default: the sum over its devices). For the simulator: a node's
+    host memory copies at ``host_memory_bandwidth`` (None: not a limit), and reads or writes
+    remote checkpoint storage at ``storage_bandwidth``, all nodes together at
+    ``storage_total_bandwidth`` (None: not a limit)."""
 
     name: str
     types: tuple[DeviceType, ...]
     kinds: tuple[int, ...]
     nodes: tuple[int, ...]
     network_bandwidth: float
+    node_network_bandwidth: float | None = None
+    host_memory_bandwidth: float | None = None
+    storage_bandwidth: float = 2e9
+    storage_total_bandwidth: float | None = None
 
     def __post_init__(self):
         if not self.kinds:
@@ -72,10 +102,14 @@ class Cluster:
             raise PlanError(f"cluster {self.name!r}: one node id per device is needed")
         if any(not 0 <= k < len(self.types) for k in self.kinds):
             raise PlanError(f"cluster {self.name!r} names a device type index out of range")
-        if not self.network_bandwidth > 0:
-            raise PlanError(
-                f"cluster {self.name!r} needs network_gbps > 0, got {self.network_bandwidth}"
-            )
+        for field, key in (("network_bandwidth", "network_gbps"),
+                           ("node_network_bandwidth", "node_network_gbps"),
+                           ("host_memory_bandwidth", "host_memory_gbps"),
+                           ("storage_bandwidth", "storage_gbps"),
+                           ("storage_total_bandwidth", "storage_total_gbps")):  # fmt: skip
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise PlanError(f"cluster {self.name!r} needs {key} > 0, got {value}")
 
     @property
     def num_devices(self) -> int:
@@ -135,6 +169,12 @@ class Cluster:
     @classmethod
     def from_dict(cls, data: Mapping, default_name: str = "cluster") -> Cluster:
         name = str(data.get("name", default_name))
+        unknown = set(data) - _CLUSTER_FIELDS
+        if unknown:
+            raise PlanError(
+                f"cluster {name!r} has unknown fields {sorted(unknown)}; known: "
+                f"{sorted(_CLUSTER_FIELDS)}"
+            )
         types_in = data.get("types")
         if not isinstance(types_in, Mapping) or not types_in:
             raise PlanError(f"cluster {name!r}: a [types.NAME] table per device type is needed")
@@ -159,6 +199,9 @@ class Cluster:
                     float(spec["tflops"]) * 1e12,
                     float(spec["link_gbps"]) * 1e9,
                     float(spec.get("usd_per_hour", 0.0)),
+                    float(spec.get("host_link_gbps", 25)) * 1e9,
+                    float(spec.get("memory_gbps", 1000)) * 1e9,
+                    bool(spec.get("host_memory", False)),
                 )
             )
         kinds, nodes = [], []
@@ -183,12 +226,17 @@ class Cluster:
                 nodes += [node_id] * count
         if not kinds:
             raise PlanError(f"cluster {name!r}: no [[nodes]] with devices")
+        gbps = lambda key: None if key not in data else float(data[key]) * 1e9
         return cls(
             name,
             tuple(types),
             tuple(kinds),
             tuple(nodes),
             float(data.get("network_gbps", 25)) * 1e9,
+            gbps("node_network_gbps"),
+            gbps("host_memory_gbps"),
+            float(data.get("storage_gbps", 2)) * 1e9,
+            gbps("storage_total_gbps"),
         )
 
     def __str__(self) -> str:
