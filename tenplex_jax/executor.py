@@ -54,6 +54,8 @@ from tenplex_jax.ptc import PTC
 
 METHODS = ("plan", "device_put")
 EXECUTORS = ("auto", "host", "device")
+CHUNK_BYTES = 4 * 2**20  # the host path's copy task: large pieces are cut, so threads share them
+AHEAD = 1  # leaves whose host copies run while the one before is finished
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +124,14 @@ def reshard(
             pool = stack.enter_context(
                 concurrent.futures.ThreadPoolExecutor(os.cpu_count(), "tenplex-copy")
             )
-        for array, leaf, execute in zip(arrays, plan.leaves, paths_of):
-            shards, leaf_moved, leaf_kept = execute(array, leaf, by_id, pool)
+        # the host path's copies of the next leaf run while a leaf is finished: both cores stay
+        # busy, and at most AHEAD leaves' new buffers exist besides the state
+        started: collections.deque = collections.deque()
+
+        def finish():
+            array, leaf, execute, work = started.popleft()
+            nonlocal moved, kept
+            shards, leaf_moved, leaf_kept = execute(array, leaf, by_id, work)
             new = jax.make_array_from_single_device_arrays(
                 leaf.dst.shape, NamedSharding(mesh, leaf.dst.spec), shards
             )
@@ -135,6 +143,14 @@ def reshard(
             if donate and not any(s.kind == "keep" for s in leaf.shards):
                 jax.block_until_ready(new)  # the copies read the old buffers; they must finish
                 array.delete()
+
+        for array, leaf, execute in zip(arrays, plan.leaves, paths_of):
+            work = _HostCopies(array, leaf, pool) if execute is _host_leaf else None
+            started.append((array, leaf, execute, work))
+            while len(started) > AHEAD:
+                finish()
+        while started:
+            finish()
     jax.block_until_ready(out)
     report = ReshardReport(method, moved, kept, time.perf_counter() - start, len(out), kinds)
     return jax.tree_util.tree_unflatten(treedef, out), report
@@ -289,7 +305,7 @@ def _sources(array: jax.Array, leaf: LeafPlan) -> dict[int, jax.Array]:
 # -- the device path ---------------------------------------------------------------------------
 
 
-def _device_leaf(array: jax.Array, leaf: LeafPlan, by_id, pool=None):
+def _device_leaf(array: jax.Array, leaf: LeafPlan, by_id, work=None):
     """One target leaf's shards with JAX ops; (shards in target order, bytes moved, kept).
 
     Every piece reaches its target device before it is assembled: JAX refuses to concatenate
@@ -339,53 +355,88 @@ def _assemble(parts: list[tuple[Box, jax.Array]]) -> jax.Array:
 # -- the host path -----------------------------------------------------------------------------
 
 
-def _host_leaf(array: jax.Array, leaf: LeafPlan, by_id, pool=None):
+class _HostCopies:
+    """One leaf's host copies, started: every non-kept target shard gets a fresh aligned buffer,
+    and every piece is copied into its place from a zero-copy NumPy view of its source, in chunks
+    of at most ``CHUNK_BYTES`` along the piece's first dim, so that the pool's threads share the
+    bytes evenly however the leaf is cut (NumPy releases the GIL while it copies)."""
+
+    def __init__(self, array: jax.Array, leaf: LeafPlan, pool=None):
+        self.local = _sources(array, leaf)
+        views = {i: np.asarray(a) for i, a in self.local.items()}  # zero-copy on CPU
+        self.blocks: dict[int, np.ndarray] = {}
+        tasks = []
+        for i, shard in enumerate(leaf.shards):
+            if shard.kind == "keep":
+                continue
+            dtype = views[shard.pieces[0].src_device].dtype
+            out = self.blocks[i] = _aligned_empty(boxes.shape(shard.box), dtype)
+            for piece in shard.pieces:
+                src = views[piece.src_device][boxes.index(piece.box, piece.src_box)]
+                dst = out[boxes.index(piece.box, shard.box)]
+                tasks += [(a, b, piece.local) for a, b in _chunks(src, dst)]
+        # a task per chunk: FIFO across leaves, so the next leaf's copies follow this one's
+        run = pool.submit if pool is not None else _done
+        self.copies = [run(_copy, task) for task in tasks]
+
+    def result(self) -> tuple[int, int]:
+        """Wait for the copies: (bytes moved, bytes kept) as copied."""
+        moved = kept = 0
+        for future in self.copies:
+            nbytes, local = future.result()
+            if local:
+                kept += nbytes
+            else:
+                moved += nbytes
+        return moved, kept
+
+
+def _chunks(src: np.ndarray, dst: np.ndarray):
+    """``(src, dst)`` cut along their first dim longer than 1 into parts of at most
+    ``CHUNK_BYTES`` (one part when the piece is small or cannot be cut)."""
+    parts = -(-src.nbytes // CHUNK_BYTES)
+    dim = next((d for d, n in enumerate(src.shape) if n > 1), None)
+    if parts <= 1 or dim is None:
+        yield src, dst
+        return
+    cuts = np.linspace(0, src.shape[dim], min(parts, src.shape[dim]) + 1).astype(int)
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        index = (slice(None),) * dim + (slice(lo, hi),)
+        yield src[index], dst[index]
+
+
+def _copy(task) -> tuple[int, bool]:
+    src, dst, local = task
+    np.copyto(dst, src)
+    return src.nbytes, local
+
+
+def _done(fn, *args) -> concurrent.futures.Future:
+    """Run ``fn`` now, as a completed future (no pool: one core)."""
+    future = concurrent.futures.Future()
+    future.set_result(fn(*args))
+    return future
+
+
+def _host_leaf(array: jax.Array, leaf: LeafPlan, by_id, work: _HostCopies | None = None):
     """One target leaf's shards through host memory; (shards in target order, bytes moved, kept).
 
-    ``pool`` runs the shards' copies in parallel (NumPy releases the GIL).
+    ``work`` is the leaf's copies already started (:class:`_HostCopies`); without it they run now.
+    The fresh, aligned buffers are adopted by their target devices without a second copy.
     """
-    local = _sources(array, leaf)
-    views = {i: np.asarray(a) for i, a in local.items()}  # zero-copy on CPU
-    work = [shard for shard in leaf.shards if shard.kind != "keep"]
-    copy = pool.map if pool is not None and len(work) > 1 else map
-    copies = iter(copy(_copy_on_host, work, [views] * len(work)))
-    shards, blocks, targets = [], [], []
-    moved = kept = 0
-    for shard in leaf.shards:
+    work = work if work is not None else _HostCopies(array, leaf)
+    moved, kept = work.result()
+    shards: list = [None] * len(leaf.shards)
+    for i, shard in enumerate(leaf.shards):
         if shard.kind == "keep":
-            shards.append(local[shard.device])
-            kept += local[shard.device].nbytes
-            continue
-        block, shard_moved, shard_kept = next(copies)
-        moved, kept = moved + shard_moved, kept + shard_kept
-        blocks.append(block)
-        targets.append((len(shards), by_id[shard.device]))
-        shards.append(None)
-    # a fresh, aligned buffer: the target device adopts it, no second copy
-    for (i, _), data in zip(targets, jax.device_put(blocks, [d for _, d in targets],
-                                                    may_alias=True) if blocks else ()):  # fmt: skip
+            shards[i] = work.local[shard.device]
+            kept += shards[i].nbytes
+    built = sorted(work.blocks)
+    placed = jax.device_put([work.blocks[i] for i in built],
+                            [by_id[leaf.shards[i].device] for i in built], may_alias=True)  # fmt: skip
+    for i, data in zip(built, placed):
         shards[i] = data
     return shards, moved, kept
-
-
-def _copy_on_host(shard: ShardPlan, views: dict[int, np.ndarray]) -> tuple[np.ndarray, int, int]:
-    """One target shard built in host memory: (buffer, bytes moved, bytes kept).
-
-    Every piece is copied once, straight from a zero-copy view of its source buffer into its place
-    in a fresh buffer aligned for the CPU client to adopt without copying again. (A NumPy view of a
-    JAX buffer would be adopted as an alias of the source memory, not copied.)
-    """
-    dtype = views[shard.pieces[0].src_device].dtype
-    out = _aligned_empty(boxes.shape(shard.box), dtype)
-    moved = kept = 0
-    for piece in shard.pieces:
-        src = views[piece.src_device][boxes.index(piece.box, piece.src_box)]
-        np.copyto(out[boxes.index(piece.box, shard.box)], src)
-        if piece.local:
-            kept += src.nbytes
-        else:
-            moved += src.nbytes
-    return out, moved, kept
 
 
 def _aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
