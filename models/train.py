@@ -25,8 +25,10 @@ from .gpt import GPT, GPTConfig, example_losses, profile
 CPU = tj.planner.DeviceType("cpu", memory=2 * tj.planner.GIB, flops=5e9, link_bandwidth=10e9)
 
 
-def build_state(model, lr: float, seed: int = 0, *, abstract: bool = False):
-    """(graphdef, state, GPTConfig) of the GPT and its AdamW optimizer, built without a mesh.
+def build_state(model, lr: float, seed: int = 0, *, abstract: bool = False,
+                optimizer: str = "adamw"):  # fmt: skip
+    """(graphdef, state, GPTConfig) of the GPT and its optimizer (AdamW; ``optimizer="sgd"``:
+    plain SGD), built without a mesh.
 
     ``model`` is a preset name (``"tiny"``, ``"small"``, ``"gpt100m"``) or a ``GPTConfig``. The
     state is ``{"model": ..., "optimizer": ...}``, so tree paths read ``model/..``,
@@ -38,7 +40,8 @@ def build_state(model, lr: float, seed: int = 0, *, abstract: bool = False):
 
     def build():
         gpt = GPT(cfg, rngs=nnx.Rngs(seed))
-        return {"model": gpt, "optimizer": nnx.Optimizer(gpt, optax.adamw(lr), wrt=nnx.Param)}
+        tx = {"adamw": optax.adamw, "sgd": optax.sgd}[optimizer](lr)
+        return {"model": gpt, "optimizer": nnx.Optimizer(gpt, tx, wrt=nnx.Param)}
 
     with nnx.use_eager_sharding(False):
         nodes = nnx.eval_shape(build) if abstract else build()

@@ -25,7 +25,8 @@ The public face, in the order a user meets it::
 The rest is one import deeper: ``tj.errors`` (every error class), ``tj.planner`` (cluster
 descriptions, model profiles, the search and the config policy), ``tj.elastic`` (the elastic loop,
 compiled steps, resource traces), ``tj.multihost`` (the launcher, the commit protocol and the
-tensor store), ``tj.simulator`` (reconfigurations on thousands of described devices), and the core modules ``tj.ptc``, ``tj.mesh``, ``tj.rules``, ``tj.tree``,
+tensor store), ``tj.simulator`` (reconfigurations on thousands of described devices), ``tj.wsp``
+(asynchronous virtual workers, a parameter server, wave synchronous parallel), and the core modules ``tj.ptc``, ``tj.mesh``, ``tj.rules``, ``tj.tree``,
 ``tj.plan``, ``tj.executor``, ``tj.data``, ``tj.batch``, ``tj.pipelining``, ``tj.checkpoint`` and
 ``tj.box``.
 
@@ -67,7 +68,7 @@ _EXPORTS = {
 _SUBMODULES = frozenset(
     {"box", "batch", "checkpoint", "data", "errors", "executor", "mesh", "pipelining", "plan"}
     | {"ptc", "rules", "tree"}
-    | {"elastic", "multihost", "planner", "simulator"}
+    | {"elastic", "multihost", "planner", "simulator", "wsp"}
 )
 
 __all__ = [  # the same names as _EXPORTS, spelled out for tools that read __all__ statically

@@ -59,6 +59,15 @@ class StoreProtocolError(Exception):
     with reason ``"protocol"`` and closes it; a client raises ``StoreError``)."""
 
 
+class WSPError(RuntimeError):
+    """An asynchronous job's rule was broken: a dropped virtual worker committing, a wave out of
+    order, a malformed ledger. ``reason``: ``"dropped"``, ``"refused"``, ``"corrupt"``, ..."""
+
+    def __init__(self, message: str, reason: str = "refused"):
+        super().__init__(message)
+        self.reason = reason
+
+
 class LaunchError(RuntimeError):
     """The launcher cannot go on: no slots left, no copy of the state, too many restarts."""
 

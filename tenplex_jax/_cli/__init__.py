@@ -53,6 +53,9 @@ examples:
       a quick run; batch 12 does not split over 8 devices, so the first layout adds tensor=2
   tenplex-jax demo --method device_put
       move the state with one jax.device_put instead of the per-shard plan executor
+  tenplex-jax demo --wsp --out out/wsp
+      heterogeneous virtual workers with wave synchronous parallel through a parameter server in
+      the tensor stores; one dies at 30%, a new one joins at 50%; exactly once, loss.png
   tenplex-jax demo --trace meshes/philly.toml --out out/trace
       replay a Philly-shaped resource trace (preemptions, a failure, offers) with the elastic
       loop; per-event table, goodput against checkpoint-restart, DIR/summary.json
@@ -217,7 +220,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="GPT preset (default: moe-small; small with --bitwise or --trace)",
     )
-    demo.add_argument("--steps", type=_positive, default=60, help="training steps (default: 60)")
+    demo.add_argument(
+        "--steps",
+        type=_positive,
+        default=None,
+        help="training steps (default: 60; with --wsp, the run's minibatches, default 96)",
+    )
     demo.add_argument(
         "--bitwise",
         action="store_true",
@@ -269,6 +277,21 @@ def _parser() -> argparse.ArgumentParser:
         help="replay a resource trace (TOML, see meshes/README.md) with the elastic loop: "
         "preemptions, failures and offers at its steps; its steps and devices replace --steps, "
         "--schedule and --devices",
+    )
+    demo.add_argument(
+        "--wsp",
+        action="store_true",
+        help="asynchronous virtual workers (4+2+2 devices, one slower) with wave synchronous "
+        "parallel through a parameter server; one dies at 40%% and a new one joins at 60%%",
+    )
+    demo.add_argument(
+        "--distance", type=_count, default=1, help="with --wsp: the clock distance D (default: 1)"
+    )
+    demo.add_argument(
+        "--slowdown",
+        type=float,
+        default=2.0,
+        help="with --wsp: how many times slower the slow device type is (default: 2)",
     )
     demo.add_argument(
         "--no-compile-ahead",
@@ -529,13 +552,21 @@ def _demo(args) -> int:
                 file=sys.stderr,
             )
             return 2
+    if args.wsp:
+        from tenplex_jax._cli import wsp_demo
+
+        wsp_demo.run(wsp_demo.WSPOptions(
+            out=pathlib.Path(args.out), model=args.model or "tiny",
+            total=args.steps or wsp_demo.WSPOptions.total,
+            distance=args.distance, slowdown=args.slowdown, lr=args.lr, seed=args.seed))  # fmt: skip
+        return 0
     from tenplex_jax._cli import demo
 
     model = args.model or ("small" if args.bitwise or trace is not None else "moe-small")
     options = demo.DemoOptions(
         out=pathlib.Path(args.out),
         model=model,
-        steps=args.steps,
+        steps=args.steps or 60,
         schedule=args.schedule or (),
         bitwise=args.bitwise,
         batch=args.batch,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import numpy as np
 
@@ -18,6 +18,16 @@ from tenplex_jax.multihost.store.wire import ObjectInfo
 _MISSING = object()
 _BROKEN = ("unavailable", "protocol")  # reasons after which a connection is not reused
 DISK_BYTES_PER_S = 50e6  # the slowest disk a durable put waits for, for its reply timeout
+
+
+class CAS(NamedTuple):
+    """A ``cas_json`` reply: whether it swapped, and the object at the path now (None: none),
+    with its checksum and the store's clock (seconds)."""
+
+    swapped: bool
+    checksum: str | None
+    value: Any
+    time: float
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -160,7 +170,7 @@ class StoreClient:
             wire.send_header(sock, request, nbody)
         except OSError as error:
             raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
-        if request["op"] in ("put", "put_json"):
+        if request["op"] in ("put", "put_json", "cas_json"):
             self._reply(sock)  # "continue", or the reason the request is refused
             try:
                 if request["op"] == "put" and request.get("checksum") is None:
@@ -263,10 +273,11 @@ class StoreClient:
         header, _ = self._call(request, data)
         return ObjectInfo.from_json(header["info"])
 
-    def get(self, path: str, box: Box | None = None) -> np.ndarray:
+    def get(self, path: str, box: Box | None = None, *, with_info: bool = False):
         """The ``box`` (global coordinates; None: the whole array) of the object at ``path``
-        that contains it, as a new array. Raises ``StoreError`` (reason ``"not_found"``) when no
-        object under ``path`` contains ``box``."""
+        that contains it, as a new array; with ``with_info``, ``(array, ObjectInfo)`` (its
+        ``clocks`` among them). Raises ``StoreError`` (reason ``"not_found"``) when no object
+        under ``path`` contains ``box``."""
         path = wire.check_path(path)
         box = None if box is None else wire.as_box(box)
         request = {
@@ -299,7 +310,17 @@ class StoreClient:
                 f"{digest}, the store sent {header['checksum']}",
                 "corrupt",
             )
-        return out
+        return (out, ObjectInfo.from_json(header["info"])) if with_info else out
+
+    def accumulate(self, path: str, stage: str, *, name: str, clock: int) -> tuple[ObjectInfo, bool]:
+        """Add the whole float array stored at ``stage`` into the one at ``path``, on the store,
+        once per ``(name, clock)`` (see ``Store.accumulate``): (the array's record, whether it
+        was applied now). A wave out of turn is refused (``StoreError``, ``"refused"``)."""
+        request = {"op": "accumulate", "path": wire.check_path(path),
+                   "stage": wire.check_path(stage), "name": wire.check_name(name),
+                   "clock": int(clock)}  # fmt: skip
+        header, _ = self._call(request)
+        return ObjectInfo.from_json(header["info"]), bool(header["applied"])
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every array object whose path starts with ``prefix`` (plain string prefix)."""
@@ -331,32 +352,56 @@ class StoreClient:
         skips that wait: enough while the store process lives (it outlives the workers), but a
         store restarted from disk may then hold the marker without some objects."""
         path = wire.check_path(path)
-        try:
-            data = json.dumps(obj, allow_nan=False).encode()
-        except (TypeError, ValueError) as error:
-            raise StoreError(f"put_json of {path!r}: not plain JSON: {error}") from error
-        if len(data) > wire.MAX_JSON_BYTES:
-            raise StoreError(
-                f"put_json objects are at most {wire.MAX_JSON_BYTES} bytes; {path!r} is "
-                f"{len(data)} bytes"
-            )
+        data = self._json_bytes(path, obj, "put_json")
         request = {"op": "put_json", "path": path, "flush": bool(flush),
                    "checksum": wire.checksum(data)}  # fmt: skip
         self._call(request, data)
 
-    def get_json(self, path: str, default: Any = _MISSING) -> Any:
-        """The JSON object at ``path``; ``default`` if given and there is none."""
+    def get_json(self, path: str, default: Any = _MISSING, *, versioned: bool = False) -> Any:
+        """The JSON object at ``path``; ``default`` if given and there is none. With
+        ``versioned``, ``(object, its checksum, the store's clock)``: what ``cas_json`` expects."""
         try:
             header, body = self._call({"op": "get_json", "path": wire.check_path(path)})
         except StoreError as error:
             if error.reason == "not_found" and default is not _MISSING:
-                return default
+                return (default, None, None) if versioned else default
             raise
         if wire.checksum(body) != header.get("checksum"):
             raise StoreError(f"store {self.address}: get_json of {path!r}: received bytes have "
                              f"checksum {wire.checksum(body)}, the store sent "
                              f"{header.get('checksum')}", "corrupt")  # fmt: skip
-        return self._decode(body, "get_json")
+        obj = self._decode(body, "get_json")
+        return (obj, header["checksum"], float(header["time"])) if versioned else obj
+
+    def cas_json(self, path: str, obj: Any, *, expect: str | None) -> CAS:
+        """Store ``obj`` at ``path`` only if the JSON object there has checksum ``expect`` (None:
+        only if there is none), atomically. The reply says whether it swapped, and carries the
+        object there now with its checksum and the store's clock, to retry from."""
+        path = wire.check_path(path)
+        data = self._json_bytes(path, obj, "cas_json")
+        request = {"op": "cas_json", "path": path, "expect": expect,
+                   "checksum": wire.checksum(data)}  # fmt: skip
+        header, body = self._call(request, data)
+        current = None if header["checksum"] is None else body
+        if current is not None and wire.checksum(current) != header["checksum"]:
+            raise StoreError(f"store {self.address}: cas_json of {path!r}: received bytes have "
+                             f"checksum {wire.checksum(current)}, the store sent "
+                             f"{header['checksum']}", "corrupt")  # fmt: skip
+        value = None if current is None else self._decode(current, "cas_json")
+        return CAS(bool(header["swapped"]), header["checksum"], value, float(header["time"]))
+
+    @staticmethod
+    def _json_bytes(path: str, obj: Any, what: str) -> bytes:
+        try:
+            data = json.dumps(obj, allow_nan=False).encode()
+        except (TypeError, ValueError) as error:
+            raise StoreError(f"{what} of {path!r}: not plain JSON: {error}") from error
+        if len(data) > wire.MAX_JSON_BYTES:
+            raise StoreError(
+                f"{what} objects are at most {wire.MAX_JSON_BYTES} bytes; {path!r} is "
+                f"{len(data)} bytes"
+            )
+        return data
 
     def list_json(self, prefix: str = "") -> list[str]:
         header, _ = self._call({"op": "list_json", "prefix": str(prefix)})

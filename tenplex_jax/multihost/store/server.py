@@ -278,111 +278,164 @@ class Handler(socketserver.BaseRequestHandler):
             )
 
     def _serve(self, sock: socket.socket, header: dict, nbody: int) -> None:
-        op, store = header.get("op"), self.server.store
-        if op != "put" and op != "put_json" and nbody:
+        op = header.get("op")
+        serve = self.OPS.get(op) if isinstance(op, str) else None
+        if serve is None:
+            raise StoreError(f"unknown op {op!r}; ops: {sorted(self.OPS)}", "refused")
+        if nbody and op not in self.WITH_BODY:
             raise StoreProtocolError(f"op {op!r} takes no body")
-        if op == "put":
-            path = wire.check_path(header.get("path"))
-            dtype = wire.dtype_of(str(header.get("dtype")))
-            global_shape = wire.as_shape(header["global_shape"])
-            box = wire.as_box(header["box"])
-            wire.check_box(path, box, global_shape)
-            expected = wire.nbytes_of(boxes.shape(box), dtype)
-            what = f"put of {path!r} box {box}"
-            self._check_body_limit(nbody, what)
-            info = ObjectInfo(path, box, global_shape, dtype.name, expected, "")
-            if nbody > self.server.budget.limit:  # written to disk as it arrives
-                with self.server.budget.hold(tiers.STREAM_CHUNK_BYTES, what):
-                    info = self._put_streamed(sock, header, info, what)
-            else:
-                with self.server.budget.hold(nbody, what):
-                    data, digest = self._body(sock, nbody, expected, path)
-                    self._check_claim(sock, header, digest, what)
-                    info = dataclasses.replace(info, checksum=digest)
-                    store.put(info, data, durable=bool(header.get("durable")))
-                    del data  # the store holds it now, or has written it through
-            wire.send_frame(sock, {"ok": True, "info": info.to_json()})
-        elif op == "get":
-            path = wire.check_path(header.get("path"))
-            box = None if header.get("box") is None else wire.as_box(header["box"])
-            key = store.find(path, box)
-            info, in_memory = store.info(key)
-            whole = box is None or box == info.box
-            # the object as read from disk (one in the memory tier is shared), a sub-box's copy
-            reply_bytes = (0 if in_memory else info.nbytes) + (0 if whole else wire.nbytes_of(
-                boxes.shape(box), wire.dtype_of(info.dtype)))  # fmt: skip
-            if reply_bytes > self.server.budget.limit:  # read from disk a chunk at a time
-                with self.server.budget.hold(tiers.STREAM_CHUNK_BYTES, f"get of {path!r}"):
-                    self._get_streamed(sock, key, info, box or info.box)
-                return
-            with self.server.budget.hold(reply_bytes, f"get of {path!r} box {box}"):
-                entry, data = store.read(key)
-                info = entry.info
-                if whole:
-                    box, out, digest = info.box, data, info.checksum
-                else:
-                    dtype = wire.dtype_of(info.dtype)
-                    full = np.frombuffer(data, dtype=np.dtype(f"V{dtype.itemsize}"))
-                    sub = full.reshape(info.shape)[boxes.index(box, info.box)]
-                    out = wire.as_bytes(np.ascontiguousarray(sub))
-                    digest = wire.checksum(out)
-                reply = {"ok": True, "info": info.to_json(), "box": [list(b) for b in box],
-                         "checksum": digest}  # fmt: skip
-                wire.send_frame(sock, reply, out)
-                del data, out
-        elif op == "list":
-            listing = [i.to_json() for i in store.list(str(header.get("prefix", "")))]
-            wire.send_frame(sock, {"ok": True}, json.dumps(listing).encode())
-        elif op == "list_json":
-            prefix = str(header.get("prefix", ""))
-            with store.lock:
-                paths = sorted(p for p in store.json if p.startswith(prefix))
-            wire.send_frame(sock, {"ok": True, "paths": paths})
-        elif op == "delete":
-            prefix = header.get("prefix")
-            if not isinstance(prefix, str):
-                raise StoreError(f"delete needs a string prefix; got {prefix!r}", "refused")
-            wire.send_frame(sock, {"ok": True, "deleted": store.delete(prefix)})
-        elif op == "put_json":
-            path = wire.check_path(header.get("path"))
-            what = f"put_json of {path!r}"
-            self._check_body_limit(nbody, what, wire.MAX_JSON_BYTES)
-            with self.server.budget.hold(nbody, what):
-                data, digest = self._body(sock, nbody, nbody, path)
-                if digest != header.get("checksum"):
-                    raise StoreError(f"{what}: the bytes received have checksum {digest}, the "
-                                     f"client sent {header.get('checksum')}; nothing stored",
-                                     "checksum")  # fmt: skip
-                try:
-                    json.loads(data.tobytes())
-                except (ValueError, RecursionError) as error:
-                    raise StoreError(f"{what}: the body is not JSON: {error!r:.300}",
-                                     "refused") from None  # fmt: skip
-                store.put_json(path, data, flush=header.get("flush", True) is not False)
-            wire.send_frame(sock, {"ok": True})
-        elif op == "get_json":
-            path = wire.check_path(header.get("path"))
-            with self.server.budget.hold(store.json_bytes(path), f"get_json of {path!r}"):
-                data = store.get_json(path)
-                wire.send_frame(sock, {"ok": True, "checksum": wire.checksum(data)}, data)
-        elif op == "flush":
-            store.flush()
-            wire.send_frame(sock, {"ok": True})
-        elif op == "stats":
-            with store.lock:
-                stats = {"objects": len(store.index), "memory_bytes": store.memory_used,
-                         "memory_objects": len(store.memory), "dirty": len(store.dirty),
-                         "json": len(store.json), "pid": os.getpid(),
-                         # transfers under way: request bodies arriving, files being written
-                         "receiving": list(store.receiving.values()),
-                         "writing": list(store.writing.values()),
-                         "connections": self.server.connections(),
-                         "transfer_bytes": self.server.budget.used,
-                         "transfers_waiting": self.server.budget.waiting,
-                         "transfer_limit": self.server.budget.limit}  # fmt: skip
-            wire.send_frame(sock, {"ok": True, "stats": stats})
+        serve(self, sock, header, nbody)
+
+    def _put(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        store = self.server.store
+        path = wire.check_path(header.get("path"))
+        dtype = wire.dtype_of(str(header.get("dtype")))
+        global_shape = wire.as_shape(header["global_shape"])
+        box = wire.as_box(header["box"])
+        wire.check_box(path, box, global_shape)
+        expected = wire.nbytes_of(boxes.shape(box), dtype)
+        what = f"put of {path!r} box {box}"
+        self._check_body_limit(nbody, what)
+        info = ObjectInfo(path, box, global_shape, dtype.name, expected, "")
+        if nbody > self.server.budget.limit:  # written to disk as it arrives
+            with self.server.budget.hold(tiers.STREAM_CHUNK_BYTES, what):
+                info = self._put_streamed(sock, header, info, what)
         else:
-            raise StoreError(f"unknown op {op!r}", "refused")
+            with self.server.budget.hold(nbody, what):
+                data, digest = self._body(sock, nbody, expected, path)
+                self._check_claim(sock, header, digest, what)
+                info = dataclasses.replace(info, checksum=digest)
+                store.put(info, data, durable=bool(header.get("durable")))
+                del data  # the store holds it now, or has written it through
+        wire.send_frame(sock, {"ok": True, "info": info.to_json()})
+
+    def _get(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        store = self.server.store
+        path = wire.check_path(header.get("path"))
+        box = None if header.get("box") is None else wire.as_box(header["box"])
+        key = store.find(path, box)
+        info, in_memory = store.info(key)
+        whole = box is None or box == info.box
+        # the object as read from disk (one in the memory tier is shared), a sub-box's copy
+        reply_bytes = (0 if in_memory else info.nbytes) + (0 if whole else wire.nbytes_of(
+            boxes.shape(box), wire.dtype_of(info.dtype)))  # fmt: skip
+        if reply_bytes > self.server.budget.limit:  # read from disk a chunk at a time
+            with self.server.budget.hold(tiers.STREAM_CHUNK_BYTES, f"get of {path!r}"):
+                self._get_streamed(sock, key, info, box or info.box)
+            return
+        with self.server.budget.hold(reply_bytes, f"get of {path!r} box {box}"):
+            entry, data = store.read(key)
+            info = entry.info
+            if whole:
+                box, out, digest = info.box, data, info.checksum
+            else:
+                dtype = wire.dtype_of(info.dtype)
+                full = np.frombuffer(data, dtype=np.dtype(f"V{dtype.itemsize}"))
+                sub = full.reshape(info.shape)[boxes.index(box, info.box)]
+                out = wire.as_bytes(np.ascontiguousarray(sub))
+                digest = wire.checksum(out)
+            reply = {"ok": True, "info": info.to_json(), "box": [list(b) for b in box],
+                     "checksum": digest}  # fmt: skip
+            wire.send_frame(sock, reply, out)
+            del data, out
+
+    def _accumulate(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        """Add a staged array into a stored one, once per (name, clock): ``Store.accumulate``."""
+        path, stage = wire.check_path(header.get("path")), wire.check_path(header.get("stage"))
+        name, clock = wire.check_name(header.get("name")), header.get("clock")
+        if not wire._is_int(clock) or clock < 0:
+            raise StoreError(f"accumulate needs an integer clock >= 0, got {clock!r:.50}")
+        store = self.server.store
+        info, _ = store.info(store.find(path, None))
+        # the array, the update and their sum may all be in hand at once
+        with self.server.budget.hold(3 * info.nbytes, f"accumulate into {path!r}"):
+            info, applied = store.accumulate(path, stage, name, int(clock))
+        wire.send_frame(sock, {"ok": True, "applied": applied, "info": info.to_json()})
+
+    def _list(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        listing = [i.to_json() for i in self.server.store.list(str(header.get("prefix", "")))]
+        wire.send_frame(sock, {"ok": True}, json.dumps(listing).encode())
+
+    def _list_json(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        store, prefix = self.server.store, str(header.get("prefix", ""))
+        with store.lock:
+            paths = sorted(p for p in store.json if p.startswith(prefix))
+        wire.send_frame(sock, {"ok": True, "paths": paths})
+
+    def _delete(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        prefix = header.get("prefix")
+        if not isinstance(prefix, str):
+            raise StoreError(f"delete needs a string prefix; got {prefix!r}", "refused")
+        wire.send_frame(sock, {"ok": True, "deleted": self.server.store.delete(prefix)})
+
+    def _json_body(self, sock: socket.socket, header: dict, nbody: int, what: str):
+        """A JSON request body, received within the budget and checked (checksum, JSON)."""
+        path = wire.check_path(header.get("path"))
+        self._check_body_limit(nbody, what, wire.MAX_JSON_BYTES)
+        data, digest = self._body(sock, nbody, nbody, path)
+        if digest != header.get("checksum"):
+            raise StoreError(f"{what}: the bytes received have checksum {digest}, the client "
+                             f"sent {header.get('checksum')}; nothing stored", "checksum")  # fmt: skip
+        try:
+            json.loads(data.tobytes())
+        except (ValueError, RecursionError) as error:
+            raise StoreError(f"{what}: the body is not JSON: {error!r:.300}", "refused") from None
+        return path, data
+
+    def _put_json(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        what = f"put_json of {header.get('path')!r:.200}"
+        with self.server.budget.hold(nbody, what):
+            path, data = self._json_body(sock, header, nbody, what)
+            self.server.store.put_json(path, data, flush=header.get("flush", True) is not False)
+        wire.send_frame(sock, {"ok": True})
+
+    def _get_json(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        store, path = self.server.store, wire.check_path(header.get("path"))
+        with self.server.budget.hold(store.json_bytes(path), f"get_json of {path!r}"):
+            data = store.get_json(path)
+            wire.send_frame(sock, {"ok": True, "checksum": wire.checksum(data),
+                                   "time": time.time()}, data)  # fmt: skip
+
+    def _cas_json(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        """Compare and swap a JSON object; the reply carries the object now and the store's
+        clock (one clock for every client of the store, whatever host it runs on)."""
+        expect = header.get("expect")
+        if expect is not None and (not isinstance(expect, str)
+                                   or not expect.startswith(checksums.PREFIX)):  # fmt: skip
+            raise StoreError(f"cas_json expects a checksum or null, got {expect!r:.100}")
+        what = f"cas_json of {header.get('path')!r:.200}"
+        store = self.server.store
+        with store.lock:  # the object now, as read back to compare (a racing put may grow it)
+            current = store.json.get(str(header.get("path")), 0)
+        with self.server.budget.hold(nbody + 2 * current, what):
+            path, data = self._json_body(sock, header, nbody, what)
+            swapped, digest, now = store.cas_json(path, expect, data)
+            reply = {"ok": True, "swapped": swapped, "checksum": digest, "time": time.time()}
+            wire.send_frame(sock, reply, b"" if now is None else now)
+
+    def _flush(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        self.server.store.flush()
+        wire.send_frame(sock, {"ok": True})
+
+    def _stats(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        store = self.server.store
+        with store.lock:
+            stats = {"objects": len(store.index), "memory_bytes": store.memory_used,
+                     "memory_objects": len(store.memory), "dirty": len(store.dirty),
+                     "json": len(store.json), "pid": os.getpid(),
+                     # transfers under way: request bodies arriving, files being written
+                     "receiving": list(store.receiving.values()),
+                     "writing": list(store.writing.values()),
+                     "connections": self.server.connections(),
+                     "transfer_bytes": self.server.budget.used,
+                     "transfers_waiting": self.server.budget.waiting,
+                     "transfer_limit": self.server.budget.limit}  # fmt: skip
+        wire.send_frame(sock, {"ok": True, "stats": stats})
+
+    OPS = {"put": _put, "get": _get, "accumulate": _accumulate, "list": _list,
+           "list_json": _list_json, "delete": _delete, "put_json": _put_json,
+           "get_json": _get_json, "cas_json": _cas_json, "flush": _flush, "stats": _stats}  # fmt: skip
+    WITH_BODY = frozenset({"put", "put_json", "cas_json"})
 
 
 class _Limits:

@@ -110,6 +110,7 @@ class Store:
         self.receiving: dict[int, dict] = {}  # request bodies: path, bytes so far, of
         self.writing: dict[int, dict] = {}  # files being written: path, bytes so far, of
         self.closing = False
+        self.path_locks: dict[tuple[str, str], threading.Lock] = {}  # accumulate, cas_json
         self._load()
         # several writers: their fsyncs overlap, as the file system's journal commits them together
         self.writers = [
@@ -606,6 +607,63 @@ class Store:
                 f"JSON object {path!r} is corrupt on disk ({error!r}); it is not served", "corrupt"
             ) from None
         return data
+
+    # -- read-modify-write: one at a time per path ---------------------------------------------
+
+    def _path_lock(self, kind: str, path: str) -> threading.Lock:
+        with self.lock:
+            return self.path_locks.setdefault((kind, path), threading.Lock())
+
+    def accumulate(self, path: str, stage: str, name: str, clock: int) -> tuple[ObjectInfo, bool]:
+        """Add the whole float array at ``stage`` into the whole array at ``path``, once per
+        ``(name, clock)``: applied when the array holds exactly ``clock`` waves of ``name`` (its
+        ``clocks``), skipped when it holds more, refused when fewer (a wave out of turn).
+        (the array's record, whether it was applied). Accumulates of one path take turns, and
+        the new array replaces the old atomically: a reader sees one or the other, whole."""
+        with self._path_lock("array", path):
+            entry, data = self.read(self.find(path, None))
+            info = entry.info
+            have = dict(info.clocks).get(name, 0)
+            if clock < have:
+                return info, False
+            where = f"accumulate of {stage!r} into {path!r} by {name!r}"
+            if clock > have:
+                raise StoreError(f"{where}: wave {clock} is out of turn; the array holds "
+                                 f"{have} waves of {name!r}", "refused")  # fmt: skip
+            staged, update = self.read(self.find(stage, None))
+            dtype = wire.dtype_of(info.dtype)
+            whole = info.box == boxes.full(info.global_shape)
+            same = (staged.info.global_shape, staged.info.dtype, staged.info.box) == (
+                info.global_shape, info.dtype, info.box)  # fmt: skip
+            if not (whole and same and dtype.kind == "f"):
+                raise StoreError(
+                    f"{where}: both must be whole float arrays of one shape and dtype; the array "
+                    f"is {info.dtype}{list(info.global_shape)} box {info.box}, the update "
+                    f"{staged.info.dtype}{list(staged.info.global_shape)} box {staged.info.box}",
+                    "refused",
+                )
+            total = np.frombuffer(data, dtype) + np.frombuffer(update, dtype)
+            out = total.view(np.uint8)
+            clocks = tuple(sorted({**dict(info.clocks), name: clock + 1}.items()))
+            new = dataclasses.replace(info, checksum=wire.checksum(out), clocks=clocks)
+            self.put(new, out, durable=False)
+            return new, True
+
+    def cas_json(self, path: str, expect: str | None, data: np.ndarray):
+        """Compare and swap a JSON object: store ``data`` at ``path`` if the object there now has
+        checksum ``expect`` (None: there is none). (swapped, the checksum now, the bytes now)."""
+        with self._path_lock("json", path):
+            try:
+                current = self.get_json(path)
+            except StoreError as error:
+                if error.reason != "not_found":
+                    raise
+                current = None
+            digest = None if current is None else wire.checksum(current)
+            if digest != expect:
+                return False, digest, current
+            self.put_json(path, data, flush=False)
+            return True, wire.checksum(data), data
 
     def close(self) -> None:
         """Refuse further puts, write every object still only in memory, stop the writer."""

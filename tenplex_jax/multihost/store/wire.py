@@ -49,7 +49,9 @@ DIGEST_CHUNK_BYTES = 1 << 20  # checksummed as sent: small enough to stay in cac
 class ObjectInfo:
     """One stored object: an array covering ``box`` of a global array of ``global_shape``.
 
-    ``checksum`` is ``"crc32:<8 hex digits>"`` of the object's C-order bytes.
+    ``checksum`` is ``"crc32:<8 hex digits>"`` of the object's C-order bytes. ``clocks``, for an
+    array that ``accumulate`` updates (a parameter server's weights): how many waves of each
+    pusher it holds, as sorted ``(name, count)`` pairs; empty for any other object.
     """
 
     path: str
@@ -58,6 +60,7 @@ class ObjectInfo:
     dtype: str
     nbytes: int
     checksum: str
+    clocks: tuple[tuple[str, int], ...] = ()
 
     @property
     def shape(self) -> Shape:
@@ -71,7 +74,7 @@ class ObjectInfo:
             "dtype": self.dtype,
             "nbytes": self.nbytes,
             "checksum": self.checksum,
-        }
+        } | ({"clocks": dict(self.clocks)} if self.clocks else {})
 
     @classmethod
     def from_json(cls, obj: Any) -> ObjectInfo:
@@ -87,13 +90,37 @@ class ObjectInfo:
                 raise StoreError(f"nbytes {nbytes!r} is not the box's size in {dtype.name}")
             if not isinstance(digest, str) or not digest.startswith(checksums.PREFIX):
                 raise StoreError(f"checksum {digest!r:.100} is not a crc32")
+            clocks = as_clocks(obj.get("clocks", {}))
         except (KeyError, TypeError, StoreError) as error:
             raise StoreError(
                 f"an object record has a path, a box inside its global shape, a dtype, its byte "
                 f"count and a checksum; got {obj!r:.300} ({error!r:.200})",
                 "protocol",
             ) from None
-        return cls(path, box, global_shape, dtype.name, nbytes, digest)
+        return cls(path, box, global_shape, dtype.name, nbytes, digest, clocks)
+
+
+MAX_NAME_CHARS = 128  # a pusher's name in an accumulate
+
+
+def check_name(name: Any) -> str:
+    """A pusher's name: a non-empty printable string without '/' of at most MAX_NAME_CHARS."""
+    if (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS or not name.isprintable()
+            or "/" in name):  # fmt: skip
+        raise StoreError(f"a pusher's name is 1 to {MAX_NAME_CHARS} printable characters without "
+                         f"'/'; got {name!r:.200}")  # fmt: skip
+    return name
+
+
+def as_clocks(value: Any) -> tuple[tuple[str, int], ...]:
+    """``{name: count}`` (counts >= 0) as sorted pairs."""
+    if not isinstance(value, dict) or len(value) > 1 << 16:
+        raise StoreError(f"clocks are a JSON object of names to counts; got {value!r:.200}")
+    for name, count in value.items():
+        check_name(name)
+        if not _is_int(count) or count < 0:
+            raise StoreError(f"clock of {name!r} must be an integer >= 0, got {count!r:.50}")
+    return tuple(sorted((str(k), int(v)) for k, v in value.items()))
 
 
 def checksum(data) -> str:

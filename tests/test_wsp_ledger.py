@@ -1,0 +1,142 @@
+"""The ledger's rules, exhaustively: exactly-once data over any joins, deaths and leaves, and the
+WSP bound over random speeds (pure: no stores, no devices)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tenplex_jax.errors import WSPError
+from tenplex_jax.wsp.ledger import Ledger
+
+TIMEOUT = 10.0
+
+
+class Sim:
+    """VWs acting on one ledger as the worker loop does: decide (go / pull / wait), claim, train,
+    commit; they join, die (fall silent: reaped after the timeout) and leave at random."""
+
+    def __init__(self, total: int, nm: int, distance: int):
+        self.ledger, self.now = Ledger(total=total), 0.0
+        self.nm, self.distance = nm, distance
+        self.state: dict[str, dict] = {}  # live VWs: wave, fresh, phase, the weights' tags
+        self.tags: set = set()  # every committed (vw, wave): the global weights
+        self.count = 0
+        self.starts: list[tuple] = []  # (vw, wave, slowest clock) at every wave start
+
+    def join(self):
+        self.count += 1
+        vw = f"vw{self.count}"
+        self.ledger = self.ledger.join(vw, self.now)
+        # a join pulls: its weights hold every committed wave
+        clock = self.ledger.clocks[vw]
+        self.state[vw] = {"wave": clock, "fresh": self.ledger.min_clock, "phase": "wait",
+                          "known": set(self.tags)}  # fmt: skip
+
+    def step(self, vw: str):
+        s = self.state[vw]
+        self.ledger = self.ledger.heartbeat(vw, self.now)
+        if s["phase"] == "wait":
+            decision = self.ledger.decide(vw, s["wave"], s["fresh"], self.distance)
+            if decision == "wait":
+                return
+            if decision == "pull":
+                s["fresh"], s["known"] = self.ledger.min_clock, set(self.tags)
+            self.starts.append((vw, s["wave"], self.ledger.min_clock, frozenset(s["known"])))
+            self.ledger, got = self.ledger.claim(vw, s["wave"], self.nm)
+            if got:
+                s["phase"] = "train"
+            else:  # nothing to claim: finished when the run is, else others may still return some
+                self.starts.pop()
+                s["phase"] = "done" if self.ledger.done else "wait"
+        elif s["phase"] == "train":
+            self.ledger = self.ledger.commit(vw, s["wave"])
+            self.tags.add((vw, s["wave"]))
+            s["known"].add((vw, s["wave"]))  # its own update is in its weights
+            s["wave"] += 1
+            s["phase"] = "wait"
+
+    def die(self, vw: str):
+        del self.state[vw]  # falls silent; the others reap it after the timeout
+        self.now += TIMEOUT + 1
+        for other in self.state:
+            self.ledger = self.ledger.heartbeat(other, self.now)
+        self.ledger, dropped = self.ledger.reap(self.now, TIMEOUT)
+        assert dropped == (vw,)
+
+    def leave(self, vw: str):
+        del self.state[vw]
+        self.ledger = self.ledger.leave(vw)
+
+
+ACTIONS = st.lists(st.tuples(st.sampled_from(["step", "step", "step", "step", "join", "die",
+                                              "leave"]), st.integers(0, 7)),  # fmt: skip
+                   min_size=1, max_size=200)
+
+
+@settings(max_examples=150, deadline=None)
+@given(total=st.integers(1, 40), nm=st.integers(1, 4), distance=st.integers(0, 3), actions=ACTIONS)
+def test_every_minibatch_is_trained_exactly_once_and_wsp_holds_over_joins_and_deaths(
+    total, nm, distance, actions
+):
+    sim = Sim(total, nm, distance)
+    sim.join()
+    for action, pick in actions:
+        sim.now += 0.1
+        live = sorted(sim.state)
+        if action == "join" and len(live) < 6:
+            sim.join()
+        elif action in ("die", "leave") and len(live) > 1:
+            getattr(sim, action)(live[pick % len(live)])
+        elif live:
+            sim.step(live[pick % len(live)])
+    if not sim.state:
+        sim.join()
+    for _ in range(100 * total + 100):  # the survivors finish the run
+        if sim.ledger.done:
+            break
+        for vw in sorted(sim.state):
+            sim.step(vw)
+    assert sim.ledger.done
+    trained = sim.ledger.trained()
+    assert sorted(trained) == list(range(total))  # each minibatch exactly once
+    for vw, wave, slowest, known in sim.starts:
+        # WSP: never more than D waves ahead of the slowest member when a wave starts, and the
+        # weights hold every wave every VW committed before wave - D
+        assert wave - slowest <= distance
+        required = {(u, c) for u, c in sim.tags if c < wave - distance}
+        committed_then = {(u, c) for u, c in required if (u, c) in known or u == vw}
+        assert required <= known | committed_then
+
+
+def test_a_dropped_vws_lease_goes_back_and_its_late_commit_is_refused():
+    led = Ledger(total=10).join("a", 0.0).join("b", 0.0)
+    led, mine = led.claim("a", 0, 3)
+    led, theirs = led.claim("b", 0, 3)
+    assert mine == (0, 1, 2) and theirs == (3, 4, 5)
+    led = led.heartbeat("b", 20.0)
+    led, dropped = led.reap(20.0, TIMEOUT)
+    assert dropped == ("a",) and led.returned == (0, 1, 2) and led.min_clock == 0
+    with pytest.raises(WSPError, match="dropped") as refused:
+        led.commit("a", 0)
+    assert refused.value.reason == "dropped"
+    led = led.commit("b", 0)
+    led, again = led.claim("b", 1, 4)
+    assert again == (0, 1, 2, 6)  # the returned minibatches first, then the cursor's
+    with pytest.raises(WSPError, match="used once"):
+        led.join("a", 30.0)
+
+
+def test_a_joiner_starts_at_the_slowest_clock_and_the_record_round_trips():
+    led = Ledger(total=None).join("a", 0.0)
+    for wave in range(3):
+        led, _ = led.claim("a", wave, 1)
+        led = led.commit("a", wave)
+    led = led.join("b", 1.0)
+    assert led.clocks == {"a": 3, "b": 3} and led.may_start("b", 3, 0)
+    assert not led.may_start("a", 4, 0) and led.may_start("a", 4, 1)
+    assert led.decide("a", 4, 3, 0) == "wait" and led.decide("a", 4, 3, 1) == "go"
+    assert Ledger.from_json(led.to_json()) == led
+    with pytest.raises(WSPError, match="malformed"):
+        Ledger.from_json({"total": 3})
