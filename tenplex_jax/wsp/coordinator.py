@@ -90,17 +90,16 @@ class Processes:
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, devices: tuple[int, ...]):
-        from tenplex_jax.multihost.launch import _spawn
-
         command = [self.python, "-m", "tenplex_jax.wsp", "--job", self.job, "--name", name,
                    "--devices", str(len(devices)), "--stores", ",".join(self.stores),
                    "--records", str(self.run_dir / f"{name}.jsonl"), *self.options]  # fmt: skip
         if self.token_file:
             command += ["--token-file", self.token_file]
-        log = open(self.run_dir / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
-        proc = _spawn(command, stdout=log, stderr=log, env=os.environ | {"PYTHONUNBUFFERED": "1"})
-        log.close()
-        return proc
+        # no preexec_fn: this process runs JAX's threads, so the child must exec at once (its own
+        # session keeps a Ctrl-C at the terminal to the coordinator, which ends it by PID)
+        with open(self.run_dir / f"{name}.log", "wb") as log:
+            return subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True,
+                                    env=os.environ | {"PYTHONUNBUFFERED": "1"})  # fmt: skip
 
     def launch(self, handle) -> None:
         pass  # a process joins the job as soon as its step is compiled
@@ -224,11 +223,20 @@ class Coordinator:
         for member in [*self.members.values(), *self.gone.values()]:
             self.runner.wait(member.handle, max(deadline - time.monotonic(), 0.1))
 
-    def stop(self) -> None:
-        """Tell every VW to leave, and wait for them."""
+    def stop(self, timeout: float = 600.0) -> None:
+        """Tell every VW to leave, and wait for them (a process still running then is killed)."""
         for name in list(self.members):
             self.remove(name)
-        self.wait()
+        self.wait(timeout)
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Leaving the block ends every VW still running: killed (threads fall silent)."""
+        for name in list(self.members):
+            self.kill(name)
+        self.wait(timeout=60.0)
 
     def records(self) -> list[dict]:
         """Every VW's wave records (dicts), in wave start order."""

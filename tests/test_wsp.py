@@ -1,0 +1,149 @@
+"""Virtual workers with wave synchronous parallel, for real: threads on the 8 fake CPU devices and
+processes of their own, a parameter server on tensor store processes on 127.0.0.1, the reference
+GPT; D = 0 against the synchronous step it equals, a SIGKILLed VW process mid-wave, the demo's
+death and join, the planner."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import tenplex_jax as tj
+from tenplex_jax._cli import main
+from tenplex_jax.wsp import Coordinator, ParameterServer, Processes, Threads, VirtualWorker
+from tenplex_jax.wsp import plan_workers, weights_of
+from tenplex_jax_models import build_state, example_losses, wsp as job_parts
+from tests.test_store import Stores
+
+
+@pytest.fixture
+def stores(tmp_path):
+    started = Stores(tmp_path)
+    try:
+        yield [started.start(f"s{i}").address for i in range(2)]
+    finally:
+        started.reap()
+
+
+def test_d0_with_one_minibatch_and_sgd_is_synchronous_sgd_on_the_summed_gradients(stores):
+    lr, waves = 0.05, 3
+    parts = job_parts.job(1, optimizer="sgd", lr=lr)
+    graphdef, state, _ = build_state("tiny", lr, optimizer="sgd")  # what parts["init"] builds
+    initial = weights_of(state)
+    with ParameterServer(stores) as ps:
+        ps.create(initial, total=2 * waves)
+
+        def make(name, devices):
+            return VirtualWorker(name, ParameterServer(stores), parts["rules"], parts["dataset"],
+                                 state, parts["train_step"], config=parts["config"],
+                                 devices=[jax.devices()[d] for d in devices], distance=0)  # fmt: skip
+
+        with Coordinator(ps, Threads(make)) as coordinator:
+            coordinator.add([0], [5])
+            coordinator.wait(timeout=300)
+        assert not coordinator.runner.errors
+        ledger = ps.ledger()
+        got = ps.pull(ledger)
+    records = coordinator.records()
+    # D = 0: every wave starts from the weights holding every VW's previous waves, and wave k
+    # trains minibatches 2k and 2k + 1 (one on each VW, whichever claims first)
+    assert all(r["wave"] == r["slowest"] for r in records)
+    assert sorted(tuple(sorted(m for r in records if r["wave"] == k for m in r["minibatches"]))
+                  for k in range(waves)) == [(2 * k, 2 * k + 1) for k in range(waves)]  # fmt: skip
+    # the synchronous equivalent: w <- w - lr * (g(2k) + g(2k + 1)), both at the same w
+    model = nnx.merge(graphdef, state)["model"]
+    dataset = parts["dataset"]
+    grad = nnx.jit(nnx.grad(lambda m, b: jnp.mean(example_losses(m, b))))
+    for k in range(waves):
+        g = [grad(model, dataset.read(dataset.indices(m)[0])) for m in (2 * k, 2 * k + 1)]
+        params = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(lambda p, a, b: p - lr * (a + b), params, g[0], g[1]))
+    want = {f"model/{p}": np.asarray(v) for p, v in _flat(nnx.state(model, nnx.Param)).items()}
+    assert set(want) == set(got)
+    for path in want:
+        np.testing.assert_allclose(got[path], want[path], rtol=2e-5, atol=2e-6, err_msg=path)
+    assert max(np.abs(got[p] - initial[p]).max() for p in got) > 1e-3  # training moved them
+
+
+def _flat(state) -> dict:
+    paths, leaves, _ = tj.tree.arrays(state)
+    return dict(zip(paths, leaves))
+
+
+def test_a_sigkilled_vw_process_is_dropped_and_its_minibatches_trained_by_others(stores, tmp_path):
+    total = 48
+    parts = job_parts.job(1)
+    with ParameterServer(stores) as ps:
+        ps.create(weights_of(parts["init"]()), total=total)
+        runner = Processes("tenplex_jax_models.wsp:job", stores, tmp_path / "run",
+                           options=["--minibatches", "2", "--distance", "1", "--timeout", "3"])  # fmt: skip
+        with Coordinator(ps, runner) as coordinator:  # every process reaped, whatever happens
+            coordinator.add([0], [1], [2, 3])
+            # wait for vw2 to be mid-wave: it has pushed a wave and holds the next one's lease
+            deadline, leased = time.monotonic() + 240, None
+            while time.monotonic() < deadline:
+                ledger = ps.ledger()
+                if ledger.committed.get("vw2", 0) >= 1 and "vw2" in ledger.leases:
+                    leased = ledger.leases["vw2"].minibatches
+                    break
+                time.sleep(0.01)
+            assert leased, "vw2 never held a lease after a push"
+            coordinator.kill("vw2")
+            killed = time.time()
+            coordinator.wait(timeout=240)
+            ledger = ps.ledger()
+    assert ledger.done and "vw2" in ledger.dropped
+    assert sorted(ledger.trained()) == list(range(total))  # exactly once, after the death
+    by = {m: vw for vw, _, ms in ledger.log for m in ms}
+    assert all(by[m] in ("vw1", "vw3") for m in leased)  # the dead VW's lease, trained by others
+    records = coordinator.records()
+    assert {r["vw"] for r in records if r["started"] > killed} == {"vw1", "vw3"}
+    assert not [r for r in records if r["vw"] == "vw2" and set(r["minibatches"]) & set(leased)]
+
+
+def test_the_demo_survives_a_death_and_a_join_exactly_once(tmp_path):
+    assert main(["demo", "--wsp", "--steps", "120", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["exactly_once"] and summary["samples_exactly_once"]
+    assert summary["dropped"] == ["vw2"] and summary["weights_finite"]
+    kinds = [(e["event"], e["vw"]) for e in summary["events"]]
+    assert kinds[-2:] == [("kill", "vw2"), ("add", "vw4")]
+    per = summary["per_vw"]
+    assert per["vw4"]["waves"] >= 1  # the joiner trained
+    assert all(v["max_lead"] <= summary["distance"] for v in per.values())  # WSP's bound
+    assert per["vw1"]["minibatches"] > per["vw3"]["minibatches"]  # Nm in proportion to speed
+    assert summary["last_losses"] and np.mean(summary["last_losses"]) < summary["first_loss"]
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def _device(name, tflops, memory_gib=24, usd=1.0):
+    return tj.planner.DeviceType(name, int(memory_gib * 2**30), tflops * 1e12, 50e9, usd)
+
+
+def test_the_planner_groups_mixed_nodes_into_equal_vws_with_stages_by_speed():
+    layers = tuple(tj.planner.LayerProfile(1e11, 20_000_000, 50_000_000, 2_000_000)
+                   for _ in range(16))  # fmt: skip
+    model = tj.planner.ModelProfile("m", layers, tj.planner.LayerProfile(1e10, 1_000_000, 0, 0))
+    fast, slow = _device("fast", 120), _device("slow", 40, usd=0.3)
+    cluster = tj.planner.Cluster("het", (fast, slow), (0,) * 4 + (1,) * 4, (0,) * 4 + (1,) * 4,
+                                 10e9)  # fmt: skip
+    choice = plan_workers(cluster, model, minibatch=8)
+    assert choice.alternatives and all(choice.throughput >= t for _, t, _ in choice.alternatives)
+    equal = plan_workers(cluster, model, minibatch=8, groupings=("equal",))
+    assert len(equal.workers) == 4 and equal.distance == 1
+    for worker in equal.workers:  # one fast and one slow device each: the fast stage has more
+        assert worker.candidate.config.pipe == 2
+        first, second = worker.candidate.stages.layers
+        assert first > second
+    by_node = plan_workers(cluster, model, minibatch=8, groupings=("node",))
+    fast_vw, slow_vw = sorted(by_node.workers, key=lambda w: w.candidate.step_time)
+    assert fast_vw.minibatches > slow_vw.minibatches == 1  # Nm in proportion to speed
+    assert "synchronous" in str(choice) and choice.throughput > 0
+    with pytest.raises(tj.errors.PlanError, match="objective"):
+        plan_workers(cluster, model, minibatch=8, objective="speed")
