@@ -1,0 +1,259 @@
+"""Wave synchronous parallel on 8 fake CPU devices, one run, side by side.
+
+Three virtual workers as threads (devices 0..3 as a two-stage pipeline, 4..5 and 6..7 data
+parallel; ``vw3`` of a device type ``--slowdown`` times slower, simulated by sleeping), ``Nm`` in
+proportion to speed (4, 2, 1), against one synchronous SPMD job over the same 8 devices (data
+parallel, every step the same ``4 + 2 + 1`` minibatches, each step ``--slowdown`` times longer,
+as when one of its devices is that much slower):
+
+1. throughput (samples per second, from the first to the last commit after the VWs compiled) at
+   ``D = 0, 1, 4`` and of the synchronous job;
+2. loss against samples trained for each (the convergence cost of staleness): the mean of the last
+   minibatches' losses, and ``DIR/wsp_loss.png``;
+3. a VW killed mid-training (``D = 1``): the longest time no VW commits after the kill, against the
+   median time between commits before it, and the launcher's generation restart
+   (``benchmarks/RESULTS.md``: 12 to 19 s on this machine);
+4. the parameter server's push (stage + commit + accumulate) and pull throughput against a memcpy
+   (``np.copyto``) of the same bytes.
+
+    python -m tenplex_jax_benchmarks.wsp [--model small] [--minibatches 160] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+GROUPS = ((0, 1, 2, 3), (4, 5), (6, 7))
+NM = (4, 2, 1)
+
+
+def _stores(root: pathlib.Path, n: int = 2):
+    from tenplex_jax.multihost.store import StoreProcess
+
+    return [StoreProcess.start(root / f"s{i}") for i in range(n)]
+
+
+def run_wsp(model: str, total: int, distance: int, slowdown: float, minibatch: int,
+            kill: bool = False, log=print) -> dict:  # fmt: skip
+    """One WSP run; its commits' times, losses by samples, and (with ``kill``) the stall."""
+    import jax
+
+    from tenplex_jax.elastic.steps import StepCache
+    from tenplex_jax.wsp import Coordinator, ParameterServer, Threads, VirtualWorker, weights_of
+    from tenplex_jax_models import wsp as job_parts
+
+    parts = job_parts.job(1, model=model, minibatch=minibatch)
+    state = parts["init"]()
+    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
+    steps = StepCache(parts["train_step"], sample, jax.devices())
+    stores = _stores(pathlib.Path(tempfile.mkdtemp(prefix="tenplex-wsp-bench-")))
+    try:
+        addresses = [s.address for s in stores]
+
+        def make(name, devices):
+            p = job_parts.job(len(devices), model=model, minibatch=minibatch)
+            i = GROUPS.index(devices)
+            return VirtualWorker(name, ParameterServer(addresses), p["rules"], p["dataset"], state,
+                                 p["train_step"], devices=[jax.devices()[d] for d in devices],
+                                 config=p["config"], minibatches=NM[i], distance=distance,
+                                 slowdown=slowdown if i == 2 else 1.0, timeout=3.0, steps=steps)  # fmt: skip
+
+        with ParameterServer(addresses) as ps:
+            ps.create(weights_of(state), total=total)
+            with Coordinator(ps, Threads(make)) as coordinator:
+                coordinator.add(*GROUPS)
+                killed = None
+                if kill:
+                    while len(ps.ledger().trained()) < total // 3:
+                        time.sleep(0.01)
+                    coordinator.kill("vw2")
+                    killed = time.time()
+                coordinator.wait(timeout=1200)
+            records = coordinator.records()
+    finally:
+        for s in stores:
+            s.kill()
+    ends = sorted(r["ended"] for r in records)
+    first = min(ends)
+    samples = (sum(len(r["minibatches"]) for r in records) - 1) * minibatch  # after the first
+    per_vw = {}
+    for r in records:  # where each VW's time went
+        v = per_vw.setdefault(r["vw"], {"waves": 0, "minibatches": 0, "compute": 0.0, "wait": 0.0,
+                                        "slowdown": 0.0, "push": 0.0})  # fmt: skip
+        v["waves"] += 1
+        v["minibatches"] += len(r["minibatches"])
+        for key in ("compute", "wait", "slowdown", "push"):
+            v[key] += r[f"{key}_seconds"]
+    row = {"distance": distance, "minibatches": total, "waves": len(records),
+           "seconds": max(ends) - first, "samples_per_second": samples / (max(ends) - first),
+           "per_vw": per_vw, "losses": _curve(records, minibatch)}  # fmt: skip
+    if killed is not None:
+        before = [b - a for a, b in zip(ends, ends[1:]) if b < killed]
+        after = [b - max(a, killed) for a, b in zip(ends, ends[1:]) if b >= killed]
+        row |= {"median_gap_before_kill": statistics.median(before),
+                "longest_gap_after_kill": max(after)}  # fmt: skip
+    log(f"  WSP D={distance}{' with a kill' if kill else ''}: "
+        f"{row['samples_per_second']:.1f} samples/s over {row['seconds']:.1f} s; per VW (waves, "
+        f"compute / wait / slowdown / push s): " + "; ".join(
+            f"{vw} {v['waves']}, {v['compute']:.2f} / {v['wait']:.2f} / {v['slowdown']:.2f} / "
+            f"{v['push']:.2f}" for vw, v in sorted(per_vw.items())))  # fmt: skip
+    return row
+
+
+def run_sync(model: str, steps: int, slowdown: float, minibatch: int, log=print) -> dict:
+    """One SPMD job over the 8 devices, each step the wave's sum(NM) minibatches, slowed down."""
+    import jax
+
+    import tenplex_jax as tj
+    from tenplex_jax_models import LOGICAL_RULES, build_state, make_train_step, wsp as job_parts
+
+    per_step = sum(NM) * minibatch
+    graphdef, state, _ = build_state(model, 3e-3)
+    dataset = job_parts.job(1, model=model, minibatch=per_step)["dataset"]
+    ptc = tj.PTC.of(state, LOGICAL_RULES, tj.ParallelConfig(data=8), jax.devices())
+    layout = tj.BatchLayout(per_step, ranks=8)
+    step = make_train_step(graphdef, ptc, layout)
+    state = tj.place(state, ptc)
+    ends, losses = [], []
+    for k in range(steps + 1):
+        batch, weights, _ = tj.device_batch(dataset, k, layout, ptc.mesh())
+        tic = time.perf_counter()
+        state, loss = step(state, batch, weights)
+        loss = float(loss)
+        time.sleep((slowdown - 1.0) * (time.perf_counter() - tic))  # the slow device's step
+        ends.append(time.time())
+        losses.append(loss)
+    seconds = ends[-1] - ends[0]  # step 0 compiles
+    curve = [((k + 1) * per_step, l) for k, l in enumerate(losses)]
+    row = {"steps": steps, "seconds": seconds, "samples_per_second": steps * per_step / seconds,
+           "losses": curve}  # fmt: skip
+    log(f"  synchronous SPMD: {row['samples_per_second']:.1f} samples/s over {seconds:.1f} s")
+    return row
+
+
+def _curve(records, minibatch) -> list[tuple[int, float]]:
+    done, out = 0, []
+    for r in sorted(records, key=lambda r: r["ended"]):
+        for loss in r["losses"]:
+            done += minibatch
+            out.append((done, loss))
+    return out
+
+
+def run_ps(megabytes: int = 64, repeats: int = 5, log=print) -> dict:
+    """Push (stage + commit + accumulate) and pull of ``megabytes`` of weights in 8 leaves over
+    two stores, against ``np.copyto`` of the same bytes."""
+    from tenplex_jax.wsp import ParameterServer
+
+    leaves = 8
+    n = megabytes * 2**20 // 4 // leaves
+    weights = {f"w{i}": np.zeros(n, np.float32) for i in range(leaves)}
+    update = {p: np.full(n, 1e-3, np.float32) for p in weights}
+    stores = _stores(pathlib.Path(tempfile.mkdtemp(prefix="tenplex-ps-bench-")))
+    try:
+        with ParameterServer([s.address for s in stores]) as ps:
+            ps.create(weights, total=None)
+            ps.update(lambda led, now: (led.join("b", now), None))
+            push, pull = [], []
+            for wave in range(repeats + 1):
+                ps.update(lambda led, now: led.claim("b", wave, 1))
+                tic = time.perf_counter()
+                ps.push("b", wave, update)
+                push.append(time.perf_counter() - tic)
+                tic = time.perf_counter()
+                ps.pull()
+                pull.append(time.perf_counter() - tic)
+    finally:
+        for s in stores:
+            s.kill()
+    src, dst = np.ones(n * leaves, np.float32), np.empty(n * leaves, np.float32)
+    copies = []
+    for _ in range(repeats + 1):
+        tic = time.perf_counter()
+        np.copyto(dst, src)
+        copies.append(time.perf_counter() - tic)
+    nbytes = n * leaves * 4
+    memcpy = nbytes / statistics.median(copies[1:])
+    row = {"bytes": nbytes, "push_bytes_per_s": nbytes / statistics.median(push[1:]),
+           "pull_bytes_per_s": nbytes / statistics.median(pull[1:]), "memcpy_bytes_per_s": memcpy}  # fmt: skip
+    row |= {"push_over_memcpy": row["push_bytes_per_s"] / memcpy,
+            "pull_over_memcpy": row["pull_bytes_per_s"] / memcpy}  # fmt: skip
+    log(f"  parameter server, {megabytes} MiB: push {row['push_bytes_per_s'] / 1e9:.2f} GB/s "
+        f"({row['push_over_memcpy']:.2f} of memcpy), pull {row['pull_bytes_per_s'] / 1e9:.2f} "
+        f"GB/s ({row['pull_over_memcpy']:.2f})")  # fmt: skip
+    return row
+
+
+def plot(rows: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, row in rows.items():
+        xs, ys = zip(*row["losses"])
+        window = 8
+        smooth = np.convolve(ys, np.ones(window) / window, mode="valid")
+        ax.plot(xs[window - 1:], smooth, label=name)
+    ax.set_xlabel("samples trained")
+    ax.set_ylabel("loss (moving mean of 8 minibatches)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--minibatches", type=int, default=161)
+    parser.add_argument("--minibatch", type=int, default=8)
+    parser.add_argument("--slowdown", type=float, default=2.0)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/wsp-bench"))
+    args = parser.parse_args(argv)
+    from tenplex_jax_benchmarks.suite import configure_jax
+
+    configure_jax()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"wave synchronous parallel, GPT {args.model}, {args.minibatches} minibatches of "
+          f"{args.minibatch}, vw3 {args.slowdown:g}x slower, load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    runs = {f"WSP D={d}": run_wsp(args.model, args.minibatches, d, args.slowdown, args.minibatch)
+            for d in (0, 1, 4)}  # fmt: skip
+    runs["synchronous"] = run_sync(args.model, args.minibatches // sum(NM), args.slowdown,
+                                   args.minibatch)  # fmt: skip
+    killed = run_wsp(args.model, args.minibatches, 1, args.slowdown, args.minibatch, kill=True)
+    ps = run_ps()
+    tail = 21
+    summary = {
+        "model": args.model, "minibatch": args.minibatch, "slowdown": args.slowdown,
+        "load_average": os.getloadavg(),
+        "samples_per_second": {k: r["samples_per_second"] for k, r in runs.items()},
+        "over_synchronous": {k: r["samples_per_second"] / runs["synchronous"]["samples_per_second"]
+                             for k, r in runs.items()},
+        "final_loss": {k: float(np.mean([l for _, l in r["losses"][-tail:]]))
+                       for k, r in runs.items()},
+        "kill": {k: killed[k] for k in ("median_gap_before_kill", "longest_gap_after_kill")},
+        "parameter_server": ps, "runs": runs,
+    }  # fmt: skip
+    plot(runs, args.out / "wsp_loss.png")
+    (args.out / "wsp.json").write_text(json.dumps(summary, indent=1) + "\n")
+    for k in runs:
+        print(f"  {k:12s} {summary['samples_per_second'][k]:7.1f} samples/s "
+              f"({summary['over_synchronous'][k]:.2f}x synchronous), loss of the last {tail} "
+              f"minibatches {summary['final_loss'][k]:.3f}")  # fmt: skip
+    print(f"  a VW killed: no commit for {summary['kill']['longest_gap_after_kill']:.2f} s "
+          f"(median gap between commits before: {summary['kill']['median_gap_before_kill']:.3f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
