@@ -56,6 +56,9 @@ def main(argv=None) -> int:
         help="GPT preset (tiny, small, gpt100m) or GPTConfig fields: d_model=256,n_layers=4,...",
     )
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--planned-steps", type=int, default=None,
+                        help="the run's planned length, over which growing onto offered devices "
+                        "is weighed (default: --steps)")  # fmt: skip
     parser.add_argument("--batch", type=int, default=24, help="global batch (fixed across resizes)")
     parser.add_argument("--workers", type=int, default=8, help="virtual data-parallel workers")
     parser.add_argument("--samples", type=int, default=100, help="dataset size in samples")
@@ -82,6 +85,7 @@ def main(argv=None) -> int:
         workers=args.workers,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        steps=args.planned_steps or args.steps,  # what growing onto offered devices is weighed over
     ) as job:
         state = job.start(init)
         step = job.jit(train_step(graphdef))

@@ -130,7 +130,7 @@ def reference(job):
     return job["reference"]
 
 
-def reference_run():
+def reference_run(steps: int = STEPS):
     """The same steps in this one process on 8 devices with the same script's job, never
     interrupted: (final state on the host, the samples of every step, the abstract state)."""
     from tenplex_jax_models import (LOGICAL_RULES, build_state, corpus_samples, stdlib_corpus,
@@ -143,7 +143,7 @@ def reference_run():
     with tj.ElasticJob(LOGICAL_RULES, dataset, workers=WORKERS, compile_ahead=False) as job:
         state = job.start(lambda: build_state("tiny", 3e-3, 0)[1])
         step = job.jit(train_step(graphdef))
-        while job.step < STEPS:
+        while job.step < steps:
             state, batch = job.next(state)
             samples.append(job.samples[job.samples >= 0])
             state, _ = step(state, batch)

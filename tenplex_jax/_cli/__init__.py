@@ -91,6 +91,9 @@ examples:
       a planned resize to 2 processes: commit (no lost steps), new generation
   kill -TERM LAUNCHER_PID
       graceful stop: commit (and orbax checkpoint with --checkpoint-dir), then exit
+  tenplex-jax launch --ray auto --nprocs 3 --run-dir /shared/run examples/elastic_gpt.py
+      the same script on a Ray cluster: one process and one tensor store per node; a node that
+      dies ends the generation, a node that joins is grown onto when it pays
 """
 
 
@@ -407,6 +410,17 @@ def _parser() -> argparse.ArgumentParser:
         default=2.0,
         help="seconds survivors of a failure get before SIGKILL (default: 2)",
     )
+    launch.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run on a Ray cluster (ADDRESS, or auto): a store per node, workers placed on the "
+        "nodes, node deaths and joins handled (pip install 'tenplex_jax[ray]')",
+    )
+    launch.add_argument(
+        "--ray-resource",
+        metavar="NAME",
+        help="with --ray: only nodes that offer this custom resource take part",
+    )
     launch.add_argument("script", metavar="SCRIPT", help="the training script (python file)")
     launch.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments")
 
@@ -444,6 +458,10 @@ def _launch(args) -> int:
     except LaunchError as error:
         print(f"tenplex-jax launch: error: {error}", file=sys.stderr)
         return 2
+    if args.ray:
+        from tenplex_jax.multihost.ray import launch_on_ray
+
+        return launch_on_ray(options, args.ray, resource=args.ray_resource)
     return launch(options)
 
 

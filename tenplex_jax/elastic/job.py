@@ -593,7 +593,7 @@ class ElasticJob:
         tic = time.perf_counter()
         state, metrics = executable(state, batch)
         if self._worker is not None:
-            self._worker.reached(self.step)
+            self._worker.reached(self.step, self.steps)
         if self.exact_step_times or self._stalled is not None:
             jax.block_until_ready((state, metrics))
             done = time.perf_counter()

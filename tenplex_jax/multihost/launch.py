@@ -83,6 +83,7 @@ class JobSpec:
     run_dir: str
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
+    token_file: str | None = None  # the stores' secret, in a file only this job's user reads
 
     def to_env(self) -> dict[str, str]:
         record = dataclasses.asdict(self)
@@ -103,6 +104,12 @@ class JobSpec:
     def slot(self) -> int:
         return self.slots[self.process_id]
 
+    def token(self) -> str | None:
+        """The stores' token (read from ``token_file``; None when the stores need none)."""
+        if self.token_file is None:
+            return None
+        return pathlib.Path(self.token_file).read_text().strip()
+
 
 @dataclasses.dataclass(frozen=True)
 class LaunchOptions:
@@ -120,6 +127,7 @@ class LaunchOptions:
     store_dir: pathlib.Path | None = None  # the stores' disk tier; default RUN_DIR/stores
     compile_cache: pathlib.Path | None = None  # JAX's persistent compilation cache, shared
     recover_from: str = "store"  # "checkpoint": ignore the stores (the benchmark's baseline)
+    token: bool = False  # stores refuse clients without the job's secret (always on Ray)
     grace: float = 2.0  # seconds the survivors of a failure get before SIGKILL
     stop_timeout: float = 300.0  # seconds workers get to commit and exit on a planned end
     start_timeout: float = 60.0  # seconds a store gets to listen
@@ -177,6 +185,7 @@ class Launcher:
         self.slots: dict[int, _Slot] = {}
         self.workers: list[subprocess.Popen] = []
         self._terminate = False
+        self.token_file: pathlib.Path | None = None
 
     # -- the main loop -----------------------------------------------------------------------------
 
@@ -185,6 +194,8 @@ class Launcher:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for name in (CONTROL, "resize", "progress.json", "finished.json", "stopped.json"):
             (self.run_dir / name).unlink(missing_ok=True)
+        if opts.token:
+            self.token_file = write_token(self.run_dir / "token")
         previous = self._install_signals()
         try:
             self._start_stores(range(opts.nprocs))
@@ -209,7 +220,7 @@ class Launcher:
                     if restarts > opts.max_restarts:
                         raise LaunchError(f"{restarts} failures, more than --max-restarts "
                                           f"{opts.max_restarts}")  # fmt: skip
-                    slots = [s for s in slots if s not in outcome.lost_slots and self._up(s)]
+                    slots = self._survivors(slots, outcome)
                 else:
                     slots = self._resized(slots, outcome.count)
                 if len(slots) < opts.min_procs:
@@ -237,6 +248,8 @@ class Launcher:
             command = [self.options.python, "-m", "tenplex_jax.multihost.store", "--dir",
                        str(self.store_dir / str(i)), "--host", "127.0.0.1", "--port", "0",
                        "--ready-file", str(ready)]  # fmt: skip
+            if self.token_file is not None:
+                command += ["--token-file", str(self.token_file)]
             with open(self.run_dir / "logs" / f"store-{i}.log", "ab") as log:
                 started[i] = (_spawn(command, stdout=log, stderr=log), ready)
             self.slots[i] = _Slot(i, started[i][0], "")
@@ -259,6 +272,9 @@ class Launcher:
     def _up(self, slot: int) -> bool:
         return slot in self.slots and self.slots[slot].store.poll() is None
 
+    def _token(self) -> str | None:
+        return None if self.token_file is None else self.token_file.read_text().strip()
+
     def _clients(self) -> dict:
         from tenplex_jax.multihost.store import StoreClient
 
@@ -266,7 +282,8 @@ class Launcher:
         for i in sorted(self.slots):
             if self._up(i):
                 with contextlib.suppress(StoreError, OSError):
-                    clients[i] = StoreClient(self.slots[i].address, timeout=30.0)
+                    clients[i] = StoreClient(self.slots[i].address, token=self._token(),
+                                             timeout=30.0)  # fmt: skip
         return clients
 
     # -- where the next generation's state comes from ------------------------------------------
@@ -335,7 +352,7 @@ class Launcher:
     def _start_generation(self, number: int, slots: list[int], source: str) -> _Generation:
         opts = self.options
         (self.run_dir / CONTROL).unlink(missing_ok=True)
-        coordinator = f"127.0.0.1:{_free_port()}"
+        coordinator = self._coordinator(slots[0])
         stores = {i: s.address for i, s in self.slots.items() if self._up(i)}
         workers, logs = [], []
         for pid in range(len(slots)):
@@ -343,22 +360,33 @@ class Launcher:
                 coordinator, pid, len(slots), opts.devices_per_proc, number, tuple(slots), stores,
                 opts.replicas, opts.commit_every, source, str(self.run_dir),
                 None if opts.checkpoint_dir is None else str(opts.checkpoint_dir),
-                opts.checkpoint_every,
+                opts.checkpoint_every, None if self.token_file is None else str(self.token_file),
             )  # fmt: skip
-            env = os.environ | spec.to_env() | {"PYTHONUNBUFFERED": "1"}
+            env = spec.to_env() | {"PYTHONUNBUFFERED": "1"}
             if opts.compile_cache is not None:  # a layout compiled by any generation loads
                 env["JAX_COMPILATION_CACHE_DIR"] = str(opts.compile_cache)
             command = [opts.python, "-m", "tenplex_jax.multihost", opts.script, *opts.args]
-            if pid == 0:
-                workers.append(_spawn(command, env=env))
-                logs.append(None)
-                continue
-            path = self.run_dir / "logs" / f"g{number}-p{pid}.log"
-            with open(path, "wb") as log:
-                workers.append(_spawn(command, env=env, stdout=log, stderr=log))
+            path = None if pid == 0 else self.run_dir / "logs" / f"g{number}-p{pid}.log"
+            workers.append(self._spawn_worker(slots[pid], command, env, path))
             logs.append(path)
         self.workers = workers
         return _Generation(number, list(slots), workers, logs, source)
+
+    def _survivors(self, slots: list[int], outcome: _Outcome) -> list[int]:
+        """The slots the next generation runs on after a failure: not the failed workers' (on
+        one host, a worker's failure is its host's), and only where the store is up."""
+        return [s for s in slots if s not in outcome.lost_slots and self._up(s)]
+
+    def _coordinator(self, slot: int) -> str:
+        """The jax.distributed coordinator's address for a generation led by ``slot``."""
+        return f"127.0.0.1:{_free_port()}"
+
+    def _spawn_worker(self, slot: int, command: list[str], env: dict, log: pathlib.Path | None):
+        """A worker process on ``slot``'s host (stdout and stderr to ``log``; None: ours)."""
+        if log is None:
+            return _spawn(command, env=os.environ | env)
+        with open(log, "wb") as out:
+            return _spawn(command, env=os.environ | env, stdout=out, stderr=out)
 
     def _watch(self, gen: _Generation) -> _Outcome:
         opts = self.options
@@ -509,6 +537,17 @@ def _prctl():
         return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
+
+
+def write_token(path: pathlib.Path) -> pathlib.Path:
+    """A fresh secret for the job's stores, in a file only this user can read; its path."""
+    import secrets
+
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
 
 
 def _status(code: int) -> str:

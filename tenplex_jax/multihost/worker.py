@@ -48,6 +48,8 @@ def join(spec: JobSpec, *, timeout: float = 120.0) -> None:
         num_processes=spec.num_processes,
         process_id=spec.process_id,
         initialization_timeout=int(timeout),
+        # the coordinator service listens on its node's address only, not on every interface
+        coordinator_bind_address=spec.coordinator if spec.process_id == 0 else None,
     )
 
 
@@ -180,7 +182,8 @@ class Worker:
         for slot, address in self.spec.stores.items():
             if slot not in self.clients:
                 try:
-                    self.clients[slot] = StoreClient(address, timeout=60.0)
+                    self.clients[slot] = StoreClient(address, token=self.spec.token(),
+                                                     timeout=60.0)  # fmt: skip
                 except StoreError:
                     continue  # a store that is down: its slot's objects come from replicas
 
@@ -194,7 +197,8 @@ class Worker:
         if missing:
             raise StoreError(f"the stores of slots {missing} of this generation are not reachable")
         replicas = min(spec.replicas, len(spec.slots) - 1)
-        replicated = ReplicatedStore([spec.stores[s] for s in spec.slots], replicas=replicas)
+        replicated = ReplicatedStore([spec.stores[s] for s in spec.slots], replicas=replicas,
+                                     token=spec.token())  # fmt: skip
         stores = [self.clients[s] for s in spec.slots]
         self.committer = Committer(spec.process_id, spec.slots, stores, replicated, replicas)
 
@@ -218,10 +222,11 @@ class Worker:
             self.commit(state, ptc, step, dataset)
         return None
 
-    def reached(self, step: int) -> None:
-        """Record for the launcher that ``step`` steps are done (its lost-steps accounting)."""
+    def reached(self, step: int, steps: int | None = None) -> None:
+        """Record for the launcher that ``step`` steps are done (its lost-steps accounting), of
+        the job's ``steps`` (its growth decisions)."""
         self._write("progress.json", {"generation": self.generation, "step": step,
-                                      "time": time.time()})  # fmt: skip
+                                      "steps": steps, "time": time.time()})  # fmt: skip
 
     def stop_requested(self) -> str | None:
         """``"resize"`` or ``"stop"`` when the launcher asked this generation to end (a collective:

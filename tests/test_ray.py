@@ -1,0 +1,109 @@
+"""The elastic job on a Ray cluster: simulated nodes on 127.0.0.1 (``ray.cluster_utils.Cluster``,
+each node its own raylet), ``examples/elastic_gpt.py`` launched by the Ray launcher through the
+death of the coordinator's node, a node that joins, and a node dying with its replica holder.
+
+The cluster and the job run in a network namespace of their own (``unshare -rn``: a user and
+network namespace, no privilege needed) whose only interfaces are loopback and a decoy: Ray's own
+node-address lookup finds no route out and answers 127.0.0.1, so every Ray socket is on loopback,
+and anything bound to every interface would show on the decoy's address. ``tests/ray_job.py`` is
+the side inside; this side checks what it wrote, against the same script run uninterrupted here.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import psutil
+import pytest
+
+from tests.test_launch import events, reference_run
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ray")
+    unshare = shutil.which("unshare")
+    assert unshare, "the Ray test runs the cluster in a network namespace: util-linux's unshare"
+    command = [unshare, "-rn", sys.executable, str(ROOT / "tests" / "ray_job.py"), str(out),
+               str(STEPS)]  # fmt: skip
+    with open(out / "driver.log", "wb") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        want = reference_run(STEPS)  # meanwhile, the uninterrupted run in this process
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    driver = (out / "driver.log").read_text(errors="replace")
+    assert proc.returncode == 0 and (out / "result.json").exists(), driver[-4000:]
+    result = json.loads((out / "result.json").read_text())
+    return {"out": out, "run": out / "run", "result": result, "driver": driver, "reference": want}
+
+
+def test_the_job_survives_node_deaths_and_grows_onto_a_joining_node(job):
+    result, run = job["result"], job["run"]
+    assert result["returncode"] == 0 and not result["notes"], (result, job["driver"][-4000:])
+    gens = [e for e in events(run) if e["event"] == "generation"]
+    assert [g["processes"] for g in gens] == [3, 2, 3, 1]
+    assert [g["restore"].split(":")[0] for g in gens] == ["init", "store", "store", "checkpoint"]
+    # the coordinator's node died: its slot is gone, the others go on though their workers
+    # aborted with the coordinator; its shards came from their replicas, nothing lost
+    assert gens[1]["slots"] == [1, 2] and gens[1]["restore"] == "store:4"
+    assert gens[1]["lost_steps"] == 0
+    # the joining node: growth paid over the planned run; a planned resize, nothing lost
+    offer = next(e for e in events(run) if e["event"] == "offer")
+    assert offer["grow"] and offer["gain_seconds"] > offer["cost_seconds"] > 0
+    assert offer["source"] == "launcher" and offer["remaining_steps"] > 0
+    assert gens[2]["slots"] == [1, 2, 3] and gens[2]["lost_steps"] == 0
+    # a node and its replica holder: no copy of some shards survives; the leaves are named and
+    # the orbax checkpoint of step 8 restored on the node left, the steps since lost
+    lost = next(e for e in events(run) if e["event"] == "replicas_lost")
+    assert lost["leaves"] and "no copy of" in lost["detail"]
+    fallback = next(e for e in events(run) if e["event"] == "fallback")
+    assert fallback["step"] == 8 and gens[3]["restore"] == "checkpoint:8"
+    assert gens[3]["lost_steps"] == lost["step"] - 8 > 0
+    assert events(run)[-1]["event"] == "finished"
+
+
+def test_params_equal_an_uninterrupted_run_bitwise_and_every_batch_once(job):
+    want, samples, _ = job["reference"]
+    with np.load(job["out"] / "final.npz") as final:
+        got = [final[f"arr_{i}"] for i in range(len(final.files))]
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(a, b, err_msg=f"leaf {i}")
+    records = [json.loads(line) for line in (job["out"] / "steps.jsonl").read_text().splitlines()]
+    gens = [e for e in events(job["run"]) if e["event"] == "generation"]
+    # a generation's steps count up to the earliest step a later generation restored
+    ends = [min([g["step"] for g in gens[n + 1:]] + [STEPS]) for n in range(len(gens))]
+    counted = [r for r in records if r["step"] <= ends[r["generation"]]]
+    assert [r["step"] for r in counted] == list(range(1, STEPS + 1))
+    for r, want_samples in zip(counted, samples):
+        got_samples = np.asarray(r["samples"])
+        np.testing.assert_array_equal(got_samples[got_samples >= 0], want_samples)
+
+
+def test_every_socket_stays_on_loopback_and_the_stores_need_the_token(job):
+    result = job["result"]
+    assert len(result["sockets"]) > 10  # Ray's, the stores', the coordinator's, gloo's
+    assert result["beyond_loopback"] == []
+    assert result["no_token"] == "auth"  # a client without the token is refused
+    token = result["token"]
+    assert len(token) == 64
+    for path in [*job["run"].rglob("*"), job["out"] / "driver.log", job["out"] / "steps.jsonl"]:
+        if path.is_file() and path.name != "token" and path.stat().st_size < 50 << 20:
+            assert token not in path.read_text(errors="replace"), path
+    # every process of the job is gone: Ray's, the stores, the workers
+    out = str(job["out"])
+    left = [p.info for p in psutil.process_iter(["pid", "cmdline"])
+            if any(out in part for part in (p.info["cmdline"] or []))]  # fmt: skip
+    assert not left, left
