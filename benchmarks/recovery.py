@@ -147,6 +147,12 @@ def recover_once(
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+    return timings(run, killed, nprocs)
+
+
+def timings(run: pathlib.Path, killed: float, nprocs: int) -> dict:
+    """A launched job's recovery from a kill at wall-clock time ``killed``, read from its run
+    dir: the seconds to the first step of generation 1, and where they went."""
     records = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
     first = min((r for r in records if r["generation"] == 1), key=lambda r: r["step"])
     restore = json.loads((run / "restore-g1-p0.json").read_text())

@@ -124,9 +124,11 @@ def reshard(
             pool = stack.enter_context(
                 concurrent.futures.ThreadPoolExecutor(os.cpu_count(), "tenplex-copy")
             )
-        # the host path's copies of the next leaf run while a leaf is finished: both cores stay
-        # busy, and at most AHEAD leaves' new buffers exist besides the state
+        # the host path's copies of the next leaf run while a leaf is finished, so both cores
+        # stay busy; at most AHEAD leaves are started ahead, and only while their new buffers
+        # stay within an eighth of the state's (or one leaf's): the peak stays near state + leaf
         started: collections.deque = collections.deque()
+        window = max([plan.dst.nbytes // 8] + [_new_bytes(leaf) for leaf in plan.leaves])
 
         def finish():
             array, leaf, execute, work = started.popleft()
@@ -145,10 +147,12 @@ def reshard(
                 array.delete()
 
         for array, leaf, execute in zip(arrays, plan.leaves, paths_of):
+            ahead = sum(_new_bytes(l) for _, l, _, _ in started)
+            while started and (len(started) > AHEAD or ahead + _new_bytes(leaf) > window):
+                finish()
+                ahead = sum(_new_bytes(l) for _, l, _, _ in started)
             work = _HostCopies(array, leaf, pool) if execute is _host_leaf else None
             started.append((array, leaf, execute, work))
-            while len(started) > AHEAD:
-                finish()
         while started:
             finish()
     jax.block_until_ready(out)
@@ -353,6 +357,11 @@ def _assemble(parts: list[tuple[Box, jax.Array]]) -> jax.Array:
 
 
 # -- the host path -----------------------------------------------------------------------------
+
+
+def _new_bytes(leaf: LeafPlan) -> int:
+    """Bytes of the new buffers a leaf's execution allocates (every shard but the kept)."""
+    return sum(boxes.nbytes(s.box, leaf.dst.itemsize) for s in leaf.shards if s.kind != "keep")
 
 
 class _HostCopies:
