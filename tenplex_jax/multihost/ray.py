@@ -46,6 +46,7 @@ from tenplex_jax.errors import LaunchError
 from tenplex_jax.multihost.launch import Launcher, LaunchOptions, _Slot
 
 POLL_NODES_SECONDS = 1.0  # how often the launcher looks for new nodes
+ANSWER_SECONDS = 10.0  # how long a node whose worker failed has to show it is alive
 
 
 @functools.cache
@@ -236,8 +237,24 @@ class RayLauncher(Launcher):
     def _survivors(self, slots: list[int], outcome) -> list[int]:
         """On Ray the unit of failure is the node: a slot survives while its node (and store)
         lives, also when its worker failed because a peer's did (a coordinator gone aborts the
-        others)."""
-        return [s for s in slots if self._up(s)]
+        others). A slot whose worker failed must also still answer: its node's death may reach
+        the store's ``wait`` a moment after the worker's, and a generation started on a dead
+        node would only fail again."""
+        return [s for s in slots if self._up(s) and (s not in outcome.lost_slots
+                                                     or self._answers(s))]  # fmt: skip
+
+    def _answers(self, slot: int) -> bool:
+        """Whether ``slot``'s node is alive: its store's actor answers a call within
+        ``ANSWER_SECONDS`` (Ray fails the call at once once it knows the node died). A slot
+        that does not answer has lost its store too."""
+        import ray
+
+        try:
+            ray.get(self.hosts[slot].where.remote(), timeout=ANSWER_SECONDS)
+            return True
+        except ray.exceptions.RayError:  # the actor or its node died, or no answer in time
+            self.slots[slot].store.returncode = -signal.SIGKILL
+            return False
 
     def _resized(self, slots: list[int], count: int) -> list[int]:
         if count <= len(slots):
