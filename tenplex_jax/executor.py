@@ -21,7 +21,9 @@ Donation. Old buffers are released leaf by leaf as the new leaf is built, so the
 state size plus one leaf: a leaf none of whose buffers is reused is deleted at once (using the old
 array afterwards raises JAX's "Array has been deleted"). A leaf whose kept shards live on in the new
 state cannot be deleted without deleting them, so its dropped replicas are freed when the caller
-drops the old state — rebind: ``state, report = reshard(state, plan)``.
+drops the old state — rebind: ``state, report = reshard(state, plan)``. On the host path the
+memory of deleted leaves is given back to the system (glibc's ``malloc_trim``) whenever it adds up
+to an eighth of the state: glibc would keep shards of up to 32 MiB in the process's heap.
 
 Failed devices. A plan made with ``make_plan(..., failed=...)`` names no failed device as a source;
 the executor reads only the shards the plan names, so a lost device's buffers are never read.
@@ -35,7 +37,9 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -126,13 +130,16 @@ def reshard(
             )
         # the host path's copies of the next leaf run while a leaf is finished, so both cores
         # stay busy; at most AHEAD leaves are started ahead, and only while their new buffers
-        # stay within an eighth of the state's (or one leaf's): the peak stays near state + leaf
+        # stay within an eighth of the state's (or one leaf's): the peak stays near state + leaf;
+        # with donation, the memory of deleted leaves goes back to the system each time they
+        # add up to as much
         started: collections.deque = collections.deque()
         window = max([plan.dst.nbytes // 8] + [_new_bytes(leaf) for leaf in plan.leaves])
+        freed = 0  # bytes of old leaves deleted since host memory was last given back
 
         def finish():
             array, leaf, execute, work = started.popleft()
-            nonlocal moved, kept
+            nonlocal moved, kept, freed
             shards, leaf_moved, leaf_kept = execute(array, leaf, by_id, work)
             new = jax.make_array_from_single_device_arrays(
                 leaf.dst.shape, NamedSharding(mesh, leaf.dst.spec), shards
@@ -144,7 +151,11 @@ def reshard(
             built.update(shard.kind for shard in leaf.shards)
             if donate and not any(s.kind == "keep" for s in leaf.shards):
                 jax.block_until_ready(new)  # the copies read the old buffers; they must finish
+                freed += sum(shard.data.nbytes for shard in array.addressable_shards)
                 array.delete()
+                if execute is _host_leaf and freed >= window:
+                    _release_host_memory()  # else the freed shards stay in the process's heap
+                    freed = 0
 
         for array, leaf, execute in zip(arrays, plan.leaves, paths_of):
             ahead = sum(_new_bytes(l) for _, l, _, _ in started)
@@ -158,6 +169,23 @@ def reshard(
     jax.block_until_ready(out)
     report = ReshardReport(method, moved, kept, time.perf_counter() - start, len(out), kinds)
     return jax.tree_util.tree_unflatten(treedef, out), report
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+def _release_host_memory() -> None:
+    """Give the host memory freed with the old leaves back to the system (glibc keeps freed
+    blocks below its dynamic mmap threshold, up to 32 MiB, in its heap: shards of that size then
+    stay in the process's memory after their arrays are deleted)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def place(state, ptc):

@@ -195,6 +195,36 @@ def test_placing_never_shares_a_buffer_with_the_callers_state(committed):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("executor", PATHS)
+@pytest.mark.parametrize("donate", [True, False])
+def test_the_memory_of_deleted_leaves_goes_back_to_the_system_in_windows(monkeypatch, executor,
+                                                                          donate):  # fmt: skip
+    """Host path, donating: each time the deleted leaves add up to the look-ahead window (an
+    eighth of the state, or the largest leaf), freed host memory is given back, after the
+    deletions; never without donation, nor on the device path (its memory is the device's)."""
+    from tenplex_jax import executor as module
+
+    state, src, _ = laid_out(C(fsdp=2, tensor=2), range(4))
+    expected = host_copy(state)
+    plan = tj.make_plan(src, target(src, C(fsdp=2, tensor=2), range(4, 8)))  # nothing kept
+    old = jax.tree.leaves(state)
+    sizes = [sum(s.data.nbytes for s in array.addressable_shards) for array in old]
+    calls = []
+    monkeypatch.setattr(module, "_release_host_memory",
+                        lambda: calls.append(sum(a.is_deleted() for a in old)))  # fmt: skip
+    new, _ = tj.reshard(state, plan, executor=executor, donate=donate)
+    assert_shards_equal(new, expected, plan.dst)
+    window = max([plan.dst.nbytes // 8] + [module._new_bytes(leaf) for leaf in plan.leaves])
+    want, freed = [], 0
+    for deleted, size in enumerate(sizes, start=1):
+        freed += size
+        if freed >= window:
+            want.append(deleted)
+            freed = 0
+    assert len(want) >= 2  # the rule is exercised more than once on this state
+    assert calls == (want if donate and executor == "host" else [])
+
+
 def test_without_donation_the_old_state_stays_valid():
     state, src, _ = laid_out(C(fsdp=4, tensor=2), range(8))
     expected = host_copy(state)
