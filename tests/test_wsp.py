@@ -81,30 +81,38 @@ def test_a_sigkilled_vw_process_is_dropped_and_its_minibatches_trained_by_others
     parts = job_parts.job(1)
     with ParameterServer(stores) as ps:
         ps.create(weights_of(parts["init"]()), total=total)
+        # slowdown 4: each wave holds its lease three times its compute longer, so the SIGKILL
+        # below lands mid-wave (before the push), not after a push it raced
         runner = Processes("tenplex_jax_models.wsp:job", stores, tmp_path / "run",
-                           options=["--minibatches", "2", "--distance", "1", "--timeout", "3"])  # fmt: skip
+                           options=["--minibatches", "2", "--distance", "1", "--timeout", "3",
+                                    "--slowdown", "4"])  # fmt: skip
         with Coordinator(ps, runner) as coordinator:  # every process reaped, whatever happens
             coordinator.add([0], [1], [2, 3])
-            # wait for vw2 to be mid-wave: it has pushed a wave and holds the next one's lease
-            deadline, leased = time.monotonic() + 240, None
-            while time.monotonic() < deadline:
-                ledger = ps.ledger()
-                if ledger.committed.get("vw2", 0) >= 1 and "vw2" in ledger.leases:
-                    leased = ledger.leases["vw2"].minibatches
-                    break
+            # a process joins when its own step is compiled, so which VWs train together first
+            # depends on the machine's load: the victim is the first VW caught mid-wave (it has
+            # pushed a wave and holds the next one's lease) while another VW is a member too
+            deadline, victim, ledger = time.monotonic() + 240, None, ps.ledger()
+            while victim is None and not ledger.done and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert leased, "vw2 never held a lease after a push"
-            coordinator.kill("vw2")
+                ledger = ps.ledger()
+                victim = next((vw for vw in sorted(ledger.leases)
+                               if ledger.committed.get(vw, 0) >= 1
+                               and set(ledger.clocks) - {vw}), None)  # fmt: skip
+            assert victim, f"no VW was caught mid-wave beside another: {ledger}"
+            leased = ledger.leases[victim].minibatches
+            coordinator.kill(victim)
             killed = time.time()
             coordinator.wait(timeout=240)
             ledger = ps.ledger()
-    assert ledger.done and "vw2" in ledger.dropped
+    others = {"vw1", "vw2", "vw3"} - {victim}
+    assert ledger.done and victim in ledger.dropped
     assert sorted(ledger.trained()) == list(range(total))  # exactly once, after the death
     by = {m: vw for vw, _, ms in ledger.log for m in ms}
-    assert all(by[m] in ("vw1", "vw3") for m in leased)  # the dead VW's lease, trained by others
+    assert all(by[m] in others for m in leased)  # the dead VW's lease, trained by others
     records = coordinator.records()
-    assert {r["vw"] for r in records if r["started"] > killed} == {"vw1", "vw3"}
-    assert not [r for r in records if r["vw"] == "vw2" and set(r["minibatches"]) & set(leased)]
+    assert {r["vw"] for r in records if r["started"] > killed} <= others
+    assert [r for r in records if r["started"] > killed]  # the others went on
+    assert not [r for r in records if r["vw"] == victim and set(r["minibatches"]) & set(leased)]
 
 
 def test_the_demo_survives_a_death_and_a_join_exactly_once(tmp_path):
