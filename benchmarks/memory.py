@@ -10,8 +10,6 @@ Fixing that threshold low would make RSS exact but slowed every copy here severa
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import threading
 import time
@@ -19,6 +17,8 @@ from typing import Self
 
 import jax
 import psutil
+
+from tenplex_jax._libc import release_host_memory
 
 
 def metric() -> str:
@@ -32,17 +32,10 @@ def current() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _libc():
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name) if name else None
-
-
 def settle() -> int:
     """The memory at rest: collect garbage, return freed heap to the system, then read it."""
     gc.collect()
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):  # else freed heap stays in RSS
-        libc.malloc_trim(0)
+    release_host_memory()  # else freed heap stays in RSS
     return current()
 
 

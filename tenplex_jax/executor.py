@@ -37,9 +37,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import ctypes
 import dataclasses
-import functools
 import os
 import time
 from collections.abc import Sequence
@@ -49,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from tenplex_jax import _libc
 from tenplex_jax import box as boxes
 from tenplex_jax import tree
 from tenplex_jax.box import Box
@@ -154,7 +153,7 @@ def reshard(
                 freed += sum(shard.data.nbytes for shard in array.addressable_shards)
                 array.delete()
                 if execute is _host_leaf and freed >= window:
-                    _release_host_memory()  # else the freed shards stay in the process's heap
+                    _libc.release_host_memory()  # else freed shards stay in the heap
                     freed = 0
 
         for array, leaf, execute in zip(arrays, plan.leaves, paths_of):
@@ -169,23 +168,6 @@ def reshard(
     jax.block_until_ready(out)
     report = ReshardReport(method, moved, kept, time.perf_counter() - start, len(out), kinds)
     return jax.tree_util.tree_unflatten(treedef, out), report
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc
-    except (OSError, AttributeError):
-        return None
-
-
-def _release_host_memory() -> None:
-    """Give the host memory freed with the old leaves back to the system (glibc keeps freed
-    blocks below its dynamic mmap threshold, up to 32 MiB, in its heap: shards of that size then
-    stay in the process's memory after their arrays are deleted)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def place(state, ptc):

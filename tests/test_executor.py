@@ -202,6 +202,7 @@ def test_the_memory_of_deleted_leaves_goes_back_to_the_system_in_windows(monkeyp
     """Host path, donating: each time the deleted leaves add up to the look-ahead window (an
     eighth of the state, or the largest leaf), freed host memory is given back, after the
     deletions; never without donation, nor on the device path (its memory is the device's)."""
+    from tenplex_jax import _libc
     from tenplex_jax import executor as module
 
     state, src, _ = laid_out(C(fsdp=2, tensor=2), range(4))
@@ -210,7 +211,7 @@ def test_the_memory_of_deleted_leaves_goes_back_to_the_system_in_windows(monkeyp
     old = jax.tree.leaves(state)
     sizes = [sum(s.data.nbytes for s in array.addressable_shards) for array in old]
     calls = []
-    monkeypatch.setattr(module, "_release_host_memory",
+    monkeypatch.setattr(_libc, "release_host_memory",
                         lambda: calls.append(sum(a.is_deleted() for a in old)))  # fmt: skip
     new, _ = tj.reshard(state, plan, executor=executor, donate=donate)
     assert_shards_equal(new, expected, plan.dst)

@@ -56,6 +56,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 
+from tenplex_jax import _libc
 from tenplex_jax.errors import LaunchError, StoreError
 
 __all__ = ["JobSpec", "LaunchOptions", "Launcher", "launch"]
@@ -521,22 +522,10 @@ def _kill(proc: subprocess.Popen, sig=signal.SIGKILL, timeout: float = 10.0) -> 
 def _spawn(command: list[str], **kwargs) -> subprocess.Popen:
     """A child in its own session (a Ctrl-C at the terminal reaches the launcher only, which then
     kills it by PID) that Linux SIGKILLs if the launcher dies, even by SIGKILL."""
-    prctl = _prctl()
+    prctl = _libc.function("prctl") if sys.platform.startswith("linux") else None
     die = None if prctl is None else (lambda: prctl(1, signal.SIGKILL))  # PR_SET_PDEATHSIG
     # the callable only calls a libc function resolved here, before the fork
     return subprocess.Popen(command, start_new_session=True, preexec_fn=die, **kwargs)  # noqa: PLW1509
-
-
-@functools.cache
-def _prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
 
 
 def write_token(path: pathlib.Path) -> pathlib.Path:
