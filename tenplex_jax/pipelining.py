@@ -181,12 +181,13 @@ def pipeline(
     def spmd(params, mask, xs):
         return _gpipe(layer_fn, params, mask, xs, n_stages, axis, uneven)
 
+    context = _context_mesh(mesh)
     run = jax.shard_map(
         spmd,
-        mesh=_context_mesh(mesh),
+        mesh=context,
         in_specs=(P(axis), P(axis), P()),
         out_specs=P(),
-        axis_names=frozenset({axis}),
+        axis_names=_manual_axes(context, axis),
     )
     ys = run(layer_params, mask, xs)
     return jax.tree.map(lambda y: jnp.swapaxes(y, 0, 1).reshape((-1,) + y.shape[2:]), ys)
@@ -200,6 +201,23 @@ def _context_mesh(mesh: Mesh):
     if not context.empty and context.shape_tuple == mesh.shape_tuple:
         return context
     return mesh
+
+
+def _manual_axes(mesh, axis: str) -> frozenset[str]:
+    """The axes the pipeline maps over manually: ``axis``, and every axis still automatic when an
+    enclosing ``shard_map`` is manual over an axis that comes after ``axis`` in mesh order.
+
+    XLA aborts the process compiling a ``shard_map`` nested in one manual over a later mesh axis
+    while some axis stays automatic ("Manual axes must be sorted by mesh axis index", jax 0.11 and
+    0.12, CPU and GPU): the virtual workers' ``shard_map`` over ``data``/``fsdp`` around a pipeline
+    over ``pipe`` on the (pipe, data, fsdp, tensor) mesh. Making the free axes manual too leaves no
+    automatic axis; a stage then holds its layers whole over them and computes them redundantly
+    (no cost where they have size 1)."""
+    names = tuple(mesh.axis_names)
+    manual = set(mesh.manual_axes)
+    if not any(names.index(m) > names.index(axis) for m in manual):
+        return frozenset({axis})
+    return frozenset(n for n in names if n not in manual)
 
 
 def _layers(layer_fn: LayerFn, params, mask: jax.Array, h: jax.Array, uneven: bool) -> jax.Array:
