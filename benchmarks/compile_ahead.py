@@ -28,8 +28,15 @@ def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, rep
     """One row: both variants' stall seconds (medians over ``repeats``), their parts, the ratio."""
     import tenplex_jax as tj
     from tenplex_jax.elastic import enable_compilation_cache
-    from tenplex_jax_models import (CPU, LOGICAL_RULES, build_state, corpus_samples, profile_of,
-                                    stdlib_corpus, train_step)  # fmt: skip
+    from tenplex_jax_models import (
+        CPU,
+        LOGICAL_RULES,
+        build_state,
+        corpus_samples,
+        profile_of,
+        stdlib_corpus,
+        train_step,
+    )
 
     graphdef, _, cfg = build_state(model, 1e-3, abstract=True)
     source = corpus_samples(stdlib_corpus(), cfg.seq_len, num_samples=20 * batch)

@@ -29,6 +29,8 @@ import tenplex_jax as tj
 def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: int, steps: int):
     """Median step seconds of both loops over ``blocks`` alternating blocks of ``steps`` steps."""
     import optax
+
+    from tenplex_jax._src.batch import BATCH_AXES
     from tenplex_jax_models import (
         GPT,
         LOGICAL_RULES,
@@ -38,8 +40,6 @@ def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: 
         stdlib_corpus,
         train_step,
     )
-
-    from tenplex_jax.batch import BATCH_AXES
 
     def build():
         with nnx.use_eager_sharding(False):
@@ -53,7 +53,7 @@ def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: 
     samples = corpus_samples(stdlib_corpus(), model_cfg.seq_len, num_samples=batch * steps)
     dataset = tj.DatasetPTC(samples, batch, seed=0)
     devices = jax.devices()[: config.num_devices]
-    plain_layout = tj.BatchLayout(batch, ranks=1)
+    plain_layout = tj.data.BatchLayout(batch, ranks=1)
     batches = [dataset.batch(i, plain_layout)[0] for i in range(steps)]  # the same global batches
 
     # tenplex_jax: the elastic loop on a fixed set of devices

@@ -18,7 +18,7 @@ from typing import Self
 import jax
 import psutil
 
-from tenplex_jax._libc import release_host_memory
+from tenplex_jax._src.libc import release_host_memory
 
 
 def metric() -> str:

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     )
     prof = profile(MODEL)
     runs = []
-    for name, config, microbatches, pipelined in LAYOUTS:
+    for _name, config, microbatches, pipelined in LAYOUTS:
         with nnx.use_eager_sharding(False):
             model = GPT(MODEL, rngs=nnx.Rngs(0))
             nodes = (model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param))
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
             run[4] = float(loss)
     rows = []
     for (name, config, microbatches, _), run in zip(LAYOUTS, runs):
-        stages = tj.Stages.even(MODEL.n_layers, config.pipe)
+        stages = tj.pipelining.Stages.even(MODEL.n_layers, config.pipe)
         predicted = tj.planner.estimate(cpu, prof, BATCH, config, microbatches, stages).step_time
         rows.append(
             {

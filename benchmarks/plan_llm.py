@@ -27,7 +27,6 @@ import time
 from jax.sharding import AbstractMesh
 
 import tenplex_jax as tj
-
 from tenplex_jax_models.llm import abstract_state, params
 
 SOURCE = {"data": 2, "stage": 4, "fsdp": 4, "expert": 2, "tensor": 2}
@@ -114,7 +113,8 @@ def run(repeats: int = 5, log=print) -> dict:
     log(
         f"70B-class state ({row['params'] / 1e9:.1f}B params, {src.nbytes / 1e9:.0f} GB, "
         f"{row['leaves']} leaves, {row['target_shards']:,} target shards): make_plan "
-        f"{med['make_plan'] * 1e3:.0f} ms (allocated order {med['make_plan_allocated'] * 1e3:.0f} ms), "
+        f"{med['make_plan'] * 1e3:.0f} ms (allocated order {med['make_plan_allocated'] * 1e3:.0f} "
+        "ms), "
         f"allocate {med['allocate'] * 1e3:.0f} ms; moved {row['bytes_moved'] / 1e9:.1f} GB = "
         f"minimum {row['bytes_minimum'] / 1e9:.1f} GB (allocated: "
         f"{row['bytes_moved_allocated'] / 1e9:.1f} GB = {row['bytes_minimum_allocated'] / 1e9:.1f})"

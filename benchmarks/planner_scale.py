@@ -1,7 +1,8 @@
 """How long the planner takes as the device count grows, for one and two device types.
 
 The planner must answer for 4096 devices in under a second. Times are medians of ``--repeats`` calls
-of ``tj.planner.choose`` for the gpt100m profile, global batch twice the device count, objective time; each
+of ``tj.planner.choose`` for the gpt100m profile, global batch twice the device count, objective
+time; each
 row also shows how many layouts were evaluated and the choice.
 
     python benchmarks/planner_scale.py [--repeats 3]

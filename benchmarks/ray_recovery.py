@@ -43,12 +43,13 @@ def ray_once(run: pathlib.Path, model: str) -> dict:
     import psutil
     from ray.cluster_utils import Cluster
 
-    from tenplex_jax.multihost.launch import LaunchOptions
-    from tenplex_jax.multihost.ray import RayLauncher
+    from tenplex_jax._src.multihost.launch import LaunchOptions
+    from tenplex_jax._src.multihost.ray import RayLauncher
 
     tic = time.monotonic()
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 1, "include_dashboard": False})  # fmt: skip
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
     nodes = {}
     for _ in range(NPROCS):
         node = cluster.add_node(num_cpus=1, resources={"tenplex": 1})
@@ -56,10 +57,23 @@ def ray_once(run: pathlib.Path, model: str) -> dict:
     cluster.wait_for_nodes()
     cluster_seconds = time.monotonic() - tic
     options = LaunchOptions(
-        str(EXAMPLE), ("--model", model, "--steps", str(STEPS), "--log", str(run / "steps.jsonl"),
-                       "--pause-after", str(KILL_AFTER)),
-        nprocs=NPROCS, devices_per_proc=DEVICES, commit_every=KILL_AFTER, grace=0.5, run_dir=run,
-    )  # fmt: skip
+        str(EXAMPLE),
+        (
+            "--model",
+            model,
+            "--steps",
+            str(STEPS),
+            "--log",
+            str(run / "steps.jsonl"),
+            "--pause-after",
+            str(KILL_AFTER),
+        ),
+        nprocs=NPROCS,
+        devices_per_proc=DEVICES,
+        commit_every=KILL_AFTER,
+        grace=0.5,
+        run_dir=run,
+    )
     launcher = RayLauncher(options, cluster.address, resource="tenplex")
     memory: dict[str, list[int]] = {"raylet": [], "store": [], "worker": [], "head": []}
     done = threading.Event()
@@ -114,28 +128,55 @@ def inside(repeats: int, model: str, out: pathlib.Path) -> None:
                 if variant == "ray":
                     result = ray_once(run, model)
                 else:
-                    result = recover_once(variant.split()[1], run, model=model, nprocs=NPROCS,
-                                          devices_per_proc=DEVICES, kill_after=KILL_AFTER,
-                                          steps=STEPS)  # fmt: skip
+                    result = recover_once(
+                        variant.split()[1],
+                        run,
+                        model=model,
+                        nprocs=NPROCS,
+                        devices_per_proc=DEVICES,
+                        kill_after=KILL_AFTER,
+                        steps=STEPS,
+                    )
             runs[variant].append(result)
-            print(f"  {variant:12s} kill -> first step {result['recovery_seconds']:.2f} s, "
-                  f"restore {result['restore_seconds'] * 1e3:.0f} ms; " + ", ".join(
-                      f"{k} {v:.2f}" for k, v in result["phases"].items()), flush=True)  # fmt: skip
-    median = lambda v, key: statistics.median(r[key] for r in runs[v])  # noqa: E731
+            print(
+                f"  {variant:12s} kill -> first step {result['recovery_seconds']:.2f} s, "
+                f"restore {result['restore_seconds'] * 1e3:.0f} ms; "
+                + ", ".join(f"{k} {v:.2f}" for k, v in result["phases"].items()),
+                flush=True,
+            )
+    median = lambda v, key: statistics.median(r[key] for r in runs[v])
     row = {
-        "kind": "ray_recovery", "model": model, "processes": NPROCS, "repeats": repeats,
-        "load_average": os.getloadavg(), "runs": runs,
+        "kind": "ray_recovery",
+        "model": model,
+        "processes": NPROCS,
+        "repeats": repeats,
+        "load_average": os.getloadavg(),
+        "runs": runs,
         "median_seconds": {v: median(v, "recovery_seconds") for v in runs},
         "median_restore_seconds": {v: median(v, "restore_seconds") for v in runs},
-        "median_phases": {v: {k: statistics.median(r["phases"][k] for r in runs[v])
-                              for k in runs[v][0]["phases"]} for v in runs},
+        "median_phases": {
+            v: {k: statistics.median(r["phases"][k] for r in runs[v]) for k in runs[v][0]["phases"]}
+            for v in runs
+        },
         "ray_memory_mib": runs["ray"][-1]["memory_mib"],
         "ray_cluster_seconds": median("ray", "cluster_seconds"),
-    }  # fmt: skip
+    }
     out.write_text(json.dumps(row, indent=1) + "\n")
-    print(json.dumps({k: row[k] for k in ("median_seconds", "median_restore_seconds",
-                                          "median_phases", "ray_memory_mib",
-                                          "ray_cluster_seconds")}, indent=1))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                k: row[k]
+                for k in (
+                    "median_seconds",
+                    "median_restore_seconds",
+                    "median_phases",
+                    "ray_memory_mib",
+                    "ray_cluster_seconds",
+                )
+            },
+            indent=1,
+        )
+    )
 
 
 def main(argv=None) -> int:
@@ -151,9 +192,20 @@ def main(argv=None) -> int:
         os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
         inside(args.repeats, args.model, args.out)
         return 0
-    command = [shutil.which("unshare") or "unshare", "-rn", sys.executable, "-m",
-               "tenplex_jax_benchmarks.ray_recovery", "--inside", "--repeats", str(args.repeats),
-               "--model", args.model, "--out", str(args.out.absolute())]  # fmt: skip
+    command = [
+        shutil.which("unshare") or "unshare",
+        "-rn",
+        sys.executable,
+        "-m",
+        "tenplex_jax_benchmarks.ray_recovery",
+        "--inside",
+        "--repeats",
+        str(args.repeats),
+        "--model",
+        args.model,
+        "--out",
+        str(args.out.absolute()),
+    ]
     return subprocess.run(command, check=False).returncode
 
 

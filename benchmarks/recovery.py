@@ -14,10 +14,12 @@ left, which restores
 Recovery time = from the kill to the end of the first train step on the new config; it also holds
 what both variants share (failure detection, the survivors' grace period, process start-up,
 ``jax.distributed`` init, compiling the step), so the *restore* column — the time ``job.start``
-took to restore in process 0 — isolates the part that differs. The variants take turns, ``repeats`` rounds;
+took to restore in process 0 — isolates the part that differs. The variants take turns, ``repeats``
+rounds;
 the ratios are orbax ÷ store of the medians, measured in the same run.
 
-    python -m tenplex_jax_benchmarks.recovery [--quick] [--repeats 2] [--commit-overhead] [--out FILE]
+    python -m tenplex_jax_benchmarks.recovery [--quick] [--repeats 2] [--commit-overhead] [--out
+    FILE]
 
 ``--commit-overhead`` also runs the job three times more, with a commit every 4 steps, after every
 step and without commits, and reports the step time ratios: the price of the asynchronous commits.
@@ -106,25 +108,66 @@ def recover_once(
 ) -> dict:
     """One launched job, one kill after step ``kill_after``; the timings of its recovery."""
     command = [
-        sys.executable, "-m", "tenplex_jax", "launch", "--nprocs", str(nprocs),
-        "--devices-per-proc", str(devices_per_proc), "--commit-every", str(kill_after),
-        "--grace", "0.5", "--run-dir", str(run),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "tenplex_jax",
+        "launch",
+        "--nprocs",
+        str(nprocs),
+        "--devices-per-proc",
+        str(devices_per_proc),
+        "--commit-every",
+        str(kill_after),
+        "--grace",
+        "0.5",
+        "--run-dir",
+        str(run),
+    ]
     if variant in CACHED:  # warm the cache: one step on the processes left after the kill
         command += ["--compile-cache", str(run / "jax-cache")]
-        warm = [*command, "--nprocs", str(nprocs - 1), str(EXAMPLE), "--model", model,
-                "--steps", "1"]  # fmt: skip
+        warm = [
+            *command,
+            "--nprocs",
+            str(nprocs - 1),
+            str(EXAMPLE),
+            "--model",
+            model,
+            "--steps",
+            "1",
+        ]
         warm[warm.index("--run-dir") + 1] = str(run / "warm")
         with open(run / "warm.log", "wb") as out:
-            done = subprocess.run(warm, check=False, cwd=ROOT, stdout=out, stderr=out,
-                                  env=os.environ | {"JAX_PLATFORMS": "cpu"}, timeout=timeout)  # fmt: skip
+            done = subprocess.run(
+                warm,
+                check=False,
+                cwd=ROOT,
+                stdout=out,
+                stderr=out,
+                env=os.environ | {"JAX_PLATFORMS": "cpu"},
+                timeout=timeout,
+            )
         if done.returncode != 0:
             raise RuntimeError((run / "warm.log").read_text(errors="replace")[-3000:])
     if variant.startswith("orbax"):
-        command += ["--checkpoint-dir", str(run / "ckpt"), "--checkpoint-every", str(kill_after),
-                    "--recover-from", "checkpoint"]  # fmt: skip
-    command += [str(EXAMPLE), "--model", model, "--steps", str(steps), "--log",
-                str(run / "steps.jsonl"), "--pause-after", str(kill_after)]  # fmt: skip
+        command += [
+            "--checkpoint-dir",
+            str(run / "ckpt"),
+            "--checkpoint-every",
+            str(kill_after),
+            "--recover-from",
+            "checkpoint",
+        ]
+    command += [
+        str(EXAMPLE),
+        "--model",
+        model,
+        "--steps",
+        str(steps),
+        "--log",
+        str(run / "steps.jsonl"),
+        "--pause-after",
+        str(kill_after),
+    ]
     env = os.environ | {"JAX_PLATFORMS": "cpu"}
     with open(run / "launcher.log", "wb") as out:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -196,14 +239,35 @@ def run_commit_overhead(
     for name, every in variants * repeats:  # in turn, so the machine's noise hits all alike
         with tempfile.TemporaryDirectory(prefix="tenplex-commit-") as run_dir:
             run = pathlib.Path(run_dir)
-            command = [sys.executable, "-m", "tenplex_jax", "launch", "--nprocs", str(nprocs),
-                       "--commit-every", str(every), "--run-dir", str(run), str(EXAMPLE),
-                       "--model", model, "--steps", str(steps), "--log",
-                       str(run / "steps.jsonl")]  # fmt: skip
+            command = [
+                sys.executable,
+                "-m",
+                "tenplex_jax",
+                "launch",
+                "--nprocs",
+                str(nprocs),
+                "--commit-every",
+                str(every),
+                "--run-dir",
+                str(run),
+                str(EXAMPLE),
+                "--model",
+                model,
+                "--steps",
+                str(steps),
+                "--log",
+                str(run / "steps.jsonl"),
+            ]
             with open(run / "launcher.log", "wb") as out:
-                done = subprocess.run(command, check=False, cwd=ROOT, stdout=out,
-                                      stderr=subprocess.STDOUT,
-                                      env=os.environ | {"JAX_PLATFORMS": "cpu"}, timeout=600)  # fmt: skip
+                done = subprocess.run(
+                    command,
+                    check=False,
+                    cwd=ROOT,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=os.environ | {"JAX_PLATFORMS": "cpu"},
+                    timeout=600,
+                )
             if done.returncode != 0:
                 raise RuntimeError((run / "launcher.log").read_text(errors="replace")[-3000:])
             lines = (run / "steps.jsonl").read_text().splitlines()

@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import tenplex_jax as tj
+from tenplex_jax._src import box as boxes
 from tenplex_jax_benchmarks.memory import MemorySampler, settle
 
 C = tj.ParallelConfig
@@ -119,14 +120,15 @@ def central_bytes(src: tj.PTC, dst: tj.PTC) -> int:
     return best
 
 
-def _box_bytes(box, leaf: tj.ptc.LeafLayout) -> int:
-    return 0 if box is None else tj.box.nbytes(box, leaf.itemsize)
+def _box_bytes(box, leaf: tj.typing.LeafLayout) -> int:
+    return 0 if box is None else boxes.nbytes(box, leaf.itemsize)
 
 
 class _Strategies:
-    """The four ways to move one placed state onto the target layout; each returns the new arrays."""
+    """The four ways to move one placed state onto the target layout; each returns the new
+    arrays."""
 
-    def __init__(self, state, plan: tj.plan.Plan, workdir: str):
+    def __init__(self, state, plan: tj.typing.Plan, workdir: str):
         import orbax.checkpoint as ocp
 
         self.state, self.plan, self.workdir = state, plan, workdir
@@ -140,7 +142,7 @@ class _Strategies:
         }
         self.checkpointer = ocp.StandardCheckpointer()
         self.saves = 0
-        self.report: tj.executor.ReshardReport | None = None
+        self.report: tj.typing.ReshardReport | None = None
 
     def run(self, strategy: str):
         if strategy == "tenplex":
@@ -164,8 +166,9 @@ class _Strategies:
 ORBAX_ROUNDS = 2  # orbax runs 4-16x longer than the others: two timed runs tell its ratio
 
 
-def run_change(change: Change, state, rules, repeats: int, memcpy: float, log,
-               fresh: float | None = None) -> dict:  # fmt: skip
+def run_change(
+    change: Change, state, rules, repeats: int, memcpy: float, log, fresh: float | None = None
+) -> dict:
     """Time the four strategies on one change, then measure bytes, bandwidth and peak memory.
 
     ``memcpy`` and ``fresh`` are this machine's memcpy bandwidths into mapped and fresh pages.
@@ -249,12 +252,13 @@ def run_change(change: Change, state, rules, repeats: int, memcpy: float, log,
         f"  {change.name:36s} tenplex {medians['tenplex'] * 1e3:8.1f} ms | orbax "
         f"{row['speedup']['orbax']:6.1f}x host {row['speedup']['host']:5.2f}x device_put "
         f"{row['speedup']['device_put']:5.2f}x | bytes {row['bytes_ratio']:.2f} bw "
-        f"{row['bandwidth_ratio']:.2f} (fresh {row['fresh_ratio']:.2f}) peak {row['peak_ratio']:.3f}"
+        f"{row['bandwidth_ratio']:.2f} (fresh {row['fresh_ratio']:.2f}) peak "
+        f"{row['peak_ratio']:.3f}"
     )
     return row
 
 
-def peak_memory(state, src: tj.PTC, plan: tj.plan.Plan) -> dict:
+def peak_memory(state, src: tj.PTC, plan: tj.typing.Plan) -> dict:
     """Peak memory of one donating reshard (the library's default) against the steady states.
 
     Steady states: the state at rest on the source layout before, and on the target layout after
@@ -290,7 +294,8 @@ def peak_memory(state, src: tj.PTC, plan: tj.plan.Plan) -> dict:
 
 
 def live_arrays() -> dict[int, weakref.ref]:
-    """The JAX arrays alive in this process now, by id (held weakly: a baseline keeps none alive)."""
+    """The JAX arrays alive in this process now, by id (held weakly: a baseline keeps none
+    alive)."""
     gc.collect()
     return {id(a): weakref.ref(a) for a in jax.live_arrays() if not a.is_deleted()}
 

@@ -67,9 +67,9 @@ def main(argv=None) -> int:
         placed = tj.place(state, src)
         plan = tj.make_plan(src, dst)
         strategies = {
-            "host": dict(executor="host"),
-            "device": dict(executor="device"),
-            "device_put": dict(method="device_put"),
+            "host": {"executor": "host"},
+            "device": {"executor": "device"},
+            "device_put": {"method": "device_put"},
         }
         runs = {name: [] for name in strategies}
         for round_ in range(args.repeats + 1):  # round 0 warms up dispatch and compile caches

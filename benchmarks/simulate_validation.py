@@ -44,10 +44,23 @@ def cpu_network(single: float, aggregate: float, devices: int = 8):
     from tenplex_jax.planner import GIB, Cluster, DeviceType
     from tenplex_jax.simulator import Network
 
-    cpu = DeviceType("cpu", memory=2 * GIB, flops=5e9, link_bandwidth=single,
-                     memory_bandwidth=single, host_bandwidth=single, host_memory=True)  # fmt: skip
-    cluster = Cluster("this machine", (cpu,), (0,) * devices, (0,) * devices, single,
-                      host_memory_bandwidth=aggregate)  # fmt: skip
+    cpu = DeviceType(
+        "cpu",
+        memory=2 * GIB,
+        flops=5e9,
+        link_bandwidth=single,
+        memory_bandwidth=single,
+        host_bandwidth=single,
+        host_memory=True,
+    )
+    cluster = Cluster(
+        "this machine",
+        (cpu,),
+        (0,) * devices,
+        (0,) * devices,
+        single,
+        host_memory_bandwidth=aggregate,
+    )
     return Network(cluster)
 
 
@@ -82,22 +95,35 @@ def run(model: str = "gpt100m", repeats: int = 5, log=print) -> dict:
         del placed
         measured = statistics.median(runs[1:])
         estimate = network.seconds(device_traffic(plan, network))
-        rows.append({
-            "change": change.name, "bytes_moved": plan.bytes_moved, "measured_seconds": measured,
-            "predicted_seconds": estimate.seconds, "bottleneck": estimate.bottleneck,
-            "ratio": measured / estimate.seconds if estimate.seconds else math.inf,
-            "runs_seconds": runs[1:],
-        })  # fmt: skip
-        log(f"  {change.name:36s} measured {measured * 1e3:8.1f} ms  predicted "
+        rows.append(
+            {
+                "change": change.name,
+                "bytes_moved": plan.bytes_moved,
+                "measured_seconds": measured,
+                "predicted_seconds": estimate.seconds,
+                "bottleneck": estimate.bottleneck,
+                "ratio": measured / estimate.seconds if estimate.seconds else math.inf,
+                "runs_seconds": runs[1:],
+            }
+        )
+        log(
+            f"  {change.name:36s} measured {measured * 1e3:8.1f} ms  predicted "
             f"{estimate.seconds * 1e3:8.1f} ms  measured/predicted {rows[-1]['ratio']:5.2f}  "
-            f"({estimate.bottleneck})")  # fmt: skip
+            f"({estimate.bottleneck})"
+        )
     ratios = [r["ratio"] for r in rows]
     return {
-        "kind": "simulate_validation", "model": model, "repeats": repeats, "cores": cores,
-        "memcpy_fresh_single_bytes_per_s": single, "memcpy_fresh_aggregate_bytes_per_s": aggregate,
-        "rows": rows, "ratio_geomean": math.exp(statistics.fmean(map(math.log, ratios))),
-        "within_2x": sum(0.5 <= r <= 2 for r in ratios), "load_average": os.getloadavg(),
-    }  # fmt: skip
+        "kind": "simulate_validation",
+        "model": model,
+        "repeats": repeats,
+        "cores": cores,
+        "memcpy_fresh_single_bytes_per_s": single,
+        "memcpy_fresh_aggregate_bytes_per_s": aggregate,
+        "rows": rows,
+        "ratio_geomean": math.exp(statistics.fmean(map(math.log, ratios))),
+        "within_2x": sum(0.5 <= r <= 2 for r in ratios),
+        "load_average": os.getloadavg(),
+    }
 
 
 def main(argv=None) -> int:
@@ -110,10 +136,12 @@ def main(argv=None) -> int:
 
     configure_jax()
     result = run(args.model, args.repeats)
-    print(f"memcpy into fresh pages: {result['memcpy_fresh_single_bytes_per_s'] / 1e9:.2f} GB/s on "
-          f"one thread, {result['memcpy_fresh_aggregate_bytes_per_s'] / 1e9:.2f} GB/s on "
-          f"{result['cores']}; measured/predicted geometric mean {result['ratio_geomean']:.2f}, "
-          f"{result['within_2x']} of {len(result['rows'])} rows within 2x")  # fmt: skip
+    print(
+        f"memcpy into fresh pages: {result['memcpy_fresh_single_bytes_per_s'] / 1e9:.2f} GB/s on "
+        f"one thread, {result['memcpy_fresh_aggregate_bytes_per_s'] / 1e9:.2f} GB/s on "
+        f"{result['cores']}; measured/predicted geometric mean {result['ratio_geomean']:.2f}, "
+        f"{result['within_2x']} of {len(result['rows'])} rows within 2x"
+    )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "simulate_validation.json").write_text(json.dumps(result, indent=1) + "\n")

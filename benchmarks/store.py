@@ -97,7 +97,7 @@ def run(quick: bool = False, repeats: int | None = None, log=print) -> dict:
                 proc.stop()
 
     seconds = {name: statistics.median(r) for name, r in runs.items()}
-    moved = {name: nbytes for name in seconds}
+    moved = dict.fromkeys(seconds, nbytes)
     moved["get_sub"] = nbytes // 2
     bandwidth = {name: moved[name] / s for name, s in seconds.items()}
     row = {

@@ -35,8 +35,9 @@ HERE = pathlib.Path(__file__).resolve().parents[1]
 
 def _tree(ref: str, root: pathlib.Path) -> pathlib.Path:
     """The ``tenplex_jax`` package of revision ``ref``, extracted under ``root``."""
-    archive = subprocess.run(["git", "-C", str(HERE), "archive", ref, "tenplex_jax"],
-                             check=True, capture_output=True).stdout  # fmt: skip
+    archive = subprocess.run(
+        ["git", "-C", str(HERE), "archive", ref, "tenplex_jax"], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
     return root
 
@@ -44,8 +45,14 @@ def _tree(ref: str, root: pathlib.Path) -> pathlib.Path:
 def _in(tree: pathlib.Path, code: str) -> dict:
     """Run ``code`` (which prints one JSON object last) with ``tree``'s tenplex_jax."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(HERE)]))
-    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
-                         text=True, cwd=tempfile.gettempdir()).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tempfile.gettempdir(),
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -69,8 +76,7 @@ def attack() -> dict:
     for each), run with this process's ``tenplex_jax`` (whichever version its path gives)."""
     import numpy as np
 
-    from tenplex_jax.multihost import store
-    from tenplex_jax.multihost.store import wire
+    from tenplex_jax._src.multihost.store import wire
 
     body = np.ones(ATTACK_OBJECT, np.uint8)
     with tempfile.TemporaryDirectory(prefix="tenplex-attack-") as root:
@@ -78,9 +84,14 @@ def attack() -> dict:
             held = []
             for i in range(20):  # bodies sent, trailers withheld
                 sock = _connect(proc.address)
-                request = {"op": "put", "path": f"w/{i}", "box": [[0, ATTACK_OBJECT]],
-                           "global_shape": [ATTACK_OBJECT], "dtype": "uint8",
-                           "checksum": None}  # fmt: skip
+                request = {
+                    "op": "put",
+                    "path": f"w/{i}",
+                    "box": [[0, ATTACK_OBJECT]],
+                    "global_shape": [ATTACK_OBJECT],
+                    "dtype": "uint8",
+                    "checksum": None,
+                }
                 wire.send_header(sock, request, ATTACK_OBJECT)
                 held.append(sock)
             for sock in held:  # the body goes to every put the server says continue to
@@ -122,8 +133,8 @@ def _server(directory: str):
 
 
 def _connect(address: str) -> socket.socket:
+    from tenplex_jax._src.multihost.store import wire
     from tenplex_jax.multihost import store
-    from tenplex_jax.multihost.store import wire
 
     sock = socket.create_connection(store.parse_address(address), timeout=120)
     wire.send_frame(sock, {"op": "hello", "token": None})
@@ -168,8 +179,9 @@ def run_store_hardening(before: str, rounds: int = 3, quick: bool = False, log=p
             with contextlib.suppress(subprocess.CalledProcessError):
                 attacks[version] = _in(tree, ATTACK.format(here=str(HERE)))
     ops = list(ratios["after"][0])
-    medians = {v: {op: statistics.median(r[op] for r in runs) for op in ops}
-               for v, runs in ratios.items()}  # fmt: skip
+    medians = {
+        v: {op: statistics.median(r[op] for r in runs) for op in ops} for v, runs in ratios.items()
+    }
     for op in ops:
         if op.startswith("memcpy"):
             continue
@@ -177,11 +189,21 @@ def run_store_hardening(before: str, rounds: int = 3, quick: bool = False, log=p
         log(f"  {op:15s} before {b:.3f}  after {a:.3f} x memcpy  (after / before {a / b:.2f})")
     for version, grown in attacks.items():
         trailers, replies = (grown[k] / MIB for k in ("withheld_trailers", "unread_replies"))
-        log(f"  {version}: peak RSS growth under withheld trailers {trailers:.0f} MiB, under "
-            f"unread replies {replies:.0f} MiB (memory tier {ATTACK_TIER // MIB} MiB)")  # fmt: skip
-    return {"kind": "store_hardening", "before": before, "rounds": rounds, "quick": quick,
-            "vs_memcpy_runs": ratios, "vs_memcpy": medians, "attack_rss_growth": attacks,
-            "attack_memory_tier": ATTACK_TIER, "attack_object": ATTACK_OBJECT}  # fmt: skip
+        log(
+            f"  {version}: peak RSS growth under withheld trailers {trailers:.0f} MiB, under "
+            f"unread replies {replies:.0f} MiB (memory tier {ATTACK_TIER // MIB} MiB)"
+        )
+    return {
+        "kind": "store_hardening",
+        "before": before,
+        "rounds": rounds,
+        "quick": quick,
+        "vs_memcpy_runs": ratios,
+        "vs_memcpy": medians,
+        "attack_rss_growth": attacks,
+        "attack_memory_tier": ATTACK_TIER,
+        "attack_object": ATTACK_OBJECT,
+    }
 
 
 def main(argv=None) -> int:

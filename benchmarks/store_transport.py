@@ -185,8 +185,10 @@ def measure(design: str, nbytes: int, rounds: int, clients: int) -> dict:
     server = threading.Thread(target=DESIGNS[design], args=(sock, stop), daemon=True)
     server.start()
     results: list = []
-    workers = [threading.Thread(target=_client, args=(sock.getsockname()[1], nbytes, rounds,
-                                                      results)) for _ in range(clients)]  # fmt: skip
+    workers = [
+        threading.Thread(target=_client, args=(sock.getsockname()[1], nbytes, rounds, results))
+        for _ in range(clients)
+    ]
     tic = time.perf_counter()
     for w in workers:
         w.start()
@@ -217,11 +219,22 @@ def run_store_transport(mib: int = 64, rounds: int = 5, clients: int = 4, log=pr
         for design, by_n in runs.items()
     }
     for design, by_n in table.items():
-        log(f"  {design:17s} " + "  ".join(
-            f"{n} client{'s' if n > 1 else ''}: put {m['put_gbps']:5.2f} get {m['get_gbps']:5.2f} "
-            f"all {m['aggregate_gbps']:5.2f} GB/s" for n, m in by_n.items()))  # fmt: skip
-    return {"kind": "store_transport", "mib": mib, "rounds": rounds, "clients": clients,
-            "gbps": table}  # fmt: skip
+        log(
+            f"  {design:17s} "
+            + "  ".join(
+                f"{n} client{'s' if n > 1 else ''}: put {m['put_gbps']:5.2f} get "
+                f"{m['get_gbps']:5.2f} "
+                f"all {m['aggregate_gbps']:5.2f} GB/s"
+                for n, m in by_n.items()
+            )
+        )
+    return {
+        "kind": "store_transport",
+        "mib": mib,
+        "rounds": rounds,
+        "clients": clients,
+        "gbps": table,
+    }
 
 
 def main(argv=None) -> int:

@@ -98,8 +98,7 @@ def run(options: BenchOptions, log=print) -> dict:
 
     from tenplex_jax_benchmarks import compile_ahead, loop, plan_scaling, reshard
     from tenplex_jax_benchmarks import store as store_bench
-    from tenplex_jax_models import LOGICAL_RULES, GPTConfig
-    from tenplex_jax_models import build_state, param_count
+    from tenplex_jax_models import LOGICAL_RULES, GPTConfig, build_state, param_count
 
     started = time.perf_counter()
     sections: dict[str, float] = {}  # seconds each part took, so the bench says where time goes
@@ -136,8 +135,9 @@ def run(options: BenchOptions, log=print) -> dict:
         f"{options.runs} runs after a warm-up, per strategy"
     )
     for change in reshard.MATRIX:
-        rows.append(reshard.run_change(change, state, LOGICAL_RULES, options.runs, memcpy, log,
-                                       fresh=fresh))  # fmt: skip
+        rows.append(
+            reshard.run_change(change, state, LOGICAL_RULES, options.runs, memcpy, log, fresh=fresh)
+        )
     del state
     lap("memcpy and reshard matrix")
 
@@ -150,7 +150,8 @@ def run(options: BenchOptions, log=print) -> dict:
     config = _loop_config()
     row = loop.run_loop_overhead(loop_model, config, batch, blocks, steps)
     log(
-        f"  {row['params']:,} params, {config}: tenplex {row['median_seconds']['tenplex'] * 1e3:.2f}"
+        f"  {row['params']:,} params, {config}: tenplex "
+        f"{row['median_seconds']['tenplex'] * 1e3:.2f}"
         f" ms/step, plain {row['median_seconds']['plain'] * 1e3:.2f} ms/step, overhead "
         f"{row['overhead']:+.2%}"
     )
@@ -194,8 +195,10 @@ def run(options: BenchOptions, log=print) -> dict:
     (out / "summary.md").write_text(summary_markdown(results) + "\n")
     plots(results, out)
     log(summary_markdown(results))
-    log(f"wrote {out / 'results.json'}, {out / 'summary.md'}, {out / 'reshard.png'}, "
-        f"{out / 'plan_scaling.png'} in {results['seconds']:.0f} s")  # fmt: skip
+    log(
+        f"wrote {out / 'results.json'}, {out / 'summary.md'}, {out / 'reshard.png'}, "
+        f"{out / 'plan_scaling.png'} in {results['seconds']:.0f} s"
+    )
     return results
 
 
@@ -332,9 +335,14 @@ def summary_markdown(results: dict) -> str:
         from tenplex_jax_benchmarks.recovery import table
 
         lines += ["", table(recovered)]
-    lines += ["", "Seconds per part: " + ", ".join(
-        f"{name} {seconds:.0f}" for name, seconds in results.get("section_seconds", {}).items())
-        + f"; {results['seconds']:.0f} in all."]  # fmt: skip
+    lines += [
+        "",
+        "Seconds per part: "
+        + ", ".join(
+            f"{name} {seconds:.0f}" for name, seconds in results.get("section_seconds", {}).items()
+        )
+        + f"; {results['seconds']:.0f} in all.",
+    ]
     lines += ["", "| goal | measured | target | met |", "|---|---:|---:|---|"]
     for goal, v in results["verdicts"].items():
         lines.append(
@@ -400,8 +408,13 @@ def plots(results: dict, out: pathlib.Path) -> None:
                 label=f"{change}, {tensors} tensors",
             )
     ax.axhline(GOALS["plan_seconds"], color="gray", lw=1, ls=":")
-    ax.set(xscale="log", yscale="log", xlabel="devices", ylabel="make_plan seconds (median)",
-           title="Plan time vs devices and tensors (abstract)")  # fmt: skip
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="devices",
+        ylabel="make_plan seconds (median)",
+        title="Plan time vs devices and tensors (abstract)",
+    )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

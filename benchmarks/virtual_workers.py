@@ -26,8 +26,13 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np
 
 import tenplex_jax as tj
-from tenplex_jax_models import LOGICAL_RULES, corpus_samples, stdlib_corpus
-from tenplex_jax_models import build_state, make_train_step
+from tenplex_jax_models import (
+    LOGICAL_RULES,
+    build_state,
+    corpus_samples,
+    make_train_step,
+    stdlib_corpus,
+)
 
 C = tj.ParallelConfig
 LAYOUTS = [
@@ -45,10 +50,10 @@ def stepper(model: str, config, batch: int, workers):
     graphdef, state, cfg = build_state(model, 1e-3)
     ptc = tj.PTC.of(state, LOGICAL_RULES, config, jax.devices()[: config.num_devices])
     holder = {"state": tj.place(state, ptc)}
-    layout = tj.BatchLayout(batch, ranks=config.data * config.fsdp, workers=workers)
+    layout = tj.data.BatchLayout(batch, ranks=config.data * config.fsdp, workers=workers)
     step = make_train_step(graphdef, ptc, layout)
     dataset = tj.DatasetPTC(corpus_samples(stdlib_corpus(2**22), cfg.seq_len), batch)
-    batches = [tj.device_batch(dataset, i, layout, ptc.mesh())[:2] for i in range(4)]
+    batches = [tj.data.device_batch(dataset, i, layout, ptc.mesh())[:2] for i in range(4)]
     count = iter(range(10**9))
 
     def run() -> float:
@@ -83,8 +88,15 @@ def main(argv=None) -> int:
     print(f"{'layout':>22} {'plain ms':>9} {'virtual ms':>11} {'virtual/plain':>14}")
     for name, config in LAYOUTS:
         plain, virtual = time_pair(args.model, config, args.batch, args.workers, args.steps)
-        rows.append({"layout": name, "config": str(config), "plain_s": plain,
-                     "virtual_s": virtual, "ratio": virtual / plain})  # fmt: skip
+        rows.append(
+            {
+                "layout": name,
+                "config": str(config),
+                "plain_s": plain,
+                "virtual_s": virtual,
+                "ratio": virtual / plain,
+            }
+        )
         print(f"{name:>22} {plain * 1e3:9.1f} {virtual * 1e3:11.1f} {virtual / plain:14.2f}")
     geo = float(np.exp(np.mean(np.log([r["ratio"] for r in rows]))))
     print(f"geometric mean virtual/plain: {geo:.2f}")

@@ -22,6 +22,7 @@ as when one of its devices is that much slower):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -41,12 +42,19 @@ def _stores(root: pathlib.Path, n: int = 2):
     return [StoreProcess.start(root / f"s{i}") for i in range(n)]
 
 
-def run_wsp(model: str, total: int, distance: int, slowdown: float, minibatch: int,
-            kill: bool = False, log=print) -> dict:  # fmt: skip
+def run_wsp(
+    model: str,
+    total: int,
+    distance: int,
+    slowdown: float,
+    minibatch: int,
+    kill: bool = False,
+    log=print,
+) -> dict:
     """One WSP run; its commits' times, losses by samples, and (with ``kill``) the stall."""
     import jax
 
-    from tenplex_jax.elastic.steps import StepCache
+    from tenplex_jax._src.elastic.steps import StepCache
     from tenplex_jax.wsp import Coordinator, ParameterServer, Threads, VirtualWorker, weights_of
     from tenplex_jax_models import wsp as job_parts
 
@@ -61,10 +69,21 @@ def run_wsp(model: str, total: int, distance: int, slowdown: float, minibatch: i
         def make(name, devices):
             p = job_parts.job(len(devices), model=model, minibatch=minibatch)
             i = GROUPS.index(devices)
-            return VirtualWorker(name, ParameterServer(addresses), p["rules"], p["dataset"], state,
-                                 p["train_step"], devices=[jax.devices()[d] for d in devices],
-                                 config=p["config"], minibatches=NM[i], distance=distance,
-                                 slowdown=slowdown if i == 2 else 1.0, timeout=3.0, steps=steps)  # fmt: skip
+            return VirtualWorker(
+                name,
+                ParameterServer(addresses),
+                p["rules"],
+                p["dataset"],
+                state,
+                p["train_step"],
+                devices=[jax.devices()[d] for d in devices],
+                config=p["config"],
+                minibatches=NM[i],
+                distance=distance,
+                slowdown=slowdown if i == 2 else 1.0,
+                timeout=3.0,
+                steps=steps,
+            )
 
         with ParameterServer(addresses) as ps:
             ps.create(weights_of(state), total=total)
@@ -86,25 +105,47 @@ def run_wsp(model: str, total: int, distance: int, slowdown: float, minibatch: i
     samples = (sum(len(r["minibatches"]) for r in records) - 1) * minibatch  # after the first
     per_vw = {}
     for r in records:  # where each VW's time went
-        v = per_vw.setdefault(r["vw"], {"waves": 0, "minibatches": 0, "compute": 0.0, "wait": 0.0,
-                                        "slowdown": 0.0, "push": 0.0})  # fmt: skip
+        v = per_vw.setdefault(
+            r["vw"],
+            {
+                "waves": 0,
+                "minibatches": 0,
+                "compute": 0.0,
+                "wait": 0.0,
+                "slowdown": 0.0,
+                "push": 0.0,
+            },
+        )
         v["waves"] += 1
         v["minibatches"] += len(r["minibatches"])
         for key in ("compute", "wait", "slowdown", "push"):
             v[key] += r[f"{key}_seconds"]
-    row = {"distance": distance, "minibatches": total, "waves": len(records),
-           "seconds": max(ends) - first, "samples_per_second": samples / (max(ends) - first),
-           "per_vw": per_vw, "losses": _curve(records, minibatch)}  # fmt: skip
+    row = {
+        "distance": distance,
+        "minibatches": total,
+        "waves": len(records),
+        "seconds": max(ends) - first,
+        "samples_per_second": samples / (max(ends) - first),
+        "per_vw": per_vw,
+        "losses": _curve(records, minibatch),
+    }
     if killed is not None:
-        before = [b - a for a, b in zip(ends, ends[1:]) if b < killed]
-        after = [b - max(a, killed) for a, b in zip(ends, ends[1:]) if b >= killed]
-        row |= {"median_gap_before_kill": statistics.median(before),
-                "longest_gap_after_kill": max(after)}  # fmt: skip
-    log(f"  WSP D={distance}{' with a kill' if kill else ''}: "
+        before = [b - a for a, b in itertools.pairwise(ends) if b < killed]
+        after = [b - max(a, killed) for a, b in itertools.pairwise(ends) if b >= killed]
+        row |= {
+            "median_gap_before_kill": statistics.median(before),
+            "longest_gap_after_kill": max(after),
+        }
+    log(
+        f"  WSP D={distance}{' with a kill' if kill else ''}: "
         f"{row['samples_per_second']:.1f} samples/s over {row['seconds']:.1f} s; per VW (waves, "
-        f"compute / wait / slowdown / push s): " + "; ".join(
+        f"compute / wait / slowdown / push s): "
+        + "; ".join(
             f"{vw} {v['waves']}, {v['compute']:.2f} / {v['wait']:.2f} / {v['slowdown']:.2f} / "
-            f"{v['push']:.2f}" for vw, v in sorted(per_vw.items())))  # fmt: skip
+            f"{v['push']:.2f}"
+            for vw, v in sorted(per_vw.items())
+        )
+    )
     return row
 
 
@@ -113,18 +154,19 @@ def run_sync(model: str, steps: int, slowdown: float, minibatch: int, log=print)
     import jax
 
     import tenplex_jax as tj
-    from tenplex_jax_models import LOGICAL_RULES, build_state, make_train_step, wsp as job_parts
+    from tenplex_jax_models import LOGICAL_RULES, build_state, make_train_step
+    from tenplex_jax_models import wsp as job_parts
 
     per_step = sum(NM) * minibatch
     graphdef, state, _ = build_state(model, 3e-3)
     dataset = job_parts.job(1, model=model, minibatch=per_step)["dataset"]
     ptc = tj.PTC.of(state, LOGICAL_RULES, tj.ParallelConfig(data=8), jax.devices())
-    layout = tj.BatchLayout(per_step, ranks=8)
+    layout = tj.data.BatchLayout(per_step, ranks=8)
     step = make_train_step(graphdef, ptc, layout)
     state = tj.place(state, ptc)
     ends, losses = [], []
     for k in range(steps + 1):
-        batch, weights, _ = tj.device_batch(dataset, k, layout, ptc.mesh())
+        batch, weights, _ = tj.data.device_batch(dataset, k, layout, ptc.mesh())
         tic = time.perf_counter()
         state, loss = step(state, batch, weights)
         loss = float(loss)
@@ -132,9 +174,13 @@ def run_sync(model: str, steps: int, slowdown: float, minibatch: int, log=print)
         ends.append(time.time())
         losses.append(loss)
     seconds = ends[-1] - ends[0]  # step 0 compiles
-    curve = [((k + 1) * per_step, l) for k, l in enumerate(losses)]
-    row = {"steps": steps, "seconds": seconds, "samples_per_second": steps * per_step / seconds,
-           "losses": curve}  # fmt: skip
+    curve = [((k + 1) * per_step, loss) for k, loss in enumerate(losses)]
+    row = {
+        "steps": steps,
+        "seconds": seconds,
+        "samples_per_second": steps * per_step / seconds,
+        "losses": curve,
+    }
     log(f"  synchronous SPMD: {row['samples_per_second']:.1f} samples/s over {seconds:.1f} s")
     return row
 
@@ -164,7 +210,7 @@ def run_ps(megabytes: int = 64, repeats: int = 5, log=print) -> dict:
             ps.update(lambda led, now: (led.join("b", now), None))
             push, pull = [], []
             for wave in range(repeats + 1):
-                ps.update(lambda led, now: led.claim("b", wave, 1))
+                ps.update(lambda led, now, wave=wave: led.claim("b", wave, 1))
                 tic = time.perf_counter()
                 ps.push("b", wave, update)
                 push.append(time.perf_counter() - tic)
@@ -182,13 +228,21 @@ def run_ps(megabytes: int = 64, repeats: int = 5, log=print) -> dict:
         copies.append(time.perf_counter() - tic)
     nbytes = n * leaves * 4
     memcpy = nbytes / statistics.median(copies[1:])
-    row = {"bytes": nbytes, "push_bytes_per_s": nbytes / statistics.median(push[1:]),
-           "pull_bytes_per_s": nbytes / statistics.median(pull[1:]), "memcpy_bytes_per_s": memcpy}  # fmt: skip
-    row |= {"push_over_memcpy": row["push_bytes_per_s"] / memcpy,
-            "pull_over_memcpy": row["pull_bytes_per_s"] / memcpy}  # fmt: skip
-    log(f"  parameter server, {megabytes} MiB: push {row['push_bytes_per_s'] / 1e9:.2f} GB/s "
+    row = {
+        "bytes": nbytes,
+        "push_bytes_per_s": nbytes / statistics.median(push[1:]),
+        "pull_bytes_per_s": nbytes / statistics.median(pull[1:]),
+        "memcpy_bytes_per_s": memcpy,
+    }
+    row |= {
+        "push_over_memcpy": row["push_bytes_per_s"] / memcpy,
+        "pull_over_memcpy": row["pull_bytes_per_s"] / memcpy,
+    }
+    log(
+        f"  parameter server, {megabytes} MiB: push {row['push_bytes_per_s'] / 1e9:.2f} GB/s "
         f"({row['push_over_memcpy']:.2f} of memcpy), pull {row['pull_bytes_per_s'] / 1e9:.2f} "
-        f"GB/s ({row['pull_over_memcpy']:.2f})")  # fmt: skip
+        f"GB/s ({row['pull_over_memcpy']:.2f})"
+    )
     return row
 
 
@@ -203,7 +257,7 @@ def plot(rows: dict, path: pathlib.Path) -> None:
         xs, ys = zip(*row["losses"])
         window = 8
         smooth = np.convolve(ys, np.ones(window) / window, mode="valid")
-        ax.plot(xs[window - 1:], smooth, label=name)
+        ax.plot(xs[window - 1 :], smooth, label=name)
     ax.set_xlabel("samples trained")
     ax.set_ylabel("loss (moving mean of 8 minibatches)")
     ax.legend()
@@ -224,34 +278,49 @@ def main(argv=None) -> int:
 
     configure_jax()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"wave synchronous parallel, GPT {args.model}, {args.minibatches} minibatches of "
-          f"{args.minibatch}, vw3 {args.slowdown:g}x slower, load {os.getloadavg()[0]:.1f}")  # fmt: skip
-    runs = {f"WSP D={d}": run_wsp(args.model, args.minibatches, d, args.slowdown, args.minibatch)
-            for d in (0, 1, 4)}  # fmt: skip
-    runs["synchronous"] = run_sync(args.model, args.minibatches // sum(NM), args.slowdown,
-                                   args.minibatch)  # fmt: skip
+    print(
+        f"wave synchronous parallel, GPT {args.model}, {args.minibatches} minibatches of "
+        f"{args.minibatch}, vw3 {args.slowdown:g}x slower, load {os.getloadavg()[0]:.1f}"
+    )
+    runs = {
+        f"WSP D={d}": run_wsp(args.model, args.minibatches, d, args.slowdown, args.minibatch)
+        for d in (0, 1, 4)
+    }
+    runs["synchronous"] = run_sync(
+        args.model, args.minibatches // sum(NM), args.slowdown, args.minibatch
+    )
     killed = run_wsp(args.model, args.minibatches, 1, args.slowdown, args.minibatch, kill=True)
     ps = run_ps()
     tail = 21
     summary = {
-        "model": args.model, "minibatch": args.minibatch, "slowdown": args.slowdown,
+        "model": args.model,
+        "minibatch": args.minibatch,
+        "slowdown": args.slowdown,
         "load_average": os.getloadavg(),
         "samples_per_second": {k: r["samples_per_second"] for k, r in runs.items()},
-        "over_synchronous": {k: r["samples_per_second"] / runs["synchronous"]["samples_per_second"]
-                             for k, r in runs.items()},
-        "final_loss": {k: float(np.mean([l for _, l in r["losses"][-tail:]]))
-                       for k, r in runs.items()},
+        "over_synchronous": {
+            k: r["samples_per_second"] / runs["synchronous"]["samples_per_second"]
+            for k, r in runs.items()
+        },
+        "final_loss": {
+            k: float(np.mean([loss for _, loss in r["losses"][-tail:]])) for k, r in runs.items()
+        },
         "kill": {k: killed[k] for k in ("median_gap_before_kill", "longest_gap_after_kill")},
-        "parameter_server": ps, "runs": runs,
-    }  # fmt: skip
+        "parameter_server": ps,
+        "runs": runs,
+    }
     plot(runs, args.out / "wsp_loss.png")
     (args.out / "wsp.json").write_text(json.dumps(summary, indent=1) + "\n")
     for k in runs:
-        print(f"  {k:12s} {summary['samples_per_second'][k]:7.1f} samples/s "
-              f"({summary['over_synchronous'][k]:.2f}x synchronous), loss of the last {tail} "
-              f"minibatches {summary['final_loss'][k]:.3f}")  # fmt: skip
-    print(f"  a VW killed: no commit for {summary['kill']['longest_gap_after_kill']:.2f} s "
-          f"(median gap between commits before: {summary['kill']['median_gap_before_kill']:.3f} s)")
+        print(
+            f"  {k:12s} {summary['samples_per_second'][k]:7.1f} samples/s "
+            f"({summary['over_synchronous'][k]:.2f}x synchronous), loss of the last {tail} "
+            f"minibatches {summary['final_loss'][k]:.3f}"
+        )
+    print(
+        f"  a VW killed: no commit for {summary['kill']['longest_gap_after_kill']:.2f} s "
+        f"(median gap between commits before: {summary['kill']['median_gap_before_kill']:.3f} s)"
+    )
     return 0
 
 

@@ -19,7 +19,8 @@ resize (no step lost); SIGTERM to the launcher stops the job after a commit. Pro
 line per step.
 
 ``--pause-after 3,6`` holds a launched job once at the boundary after each of those steps (its
-commits finished) until RUN_DIR/resume-STEP exists, so that a test, a benchmark or a person can kill a process at a
+commits finished) until RUN_DIR/resume-STEP exists, so that a test, a benchmark or a person can
+kill a process at a
 known step; each process marks RUN_DIR/paused-STEP-p<id> while it waits.
 """
 
@@ -34,11 +35,11 @@ import time
 # alone: 8 fake CPU devices; launched, the launcher has configured JAX already
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-import tenplex_jax as tj  # noqa: E402
-from tenplex_jax_models import (  # noqa: E402
+import tenplex_jax as tj
+from tenplex_jax_models import (
     LOGICAL_RULES,
     GPTConfig,
     build_state,
@@ -56,9 +57,13 @@ def main(argv=None) -> int:
         help="GPT preset (tiny, small, gpt100m) or GPTConfig fields: d_model=256,n_layers=4,...",
     )
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--planned-steps", type=int, default=None,
-                        help="the run's planned length, over which growing onto offered devices "
-                        "is weighed (default: --steps)")  # fmt: skip
+    parser.add_argument(
+        "--planned-steps",
+        type=int,
+        default=None,
+        help="the run's planned length, over which growing onto offered devices "
+        "is weighed (default: --steps)",
+    )
     parser.add_argument("--batch", type=int, default=24, help="global batch (fixed across resizes)")
     parser.add_argument("--workers", type=int, default=8, help="virtual data-parallel workers")
     parser.add_argument("--samples", type=int, default=100, help="dataset size in samples")
@@ -90,8 +95,11 @@ def main(argv=None) -> int:
         state = job.start(init)
         step = job.jit(train_step(graphdef))
         say = print if job.process_index == 0 else (lambda *a, **k: None)
-        say(f"generation {job.generation}: {jax.process_count()} processes, {job.ptc.config}, "
-            f"from step {job.step}; restored {json.dumps(job.restored)}", flush=True)  # fmt: skip
+        say(
+            f"generation {job.generation}: {jax.process_count()} processes, {job.ptc.config}, "
+            f"from step {job.step}; restored {json.dumps(job.restored)}",
+            flush=True,
+        )
         pauses = {int(s) for s in args.pause_after.split(",") if s}
         while job.step < args.steps:
             boundary = job.step
@@ -102,17 +110,24 @@ def main(argv=None) -> int:
             loss = float(metrics["loss"])
             say(f"step {job.step:4d}  loss {loss:.4f}  {job.ptc.config}", flush=True)
             if args.log and job.process_index == 0:
-                record = {"generation": job.generation, "step": job.step, "loss": loss,
-                          "samples": job.samples.tolist(), "config": str(job.ptc.config),
-                          "time": time.time()}  # fmt: skip
+                record = {
+                    "generation": job.generation,
+                    "step": job.step,
+                    "loss": loss,
+                    "samples": job.samples.tolist(),
+                    "config": str(job.ptc.config),
+                    "time": time.time(),
+                }
                 with open(args.log, "a") as f:
                     f.write(json.dumps(record) + "\n")
         job.finish(state)
         if args.out:
             from jax.experimental import multihost_utils
 
-            host = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
-                    for x in jax.tree.leaves(state)]  # fmt: skip
+            host = [
+                np.asarray(multihost_utils.process_allgather(x, tiled=True))
+                for x in jax.tree.leaves(state)
+            ]
             if job.process_index == 0:
                 np.savez(args.out, *host)
     return 0

@@ -48,7 +48,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from tenplex_jax import ParallelConfig, Stages, pipeline
+from tenplex_jax import ParallelConfig
+from tenplex_jax.pipelining import Stages, pipeline
 from tenplex_jax.planner import ModelProfile
 
 # (logical axis, mesh axis or axes) pairs in flax's logical-rules format.
@@ -228,7 +229,8 @@ class GPT(nnx.Module):
         """Map int32[B, T] byte tokens to float32[B, T, vocab] logits, T <= seq_len.
 
         With a ``mesh`` whose ``pipe`` axis is larger than 1, the stacked layers run as a GPipe
-        pipeline of ``microbatches`` over it (``tenplex_jax.pipelining``); the embedding and the head
+        pipeline of ``microbatches`` over it (``tenplex_jax.pipelining``); the embedding and the
+        head
         run outside the pipeline. ``stages`` gives uneven layers per stage; the stacked weights are
         then padded (``Stages.pad``). Without a mesh the layers run as one scan.
         """

@@ -1,4 +1,5 @@
-"""A 70B-class decoder's train state, abstract: for planning and simulating at scale, never allocated.
+"""A 70B-class decoder's train state, abstract: for planning and simulating at scale, never
+allocated.
 
 The state is shaped like Llama 2 70B: d_model 8192, 80 stacked layers, 64 query heads and 8
 key/value heads of 128, a gated MLP of 28672, a vocabulary of 32000 (69.0B parameters), with bf16
@@ -35,7 +36,8 @@ class LLMConfig:
 
 LLAMA_70B = LLMConfig()
 
-# The default axes (pipe, data, fsdp, tensor): layers over pipe, embed over fsdp, the rest over tensor.
+# The default axes (pipe, data, fsdp, tensor): layers over pipe, embed over fsdp, the rest over
+# tensor.
 LLM_RULES = (
     ("layers", "pipe"),
     ("embed", "fsdp"),
@@ -48,8 +50,15 @@ LLM_RULES = (
 
 def params(cfg: LLMConfig = LLAMA_70B) -> dict[str, tuple[tuple[int, ...], tuple]]:
     """name -> (shape, logical names) of the decoder's params, layers stacked."""
-    L, D, H, K, E, F, V = (cfg.layers, cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim,
-                           cfg.d_ff, cfg.vocab)  # fmt: skip
+    L, D, H, K, E, F, V = (
+        cfg.layers,
+        cfg.d_model,
+        cfg.heads,
+        cfg.kv_heads,
+        cfg.head_dim,
+        cfg.d_ff,
+        cfg.vocab,
+    )
     return {
         "embed": ((V, D), ("vocab", "embed")),
         "attn_norm": ((L, D), ("layers", "embed")),

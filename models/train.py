@@ -1,4 +1,5 @@
-"""The reference GPT's train state and train steps, for the demo, the examples, tests and benchmarks.
+"""The reference GPT's train state and train steps, for the demo, the examples, tests and
+benchmarks.
 
 ``build_state`` makes the GPT and its AdamW optimizer as one NNX state (live, or abstract for
 planning); ``train_step`` is the step an :class:`tenplex_jax.ElasticJob` compiles per layout;
@@ -25,8 +26,9 @@ from .gpt import GPT, GPTConfig, example_losses, profile
 CPU = tj.planner.DeviceType("cpu", memory=2 * tj.planner.GIB, flops=5e9, link_bandwidth=10e9)
 
 
-def build_state(model, lr: float, seed: int = 0, *, abstract: bool = False,
-                optimizer: str = "adamw"):  # fmt: skip
+def build_state(
+    model, lr: float, seed: int = 0, *, abstract: bool = False, optimizer: str = "adamw"
+):
     """(graphdef, state, GPTConfig) of the GPT and its optimizer (AdamW; ``optimizer="sgd"``:
     plain SGD), built without a mesh.
 
@@ -75,7 +77,7 @@ def train_step(graphdef):
     return step
 
 
-def pipelined(losses, mesh, layout: tj.BatchLayout):
+def pipelined(losses, mesh, layout: tj.data.BatchLayout):
     """``losses`` (a per-example loss of the GPT) with its layers pipelined over the mesh's
     ``pipe`` axis: in as many microbatches as divide the rows of one pass (a virtual worker's
     unit, or a rank's microbatch) up to twice the stages; ``losses`` itself without a pipe axis."""
@@ -87,20 +89,20 @@ def pipelined(losses, mesh, layout: tj.BatchLayout):
     return functools.partial(losses, mesh=mesh, microbatches=micro)
 
 
-def make_train_step(graphdef, ptc: tj.PTC, layout: tj.BatchLayout, batch_axes=None):
+def make_train_step(graphdef, ptc: tj.PTC, layout: tj.data.BatchLayout, batch_axes=None):
     """The jitted ``(state, batch, weights) -> (state, loss)`` for one layout; donates the state.
 
     Pinned to the PTC's shardings, so each step keeps the layout the next plan starts from. The
-    gradient comes from ``tj.batch_value_and_grad`` over ``batch_axes`` (default
+    gradient comes from ``tj.data.batch_value_and_grad`` over ``batch_axes`` (default
     ``("data", "fsdp")``): with virtual workers it has the same bits on any data-parallel size.
     The layers run as a pipeline when the mesh has a ``pipe`` axis larger than 1.
     """
-    from tenplex_jax.batch import BATCH_AXES
+    from tenplex_jax._src.batch import BATCH_AXES
 
     batch_axes = BATCH_AXES if batch_axes is None else tuple(batch_axes)
     mesh = ptc.mesh()
     losses = pipelined(example_losses, mesh, layout)
-    grad_fn = tj.batch_value_and_grad(losses, layout, mesh, batch_axes=batch_axes)
+    grad_fn = tj.data.batch_value_and_grad(losses, layout, mesh, batch_axes=batch_axes)
 
     def step(state, batch, weights):
         nodes = nnx.merge(graphdef, state)

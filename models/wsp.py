@@ -22,8 +22,16 @@ def config_for(devices: int) -> tj.ParallelConfig:
     return tj.ParallelConfig(data=devices)
 
 
-def job(devices: int, *, model: str = "tiny", lr: float = 3e-3, optimizer: str = "adamw",
-        minibatch: int = 8, seed: int = 0, num_samples: int = 4096) -> dict:  # fmt: skip
+def job(
+    devices: int,
+    *,
+    model: str = "tiny",
+    lr: float = 3e-3,
+    optimizer: str = "adamw",
+    minibatch: int = 8,
+    seed: int = 0,
+    num_samples: int = 4096,
+) -> dict:
     """A VW's parts for the GPT ``model`` trained with ``optimizer`` on minibatches of
     ``minibatch`` sequences of the standard library's bytes (the same order in every VW)."""
     graphdef, _, cfg = build_state(model, lr, seed, abstract=True, optimizer=optimizer)

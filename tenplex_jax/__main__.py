@@ -2,7 +2,7 @@
 
 import sys
 
-from tenplex_jax._cli import main
+from tenplex_jax._src.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,77 +1,30 @@
-"""Errors raised by tenplex_jax.
+"""Every error tenplex_jax raises: :class:`TenplexError` and its kinds.
 
-Every message states the rule first, then the values that broke it: the tree path, the shape, the
-PartitionSpec and the mesh, so that a bad config is fixed from the message alone.
+Each message states the rule first, then the values that broke it: the tree path, the shape, the
+PartitionSpec and the mesh (with its axis types). The layout, data, checkpoint and plan errors are
+also ``ValueError``; the store, virtual-worker and launcher errors also ``RuntimeError``.
 """
 
-from __future__ import annotations
+from tenplex_jax._src.errors import (
+    CheckpointError,
+    DataError,
+    LaunchError,
+    LayoutError,
+    LostShardsError,
+    PlanError,
+    StoreError,
+    TenplexError,
+    WSPError,
+)
 
-
-class LayoutError(ValueError):
-    """A state cannot be laid out as asked (unknown logical axis, indivisible dim, bad device list, ...)."""
-
-
-class DataError(ValueError):
-    """A dataset, batch layout or saved data position breaks a rule; nothing was consumed."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unfinished, or does not fit the state it is restored into."""
-
-
-class PlanError(ValueError):
-    """Two PTCs cannot be planned between, or a plan does not fit the state it is applied to."""
-
-
-class LostShardsError(PlanError):
-    """Some boxes of the state were held only by failed devices: no plan can rebuild them.
-
-    ``lost`` lists ``(leaf path, boxes)`` for every leaf with a box that no surviving device holds;
-    the state can only come back from a checkpoint.
-    """
-
-    def __init__(self, src, failed, lost: tuple[tuple[str, tuple], ...]):
-        self.failed = tuple(sorted(failed))
-        self.lost = lost
-        shown = "; ".join(f"{path} boxes {list(boxes)}" for path, boxes in lost[:6])
-        more = f"; and {len(lost) - 6} more leaves" if len(lost) > 6 else ""
-        super().__init__(
-            f"every shard must survive on some device to be rebuilt from a replica, but "
-            f"{len(lost)} leaves have boxes held only by failed devices {list(self.failed)} "
-            f"(source {src.config} on {list(src.device_ids)}): {shown}{more}; restore these from "
-            f"a checkpoint"
-        )
-
-
-class StoreError(RuntimeError):
-    """A tensor store request failed: bad input, a refused request, a missing or corrupt object,
-    or no store reachable. ``reason`` says which: ``"not_found"``, ``"corrupt"``, ``"too_large"``,
-    ``"auth"``, ``"unavailable"``, ``"protocol"``, ``"refused"``, ...; ``"invalid"`` for bad
-    arguments caught before anything was sent."""
-
-    def __init__(self, message: str, reason: str = "invalid"):
-        super().__init__(message)
-        self.reason = reason
-
-
-class StoreProtocolError(Exception):
-    """A store peer broke the wire framing; the connection cannot continue (the server replies
-    with reason ``"protocol"`` and closes it; a client raises ``StoreError``)."""
-
-
-class WSPError(RuntimeError):
-    """An asynchronous job's rule was broken: a dropped virtual worker committing, a wave out of
-    order, a malformed ledger. ``reason``: ``"dropped"``, ``"refused"``, ``"corrupt"``, ..."""
-
-    def __init__(self, message: str, reason: str = "refused"):
-        super().__init__(message)
-        self.reason = reason
-
-
-class LaunchError(RuntimeError):
-    """The launcher cannot go on: no slots left, no copy of the state, too many restarts."""
-
-
-def where(path: str, shape: tuple[int, ...], spec, mesh) -> str:
-    """The standard tail of an error message: which leaf, its shape, its spec, the mesh."""
-    return f"leaf {path!r} (shape={tuple(shape)}, spec={spec}, mesh={mesh})"
+__all__ = [
+    "CheckpointError",
+    "DataError",
+    "LaunchError",
+    "LayoutError",
+    "LostShardsError",
+    "PlanError",
+    "StoreError",
+    "TenplexError",
+    "WSPError",
+]

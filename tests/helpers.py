@@ -71,7 +71,8 @@ def host_copy(state) -> list[np.ndarray]:
 
 
 def assert_shards_equal(state, expected: list[np.ndarray], ptc) -> None:
-    """Each addressable shard equals the expected global array at its index, on the PTC's devices."""
+    """Each addressable shard equals the expected global array at its index, on the PTC's
+    devices."""
     leaves = jax.tree.leaves(state)
     assert len(leaves) == len(expected) == len(ptc.leaves)
     for array, want, layout in zip(leaves, expected, ptc.leaves):
@@ -97,8 +98,9 @@ def minimum_bytes(src, dst, failed=()) -> int:
             own = held.get(dev)
             overlap = 0
             if own is not None:
-                overlap = math.prod(max(0, min(a1, b1) - max(a0, b0))
-                                    for (a0, a1), (b0, b1) in zip(own, box))  # fmt: skip
+                overlap = math.prod(
+                    max(0, min(a1, b1) - max(a0, b0)) for (a0, a1), (b0, b1) in zip(own, box)
+                )
             total += (math.prod(hi - lo for lo, hi in box) - overlap) * d.itemsize
     return total
 
@@ -133,18 +135,29 @@ def linen_state(seed: int = 0, layers: int = 2):
     class Block(nn.Module):
         @nn.compact
         def __call__(self, x, _):
-            up = nn.Dense(64, kernel_init=boxed(normal, ("embed", "mlp")),
-                          bias_init=boxed(nn.initializers.zeros, ("mlp",)))  # fmt: skip
-            down = nn.Dense(32, kernel_init=boxed(normal, ("mlp", "embed")),
-                            bias_init=boxed(nn.initializers.zeros, ("embed",)))  # fmt: skip
+            up = nn.Dense(
+                64,
+                kernel_init=boxed(normal, ("embed", "mlp")),
+                bias_init=boxed(nn.initializers.zeros, ("mlp",)),
+            )
+            down = nn.Dense(
+                32,
+                kernel_init=boxed(normal, ("mlp", "embed")),
+                bias_init=boxed(nn.initializers.zeros, ("embed",)),
+            )
             return x + down(nn.gelu(up(x))), None
 
     class LM(nn.Module):
         @nn.compact
         def __call__(self, tokens):
             embed = nn.Embed(256, 32, embedding_init=boxed(normal, ("vocab", "embed")))
-            stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                            length=layers, metadata_params={nn.PARTITION_NAME: "layers"})  # fmt: skip
+            stack = nn.scan(
+                Block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
             x, _ = stack()(embed(tokens), None)
             scale = self.param(
                 "scale", nn.with_partitioning(nn.initializers.ones, ("fsdp",)), (32,)

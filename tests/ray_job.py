@@ -57,31 +57,37 @@ def wait_for(predicate, what: str, timeout: float = 240.0) -> None:
 def listening() -> set[tuple[str, int]]:
     import psutil
 
-    return {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN}  # fmt: skip
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
 
 
 def main() -> int:
     out, steps = pathlib.Path(sys.argv[1]), int(sys.argv[2])
-    for command in (["ip", "link", "set", "lo", "up"],
-                    ["ip", "link", "add", "decoy0", "type", "veth", "peer", "name", "decoy1"],
-                    ["ip", "addr", "add", "10.255.0.1/24", "dev", "decoy0"],
-                    ["ip", "link", "set", "decoy0", "up"],
-                    ["ip", "link", "set", "decoy1", "up"]):  # fmt: skip
+    for command in (
+        ["ip", "link", "set", "lo", "up"],
+        ["ip", "link", "add", "decoy0", "type", "veth", "peer", "name", "decoy1"],
+        ["ip", "addr", "add", "10.255.0.1/24", "dev", "decoy0"],
+        ["ip", "link", "set", "decoy0", "up"],
+        ["ip", "link", "set", "decoy1", "up"],
+    ):
         subprocess.run(command, check=True)
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     from ray.cluster_utils import Cluster
 
+    from tenplex_jax._src.multihost.launch import LaunchOptions
+    from tenplex_jax._src.multihost.ray import RayLauncher
     from tenplex_jax.errors import StoreError
-    from tenplex_jax.multihost.launch import LaunchOptions
-    from tenplex_jax.multihost.ray import RayLauncher
     from tenplex_jax.multihost.store import StoreClient
 
     run = out / "run"
     result: dict = {"seen": [], "sockets": set(), "notes": []}
     started = time.monotonic()
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 1, "include_dashboard": False})  # fmt: skip
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
     nodes = {}
     for _ in range(3):
         node = cluster.add_node(num_cpus=1, resources={"tenplex": 1})
@@ -90,12 +96,34 @@ def main() -> int:
     result["cluster_seconds"] = time.monotonic() - started
     options = LaunchOptions(
         str(EXAMPLE),
-        ("--steps", str(steps), "--planned-steps", "100000", "--batch", "24", "--workers", "8",
-         "--samples", "100", "--log", str(out / "steps.jsonl"), "--out", str(out / "final.npz"),
-         "--pause-after", "4,10"),
-        nprocs=3, devices_per_proc=2, replicas=1, commit_every=2, checkpoint_dir=out / "ckpt",
-        checkpoint_every=4, grace=1.0, run_dir=run, compile_cache=out / "jax-cache",
-    )  # fmt: skip
+        (
+            "--steps",
+            str(steps),
+            "--planned-steps",
+            "100000",
+            "--batch",
+            "24",
+            "--workers",
+            "8",
+            "--samples",
+            "100",
+            "--log",
+            str(out / "steps.jsonl"),
+            "--out",
+            str(out / "final.npz"),
+            "--pause-after",
+            "4,10",
+        ),
+        nprocs=3,
+        devices_per_proc=2,
+        replicas=1,
+        commit_every=2,
+        checkpoint_dir=out / "ckpt",
+        checkpoint_every=4,
+        grace=1.0,
+        run_dir=run,
+        compile_cache=out / "jax-cache",
+    )
     launcher = RayLauncher(options, cluster.address, resource="tenplex")
     done = threading.Event()
 
@@ -125,8 +153,10 @@ def main() -> int:
             node = cluster.add_node(num_cpus=1, resources={"tenplex": 1})
             nodes[node.node_id] = node
             result["seen"].append({"joined": node.node_id, "time": time.time()})
-            wait_for(lambda: len(generations(run)) >= 3 and paused(10),
-                     "the grown generation paused after step 10")  # fmt: skip
+            wait_for(
+                lambda: len(generations(run)) >= 3 and paused(10),
+                "the grown generation paused after step 10",
+            )
             slots = generations(run)[-1]["slots"]
             kill_slots(slots[1], slots[2])  # slot 1's objects are replicated on slot 2 only
         except Exception as error:  # reported in the result; the launcher is stopped below

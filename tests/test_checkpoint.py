@@ -191,8 +191,9 @@ def test_a_flipped_bit_in_a_leafs_file_is_refused_naming_the_leaf_and_step(tmp_p
     assert restored.step == 3 and restored.data_state.consumed == 48
     assert_shards_equal(restored.state, host_copy(state), ptc)
     # a restore that does not read the damaged leaf is not refused: only the files read are checked
-    optimizer_only = tj.PTC.of(nnx.state({"optimizer": train_state()[1]}), RULES, ptc.config,
-                               jax.devices())  # fmt: skip
+    optimizer_only = tj.PTC.of(
+        nnx.state({"optimizer": train_state()[1]}), RULES, ptc.config, jax.devices()
+    )
     assert tj.restore_checkpoint(tmp_path, optimizer_only, step=5).step == 5
 
 
@@ -232,7 +233,7 @@ def test_a_damaged_or_unfinished_step_is_a_checkpoint_error_and_passed_over(tmp_
 
 
 def test_a_record_with_a_fractional_step_is_refused(tmp_path):
-    from tenplex_jax import checkpoint
+    from tenplex_jax._src import checkpoint
 
     _, _, ptc = _two_steps(tmp_path)
     step_dir = tmp_path / "5"

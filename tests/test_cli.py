@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from tenplex_jax._cli import main
+from tenplex_jax._src.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -52,8 +52,12 @@ def test_bad_input_exits_2_with_the_reason(capsys) -> None:
     assert main(["plan", "--model", "tiny", "--from", "data=3", "--to", "tensor=3"]) == 2
     err = capsys.readouterr().err
     assert "does not divide" in err and "tensor" in err and "Traceback" not in err
-    assert main(["plan", "--model", "tiny", "--from", "data=3", "--to", "tensor=3",
-                 "--allow-replicate"]) == 0  # fmt: skip
+    assert (
+        main(
+            ["plan", "--model", "tiny", "--from", "data=3", "--to", "tensor=3", "--allow-replicate"]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["plan", "--from", "data=two", "--to", "data=2"]) == 2
     assert "axis=size" in capsys.readouterr().err
@@ -83,8 +87,19 @@ def test_the_default_demo_changes_data_expert_tensor_and_pipe(tmp_path) -> None:
     """The default schedule's layouts on the MoE GPT, shortened: every dimension changes, every
     sample is trained once, and the params agree with the fixed run to float32 rounding."""
     schedule = "0:data=2,expert=4; 2:expert=2,tensor=2; 4:pipe=2,data=3; 6:data=2,expert=4"
-    done, summary = _demo(tmp_path, "--model", "moe-tiny", "--steps", "8", "--batch", "16",
-                          "--samples", "50", "--schedule", schedule)  # fmt: skip
+    done, summary = _demo(
+        tmp_path,
+        "--model",
+        "moe-tiny",
+        "--steps",
+        "8",
+        "--batch",
+        "16",
+        "--samples",
+        "50",
+        "--schedule",
+        schedule,
+    )
     assert summary["mode"] == "every dimension" and summary["schedule"] == schedule
     assert summary["initial"]["config"] == "data=2,expert=4"
     assert [(r["from_config"], r["to_config"], r["to"]) for r in summary["resizes"]] == [
@@ -101,8 +116,20 @@ def test_the_default_demo_changes_data_expert_tensor_and_pipe(tmp_path) -> None:
 
 
 def test_the_bitwise_demo_end_to_end(tmp_path) -> None:
-    done, summary = _demo(tmp_path, "--bitwise", "--model", "tiny", "--steps", "8", "--schedule",
-                          "2:4,4:6,6:8", "--batch", "16", "--samples", "50")  # fmt: skip
+    done, summary = _demo(
+        tmp_path,
+        "--bitwise",
+        "--model",
+        "tiny",
+        "--steps",
+        "8",
+        "--schedule",
+        "2:4,4:6,6:8",
+        "--batch",
+        "16",
+        "--samples",
+        "50",
+    )
     assert [(r["from"], r["to"]) for r in summary["resizes"]] == [(8, 4), (4, 6), (6, 8)]
     assert [r["step"] for r in summary["resizes"]] == [2, 4, 6]
     for record in summary["resizes"]:

@@ -11,10 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tenplex_jax as tj
+from tenplex_jax._src.data import REMAINDERS
 
 
 def test_layout_splits_a_batch_unevenly_and_pads_every_rank_to_the_longest():
-    layout = tj.BatchLayout(64, ranks=3)
+    layout = tj.data.BatchLayout(64, ranks=3)
     assert layout.counts == (22, 21, 21)
     assert layout.rows == 66
     pos = layout.positions()
@@ -23,7 +24,7 @@ def test_layout_splits_a_batch_unevenly_and_pads_every_rank_to_the_longest():
 
 
 def test_virtual_workers_are_whole_units_spread_over_ranks():
-    layout = tj.BatchLayout(24, ranks=6, workers=8)
+    layout = tj.data.BatchLayout(24, ranks=6, workers=8)
     assert (layout.unit, layout.slots, layout.rows) == (3, 2, 36)
     assert layout.counts == (6, 6, 3, 3, 3, 3)
     assert list(layout.unit_rows()) == [0, 1, 2, 3, 4, 6, 8, 10]
@@ -33,7 +34,7 @@ def test_virtual_workers_are_whole_units_spread_over_ranks():
 
 
 def test_accumulation_pads_each_rank_to_a_multiple_of_the_microbatches():
-    layout = tj.BatchLayout(10, ranks=3, accumulate=2)
+    layout = tj.data.BatchLayout(10, ranks=3, accumulate=2)
     assert layout.counts == (4, 3, 3)
     assert layout.slots == 4 and layout.rows == 12
 
@@ -41,15 +42,15 @@ def test_accumulation_pads_each_rank_to_a_multiple_of_the_microbatches():
 @pytest.mark.parametrize("ranks", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("max_rows", [1, 3, 7, 64])
 def test_a_memory_cap_keeps_the_global_batch_by_accumulating(ranks, max_rows):
-    layout = tj.BatchLayout.fit(24, ranks, max_rows=max_rows)
+    layout = tj.data.BatchLayout.fit(24, ranks, max_rows=max_rows)
     assert layout.global_batch == 24 and layout.microbatch <= max_rows
     assert sum(layout.counts) == 24
     if max_rows >= -(-24 // ranks):
         assert layout.accumulate == 1
-    virtual = tj.BatchLayout.fit(24, min(ranks, 6), max_rows=max(max_rows, 4), workers=6)
+    virtual = tj.data.BatchLayout.fit(24, min(ranks, 6), max_rows=max(max_rows, 4), workers=6)
     assert virtual.microbatch == 4
     with pytest.raises(tj.errors.DataError, match="exceeds max_rows=3; use at least 8 workers"):
-        tj.BatchLayout.fit(24, 2, max_rows=3, workers=6)
+        tj.data.BatchLayout.fit(24, 2, max_rows=3, workers=6)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +65,7 @@ def test_a_memory_cap_keeps_the_global_batch_by_accumulating(ranks, max_rows):
 )
 def test_bad_layouts_name_the_rule(kwargs, rule):
     with pytest.raises(tj.errors.DataError, match=rule):
-        tj.BatchLayout(**kwargs)
+        tj.data.BatchLayout(**kwargs)
 
 
 def test_carry_mode_straddles_epochs_and_sees_each_sample_once_per_epoch():
@@ -73,7 +74,7 @@ def test_carry_mode_straddles_epochs_and_sees_each_sample_once_per_epoch():
     assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:]) == list(range(10))
     assert list(ds.indices(2)[1]) == [0, 0, 1, 1]
     assert not np.array_equal(stream[:10], stream[10:])  # a new permutation each epoch
-    rows, _weights, samples = ds.batch(0, tj.BatchLayout(4, ranks=1))
+    rows, _weights, samples = ds.batch(0, tj.data.BatchLayout(4, ranks=1))
     np.testing.assert_array_equal(rows, samples * 10)
 
 
@@ -84,7 +85,7 @@ def test_drop_and_pad_modes_end_every_epoch_on_a_batch_boundary():
     assert set(drop.indices(2)[1]) == {1}
     pad = tj.DatasetPTC(np.arange(10), global_batch=4, remainder="pad")
     assert [len(pad.indices(k)[0]) for k in range(4)] == [4, 4, 2, 4]
-    _rows, weights, samples = pad.batch(2, tj.BatchLayout(4, ranks=3))
+    _rows, weights, samples = pad.batch(2, tj.data.BatchLayout(4, ranks=3))
     assert weights.sum() == 2 and (samples >= 0).sum() == 2
     assert pad.consumed_after(3) == 10 and pad.consumed_after(4) == 14
 
@@ -100,8 +101,8 @@ def run(ds_args, sequence, steps, save_at_resize):
             if save_at_resize:  # a resize is a new dataset object restored from the saved record
                 saved = ds.state().to_json()
                 ds = tj.DatasetPTC(source, batch, seed=seed, remainder=remainder)
-                ds.restore(tj.DataState.from_json(saved))
-            layout = tj.BatchLayout(batch, **sequence[step])
+                ds.restore(tj.data.DataState.from_json(saved))
+            layout = tj.data.BatchLayout(batch, **sequence[step])
         parts = [ds.rank_batch(ds.step, layout, r) for r in range(layout.ranks)]
         ds.step += 1
         rows = np.concatenate([p[0] for p in parts])
@@ -117,7 +118,7 @@ def run(ds_args, sequence, steps, save_at_resize):
 def resize_runs(draw):
     batch = draw(st.integers(1, 16))
     n = draw(st.integers(batch, 5 * batch).filter(lambda n: n % batch or n == batch))
-    remainder = draw(st.sampled_from(tj.data.REMAINDERS))
+    remainder = draw(st.sampled_from(REMAINDERS))
     steps = draw(st.integers(1, 3 * -(-n // batch)))
     points = sorted(draw(st.sets(st.integers(1, max(1, steps - 1)), max_size=4)) | {0})
     divisors = [d for d in range(1, batch + 1) if batch % d == 0]
@@ -162,12 +163,12 @@ def test_a_restored_state_resumes_at_the_next_sample_on_another_layout():
     source = np.arange(50)
     ds = tj.DatasetPTC(source, 8, seed=5)
     for _ in range(4):
-        ds.next_batch(tj.BatchLayout(8, ranks=4))
+        ds.next_batch(tj.data.BatchLayout(8, ranks=4))
     saved = json.loads(ds.state().to_json())
     assert saved["consumed"] == 32
     again = tj.DatasetPTC(source, 8, seed=5)
-    again.restore(tj.DataState(**saved))
-    _rows, _weights, samples = again.next_batch(tj.BatchLayout(8, ranks=3))
+    again.restore(tj.data.DataState(**saved))
+    _rows, _weights, samples = again.next_batch(tj.data.BatchLayout(8, ranks=3))
     np.testing.assert_array_equal(samples[samples >= 0], ds.indices(4)[0])
 
 
@@ -182,11 +183,11 @@ def test_a_restored_state_resumes_at_the_next_sample_on_another_layout():
 )
 def test_restoring_a_state_saved_for_another_order_is_refused_and_consumes_nothing(change, rule):
     ds = tj.DatasetPTC(np.arange(50), 8, seed=5)
-    ds.next_batch(tj.BatchLayout(8, ranks=2))
+    ds.next_batch(tj.data.BatchLayout(8, ranks=2))
     saved = ds.state()
     args = {"source": np.arange(50), "global_batch": 8, "seed": 5, "remainder": "carry"} | change
     other = tj.DatasetPTC(args.pop("source"), **args)
-    other.next_batch(tj.BatchLayout(other.global_batch, ranks=1))
+    other.next_batch(tj.data.BatchLayout(other.global_batch, ranks=1))
     with pytest.raises(tj.errors.DataError, match=rule):
         other.restore(saved)
     assert other.step == 1
@@ -196,7 +197,7 @@ def test_a_position_inside_a_batch_is_refused():
     ds = tj.DatasetPTC(np.arange(50), 8)
     state = ds.state()
     with pytest.raises(tj.errors.DataError, match="not a global-batch boundary"):
-        ds.restore(tj.DataState(**{**state.__dict__, "consumed": 13}))
+        ds.restore(tj.data.DataState(**{**state.__dict__, "consumed": 13}))
     assert ds.step == 0
 
 
@@ -211,10 +212,10 @@ def test_bad_datasets_are_refused():
         tj.DatasetPTC(iter(range(50)), 8)
     ds = tj.DatasetPTC(np.arange(50), 8)
     with pytest.raises(tj.errors.DataError, match="global batch is fixed"):
-        ds.next_batch(tj.BatchLayout(16, ranks=2))
+        ds.next_batch(tj.data.BatchLayout(16, ranks=2))
     assert ds.step == 0
     with pytest.raises(tj.errors.DataError, match="keys"):
-        tj.DataState.from_json('{"consumed": 3}')
+        tj.data.DataState.from_json('{"consumed": 3}')
 
 
 def test_memmaps_dicts_and_grain_datasets_serve_the_same_batches(tmp_path):
@@ -229,7 +230,7 @@ def test_memmaps_dicts_and_grain_datasets_serve_the_same_batches(tmp_path):
         "dict": {"x": data},
         "grain": grain.MapDataset.source(list(data)).map(lambda x: {"x": x}),
     }
-    layout = tj.BatchLayout(16, ranks=3, workers=4)
+    layout = tj.data.BatchLayout(16, ranks=3, workers=4)
     served = {}
     for name, source in sources.items():
         ds = tj.DatasetPTC(source, 16, seed=2, fingerprint="samples-v1")
@@ -258,8 +259,8 @@ def test_device_batch_reads_each_ranks_rows_once_and_places_them_on_its_devices(
     ds = RecordingDataset(data, 10, seed=4)
     ds.reads = []
     mesh = tj.ParallelConfig(data=3, tensor=2).make_mesh(jax.devices()[:6])
-    layout = tj.BatchLayout(10, ranks=3)  # 4, 3, 3 samples, each rank padded to 4 rows
-    batch, weights, samples = tj.device_batch(ds, 2, layout, mesh, ("data",))
+    layout = tj.data.BatchLayout(10, ranks=3)  # 4, 3, 3 samples, each rank padded to 4 rows
+    batch, weights, samples = tj.data.device_batch(ds, 2, layout, mesh, ("data",))
     assert ds.reads == [4, 4, 4]  # one read per rank, shared by its 2 tensor-parallel devices
     assert sorted(samples[samples >= 0]) == sorted(ds.indices(2)[0])
     for shard in batch.addressable_shards:
@@ -281,13 +282,13 @@ def test_device_batch_reads_each_ranks_rows_once_and_places_them_on_its_devices(
 )
 def test_a_saved_position_with_a_bad_field_is_a_data_error(change, rule):
     ds = tj.DatasetPTC(np.arange(50), 8)
-    ds.next_batch(tj.BatchLayout(8, ranks=1))
+    ds.next_batch(tj.data.BatchLayout(8, ranks=1))
     record = json.loads(ds.state().to_json()) | change
     with pytest.raises(tj.errors.DataError, match=rule):
-        tj.DataState.from_json(json.dumps(record))
+        tj.data.DataState.from_json(json.dumps(record))
     for text in ("{not json", '"a string"', "[1, 2]", "[" * 100000):
         with pytest.raises(tj.errors.DataError, match="data state"):
-            tj.DataState.from_json(text)
+            tj.data.DataState.from_json(text)
     # NumPy integers are integers: kept, as Python ints
-    state = tj.DataState(**{**ds.state().__dict__, "consumed": np.int64(8)})
+    state = tj.data.DataState(**{**ds.state().__dict__, "consumed": np.int64(8)})
     assert type(state.consumed) is int and ds.state() == state

@@ -34,13 +34,13 @@ def dataset_source():
     return corpus_samples(stdlib_corpus(2**20), seq_len=32, num_samples=100)
 
 
-def compiled_step(graphdef, ptc: tj.PTC, layout: tj.BatchLayout, microbatches: int = 0):
+def compiled_step(graphdef, ptc: tj.PTC, layout: tj.data.BatchLayout, microbatches: int = 0):
     """The jitted step; ``microbatches > 0`` runs the layers as a pipeline over ``pipe``."""
     mesh = ptc.mesh()
     loss = example_losses
     if microbatches:
         loss = functools.partial(example_losses, mesh=mesh, microbatches=microbatches)
-    grad_fn = tj.batch_value_and_grad(loss, layout, mesh)
+    grad_fn = tj.data.batch_value_and_grad(loss, layout, mesh)
 
     def step(state, batch, weights):
         model, optimizer = nnx.merge(graphdef, state)
@@ -75,9 +75,9 @@ def train(schedule: dict, steps: int, workers: int | None = WORKERS, microbatche
                 new = tj.allocate(ptc, new)
                 state, _ = tj.reshard(state, tj.make_plan(ptc, new))
             ptc = new
-            layout = tj.BatchLayout(BATCH, ranks=config.data * config.fsdp, workers=workers)
+            layout = tj.data.BatchLayout(BATCH, ranks=config.data * config.fsdp, workers=workers)
             step = compiled_step(graphdef, ptc, layout, microbatches if config.pipe > 1 else 0)
-        batch, weights, samples = tj.device_batch(dataset, dataset.step, layout, ptc.mesh())
+        batch, weights, samples = tj.data.device_batch(dataset, dataset.step, layout, ptc.mesh())
         dataset.step += 1
         state, loss = step(state, batch, weights)
         losses.append(float(loss))
@@ -146,15 +146,15 @@ def test_padded_uneven_ranks_give_the_gradient_of_the_unpadded_batch(workers, ac
     state = tj.place(state, ptc)
     mesh = ptc.mesh()
     dataset = tj.DatasetPTC(dataset_source(), 16, seed=1)
-    layout = tj.BatchLayout(16, ranks=3, workers=workers, accumulate=accumulate)
-    grad_fn = tj.batch_value_and_grad(example_losses, layout, mesh)
+    layout = tj.data.BatchLayout(16, ranks=3, workers=workers, accumulate=accumulate)
+    grad_fn = tj.data.batch_value_and_grad(example_losses, layout, mesh)
 
     @jax.jit
     def grads(state, batch, weights):
         model, _ = nnx.merge(graphdef, state)
         return grad_fn(model, batch, weights)
 
-    batch, weights, samples = tj.device_batch(dataset, 0, layout, mesh)
+    batch, weights, samples = tj.data.device_batch(dataset, 0, layout, mesh)
     assert int((samples < 0).sum()) == layout.rows - 16
     loss, got = grads(state, batch, weights)
 
@@ -172,10 +172,10 @@ def test_a_layout_for_another_rank_count_than_the_mesh_is_refused():
     with pytest.raises(
         tj.errors.DataError, match=r"for 8 data-parallel ranks, but the mesh .* has 4"
     ):
-        tj.batch_value_and_grad(example_losses, tj.BatchLayout(24, ranks=8), mesh)
+        tj.data.batch_value_and_grad(example_losses, tj.data.BatchLayout(24, ranks=8), mesh)
     with pytest.raises(tj.errors.DataError, match="not axes of the mesh"):
-        tj.batch_value_and_grad(
-            example_losses, tj.BatchLayout(24, ranks=4), mesh, batch_axes=("replica",)
+        tj.data.batch_value_and_grad(
+            example_losses, tj.data.BatchLayout(24, ranks=4), mesh, batch_axes=("replica",)
         )
 
 

@@ -131,7 +131,7 @@ def test_plan_without_replica_names_the_lost_leaves_and_boxes():
     with pytest.raises(tj.errors.LostShardsError, match=r"failed devices \[7\]") as caught:
         tj.make_plan(src, dst, failed=[7])
     lost = dict(caught.value.lost)
-    sharded = {l.path for l in src.leaves if "fsdp" in str(l.spec)}
+    sharded = {leaf.path for leaf in src.leaves if "fsdp" in str(leaf.spec)}
     assert set(lost) == sharded and sharded  # exactly the fsdp-sharded leaves; counters survive
     assert "model/tok_embed" in str(caught.value)
     leaf = src.leaf("model/tok_embed")
@@ -151,7 +151,7 @@ def test_reshard_around_a_failed_device_never_reads_its_buffers():
 
 
 def test_trace_format_refuses_bad_events_by_rule():
-    from tenplex_jax.elastic.trace import ResourceTrace
+    from tenplex_jax._src.elastic.trace import ResourceTrace
 
     good = {"devices": 8, "steps": 10, "events": [{"step": 2, "kind": "fail", "count": 1}]}
     assert ResourceTrace.from_dict(good).events[0].count == 1
@@ -166,7 +166,7 @@ def test_trace_format_refuses_bad_events_by_rule():
 
 
 def test_checkpoint_restart_pays_save_restore_compile_and_reruns_after_a_failure():
-    from tenplex_jax.elastic.trace import RestartCosts, checkpoint_restart
+    from tenplex_jax._src.elastic.trace import RestartCosts, checkpoint_restart
 
     rec = lambda step, kind, decision: tj.elastic.EventRecord(
         step, kind, "trace", [], [], "data=8", "data=4", decision
@@ -380,7 +380,7 @@ def test_redeploy_moves_onto_exactly_the_given_devices(fixed):
 
 def test_start_resumes_from_the_latest_checkpoint_with_the_data_cursor(fixed, tmp_path):
     job, state, step = make_job(checkpoint_dir=tmp_path, checkpoint_every=2)
-    first, _ = train(job, state, step, steps=3)  # saves steps 0 and 2
+    train(job, state, step, steps=3)  # saves steps 0 and 2
     assert [s for s, _ in job.checkpoints] == [0, 2]
     job, state, step = make_job(checkpoint_dir=tmp_path, checkpoint_every=2)
     assert job.resumed == 2 and job.step == 2

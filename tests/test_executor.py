@@ -44,7 +44,7 @@ def target(ptc, config, devices):
 
 def run_row(row, executor, method="plan"):
     """Reshard a row of MATRIX; (plan, new state, report, the expected host copy)."""
-    name, src_cfg, src_devs, dst_cfg, dst_devs, *failed = row
+    _, src_cfg, src_devs, dst_cfg, dst_devs, *failed = row
     failed = failed[0] if failed else ()
     state, src, _ = laid_out(src_cfg, src_devs)
     expected = host_copy(state)
@@ -128,8 +128,11 @@ def test_the_host_paths_copy_threads_end_with_the_call():
     before = {t.ident for t in threading.enumerate()}
     *_, report, _ = run_row(MATRIX[2], "host")  # tp 2 -> 4: many shards, copied on a pool
     assert sum(report.kinds["host"].values()) > 1
-    assert not [t.name for t in threading.enumerate()
-                if t.ident not in before and t.name.startswith("tenplex-copy")]  # fmt: skip
+    assert not [
+        t.name
+        for t in threading.enumerate()
+        if t.ident not in before and t.name.startswith("tenplex-copy")
+    ]
 
 
 def test_an_unknown_executor_is_refused_before_anything_moves():
@@ -197,13 +200,14 @@ def test_placing_never_shares_a_buffer_with_the_callers_state(committed):
 
 @pytest.mark.parametrize("executor", PATHS)
 @pytest.mark.parametrize("donate", [True, False])
-def test_the_memory_of_deleted_leaves_goes_back_to_the_system_in_windows(monkeypatch, executor,
-                                                                          donate):  # fmt: skip
+def test_the_memory_of_deleted_leaves_goes_back_to_the_system_in_windows(
+    monkeypatch, executor, donate
+):
     """Host path, donating: each time the deleted leaves add up to the look-ahead window (an
     eighth of the state, or the largest leaf), freed host memory is given back, after the
     deletions; never without donation, nor on the device path (its memory is the device's)."""
-    from tenplex_jax import _libc
-    from tenplex_jax import executor as module
+    from tenplex_jax._src import executor as module
+    from tenplex_jax._src import libc
 
     state, src, _ = laid_out(C(fsdp=2, tensor=2), range(4))
     expected = host_copy(state)
@@ -211,8 +215,9 @@ def test_the_memory_of_deleted_leaves_goes_back_to_the_system_in_windows(monkeyp
     old = jax.tree.leaves(state)
     sizes = [sum(s.data.nbytes for s in array.addressable_shards) for array in old]
     calls = []
-    monkeypatch.setattr(_libc, "release_host_memory",
-                        lambda: calls.append(sum(a.is_deleted() for a in old)))  # fmt: skip
+    monkeypatch.setattr(
+        libc, "release_host_memory", lambda: calls.append(sum(a.is_deleted() for a in old))
+    )
     new, _ = tj.reshard(state, plan, executor=executor, donate=donate)
     assert_shards_equal(new, expected, plan.dst)
     window = max([plan.dst.nbytes // 8] + [module._new_bytes(leaf) for leaf in plan.leaves])
@@ -303,7 +308,7 @@ def test_host_copies_cut_into_chunks_and_run_ahead_stay_exact(row, ahead, monkey
     """The host path cuts every piece into chunks along its first dim longer than 1 and copies
     the next leaves while one is finished; forced small here (the tiny GPT's pieces are far below
     the real CHUNK_BYTES), every shard must still be exact and every donated leaf freed."""
-    from tenplex_jax import executor
+    from tenplex_jax._src import executor
 
     monkeypatch.setattr(executor, "CHUNK_BYTES", 24)
     monkeypatch.setattr(executor, "AHEAD", ahead)
@@ -319,13 +324,16 @@ def test_host_copies_cut_into_chunks_and_run_ahead_stay_exact(row, ahead, monkey
     assert_shards_equal(new, expected, plan.dst)
     assert (report.bytes_moved, report.bytes_kept) == (plan.bytes_moved, plan.bytes_kept)
     assert max(cut) > 24  # some piece was cut
-    freed = [a.is_deleted() for a, leaf in zip(old, plan.leaves)
-             if not any(s.kind == "keep" for s in leaf.shards)]  # fmt: skip
+    freed = [
+        a.is_deleted()
+        for a, leaf in zip(old, plan.leaves)
+        if not any(s.kind == "keep" for s in leaf.shards)
+    ]
     assert all(freed) and (freed or name != "disjoint")  # disjoint: every old leaf is freed
 
 
 def test_chunks_cut_along_the_first_dim_longer_than_one(monkeypatch):
-    from tenplex_jax import executor
+    from tenplex_jax._src import executor
 
     monkeypatch.setattr(executor, "CHUNK_BYTES", 64)
     src = np.arange(3 * 40, dtype=np.float32).reshape(1, 3, 40)[:, :, 8:32]  # strided view

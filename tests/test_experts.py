@@ -89,9 +89,11 @@ def train(schedule: dict, steps: int):
                 reshards.append((plan, report))
                 ptc = new
             ranks = np.prod([config.size(a) for a in BATCH_AXES])
-            layout = tj.BatchLayout(BATCH, ranks=int(ranks), workers=WORKERS)
+            layout = tj.data.BatchLayout(BATCH, ranks=int(ranks), workers=WORKERS)
             step = compiled(graphdef, ptc, layout)
-        batch, weights, _ = tj.device_batch(dataset, dataset.step, layout, ptc.mesh(), BATCH_AXES)
+        batch, weights, _ = tj.data.device_batch(
+            dataset, dataset.step, layout, ptc.mesh(), BATCH_AXES
+        )
         dataset.step += 1
         state, loss = step(state, batch, weights)
         losses.append(float(loss))

@@ -150,21 +150,36 @@ def test_a_state_laid_out_by_the_users_jit_reshards_into_a_shape_dtype_struct_ta
     orbax restores onto: ShapeDtypeStructs with shardings on an Explicit (fsdp, tensor) mesh over
     other devices."""
     src_mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("replica", "model"))
-    specs = {"w1": P(None, "model"), "w2": P("model", None), "emb": P("model", "replica"),
-             "step": P(), "mu": {"w1": P("replica", "model")}}  # fmt: skip
+    specs = {
+        "w1": P(None, "model"),
+        "w2": P("model", None),
+        "emb": P("model", "replica"),
+        "step": P(),
+        "mu": {"w1": P("replica", "model")},
+    }
 
     def init():
         key = jax.random.key(0)
         w1 = jax.random.normal(key, (16, 32))
-        return {"w1": w1, "w2": w1.T * 2, "emb": jax.random.normal(key, (64, 16)),
-                "step": jax.numpy.int32(5), "mu": {"w1": w1 * 0.1}}  # fmt: skip
+        return {
+            "w1": w1,
+            "w2": w1.T * 2,
+            "emb": jax.random.normal(key, (64, 16)),
+            "step": jax.numpy.int32(5),
+            "mu": {"w1": w1 * 0.1},
+        }
 
     shardings = jax.tree.map(lambda s: NamedSharding(src_mesh, s), specs)
     state = jax.jit(init, out_shardings=shardings)()
     expected = host_copy(state)
     dst_mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), devices=jax.devices()[4:])
-    target_specs = {"w1": P("fsdp", "tensor"), "w2": P("tensor", "fsdp"),
-                    "emb": P(("fsdp", "tensor")), "step": P(), "mu": {"w1": P("fsdp")}}  # fmt: skip
+    target_specs = {
+        "w1": P("fsdp", "tensor"),
+        "w2": P("tensor", "fsdp"),
+        "emb": P(("fsdp", "tensor")),
+        "step": P(),
+        "mu": {"w1": P("fsdp")},
+    }
     target = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(dst_mesh, s)),
         state,
@@ -201,7 +216,9 @@ def test_a_linen_state_reshards_into_the_unboxed_tree_of_an_orbax_target():
         unboxed,
     )
     dst = tj.PTC.from_shardings(target)
-    assert [l.path for l in dst.leaves] == [l.path for l in src.leaves]  # boxes add no path
+    assert [leaf.path for leaf in dst.leaves] == [
+        leaf.path for leaf in src.leaves
+    ]  # boxes add no path
     new, _ = tj.reshard(state, tj.make_plan(src, dst))
     assert_shards_equal(new, expected, dst)
     assert jax.tree.structure(new) == jax.tree.structure(unboxed)  # no boxes left
@@ -272,7 +289,8 @@ def test_a_live_array_whose_sharding_disagrees_with_the_rules_names_both_specs_a
     message = str(error.value)
     for part in (
         (
-            "the array is placed as P('stage', 'model') on mesh {'replica': 2, 'stage': 1, 'shard': 1, "
+            "the array is placed as P('stage', 'model') on mesh "
+            "{'replica': 2, 'stage': 1, 'shard': 1, "
             "'seq': 1, 'expert': 1, 'model': 2} over devices [0, 1, 2, 3]"
         ),
         "the rules give P('stage', 'replica') on {replica: 2, stage: 1",

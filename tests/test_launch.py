@@ -20,6 +20,7 @@ and the steps that count must have trained each global batch of the dataset orde
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -32,8 +33,8 @@ import numpy as np
 import pytest
 
 import tenplex_jax as tj
+from tenplex_jax._src.multihost.commit import stored_objects
 from tenplex_jax.multihost import store
-from tenplex_jax.multihost.commit import stored_objects
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "elastic_gpt.py"
@@ -64,23 +65,50 @@ def last(run: pathlib.Path, kind: str) -> dict | None:
 
 
 def kill(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     run = tmp_path_factory.mktemp("launch")
     command = [
-        sys.executable, "-m", "tenplex_jax", "launch", "--nprocs", "4", "--devices-per-proc", "2",
-        "--replicas", "1", "--commit-every", "2", "--checkpoint-dir", str(run / "ckpt"),
-        "--checkpoint-every", "4", "--grace", "1", "--run-dir", str(run), str(EXAMPLE),
-        "--steps", str(STEPS), "--batch", str(BATCH), "--workers", str(WORKERS),
-        "--samples", str(SAMPLES), "--log", str(run / "steps.jsonl"),
-        "--out", str(run / "final.npz"), "--pause-after", "3,6,7",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "tenplex_jax",
+        "launch",
+        "--nprocs",
+        "4",
+        "--devices-per-proc",
+        "2",
+        "--replicas",
+        "1",
+        "--commit-every",
+        "2",
+        "--checkpoint-dir",
+        str(run / "ckpt"),
+        "--checkpoint-every",
+        "4",
+        "--grace",
+        "1",
+        "--run-dir",
+        str(run),
+        str(EXAMPLE),
+        "--steps",
+        str(STEPS),
+        "--batch",
+        str(BATCH),
+        "--workers",
+        str(WORKERS),
+        "--samples",
+        str(SAMPLES),
+        "--log",
+        str(run / "steps.jsonl"),
+        "--out",
+        str(run / "final.npz"),
+        "--pause-after",
+        "3,6,7",
+    ]
     env = os.environ | {"JAX_PLATFORMS": "cpu"}
     with open(run / "launcher.log", "wb") as out:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -116,8 +144,13 @@ def job(tmp_path_factory):
             proc.kill()
             proc.wait(30)
     log = (run / "launcher.log").read_text(errors="replace")
-    return {"run": run, "returncode": proc.returncode, "log": log, "children": children,
-            "reference": want}  # fmt: skip
+    return {
+        "run": run,
+        "returncode": proc.returncode,
+        "log": log,
+        "children": children,
+        "reference": want,
+    }
 
 
 def _wait_event(run, kind, proc):
@@ -133,8 +166,13 @@ def reference(job):
 def reference_run(steps: int = STEPS):
     """The same steps in this one process on 8 devices with the same script's job, never
     interrupted: (final state on the host, the samples of every step, the abstract state)."""
-    from tenplex_jax_models import (LOGICAL_RULES, build_state, corpus_samples, stdlib_corpus,
-                                    train_step)  # fmt: skip
+    from tenplex_jax_models import (
+        LOGICAL_RULES,
+        build_state,
+        corpus_samples,
+        stdlib_corpus,
+        train_step,
+    )
     from tests.helpers import host_copy
 
     graphdef, abstract, cfg = build_state("tiny", 3e-3, 0, abstract=True)
@@ -175,14 +213,15 @@ def test_params_equal_an_uninterrupted_run_bitwise(job, reference):
 
 def test_every_global_batch_trained_exactly_once(job, reference):
     _, want, _ = reference
-    records = [json.loads(l) for l in (job["run"] / "steps.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (job["run"] / "steps.jsonl").read_text().splitlines()]
     gens = [e for e in events(job["run"]) if e["event"] == "generation"]
     # a generation's steps count up to where the next one restored from
     ends = [g["step"] for g in gens[1:]] + [STEPS]
     counted = [r for r in records if r["step"] <= ends[r["generation"]]]
     assert [r["step"] for r in counted] == list(range(1, STEPS + 1))
-    for g, first in zip(gens, [min(r["step"] for r in records if r["generation"] == n)
-                               for n in range(len(gens))]):  # fmt: skip
+    for g, first in zip(
+        gens, [min(r["step"] for r in records if r["generation"] == n) for n in range(len(gens))]
+    ):
         assert first == g["step"] + 1  # the dataset cursor resumed at the restored step
     for r, samples in zip(counted, want):
         got = np.asarray(r["samples"])
@@ -222,8 +261,19 @@ def test_launcher_replaces_a_failed_generation_and_stops_on_sigterm(tmp_path):
     """Process management alone (a stub worker, no JAX): a worker exits 3 while its peer hangs;
     the peer is killed after the grace period, the next generation runs on the slot left, and
     SIGTERM ends the job through the control file; every worker and store is reaped."""
-    command = [sys.executable, "-m", "tenplex_jax", "launch", "--nprocs", "2", "--grace", "0.5",
-               "--run-dir", str(tmp_path), str(ROOT / "tests" / "launch_stub.py")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tenplex_jax",
+        "launch",
+        "--nprocs",
+        "2",
+        "--grace",
+        "0.5",
+        "--run-dir",
+        str(tmp_path),
+        str(ROOT / "tests" / "launch_stub.py"),
+    ]
     with open(tmp_path / "launcher.log", "wb") as out:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -238,8 +288,9 @@ def test_launcher_replaces_a_failed_generation_and_stops_on_sigterm(tmp_path):
     found = events(tmp_path)
     gens = [e for e in found if e["event"] == "generation"]
     assert [(g["processes"], g["slots"], g["restore"]) for g in gens] == [
-        (2, [0, 1], "init"), (1, [0], "init")
-    ]  # fmt: skip
+        (2, [0, 1], "init"),
+        (1, [0], "init"),
+    ]
     failure = next(e for e in found if e["event"] == "failure")
     assert failure["lost_slots"] == [1] and "exited with status 3" in failure["detail"]
     assert [e["event"] for e in found][-2:] == ["request", "stop"]
@@ -286,7 +337,10 @@ def test_a_stored_version_of_another_state_is_refused_naming_the_leaf():
     )
     with pytest.raises(
         tj.errors.PlanError,
-        match=r"another state.*recorded leaf '0/b1' float32\[2, 256\] vs asked '0/b1' float32\[2, 64\]",
+        match=(
+            r"another state.*recorded leaf '0/b1' float32\[2, 256\] vs asked '0/b1' float32\[2, "
+            r"64\]"
+        ),
     ):
         tj.PTC.from_json(small.to_json(), tiny)
 
@@ -294,7 +348,7 @@ def test_a_stored_version_of_another_state_is_refused_naming_the_leaf():
 def test_a_complete_version_deletes_the_older_ones(job):
     """Slot 1's store lived through every generation; restarted on its directory (the disk tier),
     it holds the last version only: each complete commit deleted the versions before it."""
-    from tenplex_jax.multihost.commit import version_of
+    from tenplex_jax._src.multihost.commit import version_of
 
     proc = store.StoreProcess.start(job["run"] / "stores" / "1")
     try:
@@ -311,8 +365,18 @@ def test_a_launched_job_refuses_in_process_device_changes_and_finishes(tmp_path)
     """The same ElasticJob API in a launched process (1 process, real jax.distributed): devices
     are the launcher's, device events refuse, the script's own checkpoint dir reaches the
     launcher (its fallback), and finish ends the job."""
-    command = [sys.executable, "-m", "tenplex_jax", "launch", "--nprocs", "1", "--run-dir",
-               str(tmp_path), str(ROOT / "tests" / "launched_checks.py"), str(tmp_path)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tenplex_jax",
+        "launch",
+        "--nprocs",
+        "1",
+        "--run-dir",
+        str(tmp_path),
+        str(ROOT / "tests" / "launched_checks.py"),
+        str(tmp_path),
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     seen = json.loads((tmp_path / "checks.json").read_text())
@@ -330,8 +394,9 @@ def test_a_launched_job_refuses_in_process_device_changes_and_finishes(tmp_path)
 
 
 def test_a_job_description_without_the_launchers_entry_point_is_refused(monkeypatch):
-    spec = tj.multihost.JobSpec("127.0.0.1:1", 0, 1, 2, 0, (0,), {0: "127.0.0.1:2"}, 0, 1,
-                                "init", "/nonexistent")  # fmt: skip
+    spec = tj.multihost.JobSpec(
+        "127.0.0.1:1", 0, 1, 2, 0, (0,), {0: "127.0.0.1:2"}, 0, 1, "init", "/nonexistent"
+    )
     monkeypatch.setenv(*next(iter(spec.to_env().items())))
     dataset = tj.DatasetPTC(np.zeros((8, 2), np.float32), global_batch=8)
     with pytest.raises(tj.errors.LayoutError, match=r"python -m tenplex_jax.multihost SCRIPT"):

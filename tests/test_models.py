@@ -251,5 +251,5 @@ def test_moe_loss_adds_the_load_balancing_loss_and_trains() -> None:
     np.testing.assert_allclose(
         example_losses(model, batch), cross + cfg.aux_weight / cfg.n_layers * aux, rtol=1e-6
     )
-    with pytest.raises(ValueError, match="top_k=5 must lie in 1..n_experts=4"):
+    with pytest.raises(ValueError, match=r"top_k=5 must lie in 1\.\.n_experts=4"):
         GPTConfig(n_experts=4, top_k=5)

@@ -34,7 +34,7 @@ def reference():
     return float(loss), {k: np.asarray(v) for k, v in nnx.to_flat_state(grads)}
 
 
-def _pipelined(config: C, microbatches: int, stages: tj.Stages | None = None):
+def _pipelined(config: C, microbatches: int, stages: tj.pipelining.Stages | None = None):
     model, _ = train_state(CFG)
     graphdef, state = nnx.split(model)
     if stages is not None:  # the uneven layout: stacked weights padded per stage
@@ -90,7 +90,7 @@ def test_pipelined_loss_and_grads_equal_the_unpipelined_model(reference, config,
 )
 def test_uneven_stages_equal_the_unpipelined_model(reference, config, stages):
     want_loss, want_grads = reference
-    stages = tj.Stages(stages)
+    stages = tj.pipelining.Stages(stages)
     loss, grads, _, ptc = _pipelined(config, 2, stages)
     assert ptc.leaf("wq").shape[0] == config.pipe * stages.slots  # stored padded
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
@@ -178,8 +178,8 @@ def test_uneven_stage_boundaries_change_mid_training_by_restage_then_the_core_pl
     fixed = _fixed(steps)
     resized, plans = _train(
         {
-            0: (C(pipe=2, data=2), range(4), 2, tj.Stages((1, 3))),
-            2: (C(pipe=2, data=2), range(4, 8), 2, tj.Stages((3, 1))),
+            0: (C(pipe=2, data=2), range(4), 2, tj.pipelining.Stages((1, 3))),
+            2: (C(pipe=2, data=2), range(4, 8), 2, tj.pipelining.Stages((3, 1))),
             4: (C(data=2), range(2, 4), 1),  # no pipeline: the unpadded layout
         },
         steps,
@@ -190,8 +190,9 @@ def test_uneven_stage_boundaries_change_mid_training_by_restage_then_the_core_pl
 
 def test_pytree_activations_flow_through_the_pipeline_as_a_moe_layers_loss():
     """The mixture-of-experts GPT carries (activations, per-sequence balance loss) through its
-    layers; pipelined over pipe=2 (with experts on an expert axis) it computes what the scan does."""
-    from tenplex_jax_models import MOE_RULES, GPT, example_losses, moe_config
+    layers; pipelined over pipe=2 (with experts on an expert axis) it computes what the scan
+    does."""
+    from tenplex_jax_models import GPT, MOE_RULES, example_losses, moe_config
 
     with nnx.use_eager_sharding(False):
         model = GPT(GPTConfig.moe_tiny(), rngs=nnx.Rngs(0))
@@ -213,16 +214,23 @@ def test_bad_pipelines_are_refused_before_anything_runs():
     with pytest.raises(
         tj.errors.LayoutError, match="2 layers do not split evenly into 4 pipeline stages"
     ):
-        tj.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2)
+        tj.pipelining.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2)
     params = {"w": jnp.zeros((4, 8, 8))}
     with pytest.raises(tj.errors.LayoutError, match=r"divide into 3 microbatches.*shape \(8, 8\)"):
-        tj.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=3)
+        tj.pipelining.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=3)
     with pytest.raises(tj.errors.LayoutError, match="has 2 stages but mesh axis 'pipe' has size 4"):
-        tj.pipeline(
-            layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2, stages=tj.Stages((1, 3))
+        tj.pipelining.pipeline(
+            layer,
+            params,
+            jnp.zeros((8, 8)),
+            mesh=mesh,
+            microbatches=2,
+            stages=tj.pipelining.Stages((1, 3)),
         )
     with pytest.raises(
         tj.errors.LayoutError, match=r"needs 8 rows .* leaf \"\['w'\]\" has shape \(4, 8, 8\)"
     ):
-        stages = tj.Stages((1, 1, 1, 2))  # padded: 4 stages x 2 slots
-        tj.pipeline(layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2, stages=stages)
+        stages = tj.pipelining.Stages((1, 1, 1, 2))  # padded: 4 stages x 2 slots
+        tj.pipelining.pipeline(
+            layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2, stages=stages
+        )

@@ -12,11 +12,13 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import tenplex_jax as tj
+from tenplex_jax._src import box as boxes
+from tenplex_jax._src import plan as plan_module
 from tests.helpers import RULES, abstract_state
 
 
 def one_leaf(config, spec, shape=(8, 8), devices=None, hosts=None):
-    leaf = tj.ptc.LeafLayout("w", shape, np.dtype(np.float32), P(*spec))
+    leaf = tj.typing.LeafLayout("w", shape, np.dtype(np.float32), P(*spec))
     devices = tuple(range(config.num_devices)) if devices is None else tuple(devices)
     return tj.PTC(config, devices, tuple(hosts or (0,) * len(devices)), (leaf,), "tree")
 
@@ -207,9 +209,12 @@ def test_allocation_keeps_as_many_bytes_as_the_best_device_to_position_assignmen
         for i, device in enumerate(dst_devs):
             if device in held:
                 for j, box in enumerate(wanted):
-                    part = tj.box.intersect(held[device], box)
-                    overlap[i, j] += tj.box.size(part) * d.itemsize if all(
-                        lo < hi for lo, hi in part) or not part else 0  # fmt: skip
+                    part = boxes.intersect(held[device], box)
+                    overlap[i, j] += (
+                        boxes.size(part) * d.itemsize
+                        if all(lo < hi for lo, hi in part) or not part
+                        else 0
+                    )
     rows, cols = linear_sum_assignment(overlap, maximize=True)
     assert tj.make_plan(src, tj.allocate(src, dst)).bytes_kept == overlap[rows, cols].sum()
 
@@ -240,7 +245,7 @@ class _ReferenceSenders:
         self.sent = {}
 
     def take(self, target_host, nbytes):
-        order = lambda c: (self.sent.get(c, 0), self.before.get(c, 0), c)  # noqa: E731
+        order = lambda c: (self.sent.get(c, 0), self.before.get(c, 0), c)
         same = [c for c in self.devices if self.host.get(c) == target_host]
         c = min(same or self.devices, key=order)
         self.sent[c] = self.sent.get(c, 0) + nbytes
@@ -256,12 +261,24 @@ def test_senders_are_the_closest_least_loaded_replicas_on_any_hosts(change, data
     hosts = data.draw(st.lists(st.integers(0, 3), min_size=8, max_size=8))
     src_devs = data.draw(st.permutations(range(8)))[: src_cfg.num_devices]
     dst_devs = data.draw(st.permutations(range(8)))[: dst_cfg.num_devices]
-    src = tj.PTC.of(abstract_state(), RULES, src_cfg, src_devs,
-                    hosts=[hosts[d] for d in src_devs], allow_replicate=True)  # fmt: skip
-    dst = tj.PTC.of(abstract_state(), RULES, dst_cfg, dst_devs,
-                    hosts=[hosts[d] for d in dst_devs], allow_replicate=True)  # fmt: skip
+    src = tj.PTC.of(
+        abstract_state(),
+        RULES,
+        src_cfg,
+        src_devs,
+        hosts=[hosts[d] for d in src_devs],
+        allow_replicate=True,
+    )
+    dst = tj.PTC.of(
+        abstract_state(),
+        RULES,
+        dst_cfg,
+        dst_devs,
+        hosts=[hosts[d] for d in dst_devs],
+        allow_replicate=True,
+    )
     plan = tj.make_plan(src, dst)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(tj.plan, "_Senders", _ReferenceSenders)
+        m.setattr(plan_module, "_Senders", _ReferenceSenders)
         reference = tj.make_plan(src, dst)
-    assert [l.shards for l in plan.leaves] == [l.shards for l in reference.leaves]
+    assert [leaf.shards for leaf in plan.leaves] == [leaf.shards for leaf in reference.leaves]

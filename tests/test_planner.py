@@ -11,8 +11,8 @@ import random
 import pytest
 
 import tenplex_jax as tj
+from tenplex_jax._src.planner.search import _configs, _divisors
 from tenplex_jax_models import GPTConfig, profile
-from tenplex_jax.planner.search import _configs, _divisors
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -51,7 +51,9 @@ def _brute_force(cluster, model, batch, max_microbatches=64):
         micros = [1] if config.pipe == 1 else _divisors(-(-batch // replicas))
         for micro in (m for m in micros if m <= max_microbatches):
             for layers in _compositions(model.num_layers, config.pipe):
-                c = tj.planner.estimate(cluster, model, batch, config, micro, tj.Stages(layers))
+                c = tj.planner.estimate(
+                    cluster, model, batch, config, micro, tj.pipelining.Stages(layers)
+                )
                 if c.fits:
                     best = min(best, c.step_time)
     return best
@@ -158,13 +160,13 @@ def test_no_config_fits_memory_is_a_clear_error():
 def test_more_stages_than_layers_is_refused():
     cluster = tj.planner.Cluster.uniform(4, _type("d", 100))
     with pytest.raises(
-        tj.errors.PlanError, match="at most one pipeline stage per layer.*4 stages for 2"
+        tj.errors.PlanError, match=r"at most one pipeline stage per layer.*4 stages for 2"
     ):
         tj.planner.choose(cluster, _model(flops=(1e12, 1e12)), 8, configs=[C(pipe=4)])
     with pytest.raises(tj.errors.LayoutError, match="2 layers do not split evenly into 4"):
-        tj.Stages.even(2, 4)
+        tj.pipelining.Stages.even(2, 4)
     with pytest.raises(tj.errors.LayoutError, match="at least one layer"):
-        tj.Stages((2, 0))
+        tj.pipelining.Stages((2, 0))
 
 
 def test_unknown_device_type_and_bad_fields_in_a_cluster_file(tmp_path):

@@ -16,6 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tenplex_jax as tj
+from tenplex_jax._src.mesh import MESH_AXES
 from tenplex_jax_models import GPTConfig
 from tests.helpers import RULES, abstract_state, train_state
 
@@ -82,7 +83,7 @@ def test_boxes_equal_named_sharding_indices(config):
 )
 def test_boxes_property(sizes, dims, data):
     config = tj.ParallelConfig(data=sizes[0], fsdp=sizes[1], tensor=sizes[2], pipe=sizes[3])
-    axes = data.draw(st.permutations(tj.ptc.MESH_AXES))
+    axes = data.draw(st.permutations(MESH_AXES))
     spec = []
     for i, _ in enumerate(dims):
         spec.append(data.draw(st.sampled_from([None, axes[i], (axes[i], axes[-1])])))
@@ -90,7 +91,7 @@ def test_boxes_property(sizes, dims, data):
         len((e,) if isinstance(e, str) else e) for e in spec if e
     ):
         return  # a mesh axis used twice is not a valid spec
-    leaf = tj.ptc.LeafLayout("x", tuple(d * 8 for d in dims), np.float32, P(*spec))
+    leaf = tj.typing.LeafLayout("x", tuple(d * 8 for d in dims), np.float32, P(*spec))
     ptc = tj.PTC(config, tuple(range(config.num_devices)), (0,) * config.num_devices, (leaf,), None)
     mesh = config.make_mesh(jax.devices()[: config.num_devices])
     want = NamedSharding(mesh, leaf.spec).devices_indices_map(leaf.shape)
@@ -277,15 +278,15 @@ def test_unplaced_and_abstract_states_take_any_layout(placed):
     assert tj.PTC.of(sharded, RULES, OTHER, range(8)) == ptc.relayout(OTHER, range(8))
 
 
-# -- one JSON encoding ------------------------------------------------------------------------------
+# -- one JSON encoding
+# ------------------------------------------------------------------------------
 
 
 def test_json_round_trip_keeps_specs_logical_names_replicated_dims_rules_and_keys():
     model, optimizer = train_state()
     state = (model, optimizer, nnx.Rngs(0, dropout=1))
     config = tj.ParallelConfig(data=2, tensor=3)
-    ptc = tj.PTC.of(state, RULES, config, range(6), hosts=[0, 0, 0, 1, 1, 1],
-                    allow_replicate=True)  # fmt: skip
+    ptc = tj.PTC.of(state, RULES, config, range(6), hosts=[0, 0, 0, 1, 1, 1], allow_replicate=True)
     assert any(leaf.replicated for leaf in ptc.leaves)  # tensor=3 does not divide 4 heads
     assert any(jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) for leaf in ptc.leaves)
     record = json.loads(json.dumps(ptc.to_json()))
@@ -324,14 +325,15 @@ def test_relayout_of_a_record_without_rules_asks_for_them():
     record = ptc.to_json()
     record["rules"] = None  # as an older record, or one written by hand
     back = tj.PTC.from_json(record, like=ptc)
-    with pytest.raises(tj.errors.LayoutError, match="knows no logical-axis rules.*pass rules="):
+    with pytest.raises(tj.errors.LayoutError, match=r"knows no logical-axis rules.*pass rules="):
         back.relayout(tj.ParallelConfig(tensor=2), range(2))
     assert back.relayout(tj.ParallelConfig(tensor=2), range(2), rules=RULES) == ptc.relayout(
         tj.ParallelConfig(tensor=2), range(2)
     )
 
 
-# -- bring your own mesh ----------------------------------------------------------------------------
+# -- bring your own mesh
+# ----------------------------------------------------------------------------
 
 
 def test_a_config_is_any_mesh_as_it_is():
@@ -388,16 +390,16 @@ def test_ptc_from_shardings_reads_each_leafs_own_sharding():
     }
     ptc = tj.PTC.from_shardings(state)
     assert ptc.config == tj.ParallelConfig.of(mesh) and ptc.device_ids == tuple(range(8))
-    assert [(l.path, l.spec) for l in ptc.leaves] == [
+    assert [(leaf.path, leaf.spec) for leaf in ptc.leaves] == [
         ("b", P(("x", "y"))),
         ("step", P()),
         ("w", P("x", "y")),
     ]
-    assert ptc.rules is None and all(l.logical is None for l in ptc.leaves)
+    assert ptc.rules is None and all(leaf.logical is None for leaf in ptc.leaves)
     # the same from an abstract tree and one sharding for every leaf, or a prefix tree
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     one = NamedSharding(mesh, P())
-    assert all(e is None for l in tj.PTC.from_shardings(abstract, one).leaves for e in l.spec)
+    assert all(e is None for leaf in tj.PTC.from_shardings(abstract, one).leaves for e in leaf.spec)
     prefix = {"b": one, "step": one, "w": NamedSharding(mesh, P("x"))}
     assert tj.PTC.from_shardings(abstract, prefix).leaf("w").spec == P("x", None)
     # an abstract mesh names no devices: give their ids

@@ -32,8 +32,14 @@ def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("ray")
     unshare = shutil.which("unshare")
     assert unshare, "the Ray test runs the cluster in a network namespace: util-linux's unshare"
-    command = [unshare, "-rn", sys.executable, str(ROOT / "tests" / "ray_job.py"), str(out),
-               str(STEPS)]  # fmt: skip
+    command = [
+        unshare,
+        "-rn",
+        sys.executable,
+        str(ROOT / "tests" / "ray_job.py"),
+        str(out),
+        str(STEPS),
+    ]
     with open(out / "driver.log", "wb") as log:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -84,7 +90,7 @@ def test_params_equal_an_uninterrupted_run_bitwise_and_every_batch_once(job):
     records = [json.loads(line) for line in (job["out"] / "steps.jsonl").read_text().splitlines()]
     gens = [e for e in events(job["run"]) if e["event"] == "generation"]
     # a generation's steps count up to the earliest step a later generation restored
-    ends = [min([g["step"] for g in gens[n + 1:]] + [STEPS]) for n in range(len(gens))]
+    ends = [min([g["step"] for g in gens[n + 1 :]] + [STEPS]) for n in range(len(gens))]
     counted = [r for r in records if r["step"] <= ends[r["generation"]]]
     assert [r["step"] for r in counted] == list(range(1, STEPS + 1))
     for r, want_samples in zip(counted, samples):
@@ -104,6 +110,9 @@ def test_every_socket_stays_on_loopback_and_the_stores_need_the_token(job):
             assert token not in path.read_text(errors="replace"), path
     # every process of the job is gone: Ray's, the stores, the workers
     out = str(job["out"])
-    left = [p.info for p in psutil.process_iter(["pid", "cmdline"])
-            if any(out in part for part in (p.info["cmdline"] or []))]  # fmt: skip
+    left = [
+        p.info
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if any(out in part for part in (p.info["cmdline"] or []))
+    ]
     assert not left, left

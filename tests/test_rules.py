@@ -1,6 +1,7 @@
 """Logical axis names → PartitionSpec: flax's own rule semantics, with divisibility on top.
 
-The oracle is ``flax.linen.logical_to_mesh_axes`` itself (what t5x and MaxText use): rules are tried in
+The oracle is ``flax.linen.logical_to_mesh_axes`` itself (what t5x and MaxText use): rules are
+tried in
 order, not dims, and a name without a rule replicates its dim.
 """
 
@@ -18,7 +19,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import tenplex_jax as tj
-from tenplex_jax import rules as tj_rules
+from tenplex_jax._src import box as boxes
+from tenplex_jax._src import rules as tj_rules
 
 MESH = ("pipe", "data", "fsdp", "tensor")
 NAMES = ("a", "b", "c", "d")  # "d" has no rule; "x" is a rule for a name no array uses
@@ -100,8 +102,11 @@ def test_ptc_spec_is_flax_spec_fitted_to_divisibility(case, sizes, data):
     ptc = tj.PTC.of(leaf_state(shape, logical), rules, config, devices, allow_replicate=True)
     fitted, dropped = [], []
     for dim, (n, entry) in enumerate(zip(shape, flax_entries)):
-        keep = max(k for k in range(len(entry) + 1)
-                   if n % math.prod(config.shape[a] for a in entry[:k]) == 0)  # fmt: skip
+        keep = max(
+            k
+            for k in range(len(entry) + 1)
+            if n % math.prod(config.shape[a] for a in entry[:k]) == 0
+        )
         fitted.append(entry[:keep])
         dropped += [(dim, axis) for axis in reversed(entry[keep:])]
     assert entries(ptc.leaf("w").spec, len(shape)) == tuple(fitted)
@@ -110,8 +115,9 @@ def test_ptc_spec_is_flax_spec_fitted_to_divisibility(case, sizes, data):
     if config.num_devices <= 8:
         mesh = config.make_mesh(jax.devices()[: config.num_devices])
         sharding = jax.sharding.NamedSharding(mesh, ptc.leaf("w").spec)
-        want = {d.id: tj.box.of_index(i, shape)
-                for d, i in sharding.devices_indices_map(shape).items()}  # fmt: skip
+        want = {
+            d.id: boxes.of_index(i, shape) for d, i in sharding.devices_indices_map(shape).items()
+        }
         assert ptc.boxes(ptc.leaf("w")) == want
 
 
@@ -139,7 +145,7 @@ def test_unknown_mesh_axis_in_a_rule_is_refused_naming_rule_and_mesh_axes():
         )
     with pytest.raises(tj.errors.LayoutError, match=r"mesh axes \[3\] that do not exist"):
         tj.PTC.of(state, (("mlp", 3),), tj.ParallelConfig(), [0])
-    with pytest.raises(tj.errors.LayoutError, match="rules are a sequence of .* got NoneType"):
+    with pytest.raises(tj.errors.LayoutError, match=r"rules are a sequence of .* got NoneType"):
         tj.PTC.of(state, None, tj.ParallelConfig(), [0])
     # the same rules are refused by relayout, before any leaf is laid out
     ptc = tj.PTC.of(state, (("embed", "fsdp"),), tj.ParallelConfig(), [0])
@@ -156,8 +162,12 @@ def test_rule_naming_a_mesh_axis_twice_is_refused():
         tj.errors.LayoutError,
         match=r"rule \('mlp', \('tensor', 'tensor'\)\) names \['tensor'\] more than once",
     ):
-        tj.PTC.of(leaf_state((4, 8), ("embed", "mlp")), (("mlp", ("tensor", "tensor")),),
-                  tj.ParallelConfig(tensor=2), range(2))  # fmt: skip
+        tj.PTC.of(
+            leaf_state((4, 8), ("embed", "mlp")),
+            (("mlp", ("tensor", "tensor")),),
+            tj.ParallelConfig(tensor=2),
+            range(2),
+        )
 
 
 def test_a_logical_name_used_by_two_dims_is_refused_with_the_leaf():
@@ -165,13 +175,24 @@ def test_a_logical_name_used_by_two_dims_is_refused_with_the_leaf():
         logical_to_mesh_axes(("embed", "embed"), (("embed", "fsdp"),))
     with pytest.raises(
         tj.errors.LayoutError,
-        match=r"refuse the names \('embed', 'embed'\).*occur more than once.*leaf 'w' \(shape=\(4, 8\)",
+        match=(
+            r"refuse the names \('embed', 'embed'\).*occur more than once.*leaf 'w' "
+            r"\(shape=\(4, 8\)"
+        ),
     ):
-        tj.PTC.of(leaf_state((4, 8), ("embed", "embed")), (("embed", "fsdp"),),
-                  tj.ParallelConfig(fsdp=2), range(2))  # fmt: skip
+        tj.PTC.of(
+            leaf_state((4, 8), ("embed", "embed")),
+            (("embed", "fsdp"),),
+            tj.ParallelConfig(fsdp=2),
+            range(2),
+        )
 
 
 def test_logical_names_must_be_strings_or_none():
     with pytest.raises(tj.errors.LayoutError, match=r"strings, or None.*leaf 'w'"):
-        tj.PTC.of(leaf_state((4, 8), ("embed", ("mlp", "heads"))), (("mlp", "tensor"),),
-                  tj.ParallelConfig(tensor=2), range(2))  # fmt: skip
+        tj.PTC.of(
+            leaf_state((4, 8), ("embed", ("mlp", "heads"))),
+            (("mlp", "tensor"),),
+            tj.ParallelConfig(tensor=2),
+            range(2),
+        )

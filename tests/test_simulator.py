@@ -13,9 +13,9 @@ import pytest
 from flax import nnx
 
 import tenplex_jax as tj
-from tenplex_jax._cli import main
-from tenplex_jax.elastic.trace import ResourceTrace
-from tenplex_jax.simulator import network as net
+from tenplex_jax._src.cli import main
+from tenplex_jax._src.elastic.trace import ResourceTrace
+from tenplex_jax._src.simulator import network as net
 from tenplex_jax_models import llm
 
 C = tj.ParallelConfig
@@ -25,19 +25,31 @@ GB = 1e9
 def _cluster(nodes=2, per_node=2, **extra) -> tj.planner.Cluster:
     """``nodes`` x ``per_node`` devices with round numbers: links 10 GB/s, NICs 1 GB/s per device,
     host links 2 GB/s, on-device copies 100 GB/s, storage 0.5 GB/s per node."""
-    t = tj.planner.DeviceType("gpu", memory=80 * 2**30, flops=1e14, link_bandwidth=10 * GB,
-                              host_bandwidth=2 * GB, memory_bandwidth=100 * GB)  # fmt: skip
+    t = tj.planner.DeviceType(
+        "gpu",
+        memory=80 * 2**30,
+        flops=1e14,
+        link_bandwidth=10 * GB,
+        host_bandwidth=2 * GB,
+        memory_bandwidth=100 * GB,
+    )
     n = nodes * per_node
     fields = {"storage_bandwidth": 0.5 * GB} | extra
-    return tj.planner.Cluster("test", (t,), (0,) * n, tuple(i // per_node for i in range(n)),
-                              1 * GB, **fields)  # fmt: skip
+    return tj.planner.Cluster(
+        "test", (t,), (0,) * n, tuple(i // per_node for i in range(n)), 1 * GB, **fields
+    )
 
 
 def _state(rows=8, cols=4):
     """One float32 leaf with a logical name per dim, abstract."""
     with nnx.use_eager_sharding(False):
-        return nnx.State({"w": nnx.Param(jax.ShapeDtypeStruct((rows, cols), jnp.float32),
-                                         out_sharding=("embed", None))})  # fmt: skip
+        return nnx.State(
+            {
+                "w": nnx.Param(
+                    jax.ShapeDtypeStruct((rows, cols), jnp.float32), out_sharding=("embed", None)
+                )
+            }
+        )
 
 
 RULES = (("embed", "fsdp"),)
@@ -114,8 +126,15 @@ def test_restore_reads_each_box_once_per_node_and_copies_it_to_each_device():
 
 
 def test_a_trace_scales_by_whole_multiples():
-    trace = ResourceTrace("t", 4, 10, (tj.elastic.TraceEvent(2, "preempt", count=1),
-                                       tj.elastic.TraceEvent(3, "fail", devices=(3,))))  # fmt: skip
+    trace = ResourceTrace(
+        "t",
+        4,
+        10,
+        (
+            tj.elastic.TraceEvent(2, "preempt", count=1),
+            tj.elastic.TraceEvent(3, "fail", devices=(3,)),
+        ),
+    )
     big = tj.simulator.scale(trace, 16)
     assert big.devices == 16 and big.events[0].count == 4
     assert big.events[1].devices == (12, 13, 14, 15)
@@ -125,19 +144,31 @@ def test_a_trace_scales_by_whole_multiples():
 
 def _simulation(nodes=16, **costs):
     cluster = _cluster(nodes=nodes, per_node=8)
-    return tj.simulator.Simulation(cluster, llm.profile(), llm.abstract_state(), llm.LLM_RULES,
-                                   global_batch=256, costs=tj.simulator.Costs(**costs))  # fmt: skip
+    return tj.simulator.Simulation(
+        cluster,
+        llm.profile(),
+        llm.abstract_state(),
+        llm.LLM_RULES,
+        global_batch=256,
+        costs=tj.simulator.Costs(**costs),
+    )
 
 
-TRACE = ResourceTrace.from_dict({
-    "name": "small", "devices": 16, "steps": 100, "minutes": 600, "checkpoint_every": 20,
-    "events": [
-        {"step": 20, "kind": "preempt", "count": 4},
-        {"step": 45, "kind": "fail", "count": 1},
-        {"step": 60, "kind": "offer", "count": 4},
-        {"step": 85, "kind": "fail", "count": 2},
-    ],
-})  # fmt: skip
+TRACE = ResourceTrace.from_dict(
+    {
+        "name": "small",
+        "devices": 16,
+        "steps": 100,
+        "minutes": 600,
+        "checkpoint_every": 20,
+        "events": [
+            {"step": 20, "kind": "preempt", "count": 4},
+            {"step": 45, "kind": "fail", "count": 1},
+            {"step": 60, "kind": "offer", "count": 4},
+            {"step": 85, "kind": "fail", "count": 2},
+        ],
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +187,9 @@ def test_replay_orders_the_policies_and_accounts_every_second(replay):
         assert policy["productive_seconds"] + policy["stall_seconds"] <= policy["wall_seconds"]
     for row in replay["events"]:
         t = row["policies"]["tenplex"]
-        assert t["seconds"] == pytest.approx(t["commit"] + t["transfer"] + t["restore"]
-                                             + t["restart"] + t["compile"])  # fmt: skip
+        assert t["seconds"] == pytest.approx(
+            t["commit"] + t["transfer"] + t["restore"] + t["restart"] + t["compile"]
+        )
         assert (t["compile"] > 0) == (row["kind"] == "fail")  # announced layouts compiled ahead
         assert row["bytes_moved"] > 0 and row["plan_seconds"] < 5
 
@@ -177,12 +209,16 @@ def test_adjacent_failures_beyond_the_replicas_fall_back_to_the_checkpoint(repla
 
 def test_the_cli_writes_the_table_json_and_plot(tmp_path, capsys):
     cluster = tmp_path / "c.toml"
-    cluster.write_text('name = "c"\nnetwork_gbps = 50\nstorage_gbps = 5\n[types.h100]\n'
-                       'memory_gib = 80\ntflops = 400\nlink_gbps = 450\n[[nodes]]\ntype = "h100"\n'
-                       'count = 8\nrepeat = 16\n')  # fmt: skip
+    cluster.write_text(
+        'name = "c"\nnetwork_gbps = 50\nstorage_gbps = 5\n[types.h100]\n'
+        'memory_gib = 80\ntflops = 400\nlink_gbps = 450\n[[nodes]]\ntype = "h100"\n'
+        "count = 8\nrepeat = 16\n"
+    )
     trace = tmp_path / "t.toml"
-    trace.write_text('devices = 16\nsteps = 10\nminutes = 60\n[[events]]\nstep = 5\n'
-                     'kind = "preempt"\ncount = 8\n')  # fmt: skip
+    trace.write_text(
+        "devices = 16\nsteps = 10\nminutes = 60\n[[events]]\nstep = 5\n"
+        'kind = "preempt"\ncount = 8\n'
+    )
     args = ["simulate", "--cluster", str(cluster), "--trace", str(trace), "--batch", "256"]
     assert main([*args, "--out", str(tmp_path / "out")]) == 0
     text = capsys.readouterr().out
@@ -196,8 +232,10 @@ def test_the_cli_writes_the_table_json_and_plot(tmp_path, capsys):
 
 
 def test_cluster_fields_for_the_simulator_are_checked():
-    base = {"types": {"g": {"memory_gib": 8, "tflops": 1, "link_gbps": 1, "host_link_gbps": 3}},
-            "nodes": [{"type": "g", "count": 2}]}  # fmt: skip
+    base = {
+        "types": {"g": {"memory_gib": 8, "tflops": 1, "link_gbps": 1, "host_link_gbps": 3}},
+        "nodes": [{"type": "g", "count": 2}],
+    }
     cluster = tj.planner.Cluster.from_dict(base | {"storage_gbps": 4, "node_network_gbps": 9})
     assert cluster.types[0].host_bandwidth == 3e9 and cluster.storage_bandwidth == 4e9
     assert cluster.node_network_bandwidth == 9e9

@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tenplex_jax as tj
-from tenplex_jax import box as boxes
+from tenplex_jax._src import box as boxes
+from tenplex_jax._src.multihost.store import wire
 from tenplex_jax.multihost import store
-from tenplex_jax.multihost.store import wire
 
 BIG = 200 << 20  # bytes of the object a server is killed while writing to disk
 STREAMED = 64 << 20  # bytes of the object a server is killed while receiving
@@ -88,8 +88,15 @@ def _partial_put(address: str, path: str, array: np.ndarray, *, durable: bool, f
     with socket.create_connection((host, port), timeout=30) as raw:
         wire.send_frame(raw, {"op": "hello", "token": None})
         assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["ok"]
-        header = {"op": "put", "path": path, "box": [[0, array.size]], "global_shape": [array.size],
-                  "dtype": str(array.dtype), "checksum": wire.checksum(data), "durable": durable}  # fmt: skip
+        header = {
+            "op": "put",
+            "path": path,
+            "box": [[0, array.size]],
+            "global_shape": [array.size],
+            "dtype": str(array.dtype),
+            "checksum": wire.checksum(data),
+            "durable": durable,
+        }
         wire.send_header(raw, header, array.nbytes)
         assert wire.recv_header(raw, wire.recv_prefix(raw)[0], 1 << 20)["continue"]
         raw.sendall(data[: array.nbytes // fraction])
@@ -220,7 +227,7 @@ def test_concurrent_puts_and_gets_on_one_client(client) -> None:
             np.testing.assert_array_equal(
                 client.get(f"cc/{i}", ((8, 16), (0, 64))), arrays[i][8:16]
             )
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             errors.append(error)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in arrays]
@@ -280,8 +287,17 @@ def test_a_token_is_required_when_configured(stores, tmp_path) -> None:
 
 def test_a_non_loopback_address_without_token_refuses_to_start(tmp_path) -> None:
     # 192.0.2.1 (TEST-NET-1) is on no interface: even a broken check could not bind it
-    cmd = [sys.executable, "-m", "tenplex_jax.multihost.store", "--dir", str(tmp_path / "d"),
-           "--host", "192.0.2.1", "--ready-file", str(tmp_path / "ready")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tenplex_jax.multihost.store",
+        "--dir",
+        str(tmp_path / "d"),
+        "--host",
+        "192.0.2.1",
+        "--ready-file",
+        str(tmp_path / "ready"),
+    ]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "requires --token-file" in done.stderr
@@ -335,8 +351,12 @@ def test_kill_while_a_large_put_streams_serves_the_old_version(stores) -> None:
         client.put("k/w", old, durable=True)
     with _partial_put(proc.address, "k/w", old + 1, durable=False, fraction=2):
         # the store reports half the body received (the rest never comes): then it dies
-        seen = _when(proc, lambda stats: [r for r in stats["receiving"] if r["path"] == "k/w"
-                                          and r["bytes"] == STREAMED // 2])  # fmt: skip
+        seen = _when(
+            proc,
+            lambda stats: [
+                r for r in stats["receiving"] if r["path"] == "k/w" and r["bytes"] == STREAMED // 2
+            ],
+        )
         assert seen[0]["of"] == STREAMED
         _kill(proc)
     proc = stores.start()
@@ -468,8 +488,9 @@ def test_a_flipped_header_field_is_set_aside_never_served(stores, field, old, ne
     file.write_bytes(file.read_bytes().replace(old, new, 1))  # same length: only the header differs
     proc = stores.start(memory_bytes=0)
     with store.StoreClient(proc.address) as client:
-        assert [i.path for i in client.list("h/")] == (["h/ok"] if field != "path" else
-                                                       ["h/ok", "h/w"])  # fmt: skip
+        assert [i.path for i in client.list("h/")] == (
+            ["h/ok"] if field != "path" else ["h/ok", "h/w"]
+        )
         for path in ("v00000003/commit/0", "v00000002/commit/0"):
             if field == "path":
                 with pytest.raises(tj.errors.StoreError) as err:
@@ -518,8 +539,9 @@ def test_a_killed_store_is_recovered_from_its_replica(stores) -> None:
     with store.ReplicatedStore([p.address for p in procs], replicas=1, connect_timeout=1) as rs:
         for host in range(3):  # host h writes rows 4h:4h+4 to stores h and h+1
             box = ((4 * host, 4 * host + 4), (0, 8))
-            written = rs.put(host, "v1/w", full[4 * host : 4 * host + 4], box=box,
-                             global_shape=full.shape)  # fmt: skip
+            written = rs.put(
+                host, "v1/w", full[4 * host : 4 * host + 4], box=box, global_shape=full.shape
+            )
             assert written == [host, (host + 1) % 3]
         assert [len(c.list()) for c in rs.clients] == [2, 2, 2]
         _kill(procs[2])
@@ -532,8 +554,9 @@ def test_a_killed_store_is_recovered_from_its_replica(stores) -> None:
         # a put to a dead store fails unless fewer copies are accepted
         with pytest.raises(tj.errors.StoreError, match=r"reached 1 of 2 stores .*store 2 \(127"):
             rs.put(1, "v2/w", full[4:8], box=((4, 8), (0, 8)), global_shape=full.shape)
-        assert rs.put(1, "v2/w", full[4:8], box=((4, 8), (0, 8)), global_shape=full.shape,
-                      min_copies=1) == [1]  # fmt: skip
+        assert rs.put(
+            1, "v2/w", full[4:8], box=((4, 8), (0, 8)), global_shape=full.shape, min_copies=1
+        ) == [1]
         _kill(procs[0])
         with pytest.raises(tj.errors.StoreError) as err:
             rs.get("v1/w", ((9, 12), (2, 5)), prefer=2)
@@ -608,7 +631,7 @@ def test_the_unix_socket_serves_the_same_store_to_this_user_only(stores, tmp_pat
 
 
 def test_a_failed_disk_write_blocks_the_commit_marker_until_it_succeeds(stores) -> None:
-    from tenplex_jax.multihost.store.tiers import _key
+    from tenplex_jax._src.multihost.store.tiers import _key
 
     proc = stores.start()
     array = _rng_array((128,), np.float32)
@@ -655,8 +678,12 @@ def test_the_client_refuses_bytes_that_fail_their_checksum() -> None:
                     wire.send_frame(conn, {"ok": True})
                     continue
                 info = store.ObjectInfo("w", ((0, 6),), (6,), "int32", 24, wire.checksum(good))
-                reply = {"ok": True, "info": info.to_json(), "box": [[0, 6]],
-                         "checksum": info.checksum}  # fmt: skip
+                reply = {
+                    "ok": True,
+                    "info": info.to_json(),
+                    "box": [[0, 6]],
+                    "checksum": info.checksum,
+                }
                 wire.send_frame(conn, reply, bad.tobytes())
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -698,7 +725,7 @@ def test_concurrent_puts_gets_and_deletes_stay_consistent_across_a_kill(stores) 
                         assert (got == got[0]).all() and int(got[0]) in written[key]
                     else:
                         client.delete(key)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             errors.append(error)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
@@ -755,21 +782,29 @@ def test_a_put_replaces_the_objects_of_its_path_it_conflicts_with(stores, durabl
 def test_streamed_reads_of_any_sub_box_equal_numpy_slicing(tmp_path_factory, data) -> None:
     """``Store.stream`` reads an object from disk a chunk at a time (here a few bytes, so that
     every axis is split somewhere) and yields exactly the sub-box's bytes in C order."""
-    from tenplex_jax.multihost.store.tiers import Store, _key
+    from tenplex_jax._src.multihost.store.tiers import Store, _key
 
     shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=4)))
     dtype = data.draw(st.sampled_from([np.int8, np.float32, ml_dtypes.bfloat16]))
     offset = tuple(data.draw(st.integers(0, 3)) for _ in shape)
     box = tuple((o, o + n) for o, n in zip(offset, shape))
-    sub = tuple(sorted(data.draw(st.tuples(st.integers(o, o + n), st.integers(o, o + n))))
-                for o, n in zip(offset, shape))  # fmt: skip
+    sub = tuple(
+        sorted(data.draw(st.tuples(st.integers(o, o + n), st.integers(o, o + n))))
+        for o, n in zip(offset, shape)
+    )
     chunk = data.draw(st.integers(1, 64))
     array = _rng_array(shape, dtype, seed=len(shape))
     root = tmp_path_factory.mktemp("stream")
     tiers = Store(root, memory_bytes=0)
     try:
-        info = store.ObjectInfo("s/w", box, tuple(o + n for o, n in box), np.dtype(dtype).name,
-                                array.nbytes, wire.checksum(wire.as_bytes(array)))  # fmt: skip
+        info = store.ObjectInfo(
+            "s/w",
+            box,
+            tuple(o + n for o, n in box),
+            np.dtype(dtype).name,
+            array.nbytes,
+            wire.checksum(wire.as_bytes(array)),
+        )
         tiers.put(info, np.frombuffer(array.tobytes(), np.uint8), durable=True)
         got = b"".join(bytes(p) for p in tiers.stream(_key("array", "s/w", box), sub, chunk))
         want = array[boxes.index(sub, box)]

@@ -24,8 +24,8 @@ import psutil
 import pytest
 
 import tenplex_jax as tj
+from tenplex_jax._src.multihost.store import wire
 from tenplex_jax.multihost import store
-from tenplex_jax.multihost.store import wire
 
 MIB = 1 << 20
 
@@ -117,17 +117,28 @@ def test_withheld_trailers_and_unread_replies_stay_within_the_memory_bound(store
         try:
             for i in range(20):
                 sock = _raw(proc.address)
-                request = {"op": "put", "path": f"w/{i}", "box": [[0, size]],
-                           "global_shape": [size], "dtype": "uint8", "checksum": None}  # fmt: skip
+                request = {
+                    "op": "put",
+                    "path": f"w/{i}",
+                    "box": [[0, size]],
+                    "global_shape": [size],
+                    "dtype": "uint8",
+                    "checksum": None,
+                }
                 wire.send_header(sock, request, size)
                 attackers.append(sock)
             # one put is admitted and receives its body; the other 19 wait for room
             admitted = next(s for s in attackers if _ready(s))
             assert _reply(admitted)["continue"]
             admitted.sendall(body)  # and then never the trailer
-            _wait_for(lambda: (st := client.stats())["transfers_waiting"] == 19
-                      and st["receiving"] == [] and st["transfer_bytes"] == size,
-                      "one body received, 19 puts waiting")  # fmt: skip
+            _wait_for(
+                lambda: (
+                    (st := client.stats())["transfers_waiting"] == 19
+                    and st["receiving"] == []
+                    and st["transfer_bytes"] == size
+                ),
+                "one body received, 19 puts waiting",
+            )
             put_peak = _peak_rss(proc.pid) - base
             client.put("ok/small", np.arange(1000))  # fits beside the held body
             np.testing.assert_array_equal(client.get("ok/small"), np.arange(1000))
@@ -325,8 +336,9 @@ def test_a_malformed_put_is_refused_with_a_reason(stores, case, tmp_path) -> Non
     assert "Traceback" not in log.read_text()
 
 
-@pytest.mark.parametrize("box", [[[5, 2]], [[0.5, 2]], [[0, 1]] * 40], ids=["inverted", "float",
-                                                                          "40 dims"])  # fmt: skip
+@pytest.mark.parametrize(
+    "box", [[[5, 2]], [[0.5, 2]], [[0, 1]] * 40], ids=["inverted", "float", "40 dims"]
+)
 def test_a_malformed_get_is_refused_with_a_reason(stores, box) -> None:
     proc = stores()
     with store.StoreClient(proc.address) as client:
@@ -417,8 +429,14 @@ class _FakeServer:
         self.thread.join(10)
 
 
-HUGE = {"path": "w", "box": [[0, 2**60]], "global_shape": [2**60], "dtype": "int32",
-        "nbytes": 2**62, "checksum": "crc32:00000000"}  # fmt: skip
+HUGE = {
+    "path": "w",
+    "box": [[0, 2**60]],
+    "global_shape": [2**60],
+    "dtype": "int32",
+    "nbytes": 2**62,
+    "checksum": "crc32:00000000",
+}
 SMALL_BOX = {"ok": True, "box": [[0, 1]], "checksum": "x"}
 
 
@@ -437,8 +455,11 @@ def test_the_client_checks_a_servers_claims_before_allocating(op, reply) -> None
     fake = _FakeServer(reply)
     try:
         client = store.StoreClient(fake.address, timeout=10)
-        call = {"get": lambda: client.get("w"), "list": client.list,
-                "get_json": lambda: client.get_json("w")}[op]  # fmt: skip
+        call = {
+            "get": lambda: client.get("w"),
+            "list": client.list,
+            "get_json": lambda: client.get_json("w"),
+        }[op]
         with pytest.raises(tj.errors.StoreError) as err:
             call()
         assert err.value.reason in ("protocol", "too_large"), err.value

@@ -1,4 +1,5 @@
-"""After a resize, training goes on: same optimizer state, same losses as a run that never resized."""
+"""After a resize, training goes on: same optimizer state, same losses as a run that never
+resized."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def compiled_step(graphdef, ptc):
 
 
 def run(schedule: dict[int, tuple[C, range]], steps: int) -> tuple[list[float], list]:
-    """Train for ``steps``, resizing at the schedule's steps; returns losses and final host state."""
+    """Train for ``steps``, resizing at the schedule's steps; returns losses and final host
+    state."""
     model, optimizer = train_state(lr=3e-3)
     graphdef, state = nnx.split((model, optimizer))
     corpus = stdlib_corpus(2**20)

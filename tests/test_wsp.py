@@ -15,10 +15,19 @@ import pytest
 from flax import nnx
 
 import tenplex_jax as tj
-from tenplex_jax._cli import main
-from tenplex_jax.wsp import Coordinator, ParameterServer, Processes, Threads, VirtualWorker
-from tenplex_jax.wsp import plan_workers, weights_of
-from tenplex_jax_models import build_state, example_losses, wsp as job_parts
+from tenplex_jax._src import tree
+from tenplex_jax._src.cli import main
+from tenplex_jax.wsp import (
+    Coordinator,
+    ParameterServer,
+    Processes,
+    Threads,
+    VirtualWorker,
+    plan_workers,
+    weights_of,
+)
+from tenplex_jax_models import build_state, example_losses
+from tenplex_jax_models import wsp as job_parts
 from tests.test_store import Stores
 
 
@@ -40,9 +49,17 @@ def test_d0_with_one_minibatch_and_sgd_is_synchronous_sgd_on_the_summed_gradient
         ps.create(initial, total=2 * waves)
 
         def make(name, devices):
-            return VirtualWorker(name, ParameterServer(stores), parts["rules"], parts["dataset"],
-                                 state, parts["train_step"], config=parts["config"],
-                                 devices=[jax.devices()[d] for d in devices], distance=0)  # fmt: skip
+            return VirtualWorker(
+                name,
+                ParameterServer(stores),
+                parts["rules"],
+                parts["dataset"],
+                state,
+                parts["train_step"],
+                config=parts["config"],
+                devices=[jax.devices()[d] for d in devices],
+                distance=0,
+            )
 
         with Coordinator(ps, Threads(make)) as coordinator:
             coordinator.add([0], [5])
@@ -54,8 +71,10 @@ def test_d0_with_one_minibatch_and_sgd_is_synchronous_sgd_on_the_summed_gradient
     # D = 0: every wave starts from the weights holding every VW's previous waves, and wave k
     # trains minibatches 2k and 2k + 1 (one on each VW, whichever claims first)
     assert all(r["wave"] == r["slowest"] for r in records)
-    assert sorted(tuple(sorted(m for r in records if r["wave"] == k for m in r["minibatches"]))
-                  for k in range(waves)) == [(2 * k, 2 * k + 1) for k in range(waves)]  # fmt: skip
+    assert sorted(
+        tuple(sorted(m for r in records if r["wave"] == k for m in r["minibatches"]))
+        for k in range(waves)
+    ) == [(2 * k, 2 * k + 1) for k in range(waves)]
     # the synchronous equivalent: w <- w - lr * (g(2k) + g(2k + 1)), both at the same w
     model = nnx.merge(graphdef, state)["model"]
     dataset = parts["dataset"]
@@ -72,7 +91,7 @@ def test_d0_with_one_minibatch_and_sgd_is_synchronous_sgd_on_the_summed_gradient
 
 
 def _flat(state) -> dict:
-    paths, leaves, _ = tj.tree.arrays(state)
+    paths, leaves, _ = tree.arrays(state)
     return dict(zip(paths, leaves))
 
 
@@ -83,9 +102,12 @@ def test_a_sigkilled_vw_process_is_dropped_and_its_minibatches_trained_by_others
         ps.create(weights_of(parts["init"]()), total=total)
         # slowdown 4: each wave holds its lease three times its compute longer, so the SIGKILL
         # below lands mid-wave (before the push), not after a push it raced
-        runner = Processes("tenplex_jax_models.wsp:job", stores, tmp_path / "run",
-                           options=["--minibatches", "2", "--distance", "1", "--timeout", "3",
-                                    "--slowdown", "4"])  # fmt: skip
+        runner = Processes(
+            "tenplex_jax_models.wsp:job",
+            stores,
+            tmp_path / "run",
+            options=["--minibatches", "2", "--distance", "1", "--timeout", "3", "--slowdown", "4"],
+        )
         with Coordinator(ps, runner) as coordinator:  # every process reaped, whatever happens
             coordinator.add([0], [1], [2, 3])
             # a process joins when its own step is compiled, so which VWs train together first
@@ -95,9 +117,14 @@ def test_a_sigkilled_vw_process_is_dropped_and_its_minibatches_trained_by_others
             while victim is None and not ledger.done and time.monotonic() < deadline:
                 time.sleep(0.01)
                 ledger = ps.ledger()
-                victim = next((vw for vw in sorted(ledger.leases)
-                               if ledger.committed.get(vw, 0) >= 1
-                               and set(ledger.clocks) - {vw}), None)  # fmt: skip
+                victim = next(
+                    (
+                        vw
+                        for vw in sorted(ledger.leases)
+                        if ledger.committed.get(vw, 0) >= 1 and set(ledger.clocks) - {vw}
+                    ),
+                    None,
+                )
             assert victim, f"no VW was caught mid-wave beside another: {ledger}"
             leased = ledger.leases[victim].minibatches
             coordinator.kill(victim)
@@ -135,12 +162,14 @@ def _device(name, tflops, memory_gib=24, usd=1.0):
 
 
 def test_the_planner_groups_mixed_nodes_into_equal_vws_with_stages_by_speed():
-    layers = tuple(tj.planner.LayerProfile(1e11, 20_000_000, 50_000_000, 2_000_000)
-                   for _ in range(16))  # fmt: skip
+    layers = tuple(
+        tj.planner.LayerProfile(1e11, 20_000_000, 50_000_000, 2_000_000) for _ in range(16)
+    )
     model = tj.planner.ModelProfile("m", layers, tj.planner.LayerProfile(1e10, 1_000_000, 0, 0))
     fast, slow = _device("fast", 120), _device("slow", 40, usd=0.3)
-    cluster = tj.planner.Cluster("het", (fast, slow), (0,) * 4 + (1,) * 4, (0,) * 4 + (1,) * 4,
-                                 10e9)  # fmt: skip
+    cluster = tj.planner.Cluster(
+        "het", (fast, slow), (0,) * 4 + (1,) * 4, (0,) * 4 + (1,) * 4, 10e9
+    )
     choice = plan_workers(cluster, model, minibatch=8)
     assert choice.alternatives and all(choice.throughput >= t for _, t, _ in choice.alternatives)
     equal = plan_workers(cluster, model, minibatch=8, groupings=("equal",))

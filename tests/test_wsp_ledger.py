@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tenplex_jax._src.wsp.ledger import Ledger
 from tenplex_jax.errors import WSPError
-from tenplex_jax.wsp.ledger import Ledger
 
 TIMEOUT = 10.0
 
@@ -31,8 +31,12 @@ class Sim:
         self.ledger = self.ledger.join(vw, self.now)
         # a join pulls: its weights hold every committed wave
         clock = self.ledger.clocks[vw]
-        self.state[vw] = {"wave": clock, "fresh": self.ledger.min_clock, "phase": "wait",
-                          "known": set(self.tags)}  # fmt: skip
+        self.state[vw] = {
+            "wave": clock,
+            "fresh": self.ledger.min_clock,
+            "phase": "wait",
+            "known": set(self.tags),
+        }
 
     def step(self, vw: str):
         s = self.state[vw]
@@ -70,9 +74,13 @@ class Sim:
         self.ledger = self.ledger.leave(vw)
 
 
-ACTIONS = st.lists(st.tuples(st.sampled_from(["step", "step", "step", "step", "join", "die",
-                                              "leave"]), st.integers(0, 7)),  # fmt: skip
-                   min_size=1, max_size=200)
+ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["step", "step", "step", "step", "join", "die", "leave"]), st.integers(0, 7)
+    ),
+    min_size=1,
+    max_size=200,
+)
 
 
 @settings(max_examples=150, deadline=None)

@@ -1,21 +1,12 @@
-"""The elastic loop: a training job whose devices change under it, in one process or launched.
+"""The elastic loop's parts beside :class:`tenplex_jax.ElasticJob`: its event records, resource
+traces and their replay, and JAX's persistent compilation cache.
 
-``job.py`` is :class:`ElasticJob` (events, reconfigurations, checkpoints, commits when launched),
-``steps.py`` the user's step compiled per layout (and ahead), ``trace.py`` resource traces and
-their replay against checkpoint-restart.
+``ResourceTrace.load(path)`` reads a trace of device changes; ``replay(job, trace, ...)`` drives a
+job through it; ``EventRecord`` is what ``job.records`` holds for every event.
 """
 
-from tenplex_jax.elastic.job import KINDS, ElasticJob, EventRecord
-from tenplex_jax.elastic.steps import StepCache, enable_compilation_cache
-from tenplex_jax.elastic.trace import ResourceTrace, TraceEvent, replay
+from tenplex_jax._src.elastic.events import EventRecord
+from tenplex_jax._src.elastic.steps import enable_compilation_cache
+from tenplex_jax._src.elastic.trace import ResourceTrace, TraceEvent, replay
 
-__all__ = [
-    "KINDS",
-    "ElasticJob",
-    "EventRecord",
-    "ResourceTrace",
-    "StepCache",
-    "TraceEvent",
-    "enable_compilation_cache",
-    "replay",
-]
+__all__ = ["EventRecord", "ResourceTrace", "TraceEvent", "enable_compilation_cache", "replay"]

@@ -1,0 +1,223 @@
+"""A global batch on the devices, and its gradients inside the user's jitted step.
+
+:func:`device_batch` lays global batch ``k`` of a :class:`DatasetPTC` out over the mesh's batch
+axes (each device reads only its rows); :class:`Batch` carries it with its layout and mesh, as
+``ElasticJob.next`` hands it to the step.
+
+:func:`batch_value_and_grad` replaces ``nnx.value_and_grad`` in a train step. It takes a
+*per-example* loss, so that padding rows (weight 0) drop out, and returns the mean loss over the
+real samples of the global batch and its gradient. Two ways to compute them:
+
+- **plain** (``layout.workers is None``): one SPMD computation over the padded global batch,
+  sharded over the batch axes; XLA chooses how partial gradients are reduced, so the result
+  depends on the data-parallel size in the last bits. ``layout.accumulate = k`` runs every rank's
+  rows as ``k`` sequential microbatches (gradient accumulation), for when memory caps the rows
+  a device can hold at once.
+- **virtual workers** (``layout.workers = V``): inside a ``shard_map`` over the batch axes, each
+  rank runs its units one at a time (``lax.map``: the same shapes, the same program whatever the
+  rank count) and gets one gradient per unit; the unit gradients are all-gathered and summed in
+  unit order ``((g0 + g1) + g2) + ...``. The sum therefore has the same bits on 1, 2, 3, ... or
+  ``V`` ranks, and so do the params and optimizer state after the update. It costs a gather of
+  ``V`` gradients per step (memory ``V ×`` the gradient on every rank), the sequential loop over
+  units, and, under FSDP, holding the whole params on every rank during the step (the optimizer
+  state stays sharded); ``benchmarks/RESULTS.md`` has the measured step-time ratio.
+
+The gradient is passed through ``lax.optimization_barrier`` before it is returned: otherwise XLA
+fuses the division by the sample count into the optimizer's update, and how it fuses (and so the
+rounding) depends on the shard shapes, which breaks bitwise equality across FSDP sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tenplex_jax._src.data import BatchLayout, DatasetPTC
+from tenplex_jax._src.errors import DataError
+
+# The batch dim is split over both data-parallel axes: fsdp shards params, yet splits the batch too.
+BATCH_AXES = ("data", "fsdp")
+
+
+def batch_value_and_grad(
+    per_example_loss: Callable[[Any, Any], jax.Array],
+    layout: BatchLayout,
+    mesh: Mesh,
+    *,
+    batch_axes: Sequence[str] = BATCH_AXES,
+    wrt: Any = nnx.Param,
+) -> Callable[[Any, Any, jax.Array], tuple[jax.Array, nnx.State]]:
+    """``fn(model, batch, weights) -> (loss, grads)`` for a batch laid out by ``layout``.
+
+    ``per_example_loss(model, batch)`` returns float32[b], one loss per row of ``batch``.
+    ``batch`` leaves and ``weights`` have leading dim ``layout.rows``, sharded over
+    ``batch_axes`` (see :func:`device_batch`). ``loss`` is the weighted mean over real samples,
+    ``grads`` its gradient with respect to the ``wrt`` variables of ``model``, ready for
+    ``optimizer.update(model, grads)``.
+
+    >>> grad_fn = batch_value_and_grad(example_losses, BatchLayout(24, ranks=4, workers=8), mesh)
+    >>> def step(state, batch, weights):
+    ...     model, optimizer = nnx.merge(graphdef, state)
+    ...     loss, grads = grad_fn(model, batch, weights)
+    ...     optimizer.update(model, grads)
+    ...     return nnx.state((model, optimizer)), loss
+    """
+    batch_axes = tuple(batch_axes)
+    ranks = _ranks(mesh, batch_axes)
+    if ranks != layout.ranks:
+        raise DataError(
+            f"the batch layout is for {layout.ranks} data-parallel ranks, but the mesh "
+            f"{dict(mesh.shape)} has {ranks} over the batch axes {batch_axes}"
+        )
+    compute = _virtual if layout.virtual else _plain
+    return functools.partial(compute, per_example_loss, layout, mesh, batch_axes, wrt)
+
+
+def device_batch(
+    dataset: DatasetPTC,
+    step: int,
+    layout: BatchLayout,
+    mesh: Mesh,
+    batch_axes: Sequence[str] = BATCH_AXES,
+) -> tuple[Any, jax.Array, np.ndarray]:
+    """Global batch ``step`` as arrays sharded over ``batch_axes``: (batch, weights, samples).
+
+    Each device's rows are read for that device only (``make_array_from_callback``), so in a
+    multi-process job every process reads just its ranks' samples. ``samples`` is the int64[rows]
+    index of the sample in every row (-1 on padding), for accounting.
+    """
+    sharding = NamedSharding(mesh, P(tuple(batch_axes)))
+    samples, weights = dataset.samples(step, layout)
+    blocks: dict[tuple[int, int], list[np.ndarray]] = {}
+    treedefs = []
+
+    def block(index) -> list[np.ndarray]:  # devices holding the same rows share one read
+        start, stop, _ = index[0].indices(layout.rows)
+        if (start, stop) not in blocks:
+            leaves, treedef = jax.tree.flatten(dataset.read(samples[start:stop]))
+            blocks[start, stop] = leaves
+            treedefs.append(treedef)
+        return blocks[start, stop]
+
+    first = block(next(iter(sharding.addressable_devices_indices_map((layout.rows,)).values())))
+    batch = [
+        jax.make_array_from_callback(
+            (layout.rows, *leaf.shape[1:]), sharding, lambda index, i=i: block(index)[i]
+        )
+        for i, leaf in enumerate(first)
+    ]
+    weights = jax.make_array_from_callback(weights.shape, sharding, lambda index: weights[index])
+    return jax.tree.unflatten(treedefs[0], batch), weights, samples
+
+
+def _ranks(mesh: Mesh, batch_axes: tuple[str, ...]) -> int:
+    missing = [a for a in batch_axes if a not in mesh.shape]
+    if missing:
+        raise DataError(f"batch axes {missing} are not axes of the mesh {dict(mesh.shape)}")
+    return math.prod(mesh.shape[a] for a in batch_axes)
+
+
+def _plain(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, batch, weights):
+    graphdef, params, rest = nnx.split(model, wrt, ...)
+    k = layout.accumulate
+
+    def weighted_sum(params, micro, w):
+        return jnp.sum(per_example_loss(nnx.merge(graphdef, params, rest), micro) * w)
+
+    if k == 1:
+        total, grads = jax.value_and_grad(weighted_sum)(params, batch, weights)
+    else:
+        # [ranks * slots, ...] → [k, ranks * slots / k, ...] keeping each rank's rows on its device:
+        # microbatch j takes the j-th k-th of every rank's rows.
+        def micro(x):
+            x = x.reshape(layout.ranks, k, -1, *x.shape[1:])
+            x = jnp.moveaxis(x, 1, 0)
+            x = x.reshape(k, -1, *x.shape[3:])
+            spec = P(None, batch_axes)
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+        def body(carry, xs):
+            total, grads = carry
+            t, g = jax.value_and_grad(weighted_sum)(params, *xs)
+            return (total + t, jax.tree.map(jnp.add, grads, g)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        xs = (jax.tree.map(micro, batch), micro(weights))
+        (total, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), xs)
+    return _normalize(total, grads, weights)
+
+
+def _virtual(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, batch, weights):
+    graphdef, params, rest = nnx.split(model, wrt, ...)
+    order = [int(i) for i in layout.unit_rows()]  # unit v's row in the gathered [ranks*slots] stack
+
+    def per_unit(params, rest, unit_batch, unit_weights):
+        def weighted_sum(params):
+            losses = per_example_loss(nnx.merge(graphdef, params, rest), unit_batch)
+            return jnp.sum(losses * unit_weights)
+
+        return jax.value_and_grad(weighted_sum)(params)
+
+    def local(params, rest, batch, weights):
+        def units(x):  # this rank's [slots * unit, ...] rows → [slots, unit, ...]
+            return x.reshape(layout.slots, layout.unit, *x.shape[1:])
+
+        out = jax.lax.map(
+            lambda xs: per_unit(params, rest, *xs), (jax.tree.map(units, batch), units(weights))
+        )
+        out = jax.lax.all_gather(out, batch_axes, tiled=True)  # [ranks * slots, ...] everywhere
+        return jax.tree.map(lambda s: functools.reduce(jnp.add, [s[i] for i in order]), out)
+
+    total, grads = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(), P(), P(batch_axes), P(batch_axes)),
+        out_specs=P(),
+        axis_names=set(batch_axes),
+        check_vma=False,
+    )(params, rest, batch, weights)
+    return _normalize(total, grads, weights)
+
+
+def _normalize(total, grads, weights):
+    count = jnp.sum(weights)  # a small integer in float32: exact in any summation order
+    grads = jax.tree.map(lambda g: g / count, grads)
+    return total / count, jax.lax.optimization_barrier(grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A global batch laid out for the current mesh: what ``job.next`` hands the user's step.
+
+    ``data`` and ``weights`` (1 on real rows, 0 on padding) have leading dim ``layout.rows``,
+    sharded over ``batch_axes``; the layout and mesh are static, so a step traced for one layout
+    is never reused for another.
+    """
+
+    data: Any
+    weights: jax.Array
+    layout: BatchLayout
+    mesh: Mesh
+    batch_axes: tuple[str, ...] = BATCH_AXES
+
+    def value_and_grad(self, per_example_loss, *, wrt=nnx.Param):
+        """``fn(model) -> (loss, grads)`` over this batch (see ``tj.batch_value_and_grad``)."""
+        fn = batch_value_and_grad(
+            per_example_loss, self.layout, self.mesh, batch_axes=self.batch_axes, wrt=wrt
+        )
+        return lambda model: fn(model, self.data, self.weights)
+
+
+jax.tree_util.register_dataclass(
+    Batch, data_fields=["data", "weights"], meta_fields=["layout", "mesh", "batch_axes"]
+)

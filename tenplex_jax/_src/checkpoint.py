@@ -1,0 +1,550 @@
+"""The persistent tier: a train state, its PTC and the dataset cursor as an orbax checkpoint.
+
+``save_checkpoint`` writes the state with orbax (every process writes its own shards, so it works
+under ``jax.distributed``) next to a small JSON record: the step, the PTC it was saved from (leaf
+paths, shapes, dtypes, specs, config, devices) and the dataset's :class:`DataState`.
+``restore_checkpoint`` reads it back onto *any* PTC — another config, other devices, another
+process count — because orbax restores each leaf straight into the target ``NamedSharding``.
+
+It also restores a checkpoint written by plain orbax, without the tenplex record: the target PTC,
+built from the model and its logical-axis rules, supplies the shardings that the checkpoint lacks.
+Leaves are matched by tree path; ``nnx.State`` saved as such stores each leaf as ``<path>/value``,
+which matches ``<path>``; ``prefix=`` maps checkpoint paths under a part of the state (a checkpoint
+of ``nnx.state(model)`` restores into the ``"model/"`` part of a ``{"model", "optimizer"}`` state).
+
+>>> tj.save_checkpoint("ckpt", state, ptc, step=100, data_state=dataset.state())
+>>> new = tj.PTC.of(abstract_state, rules, tj.ParallelConfig(data=3), jax.devices()[:3])
+>>> restored = tj.restore_checkpoint("ckpt", new)       # latest step, laid out as `new`
+>>> state, step = restored.state, restored.step
+>>> dataset.restore(restored.data_state)                # the cursor resumes exactly once
+
+Only finished, intact checkpoints are read. Orbax writes each step into a temporary directory and
+renames it when every process is done; then process 0 lists every file of the step with its size
+and crc32 (``tenplex-files.json``, written atomically, last). A step without that list is
+unfinished. A restore checks its metadata and record against it first, then every file of the
+leaves it reads while orbax reads them, and raises ``CheckpointError`` naming the step, the leaf
+and the file when one differs or is missing (the arrays read are dropped: none is returned).
+``latest_checkpoint`` names the newest step whose files all check. Each leaf is stored in its own
+directory (orbax without OCDBT: a chunk file per saved shard), so a damaged file names its leaf.
+Checkpoints written by plain orbax have no file list and are read unchecked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+
+from tenplex_jax._src import checksums, tree
+from tenplex_jax._src.data import DataState
+from tenplex_jax._src.errors import CheckpointError, DataError, where
+from tenplex_jax._src.executor import check_tree
+from tenplex_jax._src.ptc import PTC
+
+FORMAT = "tenplex_jax/checkpoint/2"  # 2: a leaf per directory, the step's files checksummed
+FORMATS = ("tenplex_jax/checkpoint/1", FORMAT)  # 1: OCDBT, no file list (read unchecked)
+STATE, RECORD = "state", "tenplex"
+FILES = "tenplex-files.json"  # in a step directory: its files, sizes and checksums
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What ``restore_checkpoint`` read: the state laid out as the target PTC, and its context.
+
+    ``step`` and ``data_state`` are ``None`` when the checkpoint does not say (plain orbax);
+    ``source`` is the saved PTC's JSON record, ``None`` for plain orbax checkpoints.
+    """
+
+    state: Any
+    step: int | None
+    data_state: DataState | None
+    source: dict | None
+    path: pathlib.Path
+
+    @property
+    def tenplex(self) -> bool:
+        return self.source is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """A save in flight (``wait=False``) or done: ``wait()`` blocks until the step is on disk,
+    its file list included (raising what the save raised)."""
+
+    step: int
+    path: pathlib.Path
+    finisher: threading.Thread = dataclasses.field(repr=False)
+    outcome: list = dataclasses.field(repr=False)  # [] while running, then [None] or [error]
+
+    def wait(self) -> Saved:
+        self.finisher.join()
+        if self.outcome and self.outcome[0] is not None:
+            raise self.outcome[0]
+        return self
+
+
+def save_checkpoint(
+    directory,
+    state,
+    ptc: PTC,
+    *,
+    step: int,
+    data_state: DataState | None = None,
+    wait: bool = True,
+    keep: int | None = None,
+) -> Saved:
+    """Write ``state`` (laid out as ``ptc``) as step ``step`` under ``directory``.
+
+    With ``wait=False`` the arrays are copied off the devices before this returns and written in the
+    background; call ``.wait()`` on the result before relying on the step. ``keep`` bounds the
+    number
+    of steps kept (oldest deleted first). Every process of a multi-process job must call this.
+    """
+    paths, arrays, _ = tree.arrays(state)
+    check_tree(paths, ptc)
+    for array, leaf in zip(arrays, ptc.leaves):
+        if tuple(np.shape(array)) != leaf.shape:
+            raise CheckpointError(
+                f"the state has shape {tuple(np.shape(array))} where the PTC says otherwise: "
+                + where(leaf.path, leaf.shape, leaf.spec, ptc.config.describe())
+            )
+    directory = pathlib.Path(directory).absolute()
+    record = {
+        "format": FORMAT,
+        "step": int(step),
+        "ptc": ptc.to_json(),
+        "data_state": None if data_state is None else dataclasses.asdict(data_state),
+    }
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=not wait)
+    manager = ocp.CheckpointManager(
+        directory,
+        options=options,
+        item_handlers={  # a directory per leaf (no OCDBT): a damaged file names its leaf
+            STATE: ocp.PyTreeCheckpointHandler(use_ocdbt=False),
+            RECORD: ocp.JsonCheckpointHandler(),
+        },
+    )
+    if int(step) in manager.all_steps():
+        manager.close()
+        raise CheckpointError(
+            f"step {step} already exists under {directory}; steps are written once"
+        )
+    manager.save(
+        int(step),
+        args=ocp.args.Composite(
+            **{
+                STATE: ocp.args.PyTreeSave(_nested(paths, arrays)),
+                RECORD: ocp.args.JsonSave(record),
+            }
+        ),
+    )
+    step_dir, outcome = directory / str(int(step)), []
+
+    def finish():  # the file list goes last: a step without it is unfinished
+        try:
+            manager.wait_until_finished()
+            if jax.process_index() == 0:
+                _write_file_list(step_dir)
+            outcome.append(None)
+        except Exception as error:
+            outcome.append(error)
+        finally:
+            manager.close()
+
+    finisher = threading.Thread(target=finish, name=f"tenplex-checkpoint-{step}")
+    finisher.start()
+    saved = Saved(int(step), step_dir, finisher, outcome)
+    return saved.wait() if wait else saved
+
+
+def saved_steps(directory) -> list[int]:
+    """Every step orbax finished writing under ``directory`` (checked or not), ascending."""
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        return []
+    steps = ocp.path.step.checkpoint_steps(directory)
+    return sorted(s for s in steps if ocp.path.step.is_checkpoint_finalized(directory / str(s)))
+
+
+def latest_checkpoint(directory) -> int | None:
+    """The newest finished step under ``directory`` whose files all check (every file of a step
+    written by ``save_checkpoint`` is read and its checksum compared), or ``None``: an unfinished
+    or damaged step is passed over for an earlier intact one."""
+    directory = pathlib.Path(directory)
+    for step in reversed(saved_steps(directory)):
+        step_dir = directory / str(step)
+        if not (step_dir / RECORD).is_dir():
+            return step  # written by plain orbax: nothing recorded to check it against
+        try:
+            _check_files(step_dir, step, leaves=None)
+        except CheckpointError:
+            continue
+        return step
+    return None
+
+
+def restore_checkpoint(
+    directory, target: PTC, *, step: int | None = None, prefix: str = "", verify: bool = True
+):
+    """Read a checkpoint onto ``target``'s layout; returns :class:`Restored`.
+
+    ``directory`` is a directory of steps (as written by ``save_checkpoint`` or an orbax
+    ``CheckpointManager``; ``step`` defaults to the latest intact one) or one plain orbax PyTree
+    checkpoint. Every leaf of ``target`` must be in the checkpoint with the same shape and dtype;
+    checkpoint leaves the target lacks are not read. ``prefix`` is prepended to checkpoint paths.
+    The files the restore reads are checked against the step's file list (while orbax reads
+    them); a damaged, missing or unfinished step raises ``CheckpointError`` and nothing is
+    restored. ``verify=False`` skips reading them for their checksums (``latest_checkpoint`` has
+    just checked the step).
+    """
+    item, step_dir = _locate(pathlib.Path(directory).absolute(), step)
+    step = _plain_step(step_dir)
+    checked = verify and step_dir is not None and (step_dir / RECORD).is_dir()
+    if checked:  # the metadata and the record, before either is read
+        _check_files(step_dir, step, leaves=set())
+    record = _read_record(step_dir / RECORD) if step_dir is not None else None
+    if record is not None and record["format"] == FORMATS[0]:
+        checked = False  # written before the file lists: read unchecked
+    stored = _orbax(lambda: _stored_leaves(item), item, step)
+    mesh = target.mesh()
+    restore_paths, targets = [], []
+    for leaf in target.leaves:
+        key = _lookup(stored, prefix, leaf.path)
+        if key is None:
+            raise CheckpointError(_missing_message(leaf, target, stored, prefix, item))
+        shape, dtype = stored[key]
+        if (shape is not None and tuple(shape) != leaf.shape) or not _same_dtype(dtype, leaf.dtype):
+            raise CheckpointError(
+                f"a checkpoint leaf must have the target's shape and dtype: {item} has {key!r} "
+                f"as {tuple(shape or ())} {dtype}, the target wants {leaf.shape} {leaf.dtype}: "
+                + where(leaf.path, leaf.shape, leaf.spec, target.config.describe())
+            )
+        restore_paths.append(key)
+        sharding = NamedSharding(mesh, leaf.spec)
+        targets.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
+    tree = _nested(restore_paths, targets)
+
+    def read():
+        return _orbax(
+            lambda: ocp.PyTreeCheckpointer().restore(
+                item,
+                args=ocp.args.PyTreeRestore(
+                    item=tree,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+                    partial_restore=True,
+                ),
+            ),
+            item,
+            step,
+        )
+
+    if checked:  # the leaves' files: their sizes first, their bytes while orbax reads them
+        leaves = {_orbax_name(key): key for key in restore_paths}
+        _check_files(step_dir, step, leaves=leaves, contents=False)
+        restored = _while_checked(read, lambda: _check_files(step_dir, step, leaves=leaves))
+    else:
+        restored = read()
+    arrays = [_get(restored, key) for key in restore_paths]
+    state = jax.tree_util.tree_unflatten(target.treedef, arrays)
+    if record is None:
+        return Restored(state, step, None, None, item)
+    data = record.get("data_state")
+    return Restored(
+        state,
+        record["step"],
+        None if data is None else DataState.from_dict(data),
+        record["ptc"],
+        item,
+    )
+
+
+# -- the file list of a step ----------------------------------------------------------------------
+
+
+def _write_file_list(step_dir: pathlib.Path) -> None:
+    """List every file of a finished step with its size and checksum, atomically, last."""
+    names = sorted(
+        str(p.relative_to(step_dir))
+        for p in step_dir.rglob("*")
+        if p.is_file() and p.name != FILES and not p.name.startswith(f".{FILES}")
+    )
+    sums = checksums.of_files(step_dir, names)
+    body = {"files": {name: {"bytes": s[0], "checksum": s[1]} for name, s in sums.items() if s}}
+    body["checksum"] = checksums.of(json.dumps(body["files"], sort_keys=True).encode())
+    tmp = step_dir / f".{FILES}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(body, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, step_dir / FILES)
+    fd = os.open(step_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename survives a crash of the machine
+    finally:
+        os.close(fd)
+
+
+def _check_files(
+    step_dir: pathlib.Path, step, *, leaves: dict[str, str] | set | None, contents: bool = True
+) -> None:
+    """``CheckpointError`` unless the files a restore of ``leaves`` reads (orbax's name -> the
+    leaf's path; ``None``: every leaf, an empty set: none) match the step's file list; the
+    metadata and record files are always checked. ``contents=False`` compares sizes only (a
+    stat per file: what makes a reader fail outright, a missing or truncated file)."""
+    where_ = f"checkpoint step {step} in {step_dir.parent}"
+    try:
+        body = json.loads((step_dir / FILES).read_text())
+        files = body["files"]
+        if checksums.of(json.dumps(files, sort_keys=True).encode()) != body["checksum"]:
+            raise ValueError("its own checksum does not match")
+        listed = {name: (int(f["bytes"]), str(f["checksum"])) for name, f in files.items()}
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{where_} is unfinished or damaged: it has no file list ({FILES}, written after "
+            f"every file of the step); nothing restored"
+        ) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(
+            f"{where_} is damaged: its file list {FILES} cannot be read ({error}); nothing restored"
+        ) from None
+    leaf_dirs = {
+        name.split("/")[1]
+        for name in listed
+        if name.startswith(f"{STATE}/") and name.endswith("/.zarray") and name.count("/") == 2
+    }
+    wanted = []
+    for name in listed:
+        parts = name.split("/")
+        leaf = parts[1] if parts[0] == STATE and len(parts) > 2 and parts[1] in leaf_dirs else None
+        if leaf is None or leaves is None or leaf in leaves:
+            wanted.append((name, leaf))
+    names = [name for name, _ in wanted]
+    found = checksums.of_files(step_dir, names) if contents else _sizes(step_dir, names, listed)
+    damaged = []
+    for name, leaf in wanted:
+        got, (nbytes, checksum) = found[name], listed[name]
+        if got is None:
+            why = "is missing"
+        elif got[0] != nbytes:
+            why = f"has {got[0]} bytes where {nbytes} were written"
+        elif got[1] != checksum:
+            why = f"has checksum {got[1]} where {checksum} was written"
+        else:
+            continue
+        shown = "" if leaf is None else f"leaf {_leaf_name(leaf, leaves)!r}: "
+        damaged.append(f"{shown}file {name} {why}")
+    if damaged:
+        more = f"; and {len(damaged) - 4} more" if len(damaged) > 4 else ""
+        raise CheckpointError(
+            f"{where_} is damaged, nothing restored: " + "; ".join(damaged[:4]) + more
+        )
+
+
+def _sizes(root: pathlib.Path, names, listed) -> dict:
+    """``checksums.of_files``'s answer from a stat per file: the size found, the listed checksum."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = (os.stat(root / name).st_size, listed[name][1])
+        except FileNotFoundError:
+            out[name] = None
+    return out
+
+
+def _while_checked(read, check):
+    """``read()`` while ``check()`` runs on a thread (both read the same files, mostly from the
+    page cache, and crc32 releases the GIL); the check's ``CheckpointError`` wins over whatever
+    ``read`` returned or raised, so damaged bytes never reach the caller."""
+    failed: list[CheckpointError] = []
+
+    def run():
+        try:
+            check()
+        except CheckpointError as error:
+            failed.append(error)
+
+    checker = threading.Thread(target=run, name="tenplex-checkpoint-check")
+    checker.start()
+    try:
+        result = read()
+    except BaseException as error:
+        checker.join()
+        if failed:
+            raise failed[0] from error
+        raise
+    checker.join()
+    if failed:
+        del result  # the restored arrays hold damaged bytes
+        raise failed[0]
+    return result
+
+
+def _leaf_name(orbax_name: str, leaves) -> str:
+    if isinstance(leaves, dict):
+        return leaves.get(orbax_name, orbax_name)
+    return orbax_name.replace(".", "/")
+
+
+def _orbax_name(key: str) -> str:
+    """The directory orbax stores a leaf in (its nested keys joined by ".")."""
+    return key.replace("/", ".")
+
+
+def _orbax(read, item, step):
+    """Run an orbax read; anything it raises on a checkpoint it cannot read is a CheckpointError."""
+    try:
+        return read()
+    except CheckpointError:
+        raise
+    except Exception as error:  # orbax and tensorstore raise anything on bad files
+        raise CheckpointError(
+            f"checkpoint {item} (step {step}) cannot be read: {type(error).__name__}: {error}"
+        ) from error
+
+
+def _nested(paths: list[str], values: list) -> dict:
+    """``["a/b", "a/c"]`` → ``{"a": {"b": ..., "c": ...}}`` (string keys, as orbax stores them)."""
+    tree: dict = {}
+    for path, value in zip(paths, values):
+        *parents, name = path.split("/")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[name] = value
+    return tree
+
+
+def _get(tree: dict, path: str):
+    for part in path.split("/"):
+        tree = tree[part]
+    return tree
+
+
+def _locate(directory: pathlib.Path, step: int | None) -> tuple[pathlib.Path, pathlib.Path | None]:
+    """(the PyTree item directory, the step directory or None for a bare PyTree checkpoint)."""
+    if not directory.is_dir():
+        raise CheckpointError(f"no checkpoint at {directory}: not a directory")
+    if _is_pytree(directory):
+        if step is not None:
+            raise CheckpointError(f"{directory} is a single checkpoint; it has no step {step}")
+        return directory, None
+    if step is None:
+        step = latest_checkpoint(directory)
+        if step is None:
+            raise CheckpointError(f"no finished checkpoint step under {directory}")
+    step_dir = directory / str(int(step))
+    if not step_dir.is_dir() or not ocp.path.step.is_checkpoint_finalized(step_dir):
+        have = ocp.path.step.checkpoint_steps(directory)
+        raise CheckpointError(
+            f"no finished checkpoint for step {step} under {directory}; finished: {sorted(have)}"
+        )
+    for name in (STATE, "default"):
+        if _is_pytree(step_dir / name):
+            return step_dir / name, step_dir
+    if _is_pytree(step_dir):
+        return step_dir, step_dir
+    items = sorted(p.name for p in step_dir.iterdir() if _is_pytree(p))
+    if len(items) == 1:
+        return step_dir / items[0], step_dir
+    raise CheckpointError(
+        f"step {step} under {directory} must hold one PyTree item (or one named {STATE!r}), "
+        f"found {items}"
+    )
+
+
+def _is_pytree(path: pathlib.Path) -> bool:
+    return (path / "_METADATA").is_file() or (path / "manifest.ocdbt").is_file()
+
+
+def _read_record(path: pathlib.Path) -> dict | None:
+    """The tenplex record of a step, its fields checked (a wrong type is a damaged record)."""
+    if not path.is_dir():
+        return None
+    record = _orbax(lambda: ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(path), path, "?")
+    problem = None
+    if not isinstance(record, dict) or record.get("format") not in FORMATS:
+        problem = f"the format is not one of {FORMATS}"
+    elif type(record.get("step")) is not int or record["step"] < 0:
+        problem = f"step {record.get('step')!r} is not an integer >= 0"
+    elif not isinstance(record.get("ptc"), dict):
+        problem = "it holds no PTC record"
+    elif record.get("data_state") is not None:
+        try:
+            DataState.from_dict(record["data_state"])
+        except DataError as error:
+            problem = str(error)
+    if problem is not None:
+        raise CheckpointError(
+            f"{path} is not a valid tenplex_jax checkpoint record: {problem}: {str(record)[:200]}"
+        )
+    return record
+
+
+def _stored_leaves(item: pathlib.Path) -> dict[str, tuple[tuple[int, ...] | None, Any]]:
+    """Checkpoint path → (shape, dtype) from the checkpoint's metadata; nothing is read yet."""
+    tree = ocp.PyTreeCheckpointHandler().metadata(item)
+    tree = getattr(tree, "tree", tree)
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="/"): (
+            getattr(meta, "shape", None),
+            getattr(meta, "dtype", None),
+        )
+        for path, meta in leaves
+    }
+
+
+def _lookup(stored: dict, prefix: str, path: str) -> str | None:
+    if prefix:
+        if not path.startswith(prefix.rstrip("/") + "/"):
+            return None
+        path = path[len(prefix.rstrip("/")) + 1 :]
+    for key in (path, path + "/value"):  # nnx.State saved as such keeps the Variable's `value`
+        if key in stored:
+            return key
+    return None
+
+
+def _missing_message(leaf, target: PTC, stored: dict, prefix: str, item) -> str:
+    near = [k for k in stored if k.endswith(leaf.path.split("/")[-1])][:3]
+    hint = ""
+    if near:
+        hint = f"; the checkpoint has similar paths {near} — pass prefix= to map them"
+    return (
+        f"every target leaf must be in the checkpoint: {item} (prefix {prefix!r}) has no "
+        f"{leaf.path!r}; it holds {len(stored)} leaves, e.g. {list(stored)[:4]}{hint}: "
+        + where(leaf.path, leaf.shape, leaf.spec, target.config.describe())
+    )
+
+
+def _same_dtype(stored, wanted) -> bool:
+    if stored is None:
+        return True
+    try:
+        return np.dtype(stored) == np.dtype(wanted)
+    except TypeError:  # PRNG key dtypes are not numpy dtypes
+        return str(stored) == str(wanted)
+
+
+def _plain_step(step_dir: pathlib.Path | None) -> int | None:
+    if step_dir is None:
+        return None
+    try:
+        return int(step_dir.name)
+    except ValueError:
+        return None
+
+
+def read_record(directory, step: int | None = None) -> dict | None:
+    """The tenplex JSON record of a checkpoint step (``None`` for plain orbax), without its
+    arrays."""
+    _, step_dir = _locate(pathlib.Path(directory).absolute(), step)
+    return None if step_dir is None else _read_record(step_dir / RECORD)

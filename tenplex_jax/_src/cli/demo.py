@@ -1,0 +1,497 @@
+"""``tenplex-jax demo``: train the reference GPT with ``ElasticJob`` while its devices change.
+
+The job starts on fake CPU devices and, at the steps of a schedule, is moved onto a different set
+of devices in a different layout (``job.redeploy``): the whole train state (params, AdamW moments,
+step counters) is resharded with a plan from the old PTC to the new one, and training goes on with
+the same batches it would have seen without the change. Then the same steps run again without any
+change. Losses, resize costs and a plot go to an output folder, so the run shows that a resize
+neither disturbs the loss curve nor costs more than the bytes the plan moves.
+
+Two schedules:
+
+- the default changes every dimension: the mixture-of-experts GPT goes from ``data=2,expert=4`` on
+  8 devices to ``expert=2,tensor=2`` on 4, ``pipe=2,data=3`` on 6 (a GPipe pipeline) and back to
+  ``data=2,expert=4`` on 8. Tensor, expert and pipeline changes regroup float32 sums, so the params
+  agree with the fixed run to rounding (``params_vs_fixed_run`` gives the max relative difference;
+  a rounding difference that flips a token's top-k choice makes the runs drift further apart);
+- ``--bitwise`` changes the data-parallel degree only (8 → 4 → 6 → 8, the planner choosing data and
+  FSDP sizes for each count): with virtual workers the params equal the fixed run bit for bit.
+
+Every global batch is trained exactly once in both. :func:`choose_devices` stands in for a
+scheduler. ``train`` is shared with the trace replay (``trace_demo.py``). The reference model is the
+repository's ``models/``, installed as ``tenplex_jax_models``; it is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from tenplex_jax._src.data import BatchLayout, DatasetPTC
+from tenplex_jax._src.elastic.job import ElasticJob
+from tenplex_jax._src.elastic.trace import ResourceTrace, TraceEvent, replay
+from tenplex_jax._src.errors import LayoutError
+from tenplex_jax._src.mesh import ParallelConfig
+
+MIB = 2**20
+
+
+# (step, layout) entries: a layout is a device count (the planner picks data and FSDP sizes) or
+# axis sizes over the model's mesh; a step-0 entry is the initial layout
+MOE_SCHEDULE = "0:data=2,expert=4; 15:expert=2,tensor=2; 30:pipe=2,data=3; 45:data=2,expert=4"
+DENSE_SCHEDULE = "0:data=8; 15:data=2,tensor=2; 30:pipe=2,data=3; 45:data=8"
+BITWISE_SCHEDULE = "15:4,30:6,45:8"
+
+Layout = int | tuple[tuple[str, int], ...]  # a device count, or (axis, size) pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoOptions:
+    """Everything a demo run depends on; the CLI flags map one to one onto these fields."""
+
+    out: pathlib.Path = pathlib.Path("out/demo")
+    model: str = "moe-small"
+    steps: int = 60
+    schedule: tuple[tuple[int, Layout], ...] = ()  # () : the model's default (see above)
+    batch: int = 24
+    lr: float = 3e-3
+    method: str = "plan"
+    devices: int = 8
+    seed: int = 0
+    workers: int | None = 8  # virtual data-parallel workers; None: plain data parallelism
+    samples: int = 1000  # dataset size: not a multiple of the batch, so an epoch ends mid-run
+    bitwise: bool = False  # the data-parallel schedule (the default schedule's only)
+
+    @property
+    def plan(self) -> tuple[tuple[int, Layout], ...]:
+        """The schedule, or the default for the mode and model."""
+        if self.schedule:
+            return self.schedule
+        if self.bitwise:
+            return parse_schedule(BITWISE_SCHEDULE)
+        return parse_schedule(MOE_SCHEDULE if is_moe(self.model) else DENSE_SCHEDULE)
+
+
+def is_moe(model: str) -> bool:
+    return model.startswith("moe")
+
+
+def parse_schedule(text: str) -> tuple[tuple[int, Layout], ...]:
+    """``"15:4,30:6"`` → ``((15, 4), (30, 6))``: at step 15 move to 4 devices, at 30 to 6 (the
+    planner picks each layout). With axis sizes, entries are separated by ``;``:
+    ``"0:data=2,expert=4; 15:expert=2,tensor=2"`` starts on ``data=2,expert=4`` and moves to
+    ``expert=2,tensor=2`` at step 15."""
+    entries = text.split(";") if "=" in text else text.split(",")
+    schedule = []
+    for part in filter(None, (p.strip() for p in entries)):
+        step, sep, layout = part.partition(":")
+        layout = layout.strip()
+        if not sep or not step.strip().isdigit():
+            raise ValueError(
+                "a schedule is 'step:devices,...' such as '15:4,30:6', or "
+                "'step:axis=size,...;...' "
+                f"such as '0:data=2,expert=4; 15:expert=2,tensor=2', got {text!r}"
+            )
+        if layout.isdigit():
+            schedule.append((int(step), int(layout)))
+            continue
+        sizes = []
+        for pair in filter(None, (p.strip() for p in layout.split(","))):
+            axis, eq, size = pair.partition("=")
+            if not eq or not axis.strip().isidentifier() or not size.strip().isdigit():
+                raise ValueError(
+                    f"a layout is axis=size pairs such as data=2,expert=4, got {part!r}"
+                )
+            sizes.append((axis.strip(), int(size)))
+        if not sizes:
+            raise ValueError(f"a schedule entry names devices or a layout, got {part!r}")
+        schedule.append((int(step), tuple(sizes)))
+    return tuple(schedule)
+
+
+def layout_config(model: str, sizes: tuple[tuple[str, int], ...]):
+    """The parallel config of axis sizes over the model's mesh (the MoE GPT has an ``expert``
+    axis)."""
+    from tenplex_jax_models import moe_config
+
+    try:
+        return moe_config(**dict(sizes)) if is_moe(model) else ParallelConfig(**dict(sizes))
+    except (TypeError, ValueError) as error:
+        axes = "pipe, data, fsdp, expert, tensor" if is_moe(model) else "pipe, data, fsdp, tensor"
+        raise LayoutError(
+            f"the {model} GPT's mesh has axes {axes}; got layout {dict(sizes)} ({error})"
+        ) from None
+
+
+def choose_devices(n: int, current: Sequence[int], total: int) -> tuple[int, ...]:
+    """The device ids a job resized from ``current`` to ``n`` devices gets, out of ``0..total-1``.
+
+    The rule mimics a scheduler: a shrink keeps the lowest-numbered current devices (the job gives
+    back its top devices); a grow takes the ``n`` highest-numbered devices (the devices freed at the
+    top of the machine), so it overlaps the current set only partly. The default schedule 8 → 4 → 6
+    → 8 thus runs on 0..7, then 0..3 (smaller), 2..7 (overlapping: 2 and 3 keep their shards, 4..7
+    are new) and 0..7 (larger). An unchanged count keeps the current devices.
+    """
+    if not 1 <= n <= total:
+        raise LayoutError(f"a job can run on 1 to {total} devices, asked for {n}")
+    if n < len(current):
+        return tuple(sorted(current)[:n])
+    if n == len(current):
+        return tuple(current)
+    return tuple(range(total - n, total))
+
+
+def schedule_trace(options: DemoOptions) -> tuple[ResourceTrace, dict | None, tuple[int, ...]]:
+    """The schedule as a resource trace of ``redeploy`` events, checked before any training: (the
+    trace, the layout of each device count or None for the planner's, the initial devices)."""
+    schedule = list(options.plan)
+    layouts: dict[int, ParallelConfig] = {}
+
+    def count(layout) -> int:
+        if isinstance(layout, int):
+            return layout
+        config = layout_config(options.model, layout)
+        n = config.num_devices
+        if layouts.setdefault(n, config) != config:
+            raise LayoutError(
+                f"the demo runs one layout per device count, but {n} devices get both "
+                f"{layouts[n]} and {config} in the schedule {format_schedule(options.plan)}"
+            )
+        return n
+
+    first = schedule.pop(0)[1] if schedule and schedule[0][0] == 0 else options.devices
+    current = tuple(range(count(first)))
+    if len(current) > options.devices:
+        raise LayoutError(f"the initial layout needs {len(current)} of {options.devices} devices")
+    initial, last, events = current, 0, []
+    for step, layout in schedule:
+        if not last < step < options.steps:
+            raise LayoutError(
+                f"schedule steps must increase and lie in 1..{options.steps - 1} (the run has "
+                f"{options.steps} steps), got {format_schedule(options.plan)}"
+            )
+        current = choose_devices(count(layout), current, options.devices)
+        events.append(TraceEvent(step, "redeploy", devices=current))
+        last = step
+    if layouts and any(isinstance(layout, int) for _, layout in options.plan):
+        raise LayoutError(
+            f"a schedule gives every layout or none (device counts only, for the planner), got "
+            f"{format_schedule(options.plan)}"
+        )
+    trace = ResourceTrace("schedule", options.devices, options.steps, tuple(events))
+    return trace, layouts or None, initial
+
+
+def format_schedule(schedule) -> str:
+    """The schedule as ``parse_schedule`` reads it."""
+    if all(isinstance(layout, int) for _, layout in schedule):
+        return ",".join(f"{step}:{n}" for step, n in schedule)
+    return "; ".join(
+        f"{step}:" + (str(n) if isinstance(n, int) else ",".join(f"{a}={s}" for a, s in n))
+        for step, n in schedule
+    )
+
+
+@dataclasses.dataclass
+class Run:
+    """What one training run produced."""
+
+    job: ElasticJob
+    state: list[np.ndarray]  # the final state, on the host
+    losses: list[float]
+    samples: list[np.ndarray]  # per step, the real samples of its global batch
+    wall: float  # from the end of the first step to the end of the last
+    start_up: float  # building the state and the first step (its compile)
+
+
+def train(
+    options: DemoOptions,
+    trace: ResourceTrace,
+    source,
+    bar,
+    layouts: dict | None = None,
+    initial: tuple[int, ...] | None = None,
+    **job_options,
+) -> Run:
+    """Train ``trace.steps`` steps of the GPT with ``ElasticJob`` through ``trace``'s events,
+    starting on ``initial`` (default all devices).
+
+    The layout of each device count comes from ``layouts``, or else from the planner; the dataset
+    PTC serves every step's global batch, so an event changes how the batch is split over ranks,
+    never which samples it holds.
+    """
+    from tenplex_jax_models import CPU, LOGICAL_RULES, MOE_RULES, build_state, profile_of
+
+    if layouts is None:  # the planner picks data and FSDP sizes with the model's profile
+        job_options |= {"profile": profile_of(options.model), "device_type": CPU}
+    else:
+
+        def config(n: int) -> ParallelConfig:
+            if n not in layouts:
+                raise LayoutError(f"the schedule gives no layout for {n} devices")
+            return layouts[n]
+
+        job_options |= {"config": config}
+
+    step_fn = _train_step(options.model, options.lr, options.seed)
+    losses, samples, done = {}, {}, []
+
+    def on_step(job, metrics):
+        i = job.step - 1
+        losses[i], samples[i] = float(metrics["loss"]), job.samples[job.samples >= 0]
+        done.append(time.perf_counter())
+        bar.n = job.step
+        bar.set_postfix({"loss": f"{losses[i]:.3f}", "config": str(job.ptc.config)})
+
+    dataset = DatasetPTC(source, options.batch, seed=options.seed)
+    with ElasticJob(
+        MOE_RULES if is_moe(options.model) else LOGICAL_RULES,
+        dataset,
+        devices=jax.devices()[: trace.devices],
+        initial=initial,
+        workers=options.workers,
+        steps=trace.steps,
+        method=options.method,
+        log=bar.write,
+        **job_options,
+    ) as job:
+        tic = time.perf_counter()
+        state = job.start(lambda: build_state(options.model, options.lr, options.seed)[1])
+        state = replay(job, state, job.jit(step_fn), trace, on_step=on_step)
+        host = [np.asarray(x) for x in jax.tree.leaves(state)]
+    return Run(
+        job,
+        host,
+        [losses[i] for i in range(trace.steps)],
+        [samples[i] for i in range(trace.steps)],
+        done[-1] - done[0],
+        done[0] - tic,
+    )
+
+
+@functools.cache
+def _train_step(model: str, lr: float, seed: int):
+    """The reference train step, one function object per model: the run without resizes compiles
+    its layout from JAX's in-memory cache of the resized run's."""
+    from tenplex_jax_models import build_state, train_step
+
+    return train_step(build_state(model, lr, seed, abstract=True)[0])
+
+
+def run(options: DemoOptions) -> dict:
+    """Train with resizes and once more without, write ``loss.png`` and ``summary.json``."""
+    from tqdm import tqdm
+
+    from tenplex_jax_models import build_state, corpus_samples, param_count, stdlib_corpus
+
+    started = time.perf_counter()
+    trace, layouts, initial = schedule_trace(options)
+    if len(jax.devices()) < options.devices:
+        raise LayoutError(f"the demo needs {options.devices} devices, found {len(jax.devices())}")
+    BatchLayout(options.batch, 1, options.workers)  # a bad batch fails before any training
+    _, abstract, cfg = build_state(options.model, options.lr, options.seed, abstract=True)
+    source = corpus_samples(stdlib_corpus(), cfg.seq_len, options.samples)
+    with tqdm(total=options.steps, desc=f"{options.model} resized", unit="step") as bar:
+        resized = train(options, trace, source, bar, layouts, initial, exact_step_times=True)
+        resized_seconds = time.perf_counter() - started
+        bar.reset()
+        bar.set_description(f"{options.model} fixed")
+        fixed = train(
+            options,
+            dataclasses.replace(trace, events=()),
+            source,
+            bar,
+            layouts,
+            initial,
+            compile_ahead=False,
+        )
+    job = resized.job
+    seen = np.concatenate(resized.samples)
+    first = job.step_log[0] if job.step_log else (0, float("nan"), "")
+    summary = {
+        "model": options.model,
+        "param_count": param_count(abstract),
+        "state_bytes": job.ptc.nbytes,
+        "global_batch": options.batch,
+        "virtual_workers": options.workers,
+        "dataset_samples": options.samples,
+        "seq_len": cfg.seq_len,
+        "steps": options.steps,
+        "lr": options.lr,
+        "seed": options.seed,
+        "method": options.method,
+        "devices": options.devices,
+        "mode": "bitwise" if options.bitwise else "every dimension",
+        "schedule": format_schedule(options.plan),
+        "initial": {
+            "config": str(job.config_for(len(initial))),
+            "devices": list(initial),
+            "first_step_seconds": first[1],
+        },
+        "resizes": [_resize_record(r, job.step_log) for r in job.records],
+        "exactly_once": exactly_once(resized.samples, fixed.samples, options.samples),
+        "samples_seen": int(seen.size),
+        "samples_expected": options.steps * options.batch,
+        "epochs": seen.size / options.samples,
+        "data_state": dataclasses.asdict(job.dataset.state()),
+        "params_vs_fixed_run": compare_states(resized.state, fixed.state),
+        "losses": resized.losses,
+        "fixed_run_losses": fixed.losses,
+        "final_loss": resized.losses[-1],
+        "compiles": job.compiles,
+        "resized_run_seconds": resized_seconds,
+        "total_seconds": time.perf_counter() - started,
+    }
+    out = pathlib.Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    title = (
+        f"GPT {options.model}, global batch {options.batch}, from "
+        f"{summary['initial']['config']} on {len(initial)} devices"
+    )
+    ylabel = "loss (next-byte cross entropy" + (
+        " + balance loss)" if is_moe(options.model) else ")"
+    )
+    write_plot(out / "loss.png", resized.losses, fixed.losses, summary["resizes"], title, ylabel)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _resize_record(r, step_log) -> dict:
+    """One event of the schedule, as the summary and the table show it."""
+    first = next((s for i, s, _ in step_log if i == r.step), float("nan"))
+    return {
+        "step": r.step,
+        "from": len(r.devices_before),
+        "to": len(r.devices_after),
+        "from_config": r.config_before,
+        "to_config": r.config_after,
+        "from_devices": r.devices_before,
+        "to_devices": r.devices_after,
+        "bytes_moved": r.bytes_moved,
+        "bytes_kept": r.bytes_kept,
+        "plan_seconds": r.plan_seconds,
+        "seconds": r.reshard_seconds,
+        "compile": r.compile,
+        "compile_wait_seconds": r.compile_wait_seconds,
+        "first_step_seconds": first,
+        "stall_seconds": r.stall_seconds,
+    }
+
+
+def exactly_once(samples: list[np.ndarray], fixed: list[np.ndarray], num_samples: int) -> bool:
+    """True if every step saw the fixed run's samples, and each epoch saw each sample once."""
+    if len(samples) != len(fixed) or any(not np.array_equal(a, b) for a, b in zip(samples, fixed)):
+        return False
+    stream = np.concatenate(samples)
+    for start in range(0, stream.size, num_samples):
+        epoch = stream[start : start + num_samples]
+        if np.unique(epoch).size != epoch.size:
+            return False
+        if epoch.size == num_samples and not np.array_equal(np.sort(epoch), np.arange(num_samples)):
+            return False
+    return True
+
+
+def compare_states(got: list[np.ndarray], want: list[np.ndarray]) -> str | dict:
+    """``"bitwise"`` if every leaf has the same bits, else the max abs and relative differences.
+
+    The relative difference of a leaf is its max abs difference over its max abs value.
+    """
+    if all(np.array_equal(a, b) for a, b in zip(got, want)):
+        return "bitwise"
+    diffs = [
+        (float(np.max(np.abs(a - b))), float(np.max(np.abs(b))))
+        for a, b in zip(got, want)
+        if np.issubdtype(b.dtype, np.floating) and b.size
+    ]
+    return {
+        "max_abs": max(d for d, _ in diffs),
+        "max_rel": max(d / m for d, m in diffs if m > 0),
+    }
+
+
+def write_plot(
+    path: pathlib.Path,
+    losses: list[float],
+    fixed: list[float],
+    resizes: list[dict],
+    title: str,
+    ylabel: str = "loss (next-byte cross entropy)",
+) -> None:
+    """Loss against step for the resized and the fixed run, with an "8→4" label at every resize."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(range(len(fixed)), fixed, color="tab:orange", lw=3, alpha=0.5, label="no resizes")
+    ax.plot(range(len(losses)), losses, color="tab:blue", lw=1.2, label="resized")
+    top = max(losses + fixed) if losses else 1.0
+    for record in resizes:
+        ax.axvline(record["step"] - 0.5, color="gray", ls="--", lw=1)
+        ax.annotate(
+            f"{record['from']}→{record['to']}\n{record['to_config']}",
+            (record["step"] - 0.5, top),
+            xytext=(3, 0),
+            textcoords="offset points",
+            va="top",
+            fontsize=8,
+        )
+    ax.set(xlabel="step", ylabel=ylabel, title=title)
+    ax.legend(loc="lower left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def resize_table(summary: dict) -> str:
+    """The resizes of a run as a fixed-width table, for the terminal."""
+    head = (
+        f"{'step':>5} {'devices':>8} {'config':>42} {'to devices':>16} {'moved MiB':>10} "
+        f"{'kept MiB':>10} {'reshard s':>10} {'step':>9} {'stall s':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in summary["resizes"]:
+        configs = f"{r['from_config']}->{r['to_config']}"
+        stall = "-" if r["stall_seconds"] is None else f"{r['stall_seconds']:.2f}"
+        lines.append(
+            f"{r['step']:5d} {str(r['from']) + '->' + str(r['to']):>8} {configs:>42} "
+            f"{_ids(r['to_devices']):>16} {r['bytes_moved'] / MIB:10.3f} "
+            f"{r['bytes_kept'] / MIB:10.3f} {r['seconds']:10.3f} {r['compile']:>9} {stall:>8}"
+        )
+    if not summary["resizes"]:
+        lines.append("(no resizes)")
+    lines.append(
+        f"(step: cached = compiled before the resize, ahead; state "
+        f"{summary['state_bytes'] / MIB:.3f} MiB, final loss {summary['final_loss']:.4f}, "
+        f"{summary['total_seconds']:.1f} s in all)"
+    )
+    return "\n".join(lines)
+
+
+def consistency_line(summary: dict) -> str:
+    """One line: did the resized run see the fixed run's data and reach its params?"""
+    params = summary["params_vs_fixed_run"]
+    if params != "bitwise":
+        params = f"max abs diff {params['max_abs']:.2e}, max rel diff {params['max_rel']:.2e}"
+    return (
+        f"data: exactly once {summary['exactly_once']}, {summary['samples_seen']} samples seen of "
+        f"{summary['samples_expected']} expected ({summary['epochs']:.2f} epochs); params vs a run "
+        f"without resizes: {params}"
+    )
+
+
+def _ids(ids: Sequence[int]) -> str:
+    ids = list(ids)
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return f"{ids[0]}..{ids[-1]}"
+    return ",".join(map(str, ids))

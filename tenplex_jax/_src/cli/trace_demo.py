@@ -1,0 +1,191 @@
+"""``tenplex-jax demo --trace FILE``: replay a resource trace on the reference GPT.
+
+The job trains through the trace's preemptions, failures and offers with :class:`ElasticJob`
+(compile-ahead on, periodic orbax checkpoints as the trace says), then trains the same steps on all
+devices without any event. ``summary.json`` holds, per event, the decision, bytes moved, reshard,
+compile and stall seconds and lost steps; the goodput (useful step time ÷ wall time, both from the
+end of the first step: the start-up is the same under both policies) of the run next
+to that of the checkpoint-restart policy replayed on the same events with its costs (a save, a
+restore onto each new layout, a fresh compile) measured in this run; and whether the data was seen
+exactly once and the params equal the fixed run's bit for bit.
+
+Like ``demo.py``, this is the CLI front end: it imports the reference model lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import shutil
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from tenplex_jax._src.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
+from tenplex_jax._src.cli.demo import MIB, DemoOptions, compare_states, exactly_once, train
+from tenplex_jax._src.elastic.job import ElasticJob
+from tenplex_jax._src.elastic.trace import (
+    ResourceTrace,
+    RestartCosts,
+    checkpoint_restart,
+    elastic_overhead,
+)
+from tenplex_jax._src.executor import place
+from tenplex_jax._src.ptc import PTC, ParallelConfig
+
+
+def run(options: DemoOptions, trace: ResourceTrace, *, compile_ahead: bool = True) -> dict:
+    """Replay ``trace``, train a fixed run, measure the restart costs; write ``summary.json``."""
+    from tqdm import tqdm
+
+    from tenplex_jax_models import build_state, corpus_samples, param_count, stdlib_corpus
+
+    started = time.perf_counter()
+    out = pathlib.Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoints = out / "checkpoints"
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    _, abstract, cfg = build_state(options.model, options.lr, options.seed, abstract=True)
+    source = corpus_samples(stdlib_corpus(), cfg.seq_len, options.samples)
+    with tqdm(total=trace.steps, desc=f"{options.model} {trace.name}", unit="step") as bar:
+        elastic = train(
+            options,
+            trace,
+            source,
+            bar,
+            checkpoint_dir=checkpoints if trace.checkpoint_every else None,
+            checkpoint_every=trace.checkpoint_every,
+            compile_ahead=compile_ahead,
+            exact_step_times=True,
+        )
+        bar.reset()
+        fixed = train(
+            options,
+            dataclasses.replace(trace, events=()),
+            source,
+            bar,
+            compile_ahead=False,
+            exact_step_times=True,
+        )
+        costs = restart_costs(elastic.job, checkpoints, options, bar.write)
+
+    job, wall = elastic.job, elastic.wall
+    useful = sum(s for i, s, _ in job.step_log if i > 0)  # steps after the first
+    by_config: dict[str, list[float]] = {}
+    for _, s, c in job.step_log:
+        by_config.setdefault(c, []).append(s)
+    step_seconds = {c: statistics.median(v) for c, v in by_config.items()}
+    baseline = checkpoint_restart(
+        job.records,
+        step_seconds,
+        costs,
+        steps=trace.steps,
+        checkpoint_every=trace.checkpoint_every,
+        useful_seconds=useful,
+        wall_seconds=wall,
+        elastic_overhead_seconds=elastic_overhead(job),
+    )
+    events = [
+        dataclasses.asdict(r) | {"checkpoint_restart": c}
+        for r, c in zip(job.records, baseline.pop("events"))
+    ]
+    seen = np.concatenate(elastic.samples)
+    summary = {
+        "model": options.model,
+        "param_count": param_count(abstract),
+        "state_bytes": job.ptc.nbytes,
+        "global_batch": options.batch,
+        "virtual_workers": options.workers,
+        "dataset_samples": options.samples,
+        "seq_len": cfg.seq_len,
+        "lr": options.lr,
+        "seed": options.seed,
+        "compile_ahead": compile_ahead,
+        "trace": dataclasses.asdict(trace),
+        "events": events,
+        "compiles": job.compiles,
+        "compile_cache_hits": job.cache_hits,
+        "checkpoints": [{"step": s, "seconds": t} for s, t in job.checkpoints],
+        "step_seconds_by_config": step_seconds,
+        "goodput": {
+            "elastic": useful / wall,
+            "checkpoint_restart": baseline["goodput"],
+            "useful_seconds": useful,
+            "lost_seconds": job.lost_seconds,
+            "elastic_wall_seconds": wall,
+            "start_up_seconds": elastic.start_up,
+            "checkpoint_restart_seconds": baseline["seconds"],
+            "checkpoint_restart_event_seconds": baseline["event_seconds"],
+            "elastic_overhead_seconds": elastic_overhead(job),
+            "checkpoint_restart_periodic_saves": baseline["periodic_saves"],
+            "restart_costs": dataclasses.asdict(costs),
+        },
+        "exactly_once": exactly_once(elastic.samples, fixed.samples, options.samples),
+        "samples_seen": int(seen.size),
+        "samples_expected": trace.steps * options.batch,
+        "params_vs_fixed_run": compare_states(elastic.state, fixed.state),
+        "losses": elastic.losses,
+        "fixed_run_losses": fixed.losses,
+        "total_seconds": time.perf_counter() - started,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def restart_costs(job: ElasticJob, checkpoints, options, log) -> RestartCosts:
+    """A save (the run's median, or one timed now), a restore onto each layout the run moved to,
+    and a fresh compile of each, measured now on the run's final state and checkpoints."""
+    from tenplex_jax_models import LOGICAL_RULES, build_state
+
+    saves = [s for _, s in job.checkpoints]
+    if latest_checkpoint(checkpoints) is None or not saves:
+        state = place(build_state(options.model, options.lr, options.seed)[1], job.ptc)
+        tic = time.perf_counter()
+        save_checkpoint(checkpoints, state, job.ptc, step=10**9, data_state=job.dataset.state())
+        saves = [time.perf_counter() - tic]
+    _, abstract, _ = build_state(options.model, options.lr, abstract=True)
+    restore, compile_s = {}, {}
+    layouts = {r.config_after: r.devices_after for r in job.records if r.decision != "stay"}
+    for config, ids in layouts.items():
+        target = PTC.of(abstract, LOGICAL_RULES, ParallelConfig.parse(config), ids)
+        tic = time.perf_counter()
+        restored = restore_checkpoint(checkpoints, target)
+        jax.block_until_ready(jax.tree.leaves(restored.state))
+        restore[config] = time.perf_counter() - tic
+        jax.clear_caches()  # a restarted process compiles from scratch
+        compile_s[config] = job.compile_seconds(ids)
+        log(
+            f"restart onto {config}: restore {restore[config]:.2f} s, compile "
+            f"{compile_s[config]:.2f} s"
+        )
+    return RestartCosts(statistics.median(saves), restore, compile_s)
+
+
+def event_table(summary: dict) -> str:
+    """The events of a trace replay as a fixed-width table, for the terminal."""
+    head = (
+        f"{'step':>4} {'event':>8} {'devices':>7} {'decision':>8} {'config':>18} {'moved MiB':>9} "
+        f"{'reshard s':>9} {'compile':>14} {'stall s':>7} {'lost':>4} {'ckpt-restart s':>14}"
+    )
+    lines = [head, "-" * len(head)]
+    for e in summary["events"]:
+        devices = f"{len(e['devices_before'])}->{len(e['devices_after'])}"
+        compile_ = f"{e['compile']} {e['compile_wait_seconds']:.2f}" if e["compile"] else "-"
+        stall = "-" if e["stall_seconds"] is None else f"{e['stall_seconds']:.2f}"
+        lines.append(
+            f"{e['step']:4d} {e['kind']:>8} {devices:>7} {e['decision']:>8} "
+            f"{e['config_after']:>18} {e['bytes_moved'] / MIB:9.3f} {e['reshard_seconds']:9.3f} "
+            f"{compile_:>14} {stall:>7} {e['lost_steps']:4d} "
+            f"{e['checkpoint_restart']['seconds']:14.2f}"
+        )
+    g = summary["goodput"]
+    lines.append(
+        f"goodput: elastic {g['elastic']:.1%} ({g['useful_seconds']:.1f} s of steps in "
+        f"{g['elastic_wall_seconds']:.1f} s), checkpoint-restart {g['checkpoint_restart']:.1%} "
+        f"({g['checkpoint_restart_seconds']:.1f} s); {summary['compiles']} compiles, "
+        f"{summary['compile_cache_hits']} cache hits"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""Events of an elastic job: what changes its devices, what each change did, and the rules.
+
+An :class:`Event` is posted at any time and applied at the next step boundary:
+
+- ``preempt``: a preemption notice; the devices go, the job shrinks onto the rest;
+- ``fail``: the devices' buffers are gone; their shards are rebuilt from surviving replicas;
+- ``offer``: devices are offered; the job grows onto them when that pays (:func:`growth`);
+- ``redeploy``: the job moves onto exactly the given devices (a scheduler's order).
+
+Each one becomes an :class:`EventRecord`. These are pure values and functions: no devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+
+from tenplex_jax._src.errors import LayoutError
+
+KINDS = ("preempt", "fail", "offer", "redeploy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """A change of the job's devices, applied at the next step boundary."""
+
+    kind: str  # one of KINDS
+    devices: tuple[int, ...] | None  # None: by the rule (the job's last `count` / lowest free)
+    count: int | None = None
+    source: str = "api"
+    posted: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+@dataclasses.dataclass
+class EventRecord:
+    """What one event did; ``dataclasses.asdict`` gives its JSON."""
+
+    step: int
+    kind: str
+    source: str
+    devices_before: list[int]
+    devices_after: list[int]
+    config_before: str
+    config_after: str
+    decision: str  # shrink, rebuild, restore, grow, move, stay
+    bytes_moved: int = 0
+    bytes_kept: int = 0
+    plan_seconds: float = 0.0
+    reshard_seconds: float = 0.0
+    compile: str = ""  # cached (compiled before), waited (compile-ahead was running), compiled
+    compile_seconds: float = 0.0  # what XLA took for the new layout's step, wherever it ran
+    compile_wait_seconds: float = 0.0  # how long the boundary waited for it
+    commit_seconds: float = 0.0
+    restore_seconds: float = 0.0
+    lost_steps: int = 0
+    stall_seconds: float | None = None  # event posted -> first step done on the new layout
+    estimate: dict | None = None  # growth: the numbers behind the decision
+    error: str | None = None
+
+
+DECISIONS = {"preempt": "shrink", "fail": "rebuild", "offer": "grow", "redeploy": "move"}
+
+
+def devices_after(
+    kind: str,
+    current: Iterable[int],
+    devices: Iterable[int] | None,
+    count: int | None,
+    *,
+    usable: Iterable[int],
+    failed: Iterable[int] = (),
+    default_count: int = 1,
+) -> tuple[int, ...]:
+    """The device ids a job on ``current`` asks for after an event (before a growth decision).
+
+    A preemption or failure without ids takes the job's last ``count`` (default
+    ``default_count``) devices, highest ids first, as when a scheduler reclaims the last host; an
+    offer without ids gives the ``count`` lowest-numbered ``usable`` devices the job does not use.
+    """
+    current, failed, usable = set(current), set(failed), set(usable)
+    if kind not in KINDS:
+        raise LayoutError(f"an event kind is one of {KINDS}, got {kind!r}")
+    if kind == "redeploy":
+        wanted = set(devices or ())
+        bad = sorted(wanted - usable | wanted & failed)
+        if not wanted or bad:
+            raise LayoutError(
+                f"a redeploy names the devices to move to, among the job's usable devices "
+                f"{sorted(usable - failed)}; got {sorted(wanted)} (unusable: {bad})"
+            )
+        return tuple(sorted(wanted))
+    if kind == "offer":
+        free = sorted(usable - current - failed)
+        offered = set(free[: count or 0] if devices is None else devices) - failed
+        return tuple(sorted(current | offered))
+    gone = set(sorted(current)[-(count or default_count) :] if devices is None else devices)
+    left = tuple(sorted(current - gone))
+    if not left:
+        raise LayoutError(f"a {kind} of devices {sorted(gone)} leaves the job no device")
+    return left

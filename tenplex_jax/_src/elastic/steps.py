@@ -1,0 +1,182 @@
+"""Compiled train steps, one per layout: the cache, compile-ahead and the persistent cache.
+
+``StepCache`` holds the user's step ``fn(state, batch) -> (state, metrics)`` compiled for each
+(parallel config, device order, batch layout) it has met. A compile runs either now, on the caller's
+thread, or ahead, on a background thread (one for announced layouts, one for guesses), as
+``jax.jit(fn, in_shardings=..., out_shardings=...).lower(abstract state, abstract batch)
+.compile()``: the abstract state is the PTC's ``ShapeDtypeStruct`` tree with shardings and the
+abstract batch a :class:`Batch` of them, so no array exists on the new devices while their step
+compiles. Each entry is a future; asking for one that is compiling waits for it, one still queued
+behind other guesses is compiled at once on the caller's thread instead, one that failed is compiled
+again.
+
+``enable_compilation_cache`` turns JAX's persistent compilation cache on for every compile, so a
+restarted process reads the steps it compiled before from disk.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import pathlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tenplex_jax._src.batch import BATCH_AXES, Batch
+from tenplex_jax._src.data import BatchLayout
+from tenplex_jax._src.ptc import PTC
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A step compiled for one layout, how long XLA took, and whether it ran ahead."""
+
+    executable: Any
+    seconds: float
+    ahead: bool
+
+
+class StepCache:
+    """``fn`` compiled per (config, device order, batch layout); ``compiles`` counts XLA compiles.
+
+    ``sample`` is one dataset item with a leading dim of 1 (its shapes and dtypes make the abstract
+    batch); ``devices`` are the devices meshes are built from.
+    """
+
+    def __init__(
+        self,
+        fn: Callable,
+        sample,
+        devices: Sequence[jax.Device],
+        batch_axes: Sequence[str] = BATCH_AXES,
+    ):
+        self.fn = getattr(fn, "__wrapped__", fn)  # a jax.jit-ed step: it is jitted per layout here
+        self.sample, self.devices, self.batch_axes = sample, list(devices), tuple(batch_axes)
+        self.compiles = 0
+        self._futures: dict[tuple, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+        self._pools = {  # announced layouts, guesses
+            False: concurrent.futures.ThreadPoolExecutor(1, "tenplex-compile"),
+            True: concurrent.futures.ThreadPoolExecutor(1, "tenplex-compile-guess"),
+        }
+        self._queued: set[concurrent.futures.Future] = set()  # submitted by compile-ahead
+
+    @staticmethod
+    def key(ptc: PTC, layout: BatchLayout) -> tuple:
+        return (ptc.config, ptc.device_ids, layout)
+
+    def __contains__(self, key) -> bool:
+        return key in self._futures
+
+    def status(self, key) -> str | None:
+        """``"ready"``, ``"running"``, ``"queued"`` (ahead, not started), ``"failed"`` or None."""
+        future = self._futures.get(key)
+        if future is None:
+            return None
+        if future.done():
+            return "failed" if future.cancelled() or future.exception() else "ready"
+        return "queued" if future in self._queued and not future.running() else "running"
+
+    def ready(self, key) -> bool:
+        future = self._futures.get(key)
+        return future is not None and future.done() and future.exception() is None
+
+    def get(
+        self, ptc: PTC, layout: BatchLayout, *, ahead: bool, guess: bool = False
+    ) -> concurrent.futures.Future:
+        """The future step for ``ptc`` and ``layout``: cached, compiling, or compiled now (or, with
+        ``ahead``, queued on a background thread: guesses on their own, so that a long guess
+        never delays an announced layout)."""
+        key = self.key(ptc, layout)
+        with self._lock:
+            future = self._futures.get(key)
+            if not ahead and self.status(key) == "queued" and future.cancel():
+                future = None  # queued behind other guesses: compile it now instead of waiting
+            now = future is None and not ahead
+            if future is None:
+                future = (
+                    self._pools[guess].submit(self.compile, ptc, layout, True)
+                    if ahead
+                    else concurrent.futures.Future()
+                )
+                self._futures[key] = future
+                if ahead:
+                    self._queued.add(future)
+        if now:
+            try:
+                future.set_result(self.compile(ptc, layout))
+            except Exception as error:  # the next request compiles again
+                with self._lock:
+                    del self._futures[key]
+                future.set_exception(error)
+                raise
+        return future
+
+    def compile(self, ptc: PTC, layout: BatchLayout, ahead: bool = False) -> Compiled:
+        """Compile ``fn`` for ``ptc`` and ``layout`` from abstract values (no cache lookup)."""
+        mesh = ptc.mesh(self.devices)
+        rows = NamedSharding(mesh, P(self.batch_axes))
+        shardings = ptc.shardings(mesh)
+        batch_shardings = Batch(
+            jax.tree.map(lambda _: rows, self.sample), rows, layout, mesh, self.batch_axes
+        )
+        abstract_batch = Batch(
+            jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct((layout.rows, *x.shape[1:]), x.dtype, sharding=rows),
+                self.sample,
+            ),
+            jax.ShapeDtypeStruct((layout.rows,), np.float32, sharding=rows),
+            layout,
+            mesh,
+            self.batch_axes,
+        )
+        jitted = jax.jit(
+            self.fn,
+            in_shardings=(shardings, batch_shardings),
+            out_shardings=(shardings, NamedSharding(mesh, P())),
+            donate_argnums=0,
+        )
+        tic = time.perf_counter()
+        executable = jitted.lower(ptc.abstract(mesh), abstract_batch).compile()
+        with self._lock:
+            self.compiles += 1
+        return Compiled(executable, time.perf_counter() - tic, ahead)
+
+    def cancel_queued(self) -> None:
+        """Drop the compile-ahead requests not started yet (to submit them again in a new order)."""
+        with self._lock:
+            for key, future in list(self._futures.items()):
+                if future in self._queued and future.cancel():
+                    del self._futures[key]
+                    self._queued.discard(future)
+
+    def done(self) -> list[Compiled]:
+        """The steps compiled so far."""
+        futures = list(self._futures.values())
+        return [f.result() for f in futures if f.done() and f.exception() is None]
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
+
+
+def enable_compilation_cache(directory: str | pathlib.Path) -> None:
+    """JAX's persistent compilation cache in ``directory``, for every compile however small.
+
+    JAX caches only compiles longer than ``jax_persistent_cache_min_compile_time_secs`` (1 s by
+    default) and entries of at least ``jax_persistent_cache_min_entry_size_bytes``; both are set
+    to cache everything, since a resize's step is small on CPU yet still worth not recompiling.
+    """
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    compilation_cache.reset_cache()  # JAX decides once per process; decide again with this dir

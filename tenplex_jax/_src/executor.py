@@ -1,0 +1,476 @@
+"""The state transformer: executes a reconfiguration plan on a live state, in one process.
+
+``reshard(state, plan)`` builds every target shard as the plan says: a kept shard reuses its buffer
+(no copy), a split takes a slice of the local shard, a move copies a box (or the slice of one that
+is needed) from another device, a merge assembles several pieces. The shards become the new leaf
+with ``jax.make_array_from_single_device_arrays`` on the target mesh. Two paths copy the bytes:
+
+- the **device path** (:func:`_device_leaf`), for any platform: each piece is sliced on its source
+  device (only the needed bytes cross), every piece is sent to its *target* device with one
+  batched ``jax.device_put``, and the pieces of a merge are concatenated there. This is the path
+  GPU and TPU leaves take, and PRNG-key leaves everywhere;
+- the **host path** (:func:`_host_leaf`), for CPU devices, whose buffers are host memory: each
+  piece is copied once, from a zero-copy NumPy view of its source into its place in a fresh
+  aligned buffer that the target device adopts (XLA's CPU slice and copy between CPU devices ran
+  several times slower than a NumPy copy), a thread per core (NumPy releases the GIL).
+
+``executor="auto"`` picks the host path for CPU leaves and the device path for the rest;
+``"host"`` and ``"device"`` force one (the tests run every change both ways on CPU).
+
+Donation. Old buffers are released leaf by leaf as the new leaf is built, so the peak stays near the
+state size plus one leaf: a leaf none of whose buffers is reused is deleted at once (using the old
+array afterwards raises JAX's "Array has been deleted"). A leaf whose kept shards live on in the new
+state cannot be deleted without deleting them, so its dropped replicas are freed when the caller
+drops the old state — rebind: ``state, report = reshard(state, plan)``. On the host path the
+memory of deleted leaves is given back to the system (glibc's ``malloc_trim``) whenever it adds up
+to an eighth of the state: glibc would keep shards of up to 32 MiB in the process's heap.
+
+Failed devices. A plan made with ``make_plan(..., failed=...)`` names no failed device as a source;
+the executor reads only the shards the plan names, so a lost device's buffers are never read.
+
+Before anything is copied or deleted, the state is checked against ``plan.src`` (tree, shapes,
+dtypes,
+device boxes); a mismatch raises ``PlanError`` and leaves the state untouched.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+import os
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from tenplex_jax._src import box as boxes
+from tenplex_jax._src import libc, tree
+from tenplex_jax._src.box import Box
+from tenplex_jax._src.errors import LayoutError, PlanError, where
+from tenplex_jax._src.plan import LeafPlan, Plan
+from tenplex_jax._src.ptc import PTC
+
+METHODS = ("plan", "device_put")
+EXECUTORS = ("auto", "host", "device")
+CHUNK_BYTES = 4 * 2**20  # the host path's copy task: large pieces are cut, so threads share them
+AHEAD = 1  # leaves whose host copies run while the one before is finished
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardReport:
+    """What an execution did, measured from the buffers it copied (not copied from the plan)."""
+
+    method: str
+    bytes_moved: int  # bytes copied from one device to another
+    bytes_kept: int  # bytes of target shards that came from the same device
+    seconds: float
+    leaves: int
+    # executor path ("host", "device") -> shard kind -> shards it built; empty for "device_put"
+    kinds: dict[str, collections.Counter] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.method}: moved {self.bytes_moved / 2**20:.3f} MiB, kept "
+            f"{self.bytes_kept / 2**20:.3f} MiB, {self.leaves} leaves in {self.seconds:.3f} s"
+        )
+
+
+def reshard(
+    state,
+    plan: Plan,
+    *,
+    donate: bool = True,
+    method: str = "plan",
+    executor: str = "auto",
+    devices: Sequence[jax.Device] | None = None,
+):
+    """Apply ``plan`` to ``state`` → ``(new_state, ReshardReport)``; values are bit-identical.
+
+    ``state`` is the tree the plan's source PTC was built from (an ``nnx.State``, or NNX graph
+    nodes,
+    whose ``nnx.state`` is used; write it back with ``nnx.update(nodes, new_state)``).
+    ``method="plan"``
+    runs the per-shard executor, on the path ``executor`` says (see the module docstring);
+    ``"device_put"`` hands the whole tree to ``jax.device_put`` (reported bytes are then the plan's,
+    since ``device_put`` does not say what it copied).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    paths, arrays, treedef = tree.arrays(state)
+    check_tree(paths, plan.src)
+    check_state(arrays, plan)
+    mesh = _target_mesh(plan, devices)
+    if isinstance(plan.dst.treedef, jax.tree_util.PyTreeDef):
+        treedef = plan.dst.treedef  # the target's containers (an orbax target's dicts, boxes, ...)
+    choose = {"auto": _path_of, "host": _host_only, "device": lambda array, leaf: _device_leaf}
+    paths_of = [choose[executor](array, leaf) for array, leaf in zip(arrays, plan.leaves)]
+    start = time.perf_counter()
+    if method == "device_put":
+        shardings = [NamedSharding(mesh, leaf.dst.spec) for leaf in plan.leaves]
+        out = jax.device_put(arrays, shardings, donate=donate)
+        jax.block_until_ready(out)
+        report = ReshardReport(
+            method, plan.bytes_moved, plan.bytes_kept, time.perf_counter() - start, len(out)
+        )
+        return jax.tree_util.tree_unflatten(treedef, out), report
+    by_id = {d.id: d for d in mesh.devices.flat}
+    out, moved, kept = [], 0, 0
+    kinds: dict[str, collections.Counter] = {}
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if _host_leaf in paths_of and (os.cpu_count() or 1) > 1:
+            pool = stack.enter_context(
+                concurrent.futures.ThreadPoolExecutor(os.cpu_count(), "tenplex-copy")
+            )
+        # the host path's copies of the next leaf run while a leaf is finished, so both cores
+        # stay busy; at most AHEAD leaves are started ahead, and only while their new buffers
+        # stay within an eighth of the state's (or one leaf's): the peak stays near state + leaf;
+        # with donation, the memory of deleted leaves goes back to the system each time they
+        # add up to as much
+        started: collections.deque = collections.deque()
+        window = max([plan.dst.nbytes // 8] + [_new_bytes(leaf) for leaf in plan.leaves])
+        freed = 0  # bytes of old leaves deleted since host memory was last given back
+
+        def finish():
+            array, leaf, execute, work = started.popleft()
+            nonlocal moved, kept, freed
+            shards, leaf_moved, leaf_kept = execute(array, leaf, by_id, work)
+            new = jax.make_array_from_single_device_arrays(
+                leaf.dst.shape, NamedSharding(mesh, leaf.dst.spec), shards
+            )
+            out.append(new)
+            moved, kept = moved + leaf_moved, kept + leaf_kept
+            built = kinds.setdefault(
+                "host" if execute is _host_leaf else "device", collections.Counter()
+            )
+            built.update(shard.kind for shard in leaf.shards)
+            if donate and not any(s.kind == "keep" for s in leaf.shards):
+                jax.block_until_ready(new)  # the copies read the old buffers; they must finish
+                freed += sum(shard.data.nbytes for shard in array.addressable_shards)
+                array.delete()
+                if execute is _host_leaf and freed >= window:
+                    libc.release_host_memory()  # else freed shards stay in the heap
+                    freed = 0
+
+        for array, leaf, execute in zip(arrays, plan.leaves, paths_of):
+            ahead = sum(_new_bytes(leaf) for _, leaf, _, _ in started)
+            while started and (len(started) > AHEAD or ahead + _new_bytes(leaf) > window):
+                finish()
+                ahead = sum(_new_bytes(leaf) for _, leaf, _, _ in started)
+            work = _HostCopies(array, leaf, pool) if execute is _host_leaf else None
+            started.append((array, leaf, execute, work))
+        while started:
+            finish()
+    jax.block_until_ready(out)
+    report = ReshardReport(method, moved, kept, time.perf_counter() - start, len(out), kinds)
+    return jax.tree_util.tree_unflatten(treedef, out), report
+
+
+def place(state, ptc):
+    """Lay ``state`` (host arrays, or arrays on any devices) out as ``ptc`` says:
+    ``jax.device_put``.
+
+    Use it once, for a state built without a mesh (``nnx.use_eager_sharding(False)``); afterwards
+    move the state with plans. Checks the tree against the PTC first. The placed arrays never share
+    buffers with ``state`` (``may_alias=False``), so a later donating ``reshard`` of the placed
+    state cannot free arrays the caller still holds.
+    """
+    paths, arrays, treedef = tree.arrays(state)
+    check_tree(paths, ptc)
+    mesh = ptc.mesh()
+    shardings = [NamedSharding(mesh, leaf.spec) for leaf in ptc.leaves]
+    placed = jax.device_put(arrays, shardings, may_alias=False)
+    # jax 0.10 still hands back the input's own buffer for a leaf replicated onto a device that
+    # holds it, may_alias=False or not: copy those, or a donating reshard would free the caller's
+    placed = [_unaliased(x, y, s) for x, y, s in zip(arrays, placed, shardings)]
+    return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def _unaliased(given, placed: jax.Array, sharding: NamedSharding) -> jax.Array:
+    if not isinstance(given, jax.Array):
+        return placed  # host data: always copied
+    extended = jax.dtypes.issubdtype(given.dtype, jax.dtypes.extended)  # no buffer pointer
+    if extended or _buffers(given) & _buffers(placed):
+        return jax.device_put(jnp.copy(given), sharding)
+    return placed
+
+
+def _buffers(array: jax.Array) -> set[tuple[int, int]]:
+    return {(s.device.id, s.data.unsafe_buffer_pointer()) for s in array.addressable_shards}
+
+
+def check_tree(paths: list[str], ptc: PTC) -> None:
+    want = [leaf.path for leaf in ptc.leaves]
+    if paths == want:
+        return
+    first = next(
+        (i for i, (a, b) in enumerate(zip(paths, want)) if a != b), min(len(paths), len(want))
+    )
+    leaf = ptc.leaves[first] if first < len(want) else None
+    raise PlanError(
+        f"the state's tree does not match the PTC's: the state has {len(paths)} leaves, the PTC "
+        f"{len(want)}; first difference at leaf {first}: state "
+        f"{paths[first] if first < len(paths) else '(none)'!r} vs PTC "
+        f"{want[first] if first < len(want) else '(none)'!r} (PTC {ptc.config} on "
+        f"{list(ptc.device_ids)}"
+        + (f"; its leaf {leaf.path!r} has shape {leaf.shape}, spec {leaf.spec})" if leaf else ")")
+    )
+
+
+def _target_mesh(plan: Plan, devices) -> jax.sharding.Mesh:
+    """The target mesh, or a ``LayoutError`` naming the target devices this process lacks and the
+    first leaf that would go there, before anything moves."""
+    have = {d.id for d in (jax.devices() if devices is None else devices)}
+    missing = sorted(set(plan.dst.device_ids) - have)
+    if not missing:
+        return plan.dst.mesh(devices)
+    leaf = next(
+        (item for item in plan.leaves if any(s.device in missing for s in item.shards)), None
+    )
+    raise LayoutError(
+        f"a plan runs on devices this process has, but the target PTC names devices {missing} "
+        f"that it does not have (it has {sorted(have)}); nothing was moved"
+        + (": " + _both(leaf, plan) if leaf is not None else "")
+    )
+
+
+def _both(leaf: LeafPlan, plan: Plan) -> str:
+    """A leaf in both layouts: path, shape, source and target specs and meshes."""
+    return where(
+        leaf.path,
+        leaf.dst.shape,
+        f"{leaf.src.spec} -> {leaf.dst.spec}",
+        f"{plan.src.config.describe()} over {list(plan.src.device_ids)} -> "
+        f"{plan.dst.config.describe()} over {list(plan.dst.device_ids)}",
+    )
+
+
+def check_state(arrays, plan: Plan) -> None:
+    """Raise ``PlanError`` unless ``arrays`` are laid out exactly as ``plan.src`` says."""
+    src = plan.src
+    for array, leaf in zip(arrays, src.leaves):
+        if not isinstance(array, jax.Array):
+            raise PlanError(
+                f"a live state holds jax.Arrays, got {type(array).__name__}: "
+                + where(leaf.path, leaf.shape, leaf.spec, src.config.describe())
+            )
+        if tuple(array.shape) != leaf.shape or array.dtype != leaf.dtype:
+            raise PlanError(
+                f"the state has shape {array.shape} dtype {array.dtype} where the plan expects "
+                f"{leaf.dtype}: " + where(leaf.path, leaf.shape, leaf.spec, src.config.describe())
+            )
+        if array.is_deleted():
+            raise PlanError(
+                "the state holds a deleted array (donated by an earlier reshard or jit): "
+                + where(leaf.path, leaf.shape, leaf.spec, src.config.describe())
+            )
+        have = {
+            d.id: boxes.of_index(idx, leaf.shape)
+            for d, idx in array.sharding.devices_indices_map(leaf.shape).items()
+        }
+        if have != src.boxes(leaf):
+            sharding = array.sharding
+            placed = (
+                f"{sharding.spec} on mesh {dict(sharding.mesh.shape)}"
+                if isinstance(sharding, NamedSharding)
+                else f"{sharding}"
+            )
+            raise PlanError(
+                f"the state is not laid out as the plan's source PTC says: the array is placed "
+                f"as {placed} over devices {sorted(have)}, the PTC says {leaf.spec} on "
+                f"{src.config.describe()} over {list(src.device_ids)}; build the plan from the "
+                f"state's current PTC (PTC.from_shardings(state) reads it): "
+                + where(leaf.path, leaf.shape, leaf.spec, src.config.describe())
+            )
+
+
+# -- choosing a path ---------------------------------------------------------------------------
+
+
+def _on_host(array: jax.Array) -> bool:
+    """Whether NumPy can view this array's buffers: plain dtypes on CPU devices."""
+    return not jax.dtypes.issubdtype(array.dtype, jax.dtypes.extended) and all(
+        s.device.platform == "cpu" for s in array.addressable_shards
+    )
+
+
+def _path_of(array: jax.Array, leaf: LeafPlan):
+    return _host_leaf if _on_host(array) else _device_leaf
+
+
+def _host_only(array: jax.Array, leaf: LeafPlan):
+    if not _on_host(array):
+        platforms = sorted({s.device.platform for s in array.addressable_shards})
+        raise PlanError(
+            f"executor='host' copies through NumPy views of CPU buffers, but this leaf is "
+            f"{array.dtype} on {platforms}; use executor='auto' or 'device': "
+            + where(leaf.path, leaf.dst.shape, leaf.dst.spec, "the plan's target")
+        )
+    return _host_leaf
+
+
+def _sources(array: jax.Array, leaf: LeafPlan) -> dict[int, jax.Array]:
+    """The source shards the plan reads, by device id: a failed device's are never touched."""
+    needed = {piece.src_device for shard in leaf.shards for piece in shard.pieces}
+    return {s.device.id: s.data for s in array.addressable_shards if s.device.id in needed}
+
+
+# -- the device path ---------------------------------------------------------------------------
+
+
+def _device_leaf(array: jax.Array, leaf: LeafPlan, by_id, work=None):
+    """One target leaf's shards with JAX ops; (shards in target order, bytes moved, kept).
+
+    Every piece reaches its target device before it is assembled: JAX refuses to concatenate
+    arrays committed to different devices.
+    """
+    local = _sources(array, leaf)
+    moved = kept = 0
+    pieces, targets = [], []  # every piece, sliced at its source, and the device it goes to
+    for shard in leaf.shards:
+        if shard.kind == "keep":
+            continue
+        for piece in shard.pieces:
+            data = local[piece.src_device]
+            if piece.box != piece.src_box:
+                data = data[boxes.index(piece.box, piece.src_box)]  # runs on the source device
+            if piece.local:
+                kept += data.nbytes
+            else:
+                moved += data.nbytes
+            pieces.append(data)
+            targets.append(by_id[shard.device])
+    arrived = iter(jax.device_put(pieces, targets) if pieces else ())
+    shards = []
+    for shard in leaf.shards:
+        if shard.kind == "keep":
+            shards.append(local[shard.device])
+            kept += local[shard.device].nbytes
+            continue
+        parts = [(piece.box, next(arrived)) for piece in shard.pieces]
+        shards.append(_assemble(parts))
+    return shards, moved, kept
+
+
+def _assemble(parts: list[tuple[Box, jax.Array]]) -> jax.Array:
+    """Concatenate pieces that tile a box on a grid (all on one device): split on the first dim
+    with several starts, recursively."""
+    if len(parts) == 1:
+        return parts[0][1]
+    for dim in range(len(parts[0][0])):
+        starts = sorted({box[dim][0] for box, _ in parts})
+        if len(starts) > 1:
+            groups = [[p for p in parts if p[0][dim][0] == s] for s in starts]
+            return jax.lax.concatenate([_assemble(g) for g in groups], dim)
+    raise PlanError(f"pieces {[box for box, _ in parts]} overlap; a merge needs disjoint pieces")
+
+
+# -- the host path -----------------------------------------------------------------------------
+
+
+def _new_bytes(leaf: LeafPlan) -> int:
+    """Bytes of the new buffers a leaf's execution allocates (every shard but the kept)."""
+    return sum(boxes.nbytes(s.box, leaf.dst.itemsize) for s in leaf.shards if s.kind != "keep")
+
+
+class _HostCopies:
+    """One leaf's host copies, started: every non-kept target shard gets a fresh aligned buffer,
+    and every piece is copied into its place from a zero-copy NumPy view of its source, in chunks
+    of at most ``CHUNK_BYTES`` along the piece's first dim, so that the pool's threads share the
+    bytes evenly however the leaf is cut (NumPy releases the GIL while it copies)."""
+
+    def __init__(self, array: jax.Array, leaf: LeafPlan, pool=None):
+        self.local = _sources(array, leaf)
+        views = {i: np.asarray(a) for i, a in self.local.items()}  # zero-copy on CPU
+        self.blocks: dict[int, np.ndarray] = {}
+        tasks = []
+        for i, shard in enumerate(leaf.shards):
+            if shard.kind == "keep":
+                continue
+            dtype = views[shard.pieces[0].src_device].dtype
+            out = self.blocks[i] = _aligned_empty(boxes.shape(shard.box), dtype)
+            for piece in shard.pieces:
+                src = views[piece.src_device][boxes.index(piece.box, piece.src_box)]
+                dst = out[boxes.index(piece.box, shard.box)]
+                tasks += [(a, b, piece.local) for a, b in _chunks(src, dst)]
+        # a task per chunk: FIFO across leaves, so the next leaf's copies follow this one's
+        run = pool.submit if pool is not None else _done
+        self.copies = [run(_copy, task) for task in tasks]
+
+    def result(self) -> tuple[int, int]:
+        """Wait for the copies: (bytes moved, bytes kept) as copied."""
+        moved = kept = 0
+        for future in self.copies:
+            nbytes, local = future.result()
+            if local:
+                kept += nbytes
+            else:
+                moved += nbytes
+        return moved, kept
+
+
+def _chunks(src: np.ndarray, dst: np.ndarray):
+    """``(src, dst)`` cut along their first dim longer than 1 into parts of at most
+    ``CHUNK_BYTES`` (one part when the piece is small or cannot be cut)."""
+    parts = -(-src.nbytes // CHUNK_BYTES)
+    dim = next((d for d, n in enumerate(src.shape) if n > 1), None)
+    if parts <= 1 or dim is None:
+        yield src, dst
+        return
+    cuts = np.linspace(0, src.shape[dim], min(parts, src.shape[dim]) + 1).astype(int)
+    for lo, hi in itertools.pairwise(cuts):
+        index = (slice(None),) * dim + (slice(lo, hi),)
+        yield src[index], dst[index]
+
+
+def _copy(task) -> tuple[int, bool]:
+    src, dst, local = task
+    np.copyto(dst, src)
+    return src.nbytes, local
+
+
+def _done(fn, *args) -> concurrent.futures.Future:
+    """Run ``fn`` now, as a completed future (no pool: one core)."""
+    future = concurrent.futures.Future()
+    future.set_result(fn(*args))
+    return future
+
+
+def _host_leaf(array: jax.Array, leaf: LeafPlan, by_id, work: _HostCopies | None = None):
+    """One target leaf's shards through host memory; (shards in target order, bytes moved, kept).
+
+    ``work`` is the leaf's copies already started (:class:`_HostCopies`); without it they run now.
+    The fresh, aligned buffers are adopted by their target devices without a second copy.
+    """
+    work = work if work is not None else _HostCopies(array, leaf)
+    moved, kept = work.result()
+    shards: list = [None] * len(leaf.shards)
+    for i, shard in enumerate(leaf.shards):
+        if shard.kind == "keep":
+            shards[i] = work.local[shard.device]
+            kept += shards[i].nbytes
+    built = sorted(work.blocks)
+    placed = jax.device_put(
+        [work.blocks[i] for i in built],
+        [by_id[leaf.shards[i].device] for i in built],
+        may_alias=True,
+    )
+    for i, data in zip(built, placed):
+        shards[i] = data
+    return shards, moved, kept
+
+
+def _aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialized array whose data starts on an ``alignment``-byte boundary."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + nbytes].view(dtype).reshape(shape)

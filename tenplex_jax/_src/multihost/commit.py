@@ -1,0 +1,534 @@
+"""The commit protocol: versions of a train state in the tensor stores.
+
+A multi-process job keeps its state in one tensor store per host slot
+(``tenplex_jax.multihost.store``), so
+that a later generation of processes — more, fewer, or the same minus a dead one — can pull exactly
+the shards it needs. A *version* is the state at one step, laid out in the stores as::
+
+    v00000012/manifest            JSON, on every store: the step, the PTC (leaf paths, shapes,
+                                  dtypes, specs, config, device ids, device -> process map), each
+                                  process's slot, the dataset's DataState, and every stored
+                                  object's box and the slots holding it
+    v00000012/state/<leaf path>   one object per distinct box of the leaf, written once, by its
+                                  writer process, to that process's store and the next k stores
+    v00000012/commit/<process>    JSON marker, on every store: the process wrote all its objects
+
+**Writers.** The devices holding the same box of a leaf (replicas under data parallelism) share one
+writer: the processes holding the box take turns by leaf and box index, so the bytes of a commit
+spread over the processes instead of all landing on process 0; inside the writer process the
+lowest-id device holding the box supplies it.
+
+**Complete versions.** A version is complete when its manifest and the markers of all its processes
+exist. A restore reads the latest complete version only; a process that finds its version complete
+deletes the older ones. A commit copies the shards to host memory first (the next train step may
+donate the device buffers) and writes them on a background thread, overlapped with training.
+
+**Reads.** A target shard's pieces come from ``make_plan(stored PTC, target PTC)``: each piece is a
+sub-box of one stored object. It is read from the reader's own slot when that slot holds a copy,
+else from the writer's slot, else from the replicas; a store that is down or has lost the object is
+skipped, and a piece no store can serve raises ``StoreError`` naming the leaf, box and slots tried.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import re
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from tenplex_jax._src import box as boxes
+from tenplex_jax._src.box import Box
+from tenplex_jax._src.data import DataState
+from tenplex_jax._src.errors import PlanError, StoreError
+from tenplex_jax._src.plan import make_plan
+from tenplex_jax._src.ptc import PTC
+
+FORMAT = 1
+PUT_THREADS = 4  # objects a process writes at once (each to its k + 1 stores in parallel)
+_VERSION = re.compile(r"^v(\d{8})/")
+
+
+def version_prefix(step: int) -> str:
+    return f"v{step:08d}"
+
+
+def version_of(path: str) -> int | None:
+    """The step of the version an object path belongs to, or None."""
+    match = _VERSION.match(path)
+    return int(match.group(1)) if match else None
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredObject:
+    """One distinct box of a leaf as stored: written by ``process``, held by ``slots`` (writer's
+    slot first, then its replicas)."""
+
+    path: str  # the leaf's tree path
+    box: Box
+    process: int
+    device: int  # the writer process's device that supplies it
+    slots: tuple[int, ...]
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path,
+            "box": boxes.to_json(self.box),
+            "process": self.process,
+            "device": self.device,
+            "slots": list(self.slots),
+            "nbytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_json(cls, record: dict) -> StoredObject:
+        return cls(
+            record["path"],
+            boxes.parse(record["box"]),
+            int(record["process"]),
+            int(record["device"]),
+            tuple(int(s) for s in record["slots"]),
+            int(record["nbytes"]),
+        )
+
+
+def stored_objects(ptc: PTC, slots: Sequence[int], replicas: int) -> list[StoredObject]:
+    """The objects a commit of a state laid out as ``ptc`` writes, with their writers.
+
+    ``slots[p]`` is process ``p``'s host slot; an object is held by its writer's slot and the slots
+    of the next ``replicas`` processes (mod the process count), as ``ReplicatedStore.put`` writes.
+    """
+    _check_keys(ptc)
+    n = len(slots)
+    k = min(replicas, n - 1)
+    process_of = dict(zip(ptc.device_ids, ptc.hosts))
+    out = []
+    for i, leaf in enumerate(ptc.leaves):
+        holders: dict[Box, list[int]] = {}
+        for device, box in ptc.boxes(leaf).items():
+            holders.setdefault(box, []).append(device)
+        for j, (box, devices) in enumerate(holders.items()):
+            processes = sorted({process_of[d] for d in devices})
+            writer = processes[(i + j) % len(processes)]
+            device = min(d for d in devices if process_of[d] == writer)
+            held = tuple(slots[(writer + r) % n] for r in range(k + 1))
+            size = boxes.nbytes(box, leaf.itemsize)
+            out.append(StoredObject(leaf.path, box, writer, device, held, size))
+    return out
+
+
+def _check_keys(ptc: PTC) -> None:
+    keys = [
+        leaf.path for leaf in ptc.leaves if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    ]
+    if keys:
+        raise PlanError(
+            f"the tensor store holds numeric arrays; leaves {keys} hold PRNG keys: store their "
+            "key data (jax.random.key_data) in the train state instead"
+        )
+
+
+# -- the manifest --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """What a version holds and where; JSON in every store under ``v<step>/manifest``."""
+
+    step: int
+    slots: tuple[int, ...]  # process -> host slot
+    replicas: int
+    ptc: dict
+    objects: tuple[StoredObject, ...]
+    data_state: DataState | None = None
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.slots)
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "step": self.step,
+            "slots": list(self.slots),
+            "replicas": self.replicas,
+            "ptc": self.ptc,
+            "objects": [o.to_json() for o in self.objects],
+            "data_state": None if self.data_state is None else dataclasses.asdict(self.data_state),
+        }
+
+    @classmethod
+    def from_json(cls, record: dict) -> Manifest:
+        if record.get("format") != FORMAT:
+            raise StoreError(f"manifest format {record.get('format')!r}, expected {FORMAT}")
+        data = record.get("data_state")
+        return cls(
+            int(record["step"]),
+            tuple(int(s) for s in record["slots"]),
+            int(record["replicas"]),
+            record["ptc"],
+            tuple(StoredObject.from_json(o) for o in record["objects"]),
+            None if data is None else DataState.from_dict(data),
+        )
+
+
+# -- versions in the stores (no JAX needed: the launcher calls these too) --------------------------
+
+
+def versions(clients: dict[int, Any]) -> list[int]:
+    """Every version step found on the live stores, ascending."""
+    found = set()
+    for client in clients.values():
+        try:
+            infos = client.list("v")
+        except StoreError:
+            continue
+        found.update(s for s in (version_of(i.path) for i in infos) if s is not None)
+    return sorted(found)
+
+
+def read_manifest(clients: dict[int, Any], step: int) -> Manifest | None:
+    for client in clients.values():
+        try:
+            return Manifest.from_json(client.get_json(f"{version_prefix(step)}/manifest"))
+        except StoreError:
+            continue
+    return None
+
+
+def committed(clients: dict[int, Any], manifest: Manifest) -> list[int]:
+    """The processes whose commit marker for ``manifest``'s version is on some live store."""
+    done = set()
+    for process in range(manifest.num_processes):
+        for client in clients.values():
+            try:
+                client.get_json(f"{version_prefix(manifest.step)}/commit/{process}")
+            except StoreError:
+                continue
+            done.add(process)
+            break
+    return sorted(done)
+
+
+def latest_complete(clients: dict[int, Any], below: int | None = None) -> Manifest | None:
+    """The manifest of the latest complete version on the live stores (steps < ``below``)."""
+    for step in reversed(versions(clients)):
+        if below is not None and step >= below:
+            continue
+        manifest = read_manifest(clients, step)
+        if manifest is not None and len(committed(clients, manifest)) == manifest.num_processes:
+            return manifest
+    return None
+
+
+def missing_objects(clients: dict[int, Any], manifest: Manifest) -> list[StoredObject]:
+    """The objects of ``manifest`` that no live store holding a copy lists."""
+    prefix = f"{version_prefix(manifest.step)}/state/"
+    held: dict[int, set] = {}
+    for slot, client in clients.items():
+        try:
+            held[slot] = {(i.path, boxes.parse(i.box)) for i in client.list(prefix)}
+        except StoreError:
+            continue
+    return [
+        o
+        for o in manifest.objects
+        if not any((prefix + o.path, o.box) in held.get(s, ()) for s in o.slots)
+    ]
+
+
+def delete_versions(clients: dict[int, Any], keep) -> None:
+    """Delete every version whose step does not satisfy ``keep(step)`` from the live stores."""
+    for client in clients.values():
+        try:
+            steps = {version_of(i.path) for i in client.list("v")} - {None}
+            for step in steps:
+                if not keep(step):
+                    client.delete(version_prefix(step) + "/")
+        except StoreError:
+            continue
+
+
+# -- commit ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitReport:
+    """One process's part of one commit."""
+
+    step: int
+    objects: int
+    nbytes: int
+    copy_seconds: float  # device -> host, on the training thread
+    write_seconds: float  # host -> stores, on the background thread
+    complete: bool  # this process saw every marker of the version
+
+
+class Committer:
+    """Writes this process's objects of each version in the background, one commit at a time.
+
+    ``stores[p]`` is the client of process ``p``'s host store (slot ``slots[p]``); ``replicated``
+    is a ``ReplicatedStore`` over the same stores in process order.
+    """
+
+    def __init__(self, process: int, slots: Sequence[int], stores, replicated, replicas: int):
+        self.process = process
+        self.slots = tuple(slots)
+        self.stores = dict(zip(self.slots, stores))
+        self.replicated = replicated
+        self.replicas = replicas
+        self._thread: threading.Thread | None = None
+        self._result: CommitReport | BaseException | None = None
+        self._objects: tuple[PTC, list[StoredObject]] | None = None
+        self._gc: threading.Thread | None = None  # deletes the versions before a complete one
+        self._pool = concurrent.futures.ThreadPoolExecutor(PUT_THREADS, "commit-put")
+        self.reports: list[CommitReport] = []
+
+    def commit(
+        self, state, ptc: PTC, step: int, data_state: DataState | None, *, wait: bool = False
+    ) -> CommitReport | None:
+        """Start committing ``state`` as version ``step``; with ``wait``, finish it first.
+
+        The device-to-host copy happens before this returns, so the caller may donate ``state``.
+        """
+        self.wait()
+        tic = time.perf_counter()
+        objects = self._objects_of(ptc)
+        mine = [o for o in objects if o.process == self.process]
+        arrays = jax.tree.leaves(state)
+        if len(arrays) != len(ptc.leaves):
+            raise PlanError(f"the state has {len(arrays)} leaves, its PTC {len(ptc.leaves)}")
+        index = {leaf.path: i for i, leaf in enumerate(ptc.leaves)}
+        copies = [_host_shard(arrays[index[o.path]], o) for o in mine]
+        copy_seconds = time.perf_counter() - tic
+        manifest = None
+        if self.process == 0:
+            manifest = Manifest(
+                step, self.slots, self.replicas, ptc.to_json(), tuple(objects), data_state
+            )
+        shapes = {leaf.path: leaf.shape for leaf in ptc.leaves}
+        args = (step, mine, copies, shapes, manifest, copy_seconds)
+        self._thread = threading.Thread(target=self._write, args=args, daemon=True)
+        self._thread.start()
+        return self.wait() if wait else None
+
+    def wait(self, timeout: float = 600.0, *, collect: bool = False) -> CommitReport | None:
+        """Finish the commit in flight (if any); its report, or raise what it raised.
+
+        ``collect`` also waits for the deletion of the versions it made obsolete.
+        """
+        if collect and self._gc is not None:
+            self._gc.join(timeout)
+        if self._thread is None:
+            return None
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise StoreError(f"a commit did not finish within {timeout:.0f} s")
+        self._thread, result = None, self._result
+        self._result = None
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def close(self) -> None:
+        """Finish what is in flight, then release the write threads and connections."""
+        try:
+            self.wait(collect=True)
+        finally:
+            self._pool.shutdown(wait=True)
+            self.replicated.close()
+
+    def _objects_of(self, ptc: PTC) -> list[StoredObject]:
+        if self._objects is None or self._objects[0] != ptc:
+            self._objects = (ptc, stored_objects(ptc, self.slots, self.replicas))
+        return self._objects[1]
+
+    def _write(self, step, mine, copies, shapes, manifest, copy_seconds):
+        try:
+            tic = time.perf_counter()
+            prefix = version_prefix(step)
+            if manifest is not None:  # first, so that markers never point at an unknown version
+                self._put_json_all(f"{prefix}/manifest", manifest.to_json())
+            puts = [
+                self._pool.submit(
+                    self.replicated.put,
+                    self.process,
+                    f"{prefix}/state/{o.path}",
+                    data,
+                    box=o.box,
+                    global_shape=shapes[o.path],
+                )
+                for o, data in zip(mine, copies)
+            ]
+            for put in puts:
+                put.result()
+            marker = {
+                "process": self.process,
+                "objects": len(mine),
+                "nbytes": sum(o.nbytes for o in mine),
+            }
+            self._put_json_all(f"{prefix}/commit/{self.process}", marker)
+            complete = self._complete(step)
+            if complete and (self._gc is None or not self._gc.is_alive()):
+                # off the commit's path: deleting many objects costs the stores more than writing
+                # them; a version left behind now is deleted with the next complete one
+                keep = lambda s: s >= step
+                self._gc = threading.Thread(
+                    target=delete_versions, args=(self.stores, keep), daemon=True
+                )
+                self._gc.start()
+            report = CommitReport(
+                step, len(mine), marker["nbytes"], copy_seconds, time.perf_counter() - tic, complete
+            )
+            self.reports.append(report)
+            self._result = report
+        except Exception as error:
+            self._result = error
+
+    def _put_json_all(self, path: str, obj) -> None:
+        # flush=False: a marker needs its objects in the store's memory, not on its disk; the
+        # launcher never restarts a store that died (its slot is lost), so the memory tier of a
+        # live store is what a restore reads, and waiting for fsyncs would make every commit
+        # as slow as the disk
+        for client in self.stores.values():
+            client.put_json(path, obj, flush=False)
+
+    def _complete(self, step: int) -> bool:
+        own = {self.slots[self.process]: self.stores[self.slots[self.process]]}
+        manifest = read_manifest(own, step)
+        return manifest is not None and len(committed(own, manifest)) == manifest.num_processes
+
+
+def _host_shard(array: jax.Array, o: StoredObject) -> np.ndarray:
+    for shard in array.addressable_shards:
+        if shard.device.id == o.device:
+            # a copy: the next train step donates (and may overwrite) the device buffer
+            return np.array(shard.data, copy=True)
+    raise PlanError(f"device {o.device} of this process holds no shard of {o.path!r} box {o.box}")
+
+
+# -- restore ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PullReport:
+    """Bytes one process read for its shards, by where they came from."""
+
+    step: int
+    nbytes: dict[str, int]  # "local" / "remote" slot; "writer" / "replica" copy
+    by_slot: dict[int, int]
+    skipped: tuple[str, ...]  # stores that could not serve a piece, and why
+    replica_for_lost_writer: int  # bytes read from a replica because the writer's store failed
+    seconds: float
+
+
+def pull(
+    clients: dict[int, Any],
+    manifest: Manifest,
+    target: PTC,
+    slot: int,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    threads: int = 8,
+) -> tuple[list[jax.Array], PullReport]:
+    """This process's shards of ``target``, read from the stores; (arrays in leaf order, report).
+
+    ``clients`` maps the slots whose stores are up to their clients; ``slot`` is this process's.
+    """
+    tic = time.perf_counter()
+    source = PTC.from_json(manifest.ptc, target)
+    # offset the stored devices' ids: they belong to processes that no longer exist, and a shared
+    # id would make the plan "keep" a box that this process does not hold
+    offset = max(target.device_ids) + 1
+    source = dataclasses.replace(source, device_ids=tuple(d + offset for d in source.device_ids))
+    plan = make_plan(source, target)
+    where = {(o.path, o.box): o for o in manifest.objects}
+    local = {d.id: d for d in (devices or jax.local_devices())}
+    reader = _Reader(clients, slot, version_prefix(manifest.step))
+    jobs = []  # (leaf index, target box): one read per distinct box of this process
+    for i, leaf_plan in enumerate(plan.leaves):
+        distinct = {s.box: s for s in leaf_plan.shards if s.device in local}
+        jobs += [(i, shard) for shard in distinct.values()]
+
+    def fetch(job):
+        i, shard = job
+        leaf = target.leaves[i]
+        out = np.empty(boxes.shape(shard.box), dtype=np.dtype(leaf.dtype))
+        for piece in shard.pieces:
+            o = where[(leaf.path, piece.src_box)]
+            out[boxes.index(piece.box, shard.box)] = reader.read(o, piece.box)
+        return (i, shard.box), out
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        data = dict(pool.map(fetch, jobs))
+    mesh = target.mesh(list(jax.devices()))
+    arrays = []
+    for i, (leaf, leaf_plan) in enumerate(zip(target.leaves, plan.leaves)):
+        shards = [
+            jax.device_put(data[i, s.box], local[s.device])
+            for s in leaf_plan.shards
+            if s.device in local
+        ]
+        sharding = NamedSharding(mesh, leaf.spec)
+        arrays.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards))
+    report = PullReport(
+        manifest.step,
+        dict(reader.nbytes),
+        dict(reader.by_slot),
+        tuple(reader.skipped),
+        reader.rescued,
+        time.perf_counter() - tic,
+    )
+    return arrays, report
+
+
+class _Reader:
+    """Reads a piece from the closest store holding its object: own slot, writer, replicas."""
+
+    def __init__(self, clients: dict[int, Any], slot: int, prefix: str):
+        self.clients = clients
+        self.slot = slot
+        self.prefix = prefix
+        self.lock = threading.Lock()
+        self.nbytes: dict[str, int] = collections.Counter()
+        self.by_slot: dict[int, int] = collections.Counter()
+        self.skipped: list[str] = []
+        self.rescued = 0
+
+    def read(self, o: StoredObject, box: Box) -> np.ndarray:
+        writer = o.slots[0]
+        order = ([self.slot] if self.slot in o.slots else []) + [
+            s for s in o.slots if s != self.slot
+        ]
+        tried, writer_down = [], writer not in self.clients
+        for s in order:
+            client = self.clients.get(s)
+            if client is None:
+                tried.append(f"slot {s}: store down")
+                continue
+            try:
+                data = client.get(f"{self.prefix}/state/{o.path}", box)
+            except StoreError as error:
+                tried.append(f"slot {s}: {error}")
+                writer_down |= s == writer
+                continue
+            with self.lock:
+                self.nbytes["local" if s == self.slot else "remote"] += data.nbytes
+                self.nbytes["writer" if s == writer else "replica"] += data.nbytes
+                self.by_slot[s] += data.nbytes
+                self.skipped.extend(tried)
+                if s != writer and writer_down:
+                    self.rescued += data.nbytes
+            return data
+        raise StoreError(
+            f"no store serves box {box} of leaf {o.path!r} in version {self.prefix} (written by "
+            f"process {o.process}, held by slots {list(o.slots)}): " + "; ".join(tried)
+        )

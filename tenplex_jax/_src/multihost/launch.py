@@ -1,0 +1,618 @@
+"""``tenplex-jax launch``: run a training script as an elastic multi-process job.
+
+JAX cannot change the process set of a running job, so — as in Tenplex — the state lives in tensor
+stores outside the workers, and a change of workers is a new *generation* of processes that pull
+exactly the shards they need. The script is the one that runs alone: an ordinary loop over
+``tj.ElasticJob``, which uses the stores and generations underneath when it finds itself launched.
+The launcher:
+
+1. starts one tensor store per host slot (``python -m tenplex_jax.multihost.store``; they outlive
+   the workers);
+2. starts generation 0: ``--nprocs`` processes ``python -m tenplex_jax.multihost SCRIPT ARGS``,
+   each told in one JSON environment variable (:class:`JobSpec`) the coordinator
+   ``127.0.0.1:<free port>``, its process id, the process count, its slot, the store addresses,
+   the generation, the replica count, the commit interval and where to restore from; that entry
+   point joins ``jax.distributed`` and runs the script as ``__main__``;
+3. watches the workers and the stores. A generation ends when
+   - a worker exits nonzero or by a signal, or a store dies: a *failure*. The survivors (they hang
+     in collectives) get ``--grace`` seconds, then SIGKILL; all are reaped by PID. The failed slots
+     are dropped and the next generation runs on the slots left, restoring the latest complete
+     version from the stores, where the dead worker's shards come from their replicas. Lost steps
+     = the last step reached minus the restored step. If no copy of some shard survives, the
+     launcher names the leaves and falls back to the latest orbax checkpoint (``--checkpoint-dir``,
+     or the script's ``ElasticJob(checkpoint_dir=...)``).
+   - a resize is requested: ``echo N > RUN_DIR/resize``. The workers agree on a step, commit
+     synchronously (0 lost steps) and exit; the next generation runs N processes (new slots get
+     new stores).
+   - SIGTERM: the same planned end, then the launcher stops (with a checkpoint dir the last
+     commit is also an orbax checkpoint, which the next launch resumes from). Ctrl-C (SIGINT)
+     stops at once: every child is killed and reaped.
+4. stops when the workers finish (exit 0 after ``job.finish``), after ``--max-restarts`` failures,
+   or when fewer than ``--min-procs`` slots are left.
+
+The stores' disk tier is ``RUN_DIR/stores`` (``--store-dir``); ``--compile-cache DIR`` shares
+JAX's persistent compilation cache between generations.
+
+Each generation's config is chosen by the workers from their device count (every process computes
+the same, with ``tenplex_jax.planner.choose_config`` or the script's rule); the launcher chooses
+the count. Process 0 writes to the launcher's stdout; the others to
+``RUN_DIR/logs/g<gen>-p<id>.log`` (the tail is printed when one fails). Events go to stdout and
+``RUN_DIR/events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+
+from tenplex_jax._src import libc
+from tenplex_jax._src.errors import LaunchError, StoreError
+
+__all__ = ["JobSpec", "LaunchOptions", "Launcher", "launch"]
+
+ENV = "TENPLEX_JOB"  # the launcher passes the whole job description as one JSON variable
+CONTROL = "control.json"  # in the run dir: the launcher's request to end the generation
+CHECKPOINT = "checkpoint.json"  # in the run dir: the script's own checkpoint dir, for fallbacks
+ACTIONS = ("resize", "stop")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """What the launcher tells each worker process of a generation."""
+
+    coordinator: str  # "127.0.0.1:port" of the jax.distributed coordinator (process 0)
+    process_id: int
+    num_processes: int
+    devices_per_process: int
+    generation: int
+    slots: tuple[int, ...]  # process -> host slot (its tensor store)
+    stores: dict[int, str]  # slot -> address, for every store that is up
+    replicas: int
+    commit_every: int
+    restore: str  # "init", "store:<step>" or "checkpoint:<step>"
+    run_dir: str
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    token_file: str | None = None  # the stores' secret, in a file only this job's user reads
+
+    def to_env(self) -> dict[str, str]:
+        record = dataclasses.asdict(self)
+        record["stores"] = {str(k): v for k, v in self.stores.items()}
+        return {ENV: json.dumps(record, sort_keys=True)}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> JobSpec | None:
+        text = environ.get(ENV)
+        if not text:
+            return None
+        record = json.loads(text)
+        record["slots"] = tuple(record["slots"])
+        record["stores"] = {int(k): v for k, v in record["stores"].items()}
+        return cls(**record)
+
+    @property
+    def slot(self) -> int:
+        return self.slots[self.process_id]
+
+    def token(self) -> str | None:
+        """The stores' token (read from ``token_file``; None when the stores need none)."""
+        if self.token_file is None:
+            return None
+        return pathlib.Path(self.token_file).read_text().strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    script: str
+    args: tuple[str, ...] = ()
+    nprocs: int = 2
+    devices_per_proc: int = 2
+    replicas: int = 1
+    commit_every: int = 10
+    max_restarts: int = 3
+    min_procs: int = 1
+    run_dir: pathlib.Path | None = None  # default: a fresh temporary folder
+    checkpoint_dir: pathlib.Path | None = None  # the orbax tier
+    checkpoint_every: int | None = None
+    store_dir: pathlib.Path | None = None  # the stores' disk tier; default RUN_DIR/stores
+    compile_cache: pathlib.Path | None = None  # JAX's persistent compilation cache, shared
+    recover_from: str = "store"  # "checkpoint": ignore the stores (the benchmark's baseline)
+    token: bool = False  # stores refuse clients without the job's secret (always on Ray)
+    grace: float = 2.0  # seconds the survivors of a failure get before SIGKILL
+    stop_timeout: float = 300.0  # seconds workers get to commit and exit on a planned end
+    start_timeout: float = 60.0  # seconds a store gets to listen
+    python: str = sys.executable
+
+    def __post_init__(self):
+        for name in ("nprocs", "devices_per_proc", "commit_every", "min_procs"):
+            if getattr(self, name) < 1:
+                raise LaunchError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.replicas < 0 or self.max_restarts < 0:
+            raise LaunchError(f"--replicas and --max-restarts must be >= 0, got {self}")
+        if self.recover_from not in ("store", "checkpoint"):
+            raise LaunchError(f"recover_from is 'store' or 'checkpoint', got {self.recover_from!r}")
+        if self.recover_from == "checkpoint" and self.checkpoint_dir is None:
+            raise LaunchError("recovering from checkpoints needs --checkpoint-dir")
+
+
+@dataclasses.dataclass
+class _Slot:
+    index: int
+    store: subprocess.Popen
+    address: str
+
+
+@dataclasses.dataclass
+class _Generation:
+    number: int
+    slots: list[int]
+    workers: list[subprocess.Popen]
+    logs: list[pathlib.Path | None]
+    restore: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    kind: str  # "finished", "failure", "resize", "stop"
+    lost_slots: tuple[int, ...] = ()
+    count: int | None = None
+    detail: str = ""
+
+
+class Launcher:
+    """Runs the job described by ``options``; :meth:`run` returns the exit status."""
+
+    def __init__(self, options: LaunchOptions, log=None):
+        self.options = options
+        self.log = log or functools.partial(print, flush=True)
+        if options.run_dir is None:
+            self.run_dir = pathlib.Path(tempfile.mkdtemp(prefix="tenplex-launch-"))
+        else:
+            self.run_dir = pathlib.Path(options.run_dir)
+        self.store_dir = pathlib.Path(options.store_dir or self.run_dir / "stores")
+        self.slots: dict[int, _Slot] = {}
+        self.workers: list[subprocess.Popen] = []
+        self._terminate = False
+        self.token_file: pathlib.Path | None = None
+
+    # -- the main loop -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        opts = self.options
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        for name in (CONTROL, "resize", "progress.json", "finished.json", "stopped.json"):
+            (self.run_dir / name).unlink(missing_ok=True)
+        if opts.token:
+            self.token_file = write_token(self.run_dir / "token")
+        previous = self._install_signals()
+        try:
+            self._start_stores(range(opts.nprocs))
+            slots = list(range(opts.nprocs))
+            restarts, number, reached = 0, 0, None
+            while True:
+                source, step = self._choose_source(number, reached)
+                lost = None if reached is None else max(reached - step, 0)
+                gen = self._start_generation(number, slots, source)
+                self._event(
+                    "generation",
+                    generation=number,
+                    processes=len(slots),
+                    slots=slots,
+                    pids=[w.pid for w in gen.workers],
+                    restore=source,
+                    step=step,
+                    lost_steps=lost,
+                )
+                outcome = self._watch(gen)
+                reached = self._progress(number, default=step)
+                self._end_generation(gen)
+                self._event(
+                    outcome.kind,
+                    generation=number,
+                    step=reached,
+                    lost_slots=list(outcome.lost_slots),
+                    detail=outcome.detail,
+                )
+                if outcome.kind in ("finished", "stop"):
+                    return 0
+                if outcome.kind == "failure":
+                    restarts += 1
+                    if restarts > opts.max_restarts:
+                        raise LaunchError(
+                            f"{restarts} failures, more than --max-restarts {opts.max_restarts}"
+                        )
+                    slots = self._survivors(slots, outcome)
+                else:
+                    slots = self._resized(slots, outcome.count)
+                if len(slots) < opts.min_procs:
+                    raise LaunchError(
+                        f"{len(slots)} slots left, fewer than --min-procs {opts.min_procs}"
+                    )
+                number += 1
+        except LaunchError as error:
+            self._event("error", detail=str(error))
+            return 1
+        except KeyboardInterrupt:
+            self._event("interrupted", detail="Ctrl-C: killing every process")
+            return 130
+        finally:
+            self._teardown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    # -- stores
+    # --------------------------------------------------------------------------------------
+
+    def _start_stores(self, indices) -> None:
+        started = {}
+        for i in indices:
+            ready = self.run_dir / f"store-{i}.addr"
+            ready.unlink(missing_ok=True)
+            command = [
+                self.options.python,
+                "-m",
+                "tenplex_jax.multihost.store",
+                "--dir",
+                str(self.store_dir / str(i)),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--ready-file",
+                str(ready),
+            ]
+            if self.token_file is not None:
+                command += ["--token-file", str(self.token_file)]
+            with open(self.run_dir / "logs" / f"store-{i}.log", "ab") as log:
+                started[i] = (_spawn(command, stdout=log, stderr=log), ready)
+            self.slots[i] = _Slot(i, started[i][0], "")
+        deadline = time.monotonic() + self.options.start_timeout
+        for i, (proc, ready) in started.items():
+            while not (ready.exists() and ready.read_text().strip()):
+                if proc.poll() is not None:
+                    raise LaunchError(
+                        f"the store of slot {i} exited with {proc.returncode}; see "
+                        f"{self.run_dir / 'logs' / f'store-{i}.log'}"
+                    )
+                if time.monotonic() > deadline:
+                    raise LaunchError(
+                        f"the store of slot {i} did not listen within "
+                        f"{self.options.start_timeout:.0f} s"
+                    )
+                time.sleep(0.05)
+            self.slots[i].address = ready.read_text().strip()
+        self._event(
+            "stores",
+            slots={
+                i: {"pid": s.store.pid, "address": s.address}
+                for i, s in self.slots.items()
+                if i in started
+            },
+            detail=f"stores up for slots {sorted(started)}: "
+            + ", ".join(self.slots[i].address for i in sorted(started)),
+        )
+
+    def _up(self, slot: int) -> bool:
+        return slot in self.slots and self.slots[slot].store.poll() is None
+
+    def _token(self) -> str | None:
+        return None if self.token_file is None else self.token_file.read_text().strip()
+
+    def _clients(self) -> dict:
+        from tenplex_jax._src.multihost.store.client import StoreClient
+
+        clients = {}
+        for i in sorted(self.slots):
+            if self._up(i):
+                with contextlib.suppress(StoreError, OSError):
+                    clients[i] = StoreClient(
+                        self.slots[i].address, token=self._token(), timeout=30.0
+                    )
+        return clients
+
+    # -- where the next generation's state comes from ------------------------------------------
+
+    def _choose_source(self, number: int, reached: int | None) -> tuple[str, int]:
+        from tenplex_jax._src.multihost.commit import (
+            delete_versions,
+            latest_complete,
+            missing_objects,
+        )
+
+        opts = self.options
+        clients = self._clients()
+        try:
+            manifest = latest_complete(clients) if opts.recover_from == "store" else None
+            candidates = []
+            if manifest is not None:
+                missing = missing_objects(clients, manifest)
+                if not missing:
+                    candidates.append((manifest.step, 1, "store"))
+                else:
+                    leaves = sorted({o.path for o in missing})
+                    held = sorted({s for o in missing for s in o.slots})
+                    self._event(
+                        "replicas_lost",
+                        step=manifest.step,
+                        leaves=leaves,
+                        detail=f"no copy of {len(missing)} shards of version {manifest.step} "
+                        f"survives (held by slots {held}, now down): leaves {leaves}",
+                    )
+            checkpoint = self._latest_checkpoint()
+            if checkpoint is not None:
+                candidates.append((checkpoint, 0, "checkpoint"))
+            if candidates:
+                step, _, kind = max(candidates)
+                if kind == "checkpoint" and manifest is not None and opts.recover_from == "store":
+                    self._event(
+                        "fallback",
+                        step=step,
+                        detail=f"restoring the orbax checkpoint "
+                        f"of step {step} from {self._checkpoint_dir()}",
+                    )
+            elif manifest is None:  # nothing was committed yet: start over
+                kind, step = "init", 0
+            else:
+                raise LaunchError(
+                    "cannot recover the state: no complete version in the stores has every shard "
+                    f"and there is no orbax checkpoint (--checkpoint-dir {opts.checkpoint_dir})"
+                )
+            # newer, incomplete or unreadable versions would mix with the next commits of a step
+            delete_versions(clients, lambda s: kind == "store" and s <= step)
+            return f"{kind}:{step}" if kind != "init" else "init", step
+        finally:
+            for client in clients.values():
+                client.close()
+
+    def _checkpoint_dir(self) -> pathlib.Path | None:
+        """``--checkpoint-dir``, else the one the script's job uses (it says so in the run dir)."""
+        if self.options.checkpoint_dir is not None:
+            return pathlib.Path(self.options.checkpoint_dir)
+        try:
+            return pathlib.Path(json.loads((self.run_dir / CHECKPOINT).read_text())["directory"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _latest_checkpoint(self) -> int | None:
+        directory = self._checkpoint_dir()
+        if directory is None or not directory.exists():
+            return None
+        from tenplex_jax._src.checkpoint import latest_checkpoint
+
+        return latest_checkpoint(directory)
+
+    # -- generations -----------------------------------------------------------------------------
+
+    def _start_generation(self, number: int, slots: list[int], source: str) -> _Generation:
+        opts = self.options
+        (self.run_dir / CONTROL).unlink(missing_ok=True)
+        coordinator = self._coordinator(slots[0])
+        stores = {i: s.address for i, s in self.slots.items() if self._up(i)}
+        workers, logs = [], []
+        for pid in range(len(slots)):
+            spec = JobSpec(
+                coordinator,
+                pid,
+                len(slots),
+                opts.devices_per_proc,
+                number,
+                tuple(slots),
+                stores,
+                opts.replicas,
+                opts.commit_every,
+                source,
+                str(self.run_dir),
+                None if opts.checkpoint_dir is None else str(opts.checkpoint_dir),
+                opts.checkpoint_every,
+                None if self.token_file is None else str(self.token_file),
+            )
+            env = spec.to_env() | {"PYTHONUNBUFFERED": "1"}
+            if opts.compile_cache is not None:  # a layout compiled by any generation loads
+                env["JAX_COMPILATION_CACHE_DIR"] = str(opts.compile_cache)
+            command = [opts.python, "-m", "tenplex_jax.multihost", opts.script, *opts.args]
+            path = None if pid == 0 else self.run_dir / "logs" / f"g{number}-p{pid}.log"
+            workers.append(self._spawn_worker(slots[pid], command, env, path))
+            logs.append(path)
+        self.workers = workers
+        return _Generation(number, list(slots), workers, logs, source)
+
+    def _survivors(self, slots: list[int], outcome: _Outcome) -> list[int]:
+        """The slots the next generation runs on after a failure: not the failed workers' (on
+        one host, a worker's failure is its host's), and only where the store is up."""
+        return [s for s in slots if s not in outcome.lost_slots and self._up(s)]
+
+    def _coordinator(self, slot: int) -> str:
+        """The jax.distributed coordinator's address for a generation led by ``slot``."""
+        return f"127.0.0.1:{_free_port()}"
+
+    def _spawn_worker(self, slot: int, command: list[str], env: dict, log: pathlib.Path | None):
+        """A worker process on ``slot``'s host (stdout and stderr to ``log``; None: ours)."""
+        if log is None:
+            return _spawn(command, env=os.environ | env)
+        with open(log, "wb") as out:
+            return _spawn(command, env=os.environ | env, stdout=out, stderr=out)
+
+    def _watch(self, gen: _Generation) -> _Outcome:
+        opts = self.options
+        requested, deadline = None, None
+        while True:
+            codes = [w.poll() for w in gen.workers]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            stores_down = [s for s in gen.slots if not self._up(s)]
+            if failed or stores_down:
+                detail = "; ".join(
+                    [
+                        f"process {i} (slot {gen.slots[i]}, pid {gen.workers[i].pid}) "
+                        f"{_status(codes[i])}"
+                        for i in failed
+                    ]
+                    + [f"the store of slot {s} died" for s in stores_down]
+                )
+                for i in failed:
+                    self._tail(gen, i)
+                lost = tuple(sorted({gen.slots[i] for i in failed} | set(stores_down)))
+                return _Outcome("failure", lost, detail=detail)
+            if all(c == 0 for c in codes):
+                if (self.run_dir / "finished.json").exists():
+                    return _Outcome("finished")
+                if requested is not None:
+                    return _Outcome(requested[0], count=requested[1])
+                return _Outcome("failure", detail="every worker exited 0 before finishing")
+            if requested is None:
+                requested = self._request(len(gen.slots))
+                if requested is not None:
+                    deadline = time.monotonic() + opts.stop_timeout
+            elif time.monotonic() > deadline:
+                return _Outcome(
+                    "failure",
+                    detail=f"the planned {requested[0]} took longer than "
+                    f"--stop-timeout {opts.stop_timeout:.0f} s",
+                )
+            time.sleep(0.05)
+
+    def _request(self, current: int) -> tuple[str, int] | None:
+        """A planned end of the generation: SIGTERM, or a process count in RUN_DIR/resize."""
+        action = None
+        if self._terminate:
+            action = ("stop", current)
+        resize = self.run_dir / "resize"
+        if action is None and resize.exists():
+            text = resize.read_text().strip()
+            resize.unlink(missing_ok=True)
+            if not text.isdigit() or int(text) < 1:
+                self._event("ignored", detail=f"RUN_DIR/resize holds {text!r}, not a count >= 1")
+                return None
+            if int(text) == current:
+                return None
+            action = ("resize", int(text))
+        if action is not None:
+            control = self.run_dir / CONTROL
+            tmp = control.with_name(".control.tmp")
+            tmp.write_text(json.dumps({"action": action[0], "processes": action[1]}))
+            os.replace(tmp, control)
+            self._event("request", action=action[0], processes=action[1])
+        return action
+
+    def _end_generation(self, gen: _Generation) -> None:
+        """Give the workers ``--grace`` seconds, then SIGKILL the rest; reap every one by PID."""
+        deadline = time.monotonic() + self.options.grace
+        while any(w.poll() is None for w in gen.workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for w in gen.workers:
+            _kill(w)
+        self.workers = []
+
+    def _resized(self, slots: list[int], count: int) -> list[int]:
+        if count <= len(slots):
+            return sorted(slots)[:count]
+        new = [max(self.slots) + 1 + i for i in range(count - len(slots))]
+        self._start_stores(new)
+        return sorted(slots) + new
+
+    def _progress(self, number: int, default: int) -> int:
+        try:
+            record = json.loads((self.run_dir / "progress.json").read_text())
+        except (OSError, ValueError):
+            return default
+        return int(record["step"]) if record.get("generation") == number else default
+
+    def _tail(self, gen: _Generation, i: int, lines: int = 15) -> None:
+        if gen.logs[i] is None:
+            return
+        with contextlib.suppress(OSError):
+            tail = gen.logs[i].read_text(errors="replace").splitlines()[-lines:]
+            self.log("\n".join(f"  [p{i}] {line}" for line in tail))
+
+    # -- signals and teardown ------------------------------------------------------------------
+
+    def _install_signals(self) -> dict:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def on_term(signum, frame):
+            self._terminate = True
+
+        return {signal.SIGTERM: signal.signal(signal.SIGTERM, on_term)}
+
+    def _teardown(self) -> None:
+        for w in self.workers:
+            _kill(w)
+        for slot in self.slots.values():
+            _kill(slot.store, signal.SIGTERM, timeout=5.0)
+        self.workers = []
+
+    def _event(self, kind: str, **fields) -> None:
+        record = {"event": kind, "time": time.time(), **fields}
+        with open(self.run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        text = fields.get("detail") or ", ".join(
+            f"{k}={v}" for k, v in fields.items() if k not in ("detail", "pids", "slots")
+        )
+        self.log(f"tenplex launch: {kind}: {text}")
+
+
+def _kill(proc: subprocess.Popen, sig=signal.SIGKILL, timeout: float = 10.0) -> None:
+    """Signal ``proc`` by PID unless it has exited; reap it (SIGKILL if ``sig`` does not do)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(timeout)
+    else:
+        proc.wait()
+
+
+def _spawn(command: list[str], **kwargs) -> subprocess.Popen:
+    """A child in its own session (a Ctrl-C at the terminal reaches the launcher only, which then
+    kills it by PID) that Linux SIGKILLs if the launcher dies, even by SIGKILL."""
+    prctl = libc.function("prctl") if sys.platform.startswith("linux") else None
+    die = None if prctl is None else (lambda: prctl(1, signal.SIGKILL))  # PR_SET_PDEATHSIG
+    # the callable only calls a libc function resolved here, before the fork
+    return subprocess.Popen(command, start_new_session=True, preexec_fn=die, **kwargs)
+
+
+def write_token(path: pathlib.Path) -> pathlib.Path:
+    """A fresh secret for the job's stores, in a file only this user can read; its path."""
+    import secrets
+
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
+def _status(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(options: LaunchOptions, log=None) -> int:
+    """Run a job; the exit status (0 done or stopped, 1 gave up, 130 interrupted)."""
+    return Launcher(options, log).run()

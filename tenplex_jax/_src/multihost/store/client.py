@@ -1,0 +1,454 @@
+"""``StoreClient``: one store server's objects, over pooled connections (TCP or a Unix socket)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+from typing import Any, NamedTuple, Self
+
+import numpy as np
+
+from tenplex_jax._src import box as boxes
+from tenplex_jax._src.box import Box, Shape
+from tenplex_jax._src.errors import StoreError, StoreProtocolError
+from tenplex_jax._src.multihost.store import wire
+from tenplex_jax._src.multihost.store.wire import ObjectInfo
+
+_MISSING = object()
+_BROKEN = ("unavailable", "protocol")  # reasons after which a connection is not reused
+DISK_BYTES_PER_S = 50e6  # the slowest disk a durable put waits for, for its reply timeout
+
+
+class CAS(NamedTuple):
+    """A ``cas_json`` reply: whether it swapped, and the object at the path now (None: none),
+    with its checksum and the store's clock (seconds)."""
+
+    swapped: bool
+    checksum: str | None
+    value: Any
+    time: float
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"127.0.0.1:5000"`` or ``"[::1]:5000"`` → (host, port)."""
+    if address.startswith("unix:"):
+        raise StoreError(f"{address!r} is a Unix socket address, not host:port")
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise StoreError(f'a store address is "host:port"; got {address!r}')
+    return host.strip("[]"), int(port)
+
+
+class StoreClient:
+    """A connection to one store server. Thread-safe: each call takes a pooled connection.
+
+    ``timeout`` bounds every socket operation (seconds); ``connect_timeout`` (default: ``timeout``)
+    bounds opening a connection, so a dead store is given up on quickly.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        connect_timeout: float | None = None,
+    ):
+        self.address = address
+        self._unix = address[len("unix:") :] if address.startswith("unix:") else None
+        self._host, self._port = (None, None) if self._unix else parse_address(address)
+        self._token = token
+        self._timeout = timeout
+        self._connect_timeout = timeout if connect_timeout is None else connect_timeout
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"StoreClient({self.address!r})"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- connections ------------------------------------------------------------------------
+
+    def _connect(self) -> socket.socket:
+        try:
+            if self._unix is not None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.settimeout(self._connect_timeout)
+                    sock.connect(self._unix)
+                except BaseException:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection((self._host, self._port), self._connect_timeout)
+        except OSError as error:
+            raise StoreError(
+                f"cannot reach the store at {self.address}: {error}", "unavailable"
+            ) from None
+        try:
+            if self._unix is None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # the hello exchange is part of connecting: a store that accepts but does not answer
+            # (stopped, overloaded) is given up on within the connect timeout too
+            sock.settimeout(self._connect_timeout)
+            # a failed send: the reply says why (a store over its connection cap answers and closes)
+            with contextlib.suppress(OSError):
+                wire.send_frame(sock, {"op": "hello", "token": self._token})
+            self._reply(sock)
+            sock.settimeout(self._timeout)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _checkout(self) -> tuple[socket.socket, bool]:
+        """A connection: an idle pooled one (reused=True) or a new one."""
+        if self._closed:
+            raise StoreError(f"the client of {self.address} is closed", "closed")
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+        return self._connect(), False
+
+    def _checkin(self, sock: socket.socket) -> None:
+        if sock.fileno() < 0:  # closed
+            return
+        with self._lock:
+            if not self._closed:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def _reply(self, sock: socket.socket) -> tuple[dict, int]:
+        """The next response header (raises StoreError for an error reply) and its body size."""
+        try:
+            prefix = wire.recv_prefix(sock)
+            if prefix is None:
+                raise ConnectionError("the store closed the connection")
+            header = wire.recv_header(sock, prefix[0], wire.MAX_RESPONSE_HEADER_BYTES)
+        except (OSError, StoreProtocolError) as error:
+            raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
+        if not header.get("ok"):
+            reason = header.get("reason", "refused")
+            raise StoreError(f"store {self.address}: {header.get('error')}", reason)
+        return header, prefix[1]
+
+    def _call(self, request: dict, body=None, into=None) -> tuple[dict, Any]:
+        """One request → (reply header, reply body). ``body`` follows a "continue" reply;
+        ``into(header, body bytes)`` returns a writable array for the reply body (no copy), having
+        checked the sizes the server announced (raising ``StoreError``)."""
+        for attempt in (0, 1):
+            sock, reused = self._checkout()
+            try:
+                result = self._exchange(sock, request, body, into)
+            except StoreError as error:
+                if error.reason in _BROKEN:
+                    sock.close()
+                    # a pooled connection the server has since closed (idle timeout, restart):
+                    # retry once on a new one; every request is idempotent
+                    if error.reason == "unavailable" and reused and not attempt:
+                        continue
+                else:  # an error reply: the connection is in a known state
+                    self._checkin(sock)
+                raise
+            except BaseException:
+                sock.close()  # its state is unknown: never reuse it
+                raise
+            self._checkin(sock)
+            return result
+        raise AssertionError("unreachable")
+
+    def _exchange(self, sock, request: dict, body, into) -> tuple[dict, Any]:
+        nbody = 0 if body is None else memoryview(body).nbytes
+        try:
+            wire.send_header(sock, request, nbody)
+        except OSError as error:
+            raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
+        if request["op"] in ("put", "put_json", "cas_json"):
+            self._reply(sock)  # "continue", or the reason the request is refused
+            try:
+                if request["op"] == "put" and request.get("checksum") is None:
+                    digest = wire.send_body(sock, body, digest=True)
+                    wire.send_frame(sock, {"checksum": digest})  # the trailer
+                elif nbody:
+                    wire.send_body(sock, body)
+            except OSError as error:
+                raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
+        # a reply may wait for disk writes: a durable put for its bytes, flush and put_json for
+        # every object not yet on disk
+        if request["op"] in ("flush", "put_json"):
+            sock.settimeout(self._timeout * 10)
+        elif request.get("durable"):
+            sock.settimeout(self._timeout + nbody / DISK_BYTES_PER_S)
+        try:
+            header, nreply = self._reply(sock)
+        finally:
+            sock.settimeout(self._timeout)
+        # a reply's sizes are the server's claims: checked before a byte is allocated for them
+        try:
+            if into is not None:
+                out = into(header, nreply)
+            elif nreply > wire.MAX_REPLY_BODY_BYTES:
+                raise StoreError(
+                    f"a {request['op']!r} reply body is at most "
+                    f"{wire.MAX_REPLY_BODY_BYTES} bytes; the store announced "
+                    f"{nreply}",
+                    "protocol",
+                )
+        except (StoreError, MemoryError, ValueError) as error:
+            sock.close()  # the reply's body is unread: the connection cannot be reused
+            if not isinstance(error, StoreError):  # NumPy: no memory, or an impossible size
+                raise StoreError(
+                    f"store {self.address}: no memory for the reply of {nreply} bytes", "too_large"
+                ) from None
+            raise StoreError(f"store {self.address}: {error}", "protocol") from None
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            if into is None:
+                data = wire.recv_exact(sock, nreply)
+            else:
+                header["received"] = wire.recv_into(sock, wire.as_bytes(out), digest=True)
+                data = out
+                if header.get("checksum") is None:  # streamed from the store's disk: a trailer
+                    header["checksum"] = self._reply(sock)[0].get("checksum")
+        except OSError as error:
+            raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
+        return header, data
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+    # -- objects ----------------------------------------------------------------------------
+
+    def put(
+        self,
+        path: str,
+        array,
+        *,
+        box: Box | None = None,
+        global_shape: Shape | None = None,
+        durable: bool = False,
+        _checksum: str | None = None,
+    ) -> ObjectInfo:
+        """Store ``array`` as the ``box`` of a global array of ``global_shape`` (default: the
+        whole array); the stored object's ``ObjectInfo``. Atomic: readers see the old object or
+        the new one, never a mix. Acknowledged from the memory tier, or with ``durable`` once
+        the object's file is on disk."""
+        array = np.asarray(array, order="C")
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("="))
+        path = wire.check_path(path)
+        box = boxes.full(array.shape) if box is None else wire.as_box(box)
+        if global_shape is None and any(start for start, _ in box):
+            raise StoreError(
+                f"put of {path!r}: global_shape is needed when the box {box} does not start at "
+                f"the origin"
+            )
+        global_shape = boxes.shape(box) if global_shape is None else wire.as_shape(global_shape)
+        wire.check_box(path, box, global_shape)
+        if boxes.shape(box) != array.shape:
+            raise StoreError(
+                f"the array's shape must be its box's extent; got shape {array.shape} for box "
+                f"{box} at path {path!r}"
+            )
+        dtype = wire.dtype_of(array.dtype.name)
+        data = wire.as_bytes(array)
+        request = {
+            "op": "put",
+            "path": path,
+            "box": [list(b) for b in box],
+            "global_shape": list(global_shape),
+            "dtype": dtype.name,
+            "checksum": _checksum,  # None: computed as the bytes are sent, in a trailer
+            "durable": bool(durable),
+        }
+        header, _ = self._call(request, data)
+        return ObjectInfo.from_json(header["info"])
+
+    def get(self, path: str, box: Box | None = None, *, with_info: bool = False):
+        """The ``box`` (global coordinates; None: the whole array) of the object at ``path``
+        that contains it, as a new array; with ``with_info``, ``(array, ObjectInfo)`` (its
+        ``clocks`` among them). Raises ``StoreError`` (reason ``"not_found"``) when no object
+        under ``path`` contains ``box``."""
+        path = wire.check_path(path)
+        box = None if box is None else wire.as_box(box)
+        request = {
+            "op": "get",
+            "path": path,
+            "box": None if box is None else [list(b) for b in box],
+        }
+
+        def into(header, nreply):
+            info = ObjectInfo.from_json(header.get("info"))
+            sent = wire.as_box(header.get("box"))
+            if (
+                info.path != path
+                or not boxes.contains(info.box, sent)
+                or sent != (info.box if box is None else box)
+            ):
+                raise StoreError(
+                    f"get of {path!r} box {box}: the reply is for {info.path!r} "
+                    f"box {sent} of an object {info.box}"
+                )
+            dtype = wire.dtype_of(info.dtype)
+            if nreply != wire.nbytes_of(boxes.shape(sent), dtype):
+                raise StoreError(
+                    f"get of {path!r}: {nreply} bytes announced for box {sent} of {dtype.name}"
+                )
+            return np.empty(boxes.shape(sent), dtype)
+
+        header, out = self._call(request, into=into)
+        digest = header["received"]  # computed as the bytes arrived
+        if digest != header["checksum"]:
+            raise StoreError(
+                f"store {self.address}: get of {path!r} box {box}: received bytes have checksum "
+                f"{digest}, the store sent {header['checksum']}",
+                "corrupt",
+            )
+        return (out, ObjectInfo.from_json(header["info"])) if with_info else out
+
+    def accumulate(
+        self, path: str, stage: str, *, name: str, clock: int
+    ) -> tuple[ObjectInfo, bool]:
+        """Add the whole float array stored at ``stage`` into the one at ``path``, on the store,
+        once per ``(name, clock)`` (see ``Store.accumulate``): (the array's record, whether it
+        was applied now). A wave out of turn is refused (``StoreError``, ``"refused"``)."""
+        request = {
+            "op": "accumulate",
+            "path": wire.check_path(path),
+            "stage": wire.check_path(stage),
+            "name": wire.check_name(name),
+            "clock": int(clock),
+        }
+        header, _ = self._call(request)
+        return ObjectInfo.from_json(header["info"]), bool(header["applied"])
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every array object whose path starts with ``prefix`` (plain string prefix)."""
+        _, body = self._call({"op": "list", "prefix": str(prefix)})
+        listing = self._decode(body, "list")
+        if not isinstance(listing, list):
+            raise StoreError(f"store {self.address}: a listing is a JSON list", "protocol")
+        return [ObjectInfo.from_json(obj) for obj in listing]
+
+    def _decode(self, body, what: str) -> Any:
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError) as error:
+            raise StoreError(
+                f"store {self.address}: the {what} reply is not JSON: {error!r:.200}", "protocol"
+            ) from None
+
+    def delete(self, prefix: str) -> int:
+        """Remove the array and JSON objects whose path starts with ``prefix``; how many."""
+        if not isinstance(prefix, str):
+            raise StoreError(f"delete takes a path prefix string; got {prefix!r}")
+        header, _ = self._call({"op": "delete", "prefix": prefix})
+        return int(header["deleted"])
+
+    def put_json(self, path: str, obj: Any, *, flush: bool = True) -> None:
+        """Store a small JSON-able object durably and atomically (a commit marker, a manifest).
+
+        With ``flush`` (the default) it is written only after every earlier put to this store has
+        reached disk, so after a crash of the store the marker implies its objects. ``flush=False``
+        skips that wait: enough while the store process lives (it outlives the workers), but a
+        store restarted from disk may then hold the marker without some objects."""
+        path = wire.check_path(path)
+        data = self._json_bytes(path, obj, "put_json")
+        request = {
+            "op": "put_json",
+            "path": path,
+            "flush": bool(flush),
+            "checksum": wire.checksum(data),
+        }
+        self._call(request, data)
+
+    def get_json(self, path: str, default: Any = _MISSING, *, versioned: bool = False) -> Any:
+        """The JSON object at ``path``; ``default`` if given and there is none. With
+        ``versioned``, ``(object, its checksum, the store's clock)``: what ``cas_json`` expects."""
+        try:
+            header, body = self._call({"op": "get_json", "path": wire.check_path(path)})
+        except StoreError as error:
+            if error.reason == "not_found" and default is not _MISSING:
+                return (default, None, None) if versioned else default
+            raise
+        if wire.checksum(body) != header.get("checksum"):
+            raise StoreError(
+                f"store {self.address}: get_json of {path!r}: received bytes have "
+                f"checksum {wire.checksum(body)}, the store sent "
+                f"{header.get('checksum')}",
+                "corrupt",
+            )
+        obj = self._decode(body, "get_json")
+        return (obj, header["checksum"], float(header["time"])) if versioned else obj
+
+    def cas_json(self, path: str, obj: Any, *, expect: str | None) -> CAS:
+        """Store ``obj`` at ``path`` only if the JSON object there has checksum ``expect`` (None:
+        only if there is none), atomically. The reply says whether it swapped, and carries the
+        object there now with its checksum and the store's clock, to retry from."""
+        path = wire.check_path(path)
+        data = self._json_bytes(path, obj, "cas_json")
+        request = {
+            "op": "cas_json",
+            "path": path,
+            "expect": expect,
+            "checksum": wire.checksum(data),
+        }
+        header, body = self._call(request, data)
+        current = None if header["checksum"] is None else body
+        if current is not None and wire.checksum(current) != header["checksum"]:
+            raise StoreError(
+                f"store {self.address}: cas_json of {path!r}: received bytes have "
+                f"checksum {wire.checksum(current)}, the store sent "
+                f"{header['checksum']}",
+                "corrupt",
+            )
+        value = None if current is None else self._decode(current, "cas_json")
+        return CAS(bool(header["swapped"]), header["checksum"], value, float(header["time"]))
+
+    @staticmethod
+    def _json_bytes(path: str, obj: Any, what: str) -> bytes:
+        try:
+            data = json.dumps(obj, allow_nan=False).encode()
+        except (TypeError, ValueError) as error:
+            raise StoreError(f"{what} of {path!r}: not plain JSON: {error}") from error
+        if len(data) > wire.MAX_JSON_BYTES:
+            raise StoreError(
+                f"{what} objects are at most {wire.MAX_JSON_BYTES} bytes; {path!r} is "
+                f"{len(data)} bytes"
+            )
+        return data
+
+    def list_json(self, prefix: str = "") -> list[str]:
+        header, _ = self._call({"op": "list_json", "prefix": str(prefix)})
+        return list(header["paths"])
+
+    def flush(self) -> None:
+        """Wait until every object put so far is on the store's disk."""
+        self._call({"op": "flush"})
+
+    def stats(self) -> dict:
+        header, _ = self._call({"op": "stats"})
+        return header["stats"]
+
+    def ping(self) -> bool:
+        """Whether the store answers a new connection's hello within the connect timeout."""
+        try:
+            self._connect().close()
+        except StoreError:
+            return False
+        return True

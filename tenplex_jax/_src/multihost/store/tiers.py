@@ -1,0 +1,683 @@
+"""The store's state: the index, the memory tier and the disk tier (see ``server`` for the rules).
+
+**Tiers.** Objects live in a memory tier (at most ``memory_bytes``, least recently used clean
+objects evicted first) and on disk under ``DIR/objects``. A plain put is acknowledged once it is
+in the memory tier and queued for disk; a durable put (and any object too large for the memory
+tier) once its file is complete. ``flush`` waits until every object acknowledged before it is on
+disk; ``put_json`` flushes first (unless asked not to).
+
+**Atomic files.** An object is one file: ``b"TPX2"`` + header length + the header's crc32 + a
+JSON header (path, box, global shape, dtype, checksum) + the bytes, written to ``DIR/tmp`` and
+fsynced, then renamed into ``DIR/objects``; only then does the index point at it. Restarted on
+the same directory, the store deletes ``DIR/tmp``, indexes the complete files whose header checks
+and verifies each file's data checksum when it reads it; JSON objects are files too, read and
+checked on every ``get_json`` (never held in memory). A file that fails is moved to
+``DIR/corrupt`` and never served.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import pathlib
+import queue
+import shutil
+import struct
+import sys
+import threading
+import uuid
+import zlib
+
+import numpy as np
+
+from tenplex_jax._src import box as boxes
+from tenplex_jax._src import checksums
+from tenplex_jax._src.errors import StoreError
+from tenplex_jax._src.multihost.store import wire
+from tenplex_jax._src.multihost.store.wire import ObjectInfo
+
+FILE_MAGIC = b"TPX2"  # an object file: magic, header bytes, header crc32, JSON header, data
+FILE_PREFIX = struct.Struct("!4sII")
+DEFAULT_MEMORY_BYTES = 4 << 30
+IO_CHUNK_BYTES = 256 << 20
+STREAM_CHUNK_BYTES = 16 << 20  # objects larger than the transfer budget move this much at a time
+WRITERS = 4  # threads writing the memory tier back to disk
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    info: ObjectInfo
+    seq: int  # puts of one key are ordered by seq; the newest one wins
+    on_disk: bool  # the file under objects/ holds this version
+
+
+def _piece(raw: bytes, dtype, lead, j, rows, shape, axis, local) -> memoryview | None:
+    """The part of ``local`` (a tuple of slices into an object of ``shape``) inside one
+    contiguous read: indices ``lead`` on the axes before ``axis``, rows ``j .. j + rows`` on it;
+    None when the read holds none of it."""
+    for i, s in zip(lead, local):
+        if not s.start <= i < s.stop:
+            return None
+    lo, hi = max(j, local[axis].start), min(j + rows, local[axis].stop)
+    if lo >= hi:
+        return None
+    block = np.frombuffer(raw, np.dtype(f"V{dtype.itemsize}")).reshape((rows,) + shape[axis + 1 :])
+    part = block[(slice(lo - j, hi - j),) + tuple(local[axis + 1 :])]
+    return wire.as_bytes(np.ascontiguousarray(part))
+
+
+def _key(kind: str, path: str, box: boxes.Box = ()) -> str:
+    text = json.dumps([kind, path, [list(b) for b in box]], separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
+
+
+class Store:
+    """The store's state: the index, the memory tier, the disk writer. Thread-safe."""
+
+    def __init__(self, directory: pathlib.Path, memory_bytes: int):
+        self.dir = pathlib.Path(directory)
+        self.memory_bytes = memory_bytes
+        self.objects_dir = self.dir / "objects"
+        self.json_dir = self.dir / "json"
+        self.tmp_dir = self.dir / "tmp"
+        self.corrupt_dir = self.dir / "corrupt"
+        for d in (self.objects_dir, self.json_dir, self.corrupt_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)  # partial writes of an earlier run
+        self.tmp_dir.mkdir()
+        self.lock = threading.Lock()
+        self.seq = 0
+        self.index: dict[str, Entry] = {}
+        self.by_path: dict[str, set[str]] = collections.defaultdict(set)
+        # key -> (seq, bytes), least recently used first
+        self.memory: collections.OrderedDict[str, tuple[int, np.ndarray]]
+        self.memory = collections.OrderedDict()
+        self.memory_used = 0
+        self.dirty: dict[str, int] = {}  # keys whose newest version is only in memory -> bytes
+        self.dirty_bytes = 0
+        self.json: dict[str, int] = {}  # path -> bytes of the JSON objects (on disk only)
+        self.writes: queue.Queue = queue.Queue()  # (ticket, key, seq) to write back, in put order
+        self.queued = 0  # tickets handed out
+        self.pending: set[int] = set()  # tickets not yet written back
+        self.written_cond = threading.Condition(self.lock)
+        self.failed: dict[str, str] = {}  # dirty keys whose write-back failed -> the error
+        # transfers under way, by thread, for `stats` (set and popped whole: atomic under the GIL)
+        self.receiving: dict[int, dict] = {}  # request bodies: path, bytes so far, of
+        self.writing: dict[int, dict] = {}  # files being written: path, bytes so far, of
+        self.closing = False
+        self.path_locks: dict[tuple[str, str], threading.Lock] = {}  # accumulate, cas_json
+        self._load()
+        # several writers: their fsyncs overlap, as the file system's journal commits them together
+        self.writers = [
+            threading.Thread(target=self._write_loop, name="store-writer", daemon=True)
+            for _ in range(WRITERS)
+        ]
+        for writer in self.writers:
+            writer.start()
+
+    # -- index and memory tier (call with the lock held) -------------------------------------
+
+    def _index_set(self, key: str, entry: Entry) -> None:
+        self.index[key] = entry
+        self.by_path[entry.info.path].add(key)
+
+    def _index_del(self, key: str) -> None:
+        entry = self.index.pop(key, None)
+        if entry is not None:
+            keys = self.by_path[entry.info.path]
+            keys.discard(key)
+            if not keys:
+                del self.by_path[entry.info.path]
+        self._forget(key)
+        self._clean(key)
+
+    def _clean(self, key: str) -> None:
+        self.dirty_bytes -= self.dirty.pop(key, 0)
+
+    def _remember(self, key: str, seq: int, data: np.ndarray) -> None:
+        self._forget(key)
+        self.memory[key] = (seq, data)
+        self.memory_used += len(data)
+
+    def _forget(self, key: str) -> None:
+        old = self.memory.pop(key, None)
+        if old is not None:
+            self.memory_used -= len(old[1])
+
+    def _evict(self) -> None:
+        """Drop clean objects, least recently used first, until the memory tier fits."""
+        if self.memory_used <= self.memory_bytes:
+            return
+        for key in list(self.memory):
+            if self.memory_used <= self.memory_bytes:
+                break
+            if key not in self.dirty:
+                self._forget(key)
+
+    # -- disk ------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        """Index the complete object files (headers only; data is verified when read)."""
+        for file in sorted(self.objects_dir.glob("*.obj")):
+            try:
+                info = ObjectInfo.from_json(self._read_header(file))
+            except (OSError, ValueError, KeyError, TypeError, struct.error, StoreError) as error:
+                self._set_aside(file, f"incomplete or unreadable: {error!r}")
+                continue
+            if _key("array", info.path, info.box) != file.stem:
+                self._set_aside(file, "its name is not its (path, box)")
+                continue
+            self.seq += 1
+            self._index_set(file.stem, Entry(info, self.seq, on_disk=True))
+        for file in sorted(self.json_dir.glob("*.obj")):
+            try:
+                header, data = self._read_file(file)
+            except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+                self._set_aside(file, f"incomplete or corrupt: {error!r}")
+                continue
+            self.json[header["path"]] = len(data)
+
+    @staticmethod
+    def _header_of(f) -> dict:
+        """The JSON header at the start of an open object file, checked against its crc32."""
+        magic, n, crc = FILE_PREFIX.unpack(f.read(FILE_PREFIX.size))
+        if magic != FILE_MAGIC:
+            raise ValueError(f"bad magic {magic!r} (not a {FILE_MAGIC!r} object file)")
+        encoded = f.read(n)
+        if zlib.crc32(encoded) != crc:
+            raise ValueError(f"the header's checksum is {zlib.crc32(encoded):08x}, not {crc:08x}")
+        header = json.loads(encoded)
+        if not isinstance(header, dict) or type(header.get("nbytes")) is not int:
+            raise ValueError(
+                f"a header is a JSON object with an integer nbytes, got {header!r:.200}"
+            )
+        return header
+
+    @classmethod
+    def _read_header(cls, file: pathlib.Path) -> dict:
+        with open(file, "rb") as f:
+            header = cls._header_of(f)
+            size, at = os.fstat(f.fileno()).st_size, f.tell()
+        if size != at + header["nbytes"]:
+            raise ValueError(f"file size {size} disagrees with its header")
+        return header
+
+    @classmethod
+    def _read_file(cls, file: pathlib.Path) -> tuple[dict, np.ndarray]:
+        """A file's header and bytes; ``ValueError`` unless both match their checksums."""
+        with open(file, "rb") as f:
+            header = cls._header_of(f)
+            data = np.empty(header["nbytes"], np.uint8)
+            view, got = memoryview(data), 0
+            while got < len(data):  # in chunks: one read(2) moves at most ~2 GiB
+                k = f.readinto(view[got : got + IO_CHUNK_BYTES])
+                if not k:
+                    break
+                got += k
+            extra = f.read(1)
+        if got != len(data) or extra:
+            raise ValueError(f"file holds {got + len(extra)}+ bytes, its header says {len(data)}")
+        digest = wire.checksum(data)
+        if digest != header["checksum"]:
+            raise ValueError(f"checksum {digest}, its header says {header['checksum']}")
+        return header, data
+
+    def _set_aside(self, file: pathlib.Path, why: str) -> None:
+        print(
+            f"tenplex_jax.multihost.store: {file} is not served: {why}", file=sys.stderr, flush=True
+        )
+        with contextlib.suppress(OSError):
+            os.replace(file, self.corrupt_dir / f"{file.name}.{uuid.uuid4().hex[:8]}")
+
+    def _write_tmp(self, header: dict, data) -> pathlib.Path:
+        """A complete, fsynced file under tmp/ (not yet visible) holding ``data``."""
+        view = memoryview(data).cast("B")
+        chunks = (view[at : at + IO_CHUNK_BYTES] for at in range(0, view.nbytes, IO_CHUNK_BYTES))
+        return self._write_chunks(header, chunks)[0]
+
+    def _write_chunks(self, header: dict, chunks) -> tuple[pathlib.Path, str]:
+        """A complete, fsynced file under tmp/ from ``chunks`` (bytes-like, in order, together
+        ``header["nbytes"]``); (its path, the data's checksum). A header whose checksum is None
+        gets the data's, computed as they are written: the header goes first with a placeholder
+        of the same length, then again."""
+        tmp = self.tmp_dir / f"{uuid.uuid4().hex}.tmp"
+        digest = header.get("checksum")
+        path, nbytes, me = header.get("path"), header["nbytes"], threading.get_ident()
+
+        def encoded_header(checksum: str) -> bytes:
+            encoded = json.dumps({**header, "checksum": checksum}, separators=(",", ":")).encode()
+            return FILE_PREFIX.pack(FILE_MAGIC, len(encoded), zlib.crc32(encoded)) + encoded
+
+        try:
+            with open(tmp, "wb") as f:
+                f.write(encoded_header(digest or checksums.text(0)))
+                crc, done = 0, 0
+                for chunk in chunks:
+                    self.writing[me] = {"path": path, "bytes": done, "of": nbytes}
+                    if digest is None:
+                        crc = zlib.crc32(chunk, crc)
+                    f.write(chunk)
+                    done += memoryview(chunk).nbytes
+                if done != nbytes:
+                    raise StoreError(f"{path!r}: {done} bytes written of {nbytes}", "protocol")
+                self.writing[me] = {"path": path, "bytes": done, "of": nbytes}
+                if digest is None:
+                    digest = checksums.text(crc)
+                    f.seek(0)
+                    f.write(encoded_header(digest))
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            self.writing.pop(me, None)
+        return tmp, digest
+
+    @staticmethod
+    def _sync_dir(directory: pathlib.Path) -> None:
+        """fsync a directory, so that a rename into it survives a crash of the machine. Called
+        after the lock is released (the rename is done under it): an fsync takes milliseconds."""
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self.writes.get()
+            if item is None:
+                return
+            ticket, key, seq = item
+            try:
+                self._write_back(key, seq)
+            except Exception as error:
+                with self.lock:
+                    self.failed[key] = repr(error)
+            with self.lock:
+                self.pending.discard(ticket)
+                self.written_cond.notify_all()
+
+    def _queue_write(self, key: str, seq: int) -> None:
+        """Queue a write-back (call with the lock held)."""
+        self.queued += 1
+        self.pending.add(self.queued)
+        self.writes.put((self.queued, key, seq))
+
+    def _write_back(self, key: str, seq: int) -> None:
+        with self.lock:
+            held, entry = self.memory.get(key), self.index.get(key)
+            if held is None or held[0] != seq or entry is None or entry.seq != seq:
+                return  # replaced or deleted since it was queued
+            data = held[1]
+        tmp = self._write_tmp(entry.info.to_json(), data)
+        with self.lock:
+            entry = self.index.get(key)
+            if entry is None or entry.seq != seq:
+                tmp.unlink(missing_ok=True)
+                return
+            os.replace(tmp, self.objects_dir / f"{key}.obj")
+            self.index[key] = dataclasses.replace(entry, on_disk=True)
+            self._clean(key)
+            self.failed.pop(key, None)
+            self._evict()
+        self._sync_dir(self.objects_dir)
+
+    def flush(self) -> None:
+        """Wait until every object acknowledged before this call is on disk (later puts do not
+        hold it up); write-backs that failed are retried once, then reported."""
+        for attempt in (0, 1):
+            with self.lock:
+                if attempt:
+                    for key in self.failed:
+                        held = self.memory.get(key)
+                        if held is not None and key in self.dirty:
+                            self._queue_write(key, held[0])
+                target = self.queued
+                while min(self.pending, default=target + 1) <= target:
+                    self.written_cond.wait()
+                failed = {k: e for k, e in self.failed.items() if k in self.dirty}
+                self.failed = failed
+            if not failed:
+                return
+        paths = {self.index[k].info.path: e for k, e in failed.items() if k in self.index}
+        raise StoreError(f"disk writes failed (the objects stay in memory only): {paths}", "disk")
+
+    # -- operations -----------------------------------------------------------------------------
+
+    def put(self, info: ObjectInfo, data: np.ndarray, durable: bool) -> None:
+        """Store an object. It replaces the objects of its path it conflicts with: another
+        global shape or dtype (another array), or a box that overlaps its own (stale bytes);
+        disjoint boxes of the same array are its siblings and stay."""
+        key = _key("array", info.path, info.box)
+        with self.lock:
+            if self.closing:
+                raise StoreError("the store is shutting down; nothing stored", "unavailable")
+            dropped = self._drop_conflicts(key, info)
+            self.seq += 1
+            seq = self.seq
+            # the memory tier may hold it if it fits next to the objects not yet on disk
+            room = self.memory_bytes - self.dirty_bytes + self.dirty.get(key, 0)
+            in_memory = not durable and len(data) <= room
+            if in_memory:
+                self._clean(key)
+                self._remember(key, seq, data)
+                self._index_set(key, Entry(info, seq, on_disk=False))
+                self.dirty[key] = len(data)
+                self.dirty_bytes += len(data)
+                self._evict()
+                self.failed.pop(key, None)
+                self._queue_write(key, seq)
+        if dropped:  # the conflicting objects stay gone after a crash of the machine
+            self._sync_dir(self.objects_dir)
+        if in_memory:
+            return
+        tmp = self._write_tmp(info.to_json(), data)  # write-through
+        with self.lock:
+            entry = self.index.get(key)
+            if entry is not None and entry.seq > seq:
+                tmp.unlink(missing_ok=True)  # a newer put of the same key won
+                return
+            os.replace(tmp, self.objects_dir / f"{key}.obj")
+            self._index_set(key, Entry(info, seq, on_disk=True))
+            self._clean(key)
+            self.failed.pop(key, None)
+            self._forget(key)
+            if len(data) <= self.memory_bytes:
+                self._remember(key, seq, data)
+                self._evict()
+        self._sync_dir(self.objects_dir)
+
+    def receive_file(self, info: ObjectInfo, chunks) -> tuple[pathlib.Path, str]:
+        """Write an object too large to hold in memory straight to a tmp file as its bytes
+        arrive (``chunks``); (the file, the data's checksum). ``put_file`` makes it visible."""
+        header = {**info.to_json(), "checksum": None}
+        return self._write_chunks(header, chunks)
+
+    def put_file(self, info: ObjectInfo, tmp: pathlib.Path) -> None:
+        """Make a complete tmp file of ``info`` the object (it replaces what it conflicts with,
+        as ``put``); the newest install of a key wins."""
+        key = _key("array", info.path, info.box)
+        with self.lock:
+            if self.closing:
+                tmp.unlink(missing_ok=True)
+                raise StoreError("the store is shutting down; nothing stored", "unavailable")
+            self._drop_conflicts(key, info)
+            self.seq += 1
+            os.replace(tmp, self.objects_dir / f"{key}.obj")
+            self._forget(key)
+            self._clean(key)
+            self.failed.pop(key, None)
+            self._index_set(key, Entry(info, self.seq, on_disk=True))
+        self._sync_dir(self.objects_dir)
+
+    def stream(self, key: str, box: boxes.Box, chunk_bytes: int = STREAM_CHUNK_BYTES):
+        """The bytes of ``box`` of an object on disk, in C order, as pieces read a chunk at a
+        time (at most ``chunk_bytes`` held at once). The whole file is read, so that its checksum
+        is checked: after the last piece, a file that fails raises ``StoreError`` ("corrupt"),
+        is set aside and is no longer served."""
+        with self.lock:
+            entry = self.index.get(key)
+        if entry is None:
+            raise StoreError("the object was deleted before it was read", "not_found")
+        info, file = entry.info, self.objects_dir / f"{key}.obj"
+        dtype = wire.dtype_of(info.dtype)
+        # a scalar is read as the one element of a 1-d array (the same bytes)
+        shape, item = info.shape or (1,), dtype.itemsize
+        local = boxes.index(box, info.box)[1:] or (slice(0, 1),)  # the sub-box, object coords
+        # split along the first axis whose trailing block fits a chunk (the last one at worst):
+        # each read is contiguous, ``step`` indices of that axis
+        last = len(shape) - 1
+        axis = next(
+            k
+            for k in range(last + 1)
+            if k == last or math.prod(shape[k + 1 :]) * item <= chunk_bytes
+        )
+        inner = math.prod(shape[axis + 1 :]) * item
+        step = max(1, chunk_bytes // inner)
+        crc = 0
+        try:
+            with open(file, "rb") as f:
+                header = self._header_of(f)
+                if header != info.to_json():
+                    raise ValueError("the file holds another version than the index")
+                start = f.tell()
+                for lead in itertools.product(*(range(n) for n in shape[:axis])):
+                    for j in range(0, shape[axis], step):
+                        rows = min(step, shape[axis] - j)
+                        flat = int(np.ravel_multi_index(lead + (j,), shape[: axis + 1]))
+                        f.seek(start + flat * inner)
+                        raw = f.read(rows * inner)
+                        if len(raw) != rows * inner:
+                            raise ValueError(f"the file ends {len(raw)} bytes into a read")
+                        crc = zlib.crc32(raw, crc)
+                        wanted = _piece(raw, dtype, lead, j, rows, shape, axis, local)
+                        if wanted is not None:
+                            yield wanted
+                if f.read(1):
+                    raise ValueError("the file holds more bytes than its header says")
+            if checksums.text(crc) != info.checksum:
+                raise ValueError(f"checksum {checksums.text(crc)}, its header says {info.checksum}")
+        except (OSError, ValueError, struct.error) as error:
+            with self.lock:
+                if self.index.get(key) is entry:
+                    self._index_del(key)
+                    self._set_aside(file, repr(error))
+            raise StoreError(
+                f"object {info.path!r} box {info.box} is corrupt on disk ({error!r}); it is not "
+                f"served",
+                "corrupt",
+            ) from None
+
+    def _drop_conflicts(self, key: str, info: ObjectInfo) -> int:
+        """Remove the objects ``info`` replaces (call with the lock held); how many."""
+        dropped = 0
+        for other_key in list(self.by_path.get(info.path, ())):
+            other = self.index[other_key].info
+            if other_key == key:
+                continue
+            overlap = all(lo < hi for lo, hi in boxes.intersect(other.box, info.box))
+            if (other.global_shape, other.dtype) != (info.global_shape, info.dtype) or overlap:
+                self._index_del(other_key)
+                (self.objects_dir / f"{other_key}.obj").unlink(missing_ok=True)
+                dropped += 1
+        return dropped
+
+    def info(self, key: str) -> tuple[ObjectInfo, bool]:
+        """An object's record, and whether its bytes are in the memory tier (objects not yet
+        on disk always are)."""
+        with self.lock:
+            entry = self.index.get(key)
+            if entry is None:
+                raise StoreError("the object was deleted before it was read", "not_found")
+            held = self.memory.get(key)
+            return entry.info, held is not None and held[0] == entry.seq
+
+    def find(self, path: str, box: boxes.Box | None) -> str:
+        """The key of the object under ``path`` that contains ``box`` (None: the whole array)."""
+        with self.lock:
+            candidates = [self.index[k].info for k in self.by_path.get(path, ())]
+        if not candidates:
+            raise StoreError(f"no object at path {path!r}", "not_found")
+        if box is None:
+            box = boxes.full(candidates[0].global_shape)
+        holding = [i for i in candidates if boxes.contains(i.box, box)]
+        if not holding:
+            stored = sorted(i.box for i in candidates)
+            raise StoreError(
+                f"no object at path {path!r} contains box {box}; stored boxes: {stored}",
+                "not_found",
+            )
+        best = min(holding, key=lambda i: i.nbytes)
+        return _key("array", best.path, best.box)
+
+    def read(self, key: str) -> tuple[Entry, np.ndarray]:
+        """An object's entry and bytes: from the memory tier, else from its verified file."""
+        file = self.objects_dir / f"{key}.obj"
+        for _ in range(5):
+            with self.lock:
+                entry = self.index.get(key)
+                if entry is None:
+                    raise StoreError("the object was deleted while it was read", "not_found")
+                held = self.memory.get(key)
+                if held is not None and held[0] == entry.seq:
+                    self.memory.move_to_end(key)
+                    return entry, held[1]
+            failure = None
+            try:
+                header, data = self._read_file(file)
+            except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+                failure = repr(error)
+            with self.lock:
+                if self.index.get(key) is not entry:
+                    continue  # replaced while it was read: look again
+                if failure is None and header != entry.info.to_json():
+                    failure = "the file holds another version than the index"
+                if failure is not None:
+                    self._index_del(key)
+                    self._set_aside(file, failure)
+                    raise StoreError(
+                        f"object {entry.info.path!r} box {entry.info.box} is corrupt on disk "
+                        f"({failure}); it is not served",
+                        "corrupt",
+                    )
+                if len(data) <= self.memory_bytes:
+                    self._remember(key, entry.seq, data)
+                    self._evict()
+                return entry, data
+        raise StoreError("the object kept changing while it was read", "busy")
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        with self.lock:
+            infos = [e.info for e in self.index.values() if e.info.path.startswith(prefix)]
+        return sorted(infos, key=lambda i: (i.path, i.box))
+
+    def delete(self, prefix: str) -> int:
+        with self.lock:
+            keys = [k for k, e in self.index.items() if e.info.path.startswith(prefix)]
+            for key in keys:
+                self._index_del(key)
+                (self.objects_dir / f"{key}.obj").unlink(missing_ok=True)
+            paths = [p for p in self.json if p.startswith(prefix)]
+            for path in paths:
+                del self.json[path]
+                (self.json_dir / f"{_key('json', path)}.obj").unlink(missing_ok=True)
+        if keys or paths:  # so that deleted objects stay deleted after a crash of the machine
+            self._sync_dir(self.objects_dir)
+            self._sync_dir(self.json_dir)
+        return len(keys) + len(paths)
+
+    def put_json(self, path: str, data: np.ndarray, flush: bool = True) -> None:
+        if flush:
+            self.flush()  # the objects put before a commit marker reach disk before it
+        header = {"path": path, "nbytes": len(data), "checksum": wire.checksum(data)}
+        tmp = self._write_tmp(header, data)
+        with self.lock:
+            os.replace(tmp, self.json_dir / f"{_key('json', path)}.obj")
+            self.json[path] = len(data)
+        self._sync_dir(self.json_dir)
+
+    def json_bytes(self, path: str) -> int:
+        with self.lock:
+            nbytes = self.json.get(path)
+        if nbytes is None:
+            raise StoreError(f"no JSON object at path {path!r}", "not_found")
+        return nbytes
+
+    def get_json(self, path: str) -> np.ndarray:
+        """A JSON object's bytes, read from its file (JSON objects are not held in memory) and
+        checked; a file that fails is set aside and the object is gone."""
+        file = self.json_dir / f"{_key('json', path)}.obj"
+        try:
+            header, data = self._read_file(file)
+            if header.get("path") != path:
+                raise ValueError(f"the file holds {header.get('path')!r}")
+        except FileNotFoundError:
+            raise StoreError(f"no JSON object at path {path!r}", "not_found") from None
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+            with self.lock:
+                self.json.pop(path, None)
+                self._set_aside(file, repr(error))
+            raise StoreError(
+                f"JSON object {path!r} is corrupt on disk ({error!r}); it is not served", "corrupt"
+            ) from None
+        return data
+
+    # -- read-modify-write: one at a time per path ---------------------------------------------
+
+    def _path_lock(self, kind: str, path: str) -> threading.Lock:
+        with self.lock:
+            return self.path_locks.setdefault((kind, path), threading.Lock())
+
+    def accumulate(self, path: str, stage: str, name: str, clock: int) -> tuple[ObjectInfo, bool]:
+        """Add the whole float array at ``stage`` into the whole array at ``path``, once per
+        ``(name, clock)``: applied when the array holds exactly ``clock`` waves of ``name`` (its
+        ``clocks``), skipped when it holds more, refused when fewer (a wave out of turn).
+        (the array's record, whether it was applied). Accumulates of one path take turns, and
+        the new array replaces the old atomically: a reader sees one or the other, whole."""
+        with self._path_lock("array", path):
+            entry, data = self.read(self.find(path, None))
+            info = entry.info
+            have = dict(info.clocks).get(name, 0)
+            if clock < have:
+                return info, False
+            where = f"accumulate of {stage!r} into {path!r} by {name!r}"
+            if clock > have:
+                raise StoreError(
+                    f"{where}: wave {clock} is out of turn; the array holds "
+                    f"{have} waves of {name!r}",
+                    "refused",
+                )
+            staged, update = self.read(self.find(stage, None))
+            dtype = wire.dtype_of(info.dtype)
+            whole = info.box == boxes.full(info.global_shape)
+            same = (staged.info.global_shape, staged.info.dtype, staged.info.box) == (
+                info.global_shape,
+                info.dtype,
+                info.box,
+            )
+            if not (whole and same and dtype.kind == "f"):
+                raise StoreError(
+                    f"{where}: both must be whole float arrays of one shape and dtype; the array "
+                    f"is {info.dtype}{list(info.global_shape)} box {info.box}, the update "
+                    f"{staged.info.dtype}{list(staged.info.global_shape)} box {staged.info.box}",
+                    "refused",
+                )
+            total = np.frombuffer(data, dtype) + np.frombuffer(update, dtype)
+            out = total.view(np.uint8)
+            clocks = tuple(sorted({**dict(info.clocks), name: clock + 1}.items()))
+            new = dataclasses.replace(info, checksum=wire.checksum(out), clocks=clocks)
+            self.put(new, out, durable=False)
+            return new, True
+
+    def cas_json(self, path: str, expect: str | None, data: np.ndarray):
+        """Compare and swap a JSON object: store ``data`` at ``path`` if the object there now has
+        checksum ``expect`` (None: there is none). (swapped, the checksum now, the bytes now)."""
+        with self._path_lock("json", path):
+            try:
+                current = self.get_json(path)
+            except StoreError as error:
+                if error.reason != "not_found":
+                    raise
+                current = None
+            digest = None if current is None else wire.checksum(current)
+            if digest != expect:
+                return False, digest, current
+            self.put_json(path, data, flush=False)
+            return True, wire.checksum(data), data
+
+    def close(self) -> None:
+        """Refuse further puts, write every object still only in memory, stop the writer."""
+        with self.lock:
+            self.closing = True
+        for _ in self.writers:
+            self.writes.put(None)
+        for writer in self.writers:
+            writer.join()

@@ -1,0 +1,338 @@
+"""A launched process's side of the job: what ``ElasticJob`` does underneath when launched.
+
+``tenplex-jax launch`` starts every worker as ``python -m tenplex_jax.multihost SCRIPT ARGS``:
+:func:`join` configures JAX from the launcher's :class:`JobSpec` (CPU devices per process, gloo
+collectives) and initializes ``jax.distributed`` with the coordinator on 127.0.0.1, then
+:func:`main` runs the script as ``__main__``. The script's ``ElasticJob`` finds the spec and drives
+a :class:`Worker`, an implementation detail of the job:
+
+- ``restore``: the state laid out over this generation's devices, from where the launcher says —
+  the latest complete version in the stores (each process pulls only its own shards: its own
+  store first, then the writer's, then replicas), the orbax checkpoint, or the user's ``init``
+  jitted straight into the layout on the first start;
+- ``boundary``: at every step boundary, record progress, end the generation at the launcher's
+  request (a synchronous commit: no step lost) and commit every ``--commit-every`` steps in the
+  background;
+- ``finish``: wait for the commits, save a final orbax checkpoint, tell the launcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import runpy
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from tenplex_jax._src.data import DatasetPTC, DataState
+from tenplex_jax._src.errors import DataError, StoreError
+from tenplex_jax._src.multihost.launch import ACTIONS, CHECKPOINT, CONTROL, JobSpec
+from tenplex_jax._src.ptc import PTC
+
+
+def join(spec: JobSpec, *, timeout: float = 120.0) -> None:
+    """Configure JAX for the launched job and join it; before anything starts JAX's backend."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_num_cpu_devices", spec.devices_per_process)
+    jax.distributed.initialize(
+        spec.coordinator,
+        num_processes=spec.num_processes,
+        process_id=spec.process_id,
+        initialization_timeout=int(timeout),
+        # the coordinator service listens on its node's address only, not on every interface
+        coordinator_bind_address=spec.coordinator if spec.process_id == 0 else None,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tenplex_jax.multihost SCRIPT ARGS``: join the launched job, run SCRIPT."""
+    argv = sys.argv[1:] if argv is None else argv
+    spec = JobSpec.from_env(os.environ)
+    if spec is None or not argv:
+        print(
+            "usage: python -m tenplex_jax.multihost SCRIPT [ARGS]: the entry point of a process "
+            "started by tenplex-jax launch (its job description is missing)",
+            file=sys.stderr,
+        )
+        return 2
+    started = time.time()
+    join(spec)
+    Worker.joined = started, time.time()
+    sys.argv = list(argv)
+    sys.path.insert(0, str(pathlib.Path(argv[0]).resolve().parent))  # as `python SCRIPT` would
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
+        if done.code is not None and not isinstance(done.code, int):
+            print(done.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    else:
+        code = 0
+    if code != 0:
+        # a failed worker ends now with its status: at a normal exit JAX would wait in
+        # jax.distributed's shutdown barrier for peers that are still training, and the
+        # launcher would not see the failure until they time out
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return 0
+
+
+class Worker:
+    """One process's handle on a launched job (see the module docstring)."""
+
+    joined: tuple[float, float] | None = None  # wall-clock times around jax.distributed.initialize
+
+    def __init__(self, spec: JobSpec, checkpoint_dir=None, checkpoint_every: int | None = None):
+        self.spec = spec
+        # the launcher's flags win; else the script's own, which the launcher then learns
+        self.checkpoint_dir = spec.checkpoint_dir or checkpoint_dir
+        self.checkpoint_every = spec.checkpoint_every or checkpoint_every
+        self.committer = None
+        self.clients: dict[int, Any] = {}
+        self.last_commit: int | None = None
+        self.restored: dict | None = None  # what restore did: source, step, seconds, bytes
+        self._checkpointed: int | None = None  # the newest orbax step, as this process knows
+        # wall-clock times of this process's start-up, for the recovery benchmark's breakdown
+        self.times: dict[str, float] = {"started": _process_start()}
+        if Worker.joined is not None:
+            self.times["join"], self.times["joined"] = Worker.joined
+        if spec.checkpoint_dir is None and checkpoint_dir is not None:
+            self._write(
+                CHECKPOINT,
+                {
+                    "directory": str(pathlib.Path(checkpoint_dir).absolute()),
+                    "every": checkpoint_every,
+                },
+            )
+
+    @property
+    def process_index(self) -> int:
+        return self.spec.process_id
+
+    @property
+    def generation(self) -> int:
+        return self.spec.generation
+
+    @property
+    def run_dir(self) -> pathlib.Path:
+        return pathlib.Path(self.spec.run_dir)
+
+    # -- restore ---------------------------------------------------------------------------------
+
+    def restore(self, ptc: PTC, init: Callable[[], Any], dataset: DatasetPTC) -> Any:
+        """The job's state laid out as ``ptc``, from where the launcher says; the dataset resumes
+        at the restored step."""
+        tic = time.perf_counter()
+        self.times["restore"] = time.time()
+        kind, _, at = self.spec.restore.partition(":")
+        record: dict[str, Any] = {
+            "source": kind,
+            "config": str(ptc.config),
+            "process": self.process_index,
+        }
+        if kind == "init":
+            state, step, data_state = init(), 0, None
+        elif kind == "store":
+            state, step, data_state, pulled = self._pull(ptc, int(at))
+            record["pull"] = dataclasses.asdict(pulled)
+        elif kind == "checkpoint":
+            from tenplex_jax._src.checkpoint import restore_checkpoint
+
+            restored = restore_checkpoint(self.checkpoint_dir, ptc, step=int(at))
+            state, step, data_state = restored.state, restored.step, restored.data_state
+        else:
+            raise StoreError(f"unknown restore source {self.spec.restore!r} from the launcher")
+        if data_state is not None:
+            dataset.restore(data_state)
+        else:
+            dataset.step = step
+        jax.block_until_ready(state)
+        record |= {"step": step, "state_bytes": ptc.nbytes, "seconds": time.perf_counter() - tic}
+        self.times["restored"] = time.time()
+        record["times"] = dict(self.times)
+        self.restored = record
+        self.last_commit = step
+        self._write(f"restore-g{self.generation}-p{self.process_index}.json", record, every=True)
+        self._start_committer()
+        if self.checkpoint_dir is not None:  # read before any process of this generation saves
+            from tenplex_jax._src.checkpoint import saved_steps
+
+            self._checkpointed = max(saved_steps(self.checkpoint_dir), default=None)
+        return state
+
+    def _pull(self, ptc: PTC, step: int):
+        from tenplex_jax._src.multihost.commit import pull, read_manifest
+
+        self._connect()
+        manifest = read_manifest(self.clients, step)
+        if manifest is None:
+            raise StoreError(f"no live store has the manifest of version {step}")
+        arrays, report = pull(self.clients, manifest, ptc, self.spec.slot)
+        state = jax.tree_util.tree_unflatten(ptc.treedef, arrays)
+        return state, manifest.step, manifest.data_state, report
+
+    def _connect(self) -> None:
+        from tenplex_jax._src.multihost.store.client import StoreClient
+
+        for slot, address in self.spec.stores.items():
+            if slot not in self.clients:
+                try:
+                    self.clients[slot] = StoreClient(address, token=self.spec.token(), timeout=60.0)
+                except StoreError:
+                    continue  # a store that is down: its slot's objects come from replicas
+
+    def _start_committer(self) -> None:
+        from tenplex_jax._src.multihost.commit import Committer
+        from tenplex_jax._src.multihost.store.replicated import ReplicatedStore
+
+        self._connect()
+        spec = self.spec
+        missing = [s for s in spec.slots if s not in self.clients]
+        if missing:
+            raise StoreError(f"the stores of slots {missing} of this generation are not reachable")
+        replicas = min(spec.replicas, len(spec.slots) - 1)
+        replicated = ReplicatedStore(
+            [spec.stores[s] for s in spec.slots], replicas=replicas, token=spec.token()
+        )
+        stores = [self.clients[s] for s in spec.slots]
+        self.committer = Committer(spec.process_id, spec.slots, stores, replicated, replicas)
+
+    # -- the step boundary --------------------------------------------------------------------
+
+    def boundary(self, state, ptc: PTC, step: int, dataset: DatasetPTC) -> str | None:
+        """At the boundary before step ``step`` (``step`` steps done): ``"resize"`` or ``"stop"``
+        once the generation has committed for the launcher's request, else None.
+
+        Every process calls it at the same step: the request is process 0's, broadcast.
+        """
+        if step == self.last_commit:
+            return None  # just restored: nothing to commit
+        action = self.stop_requested()
+        if action is not None:
+            self.commit(state, ptc, step, dataset, wait=True, checkpoint=action == "stop")
+            self._write(
+                "stopped.json", {"generation": self.generation, "step": step, "action": action}
+            )
+            return action
+        if step % self.spec.commit_every == 0:
+            self.commit(state, ptc, step, dataset)
+        return None
+
+    def reached(self, step: int, steps: int | None = None) -> None:
+        """Record for the launcher that ``step`` steps are done (its lost-steps accounting), of
+        the job's ``steps`` (its growth decisions)."""
+        self._write(
+            "progress.json",
+            {"generation": self.generation, "step": step, "steps": steps, "time": time.time()},
+        )
+
+    def stop_requested(self) -> str | None:
+        """``"resize"`` or ``"stop"`` when the launcher asked this generation to end (a collective:
+        every process gets process 0's answer, so all stop at the same step)."""
+        from jax.experimental import multihost_utils
+
+        code = 0
+        if self.process_index == 0:
+            try:
+                action = json.loads((self.run_dir / CONTROL).read_text()).get("action")
+                code = ACTIONS.index(action) + 1 if action in ACTIONS else 0
+            except FileNotFoundError:
+                code = 0  # no request
+        code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
+        return ACTIONS[code - 1] if code else None
+
+    def commit(
+        self,
+        state,
+        ptc: PTC,
+        step: int,
+        dataset: DatasetPTC,
+        *,
+        wait: bool = False,
+        checkpoint: bool | None = None,
+    ) -> None:
+        """Commit ``state`` as version ``step`` to the stores; in the background unless ``wait``.
+        The shards are copied to host memory before this returns (the next step may donate
+        ``state``). ``checkpoint`` also saves an orbax checkpoint (default: every
+        ``checkpoint_every`` steps, when there is a checkpoint dir)."""
+        if dataset.step != step:
+            raise DataError(
+                f"the dataset has delivered {dataset.step} global batches but the state is "
+                f"committed at step {step}"
+            )
+        data_state = dataset.state()
+        self.committer.commit(state, ptc, step, data_state, wait=wait)
+        self.last_commit = step
+        if checkpoint is None:
+            every = self.checkpoint_every
+            checkpoint = every is not None and step % every == 0
+        if checkpoint:
+            self._checkpoint(state, ptc, step, data_state)
+
+    def _checkpoint(self, state, ptc: PTC, step: int, data_state: DataState) -> None:
+        """An orbax checkpoint of ``step`` unless there is one: every process decides alike, from
+        what it saw at restore and what it saved since (a directory listing could lag behind the
+        other processes' saves and split the collective save)."""
+        if self.checkpoint_dir is None or self._checkpointed == step:
+            return
+        from tenplex_jax._src.checkpoint import save_checkpoint
+
+        save_checkpoint(self.checkpoint_dir, state, ptc, step=step, data_state=data_state)
+        self._checkpointed = step
+
+    def wait(self) -> None:
+        """Finish the commit in flight, if any (raises what it raised)."""
+        if self.committer is not None:
+            self.committer.wait()
+
+    def finish(self, state, ptc: PTC, step: int, dataset: DatasetPTC) -> None:
+        """End of training: commit the last step (the boundary after it never comes), save a
+        final orbax checkpoint (with a checkpoint dir), and tell the launcher the job is done."""
+        if step != self.last_commit:
+            self.commit(state, ptc, step, dataset, wait=True, checkpoint=True)
+        self.committer.wait(collect=True)
+        self._checkpoint(state, ptc, step, dataset.state())
+        self._write("finished.json", {"generation": self.generation, "step": step})
+
+    def close(self) -> None:
+        if self.committer is not None:
+            self.committer.close()
+        for client in self.clients.values():
+            client.close()
+        self.clients = {}
+
+    def _write(self, name: str, record: dict, *, every: bool = False) -> None:
+        """Atomically write a JSON record into the run dir (process 0 only unless ``every``)."""
+        if not (every or self.process_index == 0):
+            return
+        path = self.run_dir / name
+        tmp = path.with_name(f".{name}.{os.getpid()}")
+        tmp.write_text(json.dumps(record, default=_json_default))
+        os.replace(tmp, path)
+
+
+def _process_start() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+def _json_default(value):
+    if isinstance(value, DataState):
+        return dataclasses.asdict(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return str(value)

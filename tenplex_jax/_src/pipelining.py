@@ -1,0 +1,332 @@
+"""Pipeline parallelism over the ``pipe`` mesh axis: a GPipe schedule inside ``jit``.
+
+A model with stacked layers (every per-layer weight one array with a leading ``layers`` dim, run by
+``lax.scan``) becomes pipelined by sharding that dim over ``pipe``: stage ``s`` holds layers
+``s*k .. (s+1)*k - 1`` and nothing else. ``pipeline`` runs the layers as a GPipe schedule in SPMD
+form: the batch is cut into ``microbatches``; at every tick each stage applies its layers to the
+microbatch it holds and passes the result to the next stage with ``lax.ppermute``. After
+``microbatches + stages - 1`` ticks the last stage holds every output. The backward pass is the
+same schedule reversed, which JAX derives (the transpose of a ``ppermute`` is the reverse
+``ppermute``).
+
+Only the ``pipe`` axis is manual (``jax.shard_map(..., axis_names={"pipe"})``): the ``data``,
+``fsdp`` and ``tensor`` axes stay automatic inside each stage, so a stage's layers are tensor- and
+data-parallel exactly as without pipelining.
+
+Because the layer weights keep their shape ``(layers, ...)`` and only their spec changes, changing
+the pipeline degree (2 → 4 → 1) is an ordinary reconfiguration of the ``layers`` dim by the core
+plan.
+
+**Uneven stages** (HetPipe: more layers on faster devices) use a padded stacked layout: ``Stages``
+gives each stage ``slots`` positions of which the first ``layers[s]`` hold real layers; the stacked
+arrays have ``stages * slots`` rows, padding rows are zeros and are skipped with ``lax.cond`` (no
+compute, zero gradient). The padded layout depends on the stage boundaries, so a change of
+boundaries is a re-padding of the ``layers`` dim on the current devices (``restage``) before the
+core plan moves the rows between devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from tenplex_jax._src.errors import LayoutError
+from tenplex_jax._src.ptc import PTC, Rules
+
+LayerFn = Callable[[jax.Array, Any], jax.Array]  # (activations, one layer's params) -> activations
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """How stacked layers are split into pipeline stages: ``layers[s]`` real layers on stage ``s``.
+
+    Even stages (``Stages.even(8, 4)`` → ``(2, 2, 2, 2)``) need no padding. Uneven ones are stored
+    padded: each stage gets ``slots = max(layers)`` rows, real layers first. Example::
+
+        Stages((1, 3))   # 4 layers: stage 0 holds layer 0, stage 1 holds layers 1..3
+        .index           # (0, -1, -1, 1, 2, 3): padded row -> layer (-1: padding)
+    """
+
+    layers: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.layers or any(not isinstance(n, (int, np.integer)) for n in self.layers):
+            raise LayoutError(f"stages are a tuple of layer counts, got {self.layers!r}")
+        if min(self.layers) < 1:
+            raise LayoutError(
+                f"every pipeline stage needs at least one layer, got layers per stage "
+                f"{self.layers} ({len(self.layers)} stages for {sum(self.layers)} layers)"
+            )
+
+    @classmethod
+    def even(cls, n_layers: int, stages: int) -> Stages:
+        if stages > n_layers or n_layers % stages:
+            raise LayoutError(
+                f"{n_layers} layers do not split evenly into {stages} pipeline stages "
+                f"(needs stages <= layers and layers % stages == 0)"
+            )
+        return cls((n_layers // stages,) * stages)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.layers)
+
+    @property
+    def slots(self) -> int:
+        """Rows per stage in the stacked layout."""
+        return max(self.layers)
+
+    @property
+    def is_even(self) -> bool:
+        return len(set(self.layers)) == 1
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """First layer of every stage, and the layer count at the end: ``(0, 1, 4)`` for (1, 3)."""
+        return tuple(int(b) for b in np.concatenate([[0], np.cumsum(self.layers)]))
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """Padded row → layer it holds, ``-1`` for padding; ``num_stages * slots`` rows."""
+        rows = []
+        for start, count in zip(self.boundaries, self.layers):
+            rows += list(range(start, start + count)) + [-1] * (self.slots - count)
+        return tuple(rows)
+
+    @property
+    def mask(self) -> np.ndarray:
+        """bool[num_stages * slots]: which rows hold a real layer."""
+        return np.asarray(self.index) >= 0
+
+    def pad(self, x: jax.Array) -> jax.Array:
+        """Unpadded ``(num_layers, ...)`` → padded ``(num_stages * slots, ...)``, zero padding."""
+        self._check_rows(x, self.num_layers, "unpadded")
+        index = np.asarray(self.index)
+        rows = jnp.take(x, np.maximum(index, 0), axis=0)
+        keep = self.mask.reshape((-1,) + (1,) * (x.ndim - 1))
+        return jnp.where(keep, rows, jnp.zeros_like(rows))
+
+    def unpad(self, x: jax.Array) -> jax.Array:
+        """Padded ``(num_stages * slots, ...)`` → ``(num_layers, ...)`` in layer order."""
+        self._check_rows(x, self.num_stages * self.slots, "padded")
+        return jnp.take(x, np.flatnonzero(self.mask), axis=0)
+
+    def _check_rows(self, x, rows: int, what: str) -> None:
+        if x.ndim == 0 or x.shape[0] != rows:
+            raise LayoutError(
+                f"a {what} stacked array for stages {self.layers} has {rows} rows in its leading "
+                f"layers dim, got shape {tuple(x.shape)}"
+            )
+
+
+def pipeline(
+    layer_fn: LayerFn,
+    layer_params,
+    x: jax.Array,
+    *,
+    mesh: Mesh,
+    microbatches: int,
+    stages: Stages | None = None,
+    axis: str = "pipe",
+    remat: bool = True,
+) -> jax.Array:
+    """Apply stacked layers to ``x`` as a GPipe pipeline over the ``axis`` mesh axis.
+
+    ``layer_params`` is a pytree of arrays with a leading layers dim (padded when ``stages`` is
+    uneven), sharded over ``axis``; ``x`` is ``[batch, ...]``, or a pytree of such arrays that
+    ``layer_fn`` maps to one of the same structure (e.g. the activations and a per-example loss
+    that every layer adds to). Returns what
+    ``lax.scan(lambda h, p: (layer_fn(h, p), None), x, layer_params)[0]`` returns (on the unpadded
+    layers), to within floating-point reassociation. With ``mesh.shape[axis] == 1`` it is that scan.
+    With ``remat`` (the default, as in GPipe) each layer is recomputed in the backward pass
+    (``jax.checkpoint``), so a stage keeps only every layer's input for each microbatch in flight.
+
+    Example::
+
+        y = pipeline(block, params, x, mesh=mesh, microbatches=4)   # params["w"]: (8, d, d)
+    """
+    n_stages = mesh.shape[axis] if axis in mesh.axis_names else 1
+    leaves = jax.tree.leaves(layer_params)
+    if not leaves:
+        raise LayoutError("pipeline needs at least one stacked layer parameter, got none")
+    rows = leaves[0].shape[0]
+    if stages is None:
+        stages = Stages.even(rows, n_stages)
+    _check(layer_params, x, stages, n_stages, microbatches, axis, mesh)
+    if remat:
+        layer_fn = jax.checkpoint(layer_fn)
+    uneven = not stages.is_even
+    if n_stages == 1:
+        return _layers(layer_fn, layer_params, jnp.asarray(stages.mask), x, uneven)
+
+    # Microbatch j takes rows j, j + m, j + 2m, ...: a reshape that keeps the batch sharding.
+    split = lambda a: jnp.swapaxes(
+        a.reshape((a.shape[0] // microbatches, microbatches) + a.shape[1:]), 0, 1
+    )
+    xs = jax.tree.map(split, x)
+    mask = jnp.asarray(stages.mask)
+
+    def spmd(params, mask, xs):
+        return _gpipe(layer_fn, params, mask, xs, n_stages, axis, uneven)
+
+    context = _context_mesh(mesh)
+    run = jax.shard_map(
+        spmd,
+        mesh=context,
+        in_specs=(P(axis), P(axis), P()),
+        out_specs=P(),
+        axis_names=_manual_axes(context, axis),
+    )
+    ys = run(layer_params, mask, xs)
+    return jax.tree.map(lambda y: jnp.swapaxes(y, 0, 1).reshape((-1,) + y.shape[2:]), ys)
+
+
+def _context_mesh(mesh: Mesh):
+    """The mesh to map over. Inside another ``shard_map`` (virtual data-parallel workers are
+    manual over ``data`` and ``fsdp``) it is the context's abstract mesh, whose axis types say
+    which axes are manual already; ``shard_map`` refuses a mesh that differs from its context's."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.shape_tuple == mesh.shape_tuple:
+        return context
+    return mesh
+
+
+def _manual_axes(mesh, axis: str) -> frozenset[str]:
+    """The axes the pipeline maps over manually: ``axis``, and every axis still automatic when an
+    enclosing ``shard_map`` is manual over an axis that comes after ``axis`` in mesh order.
+
+    XLA aborts the process compiling a ``shard_map`` nested in one manual over a later mesh axis
+    while some axis stays automatic ("Manual axes must be sorted by mesh axis index", jax 0.11 and
+    0.12, CPU and GPU): the virtual workers' ``shard_map`` over ``data``/``fsdp`` around a pipeline
+    over ``pipe`` on the (pipe, data, fsdp, tensor) mesh. Making the free axes manual too leaves no
+    automatic axis; a stage then holds its layers whole over them and computes them redundantly
+    (no cost where they have size 1)."""
+    names = tuple(mesh.axis_names)
+    manual = set(mesh.manual_axes)
+    if not any(names.index(m) > names.index(axis) for m in manual):
+        return frozenset({axis})
+    return frozenset(n for n in names if n not in manual)
+
+
+def _layers(layer_fn: LayerFn, params, mask: jax.Array, h: jax.Array, uneven: bool) -> jax.Array:
+    """The stacked layers one after another; with ``uneven``, rows where ``mask`` is false are
+    padding and skipped (``lax.cond`` runs one branch: no compute, zero gradient)."""
+
+    def body(h, row):
+        p, real = row
+        if uneven:
+            return jax.lax.cond(real, layer_fn, lambda h, _: h, h, p), None
+        return layer_fn(h, p), None
+
+    return jax.lax.scan(body, h, (params, mask))[0]
+
+
+def _gpipe(layer_fn: LayerFn, params, mask, xs, n_stages: int, axis: str, uneven: bool):
+    """One stage's view of the schedule: ``xs`` is ``[microbatches, mb, ...]`` on every stage."""
+    stage = jax.lax.axis_index(axis)
+    n_micro = jax.tree.leaves(xs)[0].shape[0]
+    last = n_stages - 1
+    shift = [(s, (s + 1) % n_stages) for s in range(n_stages)]
+    where = lambda c, a, b: jax.tree.map(lambda u, v: jnp.where(c, u, v), a, b)
+
+    def tick(carry, t):
+        held, outputs = carry
+        # stage 0 takes in microbatch t; the others take what the previous stage passed on
+        index = jnp.minimum(t, n_micro - 1)
+        fresh = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), xs)
+        held = where(stage == 0, fresh, held)
+        held = _layers(layer_fn, params, mask, held, uneven)
+        done = t - last  # the microbatch the last stage finishes at this tick
+        slot = jnp.clip(done, 0, n_micro - 1)
+        write = (stage == last) & (done >= 0)
+
+        def store(out, new):
+            current = jax.lax.dynamic_index_in_dim(out, slot, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(
+                out, jnp.where(write, new, current), slot, axis=0
+            )
+
+        outputs = jax.tree.map(store, outputs, held)
+        return (jax.lax.ppermute(held, axis, shift), outputs), None
+
+    # the carries differ between stages: mark them varying over the pipe axis
+    zeros = jax.tree.map(jnp.zeros_like, (jax.tree.map(lambda a: a[0], xs), xs))
+    start = jax.lax.pcast(zeros, (axis,), to="varying")
+    (_, outputs), _ = jax.lax.scan(tick, start, jnp.arange(n_micro + n_stages - 1))
+    # only the last stage wrote outputs: the sum over stages hands them to every stage
+    return jax.tree.map(
+        lambda out: jax.lax.psum(jnp.where(stage == last, out, jnp.zeros_like(out)), axis), outputs
+    )
+
+
+def _check(params, x, stages: Stages, n_stages: int, microbatches: int, axis: str, mesh) -> None:
+    mesh_text = dict(mesh.shape)
+    if stages.num_stages != n_stages:
+        raise LayoutError(
+            f"the stage split {stages.layers} has {stages.num_stages} stages but mesh axis "
+            f"{axis!r} has size {n_stages} (mesh={mesh_text})"
+        )
+    rows = stages.num_stages * stages.slots
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if leaf.ndim == 0 or leaf.shape[0] != rows:
+            raise LayoutError(
+                f"every stacked layer parameter needs {rows} rows (stages {stages.layers}, "
+                f"{stages.slots} slots each) in its leading layers dim: leaf "
+                f"{jax.tree_util.keystr(path)!r} has shape {tuple(leaf.shape)} (mesh={mesh_text})"
+            )
+    if not isinstance(microbatches, (int, np.integer)) or microbatches < 1:
+        raise LayoutError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    shapes = [tuple(a.shape) for a in jax.tree.leaves(x)]
+    if not shapes or any(not s or s[0] % microbatches or s[0] != shapes[0][0] for s in shapes):
+        raise LayoutError(
+            f"the batch dim must divide into {microbatches} microbatches, the same in every "
+            f"activation, got activations of shape {shapes[0] if len(shapes) == 1 else shapes} "
+            f"(mesh={mesh_text})"
+        )
+
+
+def restage(
+    state, ptc: PTC, rules: Rules, old: Stages | None, new: Stages | None, *, name="layers"
+):
+    """Re-pad the stacked leaves of ``state`` from ``old`` to ``new`` stage boundaries.
+
+    Returns ``(state, PTC)``: the state with every leaf whose first logical axis is ``name``
+    (params and their optimizer moments alike) re-padded, still on ``ptc``'s devices and mesh, and
+    its PTC. ``None`` stands for the unpadded layout (even stages). This is the one step an uneven
+    pipeline adds to a reconfiguration: the padded layout depends on the boundaries, so rows are
+    regrouped first (a gather on the current devices); the core plan then moves them to the new
+    devices like any other change of layout::
+
+        state, mid = restage(state, ptc, rules, Stages((3, 5)), Stages((2, 2, 2, 2)))
+        state, report = reshard(state, make_plan(mid, new_ptc))
+
+    A dim the current ``pipe`` size does not divide after re-padding is replicated on the current
+    mesh (``allow_replicate``) until the plan moves it.
+    """
+
+    def regroup(x):
+        rows = x if old is None else old.unpad(x)
+        return rows if new is None else new.pad(rows)
+
+    stacked = lambda v: (v.get_metadata().get("out_sharding") or (None,))[0] == name
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    pick = lambda v: v.replace(regroup(v.get_value())) if is_var(v) and stacked(v) else v
+    abstract = jax.eval_shape(lambda s: jax.tree.map(pick, s, is_leaf=is_var), state)
+    mid = PTC.of(abstract, rules, ptc.config, ptc.device_ids, hosts=ptc.hosts, allow_replicate=True)
+    mesh = ptc.mesh()
+    out = jax.jit(
+        lambda s: jax.tree.map(pick, s, is_leaf=is_var), out_shardings=mid.shardings(mesh)
+    )(state)
+    return out, mid

@@ -1,0 +1,536 @@
+"""Reconfiguration plans: the delta between two PTCs.
+
+For every leaf and every target shard the plan says where the shard's bytes come from:
+
+- ``keep``  — the target device already holds exactly this box (no copy);
+- ``split`` — the target device holds a larger box; the shard is a slice of it (copy on the device);
+- ``move``  — one box, or a slice of one, copied from another device;
+- ``merge`` — several pieces (local or remote) concatenated into the shard.
+
+Among replicas of a source box the closest copy is chosen: the target device itself, then a device
+on
+the same host, then the least loaded device (bytes already assigned to it as a sender by this leaf,
+ties broken by the bytes assigned by the leaves planned before), so replicated state is read from
+all
+its copies in parallel rather than from one.
+
+Many leaves share a layout (the same shape, itemsize and source and target specs: the moments mirror
+their params, layers repeat), and a leaf's shard plans depend only on its layout. ``make_plan``
+computes them once per layout and shares the frozen ``ShardPlan`` tuples between leaves, which keeps
+planning for thousands of devices and tensors under a second.
+
+**Failed devices.** ``make_plan(src, dst, failed={3})`` plans around devices whose buffers are gone:
+no piece is read from a failed device (not even a local keep), each box is taken from a surviving
+replica (data-parallel copies, replicated leaves), and a failed device cannot be a target. When a
+box of some leaf has no replica left, ``LostShardsError`` (a ``PlanError``) names every such leaf
+and box, so the caller can fall back to a checkpoint.
+
+Planning is pure: it reads two PTCs and never touches device memory. Example::
+
+    plan = make_plan(PTC.of(abstract, rules, ParallelConfig(data=8), range(8)),
+                     PTC.of(abstract, rules, ParallelConfig(data=2, tensor=2), range(2, 6)))
+    print(plan)             # per-group summary: bytes kept / moved, shard kinds
+    plan.bytes_moved        # bytes that cross devices
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+from collections.abc import Iterable
+
+import numpy as np
+
+from tenplex_jax._src import box as boxes
+from tenplex_jax._src.box import Box
+from tenplex_jax._src.errors import LostShardsError, PlanError
+from tenplex_jax._src.ptc import PTC, LeafLayout, dtype_name
+
+KINDS = ("keep", "split", "move", "merge")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A box of a leaf copied from ``src_device``, whose shard there covers ``src_box``."""
+
+    src_device: int
+    src_box: Box
+    box: Box
+    nbytes: int
+    local: bool  # the source device is the target device
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """How the shard ``box`` of a leaf on ``device`` is produced."""
+
+    device: int
+    box: Box
+    kind: str
+    pieces: tuple[Piece, ...]
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(p.nbytes for p in self.pieces if not p.local)
+
+    @property
+    def bytes_kept(self) -> int:
+        return sum(p.nbytes for p in self.pieces if p.local)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    src: LeafLayout
+    dst: LeafLayout
+    shards: tuple[ShardPlan, ...]  # in the target PTC's device order
+    # (bytes moved, bytes kept, kinds) of ``shards``, when the planner already knows them
+    totals: tuple[int, int, collections.Counter] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
+
+    @property
+    def path(self) -> str:
+        return self.dst.path
+
+    @property
+    def bytes_moved(self) -> int:
+        if self.totals is not None:
+            return self.totals[0]
+        return sum(s.bytes_moved for s in self.shards)
+
+    @property
+    def bytes_kept(self) -> int:
+        if self.totals is not None:
+            return self.totals[1]
+        return sum(s.bytes_kept for s in self.shards)
+
+    @property
+    def kinds(self) -> collections.Counter:
+        if self.totals is not None:
+            return collections.Counter(self.totals[2])
+        return collections.Counter(s.kind for s in self.shards)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The reconfiguration plan from ``src`` to ``dst``: one ``LeafPlan`` per leaf."""
+
+    src: PTC
+    dst: PTC
+    leaves: tuple[LeafPlan, ...]
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes copied between devices."""
+        return sum(leaf.bytes_moved for leaf in self.leaves)
+
+    @property
+    def bytes_kept(self) -> int:
+        """Bytes of target shards taken from the same device (keep, split, local pieces of a
+        merge)."""
+        return sum(leaf.bytes_kept for leaf in self.leaves)
+
+    @property
+    def kinds(self) -> collections.Counter:
+        return sum((leaf.kinds for leaf in self.leaves), collections.Counter())
+
+    @property
+    def senders(self) -> dict[int, int]:
+        """Source device id → bytes it sends to other devices."""
+        load: dict[int, int] = collections.Counter()
+        for leaf in self.leaves:
+            for shard in leaf.shards:
+                for p in shard.pieces:
+                    if not p.local:
+                        load[p.src_device] += p.nbytes
+        return dict(load)
+
+    def summary(self, depth: int | None = None) -> str:
+        """A table per leaf group (the path without its last ``depth`` parts; default: the
+        parent)."""
+        groups: dict[str, list[LeafPlan]] = {}
+        for leaf in self.leaves:
+            parts = leaf.path.split("/")
+            key = "/".join(parts[: len(parts) - 1 if depth is None else depth]) or "/"
+            groups.setdefault(key, []).append(leaf)
+        mib = lambda n: f"{n / 2**20:10.3f}"
+        lines = [
+            (
+                f"plan {self.src.config} on {_devs(self.src.device_ids)} -> {self.dst.config} on "
+                f"{_devs(self.dst.device_ids)}"
+            ),
+            (
+                f"  {'group':40s} {'leaves':>6s} {'state MiB':>10s} {'kept MiB':>10s} "
+                f"{'moved MiB':>10s}  keep/split/move/merge"
+            ),
+        ]
+        for key, leaves in groups.items():
+            kinds = sum((leaf.kinds for leaf in leaves), collections.Counter())
+            notes = sorted(
+                {
+                    f"{leaf.dst.path.split('/')[-1]}: replicated {leaf.dst.replicated}"
+                    for leaf in leaves
+                    if leaf.dst.replicated
+                }
+            )
+            lines.append(
+                f"  {key[-40:]:40s} {len(leaves):6d} "
+                f"{mib(sum(leaf.dst.nbytes for leaf in leaves))} "
+                f"{mib(sum(leaf.bytes_kept for leaf in leaves))} "
+                f"{mib(sum(leaf.bytes_moved for leaf in leaves))}  "
+                + "/".join(str(kinds[k]) for k in KINDS)
+                + ("  " + "; ".join(notes) if notes else "")
+            )
+        kinds = self.kinds
+        lines.append(
+            f"  {'total':40s} {len(self.leaves):6d} {mib(self.dst.nbytes)} {mib(self.bytes_kept)} "
+            f"{mib(self.bytes_moved)}  " + "/".join(str(kinds[k]) for k in KINDS)
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _devs(ids: Iterable[int]) -> str:
+    ids = list(ids)
+    if len(ids) > 1 and ids == list(range(ids[0], ids[0] + len(ids))):
+        return f"devices {ids[0]}..{ids[-1]}"
+    return f"devices {ids}"
+
+
+def make_plan(src: PTC, dst: PTC, *, failed: Iterable[int] = ()) -> Plan:
+    """The reconfiguration plan that turns a state laid out as ``src`` into one laid out as ``dst``.
+
+    ``failed`` lists device ids whose buffers are lost: the plan reads nothing from them and takes
+    every box from a surviving replica; ``dst`` must not use them. Raises ``LostShardsError`` naming
+    the leaves and boxes that no surviving device holds.
+    """
+    failed = frozenset(int(d) for d in failed)
+    if failed & set(dst.device_ids):
+        raise PlanError(
+            f"the target PTC ({dst.config} on {list(dst.device_ids)}) uses failed devices "
+            f"{sorted(failed & set(dst.device_ids))}; a plan around failed devices must target "
+            f"the devices that remain"
+        )
+    check_same_state(src, dst)
+    host = dict(zip(src.device_ids, src.hosts)) | dict(zip(dst.device_ids, dst.hosts))
+    # layout → (shards, bytes each sender sends, totals): one computation serves all its leaves
+    by_layout: dict[tuple, tuple[tuple[ShardPlan, ...], dict[int, int], tuple]] = {}
+    uses: collections.Counter = collections.Counter()  # layout → leaves planned with it so far
+    leaves = []
+    lost: list[tuple[str, tuple]] = []  # (path, boxes held only by failed devices)
+    for s, d in zip(src.leaves, dst.leaves):
+        key = (s.shape, s.itemsize, s.spec, d.spec)
+        if key not in by_layout:
+            load: dict[int, int] = collections.Counter()  # bytes each sender sends so far
+            for k, count in uses.items():
+                for device, n in by_layout[k][1].items():
+                    load[device] += count * n
+            held = src.boxes(s)
+            if failed:
+                alive = {dev: box for dev, box in held.items() if dev not in failed}
+                gone = sorted(set(held.values()) - set(alive.values()))
+                if gone:
+                    by_layout[key] = ((), {}, gone)
+                    lost.append((s.path, tuple(gone)))
+                    uses[key] += 1
+                    continue
+                held = alive
+            shards, sends = _plan_leaf(s, held, dst.boxes(d), host, load)
+            by_layout[key] = (shards, sends, _totals(shards))
+        uses[key] += 1
+        shards, _, totals = by_layout[key]
+        if not shards:  # a layout already found lost for an earlier leaf
+            lost.append((s.path, tuple(totals)))
+            continue
+        leaves.append(LeafPlan(s, d, shards, totals))
+    if lost:
+        raise LostShardsError(src, failed, tuple(lost))
+    return Plan(src, dst, tuple(leaves))
+
+
+def check_same_state(src: PTC, dst: PTC) -> None:
+    """``PlanError`` unless ``src`` and ``dst`` have the same leaves in the same order (paths,
+    shapes, dtypes): two layouts of one state. The containers may differ (an ``nnx.State`` and the
+    plain dict of an orbax target, Linen boxes and unboxed arrays); the first differing leaf is
+    named with both specs and both meshes."""
+    pairs = zip(src.leaves, dst.leaves)
+    bad = next(
+        (
+            (i, s, d)
+            for i, (s, d) in enumerate(pairs)
+            if (s.path, s.shape, s.dtype) != (d.path, d.shape, d.dtype)
+        ),
+        None,
+    )
+    if bad is None and len(src.leaves) == len(dst.leaves):
+        return
+    show = lambda leaf: (
+        "(none)"
+        if leaf is None
+        else f"{leaf.path!r} {dtype_name(leaf.dtype)}{list(leaf.shape)} spec={leaf.spec}"
+    )
+    if bad is None:
+        i = min(len(src.leaves), len(dst.leaves))
+        s = src.leaves[i] if i < len(src.leaves) else None
+        d = dst.leaves[i] if i < len(dst.leaves) else None
+    else:
+        i, s, d = bad
+    raise PlanError(
+        f"a plan maps one state onto a new layout of the same state (the same leaf paths, shapes "
+        f"and dtypes, in order), but the source PTC has {len(src.leaves)} leaves and the target "
+        f"{len(dst.leaves)}; leaf {i} is {show(s)} on {src.config.describe()} over "
+        f"{_devs(src.device_ids)} in the source, {show(d)} on {dst.config.describe()} over "
+        f"{_devs(dst.device_ids)} in the target"
+    )
+
+
+def _totals(shards: tuple[ShardPlan, ...]) -> tuple[int, int, collections.Counter]:
+    moved = sum(s.bytes_moved for s in shards)
+    kept = sum(s.bytes_kept for s in shards)
+    return moved, kept, collections.Counter(s.kind for s in shards)
+
+
+def allocate(src: PTC, dst: PTC) -> PTC:
+    """``dst`` with its devices reordered over the mesh so that the most bytes stay in place.
+
+    The order of a mesh's devices is the PTC's *allocation*: which device gets which box. For the
+    same device set and config, some orders let devices keep (or split) the shards they hold while
+    others make every shard move. This solves the assignment of devices to mesh positions that
+    maximizes the bytes each device already holds of its new boxes, so ``make_plan(src,
+    allocate(src, dst))`` moves no more bytes than ``make_plan(src, dst)``, usually fewer. Devices
+    are only permuted, never added or dropped; a device stays where it is unless moving it gains.
+
+    Devices that hold the same boxes of every leaf (data-parallel replicas) are interchangeable,
+    and so are positions that get the same boxes: the assignment is solved between these classes
+    as a transportation problem (an LP whose vertex solutions are integral), a few dozen classes
+    where a device-by-position assignment would have thousands of rows: 4096 devices take
+    milliseconds instead of minutes.
+    """
+    held = {d: i for i, d in enumerate(src.device_ids)}
+    rows = [held.get(d, -1) for d in dst.device_ids]  # each dst device's mesh index in src
+    if all(r < 0 for r in rows):
+        return dst
+    src_class, src_boxes = _classes(src)  # [src devices] -> class; class -> boxes per layout
+    dst_class, dst_boxes = _classes(dst)
+    # bytes a device of source class i holds of the boxes of a position of target class j
+    weight = np.zeros((len(src_boxes[0]), len(dst_boxes[0])), dtype=np.float64)
+    for (s_key, d_key), itemsize in _layout_pairs(src, dst).items():
+        a = src_boxes[1][s_key]  # [dims, source classes, 2]
+        b = dst_boxes[1][d_key]  # [dims, target classes, 2]
+        lo = np.maximum(a[:, :, None, 0], b[:, None, :, 0])
+        hi = np.minimum(a[:, :, None, 1], b[:, None, :, 1])
+        # a scalar has no dims: the empty product is 1 element, held in full by every replica
+        weight += np.prod(np.clip(hi - lo, 0, None), axis=0) * itemsize
+    device_class = np.array([src_class[r] if r >= 0 else -1 for r in rows])
+    flow = _transport(weight, device_class, dst_class)
+    given = sum(weight[c, j] for c, j in zip(device_class, dst_class) if c >= 0)
+    if (flow * weight).sum() <= given:
+        return dst  # the given order is already as good: keep the user's allocation
+    order = _assign(flow, device_class, dst_class)
+    return dataclasses.replace(
+        dst,
+        device_ids=tuple(dst.device_ids[i] for i in order),
+        hosts=tuple(dst.hosts[i] for i in order),
+    )
+
+
+def _classes(ptc: PTC) -> tuple[np.ndarray, tuple[list, dict]]:
+    """Each mesh position's class (positions holding the same box of every leaf share one) and,
+    per leaf layout ``(shape, spec)``, the classes' intervals ``[dims, classes, 2]``."""
+    per_layout, keys = {}, []
+    for leaf in ptc.leaves:
+        key = (leaf.shape, leaf.spec)
+        if key not in per_layout:
+            per_layout[key] = ptc.intervals(leaf)  # [dims, positions, 2]
+            keys.append(key)
+    n = len(ptc.device_ids)
+    signature = np.concatenate(
+        [per_layout[k].transpose(1, 0, 2).reshape(n, -1) for k in keys] + [np.zeros((n, 1), int)],
+        axis=1,
+    )
+    _, first, which = np.unique(signature, axis=0, return_index=True, return_inverse=True)
+    which = which.ravel()
+    return which, (list(first), {k: v[:, first] for k, v in per_layout.items()})
+
+
+def _layout_pairs(src: PTC, dst: PTC) -> dict[tuple, int]:
+    """((src shape, spec), (dst shape, spec)) -> the itemsizes of the leaves laid out so, summed."""
+    pairs: dict[tuple, int] = collections.Counter()
+    for s, d in zip(src.leaves, dst.leaves):
+        pairs[((s.shape, s.spec), (d.shape, d.spec))] += d.itemsize
+    return pairs
+
+
+def _transport(weight: np.ndarray, device_class: np.ndarray, position_class: np.ndarray):
+    """How many devices of each source class go to positions of each target class: the
+    transportation problem maximizing the bytes kept, over the class pairs that share bytes (every
+    other pair gains nothing, so the leftover devices fill the leftover positions in any order)."""
+    from scipy.optimize import linprog  # a dependency of jax itself
+    from scipy.sparse import csr_matrix
+
+    supply = np.bincount(device_class[device_class >= 0], minlength=weight.shape[0])
+    demand = np.bincount(position_class, minlength=weight.shape[1])
+    flow = np.zeros_like(weight)
+    i, j = np.nonzero(weight)
+    if not len(i):
+        return flow
+    n = len(i)
+    rows = np.concatenate([i, weight.shape[0] + j])
+    constraints = csr_matrix(
+        (np.ones(2 * n), (rows, np.concatenate([np.arange(n)] * 2))), shape=(sum(weight.shape), n)
+    )
+    # scale to keep HiGHS's tolerances meaningful for byte counts of any size
+    result = linprog(
+        -weight[i, j] / weight.max(),
+        A_ub=constraints,
+        b_ub=np.concatenate([supply, demand]),
+        bounds=(0, None),
+        method="highs-ds",
+    )
+    if result.status != 0:  # cannot happen for a feasible, bounded transportation problem
+        raise PlanError(f"allocation: the transportation LP failed: {result.message}")
+    flow[i, j] = np.round(result.x)  # a simplex vertex of a bipartite LP is integral
+    return flow
+
+
+def _assign(flow: np.ndarray, device_class: np.ndarray, position_class: np.ndarray) -> list[int]:
+    """Device index (into ``dst.device_ids``) per mesh position, following ``flow``: a device that
+    already sits at a position its flow allows stays, the others take the first free positions of
+    their target class in mesh order, and the rest fill the rest in order."""
+    flow = flow.astype(np.int64)
+    n = len(position_class)
+    order, used = [-1] * n, [False] * n
+    for p in range(n):  # stay where the flow allows it
+        c, j = device_class[p], position_class[p]
+        if c >= 0 and flow[c, j] > 0:
+            flow[c, j] -= 1
+            order[p], used[p] = p, True
+    free: dict[int, list[int]] = collections.defaultdict(list)
+    for p in range(n - 1, -1, -1):
+        if not used[p] and device_class[p] >= 0:
+            free[device_class[p]].append(p)  # popped from the end: lowest mesh index first
+    for p in range(n):
+        if order[p] >= 0:
+            continue
+        for c in np.nonzero(flow[:, position_class[p]] > 0)[0]:
+            if free[c]:
+                flow[c, position_class[p]] -= 1
+                order[p] = free[c].pop()
+                used[order[p]] = True
+                break
+    rest = iter(q for q in range(n) if not used[q])
+    return [q if q >= 0 else next(rest) for q in order]
+
+
+def _plan_leaf(
+    s: LeafLayout,
+    src_boxes: dict[int, Box],
+    dst_boxes: dict[int, Box],
+    host: dict[int, int],
+    before: dict[int, int],
+) -> tuple[tuple[ShardPlan, ...], dict[int, int]]:
+    """The shard plans of one leaf layout, and the bytes each sender sends for it.
+
+    Senders among replicas balance this leaf's own load first, then the load ``before`` it, so the
+    result depends on the layout alone for the leaves that reuse it.
+    """
+    # The distinct source boxes tile the array on a grid; index them by block coordinates so that a
+    # target box finds the source boxes it intersects without scanning every device.
+    block = [_block_size(src_boxes, dim) for dim in range(len(s.shape))]
+    replicas: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
+    for dev, box in src_boxes.items():
+        replicas[tuple(lo // b for (lo, _), b in zip(box, block))].append(dev)
+    senders = {coord: _Senders(devs, host, before) for coord, devs in replicas.items()}
+    itemsize = s.itemsize
+    geometry: dict[Box, list[tuple[tuple[int, ...], Box, Box, int]]] = {}
+    shards = []
+    for dev, box in dst_boxes.items():
+        own = src_boxes.get(dev)
+        if own == box:
+            shards.append(
+                ShardPlan(
+                    dev, box, "keep", (Piece(dev, own, box, boxes.nbytes(box, itemsize), True),)
+                )
+            )
+            continue
+        if own is not None and boxes.contains(own, box):
+            shards.append(
+                ShardPlan(
+                    dev, box, "split", (Piece(dev, own, box, boxes.nbytes(box, itemsize), True),)
+                )
+            )
+            continue
+        if box not in geometry:  # replicas of a target box read the same source blocks
+            ranges = [
+                range(lo // b, (hi - 1) // b + 1) if hi > lo else range(1)
+                for (lo, hi), b in zip(box, block)
+            ]
+            geometry[box] = [
+                (coord, src_box, part, boxes.nbytes(part, itemsize))
+                for coord in _product(ranges)
+                for src_box in [src_boxes[replicas[coord][0]]]
+                for part in [boxes.intersect(src_box, box)]
+            ]
+        pieces = []
+        for coord, src_box, part, n in geometry[box]:
+            if own == src_box:  # the target device holds a replica of this block itself
+                pieces.append(Piece(dev, src_box, part, n, True))
+            else:
+                pieces.append(Piece(senders[coord].take(host.get(dev), n), src_box, part, n, False))
+        kind = "merge" if len(pieces) > 1 else "move"
+        shards.append(ShardPlan(dev, box, kind, tuple(pieces)))
+    sends = {c: n for group in senders.values() for c, n in group.sent.items()}
+    return tuple(shards), sends
+
+
+class _Senders:
+    """The replicas of one source block, handing out the closest sender for each piece read.
+
+    Same host first, then the least bytes sent for this leaf, then the least sent ``before`` it,
+    then
+    the lowest id (for determinism). One heap per host, and a heap of the hosts' best (stale entries
+    skipped), keep each choice logarithmic in the replicas and hosts.
+    """
+
+    def __init__(self, devices: list[int], host: dict[int, int], before: dict[int, int]):
+        self.heaps: dict[int | None, list[tuple[int, int, int]]] = collections.defaultdict(list)
+        for c in devices:
+            self.heaps[host.get(c)].append((0, before.get(c, 0), c))
+        for heap in self.heaps.values():
+            heapq.heapify(heap)
+        self.tops = [(heap[0], h) for h, heap in self.heaps.items()]  # (a host's best, host)
+        heapq.heapify(self.tops)
+        self.sent: dict[int, int] = {}
+
+    def take(self, target_host: int | None, nbytes: int) -> int:
+        if target_host not in self.heaps:  # the best sender of any host
+            if len(self.heaps) == 1:
+                target_host = next(iter(self.heaps))
+            else:
+                while self.heaps[self.tops[0][1]][0] != self.tops[0][0]:
+                    heapq.heappop(self.tops)  # a host whose best has sent since
+                target_host = self.tops[0][1]
+        heap = self.heaps[target_host]
+        sent, before, c = heap[0]
+        heapq.heapreplace(heap, (sent + nbytes, before, c))
+        if len(self.heaps) > 1:  # one host: its heap is the only choice, no tops to keep
+            heapq.heappush(self.tops, (heap[0], target_host))
+        self.sent[c] = sent + nbytes
+        return c
+
+
+def _block_size(held: dict[int, Box], dim: int) -> int:
+    lo, hi = next(iter(held.values()))[dim]
+    return max(hi - lo, 1)
+
+
+def _product(ranges):
+    if not ranges:
+        yield ()
+        return
+    for head in ranges[0]:
+        for tail in _product(ranges[1:]):
+            yield (head, *tail)

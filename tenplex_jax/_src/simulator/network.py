@@ -1,0 +1,370 @@
+"""The network model: how long a reconfiguration's bytes take on a described cluster.
+
+A reconfiguration is bytes on resources. Each piece of a plan (``tj.make_plan``) loads the resources
+on its route by its size; every resource works at its bandwidth, all in parallel, full duplex (a
+device or node sends and receives at once); flows that share a resource share its bandwidth. The
+time is the busiest resource's bytes over its bandwidth: the bottleneck bound, which a transfer
+schedule that keeps every link busy reaches and one that serializes does not.
+
+Resources (bandwidths from :class:`tenplex_jax.planner.Cluster`):
+
+========================  ======================================  =================================
+resource                  used by                                 bandwidth
+========================  ======================================  =================================
+``copy`` per device       a local piece (split, merge part)       the type's ``memory_bandwidth``
+``link_out/in`` device    a piece between devices of one node     the type's ``link_bandwidth``
+``nic_out/in`` device     a device-to-device piece across nodes   the cluster's
+``network_bandwidth``
+``node_out/in`` node      every byte that leaves/enters a node    ``node_network_bandwidth`` (or the
+                                                                  sum of its devices' NICs)
+``h2d/d2h`` device        host memory to device and back          the type's ``host_bandwidth``
+``host_memory`` node      host-side copies: store reads/writes,   ``host_memory_bandwidth``
+                          and every copy of a CPU device          (None: not a limit)
+``storage_read/write``    checkpoint storage, per node            ``storage_bandwidth``
+``storage_total``         all nodes' storage traffic together     ``storage_total_bandwidth``
+========================  ======================================  =================================
+
+Routes (one function each, all returning a :class:`Traffic`):
+
+- :func:`device_traffic` — in one process, device to device, as ``tj.reshard`` runs a plan;
+- :func:`store_traffic` — a new generation of processes pulls every byte of its shards from the
+  host-memory tensor stores (:func:`pulls`: its own node's store when that holds a copy, else the
+  writer's, else a replica's), so each target byte also crosses host to device; with ``via``, the
+  same pulls with every byte routed through one node (Tenplex-Central, :func:`central_node`);
+- :func:`commit_traffic`, :func:`save_traffic`, :func:`restore_traffic` — a commit into the stores,
+  an orbax save to checkpoint storage, and an orbax restore from it.
+
+Pure: it reads plans, PTCs and the cluster, never device memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from tenplex_jax._src import box as boxes
+from tenplex_jax._src.plan import Plan
+from tenplex_jax._src.planner.cluster import Cluster
+from tenplex_jax._src.ptc import PTC
+
+DEVICE_RESOURCES = ("copy", "link_out", "link_in", "nic_out", "nic_in", "h2d", "d2h")
+NODE_RESOURCES = ("node_out", "node_in", "host_memory", "storage_read", "storage_write")
+
+
+@dataclasses.dataclass
+class Traffic:
+    """Bytes per resource: ``device[r]`` is ``[devices]`` (cluster device ids), ``node[r]`` is
+    ``[nodes]``; ``pieces`` per device counts the copies it receives (for a per-piece latency)."""
+
+    device: dict[str, np.ndarray]
+    node: dict[str, np.ndarray]
+    pieces: np.ndarray
+    lost: list[tuple[str, boxes.Box]] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def empty(cls, cluster: Cluster) -> Traffic:
+        n, m = cluster.num_devices, max(cluster.nodes) + 1
+        return cls(
+            {r: np.zeros(n) for r in DEVICE_RESOURCES},
+            {r: np.zeros(m) for r in NODE_RESOURCES},
+            np.zeros(n, dtype=np.int64),
+        )
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(
+            {r: self.device[r] + other.device[r] for r in DEVICE_RESOURCES},
+            {r: self.node[r] + other.node[r] for r in NODE_RESOURCES},
+            self.pieces + other.pieces,
+            self.lost + other.lost,
+        )
+
+    @property
+    def network_bytes(self) -> float:
+        """Bytes that cross between nodes."""
+        return float(self.node["node_out"].sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Seconds of a transfer: the bottleneck resource, and every resource's busiest entity."""
+
+    seconds: float
+    bottleneck: str  # "<resource> <device|node> <id>"
+    resources: Mapping[str, float]  # resource -> its busiest device's or node's seconds
+
+    def __str__(self) -> str:
+        return f"{self.seconds:.3f} s ({self.bottleneck})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """A cluster's bandwidths, and the seconds a :class:`Traffic` takes on them.
+
+    ``piece_seconds`` is a fixed cost per piece a device receives (a message or kernel launch),
+    paid one after the other on each device; 0 leaves it out.
+    """
+
+    cluster: Cluster
+    piece_seconds: float = 0.0
+
+    def __post_init__(self):
+        c = self.cluster
+        node_of = np.asarray(c.nodes)
+        types = [c.device_type(d) for d in range(c.num_devices)]
+        per_node = np.bincount(node_of)
+        nic = c.node_network_bandwidth or None
+        object.__setattr__(self, "_node_of", node_of)
+        object.__setattr__(self, "_host_memory", np.array([t.host_memory for t in types]))
+        object.__setattr__(
+            self,
+            "_device_bw",
+            {
+                "copy": np.array([t.memory_bandwidth for t in types]),
+                "link_out": np.array([t.link_bandwidth for t in types]),
+                "link_in": np.array([t.link_bandwidth for t in types]),
+                "nic_out": np.full(c.num_devices, c.network_bandwidth),
+                "nic_in": np.full(c.num_devices, c.network_bandwidth),
+                "h2d": np.array([t.host_bandwidth for t in types]),
+                "d2h": np.array([t.host_bandwidth for t in types]),
+            },
+        )
+        node_nic = np.full(len(per_node), nic) if nic else per_node * c.network_bandwidth
+        object.__setattr__(
+            self,
+            "_node_bw",
+            {
+                "node_out": node_nic,
+                "node_in": node_nic,
+                "host_memory": np.full(len(per_node), c.host_memory_bandwidth or np.inf),
+                "storage_read": np.full(len(per_node), c.storage_bandwidth),
+                "storage_write": np.full(len(per_node), c.storage_bandwidth),
+            },
+        )
+
+    def node_of(self, device: int) -> int:
+        return int(self._node_of[device])
+
+    def seconds(self, traffic: Traffic) -> Estimate:
+        """The busiest resource's bytes over its bandwidth (see the module docstring)."""
+        loads: dict[str, tuple[float, str]] = {}
+        node_traffic = dict(traffic.node)
+        # host-side copies: what crosses between a node's host memory and its devices or NICs,
+        # and every copy a device whose memory is the host's makes
+        cpu = self._host_memory
+        host = np.bincount(
+            self._node_of,
+            traffic.device["h2d"]
+            + traffic.device["d2h"]
+            + cpu * (traffic.device["copy"] + traffic.device["link_in"] + traffic.device["nic_in"]),
+            minlength=len(node_traffic["host_memory"]),
+        )
+        node_traffic["host_memory"] = node_traffic["host_memory"] + host
+        for r in DEVICE_RESOURCES:
+            t = traffic.device[r] / self._device_bw[r]
+            i = int(np.argmax(t))
+            loads[r] = (float(t[i]), f"device {i}")
+        for r in NODE_RESOURCES:
+            t = node_traffic[r] / self._node_bw[r]
+            i = int(np.argmax(t))
+            loads[r] = (float(t[i]), f"node {i}")
+        total = self.cluster.storage_total_bandwidth
+        storage = float(traffic.node["storage_read"].sum() + traffic.node["storage_write"].sum())
+        loads["storage_total"] = (storage / total if total else 0.0, "all nodes")
+        if self.piece_seconds:
+            i = int(np.argmax(traffic.pieces))
+            loads["pieces"] = (float(traffic.pieces[i]) * self.piece_seconds, f"device {i}")
+        name, (seconds, where) = max(loads.items(), key=lambda kv: kv[1][0])
+        return Estimate(
+            seconds, f"{name} {where}" if seconds else "none", {r: s for r, (s, _) in loads.items()}
+        )
+
+
+def _add(traffic: Traffic, src_node: int, dst_node: int, n: float) -> None:
+    """``n`` bytes from one node's host memory to another's: out of one NIC, into the other, read
+    from one host memory and written to the other (nothing when both are the same node)."""
+    if src_node != dst_node:
+        traffic.node["node_out"][src_node] += n
+        traffic.node["node_in"][dst_node] += n
+        traffic.node["host_memory"][src_node] += n
+        traffic.node["host_memory"][dst_node] += n
+
+
+def device_traffic(plan: Plan, network: Network) -> Traffic:
+    """Device to device in one process, as ``tj.reshard`` executes ``plan``: a local piece is a
+    copy on its device (none for a ``keep``), another is a send over the node's links or, across
+    nodes, over the network."""
+    traffic = Traffic.empty(network.cluster)
+    d, nodes = traffic.device, network._node_of
+    per_layout: dict[int, Traffic] = {}
+    counts = collections.Counter(id(leaf.shards) for leaf in plan.leaves)
+    for leaf in plan.leaves:  # leaves of one layout share their shard plans: count them once
+        key = id(leaf.shards)
+        if key in per_layout:
+            continue
+        t = Traffic.empty(network.cluster)
+        for shard in leaf.shards:
+            if shard.kind == "keep":
+                continue
+            for p in shard.pieces:
+                t.pieces[shard.device] += 1
+                if p.local:
+                    t.device["copy"][shard.device] += p.nbytes
+                elif nodes[p.src_device] == nodes[shard.device]:
+                    t.device["link_out"][p.src_device] += p.nbytes
+                    t.device["link_in"][shard.device] += p.nbytes
+                else:
+                    t.device["nic_out"][p.src_device] += p.nbytes
+                    t.device["nic_in"][shard.device] += p.nbytes
+                    t.node["node_out"][nodes[p.src_device]] += p.nbytes
+                    t.node["node_in"][nodes[shard.device]] += p.nbytes
+        per_layout[key] = t
+    for leaf_key, t in per_layout.items():
+        k = counts[leaf_key]
+        for r in DEVICE_RESOURCES:
+            d[r] += k * t.device[r]
+        for r in NODE_RESOURCES:
+            traffic.node[r] += k * t.node[r]
+        traffic.pieces += k * t.pieces
+    return traffic
+
+
+def stored(ptc: PTC, replicas: int) -> list:
+    """The objects a commit of a state laid out as ``ptc`` writes (``ptc.hosts`` are node ids, one
+    process per node), each with its writer device and the nodes whose stores hold a copy: the
+    writer's, then ``replicas`` more, round robin, as ``tenplex_jax._src.multihost.commit``
+    writes."""
+    from tenplex_jax._src.multihost.commit import stored_objects
+
+    nodes = sorted(set(ptc.hosts))
+    index = {n: i for i, n in enumerate(nodes)}
+    as_processes = dataclasses.replace(ptc, hosts=tuple(index[h] for h in ptc.hosts))
+    return stored_objects(as_processes, nodes, replicas)
+
+
+def holders(objects: Sequence) -> dict[tuple[str, boxes.Box], tuple[int, ...]]:
+    """(leaf path, box) -> the nodes holding a copy, writer's first, of :func:`stored` objects."""
+    return {(o.path, o.box): o.slots for o in objects}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pulls:
+    """What a new generation reads from the stores, piece by piece: the target device, the node
+    whose store serves the piece, its bytes; and the (leaf path, box) no live store holds."""
+
+    device: np.ndarray
+    source: np.ndarray
+    nbytes: np.ndarray
+    lost: tuple[tuple[str, boxes.Box], ...]
+
+
+def pulls(
+    plan: Plan,
+    network: Network,
+    held: Mapping[tuple[str, boxes.Box], Sequence[int]],
+    failed_nodes: Iterable[int] = (),
+) -> Pulls:
+    """Where each piece of ``plan`` is read from in the stores: the target's own node when its
+    store holds a copy, else the first live holder (the writer, then its replicas)."""
+    failed = set(failed_nodes)
+    nodes = network._node_of
+    layouts: dict[int, tuple] = {}  # leaves of one layout share their pieces' geometry
+    parts, lost = [], set()
+    for leaf in plan.leaves:
+        key = id(leaf.shards)
+        if key not in layouts:
+            index: dict[boxes.Box, int] = {}
+            rows = [
+                (shard.device, index.setdefault(p.src_box, len(index)), p.nbytes)
+                for shard in leaf.shards
+                for p in shard.pieces
+            ]
+            device, box, nbytes = (np.array(c, dtype=np.int64).reshape(-1) for c in zip(*rows))
+            layouts[key] = (list(index), device, nodes[device], box, nbytes)
+        distinct, device, target, box, nbytes = layouts[key]
+        holding = [[h if h not in failed else -1 for h in held[(leaf.path, b)]] for b in distinct]
+        width = max(len(h) for h in holding)
+        table = np.array([h + [-1] * (width - len(h)) for h in holding])  # [boxes, holders]
+        alive = table >= 0
+        first = np.where(alive.any(1), table[np.arange(len(table)), alive.argmax(1)], -1)
+        gone = first[box] < 0
+        if gone.any():
+            lost |= {(leaf.path, distinct[b]) for b in np.unique(box[gone])}
+        own = (table[box] == target[:, None]).any(1)
+        keep = ~gone
+        parts.append((device[keep], np.where(own, target, first[box])[keep], nbytes[keep]))
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return Pulls(empty, empty, empty, ())
+    device, source, nbytes = (np.concatenate(c) for c in zip(*parts))
+    return Pulls(device, source, nbytes, tuple(sorted(lost)))
+
+
+def store_traffic(reads: Pulls, network: Network, *, via: int | None = None) -> Traffic:
+    """A new generation pulls its shards from the stores (:func:`pulls`), then host to device.
+    ``via`` routes every byte through that node's host memory (Tenplex-Central)."""
+    traffic = Traffic.empty(network.cluster)
+    target = network._node_of[reads.device]
+    n, m = network.cluster.num_devices, len(traffic.node["node_out"])
+    legs = [(reads.source, target)] if via is None else [(reads.source, via), (via, target)]
+    for src, dst in legs:
+        src, dst = (
+            np.broadcast_to(src, reads.nbytes.shape),
+            np.broadcast_to(dst, reads.nbytes.shape),
+        )
+        cross = np.where(src != dst, reads.nbytes, 0)
+        for name, where in (("node_out", src), ("node_in", dst)):
+            traffic.node[name] += np.bincount(where, cross, minlength=m)
+        traffic.node["host_memory"] += np.bincount(src, cross, minlength=m)
+        traffic.node["host_memory"] += np.bincount(dst, cross, minlength=m)
+    traffic.device["h2d"] += np.bincount(reads.device, reads.nbytes, minlength=n)
+    traffic.pieces += np.bincount(reads.device, minlength=n)
+    traffic.lost = list(reads.lost)
+    return traffic
+
+
+def central_node(plan: Plan, network: Network) -> int:
+    """Tenplex-Central's node: the target's first."""
+    return network.node_of(plan.dst.device_ids[0])
+
+
+def commit_traffic(objects: Sequence, network: Network) -> Traffic:
+    """A commit of :func:`stored` objects into the stores: device to host at each writer, then to
+    the other holders' stores."""
+    traffic = Traffic.empty(network.cluster)
+    for o in objects:
+        traffic.device["d2h"][o.device] += o.nbytes
+        for node in o.slots[1:]:
+            _add(traffic, o.slots[0], node, o.nbytes)
+    return traffic
+
+
+def save_traffic(objects: Sequence, network: Network) -> Traffic:
+    """An orbax save: each distinct box device to host at its writer, then written to storage."""
+    traffic = Traffic.empty(network.cluster)
+    for o in objects:
+        traffic.device["d2h"][o.device] += o.nbytes
+        traffic.node["storage_write"][o.slots[0]] += o.nbytes
+    return traffic
+
+
+def restore_traffic(ptc: PTC, network: Network) -> Traffic:
+    """An orbax restore onto ``ptc``: every node reads each distinct box its devices need once,
+    then copies it to each of those devices."""
+    traffic = Traffic.empty(network.cluster)
+    n, m = network.cluster.num_devices, len(traffic.node["node_out"])
+    devices = np.asarray(ptc.device_ids)
+    node = network._node_of[devices]
+    for leaf in ptc.leaves:
+        intervals = ptc.intervals(leaf)  # [dims, devices, 2]
+        size = np.prod(intervals[:, :, 1] - intervals[:, :, 0], axis=0) * leaf.itemsize
+        traffic.device["h2d"] += np.bincount(devices, size, minlength=n)
+        traffic.pieces += np.bincount(devices, minlength=n)
+        rows = np.concatenate(
+            [node[:, None], intervals.transpose(1, 0, 2).reshape(len(devices), -1)], axis=1
+        )
+        _, first = np.unique(rows, axis=0, return_index=True)  # a node reads each box once
+        traffic.node["storage_read"] += np.bincount(node[first], size[first], minlength=m)
+    return traffic

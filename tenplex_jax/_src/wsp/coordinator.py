@@ -1,0 +1,278 @@
+"""The coordinator (Hydrozoa's): virtual workers join and leave while the others keep training.
+
+A :class:`Coordinator` starts VWs on device groups and ends them: ``add(devices)`` starts one
+(it joins the ledger, pulls the global weights and starts at the slowest member's clock),
+``remove(name)`` lets it finish its wave and leave, ``kill(name)`` ends it without a word (a
+preemption without notice, a crash): the others drop it from the clock barrier after the ledger's
+timeout and its unpushed minibatches are trained by others. ``follow(trace)`` does all of it from a
+resource trace in the format of ``meshes/`` (``preempt``: remove, ``fail``: kill, ``offer``: add;
+a trace step is a count of committed minibatches).
+
+VWs run as threads of this process (:class:`Threads`, each on its own devices) or as processes of
+their own (:class:`Processes`: ``python -m tenplex_jax.wsp``, with its own JAX and devices, no
+``jax.distributed`` job shared with any other: one can die or start without touching the others).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from tenplex_jax._src.elastic.trace import ResourceTrace
+from tenplex_jax._src.errors import WSPError
+from tenplex_jax._src.wsp.ps import ParameterServer
+
+
+@dataclasses.dataclass
+class Member:
+    name: str
+    devices: tuple[int, ...]
+    handle: object  # a thread's (thread, worker, stop event) or a process's Popen
+    started: float
+
+
+class Threads:
+    """VWs as threads: ``make(name, devices) -> VirtualWorker`` (built, its step compiled, when
+    the VW is added; its thread starts when it is launched)."""
+
+    def __init__(self, make: Callable):
+        self.make = make
+        self.errors: list[tuple[str, BaseException]] = []
+
+    def start(self, name: str, devices: tuple[int, ...]):
+        worker = self.make(name, devices)
+        stop = threading.Event()
+
+        def run():
+            try:
+                worker.run(stop)
+            except BaseException as error:  # reported by the coordinator
+                self.errors.append((name, error))
+
+        return threading.Thread(target=run, name=f"wsp-{name}", daemon=True), worker, stop
+
+    def launch(self, handle) -> None:
+        handle[0].start()
+
+    def stop(self, handle) -> None:
+        handle[2].set()
+
+    def kill(self, handle) -> None:
+        handle[1].crashed.set()
+
+    def alive(self, handle) -> bool:
+        return handle[0].is_alive()
+
+    def wait(self, handle, timeout: float) -> None:
+        handle[0].join(timeout)
+
+    def records(self, handle) -> list:
+        return [dataclasses.asdict(r) for r in handle[1].records]
+
+
+class Processes:
+    """VWs as processes: ``python -m tenplex_jax.wsp --job JOB --name N --devices K ...``, each
+    with ``K`` devices of its own; records come back as JSON lines in ``run_dir``."""
+
+    def __init__(
+        self,
+        job: str,
+        stores: Sequence[str],
+        run_dir: pathlib.Path,
+        *,
+        options: Sequence[str] = (),
+        token_file: str | None = None,
+        python: str = sys.executable,
+    ):
+        self.job, self.stores, self.run_dir = job, list(stores), pathlib.Path(run_dir)
+        self.options, self.token_file, self.python = list(options), token_file, python
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, devices: tuple[int, ...]):
+        command = [
+            self.python,
+            "-m",
+            "tenplex_jax.wsp",
+            "--job",
+            self.job,
+            "--name",
+            name,
+            "--devices",
+            str(len(devices)),
+            "--stores",
+            ",".join(self.stores),
+            "--records",
+            str(self.run_dir / f"{name}.jsonl"),
+            *self.options,
+        ]
+        if self.token_file:
+            command += ["--token-file", self.token_file]
+        # no preexec_fn: this process runs JAX's threads, so the child must exec at once (its own
+        # session keeps a Ctrl-C at the terminal to the coordinator, which ends it by PID)
+        with open(self.run_dir / f"{name}.log", "wb") as log:
+            return subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                env=os.environ | {"PYTHONUNBUFFERED": "1"},
+            )
+
+    def launch(self, handle) -> None:
+        pass  # a process joins the job as soon as its step is compiled
+
+    def stop(self, handle) -> None:
+        if handle.poll() is None:
+            handle.send_signal(signal.SIGTERM)  # the worker leaves at its next wave boundary
+
+    def kill(self, handle) -> None:
+        from tenplex_jax._src.multihost.launch import _kill
+
+        _kill(handle)
+
+    def alive(self, handle) -> bool:
+        return handle.poll() is None
+
+    def wait(self, handle, timeout: float) -> None:
+        try:
+            handle.wait(timeout)
+        except subprocess.TimeoutExpired:
+            from tenplex_jax._src.multihost.launch import _kill
+
+            _kill(handle)
+
+    def records(self, handle) -> list:
+        name = handle.args[handle.args.index("--name") + 1]
+        path = self.run_dir / f"{name}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Coordinator:
+    """Starts and ends the VWs of the job on ``ps`` with ``runner`` (:class:`Threads` or
+    :class:`Processes`); every change is an event in ``events``."""
+
+    def __init__(self, ps: ParameterServer, runner, log: Callable | None = None):
+        self.ps, self.runner, self.log = ps, runner, log
+        self.members: dict[str, Member] = {}
+        self.gone: dict[str, Member] = {}
+        self.events: list[dict] = []
+        self._count = 0
+
+    def _event(self, kind: str, **fields) -> None:
+        record = {"event": kind, "time": time.time(), **fields}
+        self.events.append(record)
+        if self.log is not None:
+            self.log(f"wsp: {kind}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
+
+    def add(self, *groups: Sequence[int]) -> list[str]:
+        """Start a VW on each group of device ids; all are built before any starts, so they join
+        together. Their names, ``vw1, vw2, ...`` in the order added."""
+        added = []
+        for devices in groups:
+            self._count += 1
+            name, devices = f"vw{self._count}", tuple(devices)
+            self.members[name] = Member(
+                name, devices, self.runner.start(name, devices), time.time()
+            )
+            added.append(name)
+        for name in added:
+            self.runner.launch(self.members[name].handle)
+            self._event("add", vw=name, devices=list(self.members[name].devices))
+        return added
+
+    def remove(self, name: str) -> None:
+        member = self.members.pop(name)
+        self.runner.stop(member.handle)
+        self.gone[name] = member
+        self._event("remove", vw=name, devices=list(member.devices))
+
+    def kill(self, name: str) -> None:
+        member = self.members.pop(name)
+        self.runner.kill(member.handle)
+        self.gone[name] = member
+        self._event("kill", vw=name, devices=list(member.devices))
+
+    def free(self, devices: Sequence[int]) -> list[int]:
+        used = {d for m in self.members.values() for d in m.devices}
+        return [d for d in devices if d not in used]
+
+    def follow(
+        self, trace: ResourceTrace, group: int, *, timeout: float = 600.0, poll: float = 0.05
+    ) -> None:
+        """Apply ``trace``'s events when the job has committed as many minibatches as each
+        event's step; a VW is ``group`` devices (an offer of ``count`` devices adds
+        ``count // group`` VWs; a preempt or fail of ``count`` ends the VWs holding the job's
+        last ``count`` devices). Returns when the ledger says the run is done."""
+        deadline = time.monotonic() + timeout
+        pending = list(trace.events)
+        while True:
+            ledger = self.ps.ledger()
+            trained = len(ledger.trained())
+            while pending and trained >= pending[0].step:
+                self._apply(pending.pop(0), group, trace.devices)
+            if ledger.done or not self.members:
+                return
+            if time.monotonic() > deadline:
+                raise WSPError(
+                    f"the job did not finish in {timeout:.0f} s: {trained} of "
+                    f"{ledger.total} minibatches trained",
+                    "busy",
+                )
+            time.sleep(poll)
+
+    def _apply(self, event, group: int, total: int) -> None:
+        if event.kind == "offer":
+            free = self.free(range(total)) if event.devices is None else list(event.devices)
+            count = len(free) if event.devices is not None else min(event.count, len(free))
+            self.add(*(free[i * group : (i + 1) * group] for i in range(count // group)))
+            return
+        if event.kind not in ("preempt", "fail"):
+            raise WSPError(
+                f"a trace event for virtual workers is offer, preempt or fail; got {event.kind!r}",
+                "invalid",
+            )
+        held = sorted(self.members.values(), key=lambda m: max(m.devices))
+        gone = set(event.devices or ())
+        if event.devices is None:
+            ids = sorted(d for m in held for d in m.devices)
+            gone = set(ids[-event.count :])
+        for member in [m for m in held if set(m.devices) & gone]:
+            (self.remove if event.kind == "preempt" else self.kill)(member.name)
+
+    def wait(self, timeout: float = 600.0) -> None:
+        """Wait for every VW to end (each ends when the run is done or it is told to)."""
+        deadline = time.monotonic() + timeout
+        for member in [*self.members.values(), *self.gone.values()]:
+            self.runner.wait(member.handle, max(deadline - time.monotonic(), 0.1))
+
+    def stop(self, timeout: float = 600.0) -> None:
+        """Tell every VW to leave, and wait for them (a process still running then is killed)."""
+        for name in list(self.members):
+            self.remove(name)
+        self.wait(timeout)
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Leaving the block ends every VW still running: killed (threads fall silent)."""
+        for name in list(self.members):
+            self.kill(name)
+        self.wait(timeout=60.0)
+
+    def records(self) -> list[dict]:
+        """Every VW's wave records (dicts), in wave start order."""
+        out = []
+        for member in [*self.members.values(), *self.gone.values()]:
+            out += self.runner.records(member.handle)
+        return sorted(out, key=lambda r: r["started"])

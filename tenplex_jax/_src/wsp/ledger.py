@@ -1,0 +1,242 @@
+"""The ledger of an asynchronous job: who trains, which minibatches they hold, what is done.
+
+One small record, kept as one JSON object in a tensor store and changed only by compare-and-swap
+(:meth:`tenplex_jax.multihost.store.StoreClient.cas_json`), so every change is atomic whatever the
+virtual workers (VWs) do concurrently. Everything here is pure: ``Ledger`` methods return a new
+ledger (and a result), so the rules are tested exhaustively without stores or devices.
+
+- **The data cursor.** Minibatches are the dataset PTC's global batches ``0, 1, 2, ...``: one
+  global order. ``claim`` leases a VW the next ``Nm`` of them for its wave, minibatches handed
+  back first (lowest first), then fresh ones from the cursor.
+- **Commits.** ``commit`` turns a VW's lease for wave ``c`` into a log entry ``(vw, c,
+  minibatches)`` and advances its clock to ``c + 1``. The log is the proof: every minibatch it
+  lists was trained and pushed exactly once.
+- **Members and deaths.** A VW ``join``s at the slowest member's clock (it never holds the others
+  back) and ``heartbeat``s; ``reap`` drops a member silent for longer than the timeout: its leased
+  minibatches go back (to be trained by another VW) and it leaves the clock barrier, so the others
+  wait for it at most the timeout. A dropped VW's late commit is refused. ``leave`` is the
+  graceful exit.
+- **Wave synchronous parallel.** ``may_start(vw, wave, D)``: a VW starts wave ``k`` only when every
+  member has committed at least ``k - D`` waves (``D = 0``: every wave waits for all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from tenplex_jax._src.errors import WSPError
+
+PATH = "wsp/ledger"  # the ledger's JSON object in the coordinating store
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """The minibatches a VW trains in its wave ``wave``."""
+
+    wave: int
+    minibatches: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ledger:
+    """``total``: minibatches in the run (None: unbounded). ``clocks``: each live member's clock,
+    the waves it counts as done (a joiner starts at the slowest's clock, ``starts``); ``seen``:
+    its last heartbeat (the store's clock, seconds); ``committed``: how many waves every VW, live
+    or gone, has pushed (its waves ``starts[vw] .. starts[vw] + committed[vw] - 1``); ``log``: the
+    committed waves in commit order."""
+
+    total: int | None = None
+    cursor: int = 0
+    returned: tuple[int, ...] = ()
+    clocks: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    seen: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    leases: Mapping[str, Lease] = dataclasses.field(default_factory=dict)
+    committed: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    starts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    log: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
+    dropped: tuple[str, ...] = ()  # reaped: died or fell silent
+    left: tuple[str, ...] = ()  # left gracefully
+
+    # -- reading -------------------------------------------------------------------------------
+
+    @property
+    def min_clock(self) -> int | None:
+        """The slowest live member's committed waves (None without members)."""
+        return min(self.clocks.values()) if self.clocks else None
+
+    def may_start(self, vw: str, wave: int, distance: int) -> bool:
+        """WSP: may ``vw`` start wave ``wave``? Every member has committed ``wave - distance``."""
+        slowest = self.min_clock
+        return slowest is None or wave - slowest <= distance
+
+    def decide(self, vw: str, wave: int, fresh: int, distance: int) -> str:
+        """What ``vw`` does before wave ``wave`` when its weights hold every member's first
+        ``fresh`` waves: ``"go"`` (fresh enough: ``fresh >= wave - D``), ``"pull"`` (the slowest
+        has committed ``wave - D`` waves: pull, then go) or ``"wait"``."""
+        if fresh >= wave - distance:
+            return "go"
+        return "pull" if self.may_start(vw, wave, distance) else "wait"
+
+    @property
+    def done(self) -> bool:
+        """Every minibatch of the run trained: none left at the cursor, returned or leased."""
+        return (
+            self.total is not None
+            and self.cursor >= self.total
+            and not self.returned
+            and not self.leases
+        )
+
+    def trained(self) -> list[int]:
+        """Every committed minibatch, in commit order (each exactly once, by construction)."""
+        return [m for _, _, minibatches in self.log for m in minibatches]
+
+    def _check_member(self, vw: str, what: str) -> None:
+        if vw not in self.clocks:
+            gone = (
+                "was dropped (silent past the timeout)"
+                if vw in self.dropped
+                else ("has left" if vw in self.left else "never joined")
+            )
+            raise WSPError(
+                f"{what}: virtual worker {vw!r} {gone}; live members: {sorted(self.clocks)}",
+                "dropped",
+            )
+
+    # -- changes -------------------------------------------------------------------------------
+
+    def join(self, vw: str, now: float) -> Ledger:
+        """``vw`` joins at the slowest member's clock (0 in an empty job)."""
+        if vw in self.committed or vw in self.clocks:
+            raise WSPError(
+                f"a virtual worker's name is used once; {vw!r} has been a member", "refused"
+            )
+        clock = self.min_clock or 0
+        return dataclasses.replace(
+            self,
+            clocks={**self.clocks, vw: clock},
+            seen={**self.seen, vw: now},
+            committed={**self.committed, vw: 0},
+            starts={**self.starts, vw: clock},
+        )
+
+    def heartbeat(self, vw: str, now: float) -> Ledger:
+        self._check_member(vw, "heartbeat")
+        return dataclasses.replace(self, seen={**self.seen, vw: now})
+
+    def reap(self, now: float, timeout: float) -> tuple[Ledger, tuple[str, ...]]:
+        """Drop the members silent for more than ``timeout``; (ledger, who was dropped)."""
+        silent = tuple(sorted(vw for vw, t in self.seen.items() if now - t > timeout))
+        ledger = self
+        for vw in silent:
+            ledger = ledger._without(vw, dropped=True)
+        return ledger, silent
+
+    def leave(self, vw: str) -> Ledger:
+        """``vw`` leaves gracefully: its uncommitted minibatches go back."""
+        self._check_member(vw, "leave")
+        return self._without(vw, dropped=False)
+
+    def _without(self, vw: str, dropped: bool) -> Ledger:
+        lease = self.leases.get(vw)
+        back = tuple(sorted((*self.returned, *(lease.minibatches if lease else ()))))
+        return dataclasses.replace(
+            self,
+            returned=back,
+            clocks={k: v for k, v in self.clocks.items() if k != vw},
+            seen={k: v for k, v in self.seen.items() if k != vw},
+            leases={k: v for k, v in self.leases.items() if k != vw},
+            dropped=self.dropped + ((vw,) if dropped else ()),
+            left=self.left + (() if dropped else (vw,)),
+        )
+
+    def claim(self, vw: str, wave: int, count: int) -> tuple[Ledger, tuple[int, ...]]:
+        """Lease ``vw`` up to ``count`` minibatches for ``wave``: returned ones first, then the
+        cursor's. Asking again for the same wave returns the same lease (a retried request)."""
+        self._check_member(vw, "claim")
+        lease = self.leases.get(vw)
+        if lease is not None:
+            if lease.wave != wave:
+                raise WSPError(
+                    f"virtual worker {vw!r} holds wave {lease.wave}'s minibatches; "
+                    f"commit or leave before claiming wave {wave}",
+                    "refused",
+                )
+            return self, lease.minibatches
+        if wave != self.clocks[vw]:
+            raise WSPError(
+                f"virtual worker {vw!r} has committed {self.clocks[vw]} waves; its "
+                f"next wave is {self.clocks[vw]}, not {wave}",
+                "refused",
+            )
+        taken = self.returned[:count]
+        fresh = count - len(taken)
+        end = self.cursor + fresh if self.total is None else min(self.cursor + fresh, self.total)
+        minibatches = (*taken, *range(self.cursor, end))
+        if not minibatches:
+            return self, ()
+        return dataclasses.replace(
+            self,
+            returned=self.returned[len(taken) :],
+            cursor=end,
+            leases={**self.leases, vw: Lease(wave, minibatches)},
+        ), minibatches
+
+    def commit(self, vw: str, wave: int) -> Ledger:
+        """``vw``'s wave ``wave`` is pushed: log its minibatches, advance its clock. Refused when
+        ``vw`` was dropped (its minibatches went to others) or holds no lease for the wave."""
+        self._check_member(vw, "commit")
+        lease = self.leases.get(vw)
+        if lease is None or lease.wave != wave:
+            raise WSPError(
+                f"commit of wave {wave} by {vw!r}: it holds "
+                f"{'no lease' if lease is None else f'wave {lease.wave}'}",
+                "refused",
+            )
+        return dataclasses.replace(
+            self,
+            clocks={**self.clocks, vw: wave + 1},
+            committed={**self.committed, vw: wave + 1 - self.starts[vw]},
+            leases={k: v for k, v in self.leases.items() if k != vw},
+            log=self.log + ((vw, wave, lease.minibatches),),
+        )
+
+    # -- the JSON record -----------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {
+            "total": self.total,
+            "cursor": self.cursor,
+            "returned": list(self.returned),
+            "clocks": dict(self.clocks),
+            "seen": dict(self.seen),
+            "leases": {k: [v.wave, list(v.minibatches)] for k, v in self.leases.items()},
+            "committed": dict(self.committed),
+            "starts": dict(self.starts),
+            "log": [[vw, wave, list(m)] for vw, wave, m in self.log],
+            "dropped": list(self.dropped),
+            "left": list(self.left),
+        }
+
+    @classmethod
+    def from_json(cls, record: Mapping) -> Ledger:
+        try:
+            return cls(
+                None if record["total"] is None else int(record["total"]),
+                int(record["cursor"]),
+                tuple(int(m) for m in record["returned"]),
+                {str(k): int(v) for k, v in record["clocks"].items()},
+                {str(k): float(v) for k, v in record["seen"].items()},
+                {
+                    str(k): Lease(int(w), tuple(int(m) for m in ms))
+                    for k, (w, ms) in record["leases"].items()
+                },
+                {str(k): int(v) for k, v in record["committed"].items()},
+                {str(k): int(v) for k, v in record["starts"].items()},
+                tuple((str(vw), int(w), tuple(int(m) for m in ms)) for vw, w, ms in record["log"]),
+                tuple(str(v) for v in record["dropped"]),
+                tuple(str(v) for v in record["left"]),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise WSPError(f"the ledger record is malformed: {error!r:.200}", "corrupt") from None

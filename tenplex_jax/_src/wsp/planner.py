@@ -1,0 +1,176 @@
+"""Planning an asynchronous job: virtual workers, their stages, ``Nm`` and ``D``.
+
+``plan_workers(cluster, profile, minibatch)`` tries two groupings of the cluster's devices into
+virtual workers (VWs), as HetPipe's resource allocator does:
+
+- ``node``: each node is a VW (a node's devices share fast links: pipeline and data parallelism
+  inside it cost least);
+- ``equal``: VW ``i`` takes the ``i``-th device of every node (HetPipe's equal distribution: every
+  VW holds the same mix of device types, so the VWs are equally fast).
+
+For each VW the planner's search (``tj.planner.choose``, the cost model of ``search.py``) picks its
+layout and its pipeline stages, each stage's layers in proportion to its devices' speed. ``Nm`` (the
+minibatches of a wave) is set per VW in proportion to the VW's speed, the slowest doing one, so
+that every VW's wave takes about as long and the clocks advance together; the job's throughput is
+then ``sum(Nm) / (the longest wave)``. ``D = 1`` lets a VW start a wave before the slowest has
+finished the previous one (a stall of one wave is absorbed), ``D = 0`` when there is one VW. The
+choice is the grouping with the most samples per second (``objective="time"``) or per dollar
+(``"cost"``); it is compared with one synchronous job over the same devices and the same samples
+per step (the planner's best SPMD layout), where every step waits for the slowest device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tenplex_jax._src.errors import PlanError
+from tenplex_jax._src.planner.cluster import Cluster
+from tenplex_jax._src.planner.profile import ModelProfile
+from tenplex_jax._src.planner.search import Candidate, choose
+
+GROUPINGS = ("node", "equal")
+MAX_MINIBATCHES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPlan:
+    """One VW: its devices (cluster ids), the planner's layout for them and its ``Nm``."""
+
+    devices: tuple[int, ...]
+    candidate: Candidate
+    minibatches: int
+
+    @property
+    def wave_seconds(self) -> float:
+        return self.minibatches * self.candidate.step_time
+
+
+@dataclasses.dataclass(frozen=True)
+class WSPChoice:
+    """The chosen VWs, ``D``, the estimate, and how the alternatives and one synchronous job
+    compare."""
+
+    grouping: str
+    workers: tuple[WorkerPlan, ...]
+    distance: int
+    minibatch: int
+    objective: str
+    throughput: float  # samples per second
+    usd_per_hour: float
+    synchronous: Candidate | None  # one SPMD job over the same devices, sum(Nm) minibatches a step
+    alternatives: tuple[tuple[str, float, float], ...]  # (grouping, samples/s, samples per $)
+    cluster: str
+
+    @property
+    def samples_per_usd(self) -> float:
+        return self.throughput * 3600 / self.usd_per_hour if self.usd_per_hour else math.inf
+
+    def table(self) -> str:
+        goal = "samples per second" if self.objective == "time" else "samples per dollar"
+        lines = [
+            f"wsp planner: {self.cluster}; objective {goal}; grouping {self.grouping!r}, "
+            f"D = {self.distance}, minibatch {self.minibatch}",
+            f"{'vw':>3}  {'devices':<24} {'layout':<44} {'s/minibatch':>11} {'Nm':>3} "
+            f"{'wave s':>8}",
+        ]
+        for i, w in enumerate(self.workers, 1):
+            ids = ",".join(map(str, w.devices))
+            lines.append(
+                f"{i:3d}  {ids[:24]:<24} {w.candidate.label()[:44]:<44} "
+                f"{w.candidate.step_time:11.4f} {w.minibatches:3d} {w.wave_seconds:8.4f}"
+            )
+        lines.append(
+            f"estimated {self.throughput:.1f} samples/s"
+            + (f", {self.samples_per_usd:,.0f} samples/$" if self.usd_per_hour else "")
+        )
+        if self.synchronous is not None:
+            s = self.synchronous
+            lines.append(
+                f"one synchronous job on the same devices ({s.label()}): "
+                f"{s.throughput:.1f} samples/s, WSP {self.throughput / s.throughput:.2f}x"
+            )
+        for grouping, throughput, per_usd in self.alternatives:
+            lines.append(
+                f"grouping {grouping!r}: {throughput:.1f} samples/s"
+                + (f", {per_usd:,.0f} samples/$" if math.isfinite(per_usd) else "")
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def groups(cluster: Cluster, grouping: str) -> list[tuple[int, ...]]:
+    """The device ids of each VW under ``grouping``."""
+    by_node: dict[int, list[int]] = {}
+    for d, node in enumerate(cluster.nodes):
+        by_node.setdefault(node, []).append(d)
+    if grouping == "node":
+        return [tuple(ids) for ids in by_node.values()]
+    if grouping == "equal":
+        width = min(len(ids) for ids in by_node.values())
+        return [tuple(ids[i] for ids in by_node.values()) for i in range(width)]
+    raise PlanError(f"a grouping is one of {GROUPINGS}, got {grouping!r}")
+
+
+def plan_workers(
+    cluster: Cluster,
+    profile: ModelProfile,
+    minibatch: int,
+    *,
+    objective: str = "time",
+    groupings=GROUPINGS,
+) -> WSPChoice:
+    """The VWs, their layouts, ``Nm`` and ``D`` for ``profile`` on ``cluster`` with minibatches
+    of ``minibatch`` samples (see the module docstring)."""
+    if objective not in ("time", "cost"):
+        raise PlanError(f"objective must be 'time' or 'cost', got {objective!r}")
+    options, refused = [], []
+    for grouping in groupings:
+        try:
+            workers = []
+            for ids in groups(cluster, grouping):
+                best = choose(cluster.subset(ids), profile, minibatch).best
+                workers.append(
+                    (ids, dataclasses.replace(best, devices=tuple(ids[i] for i in best.devices)))
+                )
+        except PlanError as error:
+            refused.append(f"{grouping}: {error}")
+            continue
+        slowest = max(c.step_time for _, c in workers)
+        plans = tuple(
+            WorkerPlan(ids, c, min(MAX_MINIBATCHES, max(1, round(slowest / c.step_time))))
+            for ids, c in workers
+        )
+        wave = max(w.wave_seconds for w in plans)
+        throughput = sum(w.minibatches for w in plans) * minibatch / wave
+        price = sum(cluster.device_type(d).usd_per_hour for w in plans for d in w.devices)
+        options.append((grouping, plans, throughput, price))
+    if not options:
+        raise PlanError(
+            f"no grouping of {cluster} into virtual workers fits {profile.name!r}: "
+            + "; ".join(refused)
+        )
+    score = lambda o: o[2] if objective == "time" else (o[2] / o[3] if o[3] else o[2])
+    grouping, plans, throughput, price = max(options, key=score)
+    total = sum(w.minibatches for w in plans) * minibatch
+    try:
+        sync = choose(cluster, profile, total).best
+    except PlanError:
+        sync = None
+    alternatives = tuple(
+        (g, t, t * 3600 / p if p else math.inf) for g, _, t, p in options if g != grouping
+    )
+    return WSPChoice(
+        grouping,
+        plans,
+        1 if len(plans) > 1 else 0,
+        minibatch,
+        objective,
+        throughput,
+        price,
+        sync,
+        alternatives,
+        str(cluster),
+    )

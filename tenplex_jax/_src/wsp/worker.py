@@ -1,0 +1,308 @@
+"""A virtual worker (HetPipe's VW): a group of devices training with wave synchronous parallel.
+
+A VW owns its devices' mesh (pipeline, data and tensor parallelism inside it, no collective with
+any other VW), its copy of the weights and its own optimizer state. It trains in *waves* of
+``Nm`` minibatches (``minibatches=``) and synchronizes with the others only through the parameter
+server (:mod:`tenplex_jax._src.wsp.ps`) and the ledger (:mod:`tenplex_jax._src.wsp.ledger`):
+
+1. **wait and pull** (WSP). Before wave ``k`` its weights must hold every VW's waves before
+   ``k - D`` (``distance=D``). If its last pull already did (it pulled when the slowest had
+   committed ``>= k - D`` waves), it goes on without pulling; else it waits until the slowest
+   member has committed ``k - D`` waves and pulls the global weights. ``D = 0``: every wave waits
+   for every VW and pulls.
+2. **claim** ``Nm`` minibatches of the global order (the dataset PTC's global batches) from the
+   ledger;
+3. **train** them one after the other with the user's step (``train_step(state, batch) ->
+   (state, metrics)``, the step ``tj.ElasticJob`` runs), each on the VW's latest local weights;
+4. **push** the wave's update: the change of the weights over the wave, ``w_end - w_start``
+   (what the VW's optimizer did with the wave's ``Nm`` gradients), staged, committed with its
+   minibatches, applied.
+
+**The optimizer state stays local.** The parameter server holds the weights only (float32); each
+VW's optimizer state (AdamW moments, step count) is its own, kept across pulls (a pull replaces
+the weights, not the moments) and started fresh by ``init()`` when a VW joins: a joining VW pulls
+the global weights and starts at the slowest member's clock.
+
+**Staleness.** Within a wave, minibatch ``j`` trains on weights holding the wave's first ``j``
+local updates and none of the others' since the last pull (local staleness ``< Nm``); across VWs,
+the weights of wave ``k`` miss at most the others' waves from ``k - D`` on (global staleness).
+With ``D = 0``, ``Nm = 1`` and plain SGD, WSP is synchronous data parallelism: every wave each VW
+computes the gradient of its minibatch at the same weights and the server adds the ``V`` updates,
+``w - lr * (g_1 + ... + g_V)``: one synchronous SGD step over the ``V`` minibatches with their
+gradients summed (each minibatch's loss a mean over its samples).
+
+**Heterogeneity on CPU.** ``slowdown=s`` makes a VW ``s`` times slower: after each wave it sleeps
+``(s - 1)`` times the wave's compute time, as a device type ``s`` times slower would take. What
+this cannot show: the contention of real devices for host memory and PCIe, a slow device's
+different memory, and communication overlapping compute; fake CPU devices also share the host's
+cores, so VWs in one process slow each other down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from tenplex_jax._src import tree
+from tenplex_jax._src.batch import BATCH_AXES, Batch, device_batch
+from tenplex_jax._src.data import BatchLayout, DatasetPTC
+from tenplex_jax._src.elastic.steps import StepCache
+from tenplex_jax._src.errors import WSPError
+from tenplex_jax._src.executor import place
+from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
+from tenplex_jax._src.wsp.ledger import Ledger
+from tenplex_jax._src.wsp.ps import ParameterServer
+
+
+@dataclasses.dataclass(frozen=True)
+class WaveRecord:
+    """One wave of one VW: what it trained and where its time went (seconds)."""
+
+    vw: str
+    wave: int
+    minibatches: tuple[int, ...]
+    samples: tuple[int, ...]  # every real sample trained (the exactly-once proof, per sample)
+    losses: tuple[float, ...]
+    slowest: int  # the slowest member's committed waves when the wave started
+    pulled: bool
+    wait_seconds: float
+    compute_seconds: float
+    slowdown_seconds: float
+    push_seconds: float
+    started: float  # time.time() at the start of the wave's wait
+    ended: float
+
+
+def weights_of(state, part: str = "model") -> dict[str, np.ndarray]:
+    """The weights of a train state, as the parameter server holds them: the leaves under
+    ``part``, by path, as float32 host arrays (``ParameterServer.create`` takes them)."""
+    paths, leaves, _ = tree.arrays(state)
+    chosen = [(p, x) for p, x in zip(paths, leaves) if p.startswith(part + "/")]
+    host = jax.device_get([x for _, x in chosen])
+    return {p: np.asarray(x, np.float32) for (p, _), x in zip(chosen, host)}
+
+
+class VirtualWorker:
+    """A VW named ``name`` on ``devices`` (laid out as ``config``) in the job on ``ps``.
+
+    ``rules``, ``dataset``, ``init`` and ``train_step`` are those of ``tj.ElasticJob``:
+    ``init()`` gives the train state (``{"model": ..., "optimizer": ...}``; the leaves under
+    ``part`` are the weights the parameter server holds), or ``init`` is that state (one built
+    for every VW: placed, not rebuilt), ``train_step(state, batch)`` one step on a ``tj.Batch``.
+    ``workers`` is the batch layout's virtual worker count (None: one per sample).
+    ``timeout``: a member silent for longer is dropped (and so is this VW, if it falls silent).
+    ``on_wave(name, wave, minibatches)`` is called when a wave's minibatches are claimed,
+    ``on_record(record)`` when the wave is pushed. ``steps``: a ``StepCache`` of the same
+    ``train_step`` shared by the VWs of one process (built over all their devices), so a VW that
+    replaces another on the same devices compiles nothing.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        ps: ParameterServer,
+        rules: Rules,
+        dataset: DatasetPTC,
+        init: Callable,
+        train_step: Callable,
+        *,
+        devices: Sequence[jax.Device],
+        config: ParallelConfig,
+        minibatches: int = 1,
+        distance: int = 0,
+        workers: int | None = None,
+        slowdown: float = 1.0,
+        timeout: float = 10.0,
+        part: str = "model",
+        poll: float = 0.01,
+        on_wave: Callable[[str, int, tuple[int, ...]], None] | None = None,
+        on_record: Callable[[WaveRecord], None] | None = None,
+        steps: StepCache | None = None,
+    ):
+        if minibatches < 1 or distance < 0 or slowdown < 1.0:
+            raise WSPError(
+                f"a virtual worker needs minibatches >= 1, distance >= 0 and slowdown "
+                f">= 1; got {minibatches}, {distance}, {slowdown}",
+                "invalid",
+            )
+        self.name, self.ps, self.dataset = name, ps, dataset
+        self.nm, self.distance, self.slowdown = minibatches, distance, slowdown
+        self.timeout, self.poll, self.on_wave, self.on_record = timeout, poll, on_wave, on_record
+        self.devices = list(devices)
+        if callable(init):  # built straight into the layout
+            self.ptc = PTC.of(jax.eval_shape(init), rules, config, self.devices)
+            self.mesh = self.ptc.mesh(self.devices)
+            self.state = jax.jit(init, out_shardings=self.ptc.shardings(self.mesh))()
+        else:  # a state built once for every VW: placed
+            self.ptc = PTC.of(init, rules, config, self.devices)
+            self.mesh = self.ptc.mesh(self.devices)
+            self.state = place(init, self.ptc)
+        self.paths, self.part = [leaf.path for leaf in self.ptc.leaves], part
+        self.weights = [i for i, p in enumerate(self.paths) if p.startswith(part + "/")]
+        if not self.weights:
+            raise WSPError(
+                f"the state has no leaves under {part!r}: its paths start "
+                f"{sorted({p.split('/')[0] for p in self.paths})}",
+                "invalid",
+            )
+        self.layout = BatchLayout(
+            dataset.global_batch, ranks=config.data * config.fsdp, workers=workers
+        )
+        if steps is None:
+            sample = jax.tree.map(np.asarray, dataset.load(np.zeros(1, np.int64)))
+            steps = StepCache(train_step, sample, self.devices)
+        self.steps = steps
+        self.step = self.steps.get(self.ptc, self.layout, ahead=False).result().executable
+        self.records: list[WaveRecord] = []
+        self.crashed = threading.Event()  # a simulated death: stop at once, leave nothing behind
+        self.dropped = False
+
+    # -- the weights between host and devices ------------------------------------------------
+
+    def host_weights(self) -> dict[str, np.ndarray]:
+        return weights_of(self.state, self.part)
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        _, leaves, treedef = tree.arrays(self.state)
+        for i in self.weights:
+            sharding = NamedSharding(self.mesh, self.ptc.leaves[i].spec)
+            leaves[i] = jax.device_put(weights[self.paths[i]].astype(leaves[i].dtype), sharding)
+        self.state = jax.tree_util.tree_unflatten(treedef, leaves)
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def run(
+        self, stop: threading.Event | None = None, waves: int | None = None
+    ) -> list[WaveRecord]:
+        """Join, then train waves until the run's minibatches are done, ``stop`` is set (then
+        leave at the next wave boundary), ``waves`` waves are done, or the VW is dropped."""
+        stop = stop or threading.Event()
+        self.ps.open()
+        ledger, _ = self.ps.update(
+            lambda led, now: (led.reap(now, self.timeout)[0].join(self.name, now), None)
+        )
+        wave = ledger.clocks[self.name]
+        self.set_weights(self.ps.pull(ledger))
+        fresh = ledger.min_clock or 0
+        beating = threading.Event()
+        heart = threading.Thread(
+            target=self._heartbeat, args=(beating,), daemon=True, name=f"wsp-heartbeat-{self.name}"
+        )
+        heart.start()
+        try:
+            done = 0
+            while not (stop.is_set() or self.crashed.is_set() or self.dropped):
+                if waves is not None and done >= waves:
+                    break
+                start = time.time()
+                ledger, pulled = self._wait(wave, fresh)
+                if ledger is None:
+                    break
+                if pulled:
+                    fresh = ledger.min_clock or 0
+                record = self._wave(wave, ledger, pulled, start)
+                if record is None:
+                    break
+                if record == "idle":
+                    self.crashed.wait(self.poll * 10)
+                    continue
+                self.records.append(record)
+                if self.on_record is not None:
+                    self.on_record(record)
+                wave, done = wave + 1, done + 1
+            if not (self.crashed.is_set() or self.dropped):
+                self.ps.update(lambda led, now: (led.leave(self.name), None))
+        except WSPError as error:
+            if error.reason != "dropped":
+                raise
+            self.dropped = True
+        finally:
+            beating.set()
+            heart.join(timeout=self.timeout)
+        return self.records
+
+    def _wait(self, wave: int, fresh: int) -> tuple[Ledger | None, bool]:
+        """WSP before wave ``wave``: (the ledger, whether the weights were pulled); no ledger
+        when the VW must stop."""
+        while True:
+            ledger = self.ps.ledger()
+            if self.name not in ledger.clocks:
+                self.dropped = True
+                return None, False
+            decision = ledger.decide(self.name, wave, fresh, self.distance)
+            if decision == "go":
+                return ledger, False
+            if decision == "pull":
+                self.set_weights(self.ps.pull(ledger))
+                return ledger, True
+            if self.crashed.is_set():
+                return None, False
+            now = max(ledger.seen.values())
+            if any(now - t > self.timeout for t in ledger.seen.values()):
+                self.ps.update(lambda led, t: (led.reap(t, self.timeout)[0], None))
+            time.sleep(self.poll)  # the slowest member's next commit
+
+    def _wave(self, wave: int, ledger: Ledger, pulled: bool, start: float):
+        """Claim and train wave ``wave``, push it: its record; None when the VW must stop, or
+        ``"idle"`` when there is nothing to claim now (others hold the run's last minibatches:
+        they may die, and theirs come back)."""
+        led, minibatches = self.ps.update(lambda led, now: led.claim(self.name, wave, self.nm))
+        if not minibatches:
+            return None if led.done else "idle"
+        if self.on_wave is not None:
+            self.on_wave(self.name, wave, minibatches)
+        waited = time.time() - start
+        before = self.host_weights()
+        tic = time.perf_counter()
+        losses, samples = [], []
+        for k in minibatches:
+            data, weights, rows = device_batch(self.dataset, k, self.layout, self.mesh)
+            self.state, metrics = self.step(
+                self.state, Batch(data, weights, self.layout, self.mesh, BATCH_AXES)
+            )
+            losses.append(metrics["loss"])
+            samples.extend(int(s) for s in rows if s >= 0)
+        losses = [float(x) for x in jax.device_get(losses)]
+        compute = time.perf_counter() - tic
+        slow = (self.slowdown - 1.0) * compute
+        if slow and self.crashed.wait(slow):
+            return None
+        if self.crashed.is_set():
+            return None  # died mid-wave: nothing pushed, the minibatches go back
+        tic = time.perf_counter()
+        after = self.host_weights()
+        self.ps.push(self.name, wave, {p: after[p] - before[p] for p in after})
+        push = time.perf_counter() - tic
+        return WaveRecord(
+            self.name,
+            wave,
+            tuple(minibatches),
+            tuple(samples),
+            tuple(losses),
+            ledger.min_clock or 0,
+            pulled,
+            waited,
+            compute,
+            slow,
+            push,
+            start,
+            time.time(),
+        )
+
+    def _heartbeat(self, done: threading.Event) -> None:
+        while not done.wait(self.timeout / 4):
+            if self.crashed.is_set():
+                return  # a dead VW falls silent
+            try:
+                self.ps.update(lambda led, now: (led.heartbeat(self.name, now), None))
+            except WSPError as error:
+                if error.reason == "dropped":
+                    self.dropped = True
+                    return
+                raise
