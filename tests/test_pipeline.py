@@ -149,6 +149,7 @@ def _fixed(steps: int) -> list[float]:
     return _train({0: (C(data=2), range(2), 1)}, steps)[0]
 
 
+@pytest.mark.slow
 def test_pipe_degree_resizes_2_4_1_mid_training_through_the_core_plan():
     steps = 5
     fixed = _fixed(steps)
@@ -173,6 +174,7 @@ def test_pipe_degree_resizes_2_4_1_mid_training_through_the_core_plan():
     assert {d // 2 for d in senders} == {0, 1, 2, 3}
 
 
+@pytest.mark.slow
 def test_uneven_stage_boundaries_change_mid_training_by_restage_then_the_core_plan():
     steps = 5
     fixed = _fixed(steps)
@@ -234,3 +236,25 @@ def test_bad_pipelines_are_refused_before_anything_runs():
         tj.pipelining.pipeline(
             layer, params, jnp.zeros((8, 8)), mesh=mesh, microbatches=2, stages=stages
         )
+
+
+@pytest.mark.parametrize("types", ["Auto", "Explicit"])
+@pytest.mark.parametrize("stages", [None, (1, 3)])
+def test_a_pipeline_runs_on_auto_and_explicit_axes_and_equals_the_scan(types, stages):
+    """``jax.make_mesh`` gives Explicit axes by default; on jax 0.12 a shard_map input whose
+    sharding differs from its spec is refused there, so nothing the pipeline adds is an input."""
+    axis_type = getattr(jax.sharding.AxisType, types)
+    mesh = jax.make_mesh((2, 4), ("pipe", "data"), axis_types=(axis_type,) * 2)
+    split = tj.pipelining.Stages(stages) if stages else tj.pipelining.Stages.even(4, 2)
+    rng = np.random.default_rng(0)
+    layers = jnp.asarray(rng.normal(size=(4, 8, 8)) * 0.3, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
+    layer = lambda h, p: jnp.tanh(h @ p)
+    want = jax.lax.scan(lambda h, p: (layer(h, p), None), x, layers)[0]
+    params = jax.device_put(split.pad(layers), NamedSharding(mesh, P("pipe")))
+    batch = jax.device_put(x, NamedSharding(mesh, P("data")))
+    run = jax.jit(
+        lambda w, h: tj.pipelining.pipeline(layer, w, h, mesh=mesh, microbatches=2, stages=split)
+    )
+    got = run(params, batch)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

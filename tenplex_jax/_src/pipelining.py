@@ -39,6 +39,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tenplex_jax._src.errors import LayoutError
+from tenplex_jax._src.mesh import show_mesh
 from tenplex_jax._src.ptc import PTC, Rules
 
 LayerFn = Callable[[jax.Array, Any], jax.Array]  # (activations, one layer's params) -> activations
@@ -49,10 +50,17 @@ class Stages:
     """How stacked layers are split into pipeline stages: ``layers[s]`` real layers on stage ``s``.
 
     Even stages (``Stages.even(8, 4)`` → ``(2, 2, 2, 2)``) need no padding. Uneven ones are stored
-    padded: each stage gets ``slots = max(layers)`` rows, real layers first. Example::
+    padded: each stage gets ``slots = max(layers)`` rows, real layers first.
 
-        Stages((1, 3))   # 4 layers: stage 0 holds layer 0, stage 1 holds layers 1..3
-        .index           # (0, -1, -1, 1, 2, 3): padded row -> layer (-1: padding)
+    >>> stages = Stages((1, 3))      # 4 layers: stage 0 holds layer 0, stage 1 layers 1..3
+    >>> stages.index                 # padded row -> the layer it holds (-1: padding)
+    (0, -1, -1, 1, 2, 3)
+
+    Attributes:
+      layers: real layers per stage, in stage order; each at least 1.
+
+    Raises:
+      LayoutError: ``layers`` is empty, not integers, or has a stage without a layer.
     """
 
     layers: tuple[int, ...]
@@ -68,6 +76,21 @@ class Stages:
 
     @classmethod
     def even(cls, n_layers: int, stages: int) -> Stages:
+        """Equal stages: the unpadded layout.
+
+        >>> Stages.even(8, 4).layers
+        (2, 2, 2, 2)
+
+        Args:
+          n_layers: the stacked layers.
+          stages: the pipeline stages (the ``pipe`` axis size).
+
+        Returns:
+          ``Stages((n_layers // stages,) * stages)``.
+
+        Raises:
+          LayoutError: ``stages`` does not divide ``n_layers``.
+        """
         if stages > n_layers or n_layers % stages:
             raise LayoutError(
                 f"{n_layers} layers do not split evenly into {stages} pipeline stages "
@@ -77,10 +100,12 @@ class Stages:
 
     @property
     def num_stages(self) -> int:
+        """Pipeline stages."""
         return len(self.layers)
 
     @property
     def num_layers(self) -> int:
+        """Real layers over all stages."""
         return sum(self.layers)
 
     @property
@@ -90,6 +115,7 @@ class Stages:
 
     @property
     def is_even(self) -> bool:
+        """Whether every stage holds as many layers (no padding rows)."""
         return len(set(self.layers)) == 1
 
     @property
@@ -111,7 +137,17 @@ class Stages:
         return np.asarray(self.index) >= 0
 
     def pad(self, x: jax.Array) -> jax.Array:
-        """Unpadded ``(num_layers, ...)`` → padded ``(num_stages * slots, ...)``, zero padding."""
+        """One stacked array in the padded layout.
+
+        Args:
+          x: an unpadded stacked array, ``(num_layers, ...)``.
+
+        Returns:
+          ``(num_stages * slots, ...)``, each stage's layers first, zeros in the padding rows.
+
+        Raises:
+          LayoutError: ``x`` has not ``num_layers`` rows.
+        """
         self._check_rows(x, self.num_layers, "unpadded")
         index = np.asarray(self.index)
         rows = jnp.take(x, np.maximum(index, 0), axis=0)
@@ -119,7 +155,17 @@ class Stages:
         return jnp.where(keep, rows, jnp.zeros_like(rows))
 
     def unpad(self, x: jax.Array) -> jax.Array:
-        """Padded ``(num_stages * slots, ...)`` → ``(num_layers, ...)`` in layer order."""
+        """One stacked array back from the padded layout.
+
+        Args:
+          x: a padded stacked array, ``(num_stages * slots, ...)``.
+
+        Returns:
+          ``(num_layers, ...)``: the real layers in layer order.
+
+        Raises:
+          LayoutError: ``x`` has not ``num_stages * slots`` rows.
+        """
         self._check_rows(x, self.num_stages * self.slots, "padded")
         return jnp.take(x, np.flatnonzero(self.mask), axis=0)
 
@@ -144,18 +190,41 @@ def pipeline(
 ) -> jax.Array:
     """Apply stacked layers to ``x`` as a GPipe pipeline over the ``axis`` mesh axis.
 
-    ``layer_params`` is a pytree of arrays with a leading layers dim (padded when ``stages`` is
-    uneven), sharded over ``axis``; ``x`` is ``[batch, ...]``, or a pytree of such arrays that
-    ``layer_fn`` maps to one of the same structure (e.g. the activations and a per-example loss
-    that every layer adds to). Returns what
-    ``lax.scan(lambda h, p: (layer_fn(h, p), None), x, layer_params)[0]`` returns (on the unpadded
-    layers), to within floating-point reassociation. With ``mesh.shape[axis] == 1`` it is that scan.
-    With ``remat`` (the default, as in GPipe) each layer is recomputed in the backward pass
-    (``jax.checkpoint``), so a stage keeps only every layer's input for each microbatch in flight.
+    Stage ``s`` holds its rows of the stacked params; the batch is cut into ``microbatches`` that
+    flow from stage to stage with ``lax.ppermute``. Only ``axis`` is manual inside: the other mesh
+    axes stay automatic, so a stage is data- and tensor-parallel as without pipelining.
 
-    Example::
+    >>> from jax.sharding import AxisType
+    >>> devices = jax.devices()[:2]
+    >>> mesh = jax.make_mesh((2,), ("pipe",), devices=devices, axis_types=(AxisType.Auto,))
+    >>> w = jnp.stack([jnp.eye(3) * (i + 1) for i in range(4)])       # 4 layers, 2 per stage
+    >>> pipeline(lambda h, p: h @ p, w, jnp.ones((4, 3)), mesh=mesh, microbatches=2)[0].tolist()
+    [24.0, 24.0, 24.0]
 
-        y = pipeline(block, params, x, mesh=mesh, microbatches=4)   # params["w"]: (8, d, d)
+    Args:
+      layer_fn: ``layer_fn(h, params of one layer) -> h``: one layer.
+      layer_params: a pytree of arrays with a leading layers dim (padded when ``stages`` is
+        uneven: :meth:`Stages.pad`), sharded over ``axis``.
+      x: the activations, ``[batch, ...]``, or a pytree of such arrays that ``layer_fn`` maps to
+        one of the same structure (e.g. the activations and a per-example loss every layer adds
+        to); the batch dim must divide into ``microbatches``.
+      mesh: the mesh, its axes ``Auto`` or ``Explicit`` (without ``axis`` the layers run as one
+        scan).
+      microbatches: how many microbatches the batch is cut into (GPipe's ``m``).
+      stages: the layers per stage (default: even stages over ``mesh.shape[axis]``).
+      axis: the mesh axis the stages are laid out over.
+      remat: recompute each layer in the backward pass (``jax.checkpoint``, as in GPipe), so a
+        stage keeps only every layer's input for each microbatch in flight.
+
+    Returns:
+      What ``lax.scan(lambda h, p: (layer_fn(h, p), None), x, layer_params)[0]`` returns on the
+      unpadded layers, to within floating-point reassociation; with ``mesh.shape[axis] == 1`` it
+      is that scan.
+
+    Raises:
+      LayoutError: ``stages`` does not match the axis size, a param leaf has not
+        ``num_stages * slots`` rows, there are no params, or the batch does not divide into
+        ``microbatches``.
     """
     n_stages = mesh.shape[axis] if axis in mesh.axis_names else 1
     leaves = jax.tree.leaves(layer_params)
@@ -176,20 +245,23 @@ def pipeline(
         a.reshape((a.shape[0] // microbatches, microbatches) + a.shape[1:]), 0, 1
     )
     xs = jax.tree.map(split, x)
-    mask = jnp.asarray(stages.mask)
+    masks = stages.mask.reshape(n_stages, stages.slots)
 
-    def spmd(params, mask, xs):
+    def spmd(params, xs):
+        # each stage's rows of the mask, a constant picked by the stage's index: not an input,
+        # whose sharding would have to match the spec on an Explicit pipe axis
+        mask = jnp.asarray(masks)[jax.lax.axis_index(axis)]
         return _gpipe(layer_fn, params, mask, xs, n_stages, axis, uneven)
 
     context = _context_mesh(mesh)
     run = jax.shard_map(
         spmd,
         mesh=context,
-        in_specs=(P(axis), P(axis), P()),
+        in_specs=(P(axis), P()),
         out_specs=P(),
         axis_names=_manual_axes(context, axis),
     )
-    ys = run(layer_params, mask, xs)
+    ys = run(layer_params, xs)
     return jax.tree.map(lambda y: jnp.swapaxes(y, 0, 1).reshape((-1,) + y.shape[2:]), ys)
 
 
@@ -272,7 +344,7 @@ def _gpipe(layer_fn: LayerFn, params, mask, xs, n_stages: int, axis: str, uneven
 
 
 def _check(params, x, stages: Stages, n_stages: int, microbatches: int, axis: str, mesh) -> None:
-    mesh_text = dict(mesh.shape)
+    mesh_text = show_mesh(mesh, devices=False)
     if stages.num_stages != n_stages:
         raise LayoutError(
             f"the stage split {stages.layers} has {stages.num_stages} stages but mesh axis "
@@ -314,6 +386,22 @@ def restage(
 
     A dim the current ``pipe`` size does not divide after re-padding is replicated on the current
     mesh (``allow_replicate``) until the plan moves it.
+
+    Args:
+      state: an ``nnx.State`` laid out as ``ptc``; its stacked variables carry logical names
+        whose first is ``name``.
+      ptc: the state's current layout.
+      rules: the logical-axis rules, to lay the re-padded state out on the current mesh.
+      old: the stage boundaries the state is padded for (``None``: unpadded).
+      new: the boundaries to pad for (``None``: unpadded).
+      name: the logical name of the stacked layers dim.
+
+    Returns:
+      ``(state, mid)``: the re-padded state and its PTC ``mid`` (same config and devices as
+      ``ptc``), the source of the plan to the new layout.
+
+    Raises:
+      LayoutError: a stacked leaf has not the rows ``old`` needs.
     """
 
     def regroup(x):
