@@ -48,10 +48,12 @@ def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, rep
             tj.DatasetPTC(source, batch, seed=0),
             devices=jax.devices()[:8],
             workers=8,
-            profile=profile_of(model),
-            device_type=CPU,
-            compile_ahead=ahead,
-            exact_step_times=True,
+            options=tj.elastic.JobOptions(
+                compile_ahead=ahead,
+                exact_step_times=True,
+                profile=profile_of(model),
+                device_type=CPU,
+            ),
         )
         state = job.start(lambda: build_state(model, 1e-3)[1])
         return job, state, job.jit(train_step(graphdef))
@@ -103,9 +105,9 @@ def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, rep
         jax.clear_caches()
         warm = job.compile_seconds(seven)
         jax.config.update("jax_compilation_cache_dir", None)
-        from jax.experimental.compilation_cache import compilation_cache
+        from tenplex_jax._src.compat import reset_compilation_cache
 
-        compilation_cache.reset_cache()
+        reset_compilation_cache()
     job.close()
     del state
     return {

@@ -59,7 +59,11 @@ def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: 
     # tenplex_jax: the elastic loop on a fixed set of devices
     graphdef, state = build()
     job = tj.ElasticJob(
-        LOGICAL_RULES, dataset, devices=devices, config=lambda n: config, compile_ahead=False
+        LOGICAL_RULES,
+        dataset,
+        devices=devices,
+        config=lambda n: config,
+        options=tj.elastic.JobOptions(compile_ahead=False),
     )
     tenplex_state = job.start(state)
     tenplex_step = job.jit(train_step(graphdef))

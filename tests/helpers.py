@@ -1,29 +1,34 @@
 """Shared builders for the tests: a real NNX GPT + optax AdamW train state, the matrix of layout
-changes every kind of state is resharded through, and shard-by-shard checks."""
+changes every kind of state is resharded through, shard-by-shard checks, tensor store servers,
+and the launched example job's events and uninterrupted reference run. The one module test files
+share code through: no test file imports another."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import math
+import os
+import pathlib
+import signal
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
 
+import tenplex_jax as tj
 from tenplex_jax import ParallelConfig
+from tenplex_jax.multihost import store
+from tenplex_jax_benchmarks import reshard_methods
 from tenplex_jax_models import GPT, LOGICAL_RULES, GPTConfig
 
 RULES = LOGICAL_RULES
 C = ParallelConfig
-# (name, source config, source devices, target config, target devices[, failed devices])
+# (name, source config, source devices, target config, target devices[, failed devices]): the
+# core changes the executor's benchmark times (benchmarks/reshard_methods.py), then more
 MATRIX = [
-    ("dp 8->4", C(data=8), range(8), C(data=4), range(4)),
-    ("dp 4->6 on 2..7", C(data=4), range(4), C(data=6), range(2, 8)),
-    ("tp 2->4", C(data=4, tensor=2), range(8), C(data=2, tensor=4), range(8)),
-    ("fsdp 4->2", C(data=2, fsdp=4), range(8), C(data=4, fsdp=2), range(8)),
-    ("dp2,tp4 -> dp3,tp2", C(data=2, tensor=4), range(8), C(data=3, tensor=2), range(6)),
-    ("disjoint", C(data=2, tensor=2), range(4), C(fsdp=2, tensor=2), range(4, 8)),
+    *reshard_methods.MATRIX,
     ("mixed with pipe", C(pipe=2, data=2, tensor=2), range(8), C(fsdp=4, tensor=2), range(8)),
     ("grow 2->8 reversed", C(fsdp=2), range(2), C(data=2, fsdp=2, tensor=2), range(7, -1, -1)),
     # failures: every box comes from a surviving replica, the failed device is never read
@@ -172,3 +177,58 @@ def linen_state(seed: int = 0, layers: int = 2):
     opt_state = tx.init(params)
     _, opt_state = tx.update(grads, opt_state, params)
     return {"params": params, "opt_state": opt_state}
+
+
+# -- tensor store servers ------------------------------------------------------------------------
+
+
+class Stores:
+    """Starts store servers; the fixture kills and reaps every one by PID."""
+
+    def __init__(self, root: pathlib.Path):
+        self.root, self.procs = root, []
+
+    def start(self, name: str = "s0", **kwargs) -> store.StoreProcess:
+        proc = store.StoreProcess.start(self.root / name, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def reap(self) -> None:
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.popen.wait(timeout=30)
+
+
+# -- the launched example job (examples/elastic_gpt.py), as the launch and Ray tests run it --------
+
+LAUNCH_BATCH, LAUNCH_WORKERS, LAUNCH_SAMPLES = 24, 8, 100
+
+
+def events(run: pathlib.Path) -> list[dict]:
+    """The launcher's events (``RUN_DIR/events.jsonl``) so far."""
+    path = run / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def reference_run(steps: int):
+    """``steps`` of the launched example's job in this one process on 8 devices, never
+    interrupted: (final state on the host, the samples of every step, the abstract state)."""
+    from tenplex_jax_models import build_state, corpus_samples, stdlib_corpus, train_step
+
+    graphdef, abstract, cfg = build_state("tiny", 3e-3, 0, abstract=True)
+    dataset = tj.DatasetPTC(
+        corpus_samples(stdlib_corpus(2**20), cfg.seq_len, LAUNCH_SAMPLES), LAUNCH_BATCH
+    )
+    samples = []
+    options = tj.elastic.JobOptions(compile_ahead=False)
+    with tj.ElasticJob(LOGICAL_RULES, dataset, workers=LAUNCH_WORKERS, options=options) as job:
+        state = job.start(lambda: build_state("tiny", 3e-3, 0)[1])
+        step = job.jit(train_step(graphdef))
+        while job.step < steps:
+            state, batch = job.next(state)
+            samples.append(job.samples[job.samples >= 0])
+            state, _ = step(state, batch)
+    return host_copy(state), samples, abstract

@@ -21,7 +21,7 @@ def main() -> int:
     except tj.errors.LayoutError as error:
         seen["devices_refused"] = str(error)
     with tj.ElasticJob((), dataset, checkpoint_dir=out / "ckpt") as job:
-        seen["launched"] = job.launched
+        seen["launched"], seen["kind"] = job.launched, type(job).__name__
         state = job.start(lambda: {"w": jnp.zeros((4,), jnp.float32)})
         try:
             job.preempt([0])

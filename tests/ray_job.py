@@ -83,7 +83,8 @@ def main() -> int:
     from tenplex_jax.multihost.store import StoreClient
 
     run = out / "run"
-    result: dict = {"seen": [], "sockets": set(), "notes": []}
+    result: dict = {"seen": [], "notes": []}
+    sockets: set[tuple[str, int]] = set()  # the sampling thread's alone until it is joined
     started = time.monotonic()
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
@@ -129,7 +130,7 @@ def main() -> int:
 
     def sample():
         while not done.wait(0.25):
-            result["sockets"] |= listening()
+            sockets.update(listening())
 
     def paused(step: int) -> bool:
         gen = generations(run)[-1]
@@ -174,8 +175,9 @@ def main() -> int:
         threads[1].join(timeout=900)
     finally:
         done.set()
+        threads[0].join(timeout=60)  # its last sample lands before the sockets are read
         result["token"] = (run / "token").read_text().strip() if (run / "token").exists() else ""
-        result["sockets"] = sorted(result["sockets"])
+        result["sockets"] = sorted(sockets)
         result["beyond_loopback"] = [s for s in result["sockets"] if s[0] not in LOOPBACK]
         result["seconds"] = time.monotonic() - started
         cluster.shutdown()

@@ -137,7 +137,9 @@ def test_bad_checkpoints_are_refused_clearly(tmp_path):
     )
     with pytest.raises(
         tj.errors.CheckpointError,
-        match=r"target's shape and dtype.*wants \(2, 64\).*mesh=\{pipe: 1, data: 2",
+        match=r"target's shape and dtype.*target on Mesh\('pipe': 1, 'data': 2, 'fsdp': 1, "
+        r"'tensor': 1; Auto\).* in both with another shape or dtype: '[\w/]+' is float32\[2, 64\] "
+        r"spec=P\(.*\) in the target, float32\[2, 32\] in the checkpoint",
     ):
         tj.restore_checkpoint(tmp_path, other)
 

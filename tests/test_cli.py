@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tenplex_jax._src.cli import main
 
@@ -83,6 +84,7 @@ def _demo(tmp_path, *args) -> tuple[subprocess.CompletedProcess, dict]:
     return done, json.loads((tmp_path / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_the_default_demo_changes_data_expert_tensor_and_pipe(tmp_path) -> None:
     """The default schedule's layouts on the MoE GPT, shortened: every dimension changes, every
     sample is trained once, and the params agree with the fixed run to float32 rounding."""
@@ -115,6 +117,7 @@ def test_the_default_demo_changes_data_expert_tensor_and_pipe(tmp_path) -> None:
     assert "max rel diff" in done.stdout
 
 
+@pytest.mark.slow
 def test_the_bitwise_demo_end_to_end(tmp_path) -> None:
     done, summary = _demo(
         tmp_path,

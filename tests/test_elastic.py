@@ -40,7 +40,13 @@ def source():
     return corpus_samples(stdlib_corpus(2**20), seq_len=32, num_samples=100)
 
 
-def make_job(configs: dict[int, tj.ParallelConfig] | None = None, **kwargs):
+def make_job(
+    configs: dict[int, tj.ParallelConfig] | None = None,
+    *,
+    compile_ahead: bool = False,
+    exact_step_times: bool = True,
+    **kwargs,
+):
     dataset = tj.DatasetPTC(source(), BATCH, seed=1)  # 100 samples: epochs end mid-batch
 
     def config(n):  # the contract: LayoutError when the rule has no layout for n devices
@@ -48,10 +54,14 @@ def make_job(configs: dict[int, tj.ParallelConfig] | None = None, **kwargs):
             raise tj.errors.LayoutError(f"this test's rule has no layout for {n} devices")
         return configs[n]
 
-    kwargs.setdefault("compile_ahead", False)
-    kwargs.setdefault("exact_step_times", True)
+    options = tj.elastic.JobOptions(compile_ahead=compile_ahead, exact_step_times=exact_step_times)
     job = tj.ElasticJob(
-        LOGICAL_RULES, dataset, workers=8, config=None if configs is None else config, **kwargs
+        LOGICAL_RULES,
+        dataset,
+        workers=8,
+        config=None if configs is None else config,
+        options=options,
+        **kwargs,
     )
     state = job.start(init)
     return job, state, job.jit(STEP)
@@ -193,6 +203,7 @@ def test_checkpoint_restart_pays_save_restore_compile_and_reruns_after_a_failure
 # -- events in a training loop ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigterm_shrinks_at_the_next_step_boundary_data_exactly_once(fixed):
     job, state, step = make_job()
     previous = signal.getsignal(signal.SIGTERM)
@@ -219,6 +230,7 @@ def test_sigterm_shrinks_at_the_next_step_boundary_data_exactly_once(fixed):
     assert_same_run(got, fixed)
 
 
+@pytest.mark.slow
 def test_failed_device_rebuilt_from_replicas_continues_bitwise(fixed):
     job, state, step = make_job({8: C(data=2, fsdp=4), 7: C(data=7)}, compile_ahead=True)
 
@@ -234,6 +246,7 @@ def test_failed_device_rebuilt_from_replicas_continues_bitwise(fixed):
     assert_same_run(got, fixed)
 
 
+@pytest.mark.slow
 def test_no_replica_falls_back_to_the_last_checkpoint(fixed, tmp_path):
     # fsdp=4, not 8: on jax >= 0.11 XLA's CPU erf_inv (jax.random.normal) rounds differently on
     # shards 4 elements wide, so an init jitted into fsdp=8 of the tiny GPT is not bitwise the
@@ -290,6 +303,7 @@ def test_returning_to_a_config_hits_the_compile_cache():
     assert len(backend) == before_grow[0]  # going back to data=8 compiled nothing
 
 
+@pytest.mark.slow
 def test_trace_replays_end_to_end_through_the_cli(tmp_path):
     trace = tmp_path / "trace.toml"
     trace.write_text(
@@ -332,6 +346,35 @@ def _compile_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("tenplex-compile")]
 
 
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"method": "fast"}, r"JobOptions.method is one of \('plan', 'device_put'\), got 'fast'"),
+        ({"preempt_devices": 0}, r"JobOptions.preempt_devices is an int >= 1, got 0"),
+        ({"batch_axes": "data"}, r"JobOptions.batch_axes is a sequence of axis names, got 'data'"),
+        ({"batch_axes": ("data", "rows")}, r"distinct mesh axes among .*got \('data', 'rows'\)"),
+        ({"compile_ahead": 1}, r"JobOptions.compile_ahead is a bool, got 1"),
+        ({"log": "stdout"}, r"JobOptions.log is a callable"),
+    ],
+)
+def test_job_options_refuse_a_bad_field_naming_it(fields, match):
+    with pytest.raises(tj.errors.LayoutError, match=match):
+        tj.elastic.JobOptions(**fields)
+
+
+def test_one_process_builds_an_elastic_job_and_a_launched_job_needs_the_launcher():
+    dataset = tj.DatasetPTC(np.zeros((8, 2), np.float32), global_batch=8)
+    options = tj.elastic.JobOptions(batch_axes=["fsdp"])
+    assert options.batch_axes == ("fsdp",)  # frozen and hashable, as the record
+    with tj.ElasticJob((), dataset, options=options) as job:
+        assert type(job) is tj.ElasticJob and job.launched is False
+        assert (job.process_index, job.generation, job.run_dir, job.restored) == (0, 0, None, None)
+    with pytest.raises(tj.errors.LayoutError, match=r"options= is a tj.elastic.JobOptions"):
+        tj.ElasticJob((), dataset, options={"compile_ahead": False})
+    with pytest.raises(tj.errors.LayoutError, match=r"no job description from the launcher"):
+        tj.elastic.LaunchedJob((), dataset)
+
+
 def test_leaving_the_job_stops_its_compile_threads_and_changes_no_jax_setting():
     names = [
         "jax_compilation_cache_dir",
@@ -352,6 +395,7 @@ def test_leaving_the_job_stops_its_compile_threads_and_changes_no_jax_setting():
     assert {n: getattr(jax.config, n) for n in names} == before
 
 
+@pytest.mark.slow
 def test_steps_run_asynchronously_but_the_first_on_each_layout(fixed):
     job, state, step = make_job(exact_step_times=False)
     got = train(job, state, step, {3: lambda job, s: job.preempt([7])})
@@ -361,6 +405,7 @@ def test_steps_run_asynchronously_but_the_first_on_each_layout(fixed):
     assert_same_run(got, fixed)
 
 
+@pytest.mark.slow
 def test_redeploy_moves_onto_exactly_the_given_devices(fixed):
     job, state, step = make_job()
     events = {
@@ -378,6 +423,7 @@ def test_redeploy_moves_onto_exactly_the_given_devices(fixed):
         job.devices_after("redeploy", [0, 9])
 
 
+@pytest.mark.slow
 def test_start_resumes_from_the_latest_checkpoint_with_the_data_cursor(fixed, tmp_path):
     job, state, step = make_job(checkpoint_dir=tmp_path, checkpoint_every=2)
     train(job, state, step, steps=3)  # saves steps 0 and 2
@@ -397,3 +443,23 @@ def test_start_resumes_from_the_latest_checkpoint_with_the_data_cursor(fixed, tm
     for a, b in zip(host_copy(state), fixed[0]):
         np.testing.assert_array_equal(a, b)
     assert tj.latest_checkpoint(tmp_path) == STEPS
+
+
+def test_a_compile_ahead_that_failed_is_compiled_again_when_its_layout_is_needed(monkeypatch):
+    job, _, _ = make_job()
+    cache, target = job.steps_cache, job._target(tuple(range(6)))
+    layout, real, calls = job._layout(target.config), type(cache).compile, []
+
+    def flaky(self, ptc, layout, ahead=False):  # the background compile fails, once
+        calls.append(ahead)
+        if ahead:
+            raise RuntimeError("injected: the compile ahead failed")
+        return real(self, ptc, layout, ahead)
+
+    monkeypatch.setattr(type(cache), "compile", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        cache.get(target, layout, ahead=True).result()
+    assert cache.status(cache.key(target, layout)) == "failed"
+    assert cache.get(target, layout, ahead=False).result().executable is not None
+    assert calls == [True, False] and cache.status(cache.key(target, layout)) == "ready"
+    job.close()

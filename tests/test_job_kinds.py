@@ -266,12 +266,13 @@ def test_a_rule_naming_an_axis_the_target_mesh_lacks_names_the_leaf_and_both_lay
     for part in (
         (
             "rule ('embed', 'shard') maps logical axis 'embed' to mesh axes ['shard'] that do not "
-            "exist; mesh axes are ('replica', 'model') (mesh {replica: 2, model: 2} (Explicit))"
+            "exist; mesh axes are ('replica', 'model') (Mesh('replica': 2, 'model': 2; Explicit))"
         ),
-        "leaf '0/b2' (shape=(2, 32), spec=('layers', 'embed'), mesh={replica: 2, model: 2}",
+        "leaf '0/b2' (shape=(2, 32), spec=('layers', 'embed'), mesh=Mesh('replica': 2, 'model': 2; "
+        "Explicit))",
         (
-            "it is laid out as P('stage', 'shard') on {replica: 2, stage: 1, shard: 1, seq: 1, "
-            "expert: 1, model: 2} (Explicit) now"
+            "it is laid out as P('stage', 'shard') on Mesh('replica': 2, 'stage': 1, 'shard': 1, "
+            "'seq': 1, 'expert': 1, 'model': 2; Explicit) now"
         ),
         "relayout from replica=2,model=2 [Explicit] on devices 0..3",
     ):
@@ -289,11 +290,10 @@ def test_a_live_array_whose_sharding_disagrees_with_the_rules_names_both_specs_a
     message = str(error.value)
     for part in (
         (
-            "the array is placed as P('stage', 'model') on mesh "
-            "{'replica': 2, 'stage': 1, 'shard': 1, "
-            "'seq': 1, 'expert': 1, 'model': 2} over devices [0, 1, 2, 3]"
+            "the array is placed as P('stage', 'model') on Mesh('replica': 2, 'stage': 1, "
+            "'shard': 1, 'seq': 1, 'expert': 1, 'model': 2; Explicit) over devices [0, 1, 2, 3]"
         ),
-        "the rules give P('stage', 'replica') on {replica: 2, stage: 1",
+        "the rules give P('stage', 'replica') on Mesh('replica': 2, 'stage': 1",
         "leaf '0/b1' (shape=(2, 64)",
     ):
         assert part in message, message
@@ -312,10 +312,10 @@ def test_an_indivisible_dim_under_any_axis_names_is_refused_naming_both_layouts(
             "divide it"
         ),
         (
-            "leaf '0/b1' (shape=(2, 64), spec=P('stage', 'model'), mesh={replica: 1, stage: 1, "
-            "shard: 1, seq: 1, expert: 1, model: 3}"
+            "leaf '0/b1' (shape=(2, 64), spec=P('stage', 'model'), mesh=Mesh('replica': 1, "
+            "'stage': 1, 'shard': 1, 'seq': 1, 'expert': 1, 'model': 3; Explicit)"
         ),
-        "it is laid out as P('stage', 'model') on {replica: 2,",
+        "it is laid out as P('stage', 'model') on Mesh('replica': 2,",
     ):
         assert part in message, message
     # an orbax-style target whose sharding cannot hold the array evenly
@@ -343,8 +343,8 @@ def test_a_target_on_devices_this_process_lacks_is_refused_before_anything_moves
         "nothing was moved",
         (
             "leaf '0/b1' (shape=(2, 64), spec=P('stage', 'model') -> P('stage', 'model'), "
-            "mesh={replica: 2, stage: 1, shard: 1, seq: 1, expert: 1, model: 2} (Explicit) over "
-            "[0, 1, 2, 3] -> {replica: 2,"
+            "mesh=Mesh('replica': 2, 'stage': 1, 'shard': 1, 'seq': 1, 'expert': 1, 'model': 2; "
+            "Explicit) over [0, 1, 2, 3] -> Mesh('replica': 2,"
         ),
         "over [8, 9, 10, 11])",
     ):
@@ -363,16 +363,22 @@ def test_two_ptcs_of_different_trees_are_refused_naming_both_leaves_specs_and_me
         tj.make_plan(src, other)
     message = str(error.value)
     for part in (
-        "the source PTC has 44 leaves and the target 19",
-        "leaf 0 is '0/b1' float32[2, 64] spec=P('stage', 'model') on {replica: 2, stage: 1,",
+        "the source PTC (44 leaves on Mesh('replica': 2, 'stage': 1,",
         (
-            "in the source, 'opt_state/0/count' int32[] spec=P() on {pipe: 1, data: 1, fsdp: 2, "
-            "tensor: 1} over devices 0..1 in the target"
+            "the target PTC (19 leaves on Mesh('pipe': 1, 'data': 1, 'fsdp': 2, 'tensor': 1; "
+            "Auto) over devices 0..1) differ"
         ),
+        "44 leaves are in the source, not in the target: '0/b1' float32[2, 64] spec=P('stage', "
+        "'model'), ",
+        "19 leaves are in the target, not in the source: 'opt_state/0/count' int32[] spec=P(), ",
     ):
         assert part in message, message
     # a plan whose source is another tree than the state
     plan = tj.make_plan(other, other.relayout(C(data=2), range(2)))
-    with pytest.raises(tj.errors.PlanError, match=r"state '0/b1' vs PTC 'opt_state/0/count'"):
+    with pytest.raises(
+        tj.errors.PlanError,
+        match=r"in the state, not in the PTC: '0/b1' float32\[2, 64\] spec=P\('stage', 'model'\)"
+        r".* in the PTC, not in the state: 'opt_state/0/count' int32\[\] spec=P\(\)",
+    ):
         tj.reshard(state, plan)
     assert_untouched(state, expected, src)

@@ -94,13 +94,18 @@ def test_mismatched_trees_are_refused():
     b = one_leaf(tj.ParallelConfig(), (), shape=(8, 4))
     with pytest.raises(
         tj.errors.PlanError,
-        match=r"leaf 0 is 'w' float32\[8, 8\] spec=P\(None, None\) on \{pipe: 1, data: 1, fsdp: "
-        r"1, tensor: 1\} over devices \[0\] in the source, 'w' float32\[8, 4\] spec=P\(None, ",
+        match=r"source PTC \(1 leaves on Mesh\('pipe': 1, 'data': 1, 'fsdp': 1, 'tensor': 1; "
+        r"Auto\) over devices \[0\]\).* differ: 1 leaf is in both with another shape or dtype: 'w' "
+        r"is float32\[8, 8\] spec=P\(None, None\) in the source, float32\[8, 4\] spec=P\(None, "
+        r"None\) in the target$",
     ):
         tj.make_plan(a, b)
     c = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(), range(1))
     with pytest.raises(
-        tj.errors.PlanError, match=r"source PTC has 1 leaves and the target 44; leaf 0 is 'w'"
+        tj.errors.PlanError,
+        match=r"1 leaf is in the source, not in the target: 'w' float32\[8, 8\] spec=P\(None, "
+        r"None\); 44 leaves are in the target, not in the source: '0/b1' float32\[2, 64\] "
+        r"spec=P\('pipe', 'tensor'\), .*, and 41 more$",
     ):
         tj.make_plan(a, c)
 

@@ -163,7 +163,8 @@ def test_bad_input_errors_name_leaf_shape_spec_and_mesh():
     with pytest.raises(
         tj.errors.LayoutError,
         match=r"logical axes \('embed', 'nope'\) name 2 dims but the leaf has 3: "
-        r"leaf 'v' \(shape=\(4, 8, 2\), spec=\('embed', 'nope'\), mesh=\{pipe: 1",
+        r"leaf 'v' \(shape=\(4, 8, 2\), spec=\('embed', 'nope'\), mesh=Mesh\('pipe': 1, 'data': 1, "
+        r"'fsdp': 2, 'tensor': 1; Auto\)\)$",
     ):
         tj.PTC.of(bad, (("embed", "fsdp"),), tj.ParallelConfig(fsdp=2), range(2))
     with pytest.raises(
@@ -210,8 +211,9 @@ def test_ptc_of_a_placed_state_under_another_layout_names_the_leaf_and_both_spec
         tj.PTC.of(state, RULES, OTHER, jax.devices())
     msg = str(err.value)
     for part in (
-        f"placed as {ptc.leaf(first.path).spec} on mesh",
-        f"the rules give {first.spec} on {{pipe: 1, data: 1, fsdp: 2, tensor: 4}}",
+        f"placed as {ptc.leaf(first.path).spec} on Mesh('pipe': 1, 'data': 2, 'fsdp': 1, "
+        "'tensor': 4; Auto) over devices",
+        f"the rules give {first.spec} on Mesh('pipe': 1, 'data': 1, 'fsdp': 2, 'tensor': 4; Auto)",
         f"leaf '{first.path}' (shape={first.shape}",
         "ptc.relayout(config, devices)",
     ):
@@ -245,7 +247,8 @@ def test_ptc_of_a_placed_state_accepts_an_equivalent_spelling():
         "w"
     ).spec == P("data", "tensor")
     with pytest.raises(
-        tj.errors.LayoutError, match=r"placed as P\('x', 'y'\) on mesh \{'x': 2, 'y': 4\}"
+        tj.errors.LayoutError,
+        match=r"placed as P\('x', 'y'\) on Mesh\('x': 2, 'y': 4; Auto\) over devices",
     ):
         tj.PTC.of(own, rules[:1], tj.ParallelConfig(data=2, tensor=4), jax.devices())
 
@@ -307,7 +310,11 @@ def test_json_of_another_state_is_refused_naming_the_leaf():
     ptc = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=2), range(2))
     model, _ = train_state()
     model_only = tj.PTC.of(nnx.state(model), RULES, tj.ParallelConfig(data=2), range(2))
-    with pytest.raises(tj.errors.PlanError, match=r"recorded leaf '0/\w+' .* vs asked '\w+'"):
+    with pytest.raises(
+        tj.errors.PlanError,
+        match=r"leaves are in the record, not in the state asked for: '0/\w+' .* leaves are in "
+        r"the state asked for, not in the record: '\w+'",
+    ):
         tj.PTC.from_json(ptc.to_json(), like=model_only)
     bigger = tj.PTC.of(
         abstract_state(dataclasses.replace(GPTConfig.tiny(), d_model=64)),
@@ -316,7 +323,11 @@ def test_json_of_another_state_is_refused_naming_the_leaf():
         range(2),
     )
     first = next(a for a, b in zip(ptc.leaves, bigger.leaves) if a.shape != b.shape)
-    with pytest.raises(tj.errors.PlanError, match=rf"recorded leaf '{first.path}' float32"):
+    with pytest.raises(
+        tj.errors.PlanError,
+        match=rf"in both with another shape or dtype: '{first.path}' is float32\[.* in the "
+        rf"record, float32\[",
+    ):
         tj.PTC.from_json(ptc.to_json(), like=bigger)
 
 
@@ -352,7 +363,10 @@ def test_a_config_is_any_mesh_as_it_is():
     assert (config.data, config.tensor, config.size("model")) == (1, 1, 4)
     # str shows the axes larger than 1 (and the types), describe every axis; JSON keeps all
     assert str(config) == "replica=2,model=4 [Explicit]" and str(default) == "data=2,tensor=4"
-    assert config.describe() == "{replica: 2, model: 4} (Explicit)"
+    assert config.describe() == "Mesh('replica': 2, 'model': 4; Explicit)"
+    assert default.describe() == "Mesh('pipe': 1, 'data': 2, 'fsdp': 1, 'tensor': 4; Auto)"
+    mixed = tj.ParallelConfig.of(mesh, axis_types=(AxisType.Explicit, AxisType.Auto))
+    assert mixed.describe() == "Mesh('replica': 2 Explicit, 'model': 4 Auto)"
     assert repr(default) == "ParallelConfig(data=2, fsdp=1, tensor=4, pipe=1)"
     assert tj.ParallelConfig.from_json(json.loads(json.dumps(config.to_json()))) == config
     assert tj.ParallelConfig.parse("data=2,expert=4") == tj.ParallelConfig.of(
@@ -430,8 +444,8 @@ def test_ptc_from_shardings_refuses_leaves_off_the_mesh_or_on_two_meshes():
     moved = jax.device_put(np.ones((8,), np.float32), NamedSharding(other, P("z")))
     with pytest.raises(
         tj.errors.LayoutError,
-        match=r"one mesh, but leaf 'a' is on mesh \{'x': 2, 'y': 4\} over devices 0..7 and "
-        r"leaf 'b' \(shape=\(8,\), spec=P\('z',\)\) on mesh \{'z': 8\}",
+        match=r"one mesh, but leaf 'a' is on Mesh\('x': 2, 'y': 4; Explicit\) over devices 0..7 "
+        r"and leaf 'b' \(shape=\(8,\), spec=P\('z',\)\) on Mesh\('z': 8; Explicit\)",
     ):
         tj.PTC.from_shardings({"a": placed, "b": moved})
     with pytest.raises(tj.errors.LayoutError, match="tree shaped like the state or a prefix"):

@@ -21,7 +21,9 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.test_launch import events, reference_run
+from tests.helpers import events, reference_run
+
+pytestmark = pytest.mark.ray
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 12

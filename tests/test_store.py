@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pathlib
 import signal
 import socket
 import subprocess
@@ -23,27 +22,10 @@ import tenplex_jax as tj
 from tenplex_jax._src import box as boxes
 from tenplex_jax._src.multihost.store import wire
 from tenplex_jax.multihost import store
+from tests.helpers import Stores
 
 BIG = 200 << 20  # bytes of the object a server is killed while writing to disk
 STREAMED = 64 << 20  # bytes of the object a server is killed while receiving
-
-
-class Stores:
-    """Starts store servers; the fixture kills and reaps every one by PID."""
-
-    def __init__(self, root: pathlib.Path):
-        self.root, self.procs = root, []
-
-    def start(self, name: str = "s0", **kwargs) -> store.StoreProcess:
-        proc = store.StoreProcess.start(self.root / name, **kwargs)
-        self.procs.append(proc)
-        return proc
-
-    def reap(self) -> None:
-        for proc in self.procs:
-            if proc.popen.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.popen.wait(timeout=30)
 
 
 @pytest.fixture
@@ -344,6 +326,7 @@ def test_a_commit_marker_on_disk_implies_its_objects_are(stores) -> None:
             np.testing.assert_array_equal(client.get(f"c/{i}"), array)
 
 
+@pytest.mark.slow
 def test_kill_while_a_large_put_streams_serves_the_old_version(stores) -> None:
     proc = stores.start()
     old = np.arange(STREAMED // 4, dtype=np.float32)
@@ -381,6 +364,7 @@ def test_kill_after_a_memory_acknowledged_put_serves_one_whole_version(stores) -
         assert client.list("a/")[0].checksum == wire.checksum(wire.as_bytes(got))
 
 
+@pytest.mark.slow
 def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> None:
     proc = stores.start()
     old = np.arange(BIG // 4, dtype=np.float32)

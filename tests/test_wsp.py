@@ -28,7 +28,7 @@ from tenplex_jax.wsp import (
 )
 from tenplex_jax_models import build_state, example_losses
 from tenplex_jax_models import wsp as job_parts
-from tests.test_store import Stores
+from tests.helpers import Stores
 
 
 @pytest.fixture
@@ -40,6 +40,7 @@ def stores(tmp_path):
         started.reap()
 
 
+@pytest.mark.slow
 def test_d0_with_one_minibatch_and_sgd_is_synchronous_sgd_on_the_summed_gradients(stores):
     lr, waves = 0.05, 3
     parts = job_parts.job(1, optimizer="sgd", lr=lr)
@@ -95,6 +96,7 @@ def _flat(state) -> dict:
     return dict(zip(paths, leaves))
 
 
+@pytest.mark.slow
 def test_a_sigkilled_vw_process_is_dropped_and_its_minibatches_trained_by_others(stores, tmp_path):
     total = 48
     parts = job_parts.job(1)
@@ -142,6 +144,7 @@ def test_a_sigkilled_vw_process_is_dropped_and_its_minibatches_trained_by_others
     assert not [r for r in records if r["vw"] == victim and set(r["minibatches"]) & set(leased)]
 
 
+@pytest.mark.slow
 def test_the_demo_survives_a_death_and_a_join_exactly_once(tmp_path):
     assert main(["demo", "--wsp", "--steps", "120", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -13,7 +13,7 @@ import pytest
 
 from tenplex_jax.errors import StoreError
 from tenplex_jax.multihost import store
-from tests.test_store import Stores
+from tests.helpers import Stores
 
 N = 1 << 16  # floats per array: large enough that a torn read would show
 

@@ -44,9 +44,11 @@ from jax.sharding import PartitionSpec as P
 
 from tenplex_jax._src.data import BatchLayout, DatasetPTC
 from tenplex_jax._src.errors import DataError
+from tenplex_jax._src.mesh import show_mesh
 
 # The batch dim is split over both data-parallel axes: fsdp shards params, yet splits the batch too.
 BATCH_AXES = ("data", "fsdp")
+"""The mesh axes a global batch's rows are split over by default: ``("data", "fsdp")``."""
 
 
 def batch_value_and_grad(
@@ -57,27 +59,44 @@ def batch_value_and_grad(
     batch_axes: Sequence[str] = BATCH_AXES,
     wrt: Any = nnx.Param,
 ) -> Callable[[Any, Any, jax.Array], tuple[jax.Array, nnx.State]]:
-    """``fn(model, batch, weights) -> (loss, grads)`` for a batch laid out by ``layout``.
+    """``nnx.value_and_grad`` for a global batch laid out by ``layout``, padding rows left out.
 
-    ``per_example_loss(model, batch)`` returns float32[b], one loss per row of ``batch``.
-    ``batch`` leaves and ``weights`` have leading dim ``layout.rows``, sharded over
-    ``batch_axes`` (see :func:`device_batch`). ``loss`` is the weighted mean over real samples,
-    ``grads`` its gradient with respect to the ``wrt`` variables of ``model``, ready for
-    ``optimizer.update(model, grads)``.
+    Use it inside the jitted train step. With virtual workers (``layout.workers``) the gradient
+    is one per unit, summed in unit order, so it has the same bits on any number of ranks.
+    Example::
 
-    >>> grad_fn = batch_value_and_grad(example_losses, BatchLayout(24, ranks=4, workers=8), mesh)
-    >>> def step(state, batch, weights):
-    ...     model, optimizer = nnx.merge(graphdef, state)
-    ...     loss, grads = grad_fn(model, batch, weights)
-    ...     optimizer.update(model, grads)
-    ...     return nnx.state((model, optimizer)), loss
+        grad_fn = batch_value_and_grad(example_losses, BatchLayout(24, ranks=4, workers=8), mesh)
+
+        def step(state, batch, weights):
+            model, optimizer = nnx.merge(graphdef, state)
+            loss, grads = grad_fn(model, batch, weights)
+            optimizer.update(model, grads)
+            return nnx.state((model, optimizer)), loss
+
+    Args:
+      per_example_loss: ``per_example_loss(model, batch) -> float32[b]``, one loss per row.
+      layout: the batch's :class:`tenplex_jax.data.BatchLayout`; ``layout.ranks`` must be the
+        mesh's size over ``batch_axes``.
+      mesh: the mesh the batch is laid out on.
+      batch_axes: the mesh axes the rows are split over.
+      wrt: an ``nnx`` filter of the variables to differentiate (default ``nnx.Param``).
+
+    Returns:
+      ``fn(model, batch, weights) -> (loss, grads)``: ``batch`` leaves and ``weights`` have
+      leading dim ``layout.rows`` (as :func:`device_batch` lays them out); ``loss`` is the
+      weighted mean over the real samples, ``grads`` its gradient, ready for
+      ``optimizer.update(model, grads)``.
+
+    Raises:
+      DataError: a batch axis is not a mesh axis, or ``layout.ranks`` is not the mesh's size
+        over the batch axes.
     """
     batch_axes = tuple(batch_axes)
     ranks = _ranks(mesh, batch_axes)
     if ranks != layout.ranks:
         raise DataError(
             f"the batch layout is for {layout.ranks} data-parallel ranks, but the mesh "
-            f"{dict(mesh.shape)} has {ranks} over the batch axes {batch_axes}"
+            f"{show_mesh(mesh, devices=False)} has {ranks} over the batch axes {batch_axes}"
         )
     compute = _virtual if layout.virtual else _plain
     return functools.partial(compute, per_example_loss, layout, mesh, batch_axes, wrt)
@@ -90,11 +109,31 @@ def device_batch(
     mesh: Mesh,
     batch_axes: Sequence[str] = BATCH_AXES,
 ) -> tuple[Any, jax.Array, np.ndarray]:
-    """Global batch ``step`` as arrays sharded over ``batch_axes``: (batch, weights, samples).
+    """One global batch as arrays sharded over ``batch_axes``.
 
     Each device's rows are read for that device only (``make_array_from_callback``), so in a
-    multi-process job every process reads just its ranks' samples. ``samples`` is the int64[rows]
-    index of the sample in every row (-1 on padding), for accounting.
+    multi-process job every process reads just its ranks' samples.
+
+    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> ds = tj.DatasetPTC(np.arange(10, dtype=np.float32), global_batch=3)
+    >>> batch, weights, samples = device_batch(ds, 0, BatchLayout(3, ranks=2), mesh, ("data",))
+    >>> batch.shape, weights.sharding.spec, weights.tolist()     # rank 1 holds a padding row
+    ((4,), P('data',), [1.0, 1.0, 1.0, 0.0])
+
+    Args:
+      dataset: the :class:`tenplex_jax.DatasetPTC`.
+      step: the global batch.
+      layout: its :class:`tenplex_jax.data.BatchLayout` for the mesh.
+      mesh: the mesh to lay it out on.
+      batch_axes: the mesh axes the rows are split over.
+
+    Returns:
+      ``(batch, weights, samples)``: the batch as a pytree of ``jax.Array`` with leading dim
+      ``layout.rows``, float32 weights (0 on padding) sharded alike, and the int64[rows] NumPy
+      index of the sample in every row (-1 on padding), for accounting.
+
+    Raises:
+      DataError: the layout is for another global batch size.
     """
     sharding = NamedSharding(mesh, P(tuple(batch_axes)))
     samples, weights = dataset.samples(step, layout)
@@ -123,7 +162,9 @@ def device_batch(
 def _ranks(mesh: Mesh, batch_axes: tuple[str, ...]) -> int:
     missing = [a for a in batch_axes if a not in mesh.shape]
     if missing:
-        raise DataError(f"batch axes {missing} are not axes of the mesh {dict(mesh.shape)}")
+        raise DataError(
+            f"batch axes {missing} are not axes of the mesh {show_mesh(mesh, devices=False)}"
+        )
     return math.prod(mesh.shape[a] for a in batch_axes)
 
 
@@ -199,9 +240,22 @@ def _normalize(total, grads, weights):
 class Batch:
     """A global batch laid out for the current mesh: what ``job.next`` hands the user's step.
 
-    ``data`` and ``weights`` (1 on real rows, 0 on padding) have leading dim ``layout.rows``,
-    sharded over ``batch_axes``; the layout and mesh are static, so a step traced for one layout
-    is never reused for another.
+    A pytree: ``data`` and ``weights`` are its leaves; the layout and mesh are static, so a step
+    traced for one layout is never reused for another. In the step::
+
+        def train_step(state, batch):
+            model, optimizer = nnx.merge(graphdef, state)
+            loss, grads = batch.value_and_grad(per_example_loss)(model)
+            optimizer.update(model, grads)
+            return nnx.state((model, optimizer)), {"loss": loss}
+
+    Attributes:
+      data: the batch, a pytree of arrays with leading dim ``layout.rows``, sharded over
+        ``batch_axes``.
+      weights: float32[rows], 1 on real rows and 0 on padding, sharded alike.
+      layout: the :class:`tenplex_jax.data.BatchLayout` of the rows.
+      mesh: the mesh they are laid out on.
+      batch_axes: the mesh axes the rows are split over.
     """
 
     data: Any
@@ -211,7 +265,18 @@ class Batch:
     batch_axes: tuple[str, ...] = BATCH_AXES
 
     def value_and_grad(self, per_example_loss, *, wrt=nnx.Param):
-        """``fn(model) -> (loss, grads)`` over this batch (see ``tj.batch_value_and_grad``)."""
+        """The loss and gradient over this batch (:func:`tenplex_jax.data.batch_value_and_grad`).
+
+        Args:
+          per_example_loss: ``per_example_loss(model, data) -> float32[rows]``, one loss per row.
+          wrt: an ``nnx`` filter of the variables to differentiate (default ``nnx.Param``).
+
+        Returns:
+          ``fn(model) -> (loss, grads)``: the mean loss over the real samples and its gradient.
+
+        Raises:
+          DataError: the layout does not fit the mesh's batch axes.
+        """
         fn = batch_value_and_grad(
             per_example_loss, self.layout, self.mesh, batch_axes=self.batch_axes, wrt=wrt
         )

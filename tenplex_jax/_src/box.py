@@ -23,7 +23,10 @@ import math
 from collections.abc import Iterable, Sequence
 
 Shape = tuple[int, ...]
+"""An array's shape: one size per dim."""
 Box = tuple[tuple[int, int], ...]
+"""A block of an array: one half-open ``(start, stop)`` per dim, in global indices
+(``((0, 4), (8, 16))``: rows 0..3, columns 8..15; ``()`` for a scalar)."""
 
 
 def shape(box: Box) -> Shape:

@@ -39,13 +39,12 @@ import threading
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
 from tenplex_jax._src import checksums, tree
 from tenplex_jax._src.data import DataState
-from tenplex_jax._src.errors import CheckpointError, DataError, where
+from tenplex_jax._src.errors import CheckpointError, DataError
 from tenplex_jax._src.executor import check_tree
 from tenplex_jax._src.ptc import PTC
 
@@ -59,8 +58,15 @@ FILES = "tenplex-files.json"  # in a step directory: its files, sizes and checks
 class Restored:
     """What ``restore_checkpoint`` read: the state laid out as the target PTC, and its context.
 
-    ``step`` and ``data_state`` are ``None`` when the checkpoint does not say (plain orbax);
-    ``source`` is the saved PTC's JSON record, ``None`` for plain orbax checkpoints.
+    Attributes:
+      state: the state, laid out as the target PTC says, in its tree structure.
+      step: the saved step; ``None`` when the checkpoint does not say (a bare orbax PyTree
+        checkpoint).
+      data_state: the dataset position saved with it (``dataset.restore(restored.data_state)``);
+        ``None`` when none was saved or the checkpoint is plain orbax.
+      source: the saved PTC's JSON record (:meth:`tenplex_jax.PTC.to_json`); ``None`` for plain
+        orbax checkpoints.
+      path: the orbax PyTree directory that was read.
     """
 
     state: Any
@@ -71,13 +77,20 @@ class Restored:
 
     @property
     def tenplex(self) -> bool:
+        """Whether ``save_checkpoint`` wrote it (it carries a PTC record), not plain orbax."""
         return self.source is not None
 
 
 @dataclasses.dataclass(frozen=True)
 class Saved:
-    """A save in flight (``wait=False``) or done: ``wait()`` blocks until the step is on disk,
-    its file list included (raising what the save raised)."""
+    """A save in flight (``wait=False``) or done: what ``save_checkpoint`` returns.
+
+    Attributes:
+      step: the step saved.
+      path: the step's directory.
+      finisher: the thread that waits for orbax and then writes the step's file list.
+      outcome: ``[]`` while the save runs, then ``[None]`` or ``[the error it raised]``.
+    """
 
     step: int
     path: pathlib.Path
@@ -85,6 +98,14 @@ class Saved:
     outcome: list = dataclasses.field(repr=False)  # [] while running, then [None] or [error]
 
     def wait(self) -> Saved:
+        """Block until the step is on disk, its file list included.
+
+        Returns:
+          This record.
+
+        Raises:
+          Exception: whatever the background save raised (orbax's errors, ``OSError``).
+        """
         self.finisher.join()
         if self.outcome and self.outcome[0] is not None:
             raise self.outcome[0]
@@ -103,19 +124,33 @@ def save_checkpoint(
 ) -> Saved:
     """Write ``state`` (laid out as ``ptc``) as step ``step`` under ``directory``.
 
-    With ``wait=False`` the arrays are copied off the devices before this returns and written in the
-    background; call ``.wait()`` on the result before relying on the step. ``keep`` bounds the
-    number
-    of steps kept (oldest deleted first). Every process of a multi-process job must call this.
+    An orbax checkpoint (each process writes its own shards) beside a JSON record of the step,
+    the PTC and the dataset position; process 0 then lists every file of the step with its
+    checksum, last, so a step without that list is unfinished. Every process of a multi-process
+    job must call this. Example::
+
+        tj.save_checkpoint("ckpt", state, ptc, step=100, data_state=dataset.state())
+
+    Args:
+      directory: the directory of steps (created if missing).
+      state: the state, laid out as ``ptc`` says (the tree ``ptc`` was built from).
+      ptc: its layout, recorded so a restore knows where it came from.
+      step: the step number; each is written once.
+      data_state: the dataset's position (``DatasetPTC.state()``), restored with the state.
+      wait: block until the step is on disk; with ``False`` the arrays are copied off the
+        devices before this returns and written in the background.
+      keep: keep at most this many steps, deleting the oldest (default: all).
+
+    Returns:
+      A :class:`tenplex_jax.typing.Saved`; with ``wait=False`` call its ``wait()`` before relying
+      on the step.
+
+    Raises:
+      PlanError: the state's leaves are not the PTC's.
+      CheckpointError: the step already exists.
     """
     paths, arrays, _ = tree.arrays(state)
-    check_tree(paths, ptc)
-    for array, leaf in zip(arrays, ptc.leaves):
-        if tuple(np.shape(array)) != leaf.shape:
-            raise CheckpointError(
-                f"the state has shape {tuple(np.shape(array))} where the PTC says otherwise: "
-                + where(leaf.path, leaf.shape, leaf.spec, ptc.config.describe())
-            )
+    check_tree(paths, arrays, ptc)
     directory = pathlib.Path(directory).absolute()
     record = {
         "format": FORMAT,
@@ -175,9 +210,18 @@ def saved_steps(directory) -> list[int]:
 
 
 def latest_checkpoint(directory) -> int | None:
-    """The newest finished step under ``directory`` whose files all check (every file of a step
-    written by ``save_checkpoint`` is read and its checksum compared), or ``None``: an unfinished
-    or damaged step is passed over for an earlier intact one."""
+    """The newest finished, intact step under a directory of checkpoints.
+
+    Every file of a step written by ``save_checkpoint`` is read and its checksum compared with
+    the step's file list; an unfinished or damaged step is passed over for an earlier intact one.
+    A step written by plain orbax has no list and counts as intact once orbax finished it.
+
+    Args:
+      directory: the directory of steps (a missing directory has none).
+
+    Returns:
+      The step number, or ``None`` when there is no intact step.
+    """
     directory = pathlib.Path(directory)
     for step in reversed(saved_steps(directory)):
         step_dir = directory / str(step)
@@ -194,16 +238,38 @@ def latest_checkpoint(directory) -> int | None:
 def restore_checkpoint(
     directory, target: PTC, *, step: int | None = None, prefix: str = "", verify: bool = True
 ):
-    """Read a checkpoint onto ``target``'s layout; returns :class:`Restored`.
+    """Read a checkpoint onto ``target``'s layout: any config, devices or process count.
 
-    ``directory`` is a directory of steps (as written by ``save_checkpoint`` or an orbax
-    ``CheckpointManager``; ``step`` defaults to the latest intact one) or one plain orbax PyTree
-    checkpoint. Every leaf of ``target`` must be in the checkpoint with the same shape and dtype;
-    checkpoint leaves the target lacks are not read. ``prefix`` is prepended to checkpoint paths.
-    The files the restore reads are checked against the step's file list (while orbax reads
-    them); a damaged, missing or unfinished step raises ``CheckpointError`` and nothing is
-    restored. ``verify=False`` skips reading them for their checksums (``latest_checkpoint`` has
-    just checked the step).
+    orbax reads each leaf straight into the target's ``NamedSharding``. Leaves are matched by
+    tree path; checkpoint leaves the target lacks are not read. The files read are checked
+    against the step's file list while orbax reads them, and nothing is returned from a damaged
+    step. Example::
+
+        new = tj.PTC.of(abstract_state, rules, tj.ParallelConfig(data=3), jax.devices()[:3])
+        restored = tj.restore_checkpoint("ckpt", new)       # the latest intact step
+        state = restored.state
+        dataset.restore(restored.data_state)
+
+    Args:
+      directory: a directory of steps (written by ``save_checkpoint`` or an orbax
+        ``CheckpointManager``), or one plain orbax PyTree checkpoint.
+      target: the PTC to lay the state out as; every one of its leaves must be in the
+        checkpoint with the same shape and dtype.
+      step: the step to read (default: the latest intact one, as :func:`latest_checkpoint`
+        finds it); not with a single PyTree checkpoint.
+      prefix: prepended to the target's paths to find them in the checkpoint (``"model/"``
+        restores a checkpoint of ``nnx.state(model)`` into that part of a larger state).
+      verify: check the files' checksums; ``False`` checks sizes only (for a step
+        ``latest_checkpoint`` has just checked).
+
+    Returns:
+      A :class:`tenplex_jax.typing.Restored`: the state, its step, data state and source PTC.
+
+    Raises:
+      CheckpointError: the checkpoint is missing, unfinished or damaged (naming the step, leaf
+        and file), or lacks a target leaf or holds it with another shape or dtype; nothing is
+        restored.
+      LayoutError: the target names devices this process does not have.
     """
     item, step_dir = _locate(pathlib.Path(directory).absolute(), step)
     step = _plain_step(step_dir)
@@ -215,30 +281,28 @@ def restore_checkpoint(
         checked = False  # written before the file lists: read unchecked
     stored = _orbax(lambda: _stored_leaves(item), item, step)
     mesh = target.mesh()
-    restore_paths, targets = [], []
+    restore_paths, targets, found = [], [], []
     for leaf in target.leaves:
         key = _lookup(stored, prefix, leaf.path)
         if key is None:
-            raise CheckpointError(_missing_message(leaf, target, stored, prefix, item))
+            continue
         shape, dtype = stored[key]
-        if (shape is not None and tuple(shape) != leaf.shape) or not _same_dtype(dtype, leaf.dtype):
-            raise CheckpointError(
-                f"a checkpoint leaf must have the target's shape and dtype: {item} has {key!r} "
-                f"as {tuple(shape or ())} {dtype}, the target wants {leaf.shape} {leaf.dtype}: "
-                + where(leaf.path, leaf.shape, leaf.spec, target.config.describe())
-            )
+        found.append(tree.Leaf(leaf.path, None if shape is None else tuple(shape), dtype))
         restore_paths.append(key)
         sharding = NamedSharding(mesh, leaf.spec)
         targets.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
-    tree = _nested(restore_paths, targets)
+    diff = tree.difference(target.leaves, found, ("the target", "the checkpoint"), subset=True)
+    if diff:
+        raise CheckpointError(_mismatch_message(diff, target, found, stored, prefix, item))
+    nested = _nested(restore_paths, targets)
 
     def read():
         return _orbax(
             lambda: ocp.PyTreeCheckpointer().restore(
                 item,
                 args=ocp.args.PyTreeRestore(
-                    item=tree,
-                    restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+                    item=nested,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(nested),
                     partial_restore=True,
                 ),
             ),
@@ -513,25 +577,19 @@ def _lookup(stored: dict, prefix: str, path: str) -> str | None:
     return None
 
 
-def _missing_message(leaf, target: PTC, stored: dict, prefix: str, item) -> str:
-    near = [k for k in stored if k.endswith(leaf.path.split("/")[-1])][:3]
-    hint = ""
-    if near:
-        hint = f"; the checkpoint has similar paths {near} — pass prefix= to map them"
+def _mismatch_message(diff: str, target: PTC, found: list, stored: dict, prefix: str, item):
+    """Every target leaf the checkpoint lacks or holds in another shape or dtype, and for a
+    missing one, the checkpoint's paths that end as it does (a ``prefix=`` would map them)."""
+    have = {leaf.path for leaf in found}
+    missing = next((leaf for leaf in target.leaves if leaf.path not in have), None)
+    end = None if missing is None else missing.path.split("/")[-1]
+    near = [k for k in stored if end is not None and k.endswith(end)][:3]
+    hint = f"; the checkpoint has similar paths {near} — pass prefix= to map them" if near else ""
     return (
-        f"every target leaf must be in the checkpoint: {item} (prefix {prefix!r}) has no "
-        f"{leaf.path!r}; it holds {len(stored)} leaves, e.g. {list(stored)[:4]}{hint}: "
-        + where(leaf.path, leaf.shape, leaf.spec, target.config.describe())
+        f"every target leaf must be in the checkpoint with the target's shape and dtype: {item} "
+        f"(prefix {prefix!r}; {len(stored)} leaves, e.g. {list(stored)[:4]}) does not fit the "
+        f"target on {target.config.describe()} over {list(target.device_ids)}: {diff}{hint}"
     )
-
-
-def _same_dtype(stored, wanted) -> bool:
-    if stored is None:
-        return True
-    try:
-        return np.dtype(stored) == np.dtype(wanted)
-    except TypeError:  # PRNG key dtypes are not numpy dtypes
-        return str(stored) == str(wanted)
 
 
 def _plain_step(step_dir: pathlib.Path | None) -> int | None:

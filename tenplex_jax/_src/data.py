@@ -16,9 +16,9 @@ Tenplex treats the dataset as one more partitioned collection. Here it has two h
 
   With ``workers=global_batch`` (the default) a unit is one sample: ordinary data parallelism with
   padding. With ``workers=V`` *virtual workers* (``V`` divides the global batch) a unit is a
-  ``global_batch / V`` slice, and :func:`tenplex_jax.batch_value_and_grad` computes one gradient
-  per unit and sums them in unit order, the same order on any number of ranks: that is what makes
-  training bitwise independent of the data-parallel size.
+  ``global_batch / V`` slice, and :func:`tenplex_jax.data.batch_value_and_grad` computes one
+  gradient per unit and sums them in unit order, the same order on any number of ranks: that is
+  what makes training bitwise independent of the data-parallel size.
 
 Epochs. ``remainder`` says what happens when ``N`` is not a multiple of the global batch:
 
@@ -57,9 +57,23 @@ class BatchLayout:
     >>> BatchLayout(24, ranks=6, workers=8).counts     # 8 virtual workers of 3 samples over 6 ranks
     (6, 6, 3, 3, 3, 3)
 
-    ``accumulate=k`` pads every rank's rows to a multiple of ``k`` so a step can run them as ``k``
-    sequential microbatches (gradient accumulation for plain data parallelism; virtual workers
-    already run one unit at a time).
+    The batch is cut into ``units`` equal units (one sample each, or ``workers`` virtual
+    workers); rank ``r`` gets a contiguous run of units, the runs differ by at most one, and
+    every run is padded to the longest with rows of weight 0, so any rank count works.
+
+    Attributes:
+      global_batch: samples in a global batch, fixed whatever the rank count.
+      ranks: data-parallel ranks (``data * fsdp`` of the mesh).
+      workers: virtual workers: the batch is cut into that many units, each a
+        ``global_batch / workers`` slice whose gradient is computed alone, which makes training
+        bitwise independent of ``ranks``; ``None``: one sample per unit (plain data parallelism).
+      accumulate: pad every rank's rows to a multiple of ``k`` so a step can run them as ``k``
+        sequential microbatches (gradient accumulation for plain data parallelism; virtual
+        workers already run one unit at a time).
+
+    Raises:
+      DataError: a count is < 1, ``workers`` does not divide the global batch or comes with
+        ``accumulate``, or there are more ranks than units.
     """
 
     global_batch: int
@@ -103,6 +117,19 @@ class BatchLayout:
 
         >>> BatchLayout.fit(64, ranks=2, max_rows=10).accumulate     # 32 rows per rank, 4 passes
         4
+
+        Args:
+          global_batch: samples in a global batch.
+          ranks: data-parallel ranks.
+          max_rows: the most rows a device may hold in one forward pass.
+          workers: virtual workers, or ``None`` for plain data parallelism.
+
+        Returns:
+          The layout with the least accumulation (plain) or the given workers (virtual) whose
+          :attr:`microbatch` is at most ``max_rows``.
+
+        Raises:
+          DataError: ``max_rows < 1``, or a virtual worker's unit alone exceeds ``max_rows``.
         """
         if max_rows < 1:
             raise DataError(f"max_rows must be >= 1, got {max_rows}")
@@ -126,6 +153,7 @@ class BatchLayout:
 
     @property
     def units(self) -> int:
+        """Units per global batch: ``workers``, or ``global_batch`` (one sample each)."""
         return self.global_batch if self.workers is None else self.workers
 
     @property
@@ -135,6 +163,7 @@ class BatchLayout:
 
     @property
     def virtual(self) -> bool:
+        """Whether the batch is cut into virtual workers (``workers`` is set)."""
         return self.workers is not None
 
     @property
@@ -160,18 +189,30 @@ class BatchLayout:
         return self.ranks * self.slots * self.unit
 
     def unit_rows(self) -> np.ndarray:
-        """For unit ``v`` in canonical order, its slot in the padded ``[ranks * slots]`` stack."""
+        """int64[units]: for unit ``v`` in canonical order, its slot in the padded
+        ``[ranks * slots]`` stack of units."""
         out = [r * self.slots + s for r, c in enumerate(self.unit_counts) for s in range(c)]
         return np.asarray(out, dtype=np.int64)
 
     def positions(self) -> np.ndarray:
-        """int64[rows]: for each padded row, its position in the global batch, or -1 (padding)."""
+        """int64[rows]: for each padded row, its position in the global batch, or -1 (padding).
+
+        >>> BatchLayout(5, ranks=2).positions()         # rank 0: 3 samples, rank 1: 2 and a pad
+        array([ 0,  1,  2,  3,  4, -1])
+        """
         pos = np.full((self.ranks * self.slots, self.unit), -1, dtype=np.int64)
         pos[self.unit_rows()] = np.arange(self.global_batch).reshape(self.units, self.unit)
         return pos.reshape(-1)
 
     def rank_rows(self, rank: int) -> slice:
-        """The rows of the padded global batch that rank ``rank`` holds."""
+        """The rows of the padded global batch that one rank holds.
+
+        Args:
+          rank: a data-parallel rank, ``0 <= rank < ranks`` (not checked).
+
+        Returns:
+          A slice of ``slots * unit`` rows.
+        """
         per = self.slots * self.unit
         return slice(rank * per, (rank + 1) * per)
 
@@ -180,8 +221,21 @@ class BatchLayout:
 class DataState:
     """Where a :class:`DatasetPTC` stands: a small record, JSON-serializable, saved with the PTC.
 
-    ``consumed`` counts real samples delivered since the start of epoch 0; the other fields say
-    which order it counts in, and restoring refuses a record made for another order.
+    ``DatasetPTC.state()`` makes one, ``DatasetPTC.restore(state)`` resumes from it; the fields
+    besides ``consumed`` say which order it counts in, and restoring refuses a record made for
+    another order.
+
+    Attributes:
+      fingerprint: the dataset's identity (``DatasetPTC.fingerprint``).
+      num_samples: samples in the dataset.
+      global_batch: samples per global batch.
+      seed: the seed of the epochs' permutations.
+      remainder: ``"carry"``, ``"drop"`` or ``"pad"``: what ends an epoch (see ``DatasetPTC``).
+      consumed: real samples delivered since the start of epoch 0.
+
+    Raises:
+      DataError: a count is not an integer (``num_samples`` and ``global_batch`` >= 1, ``seed``
+        and ``consumed`` >= 0), the fingerprint not a string, or the remainder unknown.
     """
 
     fingerprint: str
@@ -212,11 +266,22 @@ class DataState:
             object.__setattr__(self, name, int(value))
 
     def to_json(self) -> str:
+        """The record as JSON text: an object of the six fields, keys sorted."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
     def from_dict(cls, record) -> DataState:
-        """A data state from the dict ``to_json`` encodes; ``DataError`` on anything else."""
+        """The data state of a dict (the object :meth:`to_json` encodes).
+
+        Args:
+          record: a dict with exactly the six fields.
+
+        Returns:
+          The data state.
+
+        Raises:
+          DataError: ``record`` is not such a dict, or its values break the rules.
+        """
         fields = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(record, dict) or set(record) != fields:
             raise DataError(
@@ -226,6 +291,17 @@ class DataState:
 
     @classmethod
     def from_json(cls, text: str) -> DataState:
+        """The data state of :meth:`to_json`'s text.
+
+        Args:
+          text: JSON text of an object with the six fields.
+
+        Returns:
+          The data state.
+
+        Raises:
+          DataError: the text is not JSON, or not such an object.
+        """
         try:
             record = json.loads(text)
         except (TypeError, ValueError, RecursionError) as error:
@@ -238,16 +314,40 @@ class DataState:
 class DatasetPTC:
     """A dataset served as a seeded, epoch-by-epoch sequence of global batches.
 
-    ``source`` is anything with ``len()`` and integer indexing whose items are arrays or pytrees of
-    arrays: a numpy array or memmap (indexed with an index array, one read per batch), a dict of
-    equally long arrays, or a ``grain.MapDataset`` (indexed item by item). ``fingerprint``
-    identifies the dataset in saved states; by default it hashes the length and a spread of items.
+    Global batch ``k`` is a pure function of (dataset, seed, global batch, ``k``): the device
+    count never enters, so a job that resizes sees exactly the batches of one that does not. The
+    position is :attr:`step`, saved as a :class:`DataState`.
 
     >>> ds = DatasetPTC(np.arange(10), global_batch=4, seed=0)
     >>> layout = BatchLayout(global_batch=4, ranks=3)           # 2, 1, 1 samples per rank
     >>> rows, weights, samples = ds.next_batch(layout)           # rows: int64[6], 2 of weight 0
+    >>> weights
+    array([1., 1., 1., 0., 1., 0.], dtype=float32)
     >>> ds.indices(2)[1]                  # epochs of batch 2's samples: it straddles epochs 0, 1
     array([0, 0, 1, 1])
+    >>> ds.step, ds.state().consumed
+    (1, 4)
+
+    Args:
+      source: anything with ``len()`` and integer indexing whose items are arrays or pytrees of
+        arrays: a NumPy array or memmap (indexed with an index array, one read per batch), a
+        dict of equally long arrays, or a ``grain.MapDataset`` (indexed item by item).
+      global_batch: samples per global batch.
+      seed: the seed of every epoch's permutation.
+      remainder: what ends an epoch when the global batch does not divide the dataset:
+        ``"carry"`` (the epochs form one stream; a batch may straddle two), ``"drop"`` (each
+        epoch skips its last ``N % global_batch`` samples) or ``"pad"`` (each epoch ends with a
+        short batch, padded with weight-0 rows).
+      fingerprint: identifies the dataset in saved states (default: a hash of the length and of
+        up to 16 items spread over the dataset).
+
+    Attributes:
+      step: global batches delivered so far (the position; :meth:`restore` sets it).
+      num_samples: the dataset's length.
+
+    Raises:
+      DataError: the source has no length, ``remainder`` is unknown, ``global_batch`` or ``seed``
+        is out of range, or the dataset is shorter than one global batch.
     """
 
     def __init__(
@@ -288,16 +388,31 @@ class DatasetPTC:
         return {"carry": n / b, "drop": n // b, "pad": math.ceil(n / b)}[self.remainder]
 
     def permutation(self, epoch: int) -> np.ndarray:
-        """The order of the samples in ``epoch``: a seeded permutation of ``range(N)``."""
+        """The order of the samples in one epoch.
+
+        Args:
+          epoch: the epoch, from 0.
+
+        Returns:
+          A permutation of ``range(num_samples)`` seeded by ``(seed, epoch)``.
+        """
         if self._perm is None or self._perm[0] != epoch:
             rng = np.random.default_rng((self.seed, epoch))
             self._perm = (epoch, rng.permutation(self.num_samples))
         return self._perm[1]
 
     def indices(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(int64[global_batch] sample indices, epoch of each) of global batch ``step``.
+        """The samples of one global batch and the epoch of each.
 
-        With ``remainder="pad"``, the last batch of an epoch is shorter than ``global_batch``.
+        Args:
+          step: the global batch, from 0.
+
+        Returns:
+          ``(indices, epochs)``: int64[global_batch] sample indices and the epoch each comes
+          from; with ``remainder="pad"`` the last batch of an epoch is shorter.
+
+        Raises:
+          DataError: ``step < 0``.
         """
         if step < 0:
             raise DataError(f"step must be >= 0, got {step}")
@@ -318,7 +433,14 @@ class DatasetPTC:
         return out, epochs
 
     def consumed_after(self, step: int) -> int:
-        """Real samples delivered by global batches ``0 .. step - 1``."""
+        """Real samples delivered by global batches ``0 .. step - 1``.
+
+        Args:
+          step: a global batch count.
+
+        Returns:
+          The sample count (what :class:`DataState` records as ``consumed``).
+        """
         n, b = self.num_samples, self.global_batch
         if self.remainder == "carry":
             return step * b
@@ -330,6 +452,7 @@ class DatasetPTC:
     # -- the position ---------------------------------------------------------------------------
 
     def state(self) -> DataState:
+        """The position as a :class:`DataState`, to save beside the train state."""
         return DataState(
             self.fingerprint,
             self.num_samples,
@@ -340,7 +463,16 @@ class DatasetPTC:
         )
 
     def restore(self, state: DataState) -> None:
-        """Resume at the sample after ``state``; refuses a state made for another order."""
+        """Resume at the sample after a saved position: set :attr:`step` from it.
+
+        Args:
+          state: a :class:`DataState` from this dataset's :meth:`state` (here or in an earlier
+            run).
+
+        Raises:
+          DataError: the state was made for another order (fingerprint, sample count, global
+            batch, seed or remainder differ), or its ``consumed`` is not a global-batch boundary.
+        """
         mine = self.state()
         for name in ("fingerprint", "num_samples", "global_batch", "seed", "remainder"):
             if getattr(state, name) != getattr(mine, name):
@@ -374,12 +506,30 @@ class DatasetPTC:
     # -- serving ---------------------------------------------------------------------------------
 
     def load(self, indices: np.ndarray) -> Any:
-        """The items at ``indices`` stacked along a new leading dim (a pytree of numpy arrays)."""
+        """Read items of the source.
+
+        Args:
+          indices: int sample indices (any order, repeats allowed).
+
+        Returns:
+          The items stacked along a new leading dim: a pytree of NumPy arrays.
+        """
         return _load(self.source, indices)
 
     def samples(self, step: int, layout: BatchLayout) -> tuple[np.ndarray, np.ndarray]:
-        """(int64[rows] sample in every row of global batch ``step``, -1 on padding; float32[rows]
-        weights, 1 on real rows and 0 on padding), laid out for ``layout``. Reads no data."""
+        """Which sample each row of a global batch holds, laid out for ``layout``. Reads no data.
+
+        Args:
+          step: the global batch.
+          layout: its :class:`BatchLayout`, for this dataset's global batch.
+
+        Returns:
+          ``(samples, weights)``: int64[rows], the sample in every row (-1 on padding), and
+          float32[rows] weights, 1 on real rows and 0 on padding.
+
+        Raises:
+          DataError: the layout is for another global batch size.
+        """
         self._check_layout(layout)
         indices, _ = self.indices(step)
         pos = layout.positions()
@@ -387,23 +537,50 @@ class DatasetPTC:
         return np.where(real, indices[np.where(real, pos, 0)], -1), real.astype(np.float32)
 
     def read(self, samples: np.ndarray) -> Any:
-        """The data of rows holding ``samples``; a padding row (-1) repeats a real sample."""
+        """The data of the rows holding some samples.
+
+        Args:
+          samples: int64 sample indices, -1 for a padding row (as :meth:`samples` gives them).
+
+        Returns:
+          A pytree of arrays with one row per entry; a padding row repeats a real sample (its
+          weight is 0, so it only has to be valid input).
+        """
         fill = samples[samples >= 0][0] if (samples >= 0).any() else 0
         return self.load(np.where(samples >= 0, samples, fill))
 
     def batch(self, step: int, layout: BatchLayout) -> tuple[Any, np.ndarray, np.ndarray]:
-        """Global batch ``step`` laid out for ``layout``: (rows, weights, sample indices).
+        """One global batch, read and laid out for ``layout`` (on the host).
 
-        ``rows`` is a pytree of arrays with leading dim ``layout.rows``; padding rows repeat a real
-        sample and have weight 0. ``sample indices`` is int64[rows], -1 on padding.
+        Args:
+          step: the global batch.
+          layout: its :class:`BatchLayout`.
+
+        Returns:
+          ``(rows, weights, samples)``: a pytree of arrays with leading dim ``layout.rows``
+          (padding rows repeat a real sample), float32[rows] weights (0 on padding) and the int64
+          sample index of every row (-1 on padding).
+
+        Raises:
+          DataError: the layout is for another global batch size.
         """
         samples, weights = self.samples(step, layout)
         return self.read(samples), weights, samples
 
     def rank_batch(self, step: int, layout: BatchLayout, rank: int):
-        """Rank ``rank``'s part of global batch ``step``: the same triple, for its rows only.
+        """One rank's part of a global batch: only its samples are read, so a process loads just
+        what its devices hold.
 
-        Only that rank's samples are read, so a process loads just what its devices hold.
+        Args:
+          step: the global batch.
+          layout: its :class:`BatchLayout`.
+          rank: the data-parallel rank, ``0 <= rank < layout.ranks``.
+
+        Returns:
+          The triple of :meth:`batch`, for the rank's ``layout.rank_rows(rank)`` only.
+
+        Raises:
+          DataError: the rank is out of range, or the layout is for another global batch size.
         """
         if not 0 <= rank < layout.ranks:
             raise DataError(f"rank {rank} is not in 0..{layout.ranks - 1}")
@@ -412,7 +589,17 @@ class DatasetPTC:
         return self.read(samples[rows]), weights[rows], samples[rows]
 
     def next_batch(self, layout: BatchLayout) -> tuple[Any, np.ndarray, np.ndarray]:
-        """The next global batch for ``layout``; advances the position by one global batch."""
+        """The batch at :attr:`step`, then advance :attr:`step` by one.
+
+        Args:
+          layout: the :class:`BatchLayout` of the current mesh.
+
+        Returns:
+          The triple of :meth:`batch`.
+
+        Raises:
+          DataError: the layout is for another global batch size.
+        """
         out = self.batch(self.step, layout)
         self.step += 1
         return out

@@ -29,8 +29,7 @@ Failed devices. A plan made with ``make_plan(..., failed=...)`` names no failed 
 the executor reads only the shards the plan names, so a lost device's buffers are never read.
 
 Before anything is copied or deleted, the state is checked against ``plan.src`` (tree, shapes,
-dtypes,
-device boxes); a mismatch raises ``PlanError`` and leaves the state untouched.
+dtypes, device boxes); a mismatch raises ``PlanError`` and leaves the state untouched.
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ from tenplex_jax._src import box as boxes
 from tenplex_jax._src import libc, tree
 from tenplex_jax._src.box import Box
 from tenplex_jax._src.errors import LayoutError, PlanError, where
+from tenplex_jax._src.mesh import show_mesh
 from tenplex_jax._src.plan import LeafPlan, Plan
 from tenplex_jax._src.ptc import PTC
 
@@ -64,7 +64,20 @@ AHEAD = 1  # leaves whose host copies run while the one before is finished
 
 @dataclasses.dataclass(frozen=True)
 class ReshardReport:
-    """What an execution did, measured from the buffers it copied (not copied from the plan)."""
+    """What an execution did, measured from the buffers it copied (not copied from the plan).
+
+    The second value :func:`reshard` returns; ``str(report)`` is one line.
+
+    Attributes:
+      method: ``"plan"`` or ``"device_put"``, as :func:`reshard` was called.
+      bytes_moved: bytes copied from one device to another (the plan's count for
+        ``"device_put"``, which does not say what it copied).
+      bytes_kept: bytes of target shards that came from the same device.
+      seconds: wall time of the copies, the checks before them not included.
+      leaves: leaves built.
+      kinds: executor path (``"host"``, ``"device"``) -> shard kind -> shards it built; empty for
+        ``"device_put"``.
+    """
 
     method: str
     bytes_moved: int  # bytes copied from one device to another
@@ -90,22 +103,47 @@ def reshard(
     executor: str = "auto",
     devices: Sequence[jax.Device] | None = None,
 ):
-    """Apply ``plan`` to ``state`` → ``(new_state, ReshardReport)``; values are bit-identical.
+    """Apply ``plan`` to ``state``: the same values, bit for bit, laid out as ``plan.dst``.
 
-    ``state`` is the tree the plan's source PTC was built from (an ``nnx.State``, or NNX graph
-    nodes,
-    whose ``nnx.state`` is used; write it back with ``nnx.update(nodes, new_state)``).
-    ``method="plan"``
-    runs the per-shard executor, on the path ``executor`` says (see the module docstring);
-    ``"device_put"`` hands the whole tree to ``jax.device_put`` (reported bytes are then the plan's,
-    since ``device_put`` does not say what it copied).
+    The state is checked against ``plan.src`` (tree, shapes, dtypes, device boxes) before a byte
+    is copied or freed; a kept shard reuses its buffer. Rebind the result
+    (``state, report = reshard(state, plan)``): with ``donate``, the old arrays are deleted leaf
+    by leaf as the new ones are built. Example::
+
+        plan = tj.make_plan(ptc, tj.allocate(ptc, ptc.relayout(tj.ParallelConfig(data=2), devs)))
+        state, report = tj.reshard(state, plan)
+        print(report)        # plan: moved ... MiB, kept ... MiB, N leaves in ... s
+
+    Args:
+      state: the tree the plan's source PTC describes, laid out as it says: an ``nnx.State``, a
+        pytree of ``jax.Array``, or NNX graph nodes, whose ``nnx.state`` is used (write the
+        result back with ``nnx.update(nodes, new_state)``).
+      plan: a :class:`tenplex_jax.typing.Plan` from :func:`tenplex_jax.make_plan`.
+      donate: delete each old leaf once its new one is built, so the peak stays near the state
+        plus one leaf (a leaf whose buffers live on as kept shards is freed when the caller
+        drops the old state).
+      method: ``"plan"`` runs the per-shard executor; ``"device_put"`` hands the whole tree to
+        ``jax.device_put`` (a baseline).
+      executor: with ``"plan"``, how bytes are copied: ``"auto"`` (host memory for CPU leaves,
+        device ops for the rest), ``"host"`` or ``"device"``.
+      devices: where the target PTC's device ids are looked up (default ``jax.devices()``).
+
+    Returns:
+      ``(new_state, report)``: the state on the target mesh, in the target PTC's containers, and
+      a :class:`tenplex_jax.typing.ReshardReport`.
+
+    Raises:
+      PlanError: the state is not laid out as ``plan.src`` says (tree, shape, dtype, boxes, a
+        deleted array), ``executor="host"`` meets a leaf NumPy cannot view, or ``method`` or
+        ``executor`` is unknown; nothing was moved.
+      LayoutError: the target names devices this process does not have; nothing was moved.
     """
     if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise PlanError(f"reshard's method must be one of {METHODS}, got {method!r}")
     if executor not in EXECUTORS:
-        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+        raise PlanError(f"reshard's executor must be one of {EXECUTORS}, got {executor!r}")
     paths, arrays, treedef = tree.arrays(state)
-    check_tree(paths, plan.src)
+    check_tree(paths, arrays, plan.src)
     check_state(arrays, plan)
     mesh = _target_mesh(plan, devices)
     if isinstance(plan.dst.treedef, jax.tree_util.PyTreeDef):
@@ -179,12 +217,26 @@ def place(state, ptc):
     ``jax.device_put``.
 
     Use it once, for a state built without a mesh (``nnx.use_eager_sharding(False)``); afterwards
-    move the state with plans. Checks the tree against the PTC first. The placed arrays never share
-    buffers with ``state`` (``may_alias=False``), so a later donating ``reshard`` of the placed
-    state cannot free arrays the caller still holds.
+    move the state with plans. The placed arrays never share buffers with ``state``
+    (``may_alias=False``), so a later donating ``reshard`` of the placed state cannot free arrays
+    the caller still holds. Example::
+
+        state = tj.place(nnx.state((model, optimizer)), ptc)
+
+    Args:
+      state: the state ``ptc`` was built from (or one with the same tree): an ``nnx.State``,
+        NNX graph nodes, or a pytree of NumPy or JAX arrays; dtypes may differ from the PTC's.
+      ptc: the layout to place it in; its devices are looked up in ``jax.devices()``.
+
+    Returns:
+      The state as ``jax.Array`` s sharded as ``ptc`` says, in the state's own containers.
+
+    Raises:
+      PlanError: the state's leaves (paths, shapes) are not the PTC's; nothing was placed.
+      LayoutError: the PTC names devices this process does not have.
     """
     paths, arrays, treedef = tree.arrays(state)
-    check_tree(paths, ptc)
+    check_tree(paths, arrays, ptc, dtypes=False)  # host data may come in another dtype
     mesh = ptc.mesh()
     shardings = [NamedSharding(mesh, leaf.spec) for leaf in ptc.leaves]
     placed = jax.device_put(arrays, shardings, may_alias=False)
@@ -207,22 +259,18 @@ def _buffers(array: jax.Array) -> set[tuple[int, int]]:
     return {(s.device.id, s.data.unsafe_buffer_pointer()) for s in array.addressable_shards}
 
 
-def check_tree(paths: list[str], ptc: PTC) -> None:
-    want = [leaf.path for leaf in ptc.leaves]
-    if paths == want:
-        return
-    first = next(
-        (i for i, (a, b) in enumerate(zip(paths, want)) if a != b), min(len(paths), len(want))
-    )
-    leaf = ptc.leaves[first] if first < len(want) else None
-    raise PlanError(
-        f"the state's tree does not match the PTC's: the state has {len(paths)} leaves, the PTC "
-        f"{len(want)}; first difference at leaf {first}: state "
-        f"{paths[first] if first < len(paths) else '(none)'!r} vs PTC "
-        f"{want[first] if first < len(want) else '(none)'!r} (PTC {ptc.config} on "
-        f"{list(ptc.device_ids)}"
-        + (f"; its leaf {leaf.path!r} has shape {leaf.shape}, spec {leaf.spec})" if leaf else ")")
-    )
+def check_tree(paths: list[str], values: list, ptc: PTC, *, dtypes: bool = True) -> None:
+    """``PlanError`` unless the state's leaves (``paths`` and array-like ``values``,
+    from :func:`tree.arrays`) are the PTC's: the same paths in the same order, shapes and (with
+    ``dtypes``) dtypes; the message names the leaves that differ, both sides of each."""
+    leaves = tree.leaves_of(paths, values)
+    diff = tree.difference(leaves, ptc.leaves, ("the state", "the PTC"), dtypes=dtypes)
+    if diff:
+        raise PlanError(
+            f"the state's tree does not match the PTC's ({len(paths)} leaves vs "
+            f"{len(ptc.leaves)}; PTC on {ptc.config.describe()} over {list(ptc.device_ids)}): "
+            f"{diff}"
+        )
 
 
 def _target_mesh(plan: Plan, devices) -> jax.sharding.Mesh:
@@ -262,11 +310,6 @@ def check_state(arrays, plan: Plan) -> None:
                 f"a live state holds jax.Arrays, got {type(array).__name__}: "
                 + where(leaf.path, leaf.shape, leaf.spec, src.config.describe())
             )
-        if tuple(array.shape) != leaf.shape or array.dtype != leaf.dtype:
-            raise PlanError(
-                f"the state has shape {array.shape} dtype {array.dtype} where the plan expects "
-                f"{leaf.dtype}: " + where(leaf.path, leaf.shape, leaf.spec, src.config.describe())
-            )
         if array.is_deleted():
             raise PlanError(
                 "the state holds a deleted array (donated by an earlier reshard or jit): "
@@ -279,7 +322,7 @@ def check_state(arrays, plan: Plan) -> None:
         if have != src.boxes(leaf):
             sharding = array.sharding
             placed = (
-                f"{sharding.spec} on mesh {dict(sharding.mesh.shape)}"
+                f"{sharding.spec} on {show_mesh(sharding.mesh, devices=False)}"
                 if isinstance(sharding, NamedSharding)
                 else f"{sharding}"
             )

@@ -46,8 +46,29 @@ _AUTO = (AxisType.Auto,) * len(MESH_AXES)
 class ParallelConfig:
     """A parallel configuration: mesh axis names and sizes in mesh order, and their types.
 
-    ``ParallelConfig(data=2, tensor=4)`` is the default four-axis mesh; any other mesh comes from
-    :meth:`of`. Any axis may have size 1.
+    What a ``jax.sharding.AbstractMesh`` describes, without devices: a PTC adds the devices in
+    mesh order. The constructor gives the default four-axis mesh ``(pipe, data, fsdp, tensor)``,
+    outermost first, every axis ``AxisType.Auto`` (what Flax NNX layers need); any other mesh
+    comes from :meth:`of` or :meth:`parse`. Any axis may have size 1.
+
+    >>> ParallelConfig(data=2, tensor=4).shape
+    {'pipe': 1, 'data': 2, 'fsdp': 1, 'tensor': 4}
+    >>> ParallelConfig.parse("data=2,expert=4")
+    ParallelConfig.of({'data': 2, 'expert': 4}, axis_types=AxisType.Auto)
+
+    Args:
+      data: the ``data`` axis size (data parallelism: replicas of the state).
+      fsdp: the ``fsdp`` axis size (the state sharded, the batch split too).
+      tensor: the ``tensor`` axis size (tensor parallelism; innermost: neighbouring devices).
+      pipe: the ``pipe`` axis size (pipeline stages; outermost).
+
+    Attributes:
+      names: the axis names in mesh order.
+      sizes: the axis sizes in mesh order.
+      axis_types: each axis's ``jax.sharding.AxisType``.
+
+    Raises:
+      LayoutError: a size is not an integer >= 1.
     """
 
     names: tuple[str, ...]
@@ -87,9 +108,22 @@ class ParallelConfig:
     ) -> ParallelConfig:
         """The config of a mesh: its axis names, sizes and types, in its order.
 
-        ``mesh`` is a ``Mesh`` or ``AbstractMesh`` (types as it has them), a ``{name: size}``
-        mapping in mesh order (``AxisType.Auto`` unless ``axis_types`` is given: one type for
-        all axes or one per axis), or a ``ParallelConfig`` (returned as it is).
+        >>> ParallelConfig.of({"data": 2, "expert": 4}).size("tensor")   # absent axes have size 1
+        1
+
+        Args:
+          mesh: a ``Mesh`` or ``AbstractMesh`` (its axis types as it has them), a
+            ``{name: size}`` mapping in mesh order, or a ``ParallelConfig`` (returned as it is
+            unless ``axis_types`` is given).
+          axis_types: one ``AxisType`` for every axis or one per axis, replacing the mesh's
+            (default: the mesh's own; ``AxisType.Auto`` for a mapping).
+
+        Returns:
+          The mesh's config.
+
+        Raises:
+          LayoutError: ``mesh`` is none of these, or its names, sizes or types break the rules
+            (non-empty distinct names, integer sizes >= 1, one type per axis).
         """
         if isinstance(mesh, ParallelConfig) and axis_types is None:
             return mesh
@@ -114,9 +148,24 @@ class ParallelConfig:
 
     @classmethod
     def parse(cls, text: str) -> ParallelConfig:
-        """``"data=2,tensor=4"`` → ``ParallelConfig(data=2, tensor=4)``; a name outside the four
-        defaults gives exactly the axes written, in that order:
-        ``"data=2,expert=4"`` → ``ParallelConfig.of({"data": 2, "expert": 4})``."""
+        """The config a command line writes: ``"data=2,tensor=4"``.
+
+        >>> ParallelConfig.parse("data=2,tensor=4")         # only default axes: the default mesh
+        ParallelConfig(data=2, fsdp=1, tensor=4, pipe=1)
+        >>> ParallelConfig.parse("data=2,expert=4").names   # else exactly the axes written
+        ('data', 'expert')
+
+        Args:
+          text: ``"axis=size,..."`` (commas or spaces between), each axis once, or ``"single"``
+            for one device.
+
+        Returns:
+          ``ParallelConfig(**sizes)`` when every axis is one of the four defaults, else
+          ``ParallelConfig.of(sizes)`` in the order written (``AxisType.Auto``).
+
+        Raises:
+          LayoutError: the text is not of that form.
+        """
         if text.strip() == "single":
             return cls()
         sizes: dict[str, int] = {}
@@ -142,16 +191,26 @@ class ParallelConfig:
         return dict(zip(self.names, self.sizes))
 
     def size(self, axis: str) -> int:
-        """The size of ``axis``; 1 when the mesh has no such axis."""
+        """The size of one axis.
+
+        Args:
+          axis: a mesh axis name.
+
+        Returns:
+          Its size; 1 when the mesh has no such axis.
+        """
         return self.shape.get(axis, 1)
 
     data = property(lambda self: self.size("data"), doc="size of the ``data`` axis (1 if none)")
     fsdp = property(lambda self: self.size("fsdp"), doc="size of the ``fsdp`` axis (1 if none)")
-    tensor = property(lambda self: self.size("tensor"), doc="size of the ``tensor`` axis")
+    tensor = property(
+        lambda self: self.size("tensor"), doc="size of the ``tensor`` axis (1 if none)"
+    )
     pipe = property(lambda self: self.size("pipe"), doc="size of the ``pipe`` axis (1 if none)")
 
     @property
     def num_devices(self) -> int:
+        """Devices the mesh needs: the product of the axis sizes."""
         return math.prod(self.sizes)
 
     @property
@@ -160,11 +219,21 @@ class ParallelConfig:
         return self.names == MESH_AXES and self.axis_types == _AUTO
 
     def abstract_mesh(self) -> AbstractMesh:
+        """The ``AbstractMesh`` of this config: its axes, sizes and types, no devices."""
         return AbstractMesh(self.sizes, self.names, axis_types=self.axis_types)
 
     def make_mesh(self, devices: Sequence[jax.Device]) -> Mesh:
-        """The mesh over ``devices`` in the given (row-major mesh) order, with this config's
-        axis types."""
+        """The concrete mesh of this config over some devices.
+
+        Args:
+          devices: ``num_devices`` devices in row-major mesh order.
+
+        Returns:
+          A ``Mesh`` with this config's axis names and types.
+
+        Raises:
+          LayoutError: ``devices`` has not ``num_devices`` entries.
+        """
         if len(devices) != self.num_devices:
             raise LayoutError(f"config {self} needs {self.num_devices} devices, got {len(devices)}")
         grid = np.array(list(devices), dtype=object).reshape(self.sizes)
@@ -173,6 +242,8 @@ class ParallelConfig:
     # -- records ------------------------------------------------------------------------------
 
     def to_json(self) -> dict:
+        """The config as a JSON-able record: ``{"axes": [[name, size], ...], "axis_types": [...]}``
+        (type names, ``"Auto"``, ``"Explicit"``, ...)."""
         return {
             "axes": [[name, size] for name, size in zip(self.names, self.sizes)],
             "axis_types": [t.name for t in self.axis_types],
@@ -180,7 +251,20 @@ class ParallelConfig:
 
     @classmethod
     def from_json(cls, record: Mapping) -> ParallelConfig:
-        """``to_json``'s record; also the older ``{"data": 2, "fsdp": 1, ...}`` form."""
+        """The config of a :meth:`to_json` record.
+
+        Args:
+          record: what :meth:`to_json` returned, or the older ``{"data": 2, "fsdp": 1, ...}``
+            form of the default mesh.
+
+        Returns:
+          The recorded config.
+
+        Raises:
+          LayoutError: the sizes break the rules of :meth:`of`. A record of neither form raises
+            what reading it raises (``KeyError``, ``TypeError``): records are written by
+            :meth:`to_json`, not by hand.
+        """
         if "axes" not in record:
             return cls(**record)
         types = tuple(AxisType[name] for name in record["axis_types"])
@@ -209,11 +293,9 @@ class ParallelConfig:
         return f"ParallelConfig.of({self.shape}, axis_types={shown})"
 
     def describe(self) -> str:
-        """``{data: 2, tensor: 4}``: every axis and size, as error messages show a mesh."""
-        text = "{" + ", ".join(f"{n}: {s}" for n, s in self.shape.items()) + "}"
-        if any(t != AxisType.Auto for t in self.axis_types):
-            text += f" ({_types(self.axis_types)})"
-        return text
+        """``Mesh('data': 2, 'tensor': 4; Auto)``: every axis, its size and its type, as error
+        messages show a mesh (:func:`show_axes`)."""
+        return show_axes(self.names, self.sizes, self.axis_types)
 
 
 def _types(types: tuple[AxisType, ...]) -> str:
@@ -233,8 +315,7 @@ def resolve(
         own = list(config.devices.flat)
         if devices is not None and [device_id(d) for d in devices] != [d.id for d in own]:
             raise LayoutError(
-                f"a Mesh brings its own devices: mesh {dict(config.shape)} over "
-                f"{show_ids([d.id for d in own])} was given devices "
+                f"a Mesh brings its own devices: {show_mesh(config)} was given devices "
                 f"{show_ids([device_id(d) for d in devices])}"
             )
         return ParallelConfig.of(config), own
@@ -272,7 +353,26 @@ def show_ids(ids: Sequence[int]) -> str:
     return f"devices {ids if len(ids) <= 16 else f'{ids[:16]}...'}"
 
 
-def show_mesh(mesh) -> str:
-    if isinstance(mesh, Mesh):
-        return f"mesh {dict(mesh.shape)} over {show_ids([d.id for d in mesh.devices.flat])}"
-    return f"abstract mesh {dict(mesh.shape)}"
+def show_axes(
+    names: Sequence[str], sizes: Sequence[int], types: Sequence[AxisType], *, kind: str = "Mesh"
+) -> str:
+    """The one way a message shows a mesh: ``Mesh('data': 2, 'tensor': 4; Explicit)``, its axes
+    written as JAX writes them, then their ``AxisType``: once when every axis has it, else per
+    axis (``Mesh('data': 2 Explicit, 'tensor': 4 Auto)``)."""
+    kinds = [getattr(t, "name", str(t)) for t in types]
+    if len(set(kinds)) == 1:
+        axes = ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes))
+        return f"{kind}({axes}; {kinds[0]})"
+    return f"{kind}(" + ", ".join(f"{n!r}: {s} {t}" for n, s, t in zip(names, sizes, kinds)) + ")"
+
+
+def show_mesh(mesh, *, devices: bool = True) -> str:
+    """A ``Mesh`` (with its devices unless ``devices=False``), an ``AbstractMesh`` or a
+    ``ParallelConfig``, for a message (:func:`show_axes`)."""
+    if isinstance(mesh, ParallelConfig):
+        return mesh.describe()
+    kind = "Mesh" if isinstance(mesh, Mesh) else type(mesh).__name__
+    text = show_axes(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, kind=kind)
+    if devices and isinstance(mesh, Mesh):
+        return f"{text} over {show_ids([d.id for d in mesh.devices.flat])}"
+    return text

@@ -43,16 +43,25 @@ from collections.abc import Iterable
 import numpy as np
 
 from tenplex_jax._src import box as boxes
+from tenplex_jax._src import tree
 from tenplex_jax._src.box import Box
 from tenplex_jax._src.errors import LostShardsError, PlanError
-from tenplex_jax._src.ptc import PTC, LeafLayout, dtype_name
+from tenplex_jax._src.ptc import PTC, LeafLayout
 
 KINDS = ("keep", "split", "move", "merge")
 
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """A box of a leaf copied from ``src_device``, whose shard there covers ``src_box``."""
+    """A box of a leaf copied from ``src_device``, whose shard there covers ``src_box``.
+
+    Attributes:
+      src_device: the id of the device the bytes are read from.
+      src_box: the box of the leaf that the source device's shard covers (``box`` lies in it).
+      box: the box of the leaf this piece copies, in the leaf's global indices.
+      nbytes: the piece's bytes.
+      local: the source device is the target device (a copy on the device, or none for a keep).
+    """
 
     src_device: int
     src_box: Box
@@ -63,7 +72,16 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:
-    """How the shard ``box`` of a leaf on ``device`` is produced."""
+    """How the shard ``box`` of a leaf on ``device`` is produced.
+
+    Attributes:
+      device: the target device's id.
+      box: the box of the leaf the target shard covers.
+      kind: ``"keep"`` (the device holds exactly this box already), ``"split"`` (a slice of a
+        larger box it holds), ``"move"`` (one piece from another device) or ``"merge"`` (several
+        pieces, local or remote, concatenated).
+      pieces: the :class:`Piece` s that tile ``box``.
+    """
 
     device: int
     box: Box
@@ -72,15 +90,30 @@ class ShardPlan:
 
     @property
     def bytes_moved(self) -> int:
+        """Bytes of the pieces copied from other devices."""
         return sum(p.nbytes for p in self.pieces if not p.local)
 
     @property
     def bytes_kept(self) -> int:
+        """Bytes of the pieces taken from the target device itself."""
         return sum(p.nbytes for p in self.pieces if p.local)
 
 
 @dataclasses.dataclass(frozen=True)
 class LeafPlan:
+    """The plan of one leaf: its source and target layouts, and a :class:`ShardPlan` per target
+    device.
+
+    Leaves laid out alike (same shape, itemsize and specs) share one ``shards`` tuple.
+
+    Attributes:
+      src: the leaf's layout in the source PTC.
+      dst: its layout in the target PTC.
+      shards: one :class:`ShardPlan` per target device, in the target PTC's device order.
+      totals: ``(bytes moved, bytes kept, kinds)`` of ``shards`` when the planner already
+        counted them (not compared); ``None`` to count them on demand.
+    """
+
     src: LeafLayout
     dst: LeafLayout
     shards: tuple[ShardPlan, ...]  # in the target PTC's device order
@@ -91,22 +124,27 @@ class LeafPlan:
 
     @property
     def path(self) -> str:
+        """The leaf's tree path."""
         return self.dst.path
 
     @property
     def bytes_moved(self) -> int:
+        """Bytes of this leaf copied between devices."""
         if self.totals is not None:
             return self.totals[0]
         return sum(s.bytes_moved for s in self.shards)
 
     @property
     def bytes_kept(self) -> int:
+        """Bytes of this leaf's target shards taken from the same device."""
         if self.totals is not None:
             return self.totals[1]
         return sum(s.bytes_kept for s in self.shards)
 
     @property
     def kinds(self) -> collections.Counter:
+        """Shard kind (``keep``, ``split``, ``move``, ``merge``) -> how many of this leaf's
+        shards."""
         if self.totals is not None:
             return collections.Counter(self.totals[2])
         return collections.Counter(s.kind for s in self.shards)
@@ -114,7 +152,16 @@ class LeafPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The reconfiguration plan from ``src`` to ``dst``: one ``LeafPlan`` per leaf."""
+    """The reconfiguration plan from ``src`` to ``dst``: one ``LeafPlan`` per leaf.
+
+    What :func:`make_plan` returns and :func:`tenplex_jax.reshard` executes; ``print(plan)``
+    shows :meth:`summary`.
+
+    Attributes:
+      src: the PTC the state is laid out as now.
+      dst: the PTC it is laid out as after the plan.
+      leaves: one :class:`LeafPlan` per leaf, in the PTCs' leaf order.
+    """
 
     src: PTC
     dst: PTC
@@ -133,6 +180,7 @@ class Plan:
 
     @property
     def kinds(self) -> collections.Counter:
+        """Shard kind (``keep``, ``split``, ``move``, ``merge``) -> how many target shards."""
         return sum((leaf.kinds for leaf in self.leaves), collections.Counter())
 
     @property
@@ -147,8 +195,16 @@ class Plan:
         return dict(load)
 
     def summary(self, depth: int | None = None) -> str:
-        """A table per leaf group (the path without its last ``depth`` parts; default: the
-        parent)."""
+        """The plan as a table: per leaf group, its leaves, bytes of state, kept and moved, and
+        shard kinds; then the totals.
+
+        Args:
+          depth: group leaves by the first ``depth`` parts of their paths (default: by parent,
+            the path without its last part).
+
+        Returns:
+          The table, one line per group.
+        """
         groups: dict[str, list[LeafPlan]] = {}
         for leaf in self.leaves:
             parts = leaf.path.split("/")
@@ -203,16 +259,41 @@ def _devs(ids: Iterable[int]) -> str:
 def make_plan(src: PTC, dst: PTC, *, failed: Iterable[int] = ()) -> Plan:
     """The reconfiguration plan that turns a state laid out as ``src`` into one laid out as ``dst``.
 
-    ``failed`` lists device ids whose buffers are lost: the plan reads nothing from them and takes
-    every box from a surviving replica; ``dst`` must not use them. Raises ``LostShardsError`` naming
-    the leaves and boxes that no surviving device holds.
+    For every target shard, where its bytes come from: kept in place, split from a larger local
+    shard, moved from another device (the closest replica: the device itself, then its host, then
+    the least loaded), or merged from several pieces. Pure: it reads two PTCs, no device memory.
+
+    >>> from flax import linen as nn
+    >>> w = nn.LogicallyPartitioned(jax.ShapeDtypeStruct((8, 16), jnp.float32), ("embed", "mlp"))
+    >>> src = PTC.of({"w": w}, [("mlp", "tensor")], ParallelConfig(data=2, tensor=2), range(4))
+    >>> plan = make_plan(src, src.relayout(ParallelConfig(tensor=4), range(4)))
+    >>> plan.bytes_moved, plan.bytes_kept, dict(plan.kinds)    # devices 0, 1 split; 2, 3 receive
+    (256, 256, {'split': 2, 'move': 2})
+    >>> make_plan(src, src.relayout(ParallelConfig(tensor=2), [2, 3]), failed=[0, 1]).kinds
+    Counter({'keep': 2})
+
+    Args:
+      src: the layout the state has (a :class:`PTC`).
+      dst: the layout it should have: a PTC of the same state (same leaf paths, shapes and dtypes,
+        in order), any mesh and devices.
+      failed: ids of devices whose buffers are lost: no piece is read from them (not even a
+        local keep); every box comes from a surviving replica.
+
+    Returns:
+      The :class:`tenplex_jax.typing.Plan`, for :func:`tenplex_jax.reshard`.
+
+    Raises:
+      PlanError: ``src`` and ``dst`` are not layouts of the same state, or ``dst`` uses a
+        failed device.
+      LostShardsError: some box is held only by failed devices; ``error.lost`` names every such
+        leaf and box (the state must come back from a checkpoint).
     """
     failed = frozenset(int(d) for d in failed)
     if failed & set(dst.device_ids):
         raise PlanError(
-            f"the target PTC ({dst.config} on {list(dst.device_ids)}) uses failed devices "
-            f"{sorted(failed & set(dst.device_ids))}; a plan around failed devices must target "
-            f"the devices that remain"
+            f"the target PTC ({dst.config.describe()} on {list(dst.device_ids)}) uses failed "
+            f"devices {sorted(failed & set(dst.device_ids))}; a plan around failed devices must "
+            f"target the devices that remain"
         )
     check_same_state(src, dst)
     host = dict(zip(src.device_ids, src.hosts)) | dict(zip(dst.device_ids, dst.hosts))
@@ -254,37 +335,17 @@ def make_plan(src: PTC, dst: PTC, *, failed: Iterable[int] = ()) -> Plan:
 def check_same_state(src: PTC, dst: PTC) -> None:
     """``PlanError`` unless ``src`` and ``dst`` have the same leaves in the same order (paths,
     shapes, dtypes): two layouts of one state. The containers may differ (an ``nnx.State`` and the
-    plain dict of an orbax target, Linen boxes and unboxed arrays); the first differing leaf is
-    named with both specs and both meshes."""
-    pairs = zip(src.leaves, dst.leaves)
-    bad = next(
-        (
-            (i, s, d)
-            for i, (s, d) in enumerate(pairs)
-            if (s.path, s.shape, s.dtype) != (d.path, d.shape, d.dtype)
-        ),
-        None,
-    )
-    if bad is None and len(src.leaves) == len(dst.leaves):
-        return
-    show = lambda leaf: (
-        "(none)"
-        if leaf is None
-        else f"{leaf.path!r} {dtype_name(leaf.dtype)}{list(leaf.shape)} spec={leaf.spec}"
-    )
-    if bad is None:
-        i = min(len(src.leaves), len(dst.leaves))
-        s = src.leaves[i] if i < len(src.leaves) else None
-        d = dst.leaves[i] if i < len(dst.leaves) else None
-    else:
-        i, s, d = bad
-    raise PlanError(
-        f"a plan maps one state onto a new layout of the same state (the same leaf paths, shapes "
-        f"and dtypes, in order), but the source PTC has {len(src.leaves)} leaves and the target "
-        f"{len(dst.leaves)}; leaf {i} is {show(s)} on {src.config.describe()} over "
-        f"{_devs(src.device_ids)} in the source, {show(d)} on {dst.config.describe()} over "
-        f"{_devs(dst.device_ids)} in the target"
-    )
+    plain dict of an orbax target, Linen boxes and unboxed arrays); the message names the leaves
+    that differ (:func:`tree.difference`) and both meshes."""
+    diff = tree.difference(src.leaves, dst.leaves, ("the source", "the target"))
+    if diff:
+        raise PlanError(
+            f"a plan maps one state onto a new layout of the same state (the same leaf paths, "
+            f"shapes and dtypes, in order), but the source PTC ({len(src.leaves)} leaves on "
+            f"{src.config.describe()} over {_devs(src.device_ids)}) and the target PTC "
+            f"({len(dst.leaves)} leaves on {dst.config.describe()} over "
+            f"{_devs(dst.device_ids)}) differ: {diff}"
+        )
 
 
 def _totals(shards: tuple[ShardPlan, ...]) -> tuple[int, int, collections.Counter]:
@@ -308,6 +369,27 @@ def allocate(src: PTC, dst: PTC) -> PTC:
     as a transportation problem (an LP whose vertex solutions are integral), a few dozen classes
     where a device-by-position assignment would have thousands of rows: 4096 devices take
     milliseconds instead of minutes.
+
+    >>> from flax import linen as nn
+    >>> w = nn.LogicallyPartitioned(jax.ShapeDtypeStruct((8, 16), jnp.float32), ("embed", "mlp"))
+    >>> src = PTC.of({"w": w}, [("mlp", "tensor")], ParallelConfig(data=2, tensor=2), range(4))
+    >>> dst = src.relayout(ParallelConfig(data=2, tensor=2), [3, 2, 1, 0])   # halves swapped
+    >>> make_plan(src, dst).bytes_moved, allocate(src, dst).device_ids
+    (1024, (2, 3, 0, 1))
+    >>> make_plan(src, allocate(src, dst)).bytes_moved       # the replicas trade places instead
+    0
+
+    Args:
+      src: the layout the state has.
+      dst: the target layout: its config and device set are kept, its device order is the
+        starting point.
+
+    Returns:
+      ``dst`` with ``device_ids`` and ``hosts`` permuted (``dst`` itself when its order is
+      already as good).
+
+    Raises:
+      PlanError: the assignment's linear program fails (a solver error, not a user error).
     """
     held = {d: i for i, d in enumerate(src.device_ids)}
     rows = [held.get(d, -1) for d in dst.device_ids]  # each dst device's mesh index in src

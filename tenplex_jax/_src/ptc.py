@@ -57,7 +57,7 @@ from tenplex_jax._src import box as boxes
 from tenplex_jax._src import rules as logical_rules
 from tenplex_jax._src import tree
 from tenplex_jax._src.box import Box, Shape
-from tenplex_jax._src.errors import LayoutError, PlanError, where
+from tenplex_jax._src.errors import LayoutError, LeafNotFoundError, PlanError, where
 from tenplex_jax._src.mesh import (
     MESH_AXES,
     ParallelConfig,
@@ -67,7 +67,7 @@ from tenplex_jax._src.mesh import (
     show_mesh,
 )
 from tenplex_jax._src.rules import Rules
-from tenplex_jax._src.tree import flatten_state
+from tenplex_jax._src.tree import dtype_name, flatten_state
 
 __all__ = ["MESH_AXES", "PTC", "Box", "LeafLayout", "ParallelConfig", "Rules", "Shape"]
 
@@ -79,10 +79,20 @@ Devices = Sequence[jax.Device | int]
 class LeafLayout:
     """The layout of one leaf: path, shape, dtype, spec, and the axis names it came from.
 
-    ``logical`` holds the leaf's logical names (``None`` for a leaf laid out by its sharding, or
-    without names); with ``direct``, they are mesh axes (flax's ``nn.Partitioned``), not logical.
-    Two layouts are equal when they lay the same leaf out the same way (path, shape, dtype,
-    spec), however they were derived.
+    A :class:`PTC` holds one per leaf (``ptc.leaves``, ``ptc.leaf(path)``). Two layouts are equal
+    when they lay the same leaf out the same way (path, shape, dtype, spec), however they were
+    derived: ``logical``, ``replicated`` and ``direct`` are not compared.
+
+    Attributes:
+      path: the leaf's tree path, ``"/"``-separated (``"model/layers/0/w"``).
+      shape: the leaf's global shape.
+      dtype: its dtype (a NumPy dtype, or a JAX PRNG key dtype).
+      spec: its ``PartitionSpec``, one entry per dim (None, a mesh axis, or a tuple of them).
+      logical: the axis names the spec came from: logical names, or mesh axes with ``direct``;
+        ``None`` for a leaf laid out by its sharding or without names (replicated).
+      replicated: ``(dim, mesh axis)`` pairs dropped because the axis did not divide the dim
+        (only with ``allow_replicate``).
+      direct: ``logical`` names mesh axes (flax's ``nn.Partitioned``), used as they are.
     """
 
     path: str
@@ -102,11 +112,13 @@ class LeafLayout:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element (a PRNG key's, for key dtypes)."""
         # PRNG key dtypes are not numpy dtypes but carry their own itemsize.
         return self.dtype.itemsize if _is_key(self.dtype) else np.dtype(self.dtype).itemsize
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole leaf (not of one shard)."""
         return math.prod(self.shape) * self.itemsize
 
 
@@ -118,8 +130,39 @@ def _is_key(dtype) -> bool:
 class PTC:
     """Parallelizable tensor collection: the abstract layout of a whole train state.
 
-    ``device_ids`` lists the mesh's devices in row-major mesh order (``config.names``); ``hosts``
-    gives the process index of each, used to prefer same-host sources when planning.
+    Every leaf's path, shape, dtype and ``PartitionSpec``, the mesh's config and its devices in
+    mesh order (the *allocation*); no arrays, so PTCs are built, compared and planned between
+    without touching device memory. Build one with :meth:`of` (logical axis names and rules) or
+    :meth:`from_shardings` (the shardings the leaves have), a new layout of the same state with
+    :meth:`relayout`; the constructor serves those and :meth:`from_json`.
+
+    >>> from flax import linen as nn
+    >>> w = nn.LogicallyPartitioned(jax.ShapeDtypeStruct((8, 16), jnp.float32), ("embed", "mlp"))
+    >>> state = {"w": w, "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    >>> rules = (("embed", "fsdp"), ("mlp", "tensor"))
+    >>> ptc = PTC.of(state, rules, ParallelConfig(fsdp=2, tensor=2), range(4))
+    >>> ptc.leaf("w").spec, ptc.leaf("step").spec       # unnamed leaves are replicated
+    (P('fsdp', 'tensor'), P())
+    >>> ptc.boxes(ptc.leaf("w"))[3]                      # device 3: rows 4..7, columns 8..15
+    ((4, 8), (8, 16))
+    >>> ptc.relayout(ParallelConfig(data=2), range(4, 6)).device_ids
+    (4, 5)
+
+    Attributes:
+      config: the mesh: axis names, sizes and types (a :class:`ParallelConfig`).
+      device_ids: the mesh's device ids in row-major mesh order (``config.names``).
+      hosts: the process index of each device, used to prefer same-host sources when planning.
+      leaves: one :class:`LeafLayout` per leaf, in tree-flattening order.
+      treedef: the state's tree structure (not compared: an ``nnx.State`` and the plain dict of an
+        orbax target with the same leaves are the same layout).
+      rules: the normalized logical-axis rules the specs came from, which :meth:`relayout` reuses;
+        ``None`` for a PTC of shardings.
+      allow_replicate: whether a dim its mesh axes do not divide was replicated along some of them
+        rather than refused (kept for :meth:`relayout`).
+
+    Raises:
+      LayoutError: ``device_ids`` are not distinct or not ``config.num_devices`` many, or
+        ``hosts`` does not have one entry per device.
     """
 
     config: ParallelConfig
@@ -159,14 +202,32 @@ class PTC:
     ) -> PTC:
         """The PTC of ``state`` laid out by logical-axis ``rules`` over a mesh.
 
-        ``state`` is an ``nnx.State`` (live or from ``nnx.eval_shape``), NNX graph nodes such as
-        ``(model, optimizer)``, Flax Linen variables with ``nn.LogicallyPartitioned`` /
-        ``nn.Partitioned`` boxes (and an optax state built from them), or any pytree of arrays /
-        ``ShapeDtypeStruct``. ``config`` is a ``ParallelConfig``, an ``AbstractMesh`` (both with
-        ``devices``: ``jax.Device`` objects or bare ids, in mesh order) or a ``Mesh`` (its own
-        devices). Arrays that already carry ``NamedSharding``s must be laid out as computed (else
-        ``LayoutError`` names the leaf, both specs and both meshes): for another layout,
-        ``relayout``.
+        Each leaf's logical names go through flax's ``logical_to_mesh_axes`` semantics; a leaf
+        without names (step counters, RNG state) is replicated. See the class example.
+
+        Args:
+          state: an ``nnx.State`` (live or from ``nnx.eval_shape``), NNX graph nodes such as
+            ``(model, optimizer)``, Flax Linen variables with ``nn.LogicallyPartitioned`` /
+            ``nn.Partitioned`` boxes (and an optax state built from them), or any pytree of
+            arrays / ``ShapeDtypeStruct``.
+          rules: flax logical-axis rules, ``((logical name, mesh axes), ...)`` in precedence order.
+          config: a ``ParallelConfig`` or ``AbstractMesh`` (both need ``devices``), or a concrete
+            ``Mesh`` (it brings its own devices).
+          devices: the mesh's devices in mesh order: ``jax.Device`` objects or bare ids.
+          hosts: the process index of each device (default: each ``jax.Device``'s
+            ``process_index``; 0 for bare ids).
+          allow_replicate: replicate a dim along the mesh axes that do not divide it (innermost
+            first) instead of refusing it; the dropped axes are in ``LeafLayout.replicated``.
+
+        Returns:
+          The state's PTC, which :meth:`relayout` can lay out anew with the same rules.
+
+        Raises:
+          LayoutError: a rule names an axis the mesh lacks, a dim does not divide by its mesh
+            axes (without ``allow_replicate``), the devices do not fit the config, or a leaf
+            already placed with a ``NamedSharding`` is not laid out as computed (for another
+            layout of a placed state, :meth:`relayout`); the message names the leaf, its shape,
+            both specs and the mesh.
         """
         config, devices = resolve(config, devices)
         paths, leaves, treedef = flatten_state(state)
@@ -190,18 +251,30 @@ class PTC:
     ) -> PTC:
         """The PTC of ``state`` as its leaves are laid out: each one's own ``NamedSharding``.
 
-        ``state`` is any pytree of ``jax.Array`` (the ground truth of what is on the devices) or
-        of ``ShapeDtypeStruct`` with shardings (an orbax restore target); NNX variables and Linen
-        boxes are unwrapped. ``shardings`` instead gives them as a tree shaped like the state, a
-        prefix of it, or one sharding for all (a ``jit``'s ``out_shardings``), for a state of any
-        array-likes. Every leaf must have a ``NamedSharding`` on one mesh; an ``AbstractMesh``
-        needs ``devices`` (ids in mesh order). Such a PTC knows no rules: the target of a plan
-        from it is another PTC (``from_shardings`` of the target tree, or ``PTC.of``).
+        Such a PTC knows no rules: the target of a plan from it is another PTC (``from_shardings``
+        of the target tree, or :meth:`of`), not its :meth:`relayout`.
 
-        >>> state = jax.jit(init, out_shardings=shardings)()
-        >>> src = PTC.from_shardings(state)
-        >>> dst = PTC.from_shardings(orbax_target)   # ShapeDtypeStructs with the new shardings
-        >>> state, _ = reshard(state, make_plan(src, dst))
+        >>> mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+        >>> sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        >>> PTC.from_shardings({"w": jax.device_put(jnp.zeros((8, 2)), sharding)}).leaf("w").spec
+        P('data', None)
+
+        Args:
+          state: a pytree of ``jax.Array`` (the ground truth of what is on the devices) or of
+            ``ShapeDtypeStruct`` with shardings (an orbax restore target); NNX variables and
+            Linen boxes are unwrapped. With ``shardings``, a pytree of any array-likes.
+          shardings: the shardings instead of the leaves' own: a tree shaped like the state, a
+            prefix of it, or one sharding for all (what a ``jit``'s ``out_shardings`` may be).
+          devices: the mesh's devices in mesh order (ids or ``jax.Device``), needed when the
+            shardings are on an ``AbstractMesh``; a concrete mesh brings its own.
+          hosts: the process index of each device (default: each device's ``process_index``).
+
+        Returns:
+          The PTC of the layout the leaves have, with ``rules=None``.
+
+        Raises:
+          LayoutError: a leaf has no ``NamedSharding``, the leaves are on different meshes, a
+            spec does not fit its array, or the state has no leaves.
         """
         paths, leaves, treedef = flatten_state(state)
         values = [tree.value_and_check(path, leaf) for path, leaf in zip(paths, leaves)]
@@ -257,11 +330,26 @@ class PTC:
         rules: Rules | None = None,
         allow_replicate: bool | None = None,
     ) -> PTC:
-        """The same state laid out over ``config`` (a ``ParallelConfig``, ``AbstractMesh`` or
-        ``Mesh``, as in :meth:`of`), by the same rules (or ``rules``, e.g. for a mesh with other
-        axis names).
+        """The same state laid out over another mesh, by the same rules: a plan's target.
 
-        Pure, like ``of`` on an abstract state: the target of a plan from this PTC.
+        Pure, like :meth:`of` on an abstract state; see the class example.
+
+        Args:
+          config: a ``ParallelConfig``, ``AbstractMesh`` or ``Mesh``, as in :meth:`of`.
+          devices: the new mesh's devices in mesh order (ids or ``jax.Device``); not with a
+            ``Mesh``, which brings its own.
+          hosts: the process index of each device (default: each device's ``process_index``).
+          rules: other logical-axis rules (e.g. for a mesh with other axis names); default: this
+            PTC's.
+          allow_replicate: as in :meth:`of`; default: this PTC's.
+
+        Returns:
+          A PTC of the same leaves, tree and dtypes over the new mesh.
+
+        Raises:
+          LayoutError: this PTC knows no rules and none are given (a PTC of shardings), or the
+            state cannot be laid out on the new mesh; the message shows the failing leaf's
+            layout before and after.
         """
         rules = self.rules if rules is None else rules
         if rules is None:
@@ -361,7 +449,7 @@ class PTC:
         on = sorted(have)
         raise LayoutError(
             f"a PTC of a placed state must describe the layout it has: the array is placed as "
-            f"{sharding.spec} on mesh {dict(mesh.shape)} over devices "
+            f"{sharding.spec} on {show_mesh(mesh, devices=False)} over devices "
             f"{on if len(on) <= 16 else f'{on[:16]}...'}, the rules give {leaf.spec} on "
             f"{self.config.describe()} over {show_ids(self.device_ids)}; for a new layout of this "
             f"state use ptc.relayout(config, devices), PTC.of on an abstract state "
@@ -372,9 +460,13 @@ class PTC:
     # -- records ------------------------------------------------------------------------------
 
     def to_json(self) -> dict:
-        """The PTC as JSON: config, devices, hosts, rules and each leaf's path, shape, dtype, spec,
-        axis names and replicated dims (not the tree structure: ``from_json`` takes it from a
-        PTC)."""
+        """The PTC as a JSON-able record (what a checkpoint and a commit store beside the arrays).
+
+        Returns:
+          A dict of the config, device ids, hosts, rules and each leaf's path, shape, dtype, spec,
+          axis names and replicated dims; not the tree structure, which :meth:`from_json` takes
+          from a PTC of the same state.
+        """
         rules = self.rules
         if rules is not None:
             rules = [[name, list(a) if isinstance(a, tuple) else a] for name, a in rules]
@@ -400,20 +492,26 @@ class PTC:
 
     @classmethod
     def from_json(cls, record: dict, like: PTC) -> PTC:
-        """The PTC of ``to_json``'s record, with ``like``'s tree structure; ``PlanError`` unless
-        the record's leaves (paths, shapes, dtypes) are ``like``'s."""
-        got = [(r["path"], tuple(r["shape"]), r["dtype"]) for r in record["leaves"]]
-        want = [(leaf.path, leaf.shape, dtype_name(leaf.dtype)) for leaf in like.leaves]
-        if got != want:
-            show = lambda leaf: f"{leaf[0]!r} {leaf[2]}{list(leaf[1])}"
-            diff = next(
-                (
-                    f"recorded leaf {show(a)} vs asked {show(b)}"
-                    for a, b in zip(got, want)
-                    if a != b
-                ),
-                f"{len(got)} recorded leaves vs {len(want)} asked",
-            )
+        """The PTC of a :meth:`to_json` record.
+
+        Args:
+          record: the dict :meth:`to_json` returned.
+          like: a PTC of the same state (any layout): it supplies the tree structure and the
+            dtypes, which a record cannot spell (PRNG key dtypes).
+
+        Returns:
+          The recorded layout of ``like``'s state.
+
+        Raises:
+          PlanError: the record's leaves (paths, shapes, dtypes) are not ``like``'s; the message
+            names the first that differs.
+        """
+        got = [
+            tree.Leaf(r["path"], tuple(r["shape"]), r["dtype"], _spec(r["spec"]))
+            for r in record["leaves"]
+        ]
+        diff = tree.difference(got, like.leaves, ("the record", "the state asked for"))
+        if diff:
             raise PlanError(
                 f"the record holds another state than the one asked for: {diff}; use the state "
                 "it was recorded from (same model, optimizer and tree)"
@@ -425,7 +523,7 @@ class PTC:
                 r["path"],
                 tuple(r["shape"]),
                 same.dtype,
-                PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in r["spec"])),
+                _spec(r["spec"]),
                 None if r.get("logical") is None else _names(r["logical"]),
                 tuple((int(dim), axis) for dim, axis in r.get("replicated", ())),
                 bool(r.get("direct", False)),
@@ -449,20 +547,38 @@ class PTC:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole state, every leaf counted once (not per replica)."""
         return sum(leaf.nbytes for leaf in self.leaves)
 
     def leaf(self, path: str) -> LeafLayout:
+        """The layout of one leaf.
+
+        Args:
+          path: the leaf's tree path, as in ``LeafLayout.path`` (``"model/layers/0/w"``).
+
+        Returns:
+          Its :class:`LeafLayout`.
+
+        Raises:
+          LeafNotFoundError: no leaf has that path (a ``KeyError`` too); the message lists the
+            first few paths.
+        """
         for leaf in self.leaves:
             if leaf.path == path:
                 return leaf
-        raise KeyError(
-            f"no leaf {path!r} in this PTC; leaves: {[item.path for item in self.leaves][:8]}..."
+        raise LeafNotFoundError(
+            f"no leaf {path!r} in this PTC; leaves: {[item.path for item in self.leaves][:8]}...",
+            path=path,
         )
 
     def intervals(self, leaf: LeafLayout) -> np.ndarray:
-        """[dims, devices in mesh order, 2]: each device's (start, stop) along each dim of ``leaf``.
+        """Each device's ``(start, stop)`` along each dim of a leaf, computed from the spec alone.
 
-        Computed from the spec alone; a scalar gives shape ``[0, devices, 2]``.
+        Args:
+          leaf: one of this PTC's :class:`LeafLayout`.
+
+        Returns:
+          int64 ``[dims, devices in mesh order, 2]``; a scalar gives ``[0, devices, 2]``.
         """
         names, sizes = self.config.names, self.config.shape
         coords = np.indices(self.config.sizes).reshape(len(names), -1).T  # [device, axes]
@@ -478,9 +594,16 @@ class PTC:
         return np.stack(per_dim) if per_dim else np.zeros((0, len(coords), 2), dtype=np.int64)
 
     def boxes(self, leaf: LeafLayout) -> dict[int, Box]:
-        """Device id → the box of ``leaf`` that device holds.
+        """The box of a leaf that each device holds.
 
-        Equals ``NamedSharding(mesh, spec).devices_indices_map(shape)`` with slices as intervals.
+        Equals ``NamedSharding(mesh, spec).devices_indices_map(shape)`` with slices as intervals;
+        replicas share one box tuple. See the class example.
+
+        Args:
+          leaf: one of this PTC's :class:`LeafLayout`.
+
+        Returns:
+          Device id -> its box, ``((start, stop), ...)`` per dim (``tj.typing.Box``).
         """
         per_device = self.intervals(leaf).transpose(1, 0, 2).reshape(len(self.device_ids), -1)
         # replicas share a box: convert each distinct box once, and share the tuple
@@ -489,8 +612,18 @@ class PTC:
         return {dev: boxes[i] for dev, i in zip(self.device_ids, which.ravel().tolist())}
 
     def mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """The concrete mesh; devices are looked up by id among ``devices`` (default
-        ``jax.devices()``). ``LayoutError`` names the devices this process does not have."""
+        """The concrete ``Mesh`` of this PTC's config over its devices.
+
+        Args:
+          devices: where the PTC's device ids are looked up (default ``jax.devices()``).
+
+        Returns:
+          The mesh, its devices in this PTC's order, with the config's axis types.
+
+        Raises:
+          LayoutError: some of the PTC's devices are not among ``devices``; the message names
+            them.
+        """
         by_id = {d.id: d for d in (jax.devices() if devices is None else devices)}
         missing = [i for i in self.device_ids if i not in by_id]
         if missing:
@@ -503,15 +636,34 @@ class PTC:
         return self.config.make_mesh([by_id[i] for i in self.device_ids])
 
     def shardings(self, mesh: Mesh | None = None):
-        """A tree shaped like the state with a ``NamedSharding`` at each leaf (for jit and
-        device_put)."""
+        """The layout as shardings, for ``jit``'s ``out_shardings`` and ``jax.device_put``.
+
+        Args:
+          mesh: the mesh to shard over (default :meth:`mesh`).
+
+        Returns:
+          A tree shaped like the state with a ``NamedSharding`` at each leaf.
+
+        Raises:
+          LayoutError: without ``mesh``, as :meth:`mesh`.
+        """
         mesh = self.mesh() if mesh is None else mesh
         return jax.tree_util.tree_unflatten(
             self.treedef, [NamedSharding(mesh, leaf.spec) for leaf in self.leaves]
         )
 
     def abstract(self, mesh: Mesh | None = None):
-        """A tree of ``ShapeDtypeStruct`` with shardings (what orbax restores onto)."""
+        """The state as abstract arrays with this layout: what orbax restores onto.
+
+        Args:
+          mesh: the mesh to shard over (default :meth:`mesh`).
+
+        Returns:
+          A tree shaped like the state with a sharded ``jax.ShapeDtypeStruct`` at each leaf.
+
+        Raises:
+          LayoutError: without ``mesh``, as :meth:`mesh`.
+        """
         mesh = self.mesh() if mesh is None else mesh
         return jax.tree_util.tree_unflatten(
             self.treedef,
@@ -544,9 +696,9 @@ def _names(names: list) -> tuple:
     return tuple(tuple(n) if isinstance(n, list) else n for n in names)
 
 
-def dtype_name(dtype) -> str:
-    """A dtype's name: numpy's for array dtypes, JAX's (``key<fry>``) for PRNG keys."""
-    return str(dtype) if _is_key(dtype) else np.dtype(dtype).name
+def _spec(entries: list) -> PartitionSpec:
+    """A spec as ``to_json`` records it: an axis, a list of axes or None per dim."""
+    return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in entries))
 
 
 def _entries(spec: PartitionSpec, leaf: LeafLayout) -> list[tuple[str, ...]]:

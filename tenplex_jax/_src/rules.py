@@ -31,6 +31,9 @@ from jax.sharding import PartitionSpec
 from tenplex_jax._src.errors import LayoutError, where
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+"""flax logical-axis rules: ``(logical name, mesh axes)`` pairs in precedence order, the mesh axes
+one axis, a tuple of axes, or ``None`` (never sharded): ``(("embed", "fsdp"), ("mlp", "tensor"))``.
+"""
 Logical = tuple[str | None, ...]
 
 
@@ -71,7 +74,7 @@ def normalize(
         users = [next((leaf for leaf in leaves if leaf[2] and b[1] in leaf[2]), None) for b in bad]
         rule, name, unknown = next((b for b, u in zip(bad, users) if u), bad[0])
         user = next((u for u in users if u), None)
-        shown = f" (mesh {mesh})" if mesh else ""
+        shown = f" ({mesh})" if mesh else ""
         raise LayoutError(
             f"rule {rule!r} maps logical axis {name!r} to mesh axes {unknown} that do not exist; "
             f"mesh axes are {tuple(mesh_axes)}{shown}"

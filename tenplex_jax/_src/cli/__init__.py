@@ -228,7 +228,7 @@ def _parser() -> argparse.ArgumentParser:
         "--steps",
         type=_positive,
         default=None,
-        help="training steps (default: 60; with --wsp, the run's minibatches, default 96)",
+        help="training steps (default: 60; with --wsp, the run's minibatches, default 240)",
     )
     demo.add_argument(
         "--bitwise",
@@ -286,7 +286,7 @@ def _parser() -> argparse.ArgumentParser:
         "--wsp",
         action="store_true",
         help="asynchronous virtual workers (4+2+2 devices, one slower) with wave synchronous "
-        "parallel through a parameter server; one dies at 40%% and a new one joins at 60%%",
+        "parallel through a parameter server; one dies at 30%% and a new one joins at 50%%",
     )
     demo.add_argument(
         "--distance", type=_count, default=1, help="with --wsp: the clock distance D (default: 1)"

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from tenplex_jax._src.data import BatchLayout, DatasetPTC
+from tenplex_jax._src.elastic.core import JobOptions
 from tenplex_jax._src.elastic.job import ElasticJob
 from tenplex_jax._src.elastic.trace import ResourceTrace, TraceEvent, replay
 from tenplex_jax._src.errors import LayoutError
@@ -218,10 +219,13 @@ def train(
     bar,
     layouts: dict | None = None,
     initial: tuple[int, ...] | None = None,
+    *,
+    checkpoint_dir: pathlib.Path | None = None,
+    checkpoint_every: int | None = None,
     **job_options,
 ) -> Run:
     """Train ``trace.steps`` steps of the GPT with ``ElasticJob`` through ``trace``'s events,
-    starting on ``initial`` (default all devices).
+    starting on ``initial`` (default all devices); ``job_options`` are ``JobOptions`` fields.
 
     The layout of each device count comes from ``layouts``, or else from the planner; the dataset
     PTC serves every step's global batch, so an event changes how the batch is split over ranks,
@@ -231,14 +235,13 @@ def train(
 
     if layouts is None:  # the planner picks data and FSDP sizes with the model's profile
         job_options |= {"profile": profile_of(options.model), "device_type": CPU}
+        config = None
     else:
 
         def config(n: int) -> ParallelConfig:
             if n not in layouts:
                 raise LayoutError(f"the schedule gives no layout for {n} devices")
             return layouts[n]
-
-        job_options |= {"config": config}
 
     step_fn = _train_step(options.model, options.lr, options.seed)
     losses, samples, done = {}, {}, []
@@ -257,10 +260,11 @@ def train(
         devices=jax.devices()[: trace.devices],
         initial=initial,
         workers=options.workers,
+        config=config,
         steps=trace.steps,
-        method=options.method,
-        log=bar.write,
-        **job_options,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        options=JobOptions(method=options.method, log=bar.write, **job_options),
     ) as job:
         tic = time.perf_counter()
         state = job.start(lambda: build_state(options.model, options.lr, options.seed)[1])

@@ -31,7 +31,7 @@ class WSPOptions:
     distance: int = 1
     slowdown: float = 2.0
     minibatches: tuple[int, int, int] = (4, 2, 1)  # Nm of vw1, vw2, vw3 (and the joiner: vw2's)
-    fail: bool = True  # devices 4..5 fail at 40 % and come back at 60 %
+    fail: bool = True  # devices 4..5 fail at 30 % and come back at 50 %
     timeout: float = 3.0  # the ledger drops a VW silent this long
     lr: float = 3e-3
     seed: int = 0
@@ -46,6 +46,7 @@ def run(options: WSPOptions, log=print) -> dict:
 
     from tenplex_jax._src.elastic.steps import StepCache
     from tenplex_jax._src.elastic.trace import ResourceTrace, TraceEvent
+    from tenplex_jax._src.errors import WSPError
     from tenplex_jax._src.multihost.store.process import StoreProcess
     from tenplex_jax._src.wsp.coordinator import Coordinator, Threads
     from tenplex_jax._src.wsp.ps import ParameterServer
@@ -113,7 +114,7 @@ def run(options: WSPOptions, log=print) -> dict:
             seconds = time.perf_counter() - tic
             errors = coordinator.runner.errors
             if errors:
-                raise RuntimeError(f"virtual workers failed: {errors}")
+                raise WSPError(f"virtual workers failed: {errors}", "failed")
             ledger = ps.ledger()
             final = ps.pull(ledger)
         records = coordinator.records()

@@ -34,7 +34,55 @@ class Event:
 
 @dataclasses.dataclass
 class EventRecord:
-    """What one event did; ``dataclasses.asdict`` gives its JSON."""
+    """What one event did at a step boundary; ``dataclasses.asdict`` gives its JSON.
+
+    :class:`tenplex_jax.ElasticJob` appends one to ``job.records`` per event it applies, in order.
+    The decisions: ``shrink`` (a preemption), ``rebuild`` (a failure whose shards survive on
+    replicas), ``restore`` (a failure that fell back to the latest checkpoint), ``grow`` (an offer
+    taken), ``move`` (a redeploy) and ``stay`` (an offer declined, or an event that leaves the
+    job's devices as they were). A ``stay`` record leaves the reshard, compile, commit and stall
+    fields at their defaults.
+
+    Attributes:
+      step: ``job.step`` at the boundary the event was applied at (the index of the step that
+        boundary precedes; a ``restore`` then rewinds the job by ``lost_steps``).
+      kind: the event, one of ``preempt``, ``fail``, ``offer``, ``redeploy``.
+      source: who posted it: ``"api"`` (``job.preempt`` and the other methods) or ``"SIGTERM"``
+        (under ``job.handle_sigterm()``).
+      devices_before: the job's device ids before the event, in mesh order.
+      devices_after: the job's device ids after it, in the new mesh's order (the ones before on a
+        ``stay``).
+      config_before: the parallel config before the event (``str(ParallelConfig)``, e.g.
+        ``data=4,fsdp=2``).
+      config_after: the parallel config after it (the one before on a ``stay``).
+      decision: what the job did: ``shrink``, ``rebuild``, ``restore``, ``grow``, ``move`` or
+        ``stay``.
+      bytes_moved: bytes the reshard copied from one device to another (0 on a ``restore``).
+      bytes_kept: bytes of the new shards that stayed on their device.
+      plan_seconds: the time to allocate the new layout and make the plan (0 on a ``restore``,
+        whose plan failed).
+      reshard_seconds: the wall time of the reshard's copies.
+      compile: how the new layout's step was had: ``"cached"`` (compiled before or ahead),
+        ``"waited"`` (compile-ahead was compiling it), ``"compiled"`` (compiled at the boundary);
+        empty on a ``stay``.
+      compile_seconds: what XLA took to compile the new layout's step, wherever and whenever it
+        ran.
+      compile_wait_seconds: how long the boundary waited for that step (the whole compile when
+        ``compile`` is ``"compiled"``, nearly 0 when ``"cached"``).
+      commit_seconds: the time to save the checkpoint a preemption saves (with
+        ``checkpoint_dir``; 0 when this step was already saved).
+      restore_seconds: the time a ``restore`` took to read the checkpoint onto the new layout.
+      lost_steps: the steps a ``restore`` rewound, to rerun from the checkpoint's step.
+      stall_seconds: from the event's posting to the end of the first step on the new layout
+        (that step is waited for); None on a ``stay``, until that step has run, and for an event
+        another one follows at the same boundary (the stall is the last one's).
+      estimate: an offer's growth decision and the numbers behind it, as the growth rule returns
+        them (step times now and after and their ``source``, remaining steps, gain, bytes moved,
+        bandwidth, transfer and compile seconds, cost, ``grow``); None for the other kinds and
+        for an offer that adds no device.
+      error: the ``LostShardsError`` message that made a failure fall back to the checkpoint;
+        None otherwise.
+    """
 
     step: int
     kind: str

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tenplex_jax._src import compat
 from tenplex_jax._src.batch import BATCH_AXES, Batch
 from tenplex_jax._src.data import BatchLayout
 from tenplex_jax._src.ptc import PTC
@@ -97,7 +98,10 @@ class StepCache:
         key = self.key(ptc, layout)
         with self._lock:
             future = self._futures.get(key)
-            if not ahead and self.status(key) == "queued" and future.cancel():
+            if self.status(key) == "failed":  # a compile that failed, ahead: compile it again
+                self._queued.discard(future)
+                future = None
+            elif not ahead and self.status(key) == "queued" and future.cancel():
                 future = None  # queued behind other guesses: compile it now instead of waiting
             now = future is None and not ahead
             if future is None:
@@ -173,10 +177,17 @@ def enable_compilation_cache(directory: str | pathlib.Path) -> None:
     JAX caches only compiles longer than ``jax_persistent_cache_min_compile_time_secs`` (1 s by
     default) and entries of at least ``jax_persistent_cache_min_entry_size_bytes``; both are set
     to cache everything, since a resize's step is small on CPU yet still worth not recompiling.
-    """
-    from jax.experimental.compilation_cache import compilation_cache
+    Process-wide, and effective from the next compile even when JAX has compiled before the call
+    (JAX is made to read its cache settings again)::
 
+        tj.elastic.enable_compilation_cache("/tmp/jax-cache")
+
+    Args:
+      directory: where JAX keeps the compiled executables (``jax_compilation_cache_dir``); a
+        process that calls this with the same directory later, e.g. a restarted one, reads the
+        steps compiled before from it.
+    """
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    compilation_cache.reset_cache()  # JAX decides once per process; decide again with this dir
+    compat.reset_compilation_cache()  # JAX decides once per process; decide again with this dir

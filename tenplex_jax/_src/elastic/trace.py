@@ -39,7 +39,19 @@ from tenplex_jax._src.errors import LayoutError
 @dataclasses.dataclass(frozen=True)
 class TraceEvent:
     """A change of the job's devices before step ``step``: ``devices`` by id or ``count`` by
-    rule."""
+    rule. One ``[[events]]`` table of a trace; :class:`ResourceTrace` checks it against the
+    trace.
+
+    Attributes:
+      step: the step it comes before: :func:`replay` posts it then and the job applies it at that
+        step boundary; in ``1..steps-1``, never less than the event before's.
+      kind: ``"preempt"`` (a notice), ``"fail"`` (the buffers are gone), ``"offer"`` (devices
+        come, the job grows when that pays) or ``"redeploy"`` (move onto exactly ``devices``).
+      devices: the device ids, in ``0..devices-1`` of the trace, or None to go by ``count``.
+      count: how many devices when ``devices`` is None: the job's last ``count`` (highest ids)
+        for a preemption or failure, the ``count`` lowest-numbered free ones for an offer; at
+        least 1. Give exactly one of ``devices`` and ``count`` (a redeploy takes ``devices``).
+    """
 
     step: int
     kind: str
@@ -49,7 +61,31 @@ class TraceEvent:
 
 @dataclasses.dataclass(frozen=True)
 class ResourceTrace:
-    """The events of a run of ``steps`` steps on a machine of ``devices`` devices."""
+    """The events of a run of ``steps`` steps on a machine of ``devices`` devices.
+
+    Read from TOML with :meth:`load` (the format is in ``meshes/README.md``), replayed on a job
+    with :func:`replay` and by the simulator (``tj.simulator.simulate``)::
+
+        trace = tj.elastic.ResourceTrace.load("meshes/philly.toml")
+
+    Attributes:
+      name: what the trace is called (a file's stem when its TOML has no ``name``).
+      devices: the machine's device count, ids ``0..devices-1``; the job starts on all of them.
+      steps: the run's length in steps.
+      events: the events (:class:`TraceEvent`), in step order.
+      checkpoint_every: the period of the run's orbax checkpoints in steps, from step 0 (the
+        fallback for shards no replica holds, and the checkpoint-restart baseline's period), or
+        None for none.
+      description: free text about where the trace comes from.
+      minutes: the trace's wall-clock length, for the simulator: step ``s`` happens at
+        ``s / steps`` of it (None: ``steps`` times the first layout's step time).
+
+    Raises:
+      LayoutError: ``devices`` or ``steps`` below 1, ``minutes`` not positive, or an event that
+        breaks a rule of :class:`TraceEvent` (its kind, its step, device ids outside the
+        machine, a count below 1, both or neither of ``devices`` and ``count``); the message
+        names the trace and the event's step.
+    """
 
     name: str
     devices: int
@@ -87,6 +123,12 @@ class ResourceTrace:
 
     @classmethod
     def load(cls, path: str | pathlib.Path) -> ResourceTrace:
+        """Read a trace from the TOML file at ``path`` (the format in ``meshes/README.md``); its
+        ``name`` defaults to the file's stem.
+
+        Raises:
+          LayoutError: the file cannot be read or is not TOML, or as :meth:`from_dict`.
+        """
         path = pathlib.Path(path)
         try:
             data = tomllib.loads(path.read_text())
@@ -96,6 +138,18 @@ class ResourceTrace:
 
     @classmethod
     def from_dict(cls, data: Mapping, default_name: str = "trace") -> ResourceTrace:
+        """The trace a parsed TOML document describes.
+
+        Args:
+          data: a mapping with the keys ``devices`` and ``steps`` and optionally ``name``,
+            ``description``, ``checkpoint_every``, ``minutes`` and ``events`` (a list of
+            mappings with ``step``, ``kind`` and ``devices`` or ``count``).
+          default_name: the trace's name when ``data`` has no ``name``.
+
+        Raises:
+          LayoutError: an unknown or missing key, in the trace or in an event, or a value that
+            breaks a rule of :class:`ResourceTrace`.
+        """
         known = {"name", "description", "devices", "steps", "checkpoint_every", "events", "minutes"}
         unknown = set(data) - known
         if unknown or "devices" not in data or "steps" not in data:
@@ -142,8 +196,28 @@ def replay(
     """Train ``job`` through ``trace`` with the user's jitted ``step``; returns the final state.
 
     Each event is posted once, before the boundary of its step; after a checkpoint fallback the
-    job reruns lost steps without posting their events again. ``on_step(job, metrics)`` runs after
-    every step.
+    job reruns lost steps without posting their events again. The loop ends when ``job.step``
+    reaches ``trace.steps``; the trace's ``devices`` and ``checkpoint_every`` are the caller's to
+    give the job (its ``devices`` and ``checkpoint_every``)::
+
+        state = tj.elastic.replay(job, job.start(init), job.jit(train_step), trace)
+
+    Args:
+      job: the :class:`tenplex_jax.ElasticJob`, started, on the trace's devices.
+      state: the state ``job.start`` returned.
+      step: the step ``job.jit`` returned: ``step(state, batch) -> (state, metrics)``.
+      trace: the :class:`ResourceTrace` whose events are posted.
+      hints: act as a scheduler that announces its plans: before the first event, and after
+        posting a step's events while more remain, ``job.expect`` the devices the job will have
+        once the next event is applied, so that the step of that layout compiles ahead.
+      on_step: called as ``on_step(job, metrics)`` after every step (None: nothing).
+
+    Returns:
+      The state after the last step, on the job's devices then.
+
+    Raises:
+      LayoutError: an event asks for devices with no layout (from ``job.next``).
+      LostShardsError: a failure took shards no replica holds, and there is no checkpoint.
     """
     events = list(trace.events)
     if hints and events:

@@ -45,6 +45,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from tenplex_jax._src import box as boxes
+from tenplex_jax._src import tree
 from tenplex_jax._src.box import Box
 from tenplex_jax._src.data import DataState
 from tenplex_jax._src.errors import PlanError, StoreError
@@ -304,8 +305,16 @@ class Committer:
         objects = self._objects_of(ptc)
         mine = [o for o in objects if o.process == self.process]
         arrays = jax.tree.leaves(state)
-        if len(arrays) != len(ptc.leaves):
-            raise PlanError(f"the state has {len(arrays)} leaves, its PTC {len(ptc.leaves)}")
+        if len(arrays) != len(ptc.leaves) or any(
+            a.shape != leaf.shape for a, leaf in zip(arrays, ptc.leaves)
+        ):
+            paths, values, _ = tree.arrays(state)
+            leaves = tree.leaves_of(paths, values)
+            raise PlanError(
+                f"a commit writes the state its PTC describes, but the state's {len(arrays)} "
+                f"leaves are not the PTC's {len(ptc.leaves)}: "
+                + tree.difference(leaves, ptc.leaves, ("the state", "the PTC"))
+            )
         index = {leaf.path: i for i, leaf in enumerate(ptc.leaves)}
         copies = [_host_shard(arrays[index[o.path]], o) for o in mine]
         copy_seconds = time.perf_counter() - tic

@@ -69,7 +69,29 @@ ACTIONS = ("resize", "stop")
 
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
-    """What the launcher tells each worker process of a generation."""
+    """What the launcher tells each worker process of a generation.
+
+    Passed as one JSON environment variable (``TENPLEX_JOB``): :meth:`to_env` writes it,
+    :meth:`from_env` reads it back; ``tj.ElasticJob`` finds itself launched when it is set.
+
+    Attributes:
+      coordinator: ``"host:port"`` of the ``jax.distributed`` coordinator (process 0).
+      process_id: this process's index in the generation.
+      num_processes: processes in the generation.
+      devices_per_process: devices each process uses.
+      generation: the generation's number, from 0.
+      slots: each process's host slot (its tensor store), by process index.
+      stores: slot -> address, for every store that is up.
+      replicas: store copies of every shard beyond the writer's.
+      commit_every: steps between commits to the stores.
+      restore: where the state comes from: ``"init"``, ``"store:<step>"`` or
+        ``"checkpoint:<step>"``.
+      run_dir: the launcher's run directory (control files, progress, logs).
+      checkpoint_dir: the orbax checkpoint directory, if any.
+      checkpoint_every: steps between orbax checkpoints, if any.
+      token_file: a file holding the stores' secret (readable by this job's user only), if
+        the stores need one.
+    """
 
     coordinator: str  # "127.0.0.1:port" of the jax.distributed coordinator (process 0)
     process_id: int
@@ -87,12 +109,25 @@ class JobSpec:
     token_file: str | None = None  # the stores' secret, in a file only this job's user reads
 
     def to_env(self) -> dict[str, str]:
+        """The environment a worker is started with: ``{"TENPLEX_JOB": <this record as JSON>}``."""
         record = dataclasses.asdict(self)
         record["stores"] = {str(k): v for k, v in self.stores.items()}
         return {ENV: json.dumps(record, sort_keys=True)}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> JobSpec | None:
+        """The spec a launcher passed to this process.
+
+        Args:
+          environ: the environment (``os.environ``).
+
+        Returns:
+          The spec, or ``None`` when the process was not started by a launcher.
+
+        Raises:
+          ValueError: the variable is not JSON (``json.JSONDecodeError``); ``KeyError`` or
+            ``TypeError`` when it lacks a field: only a launcher writes it.
+        """
         text = environ.get(ENV)
         if not text:
             return None
@@ -103,10 +138,15 @@ class JobSpec:
 
     @property
     def slot(self) -> int:
+        """This process's host slot: the index of its own tensor store."""
         return self.slots[self.process_id]
 
     def token(self) -> str | None:
-        """The stores' token (read from ``token_file``; None when the stores need none)."""
+        """The stores' token, read from ``token_file``; ``None`` when the stores need none.
+
+        Raises:
+          OSError: the token file cannot be read.
+        """
         if self.token_file is None:
             return None
         return pathlib.Path(self.token_file).read_text().strip()
@@ -114,6 +154,39 @@ class JobSpec:
 
 @dataclasses.dataclass(frozen=True)
 class LaunchOptions:
+    """How to launch a job: what ``tenplex-jax launch`` reads from its command line.
+
+    Example::
+
+        options = LaunchOptions("train.py", args=("--steps", "1000"), nprocs=4, replicas=1)
+        status = tj.multihost.launch(options)      # 0: done or stopped
+
+    Attributes:
+      script: the training script, run as ``__main__`` in every worker.
+      args: its command-line arguments.
+      nprocs: processes (host slots) of generation 0.
+      devices_per_proc: devices each process uses.
+      replicas: store copies of every shard beyond the writer's (0: none survive a failure).
+      commit_every: steps between commits of the state to the stores.
+      max_restarts: failures survived before the launcher gives up.
+      min_procs: the fewest slots a generation may run on.
+      run_dir: the run directory (logs, events, control files; default: a fresh temporary one).
+      checkpoint_dir: the orbax checkpoint directory, the fallback when no replica survives.
+      checkpoint_every: steps between orbax checkpoints (with ``checkpoint_dir``).
+      store_dir: the stores' disk tier (default ``RUN_DIR/stores``).
+      compile_cache: JAX's persistent compilation cache directory, shared by the generations.
+      recover_from: ``"store"``, or ``"checkpoint"`` to ignore the stores (a baseline).
+      token: the stores refuse clients without the job's secret (always on Ray).
+      grace: seconds the survivors of a failure get before SIGKILL.
+      stop_timeout: seconds the workers get to commit and exit on a planned end.
+      start_timeout: seconds a store gets to listen.
+      python: the interpreter of the stores and workers.
+
+    Raises:
+      LaunchError: a count is out of range, ``recover_from`` is unknown, or ``"checkpoint"``
+        comes without ``checkpoint_dir``.
+    """
+
     script: str
     args: tuple[str, ...] = ()
     nprocs: int = 2
@@ -173,7 +246,17 @@ class _Outcome:
 
 
 class Launcher:
-    """Runs the job described by ``options``; :meth:`run` returns the exit status."""
+    """Runs the job described by ``options``; :meth:`run` returns the exit status.
+
+    One store per host slot, then generations of worker processes until the job finishes, is
+    stopped (SIGTERM) or gives up; a failure or a resize (``echo N > RUN_DIR/resize``) starts the
+    next generation from the stores. :func:`launch` is ``Launcher(options, log).run()``.
+
+    Args:
+      options: the :class:`LaunchOptions`.
+      log: called with one line of text per event (default: ``print``); every event also goes
+        to ``RUN_DIR/events.jsonl``.
+    """
 
     def __init__(self, options: LaunchOptions, log=None):
         self.options = options
@@ -191,6 +274,13 @@ class Launcher:
     # -- the main loop -----------------------------------------------------------------------------
 
     def run(self) -> int:
+        """Run the job to its end; every store and worker is killed and reaped on the way out.
+
+        Returns:
+          The exit status: 0 when the workers finished or the job was stopped, 1 when the
+          launcher gave up (too many restarts, too few slots, no copy of the state: a
+          ``LaunchError``, logged as an ``error`` event), 130 on Ctrl-C.
+        """
         opts = self.options
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for name in (CONTROL, "resize", "progress.json", "finished.json", "stopped.json"):
@@ -614,5 +704,13 @@ def _free_port() -> int:
 
 
 def launch(options: LaunchOptions, log=None) -> int:
-    """Run a job; the exit status (0 done or stopped, 1 gave up, 130 interrupted)."""
+    """Run a job as :class:`Launcher` does; what ``tenplex-jax launch`` calls.
+
+    Args:
+      options: the :class:`LaunchOptions`.
+      log: called with one line of text per event (default: ``print``).
+
+    Returns:
+      The exit status: 0 done or stopped, 1 gave up, 130 interrupted.
+    """
     return Launcher(options, log).run()

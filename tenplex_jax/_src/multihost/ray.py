@@ -286,13 +286,6 @@ class RayLauncher(Launcher):
             self.slots[slot].store.returncode = -signal.SIGKILL
             return False
 
-    def _resized(self, slots: list[int], count: int) -> list[int]:
-        if count <= len(slots):
-            return sorted(slots)[:count]
-        new = [max(self.slots) + 1 + i for i in range(count - len(slots))]
-        self._start_stores(new)
-        return sorted(slots) + new
-
     # -- joins ------------------------------------------------------------------------------------
 
     def _request(self, current: int) -> tuple[str, int] | None:

@@ -1,18 +1,19 @@
-"""A launched process's side of the job: what ``ElasticJob`` does underneath when launched.
+"""A launched process's side of the job: what ``LaunchedJob`` does underneath.
 
 ``tenplex-jax launch`` starts every worker as ``python -m tenplex_jax.multihost SCRIPT ARGS``:
 :func:`join` configures JAX from the launcher's :class:`JobSpec` (CPU devices per process, gloo
 collectives) and initializes ``jax.distributed`` with the coordinator on 127.0.0.1, then
-:func:`main` runs the script as ``__main__``. The script's ``ElasticJob`` finds the spec and drives
-a :class:`Worker`, an implementation detail of the job:
+:func:`main` runs the script as ``__main__``. The script's ``ElasticJob(...)`` finds the spec and
+builds a ``LaunchedJob`` (``tenplex_jax._src.elastic.launched``), which drives a :class:`Worker`,
+an implementation detail of the job:
 
 - ``restore``: the state laid out over this generation's devices, from where the launcher says —
   the latest complete version in the stores (each process pulls only its own shards: its own
   store first, then the writer's, then replicas), the orbax checkpoint, or the user's ``init``
   jitted straight into the layout on the first start;
-- ``boundary``: at every step boundary, record progress, end the generation at the launcher's
-  request (a synchronous commit: no step lost) and commit every ``--commit-every`` steps in the
-  background;
+- ``boundary``: at every step boundary, end the generation at the launcher's request or at JAX's
+  preemption sync point (a synchronous commit: no step lost), else commit every
+  ``--commit-every`` steps in the background; ``reached`` records progress after every step;
 - ``finish``: wait for the commits, save a final orbax checkpoint, tell the launcher.
 """
 
@@ -33,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from tenplex_jax._src import compat
 from tenplex_jax._src.data import DatasetPTC, DataState
 from tenplex_jax._src.errors import DataError, StoreError
 from tenplex_jax._src.multihost.launch import ACTIONS, CHECKPOINT, CONTROL, JobSpec
@@ -214,21 +216,24 @@ class Worker:
 
     def boundary(self, state, ptc: PTC, step: int, dataset: DatasetPTC) -> str | None:
         """At the boundary before step ``step`` (``step`` steps done): ``"resize"`` or ``"stop"``
-        once the generation has committed for the launcher's request, else None.
+        once the generation has committed for the launcher's request, ``"preempted"`` once it
+        has committed at JAX's preemption sync point, else None (after a due background commit).
 
         Every process calls it at the same step: the request is process 0's, broadcast.
         """
-        if step == self.last_commit:
-            return None  # just restored: nothing to commit
-        action = self.stop_requested()
-        if action is not None:
-            self.commit(state, ptc, step, dataset, wait=True, checkpoint=action == "stop")
-            self._write(
-                "stopped.json", {"generation": self.generation, "step": step, "action": action}
-            )
-            return action
-        if step % self.spec.commit_every == 0:
-            self.commit(state, ptc, step, dataset)
+        if step != self.last_commit:  # else just restored: nothing to commit
+            action = self.stop_requested()
+            if action is not None:
+                self.commit(state, ptc, step, dataset, wait=True, checkpoint=action == "stop")
+                self._write(
+                    "stopped.json", {"generation": self.generation, "step": step, "action": action}
+                )
+                return action
+            if step % self.spec.commit_every == 0:
+                self.commit(state, ptc, step, dataset)
+        if compat.reached_preemption_sync_point(step):
+            self.commit(state, ptc, step, dataset, wait=True, checkpoint=True)
+            return "preempted"
         return None
 
     def reached(self, step: int, steps: int | None = None) -> None:
@@ -242,8 +247,6 @@ class Worker:
     def stop_requested(self) -> str | None:
         """``"resize"`` or ``"stop"`` when the launcher asked this generation to end (a collective:
         every process gets process 0's answer, so all stop at the same step)."""
-        from jax.experimental import multihost_utils
-
         code = 0
         if self.process_index == 0:
             try:
@@ -251,7 +254,7 @@ class Worker:
                 code = ACTIONS.index(action) + 1 if action in ACTIONS else 0
             except FileNotFoundError:
                 code = 0  # no request
-        code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
+        code = int(compat.broadcast_one_to_all(np.int32(code)))
         return ACTIONS[code - 1] if code else None
 
     def commit(

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from tenplex_jax._src.errors import PlanError
 
 GIB = 2**30
+"""Bytes in a GiB: ``DeviceType.memory`` is in bytes, cluster files give ``memory_gib``."""
 _TYPE_FIELDS = {
     "memory_gib",
     "tflops",
@@ -66,9 +67,25 @@ _CLUSTER_FIELDS = {
 
 @dataclasses.dataclass(frozen=True)
 class DeviceType:
-    """One kind of accelerator: memory in bytes, sustained FLOP/s, intra-node bytes/s, $/hour;
-    for the simulator also bytes/s to and from host memory, bytes/s of an on-device copy, and
-    whether its memory is the host's (a CPU device: its copies load the node's host memory)."""
+    """One kind of accelerator, in plain SI units (a cluster file's ``[types.NAME]`` table).
+
+    >>> h100 = DeviceType("h100", memory=80 * GIB, flops=400e12, link_bandwidth=450e9)
+
+    Attributes:
+      name: the type's name (``"h100"``).
+      memory: device memory, bytes.
+      flops: sustained training FLOP/s (not the datasheet peak).
+      link_bandwidth: bytes/s between devices of one node (NVLink).
+      usd_per_hour: the price of one device (0: unknown; the cost objective needs it).
+      host_bandwidth: bytes/s each way between the device and host memory (PCIe); for the
+        simulator.
+      memory_bandwidth: bytes/s of a copy within the device's memory (HBM); for the simulator.
+      host_memory: the device's memory is the host's (a CPU device: its copies load the node's
+        host memory).
+
+    Raises:
+      PlanError: a bandwidth, ``memory`` or ``flops`` is not positive, or the price is negative.
+    """
 
     name: str
     memory: int
@@ -91,13 +108,36 @@ class DeviceType:
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    """Devices in order: ``kinds[i]`` is device ``i``'s type (an index into ``types``), ``nodes[i]``
-    its node. Devices of one node talk at their type's ``link_bandwidth``; across nodes at
-    ``network_bandwidth`` (bytes/s per device), and a node's NICs together at
-    ``node_network_bandwidth`` (default: the sum over its devices). For the simulator: a node's
-    host memory copies at ``host_memory_bandwidth`` (None: not a limit), and reads or writes
-    remote checkpoint storage at ``storage_bandwidth``, all nodes together at
-    ``storage_total_bandwidth`` (None: not a limit)."""
+    """The devices a job may use, in order, with their types and nodes (a cluster file).
+
+    Devices are numbered in file order, node after node. Devices of one node talk at their
+    type's ``link_bandwidth``, across nodes at ``network_bandwidth``. Usually read with
+    :meth:`load` or made with :meth:`uniform`:
+
+    >>> h100 = DeviceType("h100", memory=80 * GIB, flops=400e12, link_bandwidth=450e9)
+    >>> cluster = Cluster.uniform(16, h100, per_node=8)
+    >>> cluster.num_devices, cluster.counts(), str(cluster.take(4))
+    (16, {'h100': 16}, '16xh100 (4xh100; 1 nodes)')
+
+    Attributes:
+      name: the cluster's name (a file's ``name``, else its stem).
+      types: the device types.
+      kinds: each device's type, an index into ``types``.
+      nodes: each device's node id.
+      network_bandwidth: bytes/s per device between nodes.
+      node_network_bandwidth: bytes/s of one node's NICs together (None: the sum over its
+        devices).
+      host_memory_bandwidth: bytes/s of one node's host memory for copies (None: not a limit);
+        for the simulator.
+      storage_bandwidth: bytes/s one node reads or writes remote checkpoint storage; for the
+        simulator.
+      storage_total_bandwidth: bytes/s of the storage system for all nodes together (None: not
+        a limit); for the simulator.
+
+    Raises:
+      PlanError: no devices, ``nodes`` and ``kinds`` of different lengths, a type index out of
+        range, or a bandwidth that is not positive.
+    """
 
     name: str
     types: tuple[DeviceType, ...]
@@ -129,13 +169,23 @@ class Cluster:
 
     @property
     def num_devices(self) -> int:
+        """Devices in the cluster."""
         return len(self.kinds)
 
     def device_type(self, device: int) -> DeviceType:
+        """The type of one device.
+
+        Args:
+          device: a device index (file order).
+
+        Returns:
+          Its :class:`DeviceType`.
+        """
         return self.types[self.kinds[device]]
 
     @property
     def usd_per_hour(self) -> float:
+        """The price of every device together, $/hour."""
         return sum(self.types[k].usd_per_hour for k in self.kinds)
 
     def counts(self) -> dict[str, int]:
@@ -143,7 +193,17 @@ class Cluster:
         return {t.name: self.kinds.count(i) for i, t in enumerate(self.types) if i in self.kinds}
 
     def take(self, n: int) -> Cluster:
-        """The first ``n`` devices (file order): what a job that was given ``n`` devices holds."""
+        """The first devices in file order: what a job that was given ``n`` devices holds.
+
+        Args:
+          n: how many, ``1 <= n <= num_devices``.
+
+        Returns:
+          The cluster of those devices (same name, types and bandwidths).
+
+        Raises:
+          PlanError: ``n`` is out of range.
+        """
         if not 1 <= n <= self.num_devices:
             raise PlanError(
                 f"cluster {self.name!r} has {self.num_devices} devices ({self.counts()}); cannot "
@@ -152,6 +212,15 @@ class Cluster:
         return self.subset(range(n))
 
     def subset(self, devices: Sequence[int]) -> Cluster:
+        """Some of the devices, as a cluster of their own.
+
+        Args:
+          devices: device indices, in the order the new cluster numbers them.
+
+        Returns:
+          The cluster of those devices (same name, types and bandwidths; they keep their
+          nodes).
+        """
         devices = list(devices)
         return dataclasses.replace(
             self,
@@ -163,7 +232,17 @@ class Cluster:
     def uniform(
         cls, n: int, device: DeviceType, *, per_node: int = 8, network_bandwidth: float = 25e9
     ) -> Cluster:
-        """``n`` devices of one type, ``per_node`` to a node."""
+        """A cluster of one device type (see the class example).
+
+        Args:
+          n: devices.
+          device: their :class:`DeviceType`.
+          per_node: devices per node (the last node may hold fewer).
+          network_bandwidth: bytes/s per device between nodes.
+
+        Returns:
+          The cluster, named ``"<n>x<type name>"``.
+        """
         return cls(
             f"{n}x{device.name}",
             (device,),
@@ -174,7 +253,21 @@ class Cluster:
 
     @classmethod
     def load(cls, path: str | pathlib.Path) -> Cluster:
-        """Read a cluster description from a TOML file (format in the module docstring)."""
+        """Read a cluster description from a TOML file (``meshes/*.toml``).
+
+        Args:
+          path: the file: a ``[types.NAME]`` table per device type (``memory_gib``, ``tflops``,
+            ``link_gbps``, optionally ``usd_per_hour``, ``host_link_gbps``, ``memory_gbps``,
+            ``host_memory``), ``[[nodes]]`` entries (``type``, ``count``, ``repeat``), and
+            cluster-wide ``name``, ``network_gbps``, ``node_network_gbps``,
+            ``host_memory_gbps``, ``storage_gbps``, ``storage_total_gbps``.
+
+        Returns:
+          The cluster (named by the file's ``name``, else its stem).
+
+        Raises:
+          PlanError: the file cannot be read or parsed, or breaks a rule of :meth:`from_dict`.
+        """
         path = pathlib.Path(path)
         try:
             data = tomllib.loads(path.read_text())
@@ -184,6 +277,19 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, data: Mapping, default_name: str = "cluster") -> Cluster:
+        """A cluster from a parsed description, in the units of the file (GiB, TFLOP/s, GB/s).
+
+        Args:
+          data: the description, as :meth:`load` reads it from TOML.
+          default_name: the name when ``data`` has none.
+
+        Returns:
+          The cluster, in SI units.
+
+        Raises:
+          PlanError: an unknown field, a device type lacking ``memory_gib``, ``tflops`` or
+            ``link_gbps``, a node of an unknown type or with a bad count, or no devices.
+        """
         name = str(data.get("name", default_name))
         unknown = set(data) - _CLUSTER_FIELDS
         if unknown:

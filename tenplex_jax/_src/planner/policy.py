@@ -35,8 +35,26 @@ def choose_config(
     state divides). Tensor and pipeline degrees stay 1: virtual workers keep the params bitwise
     equal across data-parallel and FSDP sizes only.
 
-    >>> choose_config(6, abstract_state, rules, global_batch=24, workers=8)
+    >>> from flax import linen as nn
+    >>> w = nn.LogicallyPartitioned(jax.ShapeDtypeStruct((6, 4), jnp.float32), ("embed", "mlp"))
+    >>> choose_config(6, {"w": w}, [("embed", "fsdp")], global_batch=24, workers=8)
     ParallelConfig(data=6, fsdp=1, tensor=1, pipe=1)
+
+    Args:
+      n: the device count.
+      abstract_state: the train state, abstract or live (what ``PTC.of`` takes).
+      rules: its logical-axis rules.
+      global_batch: samples per step.
+      workers: virtual workers of the batch layout (``None``: one sample per unit).
+      profile: the model's :class:`ModelProfile`; with ``device_type``, the planner chooses.
+      device_type: the devices' :class:`DeviceType`.
+
+    Returns:
+      ``ParallelConfig(data=n // fsdp, fsdp=fsdp)``.
+
+    Raises:
+      LayoutError: no ``(data, fsdp)`` config lays the state and the batch out on ``n``
+        devices, or the planner finds none that fits; the message names each config's refusal.
     """
     valid, refused = [], []
     for fsdp in (d for d in range(1, n + 1) if n % d == 0):

@@ -52,17 +52,30 @@ import numpy as np
 
 from tenplex_jax._src.errors import PlanError
 from tenplex_jax._src.pipelining import Stages
-from tenplex_jax._src.planner.cluster import Cluster
+from tenplex_jax._src.planner.cluster import GIB, Cluster
 from tenplex_jax._src.planner.profile import ModelProfile
 from tenplex_jax._src.ptc import ParallelConfig
 
-GIB = 2**30
 OBJECTIVES = ("time", "cost")
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One evaluated layout: its step time (s), peak memory per stage (bytes) and price."""
+    """One evaluated layout: its step time (s), peak memory per stage (bytes) and price.
+
+    What :func:`estimate` returns, and what a :class:`Choice` ranks.
+
+    Attributes:
+      config: the parallel config.
+      microbatches: GPipe microbatches per step (1 without pipelining).
+      stages: the layers of every pipeline stage (:class:`tenplex_jax.pipelining.Stages`).
+      devices: the cluster device indices in mesh order (fastest first).
+      step_time: the estimated seconds of one training step.
+      memory: the estimated peak bytes per device, per stage.
+      memory_limit: the smallest device's memory, per stage.
+      global_batch: samples per step.
+      usd_per_hour: the price of the devices used.
+    """
 
     config: ParallelConfig
     microbatches: int
@@ -76,6 +89,7 @@ class Candidate:
 
     @property
     def fits(self) -> bool:
+        """Whether every stage's peak memory is within its smallest device's."""
         return all(m <= lim for m, lim in zip(self.memory, self.memory_limit))
 
     @property
@@ -85,13 +99,22 @@ class Candidate:
 
     @property
     def samples_per_usd(self) -> float:
+        """Samples per dollar (infinite when the devices have no price)."""
         return self.throughput * 3600 / self.usd_per_hour if self.usd_per_hour else math.inf
 
     def score(self, objective: str) -> float:
-        """Lower is better."""
+        """The candidate's rank under an objective; lower is better.
+
+        Args:
+          objective: ``"time"`` (the step time) or ``"cost"`` (minus the samples per dollar).
+
+        Returns:
+          The score.
+        """
         return self.step_time if objective == "time" else -self.samples_per_usd
 
     def label(self) -> str:
+        """``"pipe=2,data=4 mb=8 stages=3/5"``: the config, microbatches and stages, for a table."""
         stages = (
             "" if self.config.pipe == 1 else f" stages={'/'.join(map(str, self.stages.layers))}"
         )
@@ -100,7 +123,19 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """The planner's answer: the best candidate, the runners-up, and what was rejected and why."""
+    """The planner's answer: the best candidate, the runners-up, and what was rejected and why.
+
+    What :func:`choose` returns; ``print(choice)`` shows :meth:`table`.
+
+    Attributes:
+      best: the chosen :class:`Candidate`.
+      top: the best candidates, best first (``best`` among them).
+      rejected: ``(rule, how many configs, one example)`` for every rule that rejected a config.
+      objective: ``"time"`` or ``"cost"``.
+      cluster: the cluster, as ``str(cluster)`` shows it.
+      evaluated: how many layouts were evaluated.
+      seconds: how long the search took.
+    """
 
     best: Candidate
     top: tuple[Candidate, ...]
@@ -111,6 +146,8 @@ class Choice:
     seconds: float
 
     def table(self) -> str:
+        """The answer as a table: the top candidates with their step time, throughput, peak
+        memory, price and distance to the best, then the rejections."""
         goal = "minimum step time" if self.objective == "time" else "maximum samples per dollar"
         head = (
             f"{'#':>2}  {'config':<44} {'step ms':>9} {'samples/s':>10} {'peak GiB':>9} "
@@ -162,18 +199,39 @@ def choose(
 ) -> Choice:
     """The best layout of ``model`` on ``cluster`` for ``global_batch`` (see the module docstring).
 
-    ``objective="time"`` uses all the cluster's devices; ``"cost"`` also chooses how many devices of
-    each type to use (0, a power of two, or all of them), among layouts of at least
-    ``min_throughput`` samples/s (without a floor the cheapest is often one device). ``subsets``
-    overrides whether device subsets are searched: with ``objective="time"`` it finds, say, that a
-    mixed cluster is faster without its slowest devices. ``even_stages`` keeps only equal stages
-    (no padded layout); ``configs`` restricts the search to the given mesh shapes. Raises
-    ``PlanError`` naming every rule that rejected a config when none fits.
+    Every ``(pipe, data, fsdp, tensor)`` config of the device count, every microbatch count and
+    the best stage boundaries for each, under the cost model of :func:`estimate` and every
+    device's memory.
 
-    Example::
+    >>> h100 = DeviceType("h100", memory=80 * GIB, flops=400e12, link_bandwidth=450e9)
+    >>> layer = LayerProfile(flops=2e9, param_bytes=50_000_000, act_bytes=10**6, out_bytes=10**5)
+    >>> profile = ModelProfile("toy", (layer,) * 8, LayerProfile(1e8, 10**7, 10**5, 0))
+    >>> choice = choose(Cluster.uniform(16, h100), profile, global_batch=256)
+    >>> choice.best.config, choice.best.stages.layers    # print(choice) shows the table
+    (ParallelConfig(data=4, fsdp=1, tensor=1, pipe=4), (2, 2, 2, 2))
 
-        choice = choose(Cluster.load("meshes/8xh100.toml"), profile, global_batch=256)
-        print(choice)                 # the table; choice.best.config, .microbatches, .stages
+    Args:
+      cluster: the :class:`Cluster` of devices.
+      model: the :class:`ModelProfile`.
+      global_batch: samples per step, split over ``data * fsdp`` replicas (padded when uneven).
+      objective: ``"time"`` (the shortest step) or ``"cost"`` (the most samples per dollar,
+        also choosing how many devices of each type to use: 0, a power of two, or all).
+      even_stages: keep only equal pipeline stages (no padded layout).
+      max_microbatches: the most GPipe microbatches tried.
+      min_throughput: with ``"cost"``, the fewest samples/s a layout must reach (without a floor
+        the cheapest is often one device).
+      subsets: search subsets of the devices (default: with ``"cost"`` only); with ``"time"`` it
+        finds, say, that a mixed cluster is faster without its slowest devices.
+      configs: search only these mesh shapes (``ParallelConfig`` s).
+      top: how many candidates :class:`Choice` keeps.
+
+    Returns:
+      A :class:`Choice`: the best candidate, the runners-up and the rejections.
+
+    Raises:
+      PlanError: the objective or global batch is invalid, ``"cost"`` meets a type without a
+        price, or no config fits; the message names every rule that rejected one, with an
+        example.
     """
     tic = time.perf_counter()
     if objective not in OBJECTIVES:
@@ -221,7 +279,35 @@ def estimate(
     stages: Stages,
     devices: Sequence[int] | None = None,
 ) -> Candidate:
-    """The cost model's step time and memory for one layout (no validity checks beyond shapes)."""
+    """The cost model's step time and memory for one layout (no validity checks beyond shapes).
+
+    The model is in the module docstring; :func:`choose` ranks what this returns.
+
+    >>> h100 = DeviceType("h100", memory=80 * GIB, flops=400e12, link_bandwidth=450e9)
+    >>> layer = LayerProfile(flops=2e9, param_bytes=50_000_000, act_bytes=10**6, out_bytes=10**5)
+    >>> profile = ModelProfile("toy", (layer,) * 8, LayerProfile(1e8, 10**7, 10**5, 0))
+    >>> cluster, config = Cluster.uniform(16, h100), ParallelConfig(data=16)
+    >>> c = estimate(cluster, profile, 256, config, microbatches=1, stages=Stages((8,)))
+    >>> c.fits, round(c.step_time * 1e3, 1)      # milliseconds
+    (True, 33.3)
+
+    Args:
+      cluster: the :class:`Cluster`.
+      model: the :class:`ModelProfile`.
+      global_batch: samples per step.
+      config: the parallel config; its device count is that of ``devices``.
+      microbatches: GPipe microbatches per step.
+      stages: the layers of every stage: ``config.pipe`` stages of ``model.num_layers`` layers.
+      devices: the cluster device indices used, in any order (default: all); they are ordered
+        fastest first, as the search does.
+
+    Returns:
+      The :class:`Candidate` with its step time, memory and price.
+
+    Raises:
+      PlanError: the device count is not the config's, or ``stages`` does not split the
+        model's layers into ``config.pipe`` stages.
+    """
     facts = _Facts.of(_Devices.of(cluster, devices), model, global_batch, config, microbatches)
     if stages.num_stages != config.pipe or stages.num_layers != model.num_layers:
         raise PlanError(
@@ -343,7 +429,7 @@ class _Facts:
             self.microbatches,
             stages,
             self.devices.ids,
-            self.step(slowest_tick, stages.slots),
+            float(self.step(slowest_tick, stages.slots)),
             tuple(int(m) for m in self.memory(stages.slots)),
             tuple(int(m) for m in self.memory_limit),
             self.global_batch,

@@ -56,8 +56,19 @@ NODE_RESOURCES = ("node_out", "node_in", "host_memory", "storage_read", "storage
 
 @dataclasses.dataclass
 class Traffic:
-    """Bytes per resource: ``device[r]`` is ``[devices]`` (cluster device ids), ``node[r]`` is
-    ``[nodes]``; ``pieces`` per device counts the copies it receives (for a per-piece latency)."""
+    """Bytes per resource of one transfer (the resources are in the module docstring).
+
+    Made by the route functions (:func:`device_traffic`, ...); ``a + b`` adds two transfers;
+    :meth:`Network.seconds` turns one into seconds.
+
+    Attributes:
+      device: resource (``"copy"``, ``"link_out"``, ``"link_in"``, ``"nic_out"``, ``"nic_in"``,
+        ``"h2d"``, ``"d2h"``) -> float ``[devices]`` bytes, by cluster device id.
+      node: resource (``"node_out"``, ``"node_in"``, ``"host_memory"``, ``"storage_read"``,
+        ``"storage_write"``) -> float ``[nodes]`` bytes.
+      pieces: int ``[devices]``: the copies each device receives (for a per-piece latency).
+      lost: ``(leaf path, box)`` of what no live store holds (a pull that cannot happen).
+    """
 
     device: dict[str, np.ndarray]
     node: dict[str, np.ndarray]
@@ -66,6 +77,14 @@ class Traffic:
 
     @classmethod
     def empty(cls, cluster: Cluster) -> Traffic:
+        """No traffic on a cluster: zeros for every resource of its devices and nodes.
+
+        Args:
+          cluster: the :class:`tenplex_jax.planner.Cluster`.
+
+        Returns:
+          The empty traffic.
+        """
         n, m = cluster.num_devices, max(cluster.nodes) + 1
         return cls(
             {r: np.zeros(n) for r in DEVICE_RESOURCES},
@@ -83,13 +102,22 @@ class Traffic:
 
     @property
     def network_bytes(self) -> float:
-        """Bytes that cross between nodes."""
+        """Bytes that cross between nodes (what leaves the nodes' NICs)."""
         return float(self.node["node_out"].sum())
 
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """Seconds of a transfer: the bottleneck resource, and every resource's busiest entity."""
+    """Seconds of a transfer: the bottleneck resource, and every resource's busiest entity.
+
+    What :meth:`Network.seconds` returns; ``str(estimate)`` is ``"1.234 s (nic_in device 5)"``.
+
+    Attributes:
+      seconds: the busiest resource's bytes over its bandwidth.
+      bottleneck: ``"<resource> <device|node> <id>"`` of that resource (``"none"`` for no
+        traffic).
+      resources: resource -> the seconds of its busiest device or node.
+    """
 
     seconds: float
     bottleneck: str  # "<resource> <device|node> <id>"
@@ -103,8 +131,17 @@ class Estimate:
 class Network:
     """A cluster's bandwidths, and the seconds a :class:`Traffic` takes on them.
 
-    ``piece_seconds`` is a fixed cost per piece a device receives (a message or kernel launch),
-    paid one after the other on each device; 0 leaves it out.
+    >>> h100 = tj.planner.DeviceType("h100", 80 * 2**30, flops=400e12, link_bandwidth=450e9)
+    >>> network = Network(tj.planner.Cluster.uniform(16, h100, network_bandwidth=25e9))
+    >>> traffic = Traffic.empty(network.cluster)
+    >>> traffic.device["nic_in"][8] = 50e9                  # 50 GB into device 8 over its NIC
+    >>> str(network.seconds(traffic))
+    '2.000 s (nic_in device 8)'
+
+    Attributes:
+      cluster: the :class:`tenplex_jax.planner.Cluster` and its bandwidths.
+      piece_seconds: a fixed cost per piece a device receives (a message or kernel launch),
+        paid one after the other on each device; 0 leaves it out.
     """
 
     cluster: Cluster
@@ -145,10 +182,26 @@ class Network:
         )
 
     def node_of(self, device: int) -> int:
+        """The node of one device.
+
+        Args:
+          device: a cluster device id.
+
+        Returns:
+          Its node id.
+        """
         return int(self._node_of[device])
 
     def seconds(self, traffic: Traffic) -> Estimate:
-        """The busiest resource's bytes over its bandwidth (see the module docstring)."""
+        """How long a transfer takes: the busiest resource's bytes over its bandwidth (the
+        bottleneck bound; see the module docstring).
+
+        Args:
+          traffic: the transfer's bytes per resource.
+
+        Returns:
+          The :class:`Estimate`: seconds, bottleneck, and every resource's seconds.
+        """
         loads: dict[str, tuple[float, str]] = {}
         node_traffic = dict(traffic.node)
         # host-side copies: what crosses between a node's host memory and its devices or NICs,
@@ -193,9 +246,18 @@ def _add(traffic: Traffic, src_node: int, dst_node: int, n: float) -> None:
 
 
 def device_traffic(plan: Plan, network: Network) -> Traffic:
-    """Device to device in one process, as ``tj.reshard`` executes ``plan``: a local piece is a
-    copy on its device (none for a ``keep``), another is a send over the node's links or, across
-    nodes, over the network."""
+    """The traffic of ``plan`` run device to device in one process, as ``tj.reshard`` runs it.
+
+    A local piece is a copy on its device (none for a ``keep``), another is a send over the
+    node's links or, across nodes, over the network.
+
+    Args:
+      plan: a :class:`tenplex_jax.typing.Plan` between PTCs over cluster device ids.
+      network: the :class:`Network` of the cluster.
+
+    Returns:
+      The :class:`Traffic`; ``network.seconds(traffic)`` is its time.
+    """
     traffic = Traffic.empty(network.cluster)
     d, nodes = traffic.device, network._node_of
     per_layout: dict[int, Traffic] = {}

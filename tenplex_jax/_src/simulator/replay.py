@@ -49,7 +49,15 @@ from tenplex_jax._src.simulator.costs import POLICIES, Costs
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The job's layout on a set of devices: the planner's candidate and the state's PTC."""
+    """The job's layout on a set of devices: the planner's candidate and the state's PTC.
+
+    What :meth:`Simulation.layout` returns.
+
+    Attributes:
+      devices: the cluster device ids the job holds, sorted (some may be left unused).
+      candidate: the planner's :class:`tenplex_jax.planner.Candidate` for them.
+      ptc: the state's PTC over the cluster device ids it uses (``hosts``: node ids).
+    """
 
     devices: tuple[int, ...]  # cluster device ids, sorted
     candidate: Candidate
@@ -57,16 +65,29 @@ class Layout:
 
     @property
     def step_seconds(self) -> float:
+        """The planner's estimated seconds per training step."""
         return self.candidate.step_time
 
     @property
     def throughput(self) -> float:
+        """The planner's estimated samples per second."""
         return self.candidate.throughput
 
 
 def scale(trace: ResourceTrace, devices: int) -> ResourceTrace:
-    """The trace on ``devices`` devices: each of its devices stands for ``devices / trace.devices``
-    cluster devices, its counts multiplied, its ids expanded."""
+    """A resource trace scaled to a cluster: trace device ``i`` stands for cluster devices
+    ``i*f .. i*f+f-1`` with ``f = devices / trace.devices``.
+
+    Args:
+      trace: the :class:`tenplex_jax.elastic.ResourceTrace`.
+      devices: the cluster's device count, a multiple of ``trace.devices``.
+
+    Returns:
+      The trace over ``devices`` devices: event counts multiplied by ``f``, device ids expanded.
+
+    Raises:
+      LayoutError: ``devices`` is not a multiple of the trace's.
+    """
     if devices % trace.devices:
         raise LayoutError(
             f"trace {trace.name!r} of {trace.devices} devices scales to a multiple of them; the "
@@ -86,7 +107,26 @@ def scale(trace: ResourceTrace, devices: int) -> ResourceTrace:
 
 
 class Simulation:
-    """One model on one cluster: layouts per device set, and each event's costs per policy."""
+    """One model on one cluster: layouts per device set, and each event's costs per policy.
+
+    What :func:`simulate` replays a trace on; no devices are used (see the module docstring).
+    Example::
+
+        sim = tj.simulator.Simulation(cluster, profile, abstract_state, rules, global_batch=1024)
+        result = tj.simulator.simulate(sim, tj.elastic.ResourceTrace.load("meshes/philly.toml"))
+
+    Args:
+      cluster: the :class:`tenplex_jax.planner.Cluster`.
+      profile: the model's :class:`tenplex_jax.planner.ModelProfile`.
+      abstract_state: the train state, abstract (``nnx.eval_shape``): its PTCs are planned over
+        cluster device ids.
+      rules: its logical-axis rules.
+      global_batch: samples per step.
+      costs: the :class:`Costs` the network model does not derive.
+
+    Attributes:
+      network: the cluster's :class:`Network` (with ``costs.piece_seconds``).
+    """
 
     def __init__(
         self,
@@ -112,9 +152,19 @@ class Simulation:
         return self._objects[1]
 
     def layout(self, devices: Sequence[int]) -> Layout:
-        """The planner's fastest config of equal stages that lays the state out on ``devices``,
-        or, when none does (a device count with a large prime factor), on as many of them as
-        can be used, dropping whole nodes from the highest ids."""
+        """The job's layout on some devices: the planner's fastest config of equal stages that
+        lays the state out on them, or, when none does (a device count with a large prime
+        factor), on as many of them as can be used, dropping whole nodes from the highest ids.
+
+        Args:
+          devices: the cluster device ids the job holds.
+
+        Returns:
+          The :class:`Layout`.
+
+        Raises:
+          PlanError: no layout fits the devices or any subset of whole nodes down to half.
+        """
         devices = tuple(sorted(devices))
         refused = []
         for used in self._subsets(devices):
@@ -159,10 +209,33 @@ class Simulation:
         )
 
     def seconds(self, traffic: net.Traffic) -> net.Estimate:
+        """``network.seconds(traffic)``: how long a transfer takes on the cluster.
+
+        Args:
+          traffic: the transfer's :class:`Traffic`.
+
+        Returns:
+          Its :class:`Estimate`.
+        """
         return self.network.seconds(traffic)
 
     def event(self, kind: str, old: Layout, new: Layout, failed_nodes: frozenset) -> dict:
-        """The change from ``old`` to ``new`` under every policy: seconds and what they are."""
+        """The change from ``old`` to ``new`` under every policy: seconds and what they are.
+
+        Args:
+          kind: the trace event's kind (``"fail"`` has no notice: nothing is committed or saved
+            first, and the step is compiled on demand); ``"preempt"``, ``"offer"``,
+            ``"redeploy"`` come with notice.
+          old: the layout before.
+          new: the layout after (its device order is re-allocated to keep the most bytes).
+          failed_nodes: the nodes whose stores are gone.
+
+        Returns:
+          ``{"plan", "target", "plan_seconds", "policies"}``: the plan, the allocated target
+          layout, the planning time, and per policy a dict of its seconds (``"seconds"`` in all,
+          and its parts: commit or save, transfer or restore, restart, compile) and whether it
+          fell back to the checkpoint.
+        """
         c = self.costs
         tic = time.perf_counter()
         target = dataclasses.replace(new, ptc=allocate(old.ptc, new.ptc))
@@ -214,7 +287,14 @@ class Simulation:
 
     def blocking(self, layout: Layout) -> dict[str, float]:
         """Seconds a periodic commit (tenplex, central) and a periodic checkpoint (every policy)
-        stop training: the device-to-host copy, which the writes then overlap."""
+        stop training: the device-to-host copy, which the writes then overlap.
+
+        Args:
+          layout: the job's layout.
+
+        Returns:
+          ``{"commit": seconds, "checkpoint": seconds}``.
+        """
         objects = self._stored(layout.ptc)
         d2h = self.seconds(net.save_traffic(objects, self.network)).resources["d2h"]
         return {"commit": d2h, "checkpoint": d2h}
@@ -224,7 +304,29 @@ def simulate(
     sim: Simulation, trace: ResourceTrace, policies: Sequence[str] = POLICIES, log=None
 ) -> dict:
     """Replay ``trace`` (scaled to the cluster) on ``sim``: per-event rows and, per policy, its
-    goodput over the whole trace (see the module docstring)."""
+    goodput over the whole trace (see the module docstring).
+
+    Each event changes the job's devices as ``tj.ElasticJob`` would; an offer is taken only when
+    the growth rule says the gain outweighs the cost. ``tenplex-jax simulate`` is its command
+    line. See :class:`Simulation` for an example.
+
+    Args:
+      sim: the :class:`Simulation` (model, cluster, costs).
+      trace: the :class:`tenplex_jax.elastic.ResourceTrace`; it is scaled to the cluster with
+        :func:`scale`.
+      policies: the policies to compare, a subset of ``POLICIES``.
+      log: called with one line of text per event (default: silent).
+
+    Returns:
+      A JSON-able dict: ``"events"`` (a row per event: devices, configs, bytes moved, the
+      growth decision, each policy's seconds and lost seconds), ``"policies"`` (per policy:
+      ``goodput``, ``useful_samples``, stall, lost and productive seconds), ``"timeline"``, and
+      the cluster, model, trace, minutes and costs it ran with.
+
+    Raises:
+      PlanError: an unknown policy, or no layout fits some device set.
+      LayoutError: the cluster's device count is not a multiple of the trace's.
+    """
     unknown = set(policies) - set(POLICIES)
     if unknown:
         raise PlanError(f"policies are {POLICIES}, got {sorted(unknown)}")

@@ -40,14 +40,32 @@ class Member:
 
 
 class Threads:
-    """VWs as threads: ``make(name, devices) -> VirtualWorker`` (built, its step compiled, when
-    the VW is added; its thread starts when it is launched)."""
+    """VWs as threads of this process, each on its own devices: a :class:`Coordinator`'s runner.
+
+    A runner's methods take the handle :meth:`start` returned; the coordinator calls them.
+
+    Args:
+      make: ``make(name, devices) -> VirtualWorker``: builds a VW (its step compiled) when it is
+        added; its thread starts when it is launched.
+
+    Attributes:
+      errors: ``(name, exception)`` of every VW thread that raised.
+    """
 
     def __init__(self, make: Callable):
         self.make = make
         self.errors: list[tuple[str, BaseException]] = []
 
     def start(self, name: str, devices: tuple[int, ...]):
+        """Build a VW; its thread is not started yet.
+
+        Args:
+          name: the VW's name.
+          devices: its device ids.
+
+        Returns:
+          The handle: ``(thread, worker, stop event)``.
+        """
         worker = self.make(name, devices)
         stop = threading.Event()
 
@@ -60,27 +78,81 @@ class Threads:
         return threading.Thread(target=run, name=f"wsp-{name}", daemon=True), worker, stop
 
     def launch(self, handle) -> None:
+        """Start the VW's thread: it joins the job.
+
+        Args:
+          handle: what :meth:`start` returned.
+        """
         handle[0].start()
 
     def stop(self, handle) -> None:
+        """Tell the VW to leave at its next wave boundary.
+
+        Args:
+          handle: what :meth:`start` returned.
+        """
         handle[2].set()
 
     def kill(self, handle) -> None:
+        """End the VW without a word, as a crash: it stops at once, pushes nothing more and
+        falls silent (the others drop it after the ledger's timeout).
+
+        Args:
+          handle: what :meth:`start` returned.
+        """
         handle[1].crashed.set()
 
     def alive(self, handle) -> bool:
+        """Whether the VW's thread runs.
+
+        Args:
+          handle: what :meth:`start` returned.
+
+        Returns:
+          ``thread.is_alive()``.
+        """
         return handle[0].is_alive()
 
     def wait(self, handle, timeout: float) -> None:
+        """Wait for the VW's thread to end.
+
+        Args:
+          handle: what :meth:`start` returned.
+          timeout: seconds to wait at most (a thread cannot be killed: it may still run).
+        """
         handle[0].join(timeout)
 
     def records(self, handle) -> list:
+        """The VW's wave records so far.
+
+        Args:
+          handle: what :meth:`start` returned.
+
+        Returns:
+          Each :class:`WaveRecord` as a dict.
+        """
         return [dataclasses.asdict(r) for r in handle[1].records]
 
 
 class Processes:
     """VWs as processes: ``python -m tenplex_jax.wsp --job JOB --name N --devices K ...``, each
-    with ``K`` devices of its own; records come back as JSON lines in ``run_dir``."""
+    with ``K`` devices of its own; records come back as JSON lines in ``run_dir``.
+
+    A :class:`Coordinator`'s runner, with :class:`Threads`' methods; a handle is the VW's
+    ``subprocess.Popen``. One VW can die or start without touching the others (no shared
+    ``jax.distributed`` job).
+
+    Args:
+      job: ``"MODULE:FUNCTION"``: ``FUNCTION(devices, **options)`` returns the job's parts
+        (``rules``, ``dataset``, ``init``, ``train_step``, ``config``, optionally ``workers``).
+      stores: the parameter server's store addresses.
+      run_dir: where each VW's log (``<name>.log``) and records (``<name>.jsonl``) go.
+      options: more command-line options of ``python -m tenplex_jax.wsp`` (``--minibatches``,
+        ``--distance``, ``--slowdown``, ``--timeout``, ``--platform``,
+        ``--option KEY=VALUE``).
+      token_file: a file holding the stores' secret, if any.
+      python: the interpreter the VWs run in.
+    """
 
     def __init__(
         self,
@@ -97,6 +169,15 @@ class Processes:
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, devices: tuple[int, ...]):
+        """Start a VW's process; it joins the job once its step is compiled.
+
+        Args:
+          name: the VW's name.
+          devices: its device ids; the process uses ``len(devices)`` devices of its own.
+
+        Returns:
+          The handle: the process's ``subprocess.Popen``.
+        """
         command = [
             self.python,
             "-m",
@@ -127,21 +208,50 @@ class Processes:
             )
 
     def launch(self, handle) -> None:
+        """Nothing: a process joins the job as soon as its step is compiled.
+
+        Args:
+          handle: what :meth:`start` returned.
+        """
         pass  # a process joins the job as soon as its step is compiled
 
     def stop(self, handle) -> None:
+        """SIGTERM: the VW leaves at its next wave boundary.
+
+        Args:
+          handle: what :meth:`start` returned.
+        """
         if handle.poll() is None:
             handle.send_signal(signal.SIGTERM)  # the worker leaves at its next wave boundary
 
     def kill(self, handle) -> None:
+        """SIGKILL the VW's process and reap it.
+
+        Args:
+          handle: what :meth:`start` returned.
+        """
         from tenplex_jax._src.multihost.launch import _kill
 
         _kill(handle)
 
     def alive(self, handle) -> bool:
+        """Whether the VW's process runs.
+
+        Args:
+          handle: what :meth:`start` returned.
+
+        Returns:
+          ``handle.poll() is None``.
+        """
         return handle.poll() is None
 
     def wait(self, handle, timeout: float) -> None:
+        """Wait for the VW's process to exit; SIGKILL it after ``timeout``.
+
+        Args:
+          handle: what :meth:`start` returned.
+          timeout: seconds to wait.
+        """
         try:
             handle.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -150,6 +260,14 @@ class Processes:
             _kill(handle)
 
     def records(self, handle) -> list:
+        """The VW's wave records so far, read from ``run_dir/<name>.jsonl``.
+
+        Args:
+          handle: what :meth:`start` returned.
+
+        Returns:
+          Each record as a dict (none when the file does not exist yet).
+        """
         name = handle.args[handle.args.index("--name") + 1]
         path = self.run_dir / f"{name}.jsonl"
         if not path.exists():
@@ -159,7 +277,25 @@ class Processes:
 
 class Coordinator:
     """Starts and ends the VWs of the job on ``ps`` with ``runner`` (:class:`Threads` or
-    :class:`Processes`); every change is an event in ``events``."""
+    :class:`Processes`); every change is an event in ``events``.
+
+    A context manager: leaving it kills every VW still running. Example::
+
+        with Coordinator(ps, Threads(make_vw)) as coordinator:
+            coordinator.add([0, 1], [2, 3])          # vw1, vw2
+            coordinator.follow(trace, group=2)       # offers add VWs, preemptions remove them
+            coordinator.wait()
+
+    Args:
+      ps: the job's :class:`ParameterServer` (the coordinator reads the ledger).
+      runner: :class:`Threads` or :class:`Processes`.
+      log: called with one line of text per event (default: silent).
+
+    Attributes:
+      members: name -> the running VWs.
+      gone: name -> the VWs removed or killed.
+      events: one dict per change (``"add"``, ``"remove"``, ``"kill"``), with its time.
+    """
 
     def __init__(self, ps: ParameterServer, runner, log: Callable | None = None):
         self.ps, self.runner, self.log = ps, runner, log
@@ -176,7 +312,14 @@ class Coordinator:
 
     def add(self, *groups: Sequence[int]) -> list[str]:
         """Start a VW on each group of device ids; all are built before any starts, so they join
-        together. Their names, ``vw1, vw2, ...`` in the order added."""
+        together (each at the slowest member's clock, after pulling the global weights).
+
+        Args:
+          *groups: device ids, one sequence per VW.
+
+        Returns:
+          Their names: ``vw1, vw2, ...``, numbered in the order added over the job.
+        """
         added = []
         for devices in groups:
             self._count += 1
@@ -191,28 +334,66 @@ class Coordinator:
         return added
 
     def remove(self, name: str) -> None:
+        """End a VW with notice: it finishes its wave, pushes it, and leaves.
+
+        Args:
+          name: a running VW's name.
+
+        Raises:
+          KeyError: no running VW has that name.
+        """
         member = self.members.pop(name)
         self.runner.stop(member.handle)
         self.gone[name] = member
         self._event("remove", vw=name, devices=list(member.devices))
 
     def kill(self, name: str) -> None:
+        """End a VW without a word (a preemption without notice, a crash): the others drop it
+        after the ledger's timeout, and its unpushed minibatches are trained by others.
+
+        Args:
+          name: a running VW's name.
+
+        Raises:
+          KeyError: no running VW has that name.
+        """
         member = self.members.pop(name)
         self.runner.kill(member.handle)
         self.gone[name] = member
         self._event("kill", vw=name, devices=list(member.devices))
 
     def free(self, devices: Sequence[int]) -> list[int]:
+        """The devices no running VW uses.
+
+        Args:
+          devices: device ids.
+
+        Returns:
+          Those of ``devices`` that are free, in their order.
+        """
         used = {d for m in self.members.values() for d in m.devices}
         return [d for d in devices if d not in used]
 
     def follow(
         self, trace: ResourceTrace, group: int, *, timeout: float = 600.0, poll: float = 0.05
     ) -> None:
-        """Apply ``trace``'s events when the job has committed as many minibatches as each
-        event's step; a VW is ``group`` devices (an offer of ``count`` devices adds
-        ``count // group`` VWs; a preempt or fail of ``count`` ends the VWs holding the job's
-        last ``count`` devices). Returns when the ledger says the run is done."""
+        """Apply a resource trace's events as the job trains; return when the run is done (or
+        no VW is left).
+
+        An event applies when the job has committed as many minibatches as its step. An offer
+        of ``count`` devices adds ``count // group`` VWs on free devices; a preempt (removed)
+        or fail (killed) of ``count`` ends the VWs holding the job's last ``count`` devices.
+
+        Args:
+          trace: the :class:`tenplex_jax.elastic.ResourceTrace` (its steps count minibatches).
+          group: devices per VW.
+          timeout: seconds the job may take.
+          poll: seconds between reads of the ledger.
+
+        Raises:
+          WSPError: the job did not finish within ``timeout`` (``"busy"``), or an event is not
+            an offer, preempt or fail (``"invalid"``).
+        """
         deadline = time.monotonic() + timeout
         pending = list(trace.events)
         while True:
@@ -250,13 +431,22 @@ class Coordinator:
             (self.remove if event.kind == "preempt" else self.kill)(member.name)
 
     def wait(self, timeout: float = 600.0) -> None:
-        """Wait for every VW to end (each ends when the run is done or it is told to)."""
+        """Wait for every VW to end (each ends when the run is done or it is told to).
+
+        Args:
+          timeout: seconds to wait for all of them together (a process still running then is
+            killed; a thread is left running).
+        """
         deadline = time.monotonic() + timeout
         for member in [*self.members.values(), *self.gone.values()]:
             self.runner.wait(member.handle, max(deadline - time.monotonic(), 0.1))
 
     def stop(self, timeout: float = 600.0) -> None:
-        """Tell every VW to leave, and wait for them (a process still running then is killed)."""
+        """Tell every VW to leave, and wait for them.
+
+        Args:
+          timeout: as :meth:`wait`.
+        """
         for name in list(self.members):
             self.remove(name)
         self.wait(timeout)

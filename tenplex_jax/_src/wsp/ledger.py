@@ -40,11 +40,35 @@ class Lease:
 
 @dataclasses.dataclass(frozen=True)
 class Ledger:
-    """``total``: minibatches in the run (None: unbounded). ``clocks``: each live member's clock,
-    the waves it counts as done (a joiner starts at the slowest's clock, ``starts``); ``seen``:
-    its last heartbeat (the store's clock, seconds); ``committed``: how many waves every VW, live
-    or gone, has pushed (its waves ``starts[vw] .. starts[vw] + committed[vw] - 1``); ``log``: the
-    committed waves in commit order."""
+    """The record of an asynchronous job: who trains, which minibatches they hold, what is done.
+
+    Pure and frozen: every change returns a new ledger (and a result); the parameter server
+    stores it and changes it by compare-and-swap (``ParameterServer.update``).
+
+    >>> ledger = Ledger(total=4).join("vw1", now=0.0)
+    >>> ledger, minibatches = ledger.claim("vw1", wave=0, count=3)
+    >>> minibatches
+    (0, 1, 2)
+    >>> ledger = ledger.commit("vw1", 0)
+    >>> ledger.trained(), dict(ledger.clocks), ledger.done
+    ([0, 1, 2], {'vw1': 1}, False)
+
+    Attributes:
+      total: minibatches in the run (None: unbounded).
+      cursor: the next fresh minibatch of the global order.
+      returned: minibatches handed back (by a VW that left or was dropped), claimed first.
+      clocks: each live member's clock: the waves it counts as done (a joiner starts at the
+        slowest's clock).
+      seen: each live member's last heartbeat (the store's clock, seconds).
+      leases: each live member's claimed, uncommitted minibatches (a ``Lease``: its wave and
+        minibatches).
+      committed: how many waves every VW, live or gone, has pushed (its waves ``starts[vw] ..
+        starts[vw] + committed[vw] - 1``).
+      starts: the clock each VW joined at.
+      log: the committed waves in commit order: ``(vw, wave, minibatches)``.
+      dropped: VWs reaped (died or fell silent).
+      left: VWs that left gracefully.
+    """
 
     total: int | None = None
     cursor: int = 0
@@ -66,14 +90,33 @@ class Ledger:
         return min(self.clocks.values()) if self.clocks else None
 
     def may_start(self, vw: str, wave: int, distance: int) -> bool:
-        """WSP: may ``vw`` start wave ``wave``? Every member has committed ``wave - distance``."""
+        """WSP's rule: a wave may start when every member has committed ``wave - distance``.
+
+        Args:
+          vw: the asking VW (the rule does not depend on it: every member's clock counts).
+          wave: the wave it would start.
+          distance: WSP's ``D``, the waves a VW may run ahead of the slowest.
+
+        Returns:
+          Whether it may start (always, without members).
+        """
         slowest = self.min_clock
         return slowest is None or wave - slowest <= distance
 
     def decide(self, vw: str, wave: int, fresh: int, distance: int) -> str:
-        """What ``vw`` does before wave ``wave`` when its weights hold every member's first
-        ``fresh`` waves: ``"go"`` (fresh enough: ``fresh >= wave - D``), ``"pull"`` (the slowest
-        has committed ``wave - D`` waves: pull, then go) or ``"wait"``."""
+        """What a VW does before a wave.
+
+        Args:
+          vw: the VW.
+          wave: the wave it is about to start.
+          fresh: its weights hold every member's first ``fresh`` waves (the slowest's clock at
+            its last pull).
+          distance: WSP's ``D``.
+
+        Returns:
+          ``"go"`` (fresh enough: ``fresh >= wave - D``), ``"pull"`` (the slowest has committed
+          ``wave - D`` waves: pull, then go) or ``"wait"``.
+        """
         if fresh >= wave - distance:
             return "go"
         return "pull" if self.may_start(vw, wave, distance) else "wait"
@@ -107,7 +150,19 @@ class Ledger:
     # -- changes -------------------------------------------------------------------------------
 
     def join(self, vw: str, now: float) -> Ledger:
-        """``vw`` joins at the slowest member's clock (0 in an empty job)."""
+        """A VW joins at the slowest member's clock (0 in an empty job), so it never holds the
+        others back.
+
+        Args:
+          vw: its name, never used before in this job.
+          now: the store's clock (seconds): its first heartbeat.
+
+        Returns:
+          The new ledger.
+
+        Raises:
+          WSPError: the name has been a member (``"refused"``).
+        """
         if vw in self.committed or vw in self.clocks:
             raise WSPError(
                 f"a virtual worker's name is used once; {vw!r} has been a member", "refused"
@@ -122,11 +177,32 @@ class Ledger:
         )
 
     def heartbeat(self, vw: str, now: float) -> Ledger:
+        """A member says it is alive.
+
+        Args:
+          vw: the member.
+          now: the store's clock (seconds).
+
+        Returns:
+          The new ledger.
+
+        Raises:
+          WSPError: ``vw`` is not a member (``"dropped"``: it was reaped, left or never joined).
+        """
         self._check_member(vw, "heartbeat")
         return dataclasses.replace(self, seen={**self.seen, vw: now})
 
     def reap(self, now: float, timeout: float) -> tuple[Ledger, tuple[str, ...]]:
-        """Drop the members silent for more than ``timeout``; (ledger, who was dropped)."""
+        """Drop the members silent for too long: their leased minibatches go back, and they
+        leave the clock barrier.
+
+        Args:
+          now: the store's clock (seconds).
+          timeout: seconds of silence after which a member is dropped.
+
+        Returns:
+          ``(ledger, dropped)``: the new ledger and the names dropped.
+        """
         silent = tuple(sorted(vw for vw, t in self.seen.items() if now - t > timeout))
         ledger = self
         for vw in silent:
@@ -134,7 +210,17 @@ class Ledger:
         return ledger, silent
 
     def leave(self, vw: str) -> Ledger:
-        """``vw`` leaves gracefully: its uncommitted minibatches go back."""
+        """A member leaves gracefully: its uncommitted minibatches go back.
+
+        Args:
+          vw: the member.
+
+        Returns:
+          The new ledger.
+
+        Raises:
+          WSPError: ``vw`` is not a member (``"dropped"``).
+        """
         self._check_member(vw, "leave")
         return self._without(vw, dropped=False)
 
@@ -152,8 +238,22 @@ class Ledger:
         )
 
     def claim(self, vw: str, wave: int, count: int) -> tuple[Ledger, tuple[int, ...]]:
-        """Lease ``vw`` up to ``count`` minibatches for ``wave``: returned ones first, then the
-        cursor's. Asking again for the same wave returns the same lease (a retried request)."""
+        """Lease a member minibatches for its next wave: returned ones first, then the cursor's.
+
+        Asking again for the same wave returns the same lease (a retried request).
+
+        Args:
+          vw: the member.
+          wave: its next wave (its clock).
+          count: the most minibatches to lease (its ``Nm``).
+
+        Returns:
+          ``(ledger, minibatches)``; no minibatches (and the same ledger) when none is left now.
+
+        Raises:
+          WSPError: ``vw`` is not a member (``"dropped"``), holds another wave's lease, or
+            ``wave`` is not its next (``"refused"``).
+        """
         self._check_member(vw, "claim")
         lease = self.leases.get(vw)
         if lease is not None:
@@ -184,8 +284,20 @@ class Ledger:
         ), minibatches
 
     def commit(self, vw: str, wave: int) -> Ledger:
-        """``vw``'s wave ``wave`` is pushed: log its minibatches, advance its clock. Refused when
-        ``vw`` was dropped (its minibatches went to others) or holds no lease for the wave."""
+        """A member's wave is pushed: log its minibatches and advance its clock (the atomic point
+        of a push).
+
+        Args:
+          vw: the member.
+          wave: the wave it leased.
+
+        Returns:
+          The new ledger.
+
+        Raises:
+          WSPError: ``vw`` was dropped, its minibatches gone to others (``"dropped"``), or holds
+            no lease for the wave (``"refused"``).
+        """
         self._check_member(vw, "commit")
         lease = self.leases.get(vw)
         if lease is None or lease.wave != wave:
@@ -205,6 +317,7 @@ class Ledger:
     # -- the JSON record -----------------------------------------------------------------------
 
     def to_json(self) -> dict:
+        """The ledger as a JSON-able dict of its fields (a lease as ``[wave, minibatches]``)."""
         return {
             "total": self.total,
             "cursor": self.cursor,
@@ -221,6 +334,17 @@ class Ledger:
 
     @classmethod
     def from_json(cls, record: Mapping) -> Ledger:
+        """The ledger of a :meth:`to_json` record.
+
+        Args:
+          record: the dict :meth:`to_json` returned (as read back from the store).
+
+        Returns:
+          The ledger.
+
+        Raises:
+          WSPError: the record is malformed (``"corrupt"``).
+        """
         try:
             return cls(
                 None if record["total"] is None else int(record["total"]),

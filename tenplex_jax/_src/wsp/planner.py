@@ -35,7 +35,14 @@ MAX_MINIBATCHES = 16
 
 @dataclasses.dataclass(frozen=True)
 class WorkerPlan:
-    """One VW: its devices (cluster ids), the planner's layout for them and its ``Nm``."""
+    """One VW: its devices (cluster ids), the planner's layout for them and its ``Nm``.
+
+    Attributes:
+      devices: the VW's cluster device ids.
+      candidate: the planner's :class:`tenplex_jax.planner.Candidate` for them (its ``devices``
+        in cluster ids too).
+      minibatches: ``Nm``: minibatches per wave, in proportion to the VW's speed.
+    """
 
     devices: tuple[int, ...]
     candidate: Candidate
@@ -43,13 +50,29 @@ class WorkerPlan:
 
     @property
     def wave_seconds(self) -> float:
+        """The estimated seconds of one wave: ``Nm`` steps."""
         return self.minibatches * self.candidate.step_time
 
 
 @dataclasses.dataclass(frozen=True)
 class WSPChoice:
     """The chosen VWs, ``D``, the estimate, and how the alternatives and one synchronous job
-    compare."""
+    compare: what :func:`plan_workers` returns; ``print(choice)`` shows :meth:`table`.
+
+    Attributes:
+      grouping: ``"node"`` (each node a VW) or ``"equal"`` (VW ``i`` takes every node's
+        ``i``-th device).
+      workers: one :class:`WorkerPlan` per VW.
+      distance: WSP's ``D`` (1, or 0 for one VW).
+      minibatch: samples per minibatch.
+      objective: ``"time"`` or ``"cost"``.
+      throughput: the estimated samples per second of the whole job.
+      usd_per_hour: the price of the devices used.
+      synchronous: the planner's best single SPMD job over the same devices with ``sum(Nm)``
+        minibatches a step, for comparison (None when none fits).
+      alternatives: ``(grouping, samples/s, samples per $)`` of the groupings not chosen.
+      cluster: the cluster, as ``str(cluster)`` shows it.
+    """
 
     grouping: str
     workers: tuple[WorkerPlan, ...]
@@ -64,9 +87,12 @@ class WSPChoice:
 
     @property
     def samples_per_usd(self) -> float:
+        """Samples per dollar (infinite when the devices have no price)."""
         return self.throughput * 3600 / self.usd_per_hour if self.usd_per_hour else math.inf
 
     def table(self) -> str:
+        """The plan as a table: each VW's devices, layout, step time, ``Nm`` and wave time, the
+        estimate, and the comparisons."""
         goal = "samples per second" if self.objective == "time" else "samples per dollar"
         lines = [
             f"wsp planner: {self.cluster}; objective {goal}; grouping {self.grouping!r}, "
@@ -123,7 +149,25 @@ def plan_workers(
     groupings=GROUPINGS,
 ) -> WSPChoice:
     """The VWs, their layouts, ``Nm`` and ``D`` for ``profile`` on ``cluster`` with minibatches
-    of ``minibatch`` samples (see the module docstring)."""
+    of ``minibatch`` samples (see the module docstring). Example::
+
+        choice = plan_workers(tj.planner.Cluster.load("meshes/hetpipe.toml"), profile, 32)
+        print(choice)        # the VWs, their Nm, the estimate, vs one synchronous job
+
+    Args:
+      cluster: the :class:`tenplex_jax.planner.Cluster`.
+      profile: the model's :class:`tenplex_jax.planner.ModelProfile`.
+      minibatch: samples per minibatch (each VW's global batch).
+      objective: ``"time"`` (most samples per second) or ``"cost"`` (per dollar).
+      groupings: the groupings to try: ``"node"``, ``"equal"``.
+
+    Returns:
+      The :class:`WSPChoice`.
+
+    Raises:
+      PlanError: the objective is unknown, or no grouping fits the model (an unknown grouping
+        fits none); the message names each grouping's refusal.
+    """
     if objective not in ("time", "cost"):
         raise PlanError(f"objective must be 'time' or 'cost', got {objective!r}")
     options, refused = [], []

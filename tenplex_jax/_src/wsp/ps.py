@@ -37,7 +37,28 @@ STAGE = "wsp/stage/"
 
 
 class ParameterServer:
-    """A client of the parameter server on ``addresses`` (``token``: the stores' secret)."""
+    """A client of the parameter server kept in tensor stores: the global weights and the ledger.
+
+    Every VW holds its own client; the server is the stores themselves (a context manager closes
+    the connections). Example::
+
+        with ParameterServer(addresses) as ps:
+            ps.create(weights_of(state), total=minibatches)     # once per job
+            ledger = ps.push("vw1", 0, updates)                 # stage, commit, apply a wave
+            weights = ps.pull(ledger)
+
+    Args:
+      addresses: the stores' addresses; the first also holds the ledger and the layout.
+      token: the stores' secret, if any.
+      timeout: seconds any socket operation may take.
+
+    Attributes:
+      layout: leaf path -> the index of the store holding it (after :meth:`create` or
+        :meth:`open`).
+
+    Raises:
+      WSPError: no addresses (``"invalid"``).
+    """
 
     def __init__(
         self, addresses: Sequence[str], *, token: str | None = None, timeout: float = 60.0
@@ -49,6 +70,7 @@ class ParameterServer:
         self.layout: dict[str, int] = {}
 
     def close(self) -> None:
+        """Close the connections to every store."""
         for client in self.clients:
             client.close()
 
@@ -60,13 +82,23 @@ class ParameterServer:
 
     @property
     def coordinator(self) -> StoreClient:
+        """The client of the first store, which holds the ledger and the layout."""
         return self.clients[0]
 
     # -- the global weights ----------------------------------------------------------------------
 
     def create(self, weights: Mapping[str, np.ndarray], total: int | None) -> None:
-        """Lay the initial ``weights`` (leaf path -> array) out over the stores and start an empty
-        ledger for ``total`` minibatches. Refused if the job already exists."""
+        """Start a job: lay the initial weights out over the stores (largest leaves first, each
+        to the least loaded store) and an empty ledger.
+
+        Args:
+          weights: leaf path -> array (:func:`weights_of` gives them), stored as float32.
+          total: minibatches in the run (``None``: unbounded).
+
+        Raises:
+          WSPError: a job already exists on these stores (``"refused"``).
+          StoreError: a store failed a request.
+        """
         load = [0] * len(self.clients)
         layout = {}
         for path, w in sorted(weights.items(), key=lambda kv: -kv[1].nbytes):
@@ -83,19 +115,47 @@ class ParameterServer:
         self.layout = layout
 
     def open(self) -> dict[str, int]:
-        """Read where each leaf lives (waits for ``create`` when the job is being made)."""
+        """Read where each leaf lives, for a client of a job another client created.
+
+        Returns:
+          :attr:`layout`: leaf path -> store index.
+
+        Raises:
+          StoreError: the job's layout is not in the first store (``"not_found"``: no job was
+            created, or ``create`` has not finished), or a store failed the request.
+        """
         self.layout = {k: int(v) for k, v in self.coordinator.get_json(LAYOUT).items()}
         return self.layout
 
     # -- the ledger ------------------------------------------------------------------------------
 
     def ledger(self) -> Ledger:
+        """The job's :class:`Ledger` as stored now.
+
+        Raises:
+          StoreError: there is no job (``"not_found"``), or the store failed the request.
+          WSPError: the stored ledger is malformed (``"corrupt"``).
+        """
         record, _, _ = self.coordinator.get_json(PATH, versioned=True)
         return Ledger.from_json(record)
 
     def update(self, change: Callable[[Ledger, float], tuple[Ledger, object]], tries: int = 1000):
-        """Apply ``change(ledger, now) -> (ledger, result)`` atomically (compare-and-swap, retried
-        on conflict; ``now`` is the store's clock); ``(ledger, result)`` as stored."""
+        """Change the ledger atomically: compare-and-swap, retried on conflict.
+
+        Args:
+          change: ``change(ledger, now) -> (ledger, result)``, pure (it may run several times);
+            ``now`` is the store's clock in seconds. What it raises (a ``WSPError`` of the
+            ledger's rules) propagates.
+          tries: conflicts in a row before giving up.
+
+        Returns:
+          ``(ledger, result)`` of the call whose ledger was stored.
+
+        Raises:
+          WSPError: the ledger changed under ``tries`` tries (``"busy"``), or what ``change``
+            raises.
+          StoreError: the store failed a request.
+        """
         record, checksum, now = self.coordinator.get_json(PATH, versioned=True)
         for _ in range(tries):
             ledger, result = change(Ledger.from_json(record), now)
@@ -110,9 +170,22 @@ class ParameterServer:
     # -- push and pull ---------------------------------------------------------------------------
 
     def push(self, vw: str, wave: int, updates: Mapping[str, np.ndarray]) -> Ledger:
-        """Stage ``updates`` (leaf path -> float32 array), commit the wave, apply it; the ledger
-        after the commit. Raises ``WSPError`` (``"dropped"``) when the ledger refuses the commit:
-        the wave's minibatches went to others, the staged updates are dropped."""
+        """Push a wave: stage its updates, commit it in the ledger, add it into the weights.
+
+        Args:
+          vw: the pushing VW.
+          wave: the wave it leased.
+          updates: leaf path -> the change of that leaf over the wave (float32), for every leaf.
+
+        Returns:
+          The ledger after the commit.
+
+        Raises:
+          WSPError: a leaf lacks an update (``"invalid"``), or the ledger refuses the commit
+            (``"dropped"``: the wave's minibatches went to others; the staged updates are
+            deleted).
+          StoreError: a store failed a request.
+        """
         missing = set(self.layout) - set(updates)
         if missing:
             raise WSPError(
@@ -134,8 +207,18 @@ class ParameterServer:
         return ledger
 
     def apply(self, vw: str, wave: int, push: int) -> None:
-        """Add ``vw``'s staged wave ``wave`` (its push number ``push``) into every leaf (a no-op
-        where it is already in), then drop the stage."""
+        """Add a committed, staged wave into every leaf (a no-op where it is already in), then
+        delete the stage. :meth:`push` and :meth:`pull` call it.
+
+        Args:
+          vw: the VW that pushed it.
+          wave: the wave.
+          push: its push number: ``wave - ledger.starts[vw]``.
+
+        Raises:
+          StoreError: a store refused an accumulate out of turn (``"refused"``), a stage is
+            missing (``"not_found"``), or a store failed a request.
+        """
         stage = f"{STAGE}{vw}/{wave}/"
         for path, store in self.layout.items():
             self.clients[store].accumulate(WEIGHTS + path, stage + path, name=vw, clock=push)
@@ -143,9 +226,21 @@ class ParameterServer:
             self.clients[store].delete(stage)
 
     def pull(self, ledger: Ledger | None = None, timeout: float = 60.0) -> dict[str, np.ndarray]:
-        """The global weights holding every wave the ledger has committed (applying any that a
-        dead pusher left staged): leaf path -> float32 array. Each array is read whole and
-        atomically; the arrays may hold newer waves than asked for, never older."""
+        """The global weights holding every wave the ledger has committed, applying any that a
+        dead pusher left staged.
+
+        Args:
+          ledger: the ledger whose commits the weights must hold (default: the current one).
+          timeout: seconds to wait for the weights to catch up with the commits.
+
+        Returns:
+          Leaf path -> float32 array, each read whole and atomically; the arrays may hold newer
+          waves than asked for, never older.
+
+        Raises:
+          WSPError: the weights stayed behind the commits for ``timeout`` (``"busy"``).
+          StoreError: a store failed a request.
+        """
         deadline = time.monotonic() + timeout
         while True:
             ledger = ledger or self.ledger()
@@ -171,7 +266,14 @@ class ParameterServer:
 
     def collect(self) -> int:
         """Delete the stages of waves the ledger will never commit (their pushers were dropped
-        or left before committing); how many objects were deleted."""
+        or left before committing).
+
+        Returns:
+          How many objects were deleted.
+
+        Raises:
+          StoreError: a store failed a request.
+        """
         ledger = self.ledger()
         deleted = 0
         for client in self.clients:

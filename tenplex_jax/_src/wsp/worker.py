@@ -62,7 +62,23 @@ from tenplex_jax._src.wsp.ps import ParameterServer
 
 @dataclasses.dataclass(frozen=True)
 class WaveRecord:
-    """One wave of one VW: what it trained and where its time went (seconds)."""
+    """One wave of one VW: what it trained and where its time went (seconds).
+
+    Attributes:
+      vw: the VW's name.
+      wave: the wave.
+      minibatches: the minibatches (global batches of the dataset PTC) it trained.
+      samples: every real sample trained (the exactly-once proof, per sample).
+      losses: each minibatch's loss.
+      slowest: the slowest member's committed waves when the wave started.
+      pulled: whether it pulled the global weights before the wave.
+      wait_seconds: waiting (WSP's barrier) and pulling, before training.
+      compute_seconds: training the minibatches.
+      slowdown_seconds: the sleep that makes the VW ``slowdown`` times slower.
+      push_seconds: pushing the wave's update.
+      started: ``time.time()`` at the start of the wave's wait.
+      ended: ``time.time()`` when the wave was pushed.
+    """
 
     vw: str
     wave: int
@@ -80,8 +96,19 @@ class WaveRecord:
 
 
 def weights_of(state, part: str = "model") -> dict[str, np.ndarray]:
-    """The weights of a train state, as the parameter server holds them: the leaves under
-    ``part``, by path, as float32 host arrays (``ParameterServer.create`` takes them)."""
+    """The weights of a train state, as the parameter server holds them.
+
+    >>> weights_of({"model": {"w": np.ones(2, np.float16)}, "optimizer": {"mu": np.zeros(2)}})
+    {'model/w': array([1., 1.], dtype=float32)}
+
+    Args:
+      state: the train state (an ``nnx.State``, graph nodes, or a pytree of arrays).
+      part: the top-level key of the weights.
+
+    Returns:
+      Leaf path -> float32 host array, for the leaves under ``part`` (what
+      ``ParameterServer.create`` and ``push`` take).
+    """
     paths, leaves, _ = tree.arrays(state)
     chosen = [(p, x) for p, x in zip(paths, leaves) if p.startswith(part + "/")]
     host = jax.device_get([x for _, x in chosen])
@@ -91,16 +118,51 @@ def weights_of(state, part: str = "model") -> dict[str, np.ndarray]:
 class VirtualWorker:
     """A VW named ``name`` on ``devices`` (laid out as ``config``) in the job on ``ps``.
 
-    ``rules``, ``dataset``, ``init`` and ``train_step`` are those of ``tj.ElasticJob``:
-    ``init()`` gives the train state (``{"model": ..., "optimizer": ...}``; the leaves under
-    ``part`` are the weights the parameter server holds), or ``init`` is that state (one built
-    for every VW: placed, not rebuilt), ``train_step(state, batch)`` one step on a ``tj.Batch``.
-    ``workers`` is the batch layout's virtual worker count (None: one per sample).
-    ``timeout``: a member silent for longer is dropped (and so is this VW, if it falls silent).
-    ``on_wave(name, wave, minibatches)`` is called when a wave's minibatches are claimed,
-    ``on_record(record)`` when the wave is pushed. ``steps``: a ``StepCache`` of the same
-    ``train_step`` shared by the VWs of one process (built over all their devices), so a VW that
-    replaces another on the same devices compiles nothing.
+    Built (its state laid out, its step compiled) when made; :meth:`run` joins the job and
+    trains. Example::
+
+        worker = VirtualWorker("vw1", ps, rules, dataset, init, train_step,
+                               devices=jax.devices()[:4], config=tj.ParallelConfig(pipe=2, data=2),
+                               minibatches=4, distance=1)
+        records = worker.run()
+
+    Args:
+      name: the VW's name, unique in the job.
+      ps: the job's :class:`ParameterServer` client (this VW's own).
+      rules: the state's logical-axis rules, as for ``tj.ElasticJob``.
+      dataset: the :class:`tenplex_jax.DatasetPTC`: minibatch ``k`` is its global batch ``k``.
+      init: ``init()`` gives the train state (``{"model": ..., "optimizer": ...}``), built
+        straight into the layout; or ``init`` is that state (one built for every VW: placed,
+        not rebuilt).
+      train_step: ``train_step(state, batch) -> (state, metrics)``, one step on a ``tj.Batch``
+        (``metrics["loss"]`` is recorded), as for ``tj.ElasticJob``.
+      devices: the VW's devices, in mesh order.
+      config: the :class:`tenplex_jax.ParallelConfig` laid out over them.
+      minibatches: ``Nm``, the minibatches of a wave.
+      distance: WSP's ``D``: the waves it may run ahead of the slowest member.
+      workers: the batch layout's virtual worker count (None: one per sample).
+      slowdown: ``s >= 1``: after each wave, sleep ``s - 1`` times its compute time, as a device
+        ``s`` times slower would take (heterogeneity on one machine).
+      timeout: seconds after which a silent member is dropped (this VW too, if it falls
+        silent); it heartbeats every ``timeout / 4``.
+      part: the top-level key of the weights the parameter server holds.
+      poll: seconds between reads of the ledger while it waits.
+      on_wave: ``on_wave(name, wave, minibatches)``, called when a wave's minibatches are
+        claimed.
+      on_record: ``on_record(record)``, called with each :class:`WaveRecord` when its wave is
+        pushed.
+      steps: a step cache of the same ``train_step`` shared by the VWs of one process (built
+        over all their devices), so a VW that replaces another on the same devices compiles
+        nothing (default: its own).
+
+    Attributes:
+      records: the :class:`WaveRecord` of every wave pushed.
+      crashed: a ``threading.Event``: set it to end the VW at once, as a crash.
+      dropped: whether the ledger dropped this VW.
+
+    Raises:
+      WSPError: ``minibatches < 1``, ``distance < 0``, ``slowdown < 1``, or the state has no
+        leaves under ``part`` (``"invalid"``).
     """
 
     def __init__(
@@ -166,9 +228,19 @@ class VirtualWorker:
     # -- the weights between host and devices ------------------------------------------------
 
     def host_weights(self) -> dict[str, np.ndarray]:
+        """The VW's current weights: :func:`weights_of` its state."""
         return weights_of(self.state, self.part)
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """Replace the VW's weights (a pull); its optimizer state stays as it is.
+
+        Args:
+          weights: leaf path -> host array for every weight leaf (what
+            ``ParameterServer.pull`` returns), cast to each leaf's dtype.
+
+        Raises:
+          KeyError: a weight leaf is missing.
+        """
         _, leaves, treedef = tree.arrays(self.state)
         for i in self.weights:
             sharding = NamedSharding(self.mesh, self.ptc.leaves[i].spec)
@@ -181,7 +253,22 @@ class VirtualWorker:
         self, stop: threading.Event | None = None, waves: int | None = None
     ) -> list[WaveRecord]:
         """Join, then train waves until the run's minibatches are done, ``stop`` is set (then
-        leave at the next wave boundary), ``waves`` waves are done, or the VW is dropped."""
+        leave at the next wave boundary), ``waves`` waves are done, or the VW is dropped.
+
+        Each wave: wait and pull as WSP says, claim ``Nm`` minibatches, train them, push the
+        update. A dropped VW returns quietly (``dropped`` is set).
+
+        Args:
+          stop: set it (from another thread) to leave at the next wave boundary.
+          waves: the most waves to train (default: until the run is done).
+
+        Returns:
+          :attr:`records`: the :class:`WaveRecord` of every wave pushed.
+
+        Raises:
+          WSPError: a ledger rule broken other than being dropped.
+          StoreError: a store failed a request.
+        """
         stop = stop or threading.Event()
         self.ps.open()
         ledger, _ = self.ps.update(

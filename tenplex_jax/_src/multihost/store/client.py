@@ -32,7 +32,20 @@ class CAS(NamedTuple):
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    """``"127.0.0.1:5000"`` or ``"[::1]:5000"`` → (host, port)."""
+    """The host and port of a TCP store address.
+
+    >>> parse_address("127.0.0.1:5000"), parse_address("[::1]:5000")
+    (('127.0.0.1', 5000), ('::1', 5000))
+
+    Args:
+      address: ``"host:port"``, an IPv6 host in brackets.
+
+    Returns:
+      ``(host, port)``.
+
+    Raises:
+      StoreError: the address is a Unix socket's (``"unix:PATH"``) or not ``host:port``.
+    """
     if address.startswith("unix:"):
         raise StoreError(f"{address!r} is a Unix socket address, not host:port")
     host, sep, port = address.rpartition(":")
@@ -44,8 +57,23 @@ def parse_address(address: str) -> tuple[str, int]:
 class StoreClient:
     """A connection to one store server. Thread-safe: each call takes a pooled connection.
 
-    ``timeout`` bounds every socket operation (seconds); ``connect_timeout`` (default: ``timeout``)
-    bounds opening a connection, so a dead store is given up on quickly.
+    A context manager (leaving it closes the pool). Every failure raises ``StoreError`` with a
+    ``reason``; a request on a pooled connection the server has since closed is retried once on a
+    new one (every request is idempotent). Example::
+
+        with StoreClient(proc.address) as store:
+            store.put("v1/w", w_shard, box=((0, 4), (0, 8)), global_shape=(8, 8))
+            store.get("v1/w", ((2, 4), (0, 8)))          # == w_shard[2:4]: only those bytes travel
+
+    Args:
+      address: the server's ``"host:port"`` or ``"unix:PATH"``.
+      token: the secret the server was started with (``--token-file``), if any.
+      timeout: seconds any socket operation may take (replies that wait for disk get more).
+      connect_timeout: seconds opening a connection and its hello may take (default:
+        ``timeout``), so a dead store is given up on quickly.
+
+    Raises:
+      StoreError: the address is not ``host:port`` or ``unix:PATH``.
     """
 
     def __init__(
@@ -226,6 +254,7 @@ class StoreClient:
         return header, data
 
     def close(self) -> None:
+        """Close the pooled connections; a later call raises ``StoreError`` (``"closed"``)."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
@@ -244,10 +273,28 @@ class StoreClient:
         durable: bool = False,
         _checksum: str | None = None,
     ) -> ObjectInfo:
-        """Store ``array`` as the ``box`` of a global array of ``global_shape`` (default: the
-        whole array); the stored object's ``ObjectInfo``. Atomic: readers see the old object or
-        the new one, never a mix. Acknowledged from the memory tier, or with ``durable`` once
-        the object's file is on disk."""
+        """Store an array as a box of a global array, replacing any object at ``path``.
+
+        Atomic: readers see the old object or the new one, never a mix. The bytes are
+        checksummed as they are sent, and the server checks them before it acknowledges.
+
+        Args:
+          path: the object's path (``"v3/model/w"``).
+          array: the array; its shape is the box's extent.
+          box: the block of the global array it covers (default: the whole array).
+          global_shape: the global array's shape (default: the box's extent; needed when the box
+            does not start at the origin).
+          durable: acknowledge only once the object's file is on disk (default: from the memory
+            tier).
+
+        Returns:
+          The stored object's :class:`ObjectInfo`.
+
+        Raises:
+          StoreError: a bad path, box, shape or dtype (``"invalid"``, nothing sent), or the store
+            refused or failed the request (its ``reason``: ``"too_large"``, ``"corrupt"``,
+            ``"unavailable"``, ...).
+        """
         array = np.asarray(array, order="C")
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("="))
@@ -280,10 +327,21 @@ class StoreClient:
         return ObjectInfo.from_json(header["info"])
 
     def get(self, path: str, box: Box | None = None, *, with_info: bool = False):
-        """The ``box`` (global coordinates; None: the whole array) of the object at ``path``
-        that contains it, as a new array; with ``with_info``, ``(array, ObjectInfo)`` (its
-        ``clocks`` among them). Raises ``StoreError`` (reason ``"not_found"``) when no object
-        under ``path`` contains ``box``."""
+        """Read a box of a stored object: only its bytes travel, checksummed on arrival.
+
+        Args:
+          path: the object's path.
+          box: the block to read, in global coordinates, inside the object's box (``None``: the
+            whole object).
+          with_info: also return the object's :class:`ObjectInfo` (its ``clocks`` among them).
+
+        Returns:
+          The box as a new array, or ``(array, ObjectInfo)`` with ``with_info``.
+
+        Raises:
+          StoreError: no object at ``path`` contains ``box`` (``"not_found"``), the bytes
+            arrived damaged (``"corrupt"``), or the store failed the request.
+        """
         path = wire.check_path(path)
         box = None if box is None else wire.as_box(box)
         request = {
@@ -324,9 +382,26 @@ class StoreClient:
     def accumulate(
         self, path: str, stage: str, *, name: str, clock: int
     ) -> tuple[ObjectInfo, bool]:
-        """Add the whole float array stored at ``stage`` into the one at ``path``, on the store,
-        once per ``(name, clock)`` (see ``Store.accumulate``): (the array's record, whether it
-        was applied now). A wave out of turn is refused (``StoreError``, ``"refused"``)."""
+        """Add the float array stored at ``stage`` into the one at ``path``, on the store, once.
+
+        The store counts each pusher's accumulates into the array (its ``clocks``): push
+        ``clock`` of ``name`` is applied when it is the next one, skipped when already in
+        (a retry), refused when out of turn. The parameter server's updates use it.
+
+        Args:
+          path: the array to add into.
+          stage: the array to add, of the same shape.
+          name: the pusher's name (a virtual worker's).
+          clock: the pusher's push number, from 0.
+
+        Returns:
+          ``(info, applied)``: the array's :class:`ObjectInfo` after the call, and whether this
+          call applied the push.
+
+        Raises:
+          StoreError: the push is out of turn (``"refused"``), an object is missing
+            (``"not_found"``), or the store failed the request.
+        """
         request = {
             "op": "accumulate",
             "path": wire.check_path(path),
@@ -338,7 +413,17 @@ class StoreClient:
         return ObjectInfo.from_json(header["info"]), bool(header["applied"])
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """Every array object whose path starts with ``prefix`` (plain string prefix)."""
+        """The array objects under a prefix.
+
+        Args:
+          prefix: a plain string prefix of paths (``""``: every object).
+
+        Returns:
+          Their :class:`ObjectInfo` records.
+
+        Raises:
+          StoreError: the store failed the request.
+        """
         _, body = self._call({"op": "list", "prefix": str(prefix)})
         listing = self._decode(body, "list")
         if not isinstance(listing, list):
@@ -354,7 +439,17 @@ class StoreClient:
             ) from None
 
     def delete(self, prefix: str) -> int:
-        """Remove the array and JSON objects whose path starts with ``prefix``; how many."""
+        """Remove the array and JSON objects under a prefix.
+
+        Args:
+          prefix: a plain string prefix of paths.
+
+        Returns:
+          How many objects were removed.
+
+        Raises:
+          StoreError: ``prefix`` is not a string, or the store failed the request.
+        """
         if not isinstance(prefix, str):
             raise StoreError(f"delete takes a path prefix string; got {prefix!r}")
         header, _ = self._call({"op": "delete", "prefix": prefix})
@@ -363,10 +458,18 @@ class StoreClient:
     def put_json(self, path: str, obj: Any, *, flush: bool = True) -> None:
         """Store a small JSON-able object durably and atomically (a commit marker, a manifest).
 
-        With ``flush`` (the default) it is written only after every earlier put to this store has
-        reached disk, so after a crash of the store the marker implies its objects. ``flush=False``
-        skips that wait: enough while the store process lives (it outlives the workers), but a
-        store restarted from disk may then hold the marker without some objects."""
+        Args:
+          path: the object's path.
+          obj: plain JSON (no NaN), at most the wire's JSON size limit.
+          flush: write it only after every earlier put to this store has reached disk, so after
+            a crash of the store the marker implies its objects. ``False`` skips that wait:
+            enough while the store process lives (it outlives the workers), but a store
+            restarted from disk may then hold the marker without some objects.
+
+        Raises:
+          StoreError: ``obj`` is not plain JSON or too large (``"invalid"``), or the store
+            failed the request.
+        """
         path = wire.check_path(path)
         data = self._json_bytes(path, obj, "put_json")
         request = {
@@ -378,8 +481,21 @@ class StoreClient:
         self._call(request, data)
 
     def get_json(self, path: str, default: Any = _MISSING, *, versioned: bool = False) -> Any:
-        """The JSON object at ``path``; ``default`` if given and there is none. With
-        ``versioned``, ``(object, its checksum, the store's clock)``: what ``cas_json`` expects."""
+        """Read a JSON object.
+
+        Args:
+          path: the object's path.
+          default: returned when there is none (without it, that raises).
+          versioned: also return the object's checksum and the store's clock.
+
+        Returns:
+          The object, or with ``versioned`` ``(object, its checksum, the store's clock in
+          seconds)``: what :meth:`cas_json` expects (``(default, None, None)`` when absent).
+
+        Raises:
+          StoreError: there is no object and no ``default`` (``"not_found"``), the bytes arrived
+            damaged (``"corrupt"``), or the store failed the request.
+        """
         try:
             header, body = self._call({"op": "get_json", "path": wire.check_path(path)})
         except StoreError as error:
@@ -397,9 +513,23 @@ class StoreClient:
         return (obj, header["checksum"], float(header["time"])) if versioned else obj
 
     def cas_json(self, path: str, obj: Any, *, expect: str | None) -> CAS:
-        """Store ``obj`` at ``path`` only if the JSON object there has checksum ``expect`` (None:
-        only if there is none), atomically. The reply says whether it swapped, and carries the
-        object there now with its checksum and the store's clock, to retry from."""
+        """Compare-and-swap a JSON object: store ``obj`` only if the object there is the one
+        expected, atomically.
+
+        Args:
+          path: the object's path.
+          obj: the new object (plain JSON).
+          expect: the checksum of the object expected there (from ``get_json(...,
+            versioned=True)`` or an earlier reply); ``None``: only if there is none.
+
+        Returns:
+          A ``CAS`` named tuple ``(swapped, checksum, value, time)``: whether it swapped, and the
+          object there now with its checksum and the store's clock, to retry from.
+
+        Raises:
+          StoreError: ``obj`` is not plain JSON or too large, the reply arrived damaged
+            (``"corrupt"``), or the store failed the request.
+        """
         path = wire.check_path(path)
         data = self._json_bytes(path, obj, "cas_json")
         request = {
@@ -434,19 +564,41 @@ class StoreClient:
         return data
 
     def list_json(self, prefix: str = "") -> list[str]:
+        """The paths of the JSON objects under a prefix.
+
+        Args:
+          prefix: a plain string prefix of paths (``""``: every JSON object).
+
+        Returns:
+          Their paths.
+
+        Raises:
+          StoreError: the store failed the request.
+        """
         header, _ = self._call({"op": "list_json", "prefix": str(prefix)})
         return list(header["paths"])
 
     def flush(self) -> None:
-        """Wait until every object put so far is on the store's disk."""
+        """Wait until every object put so far is on the store's disk.
+
+        Raises:
+          StoreError: the store failed the request.
+        """
         self._call({"op": "flush"})
 
     def stats(self) -> dict:
+        """The server's counters: objects, memory tier bytes and objects, objects not yet on
+        disk, JSON objects, its pid, transfers under way and connections.
+
+        Raises:
+          StoreError: the store failed the request.
+        """
         header, _ = self._call({"op": "stats"})
         return header["stats"]
 
     def ping(self) -> bool:
-        """Whether the store answers a new connection's hello within the connect timeout."""
+        """Whether the store answers a new connection's hello within the connect timeout
+        (``False`` where the other calls raise ``StoreError``)."""
         try:
             self._connect().close()
         except StoreError:

@@ -14,9 +14,26 @@ from tenplex_jax._src.errors import StoreError
 class StoreProcess:
     """A store server subprocess: ``StoreProcess.start(dir)`` waits until it listens.
 
-    ``address`` is its "host:port" (``unix_address`` its "unix:PATH" when started with
-    ``unix_socket``); ``pid`` and ``popen`` identify the child; ``stop()`` sends
-    SIGTERM (the server writes what is only in memory to disk) and waits; ``kill()`` SIGKILLs.
+    Made by :meth:`start`; the constructor records a child that is already listening.
+    ``stop()`` sends SIGTERM (the server writes what is only in memory to disk) and waits;
+    ``kill()`` SIGKILLs. Example::
+
+        proc = StoreProcess.start("/tmp/store0")
+        with StoreClient(proc.address) as store:
+            store.put("w", np.ones((4, 4), np.float32))
+        proc.stop()
+
+    Args:
+      popen: the child process.
+      address: its ``"host:port"``.
+      directory: its disk tier (kept as ``dir``).
+      unix_address: its ``"unix:PATH"`` when it also serves on a Unix socket.
+
+    Attributes:
+      popen: as given.
+      address: as given.
+      dir: the ``directory``.
+      unix_address: as given.
     """
 
     def __init__(
@@ -31,6 +48,7 @@ class StoreProcess:
 
     @property
     def pid(self) -> int:
+        """The child's process id."""
         return self.popen.pid
 
     @classmethod
@@ -48,8 +66,27 @@ class StoreProcess:
         stderr=None,
         args: tuple[str, ...] = (),
     ) -> StoreProcess:
-        """Start a server on ``directory``; ``args`` are more of its command-line options (e.g.
-        ``("--max-connections", "8")``)."""
+        """Start a server (``python -m tenplex_jax.multihost.store``) and wait until it listens.
+
+        Args:
+          directory: its disk tier (created if missing).
+          host: the address to bind.
+          port: the port (0: any free port; ``address`` says which).
+          memory_bytes: the memory tier's size (default: the server's).
+          max_body_bytes: the largest request body it accepts (default: the server's).
+          token_file: a file holding the secret clients must present (``token=``).
+          unix_socket: a path to serve on as well (``unix_address``).
+          timeout: seconds to wait for it to listen.
+          stderr: where its stderr goes (a file or ``subprocess`` constant; default: ours).
+          args: more of its command-line options (e.g. ``("--max-connections", "8")``).
+
+        Returns:
+          The running server.
+
+        Raises:
+          StoreError: it exited before listening or did not listen within ``timeout`` (it is
+            killed); the message holds its command line.
+        """
         directory = pathlib.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         ready = directory.parent / f".{directory.name}.ready.{os.getpid()}.{time.monotonic_ns()}"
@@ -106,7 +143,14 @@ class StoreProcess:
         return cls(popen, address, directory, unix_address)
 
     def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, then wait (SIGKILL after ``timeout``); the exit code."""
+        """Stop the server: SIGTERM (it writes what is only in memory to disk), then wait.
+
+        Args:
+          timeout: seconds to wait before SIGKILL.
+
+        Returns:
+          Its exit code.
+        """
         if self.popen.poll() is None:
             self.popen.terminate()
             try:
@@ -116,6 +160,8 @@ class StoreProcess:
         return self.kill()
 
     def kill(self) -> int:
+        """SIGKILL the server (what is only in its memory tier is lost) and reap it; its exit
+        code."""
         if self.popen.poll() is None:
             self.popen.kill()
         return self.popen.wait()

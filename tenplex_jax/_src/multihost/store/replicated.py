@@ -20,7 +20,22 @@ class ReplicatedStore:
 
     ``put`` writes the copies in parallel (one thread per store), so replication costs about one
     write. ``get`` reads from the writer's host first, then its replicas, then the other stores;
-    a store that does not answer within ``connect_timeout`` is skipped.
+    a store that does not answer within ``connect_timeout`` is skipped. A context manager.
+    Example::
+
+        with ReplicatedStore([p.address for p in procs], replicas=1) as stores:
+            stores.put(0, "v1/w", w)                 # on stores 0 and 1
+            stores.get("v1/w", prefer=0)             # from store 1 if store 0 is down
+
+    Args:
+      addresses: the stores' addresses, one per host, in host order.
+      replicas: copies beyond the writer's, ``0 <= replicas < len(addresses)``.
+      token: the stores' secret, if any.
+      timeout: seconds any socket operation may take.
+      connect_timeout: seconds a store gets to answer a new connection before it is skipped.
+
+    Raises:
+      StoreError: no addresses, or ``replicas`` out of range.
     """
 
     def __init__(
@@ -57,7 +72,17 @@ class ReplicatedStore:
         self.close()
 
     def holders(self, host: int) -> list[int]:
-        """The stores that hold host ``host``'s objects: itself, then its k successors."""
+        """The stores that hold one host's objects.
+
+        Args:
+          host: the writer's host index.
+
+        Returns:
+          Store indices: ``host``, then its ``replicas`` successors (mod n).
+
+        Raises:
+          StoreError: ``host`` is out of range.
+        """
         n = len(self.clients)
         if not 0 <= host < n:
             raise StoreError(f"host must be in [0, {n}); got {host}")
@@ -74,10 +99,24 @@ class ReplicatedStore:
         durable: bool = False,
         min_copies: int | None = None,
     ) -> list[int]:
-        """Write to stores ``host, host+1 .. host+k`` (mod n) in parallel; the stores written.
+        """Write an array to its host's stores, ``host, host+1 .. host+k`` (mod n), in parallel.
 
-        Raises ``StoreError`` naming each failed store unless at least ``min_copies`` (default:
-        all k+1) copies were written."""
+        Args:
+          host: the writer's host index.
+          path: the object's path.
+          array: the array (as ``StoreClient.put``).
+          box: the block of the global array it covers (default: the whole array).
+          global_shape: the global array's shape (default: the box's extent).
+          durable: acknowledge each copy only once it is on disk.
+          min_copies: the fewest copies that must be written (default: all ``k + 1``).
+
+        Returns:
+          The indices of the stores written.
+
+        Raises:
+          StoreError: fewer than ``min_copies`` copies were written (``"unavailable"``); the
+            message names each failed store.
+        """
         targets = self.holders(host)
         need = len(targets) if min_copies is None else min_copies
         array = np.asarray(array, order="C")  # once, not per copy
@@ -103,8 +142,21 @@ class ReplicatedStore:
         return written
 
     def get(self, path: str, box: Box | None = None, *, prefer: int) -> np.ndarray:
-        """The sub-box from the first store that has it: ``prefer`` (the writer's host), its
-        replicas, then the others. ``StoreError`` naming path, box and every store tried."""
+        """Read a box of an object from the first store that has it.
+
+        Args:
+          path: the object's path.
+          box: the block to read (``None``: the whole object), as ``StoreClient.get``.
+          prefer: the writer's host: its store is tried first, then its replicas, then the
+            others.
+
+        Returns:
+          The box as a new array.
+
+        Raises:
+          StoreError: no store holds it (``"not_found"``); the message names the path, the box
+            and every store tried with its reason.
+        """
         order = self.holders(prefer)
         order += [i for i in range(len(self.clients)) if i not in order]
         tried = []
@@ -135,11 +187,25 @@ class ReplicatedStore:
         return list(self._pool.map(lambda c: c.ping(), self.clients))
 
     def list(self, prefix: str = "") -> list[list[ObjectInfo] | None]:
-        """Each store's objects under ``prefix`` (None for a store that does not answer)."""
+        """Each store's objects under a prefix.
+
+        Args:
+          prefix: a plain string prefix of paths.
+
+        Returns:
+          Per store, its :class:`ObjectInfo` records, or ``None`` for a store that fails.
+        """
         return list(self._pool.map(lambda c: _or_none(c.list, prefix), self.clients))
 
     def delete(self, prefix: str) -> list[int | None]:
-        """Delete ``prefix`` on every store that answers; the count per store (None: down)."""
+        """Delete the objects under a prefix on every store that answers.
+
+        Args:
+          prefix: a plain string prefix of paths.
+
+        Returns:
+          Per store, how many objects it deleted, or ``None`` for a store that fails.
+        """
         return list(self._pool.map(lambda c: _or_none(c.delete, prefix), self.clients))
 
     def put_json(
@@ -150,8 +216,20 @@ class ReplicatedStore:
         stores: Sequence[int] | None = None,
         flush: bool = True,
     ) -> list[int]:
-        """Write a JSON object to ``stores`` (default: all) in parallel (``StoreClient.put_json``
-        says what ``flush`` means); the stores written. Raises ``StoreError`` when none was."""
+        """Write a JSON object to several stores in parallel.
+
+        Args:
+          path: the object's path.
+          obj: plain JSON.
+          stores: the store indices to write (default: all).
+          flush: as ``StoreClient.put_json``: only after each store's earlier puts are on disk.
+
+        Returns:
+          The indices of the stores written.
+
+        Raises:
+          StoreError: no store was written (``"unavailable"``); the message names each failure.
+        """
         targets = range(len(self.clients)) if stores is None else stores
         futures = {
             i: self._pool.submit(self.clients[i].put_json, path, obj, flush=flush) for i in targets
@@ -164,7 +242,20 @@ class ReplicatedStore:
         return written
 
     def get_json(self, path: str, default: Any = _MISSING, *, prefer: int = 0) -> Any:
-        """The JSON object at ``path`` from the first store that has it."""
+        """Read a JSON object from the first store that has it.
+
+        Args:
+          path: the object's path.
+          default: returned when no store yields it (without it, that raises).
+          prefer: the host whose stores are tried first (then the others).
+
+        Returns:
+          The object.
+
+        Raises:
+          StoreError: no store yields it and there is no ``default`` (``"not_found"``); the
+            message names every store tried with its reason.
+        """
         order = self.holders(prefer) + [
             i for i in range(len(self.clients)) if i not in self.holders(prefer)
         ]
@@ -179,10 +270,16 @@ class ReplicatedStore:
         raise StoreError(f"no store holds JSON {path!r}; tried " + "; ".join(tried), "not_found")
 
     def flush(self) -> None:
+        """Wait until every object put so far is on every store's disk.
+
+        Raises:
+          StoreError: a store failed the request.
+        """
         for _ in self._pool.map(lambda c: c.flush(), self.clients):
             pass
 
     def close(self) -> None:
+        """Wait for the writes under way, then close every store's connections."""
         self._pool.shutdown(wait=True)
         for client in self.clients:
             client.close()

@@ -48,9 +48,18 @@ DIGEST_CHUNK_BYTES = 1 << 20  # checksummed as sent: small enough to stay in cac
 class ObjectInfo:
     """One stored object: an array covering ``box`` of a global array of ``global_shape``.
 
-    ``checksum`` is ``"crc32:<8 hex digits>"`` of the object's C-order bytes. ``clocks``, for an
-    array that ``accumulate`` updates (a parameter server's weights): how many waves of each
-    pusher it holds, as sorted ``(name, count)`` pairs; empty for any other object.
+    What ``StoreClient.put``, ``get(..., with_info=True)`` and ``list`` return.
+
+    Attributes:
+      path: the object's path.
+      box: the block of the global array it covers (``tj.typing.Box``).
+      global_shape: the global array's shape.
+      dtype: its dtype's NumPy name (``"float32"``).
+      nbytes: its bytes: the box's size times the itemsize.
+      checksum: ``"crc32:<8 hex digits>"`` of the object's C-order bytes.
+      clocks: for an array that ``accumulate`` updates (a parameter server's weights), how many
+        pushes of each pusher it holds, as sorted ``(name, count)`` pairs; empty for any other
+        object.
     """
 
     path: str
@@ -63,9 +72,12 @@ class ObjectInfo:
 
     @property
     def shape(self) -> Shape:
+        """The stored array's shape: the box's extent."""
         return boxes.shape(self.box)
 
     def to_json(self) -> dict:
+        """The record as JSON, as the wire and a file's header carry it (``clocks`` as an object,
+        only when not empty)."""
         return {
             "path": self.path,
             "box": boxes.to_json(self.box),
@@ -77,9 +89,20 @@ class ObjectInfo:
 
     @classmethod
     def from_json(cls, obj: Any) -> ObjectInfo:
-        """An object's record from a server's reply or a file's header, every field checked
-        (its byte count against its box and dtype): ``StoreError`` (reason ``"protocol"``) for
-        anything else, so that no peer's claim is trusted unchecked."""
+        """An object's record from a server's reply or a file's header, every field checked, so
+        that no peer's claim is trusted unchecked.
+
+        Args:
+          obj: the JSON object :meth:`to_json` writes.
+
+        Returns:
+          The record.
+
+        Raises:
+          StoreError: a field is missing or wrong (a bad path, a box outside the global shape,
+            a byte count that is not the box's size in the dtype, a checksum that is not a
+            crc32); reason ``"protocol"``.
+        """
         try:
             path, box = check_path(obj["path"]), as_box(obj["box"])
             global_shape, dtype = as_shape(obj["global_shape"]), dtype_of(str(obj["dtype"]))

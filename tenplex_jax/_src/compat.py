@@ -1,0 +1,38 @@
+"""The one place where tenplex_jax meets the parts of JAX that differ across the supported range
+(jax 0.10.2 to 0.12) or that JAX keeps outside its stable API.
+
+Everything else in the library uses the API that jax 0.10.2 and 0.12 share (checked by resolving
+every ``jax.``/``flax.``/``optax.``/``orbax.`` name the library uses on both, with warnings as
+errors). What is here is either experimental in JAX (and so may move without a deprecation cycle)
+or has behaved differently between releases; each function says which.
+"""
+
+from __future__ import annotations
+
+
+def reset_compilation_cache() -> None:
+    """Make JAX decide again whether its persistent compilation cache is on.
+
+    JAX reads ``jax_compilation_cache_dir`` once per process, at the first compile; after the
+    option changes, ``compilation_cache.reset_cache`` (in ``jax.experimental``, so not covered by
+    JAX's deprecation policy; present in 0.10.2 to 0.12) makes the next compile read it again.
+    """
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()
+
+
+def reached_preemption_sync_point(step: int) -> bool:
+    """Whether every process of a ``jax.distributed`` job has reached ``step`` after the
+    coordination service announced a preemption (``jax.experimental.multihost_utils``)."""
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point(step)
+
+
+def broadcast_one_to_all(value):
+    """Process 0's ``value`` on every process of a ``jax.distributed`` job
+    (``jax.experimental.multihost_utils``)."""
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.broadcast_one_to_all(value)

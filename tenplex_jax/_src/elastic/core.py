@@ -1,0 +1,324 @@
+"""What the two roles of an elastic job share: the layout, the data, the compiled steps.
+
+``_JobCore`` owns the state's layout (its PTC), the dataset PTC, the parallel config of each
+device count and the user's step compiled per layout (a :class:`StepCache`). ``start`` lays the
+state out, ``jit`` compiles the step, ``_batch`` hands out the next global batch for the current
+mesh, and the step ``jit`` returns runs on the current layout and times the steps that end a
+stall. Two roles fill its hooks:
+
+- :class:`tenplex_jax.ElasticJob` (``job.py``), one process: events change its devices between
+  steps; checkpoints under ``checkpoint_dir``;
+- :class:`tenplex_jax.elastic.LaunchedJob` (``launched.py``), a process of ``tenplex-jax launch``:
+  restores where the launcher says, commits to the tensor stores, ends its generation on request.
+
+The hooks: ``_restore_or_build(build)`` is the state ``start`` begins from, ``next(state)`` the
+step boundary (each role's own, then the shared ``_batch()``), ``_after_step()`` what follows
+each dispatched step, ``finish(state)`` the end of training and ``wait()`` the end of a commit in
+flight.
+:class:`JobOptions` holds the settings a job rarely needs, in one frozen record.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import dataclasses
+import math
+import pathlib
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import jax
+import numpy as np
+
+from tenplex_jax._src.batch import BATCH_AXES, Batch, device_batch
+from tenplex_jax._src.data import BatchLayout, DatasetPTC
+from tenplex_jax._src.elastic.steps import StepCache
+from tenplex_jax._src.errors import LayoutError
+from tenplex_jax._src.executor import METHODS, place
+from tenplex_jax._src.mesh import MESH_AXES, show_mesh
+from tenplex_jax._src.planner.cluster import DeviceType
+from tenplex_jax._src.planner.policy import choose_config
+from tenplex_jax._src.planner.profile import ModelProfile
+from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
+
+__all__ = ["JobOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobOptions:
+    """How an elastic job runs, beyond its devices, data and checkpoints: one frozen record.
+
+    Every field has a default; pass only what differs, and derive variants with
+    ``dataclasses.replace``::
+
+        options = tj.elastic.JobOptions(compile_ahead=False, exact_step_times=True)
+        job = tj.ElasticJob(rules, dataset, workers=8, options=options)
+        verbose = dataclasses.replace(options, log=print)
+
+    Attributes:
+      compile_ahead: after every reconfiguration, compile the steps of the likely next layouts on
+        background threads (one process only: a launched job changes layout by generation).
+      preempt_devices: how many devices a preemption notice without names takes (SIGTERM under
+        ``job.handle_sigterm()``, ``job.preempt()``); compile-ahead guesses that many fewer.
+      method: how a reconfiguration moves the state, ``"plan"`` or ``"device_put"`` (see
+        :func:`tenplex_jax.reshard`).
+      batch_axes: the mesh axes the rows of each global batch are split over.
+      exact_step_times: wait for every step and record its time in ``job.step_log``; by default
+        only the first step on each layout is waited for and the rest run asynchronously.
+      profile: the model's :class:`tenplex_jax.planner.ModelProfile`. With ``device_type``, the
+        planner picks each device count's config and growth weighs its step-time estimates.
+      device_type: the devices' :class:`tenplex_jax.planner.DeviceType`; its ``link_bandwidth``
+        is the bandwidth assumed until a reshard measures one.
+      log: called with one line of text per event, restore and generation end (default: silent).
+
+    Raises:
+      LayoutError: a field has the wrong type or lies outside its range; the message names the
+        field, the rule and the value.
+    """
+
+    compile_ahead: bool = True
+    preempt_devices: int = 1
+    method: str = "plan"
+    batch_axes: Sequence[str] = BATCH_AXES
+    exact_step_times: bool = False
+    profile: ModelProfile | None = None
+    device_type: DeviceType | None = None
+    log: Callable[[str], None] | None = None
+
+    def __post_init__(self):
+        for name in ("compile_ahead", "exact_step_times"):
+            if not isinstance(getattr(self, name), bool):
+                raise LayoutError(f"JobOptions.{name} is a bool, got {getattr(self, name)!r}")
+        count = self.preempt_devices
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise LayoutError(f"JobOptions.preempt_devices is an int >= 1, got {count!r}")
+        if self.method not in METHODS:
+            raise LayoutError(f"JobOptions.method is one of {METHODS}, got {self.method!r}")
+        axes = self.batch_axes
+        if isinstance(axes, str):  # "data" would otherwise be read as the axes d, a, t, a
+            raise LayoutError(f"JobOptions.batch_axes is a sequence of axis names, got {axes!r}")
+        axes = tuple(axes)
+        if not axes or len(set(axes)) != len(axes) or not set(axes) <= set(MESH_AXES):
+            raise LayoutError(
+                f"JobOptions.batch_axes are distinct mesh axes among {MESH_AXES}, got {axes}"
+            )
+        object.__setattr__(self, "batch_axes", axes)  # hashable and immutable, as the record
+        for name, kind in (("profile", ModelProfile), ("device_type", DeviceType)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise LayoutError(f"JobOptions.{name} is a {kind.__name__} or None, got {value!r}")
+        if self.log is not None and not callable(self.log):
+            raise LayoutError(f"JobOptions.log is a callable taking a str, got {self.log!r}")
+
+
+class _JobCore(abc.ABC):
+    """The shared core of :class:`ElasticJob` and :class:`LaunchedJob` (see the module
+    docstring); the roles document the constructor's arguments."""
+
+    launched: bool  # whether this process is a worker of `tenplex-jax launch`: False or True
+
+    def __init__(
+        self,
+        rules: Rules,
+        dataset: DatasetPTC,
+        *,
+        devices: Sequence[jax.Device] | None = None,
+        initial: Iterable[int] | None = None,
+        workers: int | None = None,
+        config: Callable[[int], ParallelConfig] | None = None,
+        steps: int | None = None,
+        checkpoint_dir: str | pathlib.Path | None = None,
+        checkpoint_every: int | None = None,
+        options: JobOptions = JobOptions(),
+    ):
+        if not isinstance(options, JobOptions):
+            raise LayoutError(
+                f"options= is a tj.elastic.JobOptions (compile_ahead, preempt_devices, method, "
+                f"batch_axes, exact_step_times, profile, device_type, log), got {options!r}"
+            )
+        self.rules, self.dataset, self.workers, self.steps = rules, dataset, workers, steps
+        self.devices = {d.id: d for d in (jax.devices() if devices is None else devices)}
+        self.initial = tuple(sorted(self.devices) if initial is None else initial)
+        self.checkpoint_dir = None if checkpoint_dir is None else pathlib.Path(checkpoint_dir)
+        self.checkpoint_every, self.options = checkpoint_every, options
+        self.log = options.log or (lambda text: None)
+        self.ptc: PTC | None = None
+        self.steps_cache: StepCache | None = None  # made by jit()
+        self.samples: np.ndarray | None = None  # the sample index of every row of the last batch
+        self.step_log: list[tuple[int, float, str]] = []  # (step, seconds, config) of timed steps
+        self._choose = config
+        self._configs: dict[int, ParallelConfig] = {}
+        self._abstract = self._sample = None
+        # (the event's record or None, when the stall began): the next step is timed
+        self._stalled: tuple[object, float] | None = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the user's side --------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Global batches handed out so far: the index of the next step."""
+        return self.dataset.step
+
+    @property
+    def compiles(self) -> int:
+        """XLA compiles of the step so far, ahead or not."""
+        return 0 if self.steps_cache is None else self.steps_cache.compiles
+
+    @property
+    def layout(self) -> BatchLayout:
+        """How the current layout splits a global batch: rows per rank, virtual workers."""
+        return self._layout(self.ptc.config)
+
+    def start(self, init):
+        """Lay the job's state out on its initial devices.
+
+        Args:
+          init: a function returning the state (an ``nnx.State`` or any pytree of arrays), jitted
+            straight into the layout, or the state itself, placed as it is.
+
+        Returns:
+          The state, sharded as ``job.ptc``: restored when there is a state to resume (see the
+          role's ``_restore_or_build``), else built by ``init``.
+
+        Raises:
+          LayoutError: the job already has a layout, or ``config`` has none for the devices.
+        """
+        if self.ptc is not None:
+            raise LayoutError("job.start() lays the state out once; the job already has a layout")
+        if callable(init):
+            self._abstract = jax.eval_shape(init)
+        else:
+            self._abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init)
+        self._sample = jax.tree.map(np.asarray, self.dataset.load(np.zeros(1, np.int64)))
+        devices = [self.devices[i] for i in self.initial]
+        self.ptc = PTC.of(self._abstract, self.rules, self.config_for(len(devices)), devices)
+
+        def build():
+            if callable(init):
+                return jax.jit(init, out_shardings=self.ptc.shardings(self._mesh()))()
+            return place(init, self.ptc)
+
+        return self._restore_or_build(build)
+
+    def jit(self, fn: Callable) -> Callable:
+        """Compile the user's step per layout.
+
+        Args:
+          fn: ``fn(state, batch) -> (state, metrics)``, any JAX code (a ``jax.jit``-ed function
+            is unwrapped: the job jits it per layout with the layout's shardings).
+
+        Returns:
+          ``step(state, batch) -> (state, metrics)`` for ``job.next``'s state and batch; the state
+          is donated and the metrics come back replicated.
+
+        Raises:
+          LayoutError: called before ``job.start``.
+        """
+        if self.ptc is None:
+            raise LayoutError("call job.start(init) before job.jit(step): the step needs a layout")
+        self.steps_cache = StepCache(
+            fn, self._sample, list(self.devices.values()), self.options.batch_axes
+        )
+        self._compiled(self.ptc, ahead=True)
+        self._stalled = (None, time.perf_counter())  # time the first step too
+        return self._run
+
+    @abc.abstractmethod
+    def next(self, state):
+        """The step boundary (what the role does between steps), then ``(state, self._batch())``."""
+
+    @abc.abstractmethod
+    def finish(self, state) -> None:
+        """The end of training (a final checkpoint, the commits finished)."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Finish the commit in flight, if any."""
+
+    def close(self) -> None:
+        """Stop the compile threads (waits for a compile under way); ``with job:`` calls it."""
+        if self.steps_cache is not None:
+            self.steps_cache.close()
+
+    def config_for(self, n: int) -> ParallelConfig:
+        """The parallel config the job uses on ``n`` devices: ``config(n)``, else
+        :func:`tenplex_jax.planner.choose_config` (the planner's, with ``options.profile`` and
+        ``options.device_type``). Raises ``LayoutError`` when there is none."""
+        if n not in self._configs:
+            if self._choose is not None:
+                self._configs[n] = self._choose(n)
+            else:
+                self._configs[n] = choose_config(
+                    n,
+                    self._abstract,
+                    self.rules,
+                    self.dataset.global_batch,
+                    self.workers,
+                    profile=self.options.profile,
+                    device_type=self.options.device_type,
+                )
+        return self._configs[n]
+
+    # -- the roles' hooks -------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _restore_or_build(self, build: Callable[[], object]):
+        """The state ``start`` returns, laid out as ``self.ptc``: resumed, or ``build()``."""
+
+    @abc.abstractmethod
+    def _after_step(self) -> None:
+        """What follows each dispatched step (the step is then ``self.step - 1``)."""
+
+    def _batch(self) -> Batch:
+        """The next global batch, laid out for the current mesh (``self.samples``: the sample
+        index of each row, -1 for padding); the dataset moves on by one step."""
+        mesh, layout, axes = self._mesh(), self.layout, self.options.batch_axes
+        data, weights, self.samples = device_batch(self.dataset, self.step, layout, mesh, axes)
+        self.dataset.step += 1
+        return Batch(data, weights, layout, mesh, axes)
+
+    # -- compiled steps ---------------------------------------------------------------------------
+
+    def _mesh(self):
+        return self.ptc.mesh(list(self.devices.values()))
+
+    def _layout(self, config: ParallelConfig) -> BatchLayout:
+        ranks = math.prod(config.size(axis) for axis in self.options.batch_axes)
+        return BatchLayout(self.dataset.global_batch, ranks=ranks, workers=self.workers)
+
+    def _key(self, ptc: PTC) -> tuple:
+        return StepCache.key(ptc, self._layout(ptc.config))
+
+    def _compiled(self, ptc: PTC, *, ahead: bool) -> concurrent.futures.Future:
+        return self.steps_cache.get(ptc, self._layout(ptc.config), ahead=ahead)
+
+    def _run(self, state, batch: Batch):
+        """Run one step on the current layout (asynchronously, but for the timed steps)."""
+        future = self._compiled(self.ptc, ahead=False)
+        if batch.layout != self.layout or batch.mesh != self._mesh():
+            raise LayoutError(
+                f"the batch is laid out for {batch.layout} on "
+                f"{show_mesh(batch.mesh, devices=False)}, the job runs {self.ptc.config} on "
+                f"{list(self.ptc.device_ids)}: pass the state and batch that job.next returned"
+            )
+        executable = future.result().executable
+        tic = time.perf_counter()
+        state, metrics = executable(state, batch)
+        self._after_step()
+        if self.options.exact_step_times or self._stalled is not None:
+            jax.block_until_ready((state, metrics))
+            done = time.perf_counter()
+            self.step_log.append((self.step - 1, done - tic, str(self.ptc.config)))
+            if self._stalled is not None:
+                record, posted = self._stalled
+                if record is not None:
+                    record.stall_seconds = done - posted
+                self._stalled = None
+        return state, metrics

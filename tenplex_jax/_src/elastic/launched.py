@@ -1,0 +1,232 @@
+"""``LaunchedJob``: the elastic job in a process of ``tenplex-jax launch``.
+
+The launcher runs the user's script in every process of a *generation*; the job runs on all
+their devices. ``start`` restores from where the launcher says (the tensor stores, the orbax
+tier, or ``init``); ``next`` commits to the stores every ``--commit-every`` steps and, when the
+launcher ends the generation (a planned resize or stop, or JAX's preemption sync point), commits
+synchronously and raises ``SystemExit(0)``: the next generation resumes at that step. Devices
+change only by generation, so the in-process events refuse. The process's side of the protocol
+(stores, commits, the run directory) is the :class:`Worker`'s; this class is the job the script
+holds, over the same core as :class:`ElasticJob`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+from collections.abc import Callable, Iterable, Sequence
+
+import jax
+
+from tenplex_jax._src.data import DatasetPTC
+from tenplex_jax._src.elastic.core import JobOptions, _JobCore
+from tenplex_jax._src.errors import LayoutError
+from tenplex_jax._src.multihost.launch import JobSpec
+from tenplex_jax._src.multihost.worker import Worker
+from tenplex_jax._src.ptc import ParallelConfig, Rules
+
+__all__ = ["LaunchedJob"]
+
+
+class LaunchedJob(_JobCore):
+    """The elastic job of one process of ``tenplex-jax launch``, over every process's devices.
+
+    Scripts write ``tj.ElasticJob(...)``: in a launched process that builds a ``LaunchedJob``
+    from the same arguments, so one script runs alone and launched::
+
+        with tj.ElasticJob(rules, dataset, workers=8, checkpoint_dir="ckpt") as job:
+            state = job.start(init)          # from the stores, the checkpoint, or init()
+            step = job.jit(train_step)
+            while job.step < 1000:
+                state, batch = job.next(state)   # commits; may end the generation (exit 0)
+                state, metrics = step(state, batch)
+            job.finish(state)                # the last commit, a checkpoint; the launcher told
+
+    A context manager: leaving it stops the compile and commit threads and closes the store
+    connections.
+
+    Args:
+      rules: the logical-axis rules of the state (``tj.typing.Rules``), as for
+        :class:`tenplex_jax.ElasticJob`.
+      dataset: the :class:`tenplex_jax.DatasetPTC` serving the global batches; its ``step`` is
+        the job's step, and its state is committed and restored with the model's.
+      devices: must be None: the job runs on every device of its processes (``jax.devices()``).
+      initial: must be None: the launcher, not the script, decides the devices of a generation.
+      workers: virtual workers, as for :class:`tenplex_jax.ElasticJob` (default None: plain data
+        parallelism).
+      config: ``config(n) -> ParallelConfig`` for ``n`` devices (default
+        ``tj.planner.choose_config``), as for :class:`tenplex_jax.ElasticJob`.
+      steps: the run's length in steps; each step's progress record carries it to the launcher,
+        which weighs growth over the remaining steps.
+      checkpoint_dir: the orbax tier (a restore source, checkpoints at commits and at ``finish``),
+        used when the launcher sets none: the launcher's ``--checkpoint-dir`` wins; else this one
+        reaches the launcher as its fallback.
+      checkpoint_every: save an orbax checkpoint at the commits on multiples of this many steps
+        (a stop, a preemption and ``finish`` always save one); the launcher's
+        ``--checkpoint-every`` wins.
+      options: a :class:`tenplex_jax.elastic.JobOptions`; ``batch_axes``, ``exact_step_times``,
+        ``profile``, ``device_type`` and ``log`` apply, while ``compile_ahead``,
+        ``preempt_devices`` and ``method`` do not (the layout changes only by generation).
+
+    Raises:
+      LayoutError: ``devices`` or ``initial`` given; or this process has the launcher's job
+        description but has not joined the job (it was not started as
+        ``python -m tenplex_jax.multihost SCRIPT``), or has no description at all.
+    """
+
+    launched = True
+
+    def __init__(
+        self,
+        rules: Rules,
+        dataset: DatasetPTC,
+        *,
+        devices: Sequence[jax.Device] | None = None,
+        initial: Iterable[int] | None = None,
+        workers: int | None = None,
+        config: Callable[[int], ParallelConfig] | None = None,
+        steps: int | None = None,
+        checkpoint_dir: str | pathlib.Path | None = None,
+        checkpoint_every: int | None = None,
+        options: JobOptions = JobOptions(),
+    ):
+        spec = JobSpec.from_env(os.environ)
+        if spec is None:
+            raise LayoutError(
+                "a LaunchedJob runs in a process of tenplex-jax launch, and this process has no "
+                "job description from the launcher: use tj.ElasticJob in one process"
+            )
+        if not jax.distributed.is_initialized():
+            raise LayoutError(
+                "this process has a launched job's description but has not joined it: "
+                "tenplex-jax launch starts scripts as `python -m tenplex_jax.multihost SCRIPT`"
+            )
+        if devices is not None or initial is not None:
+            raise LayoutError(
+                "a launched job runs on every device of its processes; devices= and "
+                "initial= are for one process (the launcher sets the process count)"
+            )
+        super().__init__(
+            rules,
+            dataset,
+            workers=workers,
+            config=config,
+            steps=steps,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            options=options,
+        )
+        self._worker = Worker(spec, checkpoint_dir, checkpoint_every)
+
+    @property
+    def process_index(self) -> int:
+        """This process's index in its generation (``jax.process_index()``)."""
+        return self._worker.process_index
+
+    @property
+    def generation(self) -> int:
+        """The generation of processes this one belongs to: 0 first, one more per restart."""
+        return self._worker.generation
+
+    @property
+    def run_dir(self) -> pathlib.Path:
+        """The launcher's run directory (its events, control file and records)."""
+        return self._worker.run_dir
+
+    @property
+    def restored(self) -> dict | None:
+        """Where ``start`` took the state from (``"source"``: init, store or checkpoint), its
+        step, config, bytes and seconds; None before ``start``."""
+        return self._worker.restored
+
+    def next(self, state):
+        """The step boundary, then the next global batch.
+
+        At the boundary the state is committed to the tensor stores every ``--commit-every``
+        steps (in the background); when the launcher ends the generation (a planned resize or
+        stop, or JAX's preemption sync point) the generation commits synchronously and this
+        process exits, so the next generation resumes at this step.
+
+        Args:
+          state: the state the last step returned (or ``start``'s).
+
+        Returns:
+          ``(state, batch)`` as :meth:`tenplex_jax.ElasticJob.next`.
+
+        Raises:
+          SystemExit: ``SystemExit(0)`` at the end of the generation, after its commit.
+          LayoutError: called before ``job.start``.
+        """
+        if self.ptc is None:
+            raise LayoutError("call job.start(init) before job.next(state)")
+        action = self._worker.boundary(state, self.ptc, self.step, self.dataset)
+        if action is not None:
+            self.log(f"step {self.step}: generation {self.generation} ends ({action}), committed")
+            raise SystemExit(0)
+        return state, self._batch()
+
+    def finish(self, state) -> None:
+        """The end of training: the last step committed, a final orbax checkpoint (with a
+        checkpoint dir), and the launcher told that the job is done.
+
+        Args:
+          state: the state the last step returned.
+        """
+        self._worker.finish(state, self.ptc, self.step, self.dataset)
+
+    def wait(self) -> None:
+        """Finish the commit in flight, if any (raises what it raised)."""
+        self._worker.wait()
+
+    def close(self) -> None:
+        """Stop the compile and commit threads and close the store connections."""
+        super().close()
+        self._worker.close()
+
+    # -- what changes devices within a process: refused, or left to the launcher -------------------
+
+    def preempt(self, devices: Iterable[int] | None = None, *, count: int | None = None) -> None:
+        """Refused: raises ``LayoutError`` (devices change by generation here), whatever
+        ``devices`` or ``count`` say; SIGTERM to the launcher preempts a launched job."""
+        self._refuse("preempt")
+
+    def fail(self, devices: Iterable[int] | None = None, *, count: int | None = None) -> None:
+        """Refused: raises ``LayoutError`` whatever ``devices`` or ``count`` say (a lost process
+        ends the generation here)."""
+        self._refuse("fail")
+
+    def offer(self, devices: Iterable[int] | None = None, *, count: int | None = None) -> None:
+        """Refused: raises ``LayoutError`` whatever ``devices`` or ``count`` say (the launcher
+        grows the job by generation)."""
+        self._refuse("offer")
+
+    def redeploy(self, devices: Iterable[int]) -> None:
+        """Refused: raises ``LayoutError`` whatever ``devices`` say (``RUN_DIR/resize`` asks the
+        launcher instead)."""
+        self._refuse("redeploy")
+
+    def expect(self, devices: Iterable[int]) -> None:
+        """A hint that the job will run on ``devices`` next, accepted and unused: a launched job
+        compiles the one layout of its generation."""
+
+    @contextlib.contextmanager
+    def handle_sigterm(self):
+        """Leaves SIGTERM to the launcher's protocol (JAX's preemption notice ends the generation
+        at a step boundary, after a commit); yields the job."""
+        yield self
+
+    def _refuse(self, kind: str):
+        raise LayoutError(
+            f"job.{kind}(): a launched job's devices change by generation (a lost process, "
+            f"RUN_DIR/resize, SIGTERM to the launcher), not within one"
+        )
+
+    # -- the core's hooks -------------------------------------------------------------------------
+
+    def _restore_or_build(self, build):
+        """From where the launcher says: the stores, the orbax checkpoint, or ``build()``."""
+        return self._worker.restore(self.ptc, build, self.dataset)
+
+    def _after_step(self) -> None:
+        self._worker.reached(self.step, self.steps)
