@@ -129,7 +129,15 @@ def _id(path: pathlib.Path) -> str:
     return str(path.relative_to(ROOT))
 
 
-@pytest.mark.parametrize("path", DOCS, ids=_id)
+# the guides whose blocks train models for several steps run with the slow tests
+TRAINING_GUIDES = {"elastic.md", "pipelining.md", "wsp.md"}
+RUN = [
+    pytest.param(path, marks=pytest.mark.slow) if path.name in TRAINING_GUIDES else path
+    for path in DOCS
+]
+
+
+@pytest.mark.parametrize("path", RUN, ids=_id)
 def test_every_python_block_runs(path, tmp_path, monkeypatch):
     blocks = python_blocks(path)
     found = undefined_names(_id(path), blocks)

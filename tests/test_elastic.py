@@ -267,6 +267,7 @@ def test_no_replica_falls_back_to_the_last_checkpoint(fixed, tmp_path):
     assert_same_run(got, fixed)  # the rerun steps saw the same samples: the cursor rewound
 
 
+@pytest.mark.slow
 def test_no_replica_and_no_checkpoint_raises_the_clear_error():
     job, state, step = make_job({8: C(fsdp=8), 7: C(data=7)})
     state, batch = job.next(state)
@@ -277,6 +278,7 @@ def test_no_replica_and_no_checkpoint_raises_the_clear_error():
     job.close()
 
 
+@pytest.mark.slow
 def test_returning_to_a_config_hits_the_compile_cache():
     backend = []  # XLA backend compiles, counted by JAX itself
 
