@@ -381,3 +381,17 @@ def test_a_job_description_without_the_launchers_entry_point_is_refused(monkeypa
     dataset = tj.DatasetPTC(np.zeros((8, 2), np.float32), global_batch=8)
     with pytest.raises(tj.errors.LayoutError, match=r"python -m tenplex_jax.multihost SCRIPT"):
         tj.ElasticJob((), dataset)
+
+
+@pytest.mark.slow
+def test_a_generation_ending_on_a_checkpoint_step_saves_its_checkpoint(job):
+    """The planned resize lands at step 8, a multiple of --checkpoint-every 4: its synchronous
+    commit saves the orbax checkpoint the step is due (the next generation starts there and
+    commits nothing at it), so a later fallback finds step 8, not 4."""
+    from tenplex_jax._src.checkpoint import saved_steps
+
+    resize = next(
+        e for e in events(job["run"]) if e["event"] == "generation" and e["lost_steps"] == 0
+    )
+    assert resize["step"] == 8
+    assert 8 in saved_steps(job["run"] / "ckpt")

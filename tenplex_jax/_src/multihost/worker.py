@@ -224,7 +224,9 @@ class Worker:
         if step != self.last_commit:  # else just restored: nothing to commit
             action = self.stop_requested()
             if action is not None:
-                self.commit(state, ptc, step, dataset, wait=True, checkpoint=action == "stop")
+                # a stop always saves; a resize saves when the step is due, as any commit would
+                checkpoint = True if action == "stop" else None
+                self.commit(state, ptc, step, dataset, wait=True, checkpoint=checkpoint)
                 self._write(
                     "stopped.json", {"generation": self.generation, "step": step, "action": action}
                 )
