@@ -266,12 +266,11 @@ class RayLauncher(Launcher):
     def _survivors(self, slots: list[int], outcome) -> list[int]:
         """On Ray the unit of failure is the node: a slot survives while its node (and store)
         lives, also when its worker failed because a peer's did (a coordinator gone aborts the
-        others). A slot whose worker failed must also still answer: its node's death may reach
-        the store's ``wait`` a moment after the worker's, and a generation started on a dead
-        node would only fail again."""
-        return [
-            s for s in slots if self._up(s) and (s not in outcome.lost_slots or self._answers(s))
-        ]
+        others). Every slot must also still answer, whether its worker was seen to fail or not:
+        a removed node's death may reach Ray after its peers' aborts (its worker not yet seen
+        dead), and a generation started on it (its coordinator, when it is slot 0) would only
+        fail again."""
+        return [s for s in slots if self._up(s) and self._answers(s)]
 
     def _answers(self, slot: int) -> bool:
         """Whether ``slot``'s node is alive: its store's actor answers a call within
