@@ -47,12 +47,27 @@ CACHED = ("store, cached compile", "orbax, cached compile")  # optional: both wi
 FULL_MODEL = "seq_len=128,d_model=256,n_layers=4,n_heads=4,d_ff=1024"
 
 
-def run_recovery(*, quick: bool = False, repeats: int = 1, cached: bool = False, log=print) -> dict:
+CHANGES = {  # the change -> the row's name for it
+    "kill": "lose 1 of {n} processes",
+    "shrink": "planned shrink {n} -> {m} processes",
+    "grow": "planned grow {m} -> {n} processes",
+}
+
+
+def run_recovery(
+    *,
+    quick: bool = False,
+    repeats: int = 1,
+    cached: bool = False,
+    change: str = "kill",
+    log=print,
+) -> dict:
     """The recovery row: per variant, raw runs and medians; the orbax ÷ store ratios.
 
-    ``cached`` adds both variants again with JAX's persistent compilation cache
-    (``--compile-cache``) warmed by an earlier launch on the processes left, so the new layout's
-    step loads instead of compiling.
+    ``change`` is a kill, or a planned shrink or grow (see :func:`recover_once`). ``cached``
+    adds both variants again with JAX's persistent compilation cache (``--compile-cache``)
+    warmed by an earlier launch on the processes left, so the new layout's step loads instead
+    of compiling.
     """
     setup = (
         {"model": "tiny", "nprocs": 2, "devices_per_proc": 2}
@@ -64,14 +79,15 @@ def run_recovery(*, quick: bool = False, repeats: int = 1, cached: bool = False,
     for _ in range(repeats):
         for variant in variants:
             with tempfile.TemporaryDirectory(prefix="tenplex-recovery-") as run_dir:
-                result = recover_once(variant, pathlib.Path(run_dir), **setup)
+                result = recover_once(variant, pathlib.Path(run_dir), change=change, **setup)
             runs[variant].append(result)
             phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases"].items())
             log(
-                f"  {variant:6s} kill -> first step {result['recovery_seconds']:.2f} s "
+                f"  {variant:6s} {change} -> first step {result['recovery_seconds']:.2f} s "
                 f"(restore {result['restore_seconds'] * 1e3:.0f} ms, lost steps "
                 f"{result['lost_steps']}, {result['from_processes']} -> "
-                f"{result['to_processes']} processes, {result['config']}; s: {phases})"
+                f"{result['to_processes']} processes, {result['config']}; step loaded "
+                f"{result['step_loaded']}, warm {result['warm_processes']}; s: {phases})"
             )
     median = lambda key: {v: statistics.median(r[key] for r in runs[v]) for v in variants}
     total, restore = median("recovery_seconds"), median("restore_seconds")
@@ -81,7 +97,8 @@ def run_recovery(*, quick: bool = False, repeats: int = 1, cached: bool = False,
     }
     return {
         "kind": "recovery",
-        "change": f"lose 1 of {setup['nprocs']} processes",
+        "change": CHANGES[change].format(n=setup["nprocs"], m=setup["nprocs"] - 1),
+        "kind_of_change": change,
         **setup,
         "state_bytes": runs["store"][0]["state_bytes"],
         "repeats": repeats,
@@ -102,11 +119,23 @@ def recover_once(
     model: str,
     nprocs: int,
     devices_per_proc: int,
+    change: str = "kill",
     kill_after: int = 2,
     steps: int = 3,
     timeout: float = 300.0,
 ) -> dict:
-    """One launched job, one kill after step ``kill_after``; the timings of its recovery."""
+    """One launched job, one change after step ``kill_after``; the timings of its recovery.
+
+    ``change``: ``"kill"`` SIGKILLs the last worker and its store (``nprocs`` -> ``nprocs - 1``);
+    ``"shrink"`` and ``"grow"`` ask for a planned resize (``nprocs`` -> ``nprocs - 1``, and
+    ``nprocs - 1`` -> ``nprocs``), and the job is stopped (SIGTERM) after the first step of the
+    new generation.
+    """
+    planned = change != "kill"
+    if change == "grow":
+        nprocs -= 1
+    if planned:  # runs on until stopped: a shrink trains on while its layout compiles ahead
+        steps = 1000
     command = [
         sys.executable,
         "-m",
@@ -118,8 +147,6 @@ def recover_once(
         str(devices_per_proc),
         "--commit-every",
         str(kill_after),
-        "--grace",
-        "0.5",
         "--run-dir",
         str(run),
     ]
@@ -153,9 +180,12 @@ def recover_once(
             "--checkpoint-dir",
             str(run / "ckpt"),
             "--checkpoint-every",
-            str(kill_after),
+            str(1 if planned else kill_after),  # planned: the resize's step is saved too
             "--recover-from",
             "checkpoint",
+            # a plain restart: new processes, cold, every process compiling the new layout
+            "--no-standby",
+            "--no-executable-cache",
         ]
     command += [
         str(EXAMPLE),
@@ -178,8 +208,19 @@ def recover_once(
         stores = _event(run, "stores")["slots"]
         workers = _event(run, "generation")["pids"]
         killed = time.time()
-        for pid in (workers[-1], stores[str(nprocs - 1)]["pid"]):
-            os.kill(pid, signal.SIGKILL)
+        if planned:
+            (run / "resize").write_text(str(nprocs - 1 if change == "shrink" else nprocs + 1))
+            _wait(lambda: (run / "control.json").exists(), proc, deadline, "the request")
+            (run / f"resume-{kill_after}").write_text("")
+            _wait(lambda: _stepped(run, generation=1), proc, deadline, "the new generation")
+            proc.send_signal(signal.SIGTERM)  # a graceful stop: commit, exit 0
+        else:
+            if variant.startswith("store"):  # a failure comes after the job's first seconds
+                ahead = run / "ahead-g0.json"
+                _wait(ahead.exists, proc, deadline, "the compile-ahead after a loss")
+                killed = time.time()
+            for pid in (workers[-1], stores[str(nprocs - 1)]["pid"]):
+                os.kill(pid, signal.SIGKILL)
         _wait(lambda: proc.poll() is not None, proc, deadline, "the job to finish", done_ok=True)
         if proc.returncode != 0:
             raise RuntimeError(
@@ -190,18 +231,30 @@ def recover_once(
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-    return timings(run, killed, nprocs)
+    return timings(run, killed, nprocs, planned=planned)
 
 
-def timings(run: pathlib.Path, killed: float, nprocs: int) -> dict:
-    """A launched job's recovery from a kill at wall-clock time ``killed``, read from its run
-    dir: the seconds to the first step of generation 1, and where they went."""
+def _stepped(run: pathlib.Path, generation: int) -> bool:
+    path = run / "steps.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return any(json.loads(line)["generation"] == generation for line in lines if line.strip())
+
+
+def timings(run: pathlib.Path, killed: float, nprocs: int, planned: bool = False) -> dict:
+    """A launched job's recovery from a change at wall-clock time ``killed``, read from its run
+    dir: the seconds to the first step of generation 1, and where they went. A planned change
+    counts from the last step of generation 0 (it trains on until then): the stall."""
     records = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
     first = min((r for r in records if r["generation"] == 1), key=lambda r: r["step"])
+    if planned:
+        killed = max(r["time"] for r in records if r["generation"] == 0)
     restore = json.loads((run / "restore-g1-p0.json").read_text())
-    generation = [e for e in _events(run) if e["event"] == "generation"][-1]
-    failure = next(e for e in _events(run) if e["event"] == "failure")
+    generation = [e for e in _events(run) if e["event"] == "generation"][1]
+    failure = next(e for e in _events(run) if e["event"] in ("failure", "resize"))
     times = restore["times"]  # process 0 of the new generation, wall clock
+    steps = [  # how each process of the new generation got its step: loaded or compiled
+        json.loads(path.read_text()) for path in sorted(run.glob("step-g1-p*.json"))
+    ]
     return {
         "recovery_seconds": first["time"] - killed,
         # where the time goes, from the kill: the launcher notices it and ends the generation
@@ -209,12 +262,17 @@ def timings(run: pathlib.Path, killed: float, nprocs: int) -> dict:
         # (abstract state, dataset), restore, then compile and run the first step
         "phases": {
             "end_generation": failure["time"] - killed,
-            "spawn": generation["time"] - failure["time"],
-            "start": times["joined"] - generation["time"],
+            # the next generation's processes: started (or a standby activated), jax.distributed
+            "start": times["joined"] - failure["time"],
             "prepare": times["restore"] - times["joined"],
             "restore": times["restored"] - times["restore"],
-            "compile_and_first_step": first["time"] - times["restored"],
+            # loading the step (or compiling it: what XLA took), then the rest of the first step
+            # (tracing and lowering, the batch, running it)
+            "compile_or_load": steps[0]["seconds"],
+            "first_step": first["time"] - times["restored"] - steps[0]["seconds"],
         },
+        "step_loaded": [s["loaded"] for s in steps],
+        "warm_processes": generation.get("warm"),
         "restore_seconds": restore["seconds"],
         "restore_source": generation["restore"],
         "lost_steps": generation["lost_steps"],
@@ -317,8 +375,9 @@ def table(row: dict) -> str:
         f"{r['store'] * 1e3:.0f} | {r['orbax'] * 1e3:.0f} | **{row['restore_speedup']:.1f}x** |"
     )
     names = list(row["median_phases"]["store"])
+    origin = "kill" if row.get("kind_of_change", "kill") == "kill" else "last step"
     phases = [
-        "| seconds from the kill | " + " | ".join(n.replace("_", " ") for n in names) + " |",
+        f"| seconds from the {origin} | " + " | ".join(n.replace("_", " ") for n in names) + " |",
         "|---|" + "---:|" * len(names),
     ] + [
         f"| {v} | " + " | ".join(f"{row['median_phases'][v][n]:.2f}" for n in names) + " |"
@@ -343,7 +402,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="GPT tiny, 2 -> 1 processes")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of both variants")
-    parser.add_argument("--out", help="write the row as JSON here")
+    parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument(
+        "--change",
+        default="kill",
+        help="comma-separated changes among kill, shrink, grow (planned resizes; default kill)",
+    )
     parser.add_argument(
         "--cached-compile",
         action="store_true",
@@ -355,8 +419,17 @@ def main(argv=None) -> int:
         help="also time steps with an asynchronous commit after every step vs without commits",
     )
     args = parser.parse_args(argv)
-    row = run_recovery(quick=args.quick, repeats=args.repeats, cached=args.cached_compile)
-    print(table(row))
+    rows = []
+    for change in args.change.split(","):
+        if change not in CHANGES:
+            parser.error(f"--change takes {', '.join(CHANGES)}, got {change!r}")
+        rows.append(
+            run_recovery(
+                quick=args.quick, repeats=args.repeats, cached=args.cached_compile, change=change
+            )
+        )
+        print(table(rows[-1]))
+    row = rows[0] if len(rows) == 1 else {"rows": rows}
     if args.commit_overhead:
         row["commit_overhead"] = run_commit_overhead(quick=args.quick, repeats=args.repeats)
         for k, v in row["commit_overhead"]["overhead"].items():

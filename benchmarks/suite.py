@@ -13,6 +13,9 @@
 9. recovery after a lost process: tensor stores vs an orbax restart (``benchmarks.recovery``;
    launched jobs, so it adds about a minute even with ``--quick``; ``--no-recovery`` skips it).
 
+``BenchOptions.only`` runs only the named rows (:data:`ROWS`; ``reshard:KIND`` one change of the
+matrix); the summary and the verdicts then cover the goals those rows measure.
+
 Writes ``DIR/results.json`` (one object per row: raw runs, medians, ratios), ``DIR/summary.md``
 (the tables and goals) and PNG plots. JAX must be configured before its backend starts:
 ``configure_jax`` uses 8 GPUs when the machine has them, else 8 fake CPU devices.
@@ -42,6 +45,35 @@ GOALS = {
     "plan_seconds": 1.0,  # 4096 devices x 1000 tensors planned in at most 1 s
     "stall_ratio": 5.0,  # a resize stalls at least 5x shorter with compile-ahead than without
 }
+# the rows ``--only`` selects, in the order the suite runs them; the memcpy baselines come with
+# the reshard matrix, whose ratios they are the denominators of
+ROWS = {
+    "reshard": "the reshard matrix vs orbax, host and device_put; bytes, bandwidth, peak memory",
+    "loop": "loop overhead against a plain jitted loop",
+    "stall": "resize stall with and without compile-ahead; the persistent compilation cache",
+    "plan": "make_plan time vs tensors and devices (abstract)",
+    "store": "tensor store put / get throughput vs memcpy",
+    "recovery": "recovery after a lost process, stores vs orbax restart (launched jobs)",
+}
+# one change of the matrix: reshard:KIND (benchmarks.reshard.MATRIX's kinds)
+RESHARD_KINDS = ("dp", "tp", "fsdp", "pp", "mixed", "disjoint")
+
+
+def parse_only(text: str) -> tuple[str, ...]:
+    """``"reshard,stall"`` -> ``("reshard", "stall")``; ``ValueError`` (one line, the valid names)
+    for an unknown or missing name."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    valid = (*ROWS, *(f"reshard:{kind}" for kind in RESHARD_KINDS))
+    unknown = [n for n in names if n not in valid]
+    if unknown or not names:
+        what = f"unknown row {', '.join(map(repr, unknown))}" if unknown else "no row named"
+        raise ValueError(f"{what}; the rows are {describe_rows()}")
+    return names
+
+
+def describe_rows() -> str:
+    """The names ``--only`` takes, on one line."""
+    return ", ".join(ROWS) + f" (reshard:KIND: one change, KIND one of {', '.join(RESHARD_KINDS)})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +82,25 @@ class BenchOptions:
     quick: bool = False
     repeats: int | None = None  # default: 5 (full), 3 (quick)
     recovery: bool = True  # the multi-process recovery row (launched jobs)
+    # only these rows (names in ROWS, or reshard:KIND); None: every row, recovery as it says.
+    # A recovery named here runs whatever ``recovery`` says
+    only: tuple[str, ...] | None = None
+
+    def wants(self, row: str) -> bool:
+        """Whether the row named ``row`` (a key of :data:`ROWS`) runs."""
+        if self.only is None:
+            return row != "recovery" or self.recovery
+        return row in self.only or (
+            row == "reshard" and any(n.startswith("reshard:") for n in self.only)
+        )
+
+    def changes(self) -> tuple:
+        """The changes of the reshard matrix that run."""
+        from tenplex_jax_benchmarks.reshard import MATRIX
+
+        if self.only is None or "reshard" in self.only:
+            return MATRIX
+        return tuple(c for c in MATRIX if f"reshard:{c.kind}" in self.only)
 
     @property
     def model(self) -> str:
@@ -93,7 +144,8 @@ def configure_jax(devices: int = DEVICES) -> str:
 
 
 def run(options: BenchOptions, log=print) -> dict:
-    """Run every benchmark, write the outputs to ``options.out``; returns the results."""
+    """Run the benchmarks ``options`` selects (every row by default), write the outputs to
+    ``options.out``; returns the results."""
     import jax
 
     from tenplex_jax_benchmarks import compile_ahead, loop, plan_scaling, reshard
@@ -110,69 +162,77 @@ def run(options: BenchOptions, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
 
-    memcpy_bytes = (32 if options.quick else 512) * 2**20
-    memcpy = reshard.memcpy_bandwidth(memcpy_bytes, repeats=max(options.runs, 5))
-    fresh = reshard.memcpy_bandwidth(memcpy_bytes, repeats=max(options.runs, 5), fresh=True)
-    rows.append(
-        {
-            "kind": "memcpy",
-            "change": "memcpy",
-            "bytes": memcpy_bytes,
-            "bytes_per_s": memcpy,
-            "fresh_bytes_per_s": fresh,
-        }
-    )
-    log(
-        f"memcpy bandwidth {memcpy / 1e9:.2f} GB/s ({memcpy_bytes // 2**20} MiB, np.copyto; "
-        f"{fresh / 1e9:.2f} GB/s into a fresh buffer, one thread)"
-    )
-
-    _, state, _ = build_state(options.model, lr=1e-3)
-    # on the host: placing it then copies, so no row's donation can free the source of the next
-    state = jax.device_get(state)
-    log(
-        f"reshard matrix: GPT {options.model}, {param_count(state):,} params + AdamW, "
-        f"{options.runs} runs after a warm-up, per strategy"
-    )
-    for change in reshard.MATRIX:
+    if options.wants("reshard"):
+        memcpy_bytes = (32 if options.quick else 512) * 2**20
+        memcpy = reshard.memcpy_bandwidth(memcpy_bytes, repeats=max(options.runs, 5))
+        fresh = reshard.memcpy_bandwidth(memcpy_bytes, repeats=max(options.runs, 5), fresh=True)
         rows.append(
-            reshard.run_change(change, state, LOGICAL_RULES, options.runs, memcpy, log, fresh=fresh)
+            {
+                "kind": "memcpy",
+                "change": "memcpy",
+                "bytes": memcpy_bytes,
+                "bytes_per_s": memcpy,
+                "fresh_bytes_per_s": fresh,
+            }
         )
-    del state
-    lap("memcpy and reshard matrix")
+        log(
+            f"memcpy bandwidth {memcpy / 1e9:.2f} GB/s ({memcpy_bytes // 2**20} MiB, np.copyto; "
+            f"{fresh / 1e9:.2f} GB/s into a fresh buffer, one thread)"
+        )
 
-    log("loop overhead:")
-    if options.quick:
-        loop_model, batch, blocks, steps = GPTConfig.small(), 8, 4, 5
-    else:
-        loop_model = GPTConfig(seq_len=128, d_model=256, n_layers=4, n_heads=4, d_ff=1024)
-        batch, blocks, steps = 16, 6, 8
-    config = _loop_config()
-    row = loop.run_loop_overhead(loop_model, config, batch, blocks, steps)
-    log(
-        f"  {row['params']:,} params, {config}: tenplex "
-        f"{row['median_seconds']['tenplex'] * 1e3:.2f}"
-        f" ms/step, plain {row['median_seconds']['plain'] * 1e3:.2f} ms/step, overhead "
-        f"{row['overhead']:+.2%}"
-    )
-    rows.append(row)
-    lap("loop overhead")
+        _, state, _ = build_state(options.model, lr=1e-3)
+        # on the host: placing it then copies, so no row's donation can free the source of the
+        # next
+        state = jax.device_get(state)
+        log(
+            f"reshard matrix: GPT {options.model}, {param_count(state):,} params + AdamW, "
+            f"{options.runs} runs after a warm-up, per strategy"
+        )
+        for change in options.changes():
+            rows.append(
+                reshard.run_change(
+                    change, state, LOGICAL_RULES, options.runs, memcpy, log, fresh=fresh
+                )
+            )
+        del state
+        lap("memcpy and reshard matrix")
 
-    log("resize stall, compile-ahead vs on demand:")
-    row = compile_ahead.run_compile_ahead("tiny" if options.quick else "small", repeats=1)
-    log(compile_ahead.describe(row))
-    rows.append(row)
-    lap("resize stall")
+    if options.wants("loop"):
+        log("loop overhead:")
+        if options.quick:
+            loop_model, batch, blocks, steps = GPTConfig.small(), 8, 4, 5
+        else:
+            loop_model = GPTConfig(seq_len=128, d_model=256, n_layers=4, n_heads=4, d_ff=1024)
+            batch, blocks, steps = 16, 6, 8
+        config = _loop_config()
+        row = loop.run_loop_overhead(loop_model, config, batch, blocks, steps)
+        log(
+            f"  {row['params']:,} params, {config}: tenplex "
+            f"{row['median_seconds']['tenplex'] * 1e3:.2f}"
+            f" ms/step, plain {row['median_seconds']['plain'] * 1e3:.2f} ms/step, overhead "
+            f"{row['overhead']:+.2%}"
+        )
+        rows.append(row)
+        lap("loop overhead")
 
-    log("plan scaling (abstract, no devices):")
-    sizes = ((8, 64), (10, 100)) if options.quick else ((8, 64, 512, 4096), (10, 100, 1000))
-    rows += plan_scaling.run_plan_scaling(*sizes, repeats=options.runs, log=log)
-    lap("plan scaling")
+    if options.wants("stall"):
+        log("resize stall, compile-ahead vs on demand:")
+        row = compile_ahead.run_compile_ahead("tiny" if options.quick else "small", repeats=1)
+        log(compile_ahead.describe(row))
+        rows.append(row)
+        lap("resize stall")
 
-    rows.append(store_bench.run(options.quick, repeats=options.runs, log=log))
-    lap("tensor store")
+    if options.wants("plan"):
+        log("plan scaling (abstract, no devices):")
+        sizes = ((8, 64), (10, 100)) if options.quick else ((8, 64, 512, 4096), (10, 100, 1000))
+        rows += plan_scaling.run_plan_scaling(*sizes, repeats=options.runs, log=log)
+        lap("plan scaling")
 
-    if options.recovery:
+    if options.wants("store"):
+        rows.append(store_bench.run(options.quick, repeats=options.runs, log=log))
+        lap("tensor store")
+
+    if options.wants("recovery"):
         from tenplex_jax_benchmarks import recovery
 
         log("recovery after a lost process (launched jobs):")
@@ -190,15 +250,14 @@ def run(options: BenchOptions, log=print) -> dict:
         "seconds": time.perf_counter() - started,
         "section_seconds": sections,
     }
+    if options.only is not None:
+        results["only"] = list(options.only)
     results["verdicts"] = verdicts(rows)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "summary.md").write_text(summary_markdown(results) + "\n")
-    plots(results, out)
+    written = [out / "results.json", out / "summary.md", *plots(results, out)]
     log(summary_markdown(results))
-    log(
-        f"wrote {out / 'results.json'}, {out / 'summary.md'}, {out / 'reshard.png'}, "
-        f"{out / 'plan_scaling.png'} in {results['seconds']:.0f} s"
-    )
+    log(f"wrote {', '.join(map(str, written))} in {results['seconds']:.0f} s")
     return results
 
 
@@ -233,47 +292,52 @@ def machine() -> dict:
 
 
 def verdicts(rows: list[dict]) -> dict:
-    """Each goal: the measured value, the goal, and whether it is met."""
+    """Each goal whose rows ran: the measured value, the goal, and whether it is met."""
     reshards = [r for r in rows if r["kind"] == "reshard"]
-    loop = next(r for r in rows if r["kind"] == "loop")
-    stall = next(r for r in rows if r["kind"] == "compile_ahead")
+    loop = next((r for r in rows if r["kind"] == "loop"), None)
+    stall = next((r for r in rows if r["kind"] == "compile_ahead"), None)
     plans = [r for r in rows if r["kind"] == "plan"]
-    largest = max(
-        plans, key=lambda r: (r["devices"] * r["tensors"], r["median_seconds"]["make_plan"])
-    )
-    worst_plan = max(
-        (
-            r
-            for r in plans
-            if (r["devices"], r["tensors"]) == (largest["devices"], largest["tensors"])
-        ),
-        key=lambda r: r["median_seconds"]["make_plan"],
-    )
-    measured = {
-        "orbax_speedup": min(r["speedup"]["orbax"] for r in reshards),
-        "bytes_ratio": max(r["bytes_ratio"] for r in reshards),
-        "bandwidth_ratio": _geomean([r["bandwidth_ratio"] for r in reshards]),
-        "fresh_ratio": min(r["fresh_ratio"] for r in reshards),
-        "peak_ratio": max(r["peak_ratio"] for r in reshards),
-        "loop_overhead": loop["overhead"],
-        "plan_seconds": worst_plan["median_seconds"]["make_plan"],
-        "stall_ratio": stall["stall_ratio"],
-    }
+    measured, where = {}, {}
+    if reshards:
+        measured |= {
+            "orbax_speedup": min(r["speedup"]["orbax"] for r in reshards),
+            "bytes_ratio": max(r["bytes_ratio"] for r in reshards),
+            "bandwidth_ratio": _geomean([r["bandwidth_ratio"] for r in reshards]),
+            "fresh_ratio": min(r["fresh_ratio"] for r in reshards),
+            "peak_ratio": max(r["peak_ratio"] for r in reshards),
+        }
+        where["bandwidth_ratio"] = "geometric mean over rows"
+    if loop is not None:
+        measured["loop_overhead"], where["loop_overhead"] = loop["overhead"], "loop"
+    if plans:
+        largest = max(
+            plans, key=lambda r: (r["devices"] * r["tensors"], r["median_seconds"]["make_plan"])
+        )
+        worst_plan = max(
+            (
+                r
+                for r in plans
+                if (r["devices"], r["tensors"]) == (largest["devices"], largest["tensors"])
+            ),
+            key=lambda r: r["median_seconds"]["make_plan"],
+        )
+        measured["plan_seconds"] = worst_plan["median_seconds"]["make_plan"]
+        where["plan_seconds"] = f"{worst_plan['devices']} devices x {worst_plan['tensors']} tensors"
+    if stall is not None:
+        measured["stall_ratio"] = stall["stall_ratio"]
+        where["stall_ratio"] = f"GPT {stall['model']}, {stall['change']}"
     at_least = {"orbax_speedup", "bandwidth_ratio", "fresh_ratio", "stall_ratio"}
-    where = {
-        "bandwidth_ratio": "geometric mean over rows",
-        "loop_overhead": "loop",
-        "plan_seconds": f"{worst_plan['devices']} devices x {worst_plan['tensors']} tensors",
-        "stall_ratio": f"GPT {stall['model']}, {stall['change']}",
-    }
     return {
         goal: {
-            "measured": value,
+            "measured": measured[goal],
             "goal": GOALS[goal],
-            "met": value >= GOALS[goal] if goal in at_least else value <= GOALS[goal],
+            "met": (
+                measured[goal] >= GOALS[goal] if goal in at_least else measured[goal] <= GOALS[goal]
+            ),
             "at": where.get(goal, "worst row"),
         }
-        for goal, value in measured.items()
+        for goal in GOALS
+        if goal in measured
     }
 
 
@@ -282,18 +346,22 @@ def _geomean(values: list[float]) -> float:
 
 
 def summary_markdown(results: dict) -> str:
+    """The tables and goals of the rows that ran, as Markdown."""
     mib = lambda n: f"{n / 2**20:,.0f}"
     rows = results["rows"]
-    lines = [
-        (
-            "| change | moved MiB | tenplex ms | orbax ms | host ms | device_put ms | vs orbax | "
-            "bound vs orbax | vs host | vs device_put | copied / min bytes | central / min bytes "
-            "| bandwidth / memcpy | bandwidth / fresh memcpy | all copies / memcpy | "
-            "peak / steady (RSS) | peak / steady (state) |"
-        ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in (r for r in rows if r["kind"] == "reshard"):
+    lines = []
+    reshards = [r for r in rows if r["kind"] == "reshard"]
+    if reshards:
+        lines += [
+            (
+                "| change | moved MiB | tenplex ms | orbax ms | host ms | device_put ms | "
+                "vs orbax | bound vs orbax | vs host | vs device_put | copied / min bytes | "
+                "central / min bytes | bandwidth / memcpy | bandwidth / fresh memcpy | "
+                "all copies / memcpy | peak / steady (RSS) | peak / steady (state) |"
+            ),
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+    for r in reshards:
         m, x = r["median_seconds"], r["speedup"]
         lines.append(
             f"| {r['change']} | {mib(r['min_bytes'])} | {m['tenplex'] * 1e3:,.0f} | "
@@ -304,22 +372,29 @@ def summary_markdown(results: dict) -> str:
             f"{r['copy_bandwidth_ratio']:.2f} | "
             f"{r['peak_ratio']:.3f} | {r['state_peak_ratio']:.3f} |"
         )
-    loop = next(r for r in rows if r["kind"] == "loop")
-    lines += [
-        "",
-        (
-            f"Loop overhead ({loop['params']:,}-param GPT, {loop['config']}, global batch "
-            f"{loop['global_batch']}, {loop['steps_each']} steps each): tenplex_jax "
-            f"{loop['median_seconds']['tenplex'] * 1e3:.2f} ms/step, plain jit "
-            f"{loop['median_seconds']['plain'] * 1e3:.2f} ms/step: **{loop['overhead']:+.2%}**."
-        ),
-        "",
-        _stall_line(next(r for r in rows if r["kind"] == "compile_ahead")),
-        "",
-        "| plan change | devices | tensors | target shards | make_plan ms | µs per shard |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in (r for r in rows if r["kind"] == "plan"):
+    loop = next((r for r in rows if r["kind"] == "loop"), None)
+    if loop is not None:
+        lines += [
+            "",
+            (
+                f"Loop overhead ({loop['params']:,}-param GPT, {loop['config']}, global batch "
+                f"{loop['global_batch']}, {loop['steps_each']} steps each): tenplex_jax "
+                f"{loop['median_seconds']['tenplex'] * 1e3:.2f} ms/step, plain jit "
+                f"{loop['median_seconds']['plain'] * 1e3:.2f} ms/step: "
+                f"**{loop['overhead']:+.2%}**."
+            ),
+        ]
+    stall = next((r for r in rows if r["kind"] == "compile_ahead"), None)
+    if stall is not None:
+        lines += ["", _stall_line(stall)]
+    plans = [r for r in rows if r["kind"] == "plan"]
+    if plans:
+        lines += [
+            "",
+            "| plan change | devices | tensors | target shards | make_plan ms | µs per shard |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+    for r in plans:
         lines.append(
             f"| {r['plan_change']} | {r['devices']} | {r['tensors']} | {r['target_shards']:,} | "
             f"{r['median_seconds']['make_plan'] * 1e3:,.1f} | {r['microseconds_per_shard']:.2f} |"
@@ -343,13 +418,14 @@ def summary_markdown(results: dict) -> str:
         )
         + f"; {results['seconds']:.0f} in all.",
     ]
-    lines += ["", "| goal | measured | target | met |", "|---|---:|---:|---|"]
+    if results["verdicts"]:
+        lines += ["", "| goal | measured | target | met |", "|---|---:|---:|---|"]
     for goal, v in results["verdicts"].items():
         lines.append(
             f"| {goal} ({v['at']}) | {v['measured']:.4g} | {v['goal']:g} | "
             f"{'yes' if v['met'] else '**no**'} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines).lstrip("\n")
 
 
 def _stall_line(row: dict) -> str:
@@ -365,15 +441,26 @@ def _stall_line(row: dict) -> str:
     )
 
 
-def plots(results: dict, out: pathlib.Path) -> None:
+def plots(results: dict, out: pathlib.Path) -> list[pathlib.Path]:
+    """The reshard and plan-scaling plots of the rows that ran; the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    written = []
+    reshards = [r for r in results["rows"] if r["kind"] == "reshard"]
+    plans = [r for r in results["rows"] if r["kind"] == "plan"]
+    if reshards:
+        written.append(_reshard_plot(plt, results, reshards, out / "reshard.png"))
+    if plans:
+        written.append(_plan_plot(plt, plans, out / "plan_scaling.png"))
+    return written
+
+
+def _reshard_plot(plt, results: dict, reshards: list[dict], path: pathlib.Path) -> pathlib.Path:
     from tenplex_jax_benchmarks.reshard import STRATEGIES
 
-    reshards = [r for r in results["rows"] if r["kind"] == "reshard"]
     fig, ax = plt.subplots(figsize=(10, 4.8))
     width = 0.8 / len(STRATEGIES)
     for i, strategy in enumerate(STRATEGIES):
@@ -392,10 +479,12 @@ def plots(results: dict, out: pathlib.Path) -> None:
     ax.legend()
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    fig.savefig(out / "reshard.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path
 
-    plans = [r for r in results["rows"] if r["kind"] == "plan"]
+
+def _plan_plot(plt, plans: list[dict], path: pathlib.Path) -> pathlib.Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for change in sorted({r["plan_change"] for r in plans}):
         for tensors in sorted({r["tensors"] for r in plans}):
@@ -418,5 +507,6 @@ def plots(results: dict, out: pathlib.Path) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "plan_scaling.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path

@@ -123,3 +123,60 @@ def test_central_strategy_moves_at_least_the_plan_minimum() -> None:
 def test_every_goal_of_the_suite_is_a_ratio_with_a_direction():
     assert set(GOALS) >= {"bytes_ratio", "peak_ratio", "bandwidth_ratio", "orbax_speedup"}
     assert all(isinstance(v, float) and v > 0 for v in GOALS.values())
+
+
+def test_bench_only_runs_the_named_rows_and_judges_only_their_goals(tmp_path, capsys) -> None:
+    """``--only plan,store`` (the two cheapest rows, ``--quick``): results.json holds those rows
+    and no other, the verdicts only the goals they measure, and the summary is written."""
+    import json
+
+    from tenplex_jax._src import cli
+
+    assert cli.main(["bench", "--quick", "--only", "plan,store", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {row["kind"] for row in results["rows"]} == {"plan", "store"}
+    assert results["only"] == ["plan", "store"]
+    assert set(results["verdicts"]) == {"plan_seconds"}
+    assert len([r for r in results["rows"] if r["kind"] == "plan"]) == 8  # 2 x 2 sizes x 2 changes
+    summary = (tmp_path / "summary.md").read_text()
+    assert "make_plan ms" in summary and "Tensor store" in summary and "plan_seconds" in summary
+    assert "Loop overhead" not in summary and "| change | moved MiB" not in summary
+    assert (tmp_path / "plan_scaling.png").exists() and not (tmp_path / "reshard.png").exists()
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_bench_only_refuses_an_unknown_row_with_the_valid_names(capsys) -> None:
+    from tenplex_jax._src import cli
+
+    assert cli.main(["bench", "--only", "reshard,stal"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "unknown row 'stal'" in err
+    assert all(name in err for name in ("reshard", "loop", "stall", "plan", "store", "recovery"))
+    assert cli.main(["bench", "--only", "reshard:sp"]) == 2
+    assert "unknown row 'reshard:sp'" in capsys.readouterr().err
+    assert cli.main(["bench", "--only", " , "]) == 2
+    assert "no row named" in capsys.readouterr().err
+    assert cli.main(["bench", "--only", "recovery", "--no-recovery"]) == 2
+    assert "--no-recovery" in capsys.readouterr().err
+
+
+def test_bench_only_picks_rows_and_changes_whatever_quick_says(monkeypatch) -> None:
+    """A recovery row named runs with ``--quick`` (which otherwise leaves it out); ``reshard:KIND``
+    runs that one change of the matrix."""
+    from tenplex_jax._src import cli
+    from tenplex_jax_benchmarks import suite
+
+    seen = []
+    monkeypatch.setattr(suite, "configure_jax", lambda: "cpu")
+    monkeypatch.setattr(suite, "run", seen.append)  # the options the command line builds
+    assert cli.main(["bench", "--quick", "--only", "recovery,reshard:mixed"]) == 0
+    assert cli.main(["bench", "--quick"]) == 0
+    named, default = seen
+    assert named.wants("recovery") and named.wants("reshard") and not named.wants("loop")
+    assert [c.kind for c in named.changes()] == ["mixed"]
+    assert [c.kind for c in reshard.MATRIX] == list(suite.RESHARD_KINDS)  # every change nameable
+    assert not default.wants("recovery") and default.wants("loop")
+    assert default.changes() == reshard.MATRIX
+    full = suite.BenchOptions(only=("reshard", "stall"))
+    assert [r for r in suite.ROWS if full.wants(r)] == ["reshard", "stall"]
+    assert full.changes() == reshard.MATRIX

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import os
 import threading
 
 import jax
@@ -304,19 +305,27 @@ def test_new_shards_own_their_memory_unless_kept(name, executor):
             assert shared == (kinds[shard.device.id] == "keep"), (leaf.path, shard.device)
 
 
+@pytest.mark.parametrize("where", ["pool", "inline"])
 @pytest.mark.parametrize("ahead", [0, 3])
 @pytest.mark.parametrize("row", [MATRIX[2], MATRIX[4], MATRIX[5]], ids=[IDS[2], IDS[4], IDS[5]])
-def test_host_copies_cut_into_chunks_and_run_ahead_stay_exact(row, ahead, monkeypatch):
+def test_host_copies_cut_into_chunks_and_run_ahead_stay_exact(row, ahead, where, monkeypatch):
     """The host path cuts every piece into chunks along its first dim longer than 1 and copies
     the next leaves while one is finished; forced small here (the tiny GPT's pieces are far below
-    the real CHUNK_BYTES), every shard must still be exact and every donated leaf freed."""
+    the real CHUNK_BYTES), every shard must still be exact and every donated leaf freed, whether
+    the copy pool's threads or the calling thread copy them."""
     from tenplex_jax._src import executor
 
     monkeypatch.setattr(executor, "CHUNK_BYTES", 24)
     monkeypatch.setattr(executor, "AHEAD", ahead)
+    monkeypatch.setattr(executor, "INLINE_BYTES", 0 if where == "pool" else 2**40)
     cut = []
     chunks = executor._chunks
     monkeypatch.setattr(executor, "_chunks", lambda s, d: cut.append(s.nbytes) or chunks(s, d))
+    threads = set()
+    run = executor._Task.run
+    monkeypatch.setattr(
+        executor._Task, "run", lambda task: threads.add(threading.current_thread()) or run(task)
+    )
     name, src_cfg, src_devs, dst_cfg, dst_devs, *_ = row
     state, src, _ = laid_out(src_cfg, src_devs)
     expected = host_copy(state)
@@ -326,12 +335,44 @@ def test_host_copies_cut_into_chunks_and_run_ahead_stay_exact(row, ahead, monkey
     assert_shards_equal(new, expected, plan.dst)
     assert (report.bytes_moved, report.bytes_kept) == (plan.bytes_moved, plan.bytes_kept)
     assert max(cut) > 24  # some piece was cut
+    if where == "inline" or (os.cpu_count() or 1) == 1:  # one core: no pool
+        assert threads == {threading.main_thread()}
+    else:
+        assert threads and all(t.name.startswith("tenplex-copy") for t in threads)
     freed = [
         a.is_deleted()
         for a, leaf in zip(old, plan.leaves)
         if not any(s.kind == "keep" for s in leaf.shards)
     ]
     assert all(freed) and (freed or name != "disjoint")  # disjoint: every old leaf is freed
+
+
+def test_small_chunks_are_packed_into_tasks_of_up_to_chunk_bytes(monkeypatch):
+    """Many small pieces make a few pool tasks, not one each: every task holds at most
+    CHUNK_BYTES (or one chunk), and together they copy every byte of the plan once."""
+    from tenplex_jax._src import executor
+
+    monkeypatch.setattr(executor, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(executor, "INLINE_BYTES", 0)
+    tasks, chunks = [], []
+    run, cut = executor._Task.run, executor._chunks
+    monkeypatch.setattr(executor._Task, "run", lambda task: tasks.append(task) or run(task))
+
+    def recording(src, dst):
+        parts = list(cut(src, dst))
+        chunks.extend(parts)
+        return parts
+
+    monkeypatch.setattr(executor, "_chunks", recording)
+    state, src, _ = laid_out(C(pipe=2, data=2, tensor=2), range(8))
+    expected = host_copy(state)
+    plan = tj.make_plan(src, tj.allocate(src, target(src, C(fsdp=4, tensor=2), range(8))))
+    new, report = tj.reshard(state, plan, executor="host")
+    assert_shards_equal(new, expected, plan.dst)
+    assert all(t.nbytes <= 4096 or len(t.copies) == 1 for t in tasks)
+    assert len(chunks) > 2 * len(tasks)  # packed
+    assert sum(t.nbytes for t in tasks) == sum(s.nbytes for s, _ in chunks)
+    assert sum(t.moved for t in tasks) == report.bytes_moved == plan.bytes_moved
 
 
 def test_chunks_cut_along_the_first_dim_longer_than_one(monkeypatch):

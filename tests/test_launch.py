@@ -10,6 +10,7 @@ boundary (``--pause-after``, commits finished):
 2. after step 6: SIGKILL worker 2 and both stores holding its shards (2 and 0). No copy survives:
    the launcher names the leaves and falls back to the orbax checkpoint of step 4 on the one
    process left; lost steps = 6 - 4.
+   Slot 1's warm standby process is killed too, before it is used: the spare takes its rank.
 3. after step 7: a planned resize to 2 processes (``RUN_DIR/resize``): the process finds the
    request at the next step boundary (step 8), commits synchronously and exits; a new slot gets a
    new store; lost steps = 0.
@@ -114,14 +115,15 @@ def job(tmp_path_factory):
         # failure 1: worker 3 and its store, once all four processes paused after step 3
         paused = lambda step, n: all((run / f"paused-{step}-p{i}").exists() for i in range(n))
         wait_for(lambda: paused(3, 4), "generation 0 to pause after step 3", proc)
-        workers = last(run, "generation")["pids"]
-        children += workers
+        workers, standbys = last(run, "generation")["pids"], last(run, "standby")["pids"]
+        children += workers + list(standbys.values())
+        kill(standbys["1"])  # slot 1's warm process dies before it is used: the spare takes it
         kill(stores[3])
         kill(workers[3])
         # failure 2: worker 2 and both stores holding its shards (its own, 2, and its replica, 0)
         wait_for(lambda: paused(6, 3), "generation 1 to pause after step 6", proc)
         workers = last(run, "generation")["pids"]
-        children += workers
+        children += workers + list(last(run, "standby")["pids"].values())
         assert len(workers) == 3
         kill(stores[2])
         kill(stores[0])
@@ -132,6 +134,9 @@ def job(tmp_path_factory):
         wait_for(lambda: (run / "control.json").exists(), "the launcher's request", proc)
         (run / "resume-7").write_text("")
         children += last(run, "generation")["pids"]
+        children += [
+            pid for e in events(run) if e["event"] == "standby" for pid in e["pids"].values()
+        ]
         proc.wait(TIMEOUT)
     finally:
         if proc.poll() is None:
@@ -167,6 +172,11 @@ def test_job_survives_two_failures_and_finishes(job):
     assert [g["lost_steps"] for g in gens] == [None, 1, 2, 0]  # 0: the resize was planned
     kinds = [e["event"] for e in events(job["run"])]
     assert kinds.count("failure") == 2 and kinds.count("resize") == 1
+    # warm standby processes took every rank of the later generations: slot 1's was killed
+    # before it was used, and the spare took its rank; a later spare took the new slot 4's
+    assert [g["warm"] for g in gens] == [[False] * 4, [True] * 3, [True], [True, True]]
+    lost = [e for e in events(job["run"]) if e["event"] == "standby_lost"]
+    assert [e["slot"] for e in lost] == [1], lost
     for pid in job["children"]:  # every worker and store was reaped
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

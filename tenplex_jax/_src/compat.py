@@ -36,3 +36,26 @@ def broadcast_one_to_all(value):
     from jax.experimental import multihost_utils
 
     return multihost_utils.broadcast_one_to_all(value)
+
+
+def serialize_executable(compiled) -> bytes:
+    """The bytes of a ``jax.stages.Compiled`` (``jax.experimental.serialize_executable``; the
+    same in 0.10.2 and 0.12). Its pytrees are dropped: the loader passes its own, since user
+    state may hold pytree nodes that do not pickle. Raises what JAX raises for an executable
+    that cannot be serialized (host callbacks, captured constants)."""
+    from jax.experimental import serialize_executable
+
+    payload, _, _ = serialize_executable.serialize(compiled)
+    return payload
+
+
+def deserialize_executable(payload: bytes, in_tree, out_tree, devices):
+    """The ``jax.stages.Compiled`` of :func:`serialize_executable`'s ``payload``, loaded onto
+    ``devices``: exactly the compiled program's device assignment, in its order (XLA aborts the
+    process, not raises, on a device count that differs from the program's)."""
+    from jax.experimental import serialize_executable
+
+    devices = list(devices)
+    return serialize_executable.deserialize_and_load(
+        payload, in_tree, out_tree, backend=devices[0].client, execution_devices=devices
+    )

@@ -59,6 +59,9 @@ from tenplex_jax._src.ptc import PTC
 METHODS = ("plan", "device_put")
 EXECUTORS = ("auto", "host", "device")
 CHUNK_BYTES = 4 * 2**20  # the host path's copy task: large pieces are cut, so threads share them
+# a task with fewer bytes is copied by the calling thread: handing it to the pool costs more (the
+# GIL passes to a worker and back) than copying it
+INLINE_BYTES = 256 * 2**10
 AHEAD = 1  # leaves whose host copies run while the one before is finished
 
 
@@ -174,11 +177,12 @@ def reshard(
         # with donation, the memory of deleted leaves goes back to the system each time they
         # add up to as much
         started: collections.deque = collections.deque()
-        window = max([plan.dst.nbytes // 8] + [_new_bytes(leaf) for leaf in plan.leaves])
+        new_bytes = [_new_bytes(leaf) for leaf in plan.leaves]
+        window = max([plan.dst.nbytes // 8] + new_bytes)
         freed = 0  # bytes of old leaves deleted since host memory was last given back
 
         def finish():
-            array, leaf, execute, work = started.popleft()
+            array, leaf, execute, work, _ = started.popleft()
             nonlocal moved, kept, freed
             shards, leaf_moved, leaf_kept = execute(array, leaf, by_id, work)
             new = jax.make_array_from_single_device_arrays(
@@ -198,13 +202,14 @@ def reshard(
                     libc.release_host_memory()  # else freed shards stay in the heap
                     freed = 0
 
-        for array, leaf, execute in zip(arrays, plan.leaves, paths_of):
-            ahead = sum(_new_bytes(leaf) for _, leaf, _, _ in started)
-            while started and (len(started) > AHEAD or ahead + _new_bytes(leaf) > window):
+        ahead = 0  # new bytes of the leaves started and not finished
+        for array, leaf, execute, nbytes in zip(arrays, plan.leaves, paths_of, new_bytes):
+            while started and (len(started) > AHEAD or ahead + nbytes > window):
+                ahead -= started[0][-1]
                 finish()
-                ahead = sum(_new_bytes(leaf) for _, leaf, _, _ in started)
             work = _HostCopies(array, leaf, pool) if execute is _host_leaf else None
-            started.append((array, leaf, execute, work))
+            started.append((array, leaf, execute, work, nbytes))
+            ahead += nbytes
         while started:
             finish()
     jax.block_until_ready(out)
@@ -304,6 +309,8 @@ def _both(leaf: LeafPlan, plan: Plan) -> str:
 def check_state(arrays, plan: Plan) -> None:
     """Raise ``PlanError`` unless ``arrays`` are laid out exactly as ``plan.src`` says."""
     src = plan.src
+    ptc_mesh = (tuple(src.config.names), tuple(src.config.sizes), tuple(src.device_ids))
+    meshes: dict[int, tuple] = {}  # id(mesh) -> its names, shape and device ids, read once
     for array, leaf in zip(arrays, src.leaves):
         if not isinstance(array, jax.Array):
             raise PlanError(
@@ -315,6 +322,8 @@ def check_state(arrays, plan: Plan) -> None:
                 "the state holds a deleted array (donated by an earlier reshard or jit): "
                 + where(leaf.path, leaf.shape, leaf.spec, src.config.describe())
             )
+        if _placed_as(array.sharding, leaf, ptc_mesh, meshes):
+            continue  # the PTC's own sharding: its boxes are the PTC's, no need to compare them
         have = {
             d.id: boxes.of_index(idx, leaf.shape)
             for d, idx in array.sharding.devices_indices_map(leaf.shape).items()
@@ -333,6 +342,27 @@ def check_state(arrays, plan: Plan) -> None:
                 f"state's current PTC (PTC.from_shardings(state) reads it): "
                 + where(leaf.path, leaf.shape, leaf.spec, src.config.describe())
             )
+
+
+def _placed_as(sharding, leaf, ptc_mesh: tuple, meshes: dict[int, tuple]) -> bool:
+    """Whether ``sharding`` is ``NamedSharding(the PTC's mesh, the leaf's spec)`` (names, shape,
+    device order) and divides the leaf evenly: then every device's box is the PTC's. ``False``
+    only means "compare the boxes"."""
+    if not isinstance(sharding, NamedSharding) or sharding.spec != leaf.spec:
+        return False
+    try:
+        sharding.shard_shape(leaf.shape)  # raises unless the mesh axes divide every dim
+    except ValueError:
+        return False
+    mesh = sharding.mesh
+    if id(mesh) not in meshes:
+        devices = getattr(mesh, "devices", None)  # an AbstractMesh has none
+        meshes[id(mesh)] = (
+            ()
+            if devices is None
+            else (tuple(mesh.axis_names), devices.shape, tuple(d.id for d in devices.flat))
+        )
+    return meshes[id(mesh)] == ptc_mesh
 
 
 # -- choosing a path ---------------------------------------------------------------------------
@@ -428,13 +458,18 @@ class _HostCopies:
     """One leaf's host copies, started: every non-kept target shard gets a fresh aligned buffer,
     and every piece is copied into its place from a zero-copy NumPy view of its source, in chunks
     of at most ``CHUNK_BYTES`` along the piece's first dim, so that the pool's threads share the
-    bytes evenly however the leaf is cut (NumPy releases the GIL while it copies)."""
+    bytes evenly however the leaf is cut (NumPy releases the GIL while it copies).
+
+    Small chunks are packed into tasks of up to ``CHUNK_BYTES``, and a task under
+    ``INLINE_BYTES`` is copied at once by the calling thread: a leaf of many small pieces costs a
+    few hand-offs to the pool, not one per piece."""
 
     def __init__(self, array: jax.Array, leaf: LeafPlan, pool=None):
         self.local = _sources(array, leaf)
-        views = {i: np.asarray(a) for i, a in self.local.items()}  # zero-copy on CPU
+        self.views = views = {i: np.asarray(a) for i, a in self.local.items()}  # zero-copy on CPU
         self.blocks: dict[int, np.ndarray] = {}
-        tasks = []
+        tasks: list[_Task] = []
+        task = _Task()
         for i, shard in enumerate(leaf.shards):
             if shard.kind == "keep":
                 continue
@@ -443,21 +478,51 @@ class _HostCopies:
             for piece in shard.pieces:
                 src = views[piece.src_device][boxes.index(piece.box, piece.src_box)]
                 dst = out[boxes.index(piece.box, shard.box)]
-                tasks += [(a, b, piece.local) for a, b in _chunks(src, dst)]
-        # a task per chunk: FIFO across leaves, so the next leaf's copies follow this one's
-        run = pool.submit if pool is not None else _done
-        self.copies = [run(_copy, task) for task in tasks]
+                for a, b in _chunks(src, dst):
+                    if task.nbytes and task.nbytes + a.nbytes > CHUNK_BYTES:
+                        tasks.append(task)
+                        task = _Task()
+                    task.add(a, b, piece.local)
+        if task.nbytes or task.copies:
+            tasks.append(task)
+        # the pool runs tasks FIFO across leaves, so the next leaf's copies follow this one's
+        inline = pool is None
+        self.copies = [
+            _done(task.run) if inline or task.nbytes < INLINE_BYTES else pool.submit(task.run)
+            for task in tasks
+        ]
 
     def result(self) -> tuple[int, int]:
         """Wait for the copies: (bytes moved, bytes kept) as copied."""
         moved = kept = 0
         for future in self.copies:
-            nbytes, local = future.result()
-            if local:
-                kept += nbytes
-            else:
-                moved += nbytes
+            task_moved, task_kept = future.result()
+            moved, kept = moved + task_moved, kept + task_kept
         return moved, kept
+
+
+class _Task:
+    """Copies one thread makes in a row: ``(src, dst)`` views, and the bytes moved and kept."""
+
+    __slots__ = ("copies", "kept", "moved", "nbytes")
+
+    def __init__(self):
+        self.copies: list[tuple[np.ndarray, np.ndarray]] = []
+        self.nbytes = self.moved = self.kept = 0
+
+    def add(self, src: np.ndarray, dst: np.ndarray, local: bool) -> None:
+        self.copies.append((src, dst))
+        self.nbytes += src.nbytes
+        if local:
+            self.kept += src.nbytes
+        else:
+            self.moved += src.nbytes
+
+    def run(self) -> tuple[int, int]:
+        """Copy; (bytes moved, bytes kept), counted from the arrays copied."""
+        for src, dst in self.copies:
+            np.copyto(dst, src)
+        return self.moved, self.kept
 
 
 def _chunks(src: np.ndarray, dst: np.ndarray):
@@ -474,14 +539,9 @@ def _chunks(src: np.ndarray, dst: np.ndarray):
         yield src[index], dst[index]
 
 
-def _copy(task) -> tuple[int, bool]:
-    src, dst, local = task
-    np.copyto(dst, src)
-    return src.nbytes, local
-
-
 def _done(fn, *args) -> concurrent.futures.Future:
-    """Run ``fn`` now, as a completed future (no pool: one core)."""
+    """Run ``fn`` now, as a completed future (no pool on one core, or a task too small to hand
+    to it)."""
     future = concurrent.futures.Future()
     future.set_result(fn(*args))
     return future
@@ -499,7 +559,7 @@ def _host_leaf(array: jax.Array, leaf: LeafPlan, by_id, work: _HostCopies | None
     for i, shard in enumerate(leaf.shards):
         if shard.kind == "keep":
             shards[i] = work.local[shard.device]
-            kept += shards[i].nbytes
+            kept += work.views[shard.device].nbytes  # NumPy's count: a jax.Array's is slower
     built = sorted(work.blocks)
     placed = jax.device_put(
         [work.blocks[i] for i in built],

@@ -76,9 +76,13 @@ examples:
       the same rows on a small model and small sizes, without the recovery row: about a minute
   tenplex-jax bench --quick --recovery --out /tmp/bench
       with the recovery row (launched multi-process jobs, about a minute more)
+  tenplex-jax bench --only reshard,stall --out /tmp/bench
+      only the reshard matrix and the resize stall; the summary gives their goals
+  tenplex-jax bench --quick --only reshard:mixed,recovery --out /tmp/bench
+      one change of the matrix and the recovery row (named, it runs with --quick too)
 
 Runs on 8 GPUs when the machine has them, else on 8 fake CPU devices. Writes DIR/results.json,
-DIR/summary.md, DIR/reshard.png and DIR/plan_scaling.png.
+DIR/summary.md, DIR/reshard.png and DIR/plan_scaling.png (with --only: those of the rows run).
 """
 
 LAUNCH_EXAMPLES = """\
@@ -346,6 +350,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the recovery row with --quick too (a full run always does)",
     )
+    bench.add_argument(
+        "--only",
+        type=_bench_rows,
+        default=None,
+        metavar="ROW[,ROW]",
+        help="run only these rows: reshard, loop, stall, plan, store, recovery, or reshard:KIND "
+        "for one change of the matrix (KIND: dp, tp, fsdp, pp, mixed, disjoint)",
+    )
 
     launch = sub.add_parser(
         "launch",
@@ -413,8 +425,24 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--grace",
         type=float,
-        default=2.0,
-        help="seconds survivors of a failure get before SIGKILL (default: 2)",
+        default=0.0,
+        help="seconds survivors of a failure get before SIGKILL (default: 0; on CPU they hang "
+        "in gloo collectives with the dead peer, which never time out)",
+    )
+    launch.add_argument(
+        "--no-executable-cache",
+        dest="executables",
+        action="store_false",
+        help="compile every layout in every process (default: one process compiles a layout, "
+        "the others and later generations load it from RUN_DIR/executables, and the layout "
+        "after the loss of any one process is compiled ahead)",
+    )
+    launch.add_argument(
+        "--no-standby",
+        dest="standby",
+        action="store_false",
+        help="start every process of a new generation cold (default: one warm standby process "
+        "per slot, JAX and the script's imports loaded, takes the rank)",
     )
     launch.add_argument(
         "--ray",
@@ -460,6 +488,8 @@ def _launch(args) -> int:
             compile_cache=path(args.compile_cache),
             recover_from=args.recover_from,
             grace=args.grace,
+            standby=args.standby,
+            executables=args.executables,
         )
     except LaunchError as error:
         print(f"tenplex-jax launch: error: {error}", file=sys.stderr)
@@ -633,6 +663,12 @@ def _bench(args) -> int:
 
     from tenplex_jax_benchmarks import suite  # the benchmarks live outside the library
 
+    if args.only is not None and args.no_recovery and "recovery" in args.only:
+        print(
+            "tenplex-jax bench: error: --only names the recovery row, --no-recovery skips it",
+            file=sys.stderr,
+        )
+        return 2
     try:
         suite.configure_jax()
     except RuntimeError as error:
@@ -643,9 +679,19 @@ def _bench(args) -> int:
         quick=args.quick,
         repeats=args.repeats,
         recovery=not args.no_recovery and (args.recovery or not args.quick),
+        only=args.only,
     )
     suite.run(options)
     return 0
+
+
+def _bench_rows(text: str) -> tuple[str, ...]:
+    from tenplex_jax_benchmarks.suite import parse_only  # stdlib imports only: cheap
+
+    try:
+        return parse_only(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _config(text: str):

@@ -368,8 +368,12 @@ def run(options: DemoOptions) -> dict:
 
 
 def _resize_record(r, step_log) -> dict:
-    """One event of the schedule, as the summary and the table show it."""
+    """One event of the schedule, as the summary and the table show it. ``stall_bound_seconds``
+    is what the stall may take when the new layout's step was compiled ahead: 1.5 x (reshard +
+    one step of the new layout, the median of its later steps) + 0.1 s."""
     first = next((s for i, s, _ in step_log if i == r.step), float("nan"))
+    later = [s for i, s, c in step_log if c == r.config_after and i != r.step]
+    step = float(np.median(later)) if later else first
     return {
         "step": r.step,
         "from": len(r.devices_before),
@@ -385,7 +389,9 @@ def _resize_record(r, step_log) -> dict:
         "compile": r.compile,
         "compile_wait_seconds": r.compile_wait_seconds,
         "first_step_seconds": first,
+        "step_seconds": step,
         "stall_seconds": r.stall_seconds,
+        "stall_bound_seconds": 1.5 * (r.reshard_seconds + step) + 0.1,
     }
 
 
@@ -461,7 +467,8 @@ def resize_table(summary: dict) -> str:
     """The resizes of a run as a fixed-width table, for the terminal."""
     head = (
         f"{'step':>5} {'devices':>8} {'config':>42} {'to devices':>16} {'moved MiB':>10} "
-        f"{'kept MiB':>10} {'reshard s':>10} {'step':>9} {'stall s':>8}"
+        f"{'kept MiB':>10} {'reshard s':>10} {'step':>9} {'wait s':>7} {'stall s':>8} "
+        f"{'bound s':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in summary["resizes"]:
@@ -470,12 +477,14 @@ def resize_table(summary: dict) -> str:
         lines.append(
             f"{r['step']:5d} {str(r['from']) + '->' + str(r['to']):>8} {configs:>42} "
             f"{_ids(r['to_devices']):>16} {r['bytes_moved'] / MIB:10.3f} "
-            f"{r['bytes_kept'] / MIB:10.3f} {r['seconds']:10.3f} {r['compile']:>9} {stall:>8}"
+            f"{r['bytes_kept'] / MIB:10.3f} {r['seconds']:10.3f} {r['compile']:>9} "
+            f"{r['compile_wait_seconds']:7.2f} {stall:>8} {r['stall_bound_seconds']:8.2f}"
         )
     if not summary["resizes"]:
         lines.append("(no resizes)")
     lines.append(
-        f"(step: cached = compiled before the resize, ahead; state "
+        f"(step: cached = compiled before the resize, ahead, waited = the resize waited for "
+        f"its compile ahead (wait s); bound = 1.5 x (reshard + one step) + 0.1 s; state "
         f"{summary['state_bytes'] / MIB:.3f} MiB, final loss {summary['final_loss']:.4f}, "
         f"{summary['total_seconds']:.1f} s in all)"
     )

@@ -24,6 +24,7 @@ import abc
 import concurrent.futures
 import dataclasses
 import math
+import os
 import pathlib
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +34,7 @@ import numpy as np
 
 from tenplex_jax._src.batch import BATCH_AXES, Batch, device_batch
 from tenplex_jax._src.data import BatchLayout, DatasetPTC
+from tenplex_jax._src.elastic.executables import ExecutableCache
 from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.errors import LayoutError
 from tenplex_jax._src.executor import METHODS, place
@@ -43,6 +45,8 @@ from tenplex_jax._src.planner.profile import ModelProfile
 from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
 
 __all__ = ["JobOptions"]
+
+FOLLOW_SECONDS = 600.0  # how long a launched process waits for the leader's compile of a layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,10 @@ class JobOptions:
       device_type: the devices' :class:`tenplex_jax.planner.DeviceType`; its ``link_bandwidth``
         is the bandwidth assumed until a reshard measures one.
       log: called with one line of text per event, restore and generation end (default: silent).
+      executable_cache: a directory of compiled steps (serialized executables, one file per
+        program, process and layout): each layout's step is loaded from it when this process, or
+        one in its position, compiled it before, and stored in it after a compile. Default None:
+        none for :class:`tenplex_jax.ElasticJob`, ``RUN_DIR/executables`` for a launched job.
 
     Raises:
       LayoutError: a field has the wrong type or lies outside its range; the message names the
@@ -85,6 +93,7 @@ class JobOptions:
     profile: ModelProfile | None = None
     device_type: DeviceType | None = None
     log: Callable[[str], None] | None = None
+    executable_cache: str | os.PathLike | None = None
 
     def __post_init__(self):
         for name in ("compile_ahead", "exact_step_times"):
@@ -110,6 +119,13 @@ class JobOptions:
                 raise LayoutError(f"JobOptions.{name} is a {kind.__name__} or None, got {value!r}")
         if self.log is not None and not callable(self.log):
             raise LayoutError(f"JobOptions.log is a callable taking a str, got {self.log!r}")
+        directory = self.executable_cache
+        if directory is not None:
+            if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+                raise LayoutError(
+                    f"JobOptions.executable_cache is a directory path or None, got {directory!r}"
+                )
+            object.__setattr__(self, "executable_cache", pathlib.Path(directory))
 
 
 class _JobCore(abc.ABC):
@@ -135,7 +151,8 @@ class _JobCore(abc.ABC):
         if not isinstance(options, JobOptions):
             raise LayoutError(
                 f"options= is a tj.elastic.JobOptions (compile_ahead, preempt_devices, method, "
-                f"batch_axes, exact_step_times, profile, device_type, log), got {options!r}"
+                f"batch_axes, exact_step_times, profile, device_type, log, executable_cache), "
+                f"got {options!r}"
             )
         self.rules, self.dataset, self.workers, self.steps = rules, dataset, workers, steps
         self.devices = {d.id: d for d in (jax.devices() if devices is None else devices)}
@@ -145,6 +162,8 @@ class _JobCore(abc.ABC):
         self.log = options.log or (lambda text: None)
         self.ptc: PTC | None = None
         self.steps_cache: StepCache | None = None  # made by jit()
+        # where jit()'s steps are loaded from and stored (a launched job defaults it to its run dir)
+        self.executable_cache: pathlib.Path | None = options.executable_cache
         self.samples: np.ndarray | None = None  # the sample index of every row of the last batch
         self.step_log: list[tuple[int, float, str]] = []  # (step, seconds, config) of timed steps
         self._choose = config
@@ -170,6 +189,11 @@ class _JobCore(abc.ABC):
     def compiles(self) -> int:
         """XLA compiles of the step so far, ahead or not."""
         return 0 if self.steps_cache is None else self.steps_cache.compiles
+
+    @property
+    def loads(self) -> int:
+        """Steps loaded from ``options.executable_cache`` instead of compiled, ahead or not."""
+        return 0 if self.steps_cache is None else self.steps_cache.loads
 
     @property
     def layout(self) -> BatchLayout:
@@ -223,8 +247,14 @@ class _JobCore(abc.ABC):
         """
         if self.ptc is None:
             raise LayoutError("call job.start(init) before job.jit(step): the step needs a layout")
+        executables = None
+        if self.executable_cache is not None:
+            # in a launched job one process compiles each layout and the others load it: on CPU
+            # they would otherwise compile the same program side by side on shared cores
+            follow = FOLLOW_SECONDS if self.launched else 0.0
+            executables = ExecutableCache(self.executable_cache, log=self.log, follow=follow)
         self.steps_cache = StepCache(
-            fn, self._sample, list(self.devices.values()), self.options.batch_axes
+            fn, self._sample, list(self.devices.values()), self.options.batch_axes, executables
         )
         self._compiled(self.ptc, ahead=True)
         self._stalled = (None, time.perf_counter())  # time the first step too

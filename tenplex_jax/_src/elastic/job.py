@@ -136,7 +136,9 @@ class ElasticJob(_JobCore):
         self.checkpoints: list[tuple[int, float]] = []  # (step, seconds) of every save
         self.resumed: int | None = None  # the checkpoint step start() restored, if any
         self._pending: collections.deque[Event] = collections.deque()
-        self._hints: list[tuple[int, ...]] = []
+        self._hints: list[tuple[int, ...]] = []  # announced device sets, in the order of use
+        self._outstanding: tuple[tuple[int, ...], ...] = ()  # those compiled ahead, not reached
+        self._guessed: tuple[int, ...] | None = None  # the devices the last guess was made on
         device_type = options.device_type
         self._bandwidth = device_type.link_bandwidth if device_type is not None else 1e9
 
@@ -155,9 +157,10 @@ class ElasticJob(_JobCore):
         Raises:
           LayoutError: called before ``job.start``.
 
-        With ``options.compile_ahead``, background threads compile the steps of the layouts
-        announced by ``job.expect`` (the last two, in order) and, once those are compiled or when
-        none is announced, of ``options.preempt_devices`` devices fewer. JAX's persistent
+        With ``options.compile_ahead``, a background thread compiles the steps of the layouts
+        announced by ``job.expect`` (the last two, in order), each for the exact layout the change
+        will pick. When nothing announced is outstanding, a step boundary starts the guess: the
+        step of ``options.preempt_devices`` devices fewer, on its own thread. JAX's persistent
         compilation cache is the user's to turn on (``tj.elastic.enable_compilation_cache``).
         """
         run = super().jit(fn)
@@ -188,11 +191,14 @@ class ElasticJob(_JobCore):
         """
         if self.ptc is None:
             raise LayoutError("call job.start(init) before job.next(state)")
+        changed = bool(self._pending)
         while self._pending:
             state = self._apply(state, self._pending.popleft())
         every = self.checkpoint_every
         if self.checkpoint_dir is not None and every and self.step % every == 0:
             self._save(state)
+        if not changed:  # not beside the first step of a change, which ends its stall
+            self._guess()
         return state, self._batch()
 
     def finish(self, state) -> None:
@@ -253,10 +259,15 @@ class ElasticJob(_JobCore):
         self._post("redeploy", devices, None)
 
     def expect(self, devices: Iterable[int]) -> None:
-        """A hint: the job will likely run on ``devices`` (ids) next, so its step is compiled
-        ahead (with ``options.compile_ahead``). The last two hints are kept, in order::
+        """An announcement: the job will run on ``devices`` (ids) next, so the step of the layout
+        it will then use (the config of that many devices, the device order ``allocate`` picks,
+        the batch layout) is compiled ahead, with ``options.compile_ahead``. The last two
+        announcements are kept, in the order the job will move through them: the second's device
+        order is allocated from the first's layout. One is dropped once the job runs on its
+        devices; while one is outstanding no guess is compiled::
 
             job.expect(range(6))      # a scheduler announces the next allocation
+            job.expect(range(4))      # ... and the one after it
         """
         ids = tuple(sorted(devices))
         self._hints = [h for h in self._hints if h != ids][-1:] + [ids]  # the last two, in order
@@ -379,6 +390,9 @@ class ElasticJob(_JobCore):
                 self._bandwidth = report.bytes_moved / report.seconds
             record.decision = DECISIONS[event.kind]
         self.ptc = target
+        reached = tuple(sorted(ids))
+        if reached in self._hints:  # announced: it and those announced before it are done
+            self._hints = self._hints[self._hints.index(reached) + 1 :]
         record.devices_after, record.config_after = list(target.device_ids), str(target.config)
         status = self.steps_cache.status(self._key(target))
         record.compile = {"ready": "cached", "running": "waited"}.get(status, "compiled")
@@ -399,9 +413,12 @@ class ElasticJob(_JobCore):
         self._ahead()
         return state
 
-    def _target(self, ids: tuple[int, ...]) -> PTC:
-        new = self.ptc.relayout(self.config_for(len(ids)), [self.devices[i] for i in ids])
-        return allocate(self.ptc, new)
+    def _target(self, ids: tuple[int, ...], before: PTC | None = None) -> PTC:
+        """The layout the job moves to on ``ids`` from ``before`` (default its current one): the
+        config of ``len(ids)`` devices, in the device order that keeps the most bytes in place."""
+        before = self.ptc if before is None else before
+        new = before.relayout(self.config_for(len(ids)), [self.devices[i] for i in ids])
+        return allocate(before, new)
 
     def _fall_back(self, state, target: PTC, error: LostShardsError, record: EventRecord):
         """Restore the latest checkpoint onto ``target``; re-raise ``error`` when there is none."""
@@ -471,29 +488,58 @@ class ElasticJob(_JobCore):
     # -- compile-ahead ----------------------------------------------------------------------------
 
     def _ahead(self) -> None:
-        """Compile, in the background, the steps of the likely next layouts."""
+        """Compile, on the announced layouts' thread, the steps of the announced layouts, in order.
+
+        Each target is the layout the change will pick: its device order is allocated from the
+        layout before it (the current one, or the announced one before), as ``_apply`` will, so
+        the key compiled ahead is the key the change uses.
+        """
         if not self.options.compile_ahead or self.steps_cache is None:
             return
-        current = tuple(sorted(self.ptc.device_ids))
-        usable = lambda ids: not set(ids) & self.failed and set(ids) <= set(self.devices)
-        targets = [h for h in self._hints if h != current and usable(h)]  # announced, in order
-        guess = len(current) > self.options.preempt_devices
-        if guess and all(self._compiled_for(ids) for ids in targets):
-            targets.append(self.devices_after("preempt"))  # then the guess: one device fewer
         self.steps_cache.cancel_queued()  # resubmitted below, in this order
-        for i, ids in enumerate(targets):
+        self._guessed = None  # a queued guess was cancelled too: the next boundary decides again
+        targets = self._announced()
+        self._outstanding = tuple(tuple(sorted(t.device_ids)) for t in targets)
+        for target in targets:
+            self.steps_cache.get(target, self._layout(target.config), ahead=True)
+
+    def _announced(self) -> list[PTC]:
+        """The layouts of the outstanding announcements, each allocated from the one before."""
+        before, targets = self.ptc, []
+        for ids in self._hints:
+            if ids == tuple(sorted(before.device_ids)) or not self._usable(ids):
+                continue
             try:
-                target = self._target(ids)
+                target = self._target(ids, before)
             except (LayoutError, DataError) as error:  # no layout for these devices
                 self.log(f"compile-ahead for devices {list(ids)} skipped: {error}")
                 continue
-            guessed = guess and i == len(targets) - 1 and ids not in self._hints
-            self.steps_cache.get(target, self._layout(target.config), ahead=True, guess=guessed)
+            targets.append(target)
+            before = target
+        return targets
 
-    def _compiled_for(self, ids) -> bool:
-        """Whether the step for ``ids`` is compiled; True when ``ids`` have no layout (nothing to
-        wait for)."""
+    def _usable(self, ids) -> bool:
+        return not set(ids) & self.failed and set(ids) <= set(self.devices)
+
+    def _guess(self) -> None:
+        """At a step boundary, with nothing announced outstanding: compile the step of
+        ``options.preempt_devices`` devices fewer (what a notice without names leaves), once per
+        layout, on the guesses' thread. A guess never starts while an announced layout is
+        outstanding: on two cores it would take the announced compile's CPU."""
+        current = tuple(sorted(self.ptc.device_ids))
+        if (
+            not self.options.compile_ahead
+            or self.steps_cache is None
+            or self._guessed == current
+            or len(current) <= self.options.preempt_devices
+            or self._outstanding
+        ):
+            return
+        self._guessed = current
+        ids = self.devices_after("preempt")
         try:
-            return self.steps_cache.ready(self._key(self._target(ids)))
-        except (LayoutError, DataError):
-            return True
+            target = self._target(ids)
+        except (LayoutError, DataError) as error:  # no layout for these devices
+            self.log(f"compile-ahead for devices {list(ids)} skipped: {error}")
+            return
+        self.steps_cache.get(target, self._layout(target.config), ahead=True, guess=True)

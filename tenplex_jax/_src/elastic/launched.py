@@ -21,10 +21,10 @@ import jax
 
 from tenplex_jax._src.data import DatasetPTC
 from tenplex_jax._src.elastic.core import JobOptions, _JobCore
-from tenplex_jax._src.errors import LayoutError
+from tenplex_jax._src.errors import DataError, LayoutError
 from tenplex_jax._src.multihost.launch import JobSpec
 from tenplex_jax._src.multihost.worker import Worker
-from tenplex_jax._src.ptc import ParallelConfig, Rules
+from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
 
 __all__ = ["LaunchedJob"]
 
@@ -118,6 +118,11 @@ class LaunchedJob(_JobCore):
             options=options,
         )
         self._worker = Worker(spec, checkpoint_dir, checkpoint_every)
+        self._reported = False  # the first step's compile record is written
+        if not spec.executables:  # the launcher's --no-executable-cache: a plain restart
+            self.executable_cache = None
+        elif self.executable_cache is None:  # later generations load the layouts compiled before
+            self.executable_cache = self._worker.run_dir / "executables"
 
     @property
     def process_index(self) -> int:
@@ -146,7 +151,9 @@ class LaunchedJob(_JobCore):
         At the boundary the state is committed to the tensor stores every ``--commit-every``
         steps (in the background); when the launcher ends the generation (a planned resize or
         stop, or JAX's preemption sync point) the generation commits synchronously and this
-        process exits, so the next generation resumes at this step.
+        process exits, so the next generation resumes at this step. A planned shrink first
+        trains on while process 0 compiles the smaller generation's step ahead, so that the
+        next generation loads it instead of compiling.
 
         Args:
           state: the state the last step returned (or ``start``'s).
@@ -160,11 +167,69 @@ class LaunchedJob(_JobCore):
         """
         if self.ptc is None:
             raise LayoutError("call job.start(init) before job.next(state)")
-        action = self._worker.boundary(state, self.ptc, self.step, self.dataset)
+        action = self._worker.boundary(
+            state, self.ptc, self.step, self.dataset, ready=self._ready_for
+        )
         if action is not None:
             self.log(f"step {self.step}: generation {self.generation} ends ({action}), committed")
             raise SystemExit(0)
         return state, self._batch()
+
+    def jit(self, fn: Callable) -> Callable:
+        """Compile the user's step for this generation's layout, as
+        :meth:`tenplex_jax.ElasticJob.jit` does; the executables go to ``RUN_DIR/executables``
+        (or ``options.executable_cache``), where the next generations load them.
+
+        With ``options.compile_ahead``, process 0 then compiles (after the first step, on a
+        background thread, so that it never delays a recovery's first step) the step of the
+        generation that follows the loss of any one process: the processes left
+        are renumbered in order, so that generation's devices are the first ``N - 1``
+        processes' devices of this one, whichever process dies, and its processes load the
+        executable instead of compiling it.
+
+        Args:
+          fn: ``fn(state, batch) -> (state, metrics)``, as for ``ElasticJob.jit``.
+
+        Returns:
+          ``step(state, batch) -> (state, metrics)``.
+
+        Raises:
+          LayoutError: called before ``job.start``.
+        """
+        return super().jit(fn)
+
+    def _compile_ahead(self, processes: int, *, guess: bool):
+        """The future step of a generation of the first ``processes`` processes, compiled ahead
+        on the guesses' or the announced layouts' thread; None when no layout fits."""
+        ids = sorted(self.devices)[: processes * self._worker.spec.devices_per_process]
+        try:
+            config = self.config_for(len(ids))
+            target = PTC.of(self._abstract, self.rules, config, [self.devices[i] for i in ids])
+        except (LayoutError, DataError) as error:  # no layout for that many devices
+            self.log(f"compile-ahead for {processes} processes skipped: {error}")
+            return None
+        return self.steps_cache.get(target, self._layout(config), ahead=True, guess=guess)
+
+    def _record_ahead(self, future) -> None:
+        """``RUN_DIR/ahead-g<gen>.json``: the step after a loss is ready (for the benchmarks)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        step = future.result()
+        record = {"processes": self._worker.spec.num_processes - 1, "loaded": step.loaded}
+        self._worker.write_record(
+            f"ahead-g{self.generation}.json", record | {"seconds": step.seconds}
+        )
+
+    def _ready_for(self, processes: int) -> bool:
+        """Whether a planned resize to ``processes`` may end the generation now: its step is
+        compiled ahead (process 0 asks for it here, and the generation trains on until it is),
+        or it cannot be (a growth: the new processes' devices do not exist yet)."""
+        spec = self._worker.spec
+        ahead = self.options.compile_ahead and self.executable_cache is not None
+        if not ahead or self.steps_cache is None or not 0 < processes < spec.num_processes:
+            return True
+        future = self._compile_ahead(processes, guess=False)
+        return future is None or future.done()
 
     def finish(self, state) -> None:
         """The end of training: the last step committed, a final orbax checkpoint (with a
@@ -230,3 +295,18 @@ class LaunchedJob(_JobCore):
 
     def _after_step(self) -> None:
         self._worker.reached(self.step, self.steps)
+        if not self._reported:  # how this process got its generation's step: compiled or loaded
+            self._reported = True
+            step = self._compiled(self.ptc, ahead=False).result()
+            self._worker.record_step(
+                loaded=step.loaded,
+                seconds=step.seconds,
+                compiles=self.compiles,
+                loads=self.loads,
+            )
+            spec = self._worker.spec
+            ahead = self.options.compile_ahead and self.executable_cache is not None
+            if ahead and spec.process_id == 0 and spec.num_processes > 1:
+                future = self._compile_ahead(spec.num_processes - 1, guess=True)
+                if future is not None:
+                    future.add_done_callback(self._record_ahead)

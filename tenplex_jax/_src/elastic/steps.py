@@ -10,8 +10,11 @@ compiles. Each entry is a future; asking for one that is compiling waits for it,
 behind other guesses is compiled at once on the caller's thread instead, one that failed is compiled
 again.
 
-``enable_compilation_cache`` turns JAX's persistent compilation cache on for every compile, so a
-restarted process reads the steps it compiled before from disk.
+With an :class:`ExecutableCache`, each entry first tries the executable stored for its lowered
+program on disk (a load, counted in ``loads``, not ``compiles``) and stores what it compiles, so
+no process compiles a layout that it, or a process in its position, compiled before.
+``enable_compilation_cache`` turns JAX's persistent compilation cache on instead: process-wide,
+and it still lowers and hands XLA's cache the program.
 """
 
 from __future__ import annotations
@@ -26,29 +29,34 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tenplex_jax._src import compat
 from tenplex_jax._src.batch import BATCH_AXES, Batch
 from tenplex_jax._src.data import BatchLayout
+from tenplex_jax._src.elastic.executables import ExecutableCache
 from tenplex_jax._src.ptc import PTC
 
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
-    """A step compiled for one layout, how long XLA took, and whether it ran ahead."""
+    """A step compiled for one layout, how long XLA took (or the load, when ``loaded``), whether
+    it ran ahead, and whether it was loaded from the :class:`ExecutableCache` (no XLA compile)."""
 
     executable: Any
     seconds: float
     ahead: bool
+    loaded: bool = False
 
 
 class StepCache:
-    """``fn`` compiled per (config, device order, batch layout); ``compiles`` counts XLA compiles.
+    """``fn`` compiled per (config, device order, batch layout); ``compiles`` counts XLA compiles,
+    ``loads`` the executables loaded from ``executables`` instead.
 
     ``sample`` is one dataset item with a leading dim of 1 (its shapes and dtypes make the abstract
-    batch); ``devices`` are the devices meshes are built from.
+    batch); ``devices`` are the devices meshes are built from; ``executables``, when given, the
+    on-disk cache each entry tries before compiling and stores its compile in (closed with this).
     """
 
     def __init__(
@@ -57,14 +65,17 @@ class StepCache:
         sample,
         devices: Sequence[jax.Device],
         batch_axes: Sequence[str] = BATCH_AXES,
+        executables: ExecutableCache | None = None,
     ):
         self.fn = getattr(fn, "__wrapped__", fn)  # a jax.jit-ed step: it is jitted per layout here
         self.sample, self.devices, self.batch_axes = sample, list(devices), tuple(batch_axes)
-        self.compiles = 0
+        self.executables = executables
+        self.compiles = self.loads = 0
         self._futures: dict[tuple, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self._pools = {  # announced layouts, guesses
-            False: concurrent.futures.ThreadPoolExecutor(1, "tenplex-compile"),
+            # the current layout and the two announced beside it: each starts when announced
+            False: concurrent.futures.ThreadPoolExecutor(3, "tenplex-compile"),
             True: concurrent.futures.ThreadPoolExecutor(1, "tenplex-compile-guess"),
         }
         self._queued: set[concurrent.futures.Future] = set()  # submitted by compile-ahead
@@ -123,8 +134,34 @@ class StepCache:
                 raise
         return future
 
-    def compile(self, ptc: PTC, layout: BatchLayout, ahead: bool = False) -> Compiled:
-        """Compile ``fn`` for ``ptc`` and ``layout`` from abstract values (no cache lookup)."""
+    def compile(
+        self, ptc: PTC, layout: BatchLayout, ahead: bool = False, *, load: bool = True
+    ) -> Compiled:
+        """``fn`` for ``ptc`` and ``layout``, lowered from abstract values afresh (whatever
+        steps this cache holds): loaded from ``executables`` when stored there and ``load`` is
+        True, else compiled by XLA (and then stored there)."""
+        lowered, mesh = self._lower(ptc, layout)
+        if self.executables is not None and load:
+            tic = time.perf_counter()
+            executable = self.executables.load(lowered, mesh)
+            if executable is not None:
+                with self._lock:
+                    self.loads += 1
+                return Compiled(executable, time.perf_counter() - tic, ahead, loaded=True)
+        return self._compile(lowered, mesh, ahead)
+
+    def _compile(self, lowered: jax.stages.Lowered, mesh: Mesh, ahead: bool) -> Compiled:
+        tic = time.perf_counter()
+        executable = lowered.compile()
+        seconds = time.perf_counter() - tic
+        with self._lock:
+            self.compiles += 1
+        if self.executables is not None:
+            self.executables.store(lowered, mesh, executable)  # written in the background
+        return Compiled(executable, seconds, ahead)
+
+    def _lower(self, ptc: PTC, layout: BatchLayout) -> tuple[jax.stages.Lowered, Mesh]:
+        """``fn`` jitted with the layout's shardings and lowered on abstract values; its mesh."""
         mesh = ptc.mesh(self.devices)
         rows = NamedSharding(mesh, P(self.batch_axes))
         shardings = ptc.shardings(mesh)
@@ -147,11 +184,7 @@ class StepCache:
             out_shardings=(shardings, NamedSharding(mesh, P())),
             donate_argnums=0,
         )
-        tic = time.perf_counter()
-        executable = jitted.lower(ptc.abstract(mesh), abstract_batch).compile()
-        with self._lock:
-            self.compiles += 1
-        return Compiled(executable, time.perf_counter() - tic, ahead)
+        return jitted.lower(ptc.abstract(mesh), abstract_batch), mesh
 
     def cancel_queued(self) -> None:
         """Drop the compile-ahead requests not started yet (to submit them again in a new order)."""
@@ -167,8 +200,11 @@ class StepCache:
         return [f.result() for f in futures if f.done() and f.exception() is None]
 
     def close(self) -> None:
+        """Stop the compile threads (waiting for a compile under way), then the cache's writes."""
         for pool in self._pools.values():
             pool.shutdown(wait=True)
+        if self.executables is not None:
+            self.executables.close()
 
 
 def enable_compilation_cache(directory: str | pathlib.Path) -> None:

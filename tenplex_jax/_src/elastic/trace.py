@@ -16,11 +16,11 @@ A trace is a TOML file (format in ``meshes/README.md``)::
     # devices = [6, 7]       # ... or exactly these ids
 
 ``replay`` runs the user's loop over a trace: it posts each event before its step boundary and,
-as a scheduler that announces its plans would, tells the job the devices it will have after the
-next event (``job.expect``) so their step compiles ahead. ``checkpoint_restart`` replays the same
-events under the policy a job without tenplex_jax follows (orbax save, restart, restore, compile
-anew)
-with costs measured in the same run, for the goodput comparison.
+as a scheduler that announces its plans would, tells the job the devices it will have after each
+of the next two changes (``job.expect``) so that their steps compile ahead, each for the exact
+layout the change will pick. ``checkpoint_restart`` replays the same events under the policy a job
+without tenplex_jax follows (orbax save, restart, restore, compile anew) with costs measured in
+the same run, for the goodput comparison.
 """
 
 from __future__ import annotations
@@ -207,9 +207,10 @@ def replay(
       state: the state ``job.start`` returned.
       step: the step ``job.jit`` returned: ``step(state, batch) -> (state, metrics)``.
       trace: the :class:`ResourceTrace` whose events are posted.
-      hints: act as a scheduler that announces its plans: before the first event, and after
-        posting a step's events while more remain, ``job.expect`` the devices the job will have
-        once the next event is applied, so that the step of that layout compiles ahead.
+      hints: act as a scheduler that announces its plans: before the first step, and after the
+        first step of each change, ``job.expect`` the devices the job will have after each of
+        the next two step boundaries with events (see :func:`upcoming`), so that the steps of
+        those layouts compile ahead, in order, for as many steps as two changes are apart.
       on_step: called as ``on_step(job, metrics)`` after every step (None: nothing).
 
     Returns:
@@ -220,28 +221,41 @@ def replay(
       LostShardsError: a failure took shards no replica holds, and there is no checkpoint.
     """
     events = list(trace.events)
-    if hints and events:
-        job.expect(job.devices_after(events[0].kind, events[0].devices, events[0].count))
+    announce = hints
     while job.step < trace.steps:
-        posted = False
+        if announce:  # from the devices the job has now: the change before is done
+            for ids in upcoming(job, events):
+                job.expect(ids)
+            announce = False
         while events and events[0].step <= job.step:
             e = events.pop(0)
             if e.kind == "redeploy":
                 job.redeploy(e.devices)
             else:
                 getattr(job, e.kind)(e.devices, count=e.count)
-            posted = True
-        if hints and posted and events:  # announce the event after these before they apply, so
-            ids = job.ptc.device_ids  # its step compiles first, ahead of the one-fewer guess
-            for e in trace.events:
-                if job.step <= e.step <= events[0].step:
-                    ids = job.devices_after(e.kind, e.devices, e.count, current=ids)
-            job.expect(ids)
+            announce = hints  # after the first step of the change: no compile beside it
         state, batch = job.next(state)
         state, metrics = step(state, batch)
         if on_step is not None:
             on_step(job, metrics)
     return state
+
+
+def upcoming(job: ElasticJob, events, changes: int = 2) -> list[tuple[int, ...]]:
+    """The device ids ``job`` will have after each of the next ``changes`` step boundaries of
+    ``events`` (events at one boundary are applied together: only the last set is run), from the
+    devices it has now; fewer when the events end or one would leave the job no device."""
+    ids, sets = tuple(job.ptc.device_ids), []
+    for i, e in enumerate(events):
+        try:
+            ids = job.devices_after(e.kind, e.devices, e.count, current=ids)
+        except LayoutError:  # the event itself raises it when it is applied
+            break
+        if i + 1 == len(events) or events[i + 1].step != e.step:
+            sets.append(ids)
+            if len(sets) == changes:
+                break
+    return sets
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,6 +65,8 @@ ENV = "TENPLEX_JOB"  # the launcher passes the whole job description as one JSON
 CONTROL = "control.json"  # in the run dir: the launcher's request to end the generation
 CHECKPOINT = "checkpoint.json"  # in the run dir: the script's own checkpoint dir, for fallbacks
 ACTIONS = ("resize", "stop")
+STANDBY = "TENPLEX_STANDBY"  # set for a standby process: it imports, then waits for its rank
+SPARE = -1  # the standby kept for a slot the job does not have yet (a growth)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +93,9 @@ class JobSpec:
       checkpoint_every: steps between orbax checkpoints, if any.
       token_file: a file holding the stores' secret (readable by this job's user only), if
         the stores need one.
+      executables: whether the processes share their compiled steps through
+        ``RUN_DIR/executables`` (one compiles a layout, the others and later generations load
+        it; process 0 compiles ahead for the loss of any one process).
     """
 
     coordinator: str  # "127.0.0.1:port" of the jax.distributed coordinator (process 0)
@@ -107,6 +112,7 @@ class JobSpec:
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     token_file: str | None = None  # the stores' secret, in a file only this job's user reads
+    executables: bool = True  # share compiled steps through RUN_DIR/executables
 
     def to_env(self) -> dict[str, str]:
         """The environment a worker is started with: ``{"TENPLEX_JOB": <this record as JSON>}``."""
@@ -177,6 +183,11 @@ class LaunchOptions:
       compile_cache: JAX's persistent compilation cache directory, shared by the generations.
       recover_from: ``"store"``, or ``"checkpoint"`` to ignore the stores (a baseline).
       token: the stores refuse clients without the job's secret (always on Ray).
+      executables: share compiled steps through ``RUN_DIR/executables`` (see
+        :class:`JobSpec`); False compiles every layout in every process, as a plain restart.
+      standby: keep one warm standby process per host slot, and a spare for a new slot (JAX
+        and the script's imports loaded, waiting for a rank), for the next generation, so that
+        a restart costs no process start or import.
       grace: seconds the survivors of a failure get before SIGKILL.
       stop_timeout: seconds the workers get to commit and exit on a planned end.
       start_timeout: seconds a store gets to listen.
@@ -202,7 +213,11 @@ class LaunchOptions:
     compile_cache: pathlib.Path | None = None  # JAX's persistent compilation cache, shared
     recover_from: str = "store"  # "checkpoint": ignore the stores (the benchmark's baseline)
     token: bool = False  # stores refuse clients without the job's secret (always on Ray)
-    grace: float = 2.0  # seconds the survivors of a failure get before SIGKILL
+    executables: bool = True  # compiled steps shared by processes and generations
+    standby: bool = True  # a warm process per slot for the next generation
+    # survivors of a failure on CPU hang in gloo collectives with the dead peer (no timeout:
+    # measured > 50 s), so by default they are killed at once
+    grace: float = 0.0
     stop_timeout: float = 300.0  # seconds workers get to commit and exit on a planned end
     start_timeout: float = 60.0  # seconds a store gets to listen
     python: str = sys.executable
@@ -235,6 +250,7 @@ class _Generation:
     workers: list[subprocess.Popen]
     logs: list[pathlib.Path | None]
     restore: str
+    warm: list[bool]  # per process: a standby took the rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +274,8 @@ class Launcher:
         to ``RUN_DIR/events.jsonl``.
     """
 
+    standby_supported = True  # warm standby processes (local hosts; not yet on Ray's nodes)
+
     def __init__(self, options: LaunchOptions, log=None):
         self.options = options
         self.log = log or functools.partial(print, flush=True)
@@ -268,6 +286,7 @@ class Launcher:
         self.store_dir = pathlib.Path(options.store_dir or self.run_dir / "stores")
         self.slots: dict[int, _Slot] = {}
         self.workers: list[subprocess.Popen] = []
+        self.standbys: dict[int, subprocess.Popen] = {}  # slot -> a warm process, not yet used
         self._terminate = False
         self.token_file: pathlib.Path | None = None
 
@@ -302,6 +321,7 @@ class Launcher:
                     processes=len(slots),
                     slots=slots,
                     pids=[w.pid for w in gen.workers],
+                    warm=gen.warm,
                     restore=source,
                     step=step,
                     lost_steps=lost,
@@ -491,7 +511,7 @@ class Launcher:
         (self.run_dir / CONTROL).unlink(missing_ok=True)
         coordinator = self._coordinator(slots[0])
         stores = {i: s.address for i, s in self.slots.items() if self._up(i)}
-        workers, logs = [], []
+        workers, logs, warms = [], [], []
         for pid in range(len(slots)):
             spec = JobSpec(
                 coordinator,
@@ -508,16 +528,76 @@ class Launcher:
                 None if opts.checkpoint_dir is None else str(opts.checkpoint_dir),
                 opts.checkpoint_every,
                 None if self.token_file is None else str(self.token_file),
+                opts.executables,
             )
-            env = spec.to_env() | {"PYTHONUNBUFFERED": "1"}
-            if opts.compile_cache is not None:  # a layout compiled by any generation loads
-                env["JAX_COMPILATION_CACHE_DIR"] = str(opts.compile_cache)
-            command = [opts.python, "-m", "tenplex_jax.multihost", opts.script, *opts.args]
             path = None if pid == 0 else self.run_dir / "logs" / f"g{number}-p{pid}.log"
-            workers.append(self._spawn_worker(slots[pid], command, env, path))
+            warm = self._activate(slots[pid], spec.to_env(), path)
+            if warm is None:
+                env = spec.to_env() | self._worker_env()
+                workers.append(self._spawn_worker(slots[pid], self._command(), env, path))
+            else:
+                workers.append(warm)
+            warms.append(warm is not None)
             logs.append(path)
         self.workers = workers
-        return _Generation(number, list(slots), workers, logs, source)
+        for slot in set(self.standbys) - {*slots, SPARE}:  # a slot the job left: its standby too
+            _kill(self.standbys.pop(slot))
+        return _Generation(number, list(slots), workers, logs, source, warms)
+
+    def _refill_standbys(self, gen: _Generation) -> None:
+        """A warm process for each of the generation's slots and a spare for a new slot, started
+        once the generation has stepped: never beside its start-up and first compile."""
+        if not (self.options.standby and self.standby_supported):
+            return
+        started = {}
+        for slot in [*gen.slots, SPARE]:
+            if slot not in self.standbys:
+                started[slot] = self.standbys[slot] = self._spawn_standby(slot)
+        if started:
+            self._event(
+                "standby",
+                generation=gen.number,
+                pids={s: w.pid for s, w in started.items()},
+                detail=f"warm standby processes for slots {sorted(started)} (-1: a spare)",
+            )
+
+    def _command(self) -> list[str]:
+        opts = self.options
+        return [opts.python, "-m", "tenplex_jax.multihost", opts.script, *opts.args]
+
+    def _worker_env(self) -> dict[str, str]:
+        env = {"PYTHONUNBUFFERED": "1"}
+        if self.options.compile_cache is not None:  # a layout compiled by any generation loads
+            env["JAX_COMPILATION_CACHE_DIR"] = str(self.options.compile_cache)
+        return env
+
+    def _spawn_standby(self, slot: int) -> subprocess.Popen:
+        """A warm process on ``slot``'s host: it imports what the job needs, then waits for the
+        rank :meth:`_activate` writes to its stdin (its output: the launcher's until then)."""
+        env = os.environ | self._worker_env() | {STANDBY: "1"}
+        return _spawn(self._command(), env=env, stdin=subprocess.PIPE)
+
+    def _activate(self, slot: int, env: dict, log: pathlib.Path | None):
+        """A standby process for ``slot`` (its own, else the spare), given a rank (``env``) and
+        its output file; None when there is none alive (the caller starts a process cold)."""
+        message = json.dumps({"env": env, "log": None if log is None else str(log)}).encode()
+        for owner in (slot, SPARE):
+            proc = self.standbys.pop(owner, None)
+            if proc is None:
+                continue
+            try:
+                if proc.poll() is not None:
+                    raise BrokenPipeError(f"exited with {proc.returncode}")
+                proc.stdin.write(message + b"\n")
+                proc.stdin.close()
+            except OSError as error:  # BrokenPipeError: it died since the last poll
+                self._event(
+                    "standby_lost", slot=owner, detail=f"the standby of slot {owner} {error}"
+                )
+                _kill(proc)
+                continue
+            return proc
+        return None
 
     def _survivors(self, slots: list[int], outcome: _Outcome) -> list[int]:
         """The slots the next generation runs on after a failure: not the failed workers' (on
@@ -537,8 +617,11 @@ class Launcher:
 
     def _watch(self, gen: _Generation) -> _Outcome:
         opts = self.options
-        requested, deadline = None, None
+        requested, deadline, stepped = None, None, False
         while True:
+            if not stepped and self._progress(gen.number, default=-1) >= 0:
+                stepped = True
+                self._refill_standbys(gen)
             codes = [w.poll() for w in gen.workers]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             stores_down = [s for s in gen.slots if not self._up(s)]
@@ -640,8 +723,9 @@ class Launcher:
         return {signal.SIGTERM: signal.signal(signal.SIGTERM, on_term)}
 
     def _teardown(self) -> None:
-        for w in self.workers:
+        for w in [*self.workers, *self.standbys.values()]:
             _kill(w)
+        self.standbys = {}
         for slot in self.slots.values():
             _kill(slot.store, signal.SIGTERM, timeout=5.0)
         self.workers = []

@@ -239,6 +239,9 @@ class RayLauncher(Launcher):
             + ", ".join(f"{self.nodes[i][:8]} ({self.slots[i].address})" for i in calls),
         )
 
+    # a standby process per node would live in the node's actor: not built yet
+    standby_supported = False
+
     def _coordinator(self, slot: int) -> str:
         import ray
 

@@ -37,7 +37,7 @@ import numpy as np
 from tenplex_jax._src import compat
 from tenplex_jax._src.data import DatasetPTC, DataState
 from tenplex_jax._src.errors import DataError, StoreError
-from tenplex_jax._src.multihost.launch import ACTIONS, CHECKPOINT, CONTROL, JobSpec
+from tenplex_jax._src.multihost.launch import ACTIONS, CHECKPOINT, CONTROL, ENV, STANDBY, JobSpec
 from tenplex_jax._src.ptc import PTC
 
 
@@ -58,6 +58,10 @@ def join(spec: JobSpec, *, timeout: float = 120.0) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m tenplex_jax.multihost SCRIPT ARGS``: join the launched job, run SCRIPT."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv:  # as `python SCRIPT` would, before a standby imports what the script imports
+        sys.path.insert(0, str(pathlib.Path(argv[0]).resolve().parent))
+    if os.environ.pop(STANDBY, None) and argv and not stand_by(argv[0]):
+        return 0  # the launcher went away before it needed this process
     spec = JobSpec.from_env(os.environ)
     if spec is None or not argv:
         print(
@@ -70,7 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     join(spec)
     Worker.joined = started, time.time()
     sys.argv = list(argv)
-    sys.path.insert(0, str(pathlib.Path(argv[0]).resolve().parent))  # as `python SCRIPT` would
     try:
         runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as done:
@@ -92,10 +95,73 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# what every launched job imports, warmed by a standby process before it has a rank
+WARM_MODULES = (
+    "jax.numpy",
+    "flax.nnx",
+    "optax",
+    "orbax.checkpoint",
+    "tenplex_jax._src.elastic.launched",
+    "tenplex_jax._src.multihost.commit",
+    "tenplex_jax._src.multihost.store.client",
+    "tenplex_jax._src.checkpoint",
+)
+
+
+def stand_by(script: str) -> bool:
+    """A standby process: import what the job will need, then wait for a rank.
+
+    The launcher keeps one standby per host slot, started while a generation trains, so that a
+    replacement costs no interpreter start or import. It imports JAX, flax, optax, orbax, the
+    launched job's modules and the script's top-level imports — never starting JAX's backend,
+    which needs the job's device count and ``jax.distributed`` — then reads one line from stdin:
+    ``{"env": {...}, "log": path or null}``, the environment of its rank (``TENPLEX_JOB``) and
+    the file its output goes to (null: the launcher's own stdout). EOF (the launcher went away,
+    or it has no use for this process) returns False.
+    """
+    import importlib
+
+    for name in (*WARM_MODULES, *_script_imports(script)):
+        try:
+            importlib.import_module(name)
+        except Exception:  # the run proper raises it where the script imports it
+            continue
+    line = sys.stdin.readline()
+    if not line:
+        return False
+    message = json.loads(line)
+    Worker.activated = time.time()
+    os.environ.update(message["env"])
+    if message.get("log"):
+        fd = os.open(message["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    return ENV in os.environ
+
+
+def _script_imports(script: str) -> list[str]:
+    """The modules ``script`` imports at its top level (what its run would import first)."""
+    import ast
+
+    try:
+        tree = ast.parse(pathlib.Path(script).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
 class Worker:
     """One process's handle on a launched job (see the module docstring)."""
 
     joined: tuple[float, float] | None = None  # wall-clock times around jax.distributed.initialize
+    activated: float | None = None  # when a standby process got its rank
 
     def __init__(self, spec: JobSpec, checkpoint_dir=None, checkpoint_every: int | None = None):
         self.spec = spec
@@ -108,7 +174,8 @@ class Worker:
         self.restored: dict | None = None  # what restore did: source, step, seconds, bytes
         self._checkpointed: int | None = None  # the newest orbax step, as this process knows
         # wall-clock times of this process's start-up, for the recovery benchmark's breakdown
-        self.times: dict[str, float] = {"started": _process_start()}
+        started = _process_start() if Worker.activated is None else Worker.activated
+        self.times: dict[str, float] = {"started": started}
         if Worker.joined is not None:
             self.times["join"], self.times["joined"] = Worker.joined
         if spec.checkpoint_dir is None and checkpoint_dir is not None:
@@ -144,6 +211,7 @@ class Worker:
             "source": kind,
             "config": str(ptc.config),
             "process": self.process_index,
+            "warm": Worker.activated is not None,  # a standby process took this rank
         }
         if kind == "init":
             state, step, data_state = init(), 0, None
@@ -214,15 +282,24 @@ class Worker:
 
     # -- the step boundary --------------------------------------------------------------------
 
-    def boundary(self, state, ptc: PTC, step: int, dataset: DatasetPTC) -> str | None:
+    def boundary(
+        self,
+        state,
+        ptc: PTC,
+        step: int,
+        dataset: DatasetPTC,
+        ready: Callable[[int], bool] | None = None,
+    ) -> str | None:
         """At the boundary before step ``step`` (``step`` steps done): ``"resize"`` or ``"stop"``
         once the generation has committed for the launcher's request, ``"preempted"`` once it
         has committed at JAX's preemption sync point, else None (after a due background commit).
 
         Every process calls it at the same step: the request is process 0's, broadcast.
+        ``ready(processes)`` tells process 0 whether a planned resize to that many processes
+        may end the generation yet (its step compiled ahead); until then the job trains on.
         """
         if step != self.last_commit:  # else just restored: nothing to commit
-            action = self.stop_requested()
+            action = self.stop_requested(ready)
             if action is not None:
                 # a stop always saves; a resize saves when the step is due, as any commit would
                 checkpoint = True if action == "stop" else None
@@ -246,14 +323,28 @@ class Worker:
             {"generation": self.generation, "step": step, "steps": steps, "time": time.time()},
         )
 
-    def stop_requested(self) -> str | None:
+    def record_step(self, **record) -> None:
+        """Record how this process got its generation's step (compiled or loaded, seconds,
+        counts), for the benchmarks: ``RUN_DIR/step-g<gen>-p<id>.json``."""
+        record["times"] = dict(self.times)
+        self._write(f"step-g{self.generation}-p{self.process_index}.json", record, every=True)
+
+    def write_record(self, name: str, record: dict) -> None:
+        """Write a JSON record into the run dir (process 0 only), atomically."""
+        self._write(name, record)
+
+    def stop_requested(self, ready: Callable[[int], bool] | None = None) -> str | None:
         """``"resize"`` or ``"stop"`` when the launcher asked this generation to end (a collective:
-        every process gets process 0's answer, so all stop at the same step)."""
+        every process gets process 0's answer, so all stop at the same step); a resize waits
+        for ``ready(processes)``."""
         code = 0
         if self.process_index == 0:
             try:
-                action = json.loads((self.run_dir / CONTROL).read_text()).get("action")
+                request = json.loads((self.run_dir / CONTROL).read_text())
+                action = request.get("action")
                 code = ACTIONS.index(action) + 1 if action in ACTIONS else 0
+                if action == "resize" and ready is not None and not ready(request["processes"]):
+                    code = 0  # its layout is still compiling: train on meanwhile
             except FileNotFoundError:
                 code = 0  # no request
         code = int(compat.broadcast_one_to_all(np.int32(code)))

@@ -1,0 +1,111 @@
+"""Announced layouts are ready: a change known in advance finds its step compiled, for the exact
+layout (config, device order, batch layout) it picks, and no guess takes its compile's place."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+import pytest
+
+import tenplex_jax as tj
+from tenplex_jax._src.elastic.trace import upcoming
+from tenplex_jax_models import LOGICAL_RULES, build_state, corpus_samples, stdlib_corpus, train_step
+
+C = tj.ParallelConfig
+STEP = train_step(build_state("tiny", 3e-3, abstract=True)[0])
+# a layout for every count the trace or a guess of one device fewer reaches: the old compile-ahead
+# compiled the guesses (7 devices, then 5) beside the announced layouts
+CONFIGS = {8: C(data=2, fsdp=4), 7: C(data=7), 6: C(data=3, fsdp=2), 5: C(data=5), 4: C(fsdp=4)}
+CONFIGS[3] = C(data=3)
+TRACE = tj.elastic.ResourceTrace.from_dict(
+    {
+        "devices": 8,
+        "steps": 6,
+        "events": [
+            {"step": 3, "kind": "preempt", "devices": [6, 7]},  # -> 0..5, data=3,fsdp=2
+            {"step": 5, "kind": "redeploy", "devices": [2, 3, 4, 5]},  # fsdp=4: 2..5 keep some
+        ],
+    }
+)
+
+
+@functools.cache
+def source():
+    return corpus_samples(stdlib_corpus(2**20), seq_len=32, num_samples=100)
+
+
+def wait_compiled(job, devices, timeout=120.0) -> bool:
+    """Train as slowly as it takes: wait until the step of the layout the job would pick on
+    ``devices`` (``job.is_compiled``) is ready; False after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not job.is_compiled(devices):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_replayed_changes_find_the_exact_layout_compiled_ahead_and_no_guess():
+    job = tj.ElasticJob(
+        LOGICAL_RULES,
+        tj.DatasetPTC(source(), 24, seed=1),
+        workers=8,
+        config=CONFIGS.__getitem__,
+        options=tj.elastic.JobOptions(compile_ahead=True, exact_step_times=True),
+    )
+    state = job.start(lambda: build_state("tiny", 3e-3)[1])
+    step = job.jit(STEP)
+    submitted, ready = [], []
+
+    def on_step(job, metrics):
+        if job.step == 1:  # both changes are announced before the first one is posted
+            first, second = upcoming(job, TRACE.events)
+            after_first = job._target(first)
+            keys = [job._key(after_first), job._key(job._target(second, after_first))]
+            submitted.extend(job.steps_cache.status(k) is not None for k in keys)
+        for e in TRACE.events:
+            if e.step == job.step:  # the step before a change: its key must become ready
+                ready.append(wait_compiled(job, job.devices_after(e.kind, e.devices, e.count)))
+
+    with job:
+        tj.elastic.replay(job, state, step, TRACE, on_step=on_step)
+    assert submitted == [True, True]
+    assert ready == [True, True], "the layout compiled ahead is not the one the change uses"
+    assert [(r.decision, r.compile) for r in job.records] == [
+        ("shrink", "cached"),
+        ("move", "cached"),
+    ]
+    futures = {(str(c), ids): f for (c, ids, _), f in job.steps_cache._futures.items()}
+    for r in job.records:  # the first step of each change ran what compile-ahead had compiled
+        assert futures[r.config_after, tuple(r.devices_after)].result().ahead
+    used = {(str(CONFIGS[8]), tuple(range(8)))}  # the initial layout
+    used |= {(r.config_after, tuple(r.devices_after)) for r in job.records}
+    compiled = set(futures)
+    # every compile was of a layout the job then used: no stale device order, and no guess while
+    # a change was announced (the run ends at the first step after the last change, before one)
+    assert compiled == used and job.compiles == len(used), (sorted(compiled), sorted(used))
+
+
+@pytest.mark.parametrize(
+    "events, want",
+    [
+        ([], []),
+        ([(2, "preempt", None, 2)], [(0, 1, 2, 3, 4, 5)]),
+        # two events at one boundary are one change; the third boundary is not announced yet
+        (
+            [(2, "preempt", None, 2), (2, "offer", [7], None), (4, "fail", [0], None)]
+            + [(6, "redeploy", [1], None)],
+            [(0, 1, 2, 3, 4, 5, 7), (1, 2, 3, 4, 5, 7)],
+        ),
+    ],
+)
+def test_upcoming_gives_the_devices_after_each_of_the_next_two_changes(events, want):
+    dataset = tj.DatasetPTC(np.zeros((8, 2), np.float32), global_batch=8)
+    job = tj.ElasticJob((), dataset, config=lambda n: C(data=n))
+    job.start({"w": np.zeros((8, 2), np.float32)})
+    trace = [
+        tj.elastic.TraceEvent(s, k, None if d is None else tuple(d), c) for s, k, d, c in events
+    ]
+    assert upcoming(job, trace) == want
