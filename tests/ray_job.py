@@ -13,8 +13,10 @@ a step boundary, its commits done):
 
 1. after step 4: the node of process 0 dies (the jax.distributed coordinator's, and a store); the
    job goes on with 2 processes on the other nodes, the dead node's shards from their replicas;
-2. a node joins while that generation starts: growing pays over the planned run
-   (``--planned-steps``); the job grows to 3 processes at a step boundary, nothing lost;
+2. a node joins while that generation is paused after step 7 (a generation of warm standby
+   processes that load their step could otherwise run past step 10 before Ray reports the node):
+   growing pays over the planned run (``--planned-steps``); once the launcher asks for it, the job
+   resumes and grows to 3 processes at a step boundary, nothing lost;
 3. after step 10: a node and the node holding its replicas die together: no copy of some shards
    survives; the launcher names the leaves and restores the orbax checkpoint of step 8 on the node
    left, which trains the lost steps again and finishes the run.
@@ -113,7 +115,7 @@ def main() -> int:
             "--out",
             str(out / "final.npz"),
             "--pause-after",
-            "4,10",
+            "4,7,10",
         ),
         nprocs=3,
         devices_per_proc=2,
@@ -150,10 +152,13 @@ def main() -> int:
             except StoreError as error:
                 result["no_token"] = error.reason
             kill_slots(generations(run)[-1]["slots"][0])  # process 0's node: the coordinator's
-            wait_for(lambda: len(generations(run)) >= 2, "generation 1")
+            wait_for(lambda: len(generations(run)) >= 2 and paused(7), "generation 1 paused")
             node = cluster.add_node(num_cpus=1, resources={"tenplex": 1})
             nodes[node.node_id] = node
             result["seen"].append({"joined": node.node_id, "time": time.time()})
+            asked = lambda: any(e["event"] == "request" for e in events(run))
+            wait_for(asked, "the launcher's request to grow")
+            (run / "resume-7").write_text("")
             wait_for(
                 lambda: len(generations(run)) >= 3 and paused(10),
                 "the grown generation paused after step 10",

@@ -115,6 +115,8 @@ def job(tmp_path_factory):
         # failure 1: worker 3 and its store, once all four processes paused after step 3
         paused = lambda step, n: all((run / f"paused-{step}-p{i}").exists() for i in range(n))
         wait_for(lambda: paused(3, 4), "generation 0 to pause after step 3", proc)
+        # a failure comes after the first seconds: process 0 has compiled the next layout ahead
+        wait_for((run / "ahead-g0.json").exists, "the compile-ahead after a loss", proc)
         workers, standbys = last(run, "generation")["pids"], last(run, "standby")["pids"]
         children += workers + list(standbys.values())
         kill(standbys["1"])  # slot 1's warm process dies before it is used: the spare takes it
@@ -180,6 +182,81 @@ def test_job_survives_two_failures_and_finishes(job):
     for pid in job["children"]:  # every worker and store was reaped
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def step_records(run: pathlib.Path, generation: int) -> list[dict]:
+    """How each process of ``generation`` got its step: loaded or compiled."""
+    paths = sorted(run.glob(f"step-g{generation}-p*.json"))
+    return [json.loads(path.read_text()) for path in paths]
+
+
+@pytest.mark.slow
+def test_no_process_compiles_a_layout_compiled_before(job):
+    """After the loss of a process, every process of the new generation loads the step process
+    0 compiled ahead (the first N - 1 processes' devices, whichever process died); at the
+    growth, at most process 0 compiles the new layout (unless generation 1's compile-ahead
+    already did) and process 1 waits and loads it."""
+    assert json.loads((job["run"] / "ahead-g0.json").read_text())["processes"] == 3
+    after_loss = step_records(job["run"], 1)
+    assert [(r["loaded"], r["compiles"]) for r in after_loss] == [(True, 0)] * 3, after_loss
+    grown = step_records(job["run"], 3)
+    assert len(grown) == 2 and grown[1]["loaded"] and grown[1]["compiles"] == 0, grown
+    assert grown[0]["compiles"] == (0 if grown[0]["loaded"] else 1), grown
+
+
+@pytest.mark.slow
+def test_a_planned_shrink_trains_on_until_its_layout_is_compiled(tmp_path):
+    """A planned resize 2 -> 1: process 0 compiles the one-process layout ahead while the job
+    trains on, and the generation ends only then, so the new generation loads its step (no
+    compile) in a warm standby process, and no step is lost."""
+    command = [
+        sys.executable,
+        "-m",
+        "tenplex_jax",
+        "launch",
+        "--nprocs",
+        "2",
+        "--commit-every",
+        "2",
+        "--run-dir",
+        str(tmp_path),
+        str(EXAMPLE),
+        "--steps",
+        "400",
+        "--log",
+        str(tmp_path / "steps.jsonl"),
+        "--pause-after",
+        "2",
+    ]
+    env = os.environ | {"JAX_PLATFORMS": "cpu"}
+    with open(tmp_path / "launcher.log", "wb") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        paused = lambda: all((tmp_path / f"paused-2-p{i}").exists() for i in range(2))
+        wait_for(paused, "the pause after step 2", proc)
+        wait_for(lambda: last(tmp_path, "standby") is not None, "the standbys", proc)
+        (tmp_path / "resize").write_text("1")
+        wait_for(lambda: (tmp_path / "control.json").exists(), "the launcher's request", proc)
+        (tmp_path / "resume-2").write_text("")
+        stepped = lambda: bool(step_records(tmp_path, 1))
+        wait_for(stepped, "the first step of generation 1", proc, timeout=TIMEOUT)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(TIMEOUT) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    gens = [e for e in events(tmp_path) if e["event"] == "generation"]
+    assert [(g["processes"], g["warm"], g["lost_steps"]) for g in gens] == [
+        (2, [False, False], None),
+        (1, [True], 0),
+    ]
+    [record] = step_records(tmp_path, 1)
+    assert record["loaded"] and record["compiles"] == 0, record
+    # the request came at the boundary after step 3; the switch waited for the compile
+    request = next(e for e in events(tmp_path) if e["event"] == "request")
+    assert request["action"] == "resize" and request["processes"] == 1
+    assert gens[1]["step"] >= 3 and request["time"] < gens[1]["time"]
 
 
 @pytest.mark.slow

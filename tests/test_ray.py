@@ -67,6 +67,8 @@ def test_the_job_survives_node_deaths_and_grows_onto_a_joining_node(job):
     # aborted with the coordinator; its shards came from their replicas, nothing lost
     assert gens[1]["slots"] == [1, 2] and gens[1]["restore"] == "store:4"
     assert gens[1]["lost_steps"] == 0
+    # the nodes' warm standby processes (one actor each) took the ranks; the new node's is cold
+    assert gens[1]["warm"] == [True, True] and gens[2]["warm"] == [True, True, False]
     # the joining node: growth paid over the planned run; a planned resize, nothing lost
     offer = next(e for e in events(run) if e["event"] == "offer")
     assert offer["grow"] and offer["gain_seconds"] > offer["cost_seconds"] > 0

@@ -341,7 +341,6 @@ class _JobCore(abc.ABC):
         executable = future.result().executable
         tic = time.perf_counter()
         state, metrics = executable(state, batch)
-        self._after_step()
         if self.options.exact_step_times or self._stalled is not None:
             jax.block_until_ready((state, metrics))
             done = time.perf_counter()
@@ -351,4 +350,7 @@ class _JobCore(abc.ABC):
                 if record is not None:
                     record.stall_seconds = done - posted
                 self._stalled = None
+        # after a timed step has run: what follows it (a launched job's background work) never
+        # competes with the first step on a layout
+        self._after_step()
         return state, metrics

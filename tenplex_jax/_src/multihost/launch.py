@@ -549,16 +549,16 @@ class Launcher:
         once the generation has stepped: never beside its start-up and first compile."""
         if not (self.options.standby and self.standby_supported):
             return
-        started = {}
-        for slot in [*gen.slots, SPARE]:
-            if slot not in self.standbys:
-                started[slot] = self.standbys[slot] = self._spawn_standby(slot)
+        missing = [slot for slot in self._standby_slots(gen) if slot not in self.standbys]
+        started = self._spawn_standbys(missing) if missing else {}
+        self.standbys |= started
         if started:
             self._event(
                 "standby",
                 generation=gen.number,
                 pids={s: w.pid for s, w in started.items()},
-                detail=f"warm standby processes for slots {sorted(started)} (-1: a spare)",
+                detail=f"warm standby processes for slots {sorted(started)}"
+                + (" (-1: a spare, for a new slot)" if SPARE in started else ""),
             )
 
     def _command(self) -> list[str]:
@@ -571,11 +571,23 @@ class Launcher:
             env["JAX_COMPILATION_CACHE_DIR"] = str(self.options.compile_cache)
         return env
 
-    def _spawn_standby(self, slot: int) -> subprocess.Popen:
-        """A warm process on ``slot``'s host: it imports what the job needs, then waits for the
-        rank :meth:`_activate` writes to its stdin (its output: the launcher's until then)."""
+    def _standby_slots(self, gen: _Generation) -> list[int]:
+        """The slots a standby is kept for: the generation's, and a spare for a new slot."""
+        return [*gen.slots, SPARE]
+
+    def _give_rank(self, proc, message: bytes) -> None:
+        """Hand a standby its rank (one line on its stdin); OSError when it is gone."""
+        if proc.poll() is not None:
+            raise BrokenPipeError(f"exited with {proc.returncode}")
+        proc.stdin.write(message + b"\n")
+        proc.stdin.close()
+
+    def _spawn_standbys(self, slots: list[int]) -> dict:
+        """A warm process on each of ``slots``' hosts: it imports what the job needs, then waits
+        for the rank :meth:`_activate` writes to its stdin (its output: the launcher's until
+        then)."""
         env = os.environ | self._worker_env() | {STANDBY: "1"}
-        return _spawn(self._command(), env=env, stdin=subprocess.PIPE)
+        return {slot: _spawn(self._command(), env=env, stdin=subprocess.PIPE) for slot in slots}
 
     def _activate(self, slot: int, env: dict, log: pathlib.Path | None):
         """A standby process for ``slot`` (its own, else the spare), given a rank (``env``) and
@@ -586,10 +598,7 @@ class Launcher:
             if proc is None:
                 continue
             try:
-                if proc.poll() is not None:
-                    raise BrokenPipeError(f"exited with {proc.returncode}")
-                proc.stdin.write(message + b"\n")
-                proc.stdin.close()
+                self._give_rank(proc, message)
             except OSError as error:  # BrokenPipeError: it died since the last poll
                 self._event(
                     "standby_lost", slot=owner, detail=f"the standby of slot {owner} {error}"

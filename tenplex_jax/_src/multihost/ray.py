@@ -9,7 +9,9 @@ on Ray nodes instead of this host. A slot is a Ray node:
   token; it outlives worker generations (it is not one of their actors);
 - **a worker per node and generation**: an actor pinned to the node starts ``python -m
   tenplex_jax.multihost SCRIPT`` there and reports its exit; process 0's node hosts the
-  ``jax.distributed`` coordinator (its address and a free port there);
+  ``jax.distributed`` coordinator (its address and a free port there); once a generation has
+  stepped, another actor per node starts a warm standby process there (imports loaded, waiting
+  for its rank on stdin), which becomes that node's worker in the next generation;
 - **deaths**: Ray reports an actor whose node died (the ``wait`` call fails); for the launcher
   that worker or store is gone, the generation ends, and the next runs on the surviving nodes,
   every shard from the surviving stores' replicas (or the orbax tier, the leaves named);
@@ -45,7 +47,7 @@ import sys
 import time
 
 from tenplex_jax._src.errors import LaunchError
-from tenplex_jax._src.multihost.launch import Launcher, LaunchOptions, _Slot
+from tenplex_jax._src.multihost.launch import STANDBY, Launcher, LaunchOptions, _Slot
 
 POLL_NODES_SECONDS = 1.0  # how often the launcher looks for new nodes
 ANSWER_SECONDS = 10.0  # how long a node whose worker failed has to show it is alive
@@ -80,6 +82,24 @@ def _host_class():
             out = open(log, "ab") if log else None  # noqa: SIM115 (closed when it exits)
             self.proc = _spawn(command, env=os.environ | env, stdout=out, stderr=out)
             return self.proc.pid
+
+        def stand_by(self, command: list[str], env: dict) -> int:
+            """A standby process (see ``worker.stand_by``), its rank to come on its stdin."""
+            from tenplex_jax._src.multihost.launch import _spawn
+
+            self.proc = _spawn(command, env=os.environ | env, stdin=subprocess.PIPE)
+            return self.proc.pid
+
+        def give_rank(self, message: bytes) -> str | None:
+            """Write the standby's rank to its stdin; why not, when it is gone."""
+            try:
+                if self.proc.poll() is not None:
+                    return f"exited with {self.proc.returncode}"
+                self.proc.stdin.write(message + b"\n")
+                self.proc.stdin.close()
+            except OSError as error:
+                return str(error)
+            return None
 
         def start_store(self, directory: str, host: str, token_file: str, python: str) -> tuple:
             from tenplex_jax._src.multihost.store.process import StoreProcess
@@ -239,9 +259,6 @@ class RayLauncher(Launcher):
             + ", ".join(f"{self.nodes[i][:8]} ({self.slots[i].address})" for i in calls),
         )
 
-    # a standby process per node would live in the node's actor: not built yet
-    standby_supported = False
-
     def _coordinator(self, slot: int) -> str:
         import ray
 
@@ -261,6 +278,39 @@ class RayLauncher(Launcher):
         except ray.exceptions.RayError:
             return _Dead(self.nodes[slot])  # its node died already: the watch sees a failure
         return Remote(actor, pid, self.nodes[slot])
+
+    # -- warm standby processes: one per node of the generation, in its own actor -----------------
+
+    def _standby_slots(self, gen) -> list[int]:
+        return list(gen.slots)  # a spare would need a node the job does not have yet
+
+    def _spawn_standbys(self, slots: list[int]) -> dict:
+        import ray
+
+        env = self._worker_env() | {STANDBY: "1"}
+        actors = {slot: self._actor(self.nodes[slot]) for slot in slots}
+        calls = {slot: a.stand_by.remote(self._command(), env) for slot, a in actors.items()}
+        started = {}
+        for slot, call in calls.items():  # all at once: the watch waits for one round trip
+            try:
+                pid = ray.get(call, timeout=self.options.start_timeout)
+            except ray.exceptions.RayError:  # its node died: the next generation starts cold
+                started[slot] = _Dead(self.nodes[slot])
+            else:
+                started[slot] = Remote(actors[slot], pid, self.nodes[slot])
+        return started
+
+    def _give_rank(self, proc, message: bytes) -> None:
+        import ray
+
+        if proc.poll() is not None:
+            raise BrokenPipeError(f"exited with {proc.returncode}")
+        try:
+            problem = ray.get(proc.actor.give_rank.remote(message), timeout=30)
+        except ray.exceptions.RayError as error:  # its node died
+            raise BrokenPipeError(f"its node is gone ({type(error).__name__})") from None
+        if problem is not None:
+            raise BrokenPipeError(problem)
 
     def _start_generation(self, number: int, slots: list[int], source: str):
         self._progress_seen, self._generation = [], number  # step times are this generation's
@@ -338,7 +388,10 @@ class RayLauncher(Launcher):
         if record.get("generation") != getattr(self, "_generation", None):
             return  # the last generation's last step
         point = (float(record["time"]), int(record["step"]))
-        if not self._progress_seen or point[1] != self._progress_seen[-1][1]:
+        if "first" in record:  # the generation's first step and this one: whatever polls missed
+            first = (float(record["first"][0]), int(record["first"][1]))
+            self._progress_seen = [first, point] if first[1] != point[1] else [first]
+        elif not self._progress_seen or point[1] != self._progress_seen[-1][1]:
             self._progress_seen = (self._progress_seen + [point])[-20:]
         self._total_steps = record.get("steps")
 
@@ -347,8 +400,10 @@ class RayLauncher(Launcher):
         from tenplex_jax._src.planner.growth import growth
 
         seen = self._progress_seen
-        if len(seen) < 3:
-            return None  # no step time of this generation yet: look again at the next poll
+        if len(seen) < 2 or seen[-1][1] - seen[0][1] < 2:
+            # no step time of this generation yet (timed from the end of its first step, which
+            # includes the compile): look again at the next poll
+            return None
         (t0, s0), (t1, s1) = seen[0], seen[-1]
         step_now = (t1 - t0) / max(s1 - s0, 1)
         total = getattr(self, "_total_steps", None)

@@ -173,6 +173,7 @@ class Worker:
         self.last_commit: int | None = None
         self.restored: dict | None = None  # what restore did: source, step, seconds, bytes
         self._checkpointed: int | None = None  # the newest orbax step, as this process knows
+        self._first_progress: tuple[float, int] | None = None  # this generation's first step
         # wall-clock times of this process's start-up, for the recovery benchmark's breakdown
         started = _process_start() if Worker.activated is None else Worker.activated
         self.times: dict[str, float] = {"started": started}
@@ -317,11 +318,14 @@ class Worker:
 
     def reached(self, step: int, steps: int | None = None) -> None:
         """Record for the launcher that ``step`` steps are done (its lost-steps accounting), of
-        the job's ``steps`` (its growth decisions)."""
-        self._write(
-            "progress.json",
-            {"generation": self.generation, "step": step, "steps": steps, "time": time.time()},
-        )
+        the job's ``steps`` (its growth decisions), and since when: ``first`` is the time and
+        step of this generation's first record, so one read gives a step time, whatever
+        records the launcher's polls missed."""
+        now = time.time()
+        if self._first_progress is None:
+            self._first_progress = (now, step)
+        record = {"generation": self.generation, "step": step, "steps": steps, "time": now}
+        self._write("progress.json", record | {"first": list(self._first_progress)})
 
     def record_step(self, **record) -> None:
         """Record how this process got its generation's step (compiled or loaded, seconds,
