@@ -11,9 +11,11 @@ devices, a commit and a pause after step 2) loses its last process three ways:
 - **local orbax**: the same with ``--recover-from checkpoint``: a restart from the orbax
   checkpoint, as a JAX job restarts today.
 
-Kill → first step on the new config, the restore alone, and the phases between (``spawn`` is
-where Ray's actor creation and scheduling show); then memory per node on Ray (RSS of each raylet,
-store and worker, sampled while the job runs), and the cluster's start-up. Everything runs in a
+Kill → first step on the new config, the restore alone, and the phases between (``start`` is
+where Ray's actor creation and scheduling show; the tenplex variants kill once process 0 has
+compiled ahead the layout after a loss, as a failure comes after a job's first seconds); then
+memory per node on Ray (RSS of each raylet, store and worker, sampled while the job runs), and
+the cluster's start-up. Everything runs in a
 network namespace of its own (``unshare -rn``), so every socket is on loopback.
 
     python -m tenplex_jax_benchmarks.ray_recovery [--repeats 1] [--out FILE]
@@ -71,7 +73,6 @@ def ray_once(run: pathlib.Path, model: str) -> dict:
         nprocs=NPROCS,
         devices_per_proc=DEVICES,
         commit_every=KILL_AFTER,
-        grace=0.5,
         run_dir=run,
     )
     launcher = RayLauncher(options, cluster.address, resource="tenplex")
@@ -95,6 +96,11 @@ def ray_once(run: pathlib.Path, model: str) -> dict:
         while not all(p.exists() for p in paused):
             if time.monotonic() > deadline or not thread.is_alive():
                 raise RuntimeError("the Ray job did not reach its pause")
+            time.sleep(0.05)
+        ahead = run / "ahead-g0.json"  # a failure comes after the job's first seconds
+        while not ahead.exists():
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the Ray job did not compile ahead for a loss")
             time.sleep(0.05)
         killed = time.time()
         cluster.remove_node(nodes[launcher.nodes[NPROCS - 1]], allow_graceful=False)

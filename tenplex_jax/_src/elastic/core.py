@@ -61,8 +61,9 @@ class JobOptions:
         verbose = dataclasses.replace(options, log=print)
 
     Attributes:
-      compile_ahead: after every reconfiguration, compile the steps of the likely next layouts on
-        background threads (one process only: a launched job changes layout by generation).
+      compile_ahead: compile the steps of the announced and likely next layouts on background
+        threads (in a launched job, process 0 compiles the next generation's: after the loss of
+        any one process, and a planned shrink's before the switch).
       preempt_devices: how many devices a preemption notice without names takes (SIGTERM under
         ``job.handle_sigterm()``, ``job.preempt()``); compile-ahead guesses that many fewer.
       method: how a reconfiguration moves the state, ``"plan"`` or ``"device_put"`` (see

@@ -66,8 +66,10 @@ class LaunchedJob(_JobCore):
         (a stop, a preemption and ``finish`` always save one); the launcher's
         ``--checkpoint-every`` wins.
       options: a :class:`tenplex_jax.elastic.JobOptions`; ``batch_axes``, ``exact_step_times``,
-        ``profile``, ``device_type`` and ``log`` apply, while ``compile_ahead``,
-        ``preempt_devices`` and ``method`` do not (the layout changes only by generation).
+        ``profile``, ``device_type``, ``log``, ``executable_cache`` (default
+        ``RUN_DIR/executables``) and ``compile_ahead`` (process 0 compiles the next
+        generation's step: after a loss, or a planned shrink) apply, while ``preempt_devices``
+        and ``method`` do not (the layout changes only by generation).
 
     Raises:
       LayoutError: ``devices`` or ``initial`` given; or this process has the launcher's job
