@@ -134,6 +134,7 @@ class ElasticJob(_JobCore):
         self.cache_hits = 0  # reconfigurations whose step was already compiled
         self.lost_seconds = 0.0  # step time thrown away by checkpoint fallbacks
         self.checkpoints: list[tuple[int, float]] = []  # (step, seconds) of every save
+        self._saving = None  # the checkpoint being written in the background, if any
         self.resumed: int | None = None  # the checkpoint step start() restored, if any
         self._pending: collections.deque[Event] = collections.deque()
         self._hints: list[tuple[int, ...]] = []  # announced device sets, in the order of use
@@ -208,10 +209,23 @@ class ElasticJob(_JobCore):
           state: the state the last step returned.
         """
         if self.checkpoint_dir is not None:
-            self._save(state)
+            self._save(state, wait=True)
+        self.wait()
 
     def wait(self) -> None:
-        """Nothing to wait for: one process saves its checkpoints synchronously."""
+        """Finish the checkpoint being written in the background, if any (raises what it
+        raised): the periodic and preemption checkpoints are copied off the devices at the step
+        boundary and written while training goes on."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.wait()
+
+    def close(self) -> None:
+        """Finish the checkpoint in flight, then stop the compile threads."""
+        try:
+            self.wait()
+        finally:
+            super().close()
 
     def preempt(self, devices: Iterable[int] | None = None, *, count: int | None = None) -> None:
         """Post a preemption notice: at the next step boundary the job shrinks onto the devices
@@ -424,6 +438,7 @@ class ElasticJob(_JobCore):
         """Restore the latest checkpoint onto ``target``; re-raise ``error`` when there is none."""
         from tenplex_jax._src.checkpoint import latest_checkpoint, restore_checkpoint
 
+        self.wait()  # a checkpoint still being written is the newest one
         latest = None if self.checkpoint_dir is None else latest_checkpoint(self.checkpoint_dir)
         if latest is None:
             raise error
@@ -471,16 +486,27 @@ class ElasticJob(_JobCore):
         choice = choose(cluster, self.options.profile, self.dataset.global_batch, configs=[config])
         return choice.best.step_time
 
-    def _save(self, state) -> float:
-        """Save the state at this step (once: a step already saved, e.g. before a rewind, stays)."""
+    def _save(self, state, *, wait: bool = False) -> float:
+        """Save the state at this step (once: a step already saved, e.g. before a rewind,
+        stays): copied off the devices now and, unless ``wait``, written in the background
+        while training goes on (one save in flight at a time). Returns the seconds the
+        boundary waited."""
         from tenplex_jax._src.checkpoint import save_checkpoint
 
         if any(step == self.step for step, _ in self.checkpoints):
             return 0.0
         tic = time.perf_counter()
-        save_checkpoint(
-            self.checkpoint_dir, state, self.ptc, step=self.step, data_state=self.dataset.state()
+        self.wait()
+        self._saving = save_checkpoint(
+            self.checkpoint_dir,
+            state,
+            self.ptc,
+            step=self.step,
+            data_state=self.dataset.state(),
+            wait=wait,
         )
+        if wait:
+            self._saving = None
         seconds = time.perf_counter() - tic
         self.checkpoints.append((self.step, seconds))
         return seconds
