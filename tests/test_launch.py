@@ -430,7 +430,8 @@ def test_a_complete_version_deletes_the_older_ones(job):
 def test_a_launched_job_refuses_in_process_device_changes_and_finishes(tmp_path):
     """The same ElasticJob API in a launched process (1 process, real jax.distributed): devices
     are the launcher's, device events refuse, the script's own checkpoint dir reaches the
-    launcher (its fallback), and finish ends the job."""
+    launcher (its fallback), and finish ends the job. As a plain restart would
+    (``--no-executable-cache --no-standby``): no executable is stored, no standby started."""
     command = [
         sys.executable,
         "-m",
@@ -438,6 +439,8 @@ def test_a_launched_job_refuses_in_process_device_changes_and_finishes(tmp_path)
         "launch",
         "--nprocs",
         "1",
+        "--no-executable-cache",
+        "--no-standby",
         "--run-dir",
         str(tmp_path),
         str(ROOT / "tests" / "launched_checks.py"),
@@ -458,6 +461,10 @@ def test_a_launched_job_refuses_in_process_device_changes_and_finishes(tmp_path)
     assert checkpoint["directory"] == str(tmp_path / "ckpt")
     assert tj.latest_checkpoint(tmp_path / "ckpt") == 2  # finish saved the last step
     assert [e["event"] for e in events(tmp_path)][-1] == "finished"
+    assert not (tmp_path / "executables").exists()
+    assert "standby" not in [e["event"] for e in events(tmp_path)]
+    [record] = [json.loads(p.read_text()) for p in tmp_path.glob("step-g0-p*.json")]
+    assert not record["loaded"] and record["compiles"] == 1
 
 
 def test_a_job_description_without_the_launchers_entry_point_is_refused(monkeypatch):
