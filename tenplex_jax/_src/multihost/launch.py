@@ -15,7 +15,8 @@ The launcher:
    point joins ``jax.distributed`` and runs the script as ``__main__``;
 3. watches the workers and the stores. A generation ends when
    - a worker exits nonzero or by a signal, or a store dies: a *failure*. The survivors (they hang
-     in collectives) get ``--grace`` seconds, then SIGKILL; all are reaped by PID. The failed slots
+     in collectives with the dead peer, which never time out on CPU) get ``--grace`` seconds
+     (default 0), then SIGKILL; all are reaped by PID. The failed slots
      are dropped and the next generation runs on the slots left, restoring the latest complete
      version from the stores, where the dead worker's shards come from their replicas. Lost steps
      = the last step reached minus the restored step. If no copy of some shard survives, the
@@ -29,6 +30,12 @@ The launcher:
      stops at once: every child is killed and reaped.
 4. stops when the workers finish (exit 0 after ``job.finish``), after ``--max-restarts`` failures,
    or when fewer than ``--min-procs`` slots are left.
+
+A restart costs no process start, import or compile: once a generation has stepped, the launcher
+keeps a warm *standby* process per slot (and a spare for a new slot) that has imported what the job
+needs and waits for a rank on stdin; and the processes share their compiled steps through
+``RUN_DIR/executables`` (one compiles each layout, the others and later generations load it;
+process 0 compiles ahead the layout after the loss of any one process, and a planned shrink's).
 
 The stores' disk tier is ``RUN_DIR/stores`` (``--store-dir``); ``--compile-cache DIR`` shares
 JAX's persistent compilation cache between generations.
@@ -273,8 +280,6 @@ class Launcher:
       log: called with one line of text per event (default: ``print``); every event also goes
         to ``RUN_DIR/events.jsonl``.
     """
-
-    standby_supported = True  # warm standby processes (local hosts; not yet on Ray's nodes)
 
     def __init__(self, options: LaunchOptions, log=None):
         self.options = options
@@ -547,7 +552,7 @@ class Launcher:
     def _refill_standbys(self, gen: _Generation) -> None:
         """A warm process for each of the generation's slots and a spare for a new slot, started
         once the generation has stepped: never beside its start-up and first compile."""
-        if not (self.options.standby and self.standby_supported):
+        if not self.options.standby:
             return
         missing = [slot for slot in self._standby_slots(gen) if slot not in self.standbys]
         started = self._spawn_standbys(missing) if missing else {}

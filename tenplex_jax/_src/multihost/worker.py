@@ -3,7 +3,8 @@
 ``tenplex-jax launch`` starts every worker as ``python -m tenplex_jax.multihost SCRIPT ARGS``:
 :func:`join` configures JAX from the launcher's :class:`JobSpec` (CPU devices per process, gloo
 collectives) and initializes ``jax.distributed`` with the coordinator on 127.0.0.1, then
-:func:`main` runs the script as ``__main__``. The script's ``ElasticJob(...)`` finds the spec and
+:func:`main` runs the script as ``__main__``. A standby process (:func:`stand_by`) does the
+imports first and waits for its rank on stdin. The script's ``ElasticJob(...)`` finds the spec and
 builds a ``LaunchedJob`` (``tenplex_jax._src.elastic.launched``), which drives a :class:`Worker`,
 an implementation detail of the job:
 
