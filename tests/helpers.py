@@ -6,6 +6,7 @@ share code through: no test file imports another."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import os
@@ -21,7 +22,15 @@ import tenplex_jax as tj
 from tenplex_jax import ParallelConfig
 from tenplex_jax.multihost import store
 from tenplex_jax_benchmarks import reshard_methods
-from tenplex_jax_models import GPT, LOGICAL_RULES, GPTConfig
+from tenplex_jax_models import (
+    GPT,
+    LOGICAL_RULES,
+    GPTConfig,
+    build_state,
+    corpus_samples,
+    stdlib_corpus,
+    train_step,
+)
 
 RULES = LOGICAL_RULES
 C = ParallelConfig
@@ -50,6 +59,24 @@ MATRIX = [
         (2, 3),
     ),
 ]
+
+
+@functools.cache
+def tiny_step():
+    """The elastic tests' user step for the tiny GPT: plain Flax NNX, no tenplex_jax inside but
+    the batch's own gradient."""
+    return train_step(build_state("tiny", 3e-3, abstract=True)[0])
+
+
+def tiny_init():
+    """The tiny GPT's AdamW train state, as a job's ``init`` (``tiny_step``'s state)."""
+    return build_state("tiny", 3e-3)[1]
+
+
+@functools.cache
+def tiny_samples():
+    """100 samples of 32 tokens for the tiny GPT: the elastic tests' dataset."""
+    return corpus_samples(stdlib_corpus(2**20), seq_len=32, num_samples=100)
 
 
 def train_state(cfg: GPTConfig | None = None, seed: int = 0, lr: float = 1e-2):

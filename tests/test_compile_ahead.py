@@ -3,7 +3,6 @@ layout (config, device order, batch layout) it picks, and no guess takes its com
 
 from __future__ import annotations
 
-import functools
 import time
 
 import numpy as np
@@ -11,10 +10,11 @@ import pytest
 
 import tenplex_jax as tj
 from tenplex_jax._src.elastic.trace import upcoming
-from tenplex_jax_models import LOGICAL_RULES, build_state, corpus_samples, stdlib_corpus, train_step
+from tenplex_jax_models import LOGICAL_RULES
+from tests.helpers import tiny_init, tiny_samples, tiny_step
 
 C = tj.ParallelConfig
-STEP = train_step(build_state("tiny", 3e-3, abstract=True)[0])
+STEP = tiny_step()
 # a layout for every count the trace or a guess of one device fewer reaches: the old compile-ahead
 # compiled the guesses (7 devices, then 5) beside the announced layouts
 CONFIGS = {8: C(data=2, fsdp=4), 7: C(data=7), 6: C(data=3, fsdp=2), 5: C(data=5), 4: C(fsdp=4)}
@@ -31,11 +31,6 @@ TRACE = tj.elastic.ResourceTrace.from_dict(
 )
 
 
-@functools.cache
-def source():
-    return corpus_samples(stdlib_corpus(2**20), seq_len=32, num_samples=100)
-
-
 def wait_compiled(job, devices, timeout=120.0) -> bool:
     """Train as slowly as it takes: wait until the step of the layout the job would pick on
     ``devices`` (``job.is_compiled``) is ready; False after ``timeout`` seconds."""
@@ -50,12 +45,12 @@ def wait_compiled(job, devices, timeout=120.0) -> bool:
 def test_replayed_changes_find_the_exact_layout_compiled_ahead_and_no_guess():
     job = tj.ElasticJob(
         LOGICAL_RULES,
-        tj.DatasetPTC(source(), 24, seed=1),
+        tj.DatasetPTC(tiny_samples(), 24, seed=1),
         workers=8,
         config=CONFIGS.__getitem__,
         options=tj.elastic.JobOptions(compile_ahead=True, exact_step_times=True),
     )
-    state = job.start(lambda: build_state("tiny", 3e-3)[1])
+    state = job.start(tiny_init)
     step = job.jit(STEP)
     submitted, ready = [], []
 

@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tenplex_jax as tj
-from tenplex_jax_models import GPT, GPTConfig, corpus_samples, example_losses, stdlib_corpus
-from tests.helpers import RULES, host_copy
+from tenplex_jax_models import GPT, GPTConfig, example_losses
+from tests.helpers import RULES, host_copy, tiny_samples
 
 C = tj.ParallelConfig
 BATCH = 24
@@ -27,11 +27,6 @@ def build(seed: int = 0):
         model = GPT(GPTConfig.tiny(), rngs=nnx.Rngs(seed))
         optimizer = nnx.Optimizer(model, optax.adamw(schedule), wrt=nnx.Param)
     return nnx.split((model, optimizer))
-
-
-@functools.cache
-def dataset_source():
-    return corpus_samples(stdlib_corpus(2**20), seq_len=32, num_samples=100)
 
 
 def compiled_step(graphdef, ptc: tj.PTC, layout: tj.data.BatchLayout, microbatches: int = 0):
@@ -60,7 +55,7 @@ def compiled_step(graphdef, ptc: tj.PTC, layout: tj.data.BatchLayout, microbatch
 def train(schedule: dict, steps: int, workers: int | None = WORKERS, microbatches: int = 0):
     """Train ``steps`` steps, changing layout at the schedule's steps; (losses, state, samples)."""
     graphdef, state = build()
-    dataset = tj.DatasetPTC(dataset_source(), BATCH, seed=3)  # 100 samples: epochs end mid-batch
+    dataset = tj.DatasetPTC(tiny_samples(), BATCH, seed=3)  # 100 samples: epochs end mid-batch
     ptc, losses, seen = None, [], []
     for i in range(steps):
         if i in schedule:
@@ -147,7 +142,7 @@ def test_padded_uneven_ranks_give_the_gradient_of_the_unpadded_batch(workers, ac
     ptc = tj.PTC.of(state, RULES, config, jax.devices()[:3])
     state = tj.place(state, ptc)
     mesh = ptc.mesh()
-    dataset = tj.DatasetPTC(dataset_source(), 16, seed=1)
+    dataset = tj.DatasetPTC(tiny_samples(), 16, seed=1)
     layout = tj.data.BatchLayout(16, ranks=3, workers=workers, accumulate=accumulate)
     grad_fn = tj.data.batch_value_and_grad(example_losses, layout, mesh)
 
@@ -162,7 +157,7 @@ def test_padded_uneven_ranks_give_the_gradient_of_the_unpadded_batch(workers, ac
 
     host = jax.tree.map(np.asarray, state)
     model, _ = nnx.merge(graphdef, host)
-    unpadded = jax.tree.map(lambda x: x[dataset.indices(0)[0]], dataset_source())
+    unpadded = jax.tree.map(lambda x: x[dataset.indices(0)[0]], tiny_samples())
     want_loss, want = nnx.value_and_grad(lambda m: example_losses(m, unpadded).mean())(model)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -8,7 +8,6 @@ samples the fixed run saw.
 from __future__ import annotations
 
 import ctypes
-import functools
 import json
 import os
 import signal
@@ -21,23 +20,13 @@ import numpy as np
 import pytest
 
 import tenplex_jax as tj
-from tenplex_jax_models import LOGICAL_RULES, build_state, corpus_samples, stdlib_corpus, train_step
-from tests.helpers import host_copy
+from tenplex_jax_models import LOGICAL_RULES, build_state
+from tests.helpers import host_copy, tiny_init, tiny_samples, tiny_step
 
 C = tj.ParallelConfig
 STEPS = 6
 BATCH = 24
-# the user's step: plain Flax NNX, no tenplex_jax inside but the batch's own gradient
-STEP = train_step(build_state("tiny", 3e-3, abstract=True)[0])
-
-
-def init():
-    return build_state("tiny", 3e-3)[1]
-
-
-@functools.cache
-def source():
-    return corpus_samples(stdlib_corpus(2**20), seq_len=32, num_samples=100)
+STEP = tiny_step()
 
 
 def make_job(
@@ -47,7 +36,7 @@ def make_job(
     exact_step_times: bool = True,
     **kwargs,
 ):
-    dataset = tj.DatasetPTC(source(), BATCH, seed=1)  # 100 samples: epochs end mid-batch
+    dataset = tj.DatasetPTC(tiny_samples(), BATCH, seed=1)  # 100 samples: epochs end mid-batch
 
     def config(n):  # the contract: LayoutError when the rule has no layout for n devices
         if n not in configs:
@@ -63,7 +52,7 @@ def make_job(
         options=options,
         **kwargs,
     )
-    state = job.start(init)
+    state = job.start(tiny_init)
     return job, state, job.jit(STEP)
 
 
@@ -387,8 +376,8 @@ def test_leaving_the_job_stops_its_compile_threads_and_changes_no_jax_setting():
     ]
     before = {n: getattr(jax.config, n) for n in names}
     assert not _compile_threads()
-    with tj.ElasticJob(LOGICAL_RULES, tj.DatasetPTC(source(), BATCH), workers=8) as job:
-        state = job.start(init)
+    with tj.ElasticJob(LOGICAL_RULES, tj.DatasetPTC(tiny_samples(), BATCH), workers=8) as job:
+        state = job.start(tiny_init)
         step = job.jit(STEP)  # compile-ahead on: the guess of one device fewer compiles
         state, batch = job.next(state)
         step(state, batch)

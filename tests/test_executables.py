@@ -8,7 +8,6 @@ cannot write must cost only the cache.
 
 from __future__ import annotations
 
-import functools
 import os
 import pathlib
 import shutil
@@ -25,29 +24,20 @@ from tenplex_jax._src.elastic import executables
 from tenplex_jax._src.elastic.executables import HEADER, ExecutableCache
 from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.ptc import PTC
-from tenplex_jax_models import LOGICAL_RULES, build_state, corpus_samples, stdlib_corpus, train_step
-from tests.helpers import host_copy
+from tenplex_jax_models import LOGICAL_RULES, build_state
+from tests.helpers import host_copy, tiny_init, tiny_samples, tiny_step
 
 C = tj.ParallelConfig
 BATCH = 24
 CONFIG = C(data=8)  # the job's own on 8 devices: its compile there is JAX's in-memory hit
-STEP = train_step(build_state("tiny", 3e-3, abstract=True)[0])
-
-
-def init():
-    return build_state("tiny", 3e-3)[1]
-
-
-@functools.cache
-def source():
-    return corpus_samples(stdlib_corpus(2**20), seq_len=32, num_samples=100)
+STEP = tiny_step()
 
 
 class Layout:
     """The one layout the StepCache tests compile: its PTC, batch layout, sample and batch."""
 
     def __init__(self):
-        self.dataset = tj.DatasetPTC(source(), BATCH, seed=1)
+        self.dataset = tj.DatasetPTC(tiny_samples(), BATCH, seed=1)
         self.sample = jax.tree.map(np.asarray, self.dataset.load(np.zeros(1, np.int64)))
         abstract = build_state("tiny", 3e-3, abstract=True)[1]
         self.ptc = PTC.of(abstract, LOGICAL_RULES, CONFIG, jax.devices())
@@ -61,7 +51,7 @@ class Layout:
     def run(self, steps: StepCache) -> list[np.ndarray]:
         """One step from the initial state on the first batch, with the step ``steps`` has."""
         compiled = steps.get(self.ptc, self.layout, ahead=False).result()
-        state = jax.jit(init, out_shardings=self.ptc.shardings(self.mesh))()
+        state = jax.jit(tiny_init, out_shardings=self.ptc.shardings(self.mesh))()
         data, weights, _ = device_batch(self.dataset, 0, self.layout, self.mesh)
         batch = Batch(data, weights, self.layout, self.mesh, BATCH_AXES)
         return host_copy(compiled.executable(state, batch))
@@ -205,9 +195,9 @@ def make_job(directory, log=None):
         compile_ahead=False, exact_step_times=True, executable_cache=directory, log=log
     )
     job = tj.ElasticJob(
-        LOGICAL_RULES, tj.DatasetPTC(source(), BATCH, seed=1), workers=8, options=options
+        LOGICAL_RULES, tj.DatasetPTC(tiny_samples(), BATCH, seed=1), workers=8, options=options
     )
-    state = job.start(init)
+    state = job.start(tiny_init)
     return job, state, job.jit(STEP)
 
 
