@@ -205,6 +205,9 @@ def recover_once(
         deadline = time.monotonic() + timeout
         paused = [run / f"paused-{kill_after}-p{i}" for i in range(nprocs)]
         _wait(lambda: all(p.exists() for p in paused), proc, deadline, "the pause")
+        if variant.startswith("store"):  # its warm processes, started after the first step
+            standbys = lambda: any(e["event"] == "standby" for e in _events(run))
+            _wait(standbys, proc, deadline, "the standby processes")
         stores = _event(run, "stores")["slots"]
         workers = _event(run, "generation")["pids"]
         killed = time.time()

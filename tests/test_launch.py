@@ -206,51 +206,21 @@ def test_no_process_compiles_a_layout_compiled_before(job):
 
 @pytest.mark.slow
 def test_a_planned_shrink_trains_on_until_its_layout_is_compiled(tmp_path):
-    """A planned resize 2 -> 1: process 0 compiles the one-process layout ahead while the job
-    trains on, and the generation ends only then, so the new generation loads its step (no
-    compile) in a warm standby process, and no step is lost."""
-    command = [
-        sys.executable,
-        "-m",
-        "tenplex_jax",
-        "launch",
-        "--nprocs",
-        "2",
-        "--commit-every",
-        "2",
-        "--run-dir",
-        str(tmp_path),
-        str(EXAMPLE),
-        "--steps",
-        "400",
-        "--log",
-        str(tmp_path / "steps.jsonl"),
-        "--pause-after",
-        "2",
-    ]
-    env = os.environ | {"JAX_PLATFORMS": "cpu"}
-    with open(tmp_path / "launcher.log", "wb") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        paused = lambda: all((tmp_path / f"paused-2-p{i}").exists() for i in range(2))
-        wait_for(paused, "the pause after step 2", proc)
-        wait_for(lambda: last(tmp_path, "standby") is not None, "the standbys", proc)
-        (tmp_path / "resize").write_text("1")
-        wait_for(lambda: (tmp_path / "control.json").exists(), "the launcher's request", proc)
-        (tmp_path / "resume-2").write_text("")
-        stepped = lambda: bool(step_records(tmp_path, 1))
-        wait_for(stepped, "the first step of generation 1", proc, timeout=TIMEOUT)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(TIMEOUT) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+    """A planned resize 2 -> 1 (the recovery benchmark's shrink, on the tiny GPT): process 0
+    compiles the one-process layout ahead while the job trains on, and the generation ends only
+    then, so the new generation loads its step (no compile) in a warm standby process, and no
+    step is lost."""
+    from tenplex_jax_benchmarks.recovery import recover_once
+
+    result = recover_once(
+        "store", tmp_path, model="tiny", nprocs=2, devices_per_proc=2, change="shrink"
+    )
     gens = [e for e in events(tmp_path) if e["event"] == "generation"]
     assert [(g["processes"], g["warm"], g["lost_steps"]) for g in gens] == [
         (2, [False, False], None),
         (1, [True], 0),
     ]
+    assert result["step_loaded"] == [True]
     [record] = step_records(tmp_path, 1)
     assert record["loaded"] and record["compiles"] == 0, record
     # the request came at the boundary after step 3; the switch waited for the compile
