@@ -291,11 +291,16 @@ def machine() -> dict:
     }
 
 
+def _row(rows: list[dict], kind: str) -> dict | None:
+    """The first row of ``kind``, or None when that row did not run (``--only``)."""
+    return next((r for r in rows if r["kind"] == kind), None)
+
+
 def verdicts(rows: list[dict]) -> dict:
     """Each goal whose rows ran: the measured value, the goal, and whether it is met."""
     reshards = [r for r in rows if r["kind"] == "reshard"]
-    loop = next((r for r in rows if r["kind"] == "loop"), None)
-    stall = next((r for r in rows if r["kind"] == "compile_ahead"), None)
+    loop = _row(rows, "loop")
+    stall = _row(rows, "compile_ahead")
     plans = [r for r in rows if r["kind"] == "plan"]
     measured, where = {}, {}
     if reshards:
@@ -372,7 +377,7 @@ def summary_markdown(results: dict) -> str:
             f"{r['copy_bandwidth_ratio']:.2f} | "
             f"{r['peak_ratio']:.3f} | {r['state_peak_ratio']:.3f} |"
         )
-    loop = next((r for r in rows if r["kind"] == "loop"), None)
+    loop = _row(rows, "loop")
     if loop is not None:
         lines += [
             "",
@@ -384,7 +389,7 @@ def summary_markdown(results: dict) -> str:
                 f"**{loop['overhead']:+.2%}**."
             ),
         ]
-    stall = next((r for r in rows if r["kind"] == "compile_ahead"), None)
+    stall = _row(rows, "compile_ahead")
     if stall is not None:
         lines += ["", _stall_line(stall)]
     plans = [r for r in rows if r["kind"] == "plan"]
@@ -405,7 +410,7 @@ def summary_markdown(results: dict) -> str:
 
         lines += ["", store_bench.summary_markdown(store_rows[0])]
 
-    recovered = next((r for r in rows if r["kind"] == "recovery"), None)
+    recovered = _row(rows, "recovery")
     if recovered is not None:
         from tenplex_jax_benchmarks.recovery import table
 
