@@ -326,7 +326,7 @@ class ElasticJob(_JobCore):
         """Compile the step afresh for the layout the job would use on ``devices`` (bypassing the
         job's cache; JAX's own caches still apply) and return XLA's seconds: a cost-model input."""
         target = self._target(tuple(sorted(devices)))
-        return self.steps_cache.compile(target, self._layout(target.config)).seconds
+        return self.steps_cache.compile(target, self._layout(target.config), load=False).seconds
 
     # -- the core's hooks -------------------------------------------------------------------------
 

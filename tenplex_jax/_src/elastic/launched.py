@@ -200,6 +200,16 @@ class LaunchedJob(_JobCore):
         """
         return super().jit(fn)
 
+    @property
+    def _compiles_ahead(self) -> bool:
+        """Whether process 0 compiles the next generation's step: with ``compile_ahead`` and an
+        executable cache (the next generation's processes load it from there)."""
+        return (
+            self.options.compile_ahead
+            and self.executable_cache is not None
+            and self.steps_cache is not None
+        )
+
     def _compile_ahead(self, processes: int, *, guess: bool):
         """The future step of a generation of the first ``processes`` processes, compiled ahead
         on the guesses' or the announced layouts' thread; None when no layout fits."""
@@ -227,8 +237,7 @@ class LaunchedJob(_JobCore):
         compiled ahead (process 0 asks for it here, and the generation trains on until it is),
         or it cannot be (a growth: the new processes' devices do not exist yet)."""
         spec = self._worker.spec
-        ahead = self.options.compile_ahead and self.executable_cache is not None
-        if not ahead or self.steps_cache is None or not 0 < processes < spec.num_processes:
+        if not self._compiles_ahead or not 0 < processes < spec.num_processes:
             return True
         future = self._compile_ahead(processes, guess=False)
         return future is None or future.done()
@@ -307,8 +316,7 @@ class LaunchedJob(_JobCore):
                 loads=self.loads,
             )
             spec = self._worker.spec
-            ahead = self.options.compile_ahead and self.executable_cache is not None
-            if ahead and spec.process_id == 0 and spec.num_processes > 1:
+            if self._compiles_ahead and spec.process_id == 0 and spec.num_processes > 1:
                 future = self._compile_ahead(spec.num_processes - 1, guess=True)
                 if future is not None:
                     future.add_done_callback(self._record_ahead)
