@@ -255,8 +255,16 @@ def test_wrong_tree_or_wrong_layout_is_refused_and_the_state_is_untouched():
         tj.errors.PlanError, match=r"not laid out as the plan's source PTC says.*leaf '0/"
     ):
         tj.reshard(other, plan)
+    # the same config and specs on the devices in another order: the check that skips the
+    # per-device boxes for the PTC's own sharding must still see the other mesh
+    permuted, permuted_ptc, _ = laid_out(C(data=2, tensor=4), reversed(range(8)))
+    with pytest.raises(
+        tj.errors.PlanError, match=r"not laid out as the plan's source PTC says.*leaf '0/"
+    ):
+        tj.reshard(permuted, plan)
     assert_shards_equal(state, expected, src)
     assert_shards_equal(other, host_copy(other), other_ptc)
+    assert_shards_equal(permuted, host_copy(permuted), permuted_ptc)
     new, _ = tj.reshard(state, plan)  # still usable after the refusals
     assert_shards_equal(new, expected, plan.dst)
 
