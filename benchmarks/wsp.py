@@ -195,8 +195,10 @@ def _curve(records, minibatch) -> list[tuple[int, float]]:
 
 
 def run_ps(megabytes: int = 64, repeats: int = 5, log=print) -> dict:
-    """Push (stage + commit + accumulate) and pull of ``megabytes`` of weights in 8 leaves over
-    two stores, against ``np.copyto`` of the same bytes."""
+    """Push (stage, check, flush, commit, accumulate) and pull of ``megabytes`` of weights in 8
+    leaves over two stores, against ``np.copyto`` of the same bytes; and what refusing
+    non-finite updates (check) and durability (flushing the stage before the commit) add to a
+    push: ``push_over_unchecked`` = the push ÷ the push without those two phases."""
     from tenplex_jax.wsp import ParameterServer
 
     leaves = 8
@@ -208,12 +210,13 @@ def run_ps(megabytes: int = 64, repeats: int = 5, log=print) -> dict:
         with ParameterServer([s.address for s in stores]) as ps:
             ps.create(weights, total=None)
             ps.update(lambda led, now: (led.join("b", now), None))
-            push, pull = [], []
+            push, pull, phases = [], [], []
             for wave in range(repeats + 1):
                 ps.update(lambda led, now, wave=wave: led.claim("b", wave, 1))
                 tic = time.perf_counter()
                 ps.push("b", wave, update)
                 push.append(time.perf_counter() - tic)
+                phases.append(ps.push_seconds)
                 tic = time.perf_counter()
                 ps.pull()
                 pull.append(time.perf_counter() - tic)
@@ -234,14 +237,21 @@ def run_ps(megabytes: int = 64, repeats: int = 5, log=print) -> dict:
         "pull_bytes_per_s": nbytes / statistics.median(pull[1:]),
         "memcpy_bytes_per_s": memcpy,
     }
+    median = {k: statistics.median(p[k] for p in phases[1:]) for k in phases[-1]}
+    durable = median["check"] + median["flush"]
     row |= {
         "push_over_memcpy": row["push_bytes_per_s"] / memcpy,
         "pull_over_memcpy": row["pull_bytes_per_s"] / memcpy,
+        "push_phases_s": median,
+        "push_over_unchecked": sum(median.values()) / (sum(median.values()) - durable),
     }
     log(
         f"  parameter server, {megabytes} MiB: push {row['push_bytes_per_s'] / 1e9:.2f} GB/s "
         f"({row['push_over_memcpy']:.2f} of memcpy), pull {row['pull_bytes_per_s'] / 1e9:.2f} "
-        f"GB/s ({row['pull_over_memcpy']:.2f})"
+        f"GB/s ({row['pull_over_memcpy']:.2f}); the check and the flush make a push "
+        f"{row['push_over_unchecked']:.2f}x as long ("
+        + ", ".join(f"{k} {v:.3f}" for k, v in median.items())
+        + " s)"
     )
     return row
 

@@ -274,6 +274,8 @@ def test_device_batch_reads_each_ranks_rows_once_and_places_them_on_its_devices(
     [
         ({"consumed": 16.0}, "integer counts"),
         ({"consumed": -8}, "integer counts"),
+        ({"consumed": 10**40}, "below 2\\*\\*62"),
+        ({"num_samples": 2**62}, "below 2\\*\\*62"),
         ({"global_batch": 0}, "integer counts"),
         ({"seed": True}, "integer counts"),
         ({"fingerprint": 3}, "string fingerprint"),

@@ -667,6 +667,7 @@ def test_the_client_refuses_bytes_that_fail_their_checksum() -> None:
                     "info": info.to_json(),
                     "box": [[0, 6]],
                     "checksum": info.checksum,
+                    "rid": request["rid"],
                 }
                 wire.send_frame(conn, reply, bad.tobytes())
 
@@ -766,7 +767,8 @@ def test_a_put_replaces_the_objects_of_its_path_it_conflicts_with(stores, durabl
 def test_streamed_reads_of_any_sub_box_equal_numpy_slicing(tmp_path_factory, data) -> None:
     """``Store.stream`` reads an object from disk a chunk at a time (here a few bytes, so that
     every axis is split somewhere) and yields exactly the sub-box's bytes in C order."""
-    from tenplex_jax._src.multihost.store.tiers import Store, _key
+    from tenplex_jax._src.multihost.store.tiers import _key
+    from tenplex_jax._src.multihost.store.updates import Store
 
     shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=4)))
     dtype = data.draw(st.sampled_from([np.int8, np.float32, ml_dtypes.bfloat16]))

@@ -16,6 +16,7 @@ import resource
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -208,26 +209,32 @@ def test_an_object_larger_than_the_budget_streams_through_disk_a_chunk_at_a_time
 def test_connections_over_the_cap_are_told_busy_and_silent_ones_leave_at_the_deadline(
     stores,
 ) -> None:
-    """300 silent connections (no hello): the server keeps at most --max-connections threads
-    for them, answers the rest "busy" without blocking its accept loop, closes the silent ones
-    at the handshake deadline, and then serves a real client."""
-    proc = stores(args=("--max-connections", "8", "--handshake-timeout", "2"))
+    """8 connections whose hello passed hold every slot of --max-connections 8, and 300 silent
+    ones (no hello) wait in their handshake: the server keeps a thread for each of the 8 and
+    none for a silent one, answers one more hello "busy" without blocking its loop, closes every
+    silent one (the oldest as newer ones come over --max-handshakes, the rest at the handshake
+    deadline), and serves a real client once the 8 have left."""
+    proc = stores(
+        args=("--max-connections", "8", "--max-handshakes", "32", "--handshake-timeout", "2")
+    )
     threads_before = psutil.Process(proc.pid).num_threads()
+    held = [_raw(proc.address) for _ in range(8)]
     silent = [_raw(proc.address, hello=False) for _ in range(300)]
     try:
         with pytest.raises(tj.errors.StoreError, match=r"at most 8 connections") as err:
             store.StoreClient(proc.address, timeout=10).list()
         assert err.value.reason == "busy"
-        # a thread per admitted connection, a timer-free deadline: no thread per refused one
+        # a thread per admitted connection, a timer-free deadline: no thread per pending one
         assert psutil.Process(proc.pid).num_threads() <= threads_before + 8
-        # every silent connection is closed by the server: at the deadline or as refused
+        # every silent connection is closed by the server: evicted or at the deadline
         assert all(_closed_by_peer(sock, timeout=30) for sock in silent)
     finally:
-        for sock in silent:
+        for sock in silent + held:
             sock.close()
-    with store.StoreClient(proc.address, timeout=10) as client:
+    with _wait_for(lambda: _served_client(proc.address), "a slot freed by the 8 leaving") as client:
         client.put("after", np.arange(4))
-        assert client.stats()["connections"] == 1
+        _wait_for(lambda: client.stats()["connections"] == 1, "the 8 threads gone")
+        assert client.stats()["handshakes"] == 0
 
 
 def test_a_hello_sent_a_byte_at_a_time_is_cut_at_the_handshake_deadline(stores) -> None:
@@ -250,9 +257,12 @@ def test_a_hello_sent_a_byte_at_a_time_is_cut_at_the_handshake_deadline(stores) 
     assert waited < 10, f"the trickling hello held its connection {waited:.1f} s"
 
 
-def test_at_the_descriptor_limit_the_accept_loop_backs_off_and_recovers(stores) -> None:
+@pytest.mark.parametrize("hello", [True, False], ids=["served", "silent"])
+def test_at_the_descriptor_limit_the_accept_loop_backs_off_and_recovers(stores, hello) -> None:
     """With no file descriptor left, accept fails; the server must neither spin on it (a core at
-    100 %) nor stop serving once descriptors are free again."""
+    100 %) nor stop serving once descriptors are free again. Served connections hold the
+    descriptors: the loop stops accepting for a backoff; silent ones: each accept that fails
+    closes the oldest pending handshake for the connection waiting."""
     proc = stores(args=("--handshake-timeout", "60"))
     server = psutil.Process(proc.pid)
     limit = server.num_fds() + 20
@@ -261,6 +271,8 @@ def test_at_the_descriptor_limit_the_accept_loop_backs_off_and_recovers(stores) 
     try:
         for _ in range(40):  # 20 are accepted, the rest wait in the listen backlog
             held.append(_raw(proc.address, hello=False))
+            if hello:  # not waiting for the answer, which only 20 get
+                wire.send_frame(held[-1], {"op": "hello", "token": None})
         _wait_for(lambda: server.num_fds() >= limit, "the server at its descriptor limit")
         cpu = sum(server.cpu_times()[:2])
         time.sleep(3.0)  # a window to measure: the CPU the accept loop burns in 3 s
@@ -396,6 +408,18 @@ def test_a_token_file_others_can_read_is_warned_about(stores, tmp_path) -> None:
         assert ("can be read by other users" in log.read_text()) == warned, mode
 
 
+def test_a_missing_token_file_is_a_usage_error(tmp_path) -> None:
+    command = [sys.executable, "-m", "tenplex_jax.multihost.store", "--dir", str(tmp_path)]
+    done = subprocess.run(
+        [*command, "--token-file", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "cannot be read" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 # -- a hostile server: the client checks every size before it allocates ---------------------------
 
 
@@ -420,6 +444,7 @@ class _FakeServer:
                         wire.send_frame(conn, {"ok": True})
                         continue
                     header, nbody = self.reply(request)
+                    header = {**header, "rid": request["rid"]}  # a reply to this request
                     data = json.dumps(header).encode()  # announces nbody, sends a little of it
                     conn.sendall(wire.PREFIX.pack(wire.MAGIC, len(data), nbody) + data)
                     conn.sendall(b"\0" * min(nbody, 1 << 16))
@@ -466,3 +491,255 @@ def test_the_client_checks_a_servers_claims_before_allocating(op, reply) -> None
         client.close()
     finally:
         fake.close()
+
+
+# -- handshakes: their own cap and deadline, and a flood of unauthenticated peers -----------------
+
+TOKEN = "s3cret-of-the-flood-tests"
+
+# 70 peers without the token, each re-opening its connection as soon as the store closes it:
+# argv host, port, peers, seconds. Prints "flooding" once every peer has connected, then (at the
+# end) the connections each kind of peer opened, as JSON.
+_FLOOD = r"""
+import collections, json, socket, sys, threading, time
+from tenplex_jax._src.multihost.store import wire
+
+host, port, peers, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+
+def frame(header):
+    data = json.dumps(header).encode()
+    return wire.PREFIX.pack(wire.MAGIC, len(data), 0) + data
+
+HELLOS = {
+    "silent": b"",
+    "wrong token": frame({"op": "hello", "token": "not the token"}),
+    "no token": frame({"op": "hello"}),
+    "partial hello": frame({"op": "hello", "token": "x" * 200})[:40],
+}
+opened, lock, end = collections.Counter(), threading.Lock(), [float("inf")]
+connected = threading.Barrier(peers + 1)
+
+def peer(kind):
+    first = True
+    while time.monotonic() < end[0]:
+        try:
+            sock = socket.create_connection((host, port), timeout=5)
+        except OSError:
+            continue
+        with lock:
+            opened[kind] += 1
+        if first:
+            connected.wait()
+            first = False
+        try:
+            sock.sendall(HELLOS[kind])
+            sock.settimeout(0.5)
+            while time.monotonic() < end[0]:
+                try:
+                    if not sock.recv(4096):
+                        break
+                except TimeoutError:
+                    pass
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+threads = [threading.Thread(target=peer, args=(kind,), daemon=True)
+           for kind, _ in zip(list(HELLOS) * peers, range(peers))]
+for thread in threads:
+    thread.start()
+connected.wait()
+end[0] = time.monotonic() + seconds
+print("flooding", flush=True)
+for thread in threads:
+    thread.join()
+print(json.dumps(opened), flush=True)
+"""
+
+
+def _token_file(tmp_path) -> pathlib.Path:
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    path.chmod(0o600)
+    return path
+
+
+def _served_client(address: str, token: str | None = None):
+    """A client whose connection passed its hello and was served (None: it was told busy)."""
+    client = store.StoreClient(address, token=token, timeout=10)
+    try:
+        client.stats()
+    except tj.errors.StoreError as error:
+        client.close()
+        if error.reason != "busy":
+            raise
+        return None
+    return client
+
+
+def _connect(address: str) -> socket.socket:
+    """A raw connection, no hello, to "host:port" or "unix:PATH"."""
+    if not address.startswith("unix:"):
+        return socket.create_connection(store.parse_address(address), timeout=30)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(address[len("unix:") :])
+    return sock
+
+
+def _untouched(sock: socket.socket) -> bool:
+    """Whether the peer has neither sent anything on ``sock`` nor closed it."""
+    sock.settimeout(0.0)
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.settimeout(30)
+    return False
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_pending_handshakes_stay_within_their_cap_and_leave_at_the_deadline(
+    stores, tmp_path, transport
+) -> None:
+    """--max-handshakes 4: of 10 silent connections opened one after another, each one past the
+    4th closes the oldest still pending (told "busy"), the newer ones stay open, and the server
+    never reports more than 4 pending; the last 4 are closed at the --handshake-timeout deadline
+    (2 s from connecting), told why. The Unix socket's server behaves as the TCP one."""
+    proc = stores(
+        token_file=_token_file(tmp_path),
+        unix_socket=tmp_path / "s.sock",
+        args=("--max-handshakes", "4", "--handshake-timeout", "2"),
+    )
+    address = proc.address if transport == "tcp" else proc.unix_address
+    seen = []
+
+    def pending(expected: int) -> bool:
+        seen.append(watcher.stats()["handshakes"])
+        return seen[-1] == expected
+
+    with store.StoreClient(address, token=TOKEN, timeout=10) as watcher:
+        watcher.stats()  # its own connection is served before the silent ones come
+        silent, opened = [], []
+        try:
+            for i in range(10):
+                silent.append(_connect(address))
+                opened.append(time.monotonic())
+                if i >= 4:  # the oldest pending one is closed for the new one
+                    evicted = _reply(silent[i - 4])
+                    assert evicted["reason"] == "busy", evicted
+                    assert "--max-handshakes" in evicted["error"]
+                    assert _closed_by_peer(silent[i - 4], timeout=10)
+                _wait_for(lambda i=i: pending(min(i + 1, 4)), f"{min(i + 1, 4)} pending")
+                assert all(_untouched(sock) for sock in silent[max(0, i - 3) :])
+            for sock, start in zip(silent[6:], opened[6:], strict=True):
+                reply = _reply(sock)
+                waited = time.monotonic() - start
+                assert reply["reason"] == "protocol" and "--handshake-timeout" in reply["error"]
+                assert 1.5 < waited < 10, f"a silent connection closed after {waited:.2f} s"
+                assert _closed_by_peer(sock, timeout=10)
+            _wait_for(lambda: pending(0), "no handshake pending")
+        finally:
+            for sock in silent:
+                sock.close()
+    assert max(seen) <= 4, seen
+
+
+def test_authorized_clients_are_served_through_a_flood_of_unauthenticated_connections(
+    stores, tmp_path
+) -> None:
+    """70 peers without the token (silent, a wrong token, no token, a partial hello), each
+    re-opening its connection as soon as the store closes it, against --max-connections 8 and
+    --max-handshakes 32. For 5 s, at least 95 % of an authorized client's requests are served
+    each on a new connection (the hardest case: a hello to pass every time), and every request
+    over a pooled connection is; the server never holds more than its caps' worth of sockets."""
+    max_handshakes, max_connections = 32, 8
+    proc = stores(
+        token_file=_token_file(tmp_path),
+        args=(
+            "--max-connections",
+            str(max_connections),
+            "--max-handshakes",
+            str(max_handshakes),
+        ),
+    )
+    server = psutil.Process(proc.pid)
+    host, port = store.parse_address(proc.address)
+    env = dict(os.environ)
+    root = str(pathlib.Path(tj.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    with store.StoreClient(proc.address, token=TOKEN, timeout=5) as pooled:
+        pooled.put_json("flood/marker", {"served": True})
+        fds_before = server.num_fds()
+        flood = subprocess.Popen(
+            [sys.executable, "-c", _FLOOD, host, str(port), "70", "6"],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        fresh, reused, pending, fds = [], [], [], []
+        try:
+            assert flood.stdout.readline() == b"flooding\n"
+            end = time.monotonic() + 5.0
+
+            def request(client, i: int) -> None:
+                if i % 2:
+                    pending.append(client.stats()["handshakes"])
+                else:
+                    assert client.list_json("flood/") == ["flood/marker"]
+
+            def on_new_connections() -> None:
+                i = 0
+                while time.monotonic() < end:
+                    start = time.monotonic()
+                    try:
+                        with store.StoreClient(proc.address, token=TOKEN, timeout=5) as client:
+                            request(client, i)
+                        fresh.append((None, time.monotonic() - start))
+                    except tj.errors.StoreError as error:
+                        fresh.append((error.reason, time.monotonic() - start))
+                    i += 1
+
+            def on_the_pooled_connection() -> None:
+                i = 0
+                while time.monotonic() < end:
+                    try:
+                        request(pooled, i)
+                        reused.append(None)
+                    except tj.errors.StoreError as error:
+                        reused.append(error.reason)
+                    fds.append(server.num_fds())
+                    i += 1
+
+            threads = [
+                threading.Thread(target=on_new_connections),
+                threading.Thread(target=on_the_pooled_connection),
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            out, _ = flood.communicate(timeout=30)
+            opened = json.loads(out)
+        finally:
+            flood.kill()
+            flood.wait()
+    served = sum(reason is None for reason, _ in fresh) / len(fresh)
+    latencies = sorted(seconds for _, seconds in fresh)
+    report = (
+        f"new connections: {served:.1%} of {len(fresh)} served (p50 "
+        f"{latencies[len(latencies) // 2] * 1e3:.1f} ms, max {latencies[-1] * 1e3:.0f} ms; "
+        f"failures {sorted({r for r, _ in fresh if r})}); pooled: "
+        f"{reused.count(None)} of {len(reused)} served; peers opened {dict(opened)}; "
+        f"pending at most {max(pending, default=0)}, descriptors at most {max(fds, default=0)} "
+        f"(from {fds_before})"
+    )
+    print(report)
+    assert len(fresh) >= 20 and served >= 0.95, report
+    assert reused.count(None) == len(reused), report
+    assert pending and max(pending) <= max_handshakes, report
+    assert max(fds) <= fds_before + max_handshakes + max_connections + 8, report
+    assert sum(opened.values()) >= 10 * 70, report  # a flood: every peer re-opened many times

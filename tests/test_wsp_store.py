@@ -100,9 +100,14 @@ def test_an_accumulate_applies_once_in_turn_and_checks_its_arrays(server):
     client = store.StoreClient(server.address)
     client.put("w", np.arange(8, dtype=np.float32))
     assert _push(client, "a", 0, 1.0, n=8)
-    client.put("stage/a/0", np.ones(8, np.float32))
-    info, applied = client.accumulate("w", "stage/a/0", name="a", clock=0)  # a retry: skipped
+    staged = client.put("stage/a/0", np.ones(8, np.float32))
+    info, applied = client.accumulate("w", "stage/a/0", name="a", clock=0)  # in already: skipped
     assert not applied and dict(info.clocks) == {"a": 1}
+    # the same push tried again knows it is in (the update in is its own); another update is not
+    _, applied = client.accumulate("w", "stage/a/0", name="a", clock=0, update=staged.checksum)
+    assert applied and dict(info.sources) == {"a": staged.checksum}
+    other = client.put("stage/a/x", np.full(8, 2.0, np.float32)).checksum
+    assert not client.accumulate("w", "stage/a/x", name="a", clock=0, update=other)[1]
     np.testing.assert_array_equal(client.get("w"), np.arange(8) + 1)
     with pytest.raises(StoreError, match="out of turn") as refused:
         client.accumulate("w", "stage/a/0", name="a", clock=2)
@@ -140,18 +145,17 @@ def test_compare_and_swap_under_concurrent_increments(server):
     first = client.cas_json("n", {"count": 0}, expect=None)
     assert first.swapped and first.value == {"count": 0}
     again = client.cas_json("n", {"count": 9}, expect=None)  # it exists now: refused
-    assert not again.swapped and again.value == {"count": 0} and again.checksum == first.checksum
+    assert not again.swapped and again.value == {"count": 0} and again.version == first.version
 
     def bump(times):
         with store.StoreClient(server.address) as mine:
-            value, checksum, _ = mine.get_json("n", versioned=True)
+            value, version, _ = mine.get_json("n", versioned=True)
             for _ in range(times):
                 while True:
-                    cas = mine.cas_json("n", {"count": value["count"] + 1}, expect=checksum)
+                    cas = mine.cas_json("n", {"count": value["count"] + 1}, expect=version)
+                    value, version = cas.value, cas.version
                     if cas.swapped:
-                        value, checksum = cas.value, cas.checksum
                         break
-                    value, checksum = cas.value, cas.checksum
 
     threads = [threading.Thread(target=bump, args=(25,)) for _ in range(4)]
     for t in threads:

@@ -217,6 +217,9 @@ class BatchLayout:
         return slice(rank * per, (rank + 1) * per)
 
 
+MAX_COUNT = 1 << 62  # a data state's counts: sample indices and their sums stay in int64
+
+
 @dataclasses.dataclass(frozen=True)
 class DataState:
     """Where a :class:`DatasetPTC` stands: a small record, JSON-serializable, saved with the PTC.
@@ -235,7 +238,8 @@ class DataState:
 
     Raises:
       DataError: a count is not an integer (``num_samples`` and ``global_batch`` >= 1, ``seed``
-        and ``consumed`` >= 0), the fingerprint not a string, or the remainder unknown.
+        and ``consumed`` >= 0, each below ``2**62`` so that sample indices are int64), the
+        fingerprint not a string, or the remainder unknown.
     """
 
     fingerprint: str
@@ -253,13 +257,13 @@ class DataState:
         bad = {
             k: v
             for k, v in counts.items()
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not 0 <= v < MAX_COUNT
         }
         bad |= {k: v for k in ("num_samples", "global_batch") if (v := counts[k]) == 0}
         if bad or not isinstance(self.fingerprint, str) or self.remainder not in REMAINDERS:
             raise DataError(
-                f"a data state has a string fingerprint, integer counts (num_samples and "
-                f"global_batch >= 1, seed and consumed >= 0) and a remainder in {REMAINDERS}; "
+                f"a data state has a string fingerprint, integer counts below 2**62 (num_samples "
+                f"and global_batch >= 1, seed and consumed >= 0) and a remainder in {REMAINDERS}; "
                 f"got {self!r}" + (f" (bad: {bad})" if bad else "")
             )
         for name, value in counts.items():  # NumPy integers are kept as Python ints

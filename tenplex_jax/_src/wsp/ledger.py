@@ -68,6 +68,8 @@ class Ledger:
       log: the committed waves in commit order: ``(vw, wave, minibatches)``.
       dropped: VWs reaped (died or fell silent).
       left: VWs that left gracefully.
+      undone: waves an operator rolled back (``roll_back``), as log entries: their
+        minibatches went back to be trained again; the push still counts in the VW's clock.
     """
 
     total: int | None = None
@@ -81,6 +83,7 @@ class Ledger:
     log: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
     dropped: tuple[str, ...] = ()  # reaped: died or fell silent
     left: tuple[str, ...] = ()  # left gracefully
+    undone: tuple[tuple[str, int, tuple[int, ...]], ...] = ()  # rolled back by an operator
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -130,6 +133,11 @@ class Ledger:
             and not self.returned
             and not self.leases
         )
+
+    def pushed(self, vw: str, wave: int) -> bool:
+        """Whether ``vw`` has committed its wave ``wave`` (live, dropped or gone since)."""
+        start = self.starts.get(vw, 0)
+        return vw in self.committed and start <= wave < start + self.committed[vw]
 
     def trained(self) -> list[int]:
         """Every committed minibatch, in commit order (each exactly once, by construction)."""
@@ -314,6 +322,35 @@ class Ledger:
             log=self.log + ((vw, wave, lease.minibatches),),
         )
 
+    def roll_back(self, vw: str, wave: int) -> Ledger:
+        """Undo the last committed wave (an operator's, after its update was taken out of the
+        weights): its log entry moves to ``undone`` and its minibatches go back, to be trained
+        again; the VW's clock and committed count stay (the push counts, as a no-op).
+
+        Args:
+          vw: the VW of the last log entry.
+          wave: its wave.
+
+        Returns:
+          The new ledger.
+
+        Raises:
+          WSPError: ``(vw, wave)`` is not the last log entry (``"refused"``).
+        """
+        if not self.log or self.log[-1][:2] != (vw, wave):
+            last = self.log[-1][:2] if self.log else None
+            raise WSPError(
+                f"only the last committed wave can be rolled back; it is {last}, not {(vw, wave)}",
+                "refused",
+            )
+        entry = self.log[-1]
+        return dataclasses.replace(
+            self,
+            log=self.log[:-1],
+            undone=self.undone + (entry,),
+            returned=tuple(sorted((*self.returned, *entry[2]))),
+        )
+
     # -- the JSON record -----------------------------------------------------------------------
 
     def to_json(self) -> dict:
@@ -330,6 +367,7 @@ class Ledger:
             "log": [[vw, wave, list(m)] for vw, wave, m in self.log],
             "dropped": list(self.dropped),
             "left": list(self.left),
+            "undone": [[vw, wave, list(m)] for vw, wave, m in self.undone],
         }
 
     @classmethod
@@ -361,6 +399,10 @@ class Ledger:
                 tuple((str(vw), int(w), tuple(int(m) for m in ms)) for vw, w, ms in record["log"]),
                 tuple(str(v) for v in record["dropped"]),
                 tuple(str(v) for v in record["left"]),
+                tuple(
+                    (str(vw), int(w), tuple(int(m) for m in ms))
+                    for vw, w, ms in record.get("undone", ())
+                ),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise WSPError(f"the ledger record is malformed: {error!r:.200}", "corrupt") from None

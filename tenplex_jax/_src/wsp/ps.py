@@ -5,18 +5,24 @@ stores by size (``LAYOUT``), so no store carries all the bytes; the ledger
 (:mod:`tenplex_jax._src.wsp.ledger`) lives in the first store. A push of a virtual worker's wave is:
 
 1. **stage**: every leaf's update is put under ``wsp/stage/<vw>/<wave>/<leaf>`` in the leaf's
-   store (checksummed like every object);
+   store (checksummed like every object), checked (an update holding NaN or Inf, or whose sum
+   with the weights overflows, is refused here, before anything is committed) and flushed to the
+   stores' disks: the stage is the wave's write-ahead record;
 2. **commit**: one compare-and-swap of the ledger logs the wave and its minibatches (the atomic
    point: a wave is pushed or it is not; a dropped VW's commit is refused);
 3. **apply**: each store adds the staged update into its leaf with ``accumulate``, atomically
    (readers see the old array or the new, never a mix), once: each array counts the pushes of
    every VW it holds (its *clocks*: a VW's ``n``-th push is its wave ``starts[vw] + n``), and an
-   accumulate out of turn is refused or skipped.
+   accumulate out of turn is refused or skipped. The store removes the stage once the new
+   version of the leaf is on its disk.
 
-A VW that dies between 2 and 3 leaves committed waves unapplied; whoever pulls next applies them
-from their stages (``pull`` requires every array to hold every committed wave, and finishes the
-ones that do not). A VW that dies before 2 leaves stages that nothing applies (deleted with the
-ledger's next cleanup, ``collect``).
+**Nothing acknowledged is lost.** Every store request carries an id and is tried again, for up
+to ``retry_seconds``, when its reply is lost or its store restarts; the store does it once. A
+commit refused is re-read from the ledger before its stage is deleted (the commit may have
+landed). A store killed after a push restarts with the ledger's commit and either the leaf's new
+version or the stage on its disk: whoever pulls next adds any committed wave the weights lack
+from its stage (``pull`` requires every array to hold every committed wave). A VW that dies
+before 2 leaves stages that nothing applies (deleted by ``collect``).
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from tenplex_jax._src.wsp.ledger import PATH, Ledger
 
 LAYOUT = "wsp/layout"  # JSON in the first store: leaf path -> store index, shapes
 WEIGHTS = "wsp/w/"  # the global weights' objects
+PREVIOUS = "wsp/previous/"  # each leaf's version before its last update
 STAGE = "wsp/stage/"
+STAGE_TRIES = 10  # a push puts a stage that a restarting store lost again, this many times
 
 
 class ParameterServer:
@@ -51,23 +59,36 @@ class ParameterServer:
       addresses: the stores' addresses; the first also holds the ledger and the layout.
       token: the stores' secret, if any.
       timeout: seconds any socket operation may take.
+      retry_seconds: how long a request is tried again when its reply is lost or its store is
+        unreachable (a store restarting on the same address and directory).
 
     Attributes:
       layout: leaf path -> the index of the store holding it (after :meth:`create` or
         :meth:`open`).
+      push_seconds: the phases of the last :meth:`push` (``stage``: put and on disk,
+        ``check``, ``commit``, ``apply``), seconds.
 
     Raises:
       WSPError: no addresses (``"invalid"``).
     """
 
     def __init__(
-        self, addresses: Sequence[str], *, token: str | None = None, timeout: float = 60.0
+        self,
+        addresses: Sequence[str],
+        *,
+        token: str | None = None,
+        timeout: float = 60.0,
+        retry_seconds: float = 60.0,
     ):
         if not addresses:
             raise WSPError("a parameter server needs at least one tensor store", "invalid")
         self.addresses = list(addresses)
-        self.clients = [StoreClient(a, token=token, timeout=timeout) for a in self.addresses]
+        self.clients = [
+            StoreClient(a, token=token, timeout=timeout, retry_seconds=retry_seconds)
+            for a in self.addresses
+        ]
         self.layout: dict[str, int] = {}
+        self.push_seconds: dict[str, float] = {}
 
     def close(self) -> None:
         """Close the connections to every store."""
@@ -156,21 +177,21 @@ class ParameterServer:
             raises.
           StoreError: the store failed a request.
         """
-        record, checksum, now = self.coordinator.get_json(PATH, versioned=True)
+        record, version, now = self.coordinator.get_json(PATH, versioned=True)
         for _ in range(tries):
             ledger, result = change(Ledger.from_json(record), now)
-            mine = ledger.to_json()
-            cas = self.coordinator.cas_json(PATH, mine, expect=checksum)
-            # a reply lost after the swap is retried by the client: then the record is ours
-            if cas.swapped or cas.value == mine:
+            # a reply lost after the swap: the store answers the request's retry as swapped
+            cas = self.coordinator.cas_json(PATH, ledger.to_json(), expect=version)
+            if cas.swapped:
                 return ledger, result
-            record, checksum, now = cas.value, cas.checksum, cas.time
+            record, version, now = cas.value, cas.version, cas.time
         raise WSPError(f"the ledger changed under {tries} tries in a row", "busy")
 
     # -- push and pull ---------------------------------------------------------------------------
 
     def push(self, vw: str, wave: int, updates: Mapping[str, np.ndarray]) -> Ledger:
-        """Push a wave: stage its updates, commit it in the ledger, add it into the weights.
+        """Push a wave: stage its updates, check and flush them, commit it in the ledger, add it
+        into the weights.
 
         Args:
           vw: the pushing VW.
@@ -181,10 +202,12 @@ class ParameterServer:
           The ledger after the commit.
 
         Raises:
-          WSPError: a leaf lacks an update (``"invalid"``), or the ledger refuses the commit
-            (``"dropped"``: the wave's minibatches went to others; the staged updates are
-            deleted).
-          StoreError: a store failed a request.
+          WSPError: a leaf lacks an update, or an update holds NaN or Inf or would overflow a
+            weight (``"invalid"``: nothing is committed, the weights are untouched); the ledger
+            refuses the commit (``"dropped"``: the wave's minibatches went to others; the
+            staged updates are deleted); or a leaf holds this push from another update
+            (``"refused"``: another client pushes under this VW's name).
+          StoreError: a store failed a request for longer than ``retry_seconds``.
         """
         missing = set(self.layout) - set(updates)
         if missing:
@@ -194,36 +217,160 @@ class ParameterServer:
                 "invalid",
             )
         stage = f"{STAGE}{vw}/{wave}/"
-        for path, update in updates.items():
-            self.clients[self.layout[path]].put(stage + path, np.asarray(update, np.float32))
+        sources, tic = {}, time.perf_counter()
+        phases = self.push_seconds = {}
+
+        def phase(name: str) -> None:
+            nonlocal tic
+            phases[name], tic = time.perf_counter() - tic, time.perf_counter()
+
+        missing = list(self.layout)
+        for _ in range(STAGE_TRIES):
+            for path in missing:
+                update = np.asarray(updates[path], np.float32)
+                sources[path] = self.clients[self.layout[path]].put(stage + path, update).checksum
+            # the stage is the wave's write-ahead record: on disk before the commit. A store
+            # that restarted since a put lost what it held in memory only: seen on the store
+            # after the flush, a stage is on its disk; one missing is put again
+            for store in sorted(set(self.layout.values())):
+                self.clients[store].flush()
+            there = {
+                info.path[len(stage) :]: info.checksum
+                for store in sorted(set(self.layout.values()))
+                for info in self.clients[store].list(stage)
+            }
+            missing = [p for p in self.layout if there.get(p) != sources[p]]
+            if not missing:
+                break
+        else:
+            raise WSPError(
+                f"push of wave {wave} by {vw!r}: the stage of {missing[:5]} did not stay on its "
+                f"store in {STAGE_TRIES} tries (a store restarting over and over?)",
+                "busy",
+            )
+        phase("stage")
+        try:
+            for path, store in self.layout.items():
+                self.clients[store].accumulate(
+                    WEIGHTS + path, stage + path, name=vw, clock=0, check=True
+                )
+        except StoreError as error:
+            if error.reason != "nonfinite":
+                raise
+            self._drop_stage(stage)
+            raise WSPError(f"push of wave {wave} by {vw!r}: {error}", "invalid") from None
+        phase("check")
         try:
             ledger, _ = self.update(lambda led, now: (led.commit(vw, wave), None))
         except WSPError:
-            for client in self.clients:
-                with contextlib.suppress(StoreError):
-                    client.delete(stage)
-            raise
-        self.apply(vw, wave, wave - ledger.starts[vw])
+            ledger = self.ledger()  # a refusal may follow a commit whose reply was lost
+            if not ledger.pushed(vw, wave):
+                self._drop_stage(stage)
+                raise
+        phase("commit")
+        self.apply(vw, wave, wave - ledger.starts[vw], sources)
+        phase("apply")
         return ledger
 
-    def apply(self, vw: str, wave: int, push: int) -> None:
-        """Add a committed, staged wave into every leaf (a no-op where it is already in), then
-        delete the stage. :meth:`push` and :meth:`pull` call it.
+    def _drop_stage(self, stage: str) -> None:
+        for client in self.clients:
+            with contextlib.suppress(StoreError):
+                client.delete(stage)
+
+    def apply(
+        self, vw: str, wave: int, push: int, sources: Mapping[str, str] | None = None
+    ) -> None:
+        """Add a committed, staged wave into every leaf (a no-op where it is already in); each
+        store removes the stage once the leaf's new version is on its disk. :meth:`push` and
+        :meth:`pull` call it.
 
         Args:
           vw: the VW that pushed it.
           wave: the wave.
           push: its push number: ``wave - ledger.starts[vw]``.
+          sources: leaf path -> the checksum of the staged update (the pusher's own call):
+            then a leaf that holds this push from another update is an error.
 
         Raises:
+          WSPError: a leaf holds push ``push`` of ``vw`` from another update than ``sources``
+            says (``"refused"``).
           StoreError: a store refused an accumulate out of turn (``"refused"``), a stage is
             missing (``"not_found"``), or a store failed a request.
         """
         stage = f"{STAGE}{vw}/{wave}/"
         for path, store in self.layout.items():
-            self.clients[store].accumulate(WEIGHTS + path, stage + path, name=vw, clock=push)
-        for store in sorted(set(self.layout.values())):
-            self.clients[store].delete(stage)
+            source = None if sources is None else sources[path]
+            for late in (False, True):
+                try:
+                    _, applied = self.clients[store].accumulate(
+                        WEIGHTS + path,
+                        stage + path,
+                        name=vw,
+                        clock=push,
+                        update=source,
+                        consume=True,
+                        keep=PREVIOUS + path,
+                    )
+                    break
+                except StoreError as error:
+                    # the leaf lacks an earlier committed wave (its store restarted before the
+                    # sum reached its disk; the stage did): add those first
+                    if late or error.reason != "refused" or "out of turn" not in str(error):
+                        raise
+                    self._complete(self.ledger())
+            if source is not None and not applied:
+                raise WSPError(
+                    f"push {push} of {vw!r} (wave {wave}): leaf {path!r} holds that push from "
+                    f"another update than its stage {stage + path!r}; another client pushes "
+                    f"under the name {vw!r}",
+                    "refused",
+                )
+
+    def _complete(self, ledger: Ledger) -> set[tuple[str, int]]:
+        """Add every wave ``ledger`` commits that a leaf lacks, from its stage, oldest push
+        first; the ``(vw, push)`` that were behind."""
+        behind = set()
+        for client in self.clients:
+            for info in client.list(WEIGHTS):
+                clocks = dict(info.clocks)
+                for vw, pushes in ledger.committed.items():
+                    behind |= {(vw, n) for n in range(clocks.get(vw, 0), pushes)}
+        for vw, push in sorted(behind, key=lambda t: (t[1], t[0])):
+            with contextlib.suppress(StoreError):  # applied meanwhile: the clocks say so
+                self.apply(vw, ledger.starts[vw] + push, push)
+        return behind
+
+    def rollback(self) -> Ledger:
+        """Undo the last committed wave: every leaf goes back to its version before that wave's
+        update (each store keeps it), and the ledger hands the wave's minibatches back to be
+        trained again. For an operator, while no VW pushes (a wave found bad after the fact).
+
+        Returns:
+          The ledger after the rollback.
+
+        Raises:
+          WSPError: nothing is committed, or a leaf's last update is another wave than the
+            ledger's last (``"refused"``: then nothing is changed).
+          StoreError: a store failed a request.
+        """
+        ledger = self.ledger()
+        if not ledger.log:
+            raise WSPError("no wave is committed: nothing to roll back", "refused")
+        vw, wave, _ = ledger.log[-1]
+        push = wave - ledger.starts[vw]
+        for check in (True, False):  # every leaf can be put back, then put back
+            for path, store in self.layout.items():
+                try:
+                    self.clients[store].revert(
+                        WEIGHTS + path, PREVIOUS + path, name=vw, clock=push, check=check
+                    )
+                except StoreError as error:
+                    if not check or error.reason not in ("refused", "not_found"):
+                        raise
+                    raise WSPError(
+                        f"wave {wave} of {vw!r} cannot be rolled back: {error}", "refused"
+                    ) from None
+        return self.update(lambda led, now: (led.roll_back(vw, wave), None))[0]
 
     def pull(self, ledger: Ledger | None = None, timeout: float = 60.0) -> dict[str, np.ndarray]:
         """The global weights holding every wave the ledger has committed, applying any that a
@@ -265,8 +412,9 @@ class ParameterServer:
             ledger = None
 
     def collect(self) -> int:
-        """Delete the stages of waves the ledger will never commit (their pushers were dropped
-        or left before committing).
+        """Delete the stages no push needs: of waves the ledger will never commit (their pushers
+        were dropped or left before committing), and of waves every leaf holds (left when a
+        store stopped between writing a leaf and removing its stage).
 
         Returns:
           How many objects were deleted.
@@ -275,11 +423,17 @@ class ParameterServer:
           StoreError: a store failed a request.
         """
         ledger = self.ledger()
+        applied: dict[str, int] = {}  # vw -> the pushes every leaf holds
+        for client in self.clients:
+            for info in client.list(WEIGHTS):
+                for vw in ledger.committed:
+                    applied[vw] = min(applied.get(vw, 1 << 62), dict(info.clocks).get(vw, 0))
         deleted = 0
         for client in self.clients:
             for info in client.list(STAGE):
                 vw, wave = info.path[len(STAGE) :].split("/", 2)[:2]
-                pushed = ledger.starts.get(vw, 0) + ledger.committed.get(vw, 0)
-                if vw not in ledger.clocks and int(wave) >= pushed:
+                start = ledger.starts.get(vw, 0)
+                never = vw not in ledger.clocks and int(wave) >= start + ledger.committed.get(vw, 0)
+                if never or int(wave) < start + applied.get(vw, 0):
                     deleted += client.delete(f"{STAGE}{vw}/{wave}/")
         return deleted

@@ -6,6 +6,8 @@ import contextlib
 import json
 import socket
 import threading
+import time
+import uuid
 from typing import Any, NamedTuple, Self
 
 import numpy as np
@@ -18,15 +20,16 @@ from tenplex_jax._src.multihost.store.wire import ObjectInfo
 
 _MISSING = object()
 _BROKEN = ("unavailable", "protocol")  # reasons after which a connection is not reused
+_RETRIED = (*_BROKEN, "busy")  # reasons a request is tried again within ``retry_seconds``
 DISK_BYTES_PER_S = 50e6  # the slowest disk a durable put waits for, for its reply timeout
 
 
 class CAS(NamedTuple):
     """A ``cas_json`` reply: whether it swapped, and the object at the path now (None: none),
-    with its checksum and the store's clock (seconds)."""
+    with its version and the store's clock (seconds)."""
 
     swapped: bool
-    checksum: str | None
+    version: int | None
     value: Any
     time: float
 
@@ -58,8 +61,14 @@ class StoreClient:
     """A connection to one store server. Thread-safe: each call takes a pooled connection.
 
     A context manager (leaving it closes the pool). Every failure raises ``StoreError`` with a
-    ``reason``; a request on a pooled connection the server has since closed is retried once on a
-    new one (every request is idempotent). Example::
+    ``reason``.
+
+    **Safe to repeat.** Each call carries a request id (``rid``) that every reply echoes, the
+    same for every try of the call; the store answers a repeated id of a request it has done with
+    that request's outcome instead of doing it again. So a request whose reply was lost, delayed
+    past the timeout or duplicated is tried again on a new connection without being applied
+    twice: once when a pooled connection the server has since closed breaks, and for up to
+    ``retry_seconds`` (a store restarting on the same address) otherwise. Example::
 
         with StoreClient(proc.address) as store:
             store.put("v1/w", w_shard, box=((0, 4), (0, 8)), global_shape=(8, 8))
@@ -71,6 +80,9 @@ class StoreClient:
       timeout: seconds any socket operation may take (replies that wait for disk get more).
       connect_timeout: seconds opening a connection and its hello may take (default:
         ``timeout``), so a dead store is given up on quickly.
+      retry_seconds: how long a request whose connection broke, or that the store was too busy
+        to take, is tried again (backing off from 50 ms to 1 s); 0: once, and only on a broken
+        pooled connection.
 
     Raises:
       StoreError: the address is not ``host:port`` or ``unix:PATH``.
@@ -83,8 +95,10 @@ class StoreClient:
         token: str | None = None,
         timeout: float = 30.0,
         connect_timeout: float | None = None,
+        retry_seconds: float = 0.0,
     ):
         self.address = address
+        self._retry = float(retry_seconds)
         self._unix = address[len("unix:") :] if address.startswith("unix:") else None
         self._host, self._port = (None, None) if self._unix else parse_address(address)
         self._token = token
@@ -155,8 +169,9 @@ class StoreClient:
                 return
         sock.close()
 
-    def _reply(self, sock: socket.socket) -> tuple[dict, int]:
-        """The next response header (raises StoreError for an error reply) and its body size."""
+    def _reply(self, sock: socket.socket, rid: str | None = None) -> tuple[dict, int]:
+        """The next response header (raises StoreError for an error reply) and its body size;
+        a reply to another request than ``rid`` (stale or repeated) is a broken connection."""
         try:
             prefix = wire.recv_prefix(sock)
             if prefix is None:
@@ -164,6 +179,12 @@ class StoreClient:
             header = wire.recv_header(sock, prefix[0], wire.MAX_RESPONSE_HEADER_BYTES)
         except (OSError, StoreProtocolError) as error:
             raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
+        if rid is not None and header.get("rid") != rid:
+            raise StoreError(
+                f"store {self.address}: a reply to request {str(header.get('rid'))!r:.40} "
+                f"arrived for request {rid!r}; the connection is out of step",
+                "protocol",
+            )
         if not header.get("ok"):
             reason = header.get("reason", "refused")
             raise StoreError(f"store {self.address}: {header.get('error')}", reason)
@@ -172,36 +193,50 @@ class StoreClient:
     def _call(self, request: dict, body=None, into=None) -> tuple[dict, Any]:
         """One request → (reply header, reply body). ``body`` follows a "continue" reply;
         ``into(header, body bytes)`` returns a writable array for the reply body (no copy), having
-        checked the sizes the server announced (raising ``StoreError``)."""
-        for attempt in (0, 1):
-            sock, reused = self._checkout()
+        checked the sizes the server announced (raising ``StoreError``). Every try carries the
+        same request id: the store does a request once, however often it arrives."""
+        request = {**request, "rid": uuid.uuid4().hex}
+        give_up, pause, first = time.monotonic() + self._retry, 0.05, True
+        while True:
+            sock, reused = None, False
             try:
+                sock, reused = self._checkout()
                 result = self._exchange(sock, request, body, into)
             except StoreError as error:
-                if error.reason in _BROKEN:
+                if sock is not None and error.reason in _BROKEN:
                     sock.close()
-                    # a pooled connection the server has since closed (idle timeout, restart):
-                    # retry once on a new one; every request is idempotent
-                    if error.reason == "unavailable" and reused and not attempt:
-                        continue
-                else:  # an error reply: the connection is in a known state
+                elif sock is not None:  # an error reply: the connection is in a known state
                     self._checkin(sock)
-                raise
+                # a pooled connection the server has since closed (idle timeout, restart) is
+                # tried again at once; within ``retry_seconds``, any broken or busy try
+                if reused and first and error.reason in _BROKEN:
+                    first = False
+                    continue
+                if error.reason not in _RETRIED or time.monotonic() + pause > give_up:
+                    raise
+                first = False
+                time.sleep(pause)
+                pause = min(2 * pause, 1.0)
+                continue
             except BaseException:
-                sock.close()  # its state is unknown: never reuse it
+                if sock is not None:
+                    sock.close()  # its state is unknown: never reuse it
                 raise
             self._checkin(sock)
             return result
-        raise AssertionError("unreachable")
 
     def _exchange(self, sock, request: dict, body, into) -> tuple[dict, Any]:
-        nbody = 0 if body is None else memoryview(body).nbytes
+        nbody, rid = 0 if body is None else memoryview(body).nbytes, request["rid"]
         try:
             wire.send_header(sock, request, nbody)
         except OSError as error:
             raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
         if request["op"] in ("put", "put_json", "cas_json"):
-            self._reply(sock)  # "continue", or the reason the request is refused
+            # "continue"; the reason the request is refused; or, when the store has done this
+            # request already (a lost reply tried again), its outcome: then no body is sent
+            header, nreply = self._reply(sock, rid)
+            if not header.get("continue"):
+                return header, wire.recv_exact(sock, nreply) if nreply else b""
             try:
                 if request["op"] == "put" and request.get("checksum") is None:
                     digest = wire.send_body(sock, body, digest=True)
@@ -217,7 +252,7 @@ class StoreClient:
         elif request.get("durable"):
             sock.settimeout(self._timeout + nbody / DISK_BYTES_PER_S)
         try:
-            header, nreply = self._reply(sock)
+            header, nreply = self._reply(sock, rid)
         finally:
             sock.settimeout(self._timeout)
         # a reply's sizes are the server's claims: checked before a byte is allocated for them
@@ -248,7 +283,7 @@ class StoreClient:
                 header["received"] = wire.recv_into(sock, wire.as_bytes(out), digest=True)
                 data = out
                 if header.get("checksum") is None:  # streamed from the store's disk: a trailer
-                    header["checksum"] = self._reply(sock)[0].get("checksum")
+                    header["checksum"] = self._reply(sock, rid)[0].get("checksum")
         except OSError as error:
             raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
         return header, data
@@ -380,27 +415,48 @@ class StoreClient:
         return (out, ObjectInfo.from_json(header["info"])) if with_info else out
 
     def accumulate(
-        self, path: str, stage: str, *, name: str, clock: int
+        self,
+        path: str,
+        stage: str,
+        *,
+        name: str,
+        clock: int,
+        update: str | None = None,
+        consume: bool = False,
+        check: bool = False,
+        keep: str | None = None,
     ) -> tuple[ObjectInfo, bool]:
         """Add the float array stored at ``stage`` into the one at ``path``, on the store, once.
 
-        The store counts each pusher's accumulates into the array (its ``clocks``): push
-        ``clock`` of ``name`` is applied when it is the next one, skipped when already in
-        (a retry), refused when out of turn. The parameter server's updates use it.
+        The store counts each pusher's accumulates into the array (its ``clocks``) and keeps
+        the checksum of each one's last update (its ``sources``): push ``clock`` of ``name`` is
+        applied when it is the next one, refused when out of turn, and when it is in already,
+        ``applied`` says whether the update in is ``update`` (a try of this same push: its
+        reply was lost). An update holding NaN or Inf, or whose sum overflows, is refused and
+        the array is left as it was. The parameter server's updates use it.
 
         Args:
           path: the array to add into.
           stage: the array to add, of the same shape.
           name: the pusher's name (a virtual worker's).
           clock: the pusher's push number, from 0.
+          update: the stage's checksum (its ``put`` returned it), to tell this push from
+            another one of the same name and clock.
+          consume: remove the stage once the sum is on the store's disk (until then the stage
+            is what a restarted store adds again).
+          check: only check that the sum would be finite now (whatever the clocks); change
+            nothing.
+          keep: keep the array's version before the sum at this path, so that :meth:`revert`
+            can put it back.
 
         Returns:
           ``(info, applied)``: the array's :class:`ObjectInfo` after the call, and whether this
-          call applied the push.
+          update is in it as that push.
 
         Raises:
-          StoreError: the push is out of turn (``"refused"``), an object is missing
-            (``"not_found"``), or the store failed the request.
+          StoreError: the push is out of turn (``"refused"``), it is not finite
+            (``"nonfinite"``), an object is missing (``"not_found"``), or the store failed the
+            request.
         """
         request = {
             "op": "accumulate",
@@ -408,9 +464,45 @@ class StoreClient:
             "stage": wire.check_path(stage),
             "name": wire.check_name(name),
             "clock": int(clock),
+            "update": update,
+            "consume": bool(consume),
+            "check": bool(check),
+            "keep": None if keep is None else wire.check_path(keep),
         }
         header, _ = self._call(request)
         return ObjectInfo.from_json(header["info"]), bool(header["applied"])
+
+    def revert(
+        self, path: str, kept: str, *, name: str, clock: int, check: bool = False
+    ) -> ObjectInfo:
+        """Undo the last accumulate into ``path``: put back the version it kept at ``kept``.
+
+        The array's clocks stay as they are (the push counts as made, its update undone).
+
+        Args:
+          path: the accumulated array.
+          kept: where the accumulate kept the version before it (its ``keep``).
+          name: the pusher of that accumulate.
+          clock: its push number.
+          check: only check that it can be undone.
+
+        Returns:
+          The array's :class:`ObjectInfo` after the call.
+
+        Raises:
+          StoreError: that push is not the last update into ``path`` (``"refused"``), an
+            object is missing (``"not_found"``), or the store failed the request.
+        """
+        request = {
+            "op": "revert",
+            "path": wire.check_path(path),
+            "kept": wire.check_path(kept),
+            "name": wire.check_name(name),
+            "clock": int(clock),
+            "check": bool(check),
+        }
+        header, _ = self._call(request)
+        return ObjectInfo.from_json(header["info"])
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """The array objects under a prefix.
@@ -456,19 +548,19 @@ class StoreClient:
         return int(header["deleted"])
 
     def put_json(self, path: str, obj: Any, *, flush: bool = True) -> None:
-        """Store a small JSON-able object durably and atomically (a commit marker, a manifest).
+        """Store a small JSON object durably and atomically (a commit marker, a manifest).
 
         Args:
           path: the object's path.
-          obj: plain JSON (no NaN), at most the wire's JSON size limit.
+          obj: a plain JSON object (a dict; no NaN), at most the wire's JSON size limit.
           flush: write it only after every earlier put to this store has reached disk, so after
             a crash of the store the marker implies its objects. ``False`` skips that wait:
             enough while the store process lives (it outlives the workers), but a store
             restarted from disk may then hold the marker without some objects.
 
         Raises:
-          StoreError: ``obj`` is not plain JSON or too large (``"invalid"``), or the store
-            failed the request.
+          StoreError: ``obj`` is not a plain JSON object or too large (``"invalid"``), or the
+            store failed the request.
         """
         path = wire.check_path(path)
         data = self._json_bytes(path, obj, "put_json")
@@ -486,11 +578,12 @@ class StoreClient:
         Args:
           path: the object's path.
           default: returned when there is none (without it, that raises).
-          versioned: also return the object's checksum and the store's clock.
+          versioned: also return the object's version and the store's clock.
 
         Returns:
-          The object, or with ``versioned`` ``(object, its checksum, the store's clock in
-          seconds)``: what :meth:`cas_json` expects (``(default, None, None)`` when absent).
+          The object, or with ``versioned`` ``(object, its version, the store's clock in
+          seconds)``: the version is what :meth:`cas_json` expects (``(default, None, None)``
+          when absent).
 
         Raises:
           StoreError: there is no object and no ``default`` (``"not_found"``), the bytes arrived
@@ -510,48 +603,61 @@ class StoreClient:
                 "corrupt",
             )
         obj = self._decode(body, "get_json")
-        return (obj, header["checksum"], float(header["time"])) if versioned else obj
+        return (obj, int(header["version"]), float(header["time"])) if versioned else obj
 
-    def cas_json(self, path: str, obj: Any, *, expect: str | None) -> CAS:
-        """Compare-and-swap a JSON object: store ``obj`` only if the object there is the one
-        expected, atomically.
+    def cas_json(self, path: str, obj: Any, *, expect: int | None) -> CAS:
+        """Compare-and-swap a JSON object: store ``obj`` only if the object there is the version
+        expected, atomically. Versions count up for ever (a path deleted and written again
+        does not repeat one), so a writer holding an old version never wins.
 
         Args:
           path: the object's path.
-          obj: the new object (plain JSON).
-          expect: the checksum of the object expected there (from ``get_json(...,
-            versioned=True)`` or an earlier reply); ``None``: only if there is none.
+          obj: the new object (a plain JSON object: a dict).
+          expect: the version expected there (from ``get_json(..., versioned=True)`` or an
+            earlier reply); ``None``: only if there is none.
 
         Returns:
-          A ``CAS`` named tuple ``(swapped, checksum, value, time)``: whether it swapped, and the
-          object there now with its checksum and the store's clock, to retry from.
+          A ``CAS`` named tuple ``(swapped, version, value, time)``: whether it swapped, and the
+          object there now (``obj`` when it swapped) with its version and the store's clock, to
+          retry from.
 
         Raises:
-          StoreError: ``obj`` is not plain JSON or too large, the reply arrived damaged
+          StoreError: ``obj`` is not a plain JSON object or too large, the reply arrived damaged
             (``"corrupt"``), or the store failed the request.
         """
         path = wire.check_path(path)
         data = self._json_bytes(path, obj, "cas_json")
+        if expect is not None and (not wire._is_int(expect) or expect < 0):
+            raise StoreError(f"cas_json of {path!r}: expect is a version (an int) or None")
         request = {
             "op": "cas_json",
             "path": path,
-            "expect": expect,
+            "expect": None if expect is None else int(expect),
             "checksum": wire.checksum(data),
         }
         header, body = self._call(request, data)
-        current = None if header["checksum"] is None else body
-        if current is not None and wire.checksum(current) != header["checksum"]:
+        version = header.get("version")
+        if header.get("swapped"):  # the object there now is ``obj``: the reply does not echo it
+            return CAS(True, int(version), obj, float(header["time"]))
+        if version is None:
+            return CAS(False, None, None, float(header["time"]))
+        if wire.checksum(body) != header.get("checksum"):
             raise StoreError(
                 f"store {self.address}: cas_json of {path!r}: received bytes have "
-                f"checksum {wire.checksum(current)}, the store sent "
-                f"{header['checksum']}",
+                f"checksum {wire.checksum(body)}, the store sent "
+                f"{header.get('checksum')}",
                 "corrupt",
             )
-        value = None if current is None else self._decode(current, "cas_json")
-        return CAS(bool(header["swapped"]), header["checksum"], value, float(header["time"]))
+        value = self._decode(body, "cas_json")
+        return CAS(False, int(version), value, float(header["time"]))
 
     @staticmethod
     def _json_bytes(path: str, obj: Any, what: str) -> bytes:
+        if not isinstance(obj, dict):
+            raise StoreError(
+                f"{what} of {path!r}: the store keeps JSON objects (dicts); got "
+                f"{type(obj).__name__}"
+            )
         try:
             data = json.dumps(obj, allow_nan=False).encode()
         except (TypeError, ValueError) as error:

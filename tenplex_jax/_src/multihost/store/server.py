@@ -6,12 +6,15 @@ bound to 127.0.0.1 unless ``--host`` says otherwise; bound anywhere else it refu
 without ``--token-file``. ``--unix-socket PATH`` serves the same store on a Unix socket too (mode
 0600), for clients on the same host: ``StoreClient("unix:PATH")``.
 
-**Limits.** At most ``--max-connections`` connections at once (one more is told ``"busy"``), a
-hello within ``--handshake-timeout`` seconds, and every request body and reply admitted against
-one transfer budget of ``max(--memory-bytes, 64 MiB)`` before its bytes are received or produced
-(``Budget``): the server's memory stays within the memory tier plus that budget, plus a bounded
-header per connection, whatever clients do. An object larger than the budget streams through a
-``STREAM_CHUNK_BYTES`` buffer: written to disk as it arrives, read from disk a chunk at a time.
+**Limits.** A new connection has no thread until its hello passes the token check: at most
+``--max-handshakes`` connections wait in their handshake (a new one closes the oldest), each for
+at most ``--handshake-timeout`` seconds (``connections``). Then it takes one of
+``--max-connections`` serving threads (one more is told ``"busy"``). Every request body and reply
+is admitted against one transfer budget of ``max(--memory-bytes, 64 MiB)`` before its bytes are
+received or produced (``Budget``): the server's memory stays within the memory tier plus that
+budget, plus a bounded header per connection, whatever clients do. An object larger than the
+budget streams through a ``STREAM_CHUNK_BYTES`` buffer: written to disk as it arrives, read from
+disk a chunk at a time.
 
 **Tiers.** Objects live in a memory tier (at most ``--memory-bytes``, least recently used clean
 objects evicted first) and on disk under ``DIR/objects``. A plain put is acknowledged once it is
@@ -37,10 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import errno
 import fcntl
-import hmac
-import ipaddress
 import itertools
 import json
 import os
@@ -60,15 +60,24 @@ import numpy as np
 from tenplex_jax._src import box as boxes
 from tenplex_jax._src import checksums
 from tenplex_jax._src.errors import StoreError, StoreProtocolError
-from tenplex_jax._src.multihost.store import tiers, wire
-from tenplex_jax._src.multihost.store.tiers import DEFAULT_MEMORY_BYTES, Store
+from tenplex_jax._src.multihost.store import tiers, updates, wire
+from tenplex_jax._src.multihost.store.connections import (
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_HANDSHAKES,
+    Server,
+    UnixServer,
+    is_loopback,
+)
+from tenplex_jax._src.multihost.store.tiers import DEFAULT_MEMORY_BYTES
+from tenplex_jax._src.multihost.store.updates import Store
 from tenplex_jax._src.multihost.store.wire import ObjectInfo
 
 DEFAULT_MAX_BODY_BYTES = 8 << 30
 DEFAULT_TIMEOUT = 120.0
-DEFAULT_MAX_CONNECTIONS = 64
-DEFAULT_HANDSHAKE_TIMEOUT = 10.0
-ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)  # out of fds or memory
+# a JSON body's parsed objects take at most this many times its bytes (32 measured, for lists of
+# empty lists: ``[[[]],[[]],...]``), counted in the transfer budget while it is checked
+JSON_PARSE_FACTOR = 40
 
 
 class Budget:
@@ -117,8 +126,16 @@ class Budget:
                 self.cond.notify_all()
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not plain JSON")
+
+
 class Handler(socketserver.BaseRequestHandler):
+    """Serves the requests of one admitted connection: its hello has passed and been answered
+    (``connections``), so it starts at the request loop."""
+
     server: Server
+    rid: str | None = None  # the id of the request being served (its replies echo it)
 
     def handle(self) -> None:
         sock: socket.socket = self.request
@@ -126,27 +143,28 @@ class Handler(socketserver.BaseRequestHandler):
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            if not self._hello(sock):
-                return
             while True:
                 prefix = wire.recv_prefix(sock)
                 if prefix is None:
                     return
                 nheader, nbody = prefix
+                self.rid = None  # until this request's header is read
                 header = wire.recv_header(sock, nheader, wire.MAX_HEADER_BYTES)
+                rid = header.get("rid")
+                self.rid = rid if isinstance(rid, str) and len(rid) <= wire.MAX_RID_CHARS else None
                 try:
                     self._serve(sock, header, nbody)
                 except StoreError as error:
                     reason = getattr(error, "reason", "refused")
-                    wire.send_frame(sock, {"ok": False, "error": str(error), "reason": reason})
+                    self._send(sock, {"ok": False, "error": str(error), "reason": reason})
                 except (KeyError, TypeError, ValueError, OverflowError) as error:
                     message = f"malformed {header.get('op')!r} request: {error!r}"
-                    wire.send_frame(sock, {"ok": False, "error": message, "reason": "protocol"})
+                    self._send(sock, {"ok": False, "error": message, "reason": "protocol"})
                 except OSError as error:  # the store's disk, not the connection
                     if isinstance(error, (ConnectionError, TimeoutError)):
                         raise
                     message = f"{header.get('op')!r} failed on the store's disk: {error!r}"
-                    wire.send_frame(sock, {"ok": False, "error": message, "reason": "disk"})
+                    self._send(sock, {"ok": False, "error": message, "reason": "disk"})
         except StoreProtocolError as error:
             self._try_send(sock, {"ok": False, "error": str(error), "reason": "protocol"})
         except (OSError, ConnectionError):
@@ -154,39 +172,15 @@ class Handler(socketserver.BaseRequestHandler):
 
     def _try_send(self, sock, header) -> None:
         with contextlib.suppress(OSError):
-            wire.send_frame(sock, header)
+            self._send(sock, header)
 
-    def _hello(self, sock: socket.socket) -> bool:
-        # the whole hello within the handshake deadline, however slowly a peer sends it (a
-        # per-receive timeout alone lets one byte a second hold a connection for ever)
-        hello = wire.recv_hello(sock, time.monotonic() + self.server.handshake_s)
-        if hello is None:
-            return False
-        header, nbody = hello
-        if header.get("op") != "hello" or nbody:
-            raise StoreProtocolError("a connection must open with a hello frame")
-        token = self.server.token
-        if token is not None:
-            given = header.get("token")
-            try:
-                valid = isinstance(given, str) and hmac.compare_digest(
-                    given.encode(), token.encode()
-                )
-            except UnicodeEncodeError:  # a lone surrogate: no token of ours
-                valid = False
-            if not valid:
-                missing = "no token" if given is None else "a wrong token"
-                wire.send_frame(
-                    sock,
-                    {
-                        "ok": False,
-                        "error": f"this store requires a token; got {missing}",
-                        "reason": "auth",
-                    },
-                )
-                return False
-        wire.send_frame(sock, {"ok": True, "version": 1})
-        return True
+    def _send(self, sock, header: dict, body=None) -> None:
+        """A reply frame to the request being served: it echoes the request's id (``rid``), so
+        that a client can tell a reply of its request from a stale or repeated one."""
+        wire.send_frame(sock, header if self.rid is None else {**header, "rid": self.rid}, body)
+
+    def _send_header(self, sock, header: dict, nbytes: int) -> None:
+        wire.send_header(sock, header if self.rid is None else {**header, "rid": self.rid}, nbytes)
 
     def _body(self, sock: socket.socket, nbody: int, expected: int, path: str):
         """Say continue, then read a body of exactly ``expected`` bytes; (bytes, checksum). Call
@@ -195,7 +189,7 @@ class Handler(socketserver.BaseRequestHandler):
             raise StoreError(
                 f"the body must be {expected} bytes (shape x itemsize); got {nbody}", "refused"
             )
-        wire.send_frame(sock, {"ok": True, "continue": True})
+        self._send(sock, {"ok": True, "continue": True})
         receiving, me = self.server.store.receiving, threading.get_ident()
         receiving[me] = {"path": path, "bytes": 0, "of": nbody}
         try:
@@ -228,7 +222,7 @@ class Handler(socketserver.BaseRequestHandler):
     def _put_streamed(self, sock, header: dict, info: ObjectInfo, what: str) -> ObjectInfo:
         """A put larger than the transfer budget: its body goes to a tmp file as it arrives,
         a chunk at a time, and becomes the object once its checksum is confirmed."""
-        wire.send_frame(sock, {"ok": True, "continue": True})
+        self._send(sock, {"ok": True, "continue": True})
         buf = np.empty(min(tiers.STREAM_CHUNK_BYTES, info.nbytes), np.uint8)
         receiving, me = self.server.store.receiving, threading.get_ident()
 
@@ -264,7 +258,7 @@ class Handler(socketserver.BaseRequestHandler):
         }
         pieces = self.server.store.stream(key, box)
         first = next(pieces, None)  # a file that cannot be opened or read is an error reply
-        wire.send_header(sock, reply, nbytes)
+        self._send_header(sock, reply, nbytes)
         crc, sent = 0, 0
         try:
             for piece in itertools.chain([] if first is None else [first], pieces):
@@ -274,9 +268,9 @@ class Handler(socketserver.BaseRequestHandler):
         except StoreError as error:  # the file failed its checksum: the bytes sent are void
             if sent != nbytes:
                 raise ConnectionError("a streamed reply broke off") from error
-            wire.send_frame(sock, {"ok": False, "error": str(error), "reason": error.reason})
+            self._send(sock, {"ok": False, "error": str(error), "reason": error.reason})
             return
-        wire.send_frame(sock, {"ok": True, "checksum": checksums.text(crc)})
+        self._send(sock, {"ok": True, "checksum": checksums.text(crc)})
 
     def _check_body_limit(self, nbody: int, what: str, limit: int | None = None) -> None:
         limit = self.server.max_body if limit is None else limit
@@ -317,7 +311,7 @@ class Handler(socketserver.BaseRequestHandler):
                 info = dataclasses.replace(info, checksum=digest)
                 store.put(info, data, durable=bool(header.get("durable")))
                 del data  # the store holds it now, or has written it through
-        wire.send_frame(sock, {"ok": True, "info": info.to_json()})
+        self._send(sock, {"ok": True, "info": info.to_json()})
 
     def _get(self, sock: socket.socket, header: dict, nbody: int) -> None:
         store = self.server.store
@@ -351,7 +345,7 @@ class Handler(socketserver.BaseRequestHandler):
                 "box": [list(b) for b in box],
                 "checksum": digest,
             }
-            wire.send_frame(sock, reply, out)
+            self._send(sock, reply, out)
             del data, out
 
     def _accumulate(self, sock: socket.socket, header: dict, nbody: int) -> None:
@@ -360,82 +354,133 @@ class Handler(socketserver.BaseRequestHandler):
         name, clock = wire.check_name(header.get("name")), header.get("clock")
         if not wire._is_int(clock) or clock < 0:
             raise StoreError(f"accumulate needs an integer clock >= 0, got {clock!r:.50}")
-        store = self.server.store
+        update = header.get("update")
+        if update is not None and not (
+            isinstance(update, str) and update.startswith(checksums.PREFIX)
+        ):
+            raise StoreError(f"accumulate's update is a checksum or null, got {update!r:.100}")
+        store, budget = self.server.store, self.server.budget
         info, _ = store.info(store.find(path, None))
-        # the array, the update and their sum may all be in hand at once
-        with self.server.budget.hold(3 * info.nbytes, f"accumulate into {path!r}"):
-            info, applied = store.accumulate(path, stage, name, int(clock))
-        wire.send_frame(sock, {"ok": True, "applied": applied, "info": info.to_json()})
+        # the sum is made a chunk at a time from the array and the update (from the memory tier,
+        # or read a chunk at a time); it is built in memory when it fits the budget next to
+        # those chunks, else written to a file as it is made
+        chunks = 3 * min(info.nbytes, updates.ACCUMULATE_CHUNK_BYTES)
+        in_memory = info.nbytes + chunks <= budget.limit and not header.get("check")
+        with budget.hold(info.nbytes + chunks if in_memory else chunks, f"accumulate of {path!r}"):
+            info, applied = store.accumulate(
+                path,
+                stage,
+                name,
+                int(clock),
+                update=update,
+                consume=bool(header.get("consume")),
+                check=bool(header.get("check")),
+                in_memory=in_memory,
+                keep=None if header.get("keep") is None else wire.check_path(header["keep"]),
+            )
+        self._send(sock, {"ok": True, "applied": applied, "info": info.to_json()})
+
+    def _revert(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        """Put back the version an accumulate kept: ``Store.revert``."""
+        path, kept = wire.check_path(header.get("path")), wire.check_path(header.get("kept"))
+        name, clock = wire.check_name(header.get("name")), header.get("clock")
+        if not wire._is_int(clock) or clock < 0:
+            raise StoreError(f"revert needs an integer clock >= 0, got {clock!r:.50}")
+        store = self.server.store
+        info, _ = store.info(store.find(kept, None))
+        with self.server.budget.hold(info.nbytes, f"revert of {path!r}"):
+            info = store.revert(path, kept, name, int(clock), bool(header.get("check")))
+        self._send(sock, {"ok": True, "info": info.to_json()})
 
     def _list(self, sock: socket.socket, header: dict, nbody: int) -> None:
         listing = [i.to_json() for i in self.server.store.list(str(header.get("prefix", "")))]
-        wire.send_frame(sock, {"ok": True}, json.dumps(listing).encode())
+        self._send(sock, {"ok": True}, json.dumps(listing).encode())
 
     def _list_json(self, sock: socket.socket, header: dict, nbody: int) -> None:
         store, prefix = self.server.store, str(header.get("prefix", ""))
         with store.lock:
             paths = sorted(p for p in store.json if p.startswith(prefix))
-        wire.send_frame(sock, {"ok": True, "paths": paths})
+        self._send(sock, {"ok": True, "paths": paths})
 
     def _delete(self, sock: socket.socket, header: dict, nbody: int) -> None:
         prefix = header.get("prefix")
         if not isinstance(prefix, str):
             raise StoreError(f"delete needs a string prefix; got {prefix!r}", "refused")
-        wire.send_frame(sock, {"ok": True, "deleted": self.server.store.delete(prefix)})
+        self._send(sock, {"ok": True, "deleted": self.server.store.delete(prefix)})
 
     def _json_body(self, sock: socket.socket, header: dict, nbody: int, what: str):
-        """A JSON request body, received within the budget and checked (checksum, JSON)."""
+        """A JSON request body, received and parsed within the transfer budget, checked (its
+        checksum; a JSON object, without NaN or Infinity). Parsing builds Python objects of up
+        to ``JSON_PARSE_FACTOR`` times the body's bytes (measured: 32 for ``[[[]],[[]],...]``),
+        so the body holds that much of the budget while it is checked."""
         path = wire.check_path(header.get("path"))
         self._check_body_limit(nbody, what, wire.MAX_JSON_BYTES)
-        data, digest = self._body(sock, nbody, nbody, path)
-        if digest != header.get("checksum"):
-            raise StoreError(
-                f"{what}: the bytes received have checksum {digest}, the client "
-                f"sent {header.get('checksum')}; nothing stored",
-                "checksum",
-            )
-        try:
-            json.loads(data.tobytes())
-        except (ValueError, RecursionError) as error:
-            raise StoreError(f"{what}: the body is not JSON: {error!r:.300}", "refused") from None
+        with self.server.budget.hold(nbody * (1 + JSON_PARSE_FACTOR), f"{what} ({nbody} bytes)"):
+            data, digest = self._body(sock, nbody, nbody, path)
+            if digest != header.get("checksum"):
+                raise StoreError(
+                    f"{what}: the bytes received have checksum {digest}, the client "
+                    f"sent {header.get('checksum')}; nothing stored",
+                    "checksum",
+                )
+            try:
+                obj = json.loads(data.tobytes(), parse_constant=_no_constant)
+            except (ValueError, RecursionError) as error:
+                raise StoreError(
+                    f"{what}: the body is not plain JSON: {error!r:.300}", "refused"
+                ) from None
+            if not isinstance(obj, dict):
+                raise StoreError(
+                    f"{what}: the store keeps JSON objects; the body is a {type(obj).__name__}",
+                    "refused",
+                )
+            del obj
         return path, data
 
     def _put_json(self, sock: socket.socket, header: dict, nbody: int) -> None:
         what = f"put_json of {header.get('path')!r:.200}"
+        path, data = self._json_body(sock, header, nbody, what)
         with self.server.budget.hold(nbody, what):
-            path, data = self._json_body(sock, header, nbody, what)
-            self.server.store.put_json(path, data, flush=header.get("flush", True) is not False)
-        wire.send_frame(sock, {"ok": True})
+            flush = header.get("flush", True) is not False
+            version = self.server.store.put_json(path, data, flush, self.rid)
+        self._send(sock, {"ok": True, "version": version})
 
     def _get_json(self, sock: socket.socket, header: dict, nbody: int) -> None:
         store, path = self.server.store, wire.check_path(header.get("path"))
         with self.server.budget.hold(store.json_bytes(path), f"get_json of {path!r}"):
-            data = store.get_json(path)
-            wire.send_frame(
-                sock, {"ok": True, "checksum": wire.checksum(data), "time": time.time()}, data
-            )
+            file_header, data = store.get_json(path)
+            reply = {
+                "ok": True,
+                "checksum": wire.checksum(data),
+                "version": int(file_header.get("version", 0)),
+                "time": time.time(),
+            }
+            self._send(sock, reply, data)
 
     def _cas_json(self, sock: socket.socket, header: dict, nbody: int) -> None:
-        """Compare and swap a JSON object; the reply carries the object now and the store's
-        clock (one clock for every client of the store, whatever host it runs on)."""
+        """Compare and swap a JSON object by version; the reply carries the version now and the
+        store's clock (one clock for every client of the store, whatever host it runs on), and
+        the object now only when it did not swap (a swapped one is the request's)."""
         expect = header.get("expect")
-        if expect is not None and (
-            not isinstance(expect, str) or not expect.startswith(checksums.PREFIX)
-        ):
-            raise StoreError(f"cas_json expects a checksum or null, got {expect!r:.100}")
+        if expect is not None and (not wire._is_int(expect) or expect < 0):
+            raise StoreError(
+                f"cas_json expects a version (an int >= 0) or null; got {expect!r:.80}"
+            )
         what = f"cas_json of {header.get('path')!r:.200}"
         store = self.server.store
+        path, data = self._json_body(sock, header, nbody, what)
         with store.lock:  # the object now, as read back to compare (a racing put may grow it)
-            current = store.json.get(str(header.get("path")), 0)
+            current = store.json.get(path, 0)
         with self.server.budget.hold(nbody + 2 * current, what):
-            path, data = self._json_body(sock, header, nbody, what)
-            swapped, digest, now = store.cas_json(path, expect, data)
-            reply = {"ok": True, "swapped": swapped, "checksum": digest, "time": time.time()}
-            wire.send_frame(sock, reply, b"" if now is None else now)
+            swapped, version, now = store.cas_json(path, expect, data, self.rid)
+            reply = {"ok": True, "swapped": swapped, "version": version, "time": time.time()}
+            if now is not None:
+                reply["checksum"] = wire.checksum(now)
+            self._send(sock, reply, now)
 
     def _flush(self, sock: socket.socket, header: dict, nbody: int) -> None:
         self.server.store.flush()
-        wire.send_frame(sock, {"ok": True})
+        self._send(sock, {"ok": True})
 
     def _stats(self, sock: socket.socket, header: dict, nbody: int) -> None:
         store = self.server.store
@@ -450,17 +495,20 @@ class Handler(socketserver.BaseRequestHandler):
                 # transfers under way: request bodies arriving, files being written
                 "receiving": list(store.receiving.values()),
                 "writing": list(store.writing.values()),
+                # connections served (their hello passed), and those still in their handshake
                 "connections": self.server.connections(),
+                "handshakes": self.server.handshakes(),
                 "transfer_bytes": self.server.budget.used,
                 "transfers_waiting": self.server.budget.waiting,
                 "transfer_limit": self.server.budget.limit,
             }
-        wire.send_frame(sock, {"ok": True, "stats": stats})
+        self._send(sock, {"ok": True, "stats": stats})
 
     OPS: typing.ClassVar[dict] = {
         "put": _put,
         "get": _get,
         "accumulate": _accumulate,
+        "revert": _revert,
         "list": _list,
         "list_json": _list_json,
         "delete": _delete,
@@ -471,145 +519,6 @@ class Handler(socketserver.BaseRequestHandler):
         "stats": _stats,
     }
     WITH_BODY = frozenset({"put", "put_json", "cas_json"})
-
-
-class _Limits:
-    """What both servers share: the store, its token, its limits, and the connection cap.
-
-    At most ``max_connections`` connections are served at once; one beyond is answered with a
-    ``"busy"`` error and closed, without a thread. When ``accept`` fails for want of file
-    descriptors or memory, the accept loop backs off (10 ms doubling to 1 s) instead of spinning.
-    """
-
-    daemon_threads = True
-    request_queue_size = 128
-
-    def setup_limits(self, store: Store, token, options) -> None:
-        self.store, self.token = store, token
-        self.max_body, self.timeout_s = options.max_body_bytes, options.timeout
-        self.handshake_s, self.max_connections = options.handshake_timeout, options.max_connections
-        self.budget = options.budget
-        self._lock, self._active, self._backoff = threading.Lock(), 0, 0.0
-
-    def connections(self) -> int:
-        with self._lock:
-            return self._active
-
-    def get_request(self):
-        try:
-            request = super().get_request()
-        except OSError as error:
-            if error.errno in ACCEPT_ERRORS:
-                self._backoff = min(max(2 * self._backoff, 0.01), 1.0)
-                time.sleep(self._backoff)
-            raise
-        self._backoff = 0.0
-        return request
-
-    def process_request(self, request, client_address):
-        with self._lock:
-            admitted = self._active < self.max_connections
-            self._active += admitted
-        if admitted:
-            super().process_request(request, client_address)
-            return
-        _refuse(
-            request,
-            f"this store serves at most {self.max_connections} connections at "
-            f"once (--max-connections); try again",
-        )
-        self.shutdown_request(request)
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self._lock:
-                self._active -= 1
-
-
-class Server(_Limits, socketserver.ThreadingTCPServer):
-    allow_reuse_address = True
-
-    def __init__(self, address, store: Store, token: str | None, options):
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.setup_limits(store, token, options)
-        super().__init__(address, Handler)
-
-
-class UnixServer(_Limits, socketserver.ThreadingUnixStreamServer):
-    """The same service on a Unix socket (same host only; about twice TCP loopback's bandwidth).
-
-    It takes ``path`` only when nothing is there or a stale socket is (one whose server is gone);
-    a live server's socket or any other file is refused, never removed. ``remove`` deletes the
-    socket at exit only if it is still this server's (the same inode).
-    """
-
-    def __init__(self, path: str, store: Store, token: str | None, options):
-        self.setup_limits(store, token, options)
-        _claim_socket_path(path)
-        umask = os.umask(0o077)  # only this user may connect, from the moment it exists
-        try:
-            super().__init__(path, Handler)
-        finally:
-            os.umask(umask)
-        os.chmod(path, 0o600)
-        status = os.stat(path)
-        self.socket_path, self.socket_id = path, (status.st_dev, status.st_ino)
-
-    def remove(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            status = os.stat(self.socket_path)
-            if (status.st_dev, status.st_ino) == self.socket_id:
-                os.unlink(self.socket_path)
-
-
-def _claim_socket_path(path: str) -> None:
-    """Make ``path`` free for a new socket: nothing there, or a stale socket (removed)."""
-    try:
-        status = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(status.st_mode):
-        raise StoreError(
-            f"--unix-socket {path} exists and is not a socket; it is not removed", "refused"
-        )
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(2.0)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)  # no server behind it: left by one that was killed
-        return
-    except OSError as error:
-        raise StoreError(
-            f"--unix-socket {path}: cannot tell whether a server uses it ({error}); "
-            f"it is not removed",
-            "refused",
-        ) from None
-    finally:
-        probe.close()
-    raise StoreError(
-        f"--unix-socket {path} is the socket of a running server; it is not taken", "refused"
-    )
-
-
-def _refuse(sock: socket.socket, message: str) -> None:
-    """Tell a connection over the cap "busy", from the accept loop without waiting: the frame
-    fits the new socket's empty send buffer, and a Linux peer reads it even when closing the
-    socket with its hello unread sends a reset."""
-    with contextlib.suppress(OSError):
-        sock.setblocking(False)
-        wire.send_frame(sock, {"ok": False, "error": message, "reason": "busy"})
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def main(argv=None) -> int:
@@ -644,14 +553,22 @@ def main(argv=None) -> int:
         "--handshake-timeout",
         type=float,
         default=DEFAULT_HANDSHAKE_TIMEOUT,
-        help="seconds a new connection has to complete its hello (default 10)",
+        help=f"seconds a new connection has to complete its hello (default "
+        f"{DEFAULT_HANDSHAKE_TIMEOUT:g})",
     )
     parser.add_argument(
         "--max-connections",
         type=int,
         default=DEFAULT_MAX_CONNECTIONS,
-        help=f"connections served at once; more are refused as busy (default "
-        f"{DEFAULT_MAX_CONNECTIONS})",
+        help=f"connections served at once, their hello passed; more are refused as busy "
+        f"(default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    parser.add_argument(
+        "--max-handshakes",
+        type=int,
+        default=DEFAULT_MAX_HANDSHAKES,
+        help=f"connections waiting for their hello at once; a new one closes the oldest "
+        f"(default {DEFAULT_MAX_HANDSHAKES})",
     )
     parser.add_argument("--ready-file", help='written with "host:port" once listening')
     parser.add_argument(
@@ -661,7 +578,10 @@ def main(argv=None) -> int:
 
     token = None
     if args.token_file:
-        token = pathlib.Path(args.token_file).read_text().strip()
+        try:
+            token = pathlib.Path(args.token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as error:
+            parser.error(f"--token-file {args.token_file} cannot be read: {error}")
         if not token:
             parser.error(f"--token-file {args.token_file} is empty")
         mode = pathlib.Path(args.token_file).stat().st_mode
@@ -672,7 +592,7 @@ def main(argv=None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-    for name in ("memory_bytes", "max_body_bytes", "max_connections"):
+    for name in ("memory_bytes", "max_body_bytes", "max_connections", "max_handshakes"):
         if getattr(args, name) < (0 if name == "memory_bytes" else 1):
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     # the bytes in flight (request bodies, replies) share one budget the size of the memory tier
@@ -691,7 +611,7 @@ def main(argv=None) -> int:
         parser.error(f"another store server is serving {directory}")
 
     store = Store(directory, args.memory_bytes)
-    server = Server((args.host, args.port), store, token, args)
+    server = Server((args.host, args.port), store, token, args, Handler)
     host, port = server.server_address[:2]
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     stop = threading.Event()
@@ -700,7 +620,7 @@ def main(argv=None) -> int:
     servers = [server]
     if args.unix_socket:
         try:
-            servers.append(UnixServer(args.unix_socket, store, token, args))
+            servers.append(UnixServer(args.unix_socket, store, token, args, Handler))
         except StoreError as error:
             server.server_close()
             store.close()

@@ -31,6 +31,7 @@ import shutil
 import struct
 import sys
 import threading
+import time
 import uuid
 import zlib
 
@@ -48,6 +49,7 @@ DEFAULT_MEMORY_BYTES = 4 << 30
 IO_CHUNK_BYTES = 256 << 20
 STREAM_CHUNK_BYTES = 16 << 20  # objects larger than the transfer budget move this much at a time
 WRITERS = 4  # threads writing the memory tier back to disk
+RIDS_KEPT = 64  # ids of the last writes a JSON object's file remembers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +79,9 @@ def _key(kind: str, path: str, box: boxes.Box = ()) -> str:
     return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
 
 
-class Store:
-    """The store's state: the index, the memory tier, the disk writer. Thread-safe."""
+class Tiers:
+    """The store's state: the index, the memory tier, the disk writer. Thread-safe. (Its
+    read-modify-write operations are ``updates.Store``'s.)"""
 
     def __init__(self, directory: pathlib.Path, memory_bytes: int):
         self.dir = pathlib.Path(directory)
@@ -102,6 +105,11 @@ class Store:
         self.dirty: dict[str, int] = {}  # keys whose newest version is only in memory -> bytes
         self.dirty_bytes = 0
         self.json: dict[str, int] = {}  # path -> bytes of the JSON objects (on disk only)
+        self.versions: dict[str, int] = {}  # path -> the JSON object's version
+        self.version = 0  # the highest version handed out (versions only grow)
+        # array key -> [(seq, stage path)]: stages consumed by accumulates, removed once the
+        # array's version ``seq`` (or a later one) is on disk
+        self.consumed: dict[str, list[tuple[int, str]]] = {}
         self.writes: queue.Queue = queue.Queue()  # (ticket, key, seq) to write back, in put order
         self.queued = 0  # tickets handed out
         self.pending: set[int] = set()  # tickets not yet written back
@@ -111,7 +119,6 @@ class Store:
         self.receiving: dict[int, dict] = {}  # request bodies: path, bytes so far, of
         self.writing: dict[int, dict] = {}  # files being written: path, bytes so far, of
         self.closing = False
-        self.path_locks: dict[tuple[str, str], threading.Lock] = {}  # accumulate, cas_json
         self._load()
         # several writers: their fsyncs overlap, as the file system's journal commits them together
         self.writers = [
@@ -182,6 +189,8 @@ class Store:
                 self._set_aside(file, f"incomplete or corrupt: {error!r}")
                 continue
             self.json[header["path"]] = len(data)
+            self.versions[header["path"]] = int(header.get("version", 0))
+        self.version = max(self.versions.values(), default=0)
 
     @staticmethod
     def _header_of(f) -> dict:
@@ -328,7 +337,9 @@ class Store:
             self._clean(key)
             self.failed.pop(key, None)
             self._evict()
+            consumed = self._on_disk(key, seq)
         self._sync_dir(self.objects_dir)
+        self.remove(consumed)
 
     def flush(self) -> None:
         """Wait until every object acknowledged before this call is on disk (later puts do not
@@ -352,7 +363,7 @@ class Store:
 
     # -- operations -----------------------------------------------------------------------------
 
-    def put(self, info: ObjectInfo, data: np.ndarray, durable: bool) -> None:
+    def _put(self, info: ObjectInfo, data: np.ndarray, durable: bool) -> None:
         """Store an object. It replaces the objects of its path it conflicts with: another
         global shape or dtype (another array), or a box that overlaps its own (stale bytes);
         disjoint boxes of the same array are its siblings and stay."""
@@ -393,7 +404,9 @@ class Store:
             if len(data) <= self.memory_bytes:
                 self._remember(key, seq, data)
                 self._evict()
+            consumed = self._on_disk(key, seq)
         self._sync_dir(self.objects_dir)
+        self.remove(consumed)
 
     def receive_file(self, info: ObjectInfo, chunks) -> tuple[pathlib.Path, str]:
         """Write an object too large to hold in memory straight to a tmp file as its bytes
@@ -401,7 +414,7 @@ class Store:
         header = {**info.to_json(), "checksum": None}
         return self._write_chunks(header, chunks)
 
-    def put_file(self, info: ObjectInfo, tmp: pathlib.Path) -> None:
+    def _put_file(self, info: ObjectInfo, tmp: pathlib.Path) -> None:
         """Make a complete tmp file of ``info`` the object (it replaces what it conflicts with,
         as ``put``); the newest install of a key wins."""
         key = _key("array", info.path, info.box)
@@ -416,7 +429,9 @@ class Store:
             self._clean(key)
             self.failed.pop(key, None)
             self._index_set(key, Entry(info, self.seq, on_disk=True))
+            consumed = self._on_disk(key, self.seq)
         self._sync_dir(self.objects_dir)
+        self.remove(consumed)
 
     def stream(self, key: str, box: boxes.Box, chunk_bytes: int = STREAM_CHUNK_BYTES):
         """The bytes of ``box`` of an object on disk, in C order, as pieces read a chunk at a
@@ -554,6 +569,27 @@ class Store:
                 return entry, data
         raise StoreError("the object kept changing while it was read", "busy")
 
+    def _on_disk(self, key: str, seq: int) -> list[str]:
+        """The stages consumed into versions up to ``seq`` of ``key``, which is on disk now (call
+        with the lock held; ``remove`` them once the directory is synced)."""
+        waiting = self.consumed.pop(key, [])
+        later = [(s, path) for s, path in waiting if s > seq]
+        if later:
+            self.consumed[key] = later
+        return [path for s, path in waiting if s <= seq]
+
+    def remove(self, paths: list[str]) -> None:
+        """Remove the array objects at exactly these paths (not a prefix: ``delete``)."""
+        if not paths:
+            return
+        with self.lock:
+            keys = [k for path in paths for k in list(self.by_path.get(path, ()))]
+            for key in keys:
+                self._index_del(key)
+                (self.objects_dir / f"{key}.obj").unlink(missing_ok=True)
+        if keys:
+            self._sync_dir(self.objects_dir)
+
     def list(self, prefix: str) -> list[ObjectInfo]:
         with self.lock:
             infos = [e.info for e in self.index.values() if e.info.path.startswith(prefix)]
@@ -568,21 +604,35 @@ class Store:
             paths = [p for p in self.json if p.startswith(prefix)]
             for path in paths:
                 del self.json[path]
+                self.versions.pop(path, None)
                 (self.json_dir / f"{_key('json', path)}.obj").unlink(missing_ok=True)
         if keys or paths:  # so that deleted objects stay deleted after a crash of the machine
             self._sync_dir(self.objects_dir)
             self._sync_dir(self.json_dir)
         return len(keys) + len(paths)
 
-    def put_json(self, path: str, data: np.ndarray, flush: bool = True) -> None:
-        if flush:
-            self.flush()  # the objects put before a commit marker reach disk before it
-        header = {"path": path, "nbytes": len(data), "checksum": wire.checksum(data)}
+    def _write_json(self, path: str, data: np.ndarray, rid: str | None, rids: list) -> int:
+        """Write a JSON object's file durably with a new version; the version. Its header keeps
+        the ids of the last ``RIDS_KEPT`` requests that wrote it (``[rid, version]``), so that a
+        request tried again after a restart of the store is known as done."""
+        with self.lock:
+            # above every version this store has handed out, and above the wall clock's
+            # microseconds: a store restarted without the file of its highest version (deleted)
+            # still never repeats one
+            self.version = version = max(self.version + 1, time.time_ns() // 1000)
+        header = {
+            "path": path,
+            "nbytes": len(data),
+            "checksum": wire.checksum(data),
+            "version": version,
+            "rids": ([*rids, [rid, version]] if rid else rids)[-RIDS_KEPT:],
+        }
         tmp = self._write_tmp(header, data)
         with self.lock:
             os.replace(tmp, self.json_dir / f"{_key('json', path)}.obj")
-            self.json[path] = len(data)
+            self.json[path], self.versions[path] = len(data), version
         self._sync_dir(self.json_dir)
+        return version
 
     def json_bytes(self, path: str) -> int:
         with self.lock:
@@ -591,9 +641,10 @@ class Store:
             raise StoreError(f"no JSON object at path {path!r}", "not_found")
         return nbytes
 
-    def get_json(self, path: str) -> np.ndarray:
-        """A JSON object's bytes, read from its file (JSON objects are not held in memory) and
-        checked; a file that fails is set aside and the object is gone."""
+    def get_json(self, path: str) -> tuple[dict, np.ndarray]:
+        """A JSON object's file header (its version, the ids of its last writes) and bytes, read
+        from its file (JSON objects are not held in memory) and checked; a file that fails is
+        set aside and the object is gone."""
         file = self.json_dir / f"{_key('json', path)}.obj"
         try:
             header, data = self._read_file(file)
@@ -608,70 +659,7 @@ class Store:
             raise StoreError(
                 f"JSON object {path!r} is corrupt on disk ({error!r}); it is not served", "corrupt"
             ) from None
-        return data
-
-    # -- read-modify-write: one at a time per path ---------------------------------------------
-
-    def _path_lock(self, kind: str, path: str) -> threading.Lock:
-        with self.lock:
-            return self.path_locks.setdefault((kind, path), threading.Lock())
-
-    def accumulate(self, path: str, stage: str, name: str, clock: int) -> tuple[ObjectInfo, bool]:
-        """Add the whole float array at ``stage`` into the whole array at ``path``, once per
-        ``(name, clock)``: applied when the array holds exactly ``clock`` waves of ``name`` (its
-        ``clocks``), skipped when it holds more, refused when fewer (a wave out of turn).
-        (the array's record, whether it was applied). Accumulates of one path take turns, and
-        the new array replaces the old atomically: a reader sees one or the other, whole."""
-        with self._path_lock("array", path):
-            entry, data = self.read(self.find(path, None))
-            info = entry.info
-            have = dict(info.clocks).get(name, 0)
-            if clock < have:
-                return info, False
-            where = f"accumulate of {stage!r} into {path!r} by {name!r}"
-            if clock > have:
-                raise StoreError(
-                    f"{where}: wave {clock} is out of turn; the array holds "
-                    f"{have} waves of {name!r}",
-                    "refused",
-                )
-            staged, update = self.read(self.find(stage, None))
-            dtype = wire.dtype_of(info.dtype)
-            whole = info.box == boxes.full(info.global_shape)
-            same = (staged.info.global_shape, staged.info.dtype, staged.info.box) == (
-                info.global_shape,
-                info.dtype,
-                info.box,
-            )
-            if not (whole and same and dtype.kind == "f"):
-                raise StoreError(
-                    f"{where}: both must be whole float arrays of one shape and dtype; the array "
-                    f"is {info.dtype}{list(info.global_shape)} box {info.box}, the update "
-                    f"{staged.info.dtype}{list(staged.info.global_shape)} box {staged.info.box}",
-                    "refused",
-                )
-            total = np.frombuffer(data, dtype) + np.frombuffer(update, dtype)
-            out = total.view(np.uint8)
-            clocks = tuple(sorted({**dict(info.clocks), name: clock + 1}.items()))
-            new = dataclasses.replace(info, checksum=wire.checksum(out), clocks=clocks)
-            self.put(new, out, durable=False)
-            return new, True
-
-    def cas_json(self, path: str, expect: str | None, data: np.ndarray):
-        """Compare and swap a JSON object: store ``data`` at ``path`` if the object there now has
-        checksum ``expect`` (None: there is none). (swapped, the checksum now, the bytes now)."""
-        with self._path_lock("json", path):
-            try:
-                current = self.get_json(path)
-            except StoreError as error:
-                if error.reason != "not_found":
-                    raise
-                current = None
-            digest = None if current is None else wire.checksum(current)
-            if digest != expect:
-                return False, digest, current
-            self.put_json(path, data, flush=False)
-            return True, wire.checksum(data), data
+        return header, data
 
     def close(self) -> None:
         """Refuse further puts, write every object still only in memory, stop the writer."""

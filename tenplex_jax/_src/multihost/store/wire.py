@@ -10,6 +10,9 @@ has one) with ``hmac.compare_digest`` before it reads anything else. A request w
 breaks a limit is refused before its body is sent, and the connection stays usable. A ``put``
 whose header carries no checksum sends it after the body, in a trailer frame ``{"checksum": ...}``,
 so that the client checksums each chunk as it sends it.
+
+Every request after the hello carries a request id (``"rid"``) that each frame of its reply
+echoes; a client tries a request again with the same id, and the store does it once.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import json
 import math
 import socket
 import struct
-import time
 import zlib
 from typing import Any
 
@@ -60,6 +62,9 @@ class ObjectInfo:
       clocks: for an array that ``accumulate`` updates (a parameter server's weights), how many
         pushes of each pusher it holds, as sorted ``(name, count)`` pairs; empty for any other
         object.
+      sources: for such an array, the checksum of each pusher's last update added into it, as
+        sorted ``(name, checksum)`` pairs: a pusher told its push was in already checks that
+        the update in was its own.
     """
 
     path: str
@@ -69,6 +74,7 @@ class ObjectInfo:
     nbytes: int
     checksum: str
     clocks: tuple[tuple[str, int], ...] = ()
+    sources: tuple[tuple[str, str], ...] = ()
 
     @property
     def shape(self) -> Shape:
@@ -85,7 +91,7 @@ class ObjectInfo:
             "dtype": self.dtype,
             "nbytes": self.nbytes,
             "checksum": self.checksum,
-        } | ({"clocks": dict(self.clocks)} if self.clocks else {})
+        } | ({"clocks": dict(self.clocks), "sources": dict(self.sources)} if self.clocks else {})
 
     @classmethod
     def from_json(cls, obj: Any) -> ObjectInfo:
@@ -113,16 +119,23 @@ class ObjectInfo:
             if not isinstance(digest, str) or not digest.startswith(checksums.PREFIX):
                 raise StoreError(f"checksum {digest!r:.100} is not a crc32")
             clocks = as_clocks(obj.get("clocks", {}))
+            sources = obj.get("sources", {})
+            if not isinstance(sources, dict) or not all(
+                isinstance(v, str) and v.startswith(checksums.PREFIX) for v in sources.values()
+            ):
+                raise StoreError(f"sources {sources!r:.100} are not names to checksums")
+            sources = tuple(sorted((check_name(k), v) for k, v in sources.items()))
         except (KeyError, TypeError, StoreError) as error:
             raise StoreError(
                 f"an object record has a path, a box inside its global shape, a dtype, its byte "
                 f"count and a checksum; got {obj!r:.300} ({error!r:.200})",
                 "protocol",
             ) from None
-        return cls(path, box, global_shape, dtype.name, nbytes, digest, clocks)
+        return cls(path, box, global_shape, dtype.name, nbytes, digest, clocks, sources)
 
 
 MAX_NAME_CHARS = 128  # a pusher's name in an accumulate
+MAX_RID_CHARS = 64  # a request id (the client sends 32 hex digits)
 
 
 def check_name(name: Any) -> str:
@@ -343,42 +356,6 @@ def _unpack_prefix(buf) -> tuple[int, int]:
     if magic != MAGIC:
         raise StoreProtocolError(f"not a tenplex_jax store frame (magic {magic!r})")
     return nheader, nbody
-
-
-def recv_hello(sock: socket.socket, deadline: float) -> tuple[dict, int] | None:
-    """The first frame of a connection, (header, body bytes), whole by ``deadline`` (a
-    ``time.monotonic()`` value) however slowly the peer sends it; None if it closes first.
-    Raises ``TimeoutError`` at the deadline."""
-    timeout = sock.gettimeout()
-
-    def exact(n: int) -> bytearray | None:
-        buf = bytearray()
-        while len(buf) < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the hello was not complete by the handshake deadline")
-            sock.settimeout(left if timeout is None else min(left, timeout))
-            chunk = sock.recv(n - len(buf))
-            if not chunk:
-                return None
-            buf += chunk
-        return buf
-
-    try:
-        prefix = exact(PREFIX.size)
-        if prefix is None:
-            return None
-        nheader, nbody = _unpack_prefix(prefix)
-        if nheader > HELLO_HEADER_BYTES:
-            raise StoreProtocolError(
-                f"a hello header is at most {HELLO_HEADER_BYTES} bytes; got one of {nheader}"
-            )
-        encoded = exact(nheader)
-    finally:
-        sock.settimeout(timeout)
-    if encoded is None:
-        raise ConnectionError("the peer closed the connection within its hello")
-    return _parse_header(encoded), nbody
 
 
 def recv_header(sock: socket.socket, nheader: int, limit: int) -> dict:

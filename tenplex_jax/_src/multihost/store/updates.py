@@ -1,0 +1,323 @@
+"""The store's read-modify-write operations: one at a time per path, and safe to repeat.
+
+- **Puts of an array** take the path's lock, so a put and an accumulate of one path never
+  interleave: the later one wins, whole.
+- **Accumulate** adds a staged float array into a stored one, once per pusher and clock, a chunk
+  at a time (an array larger than the transfer budget streams from file to file). It refuses an
+  update holding NaN or Inf or a sum that overflows, leaving the array as it was. The array's
+  record keeps each pusher's clock and the checksum of its last update (``sources``), so a try
+  repeated after a lost reply, even across a restart of the store, is known as done. With
+  ``consume``, the stage is removed once the new version is on disk (not before: after a crash
+  the stage is the write-ahead record of an update the array's file lacks).
+- **JSON objects** carry a version that only grows and the ids of their last writes (a
+  request's ``rid``), both in their file: a compare-and-swap or put tried again after its reply
+  was lost, even across a restart, answers with its first outcome instead of writing twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+
+from tenplex_jax._src import box as boxes
+from tenplex_jax._src import checksums
+from tenplex_jax._src.errors import StoreError
+from tenplex_jax._src.multihost.store import wire
+from tenplex_jax._src.multihost.store.tiers import Tiers
+from tenplex_jax._src.multihost.store.wire import ObjectInfo
+
+ACCUMULATE_CHUNK_BYTES = 4 << 20  # an accumulate adds this much at a time
+
+
+def _written_by(header: dict | None, rid: str | None) -> int | None:
+    """The version a request ``rid`` wrote, when a JSON object's file remembers it."""
+    if header is None or rid is None:
+        return None
+    return next((v for r, v in header.get("rids", ()) if r == rid), None)
+
+
+class Store(Tiers):
+    """The store's state (:class:`Tiers`) and its read-modify-write operations. Thread-safe."""
+
+    def __init__(self, directory, memory_bytes: int):
+        self.path_locks: dict[tuple[str, str], threading.Lock] = {}
+        super().__init__(directory, memory_bytes)
+
+    def _path_lock(self, kind: str, path: str) -> threading.Lock:
+        with self.lock:
+            return self.path_locks.setdefault((kind, path), threading.Lock())
+
+    # -- arrays ----------------------------------------------------------------------------------
+
+    def put(self, info: ObjectInfo, data: np.ndarray, durable: bool) -> None:
+        """Store an array object (``Tiers._put``) under its path's lock."""
+        with self._path_lock("array", info.path):
+            self._put(info, data, durable)
+
+    def put_file(self, info: ObjectInfo, tmp) -> None:
+        """Install a complete tmp file as an array object (``Tiers._put_file``) under its path's
+        lock."""
+        with self._path_lock("array", info.path):
+            self._put_file(info, tmp)
+
+    def _chunks(self, key: str, step: int) -> Iterator[memoryview]:
+        """An object's bytes, ``step`` at a time: from the memory tier when it is there, else
+        read from its file into one buffer (each chunk is valid until the next), whose checksum
+        is checked after the last chunk: a file that fails is set aside (``"corrupt"``)."""
+        with self.lock:
+            entry = self.index.get(key)
+            if entry is None:
+                raise StoreError("the object was deleted before it was read", "not_found")
+            held = self.memory.get(key)
+            data = held[1] if held is not None and held[0] == entry.seq else None
+        if data is not None:
+            view = memoryview(data)
+            for at in range(0, len(data), step):
+                yield view[at : at + step]
+            return
+        file, crc = self.objects_dir / f"{key}.obj", 0
+        buf = np.empty(min(step, entry.info.nbytes), np.uint8)
+        try:
+            with open(file, "rb") as f:
+                if self._header_of(f) != entry.info.to_json():
+                    raise ValueError("the file holds another version than the index")
+                for at in range(0, entry.info.nbytes, step):
+                    view = memoryview(buf)[: min(step, entry.info.nbytes - at)]
+                    if f.readinto(view) != len(view):
+                        raise ValueError(f"the file ends {at} bytes into its data")
+                    crc = zlib.crc32(view, crc)
+                    yield view
+                if f.read(1):
+                    raise ValueError("the file holds more bytes than its header says")
+            if checksums.text(crc) != entry.info.checksum:
+                raise ValueError(f"checksum {checksums.text(crc)}, its header says so otherwise")
+        except (OSError, ValueError) as error:
+            with self.lock:
+                if self.index.get(key) is entry:
+                    self._index_del(key)
+                    self._set_aside(file, repr(error))
+            raise StoreError(
+                f"object {entry.info.path!r} is corrupt on disk ({error!r}); it is not served",
+                "corrupt",
+            ) from None
+
+    def accumulate(
+        self,
+        path: str,
+        stage: str,
+        name: str,
+        clock: int,
+        *,
+        update: str | None = None,
+        consume: bool = False,
+        check: bool = False,
+        in_memory: bool = True,
+        keep: str | None = None,
+    ) -> tuple[ObjectInfo, bool]:
+        """Add the whole float array at ``stage`` into the whole array at ``path``, once per
+        ``(name, clock)``: applied when the array holds exactly ``clock`` pushes of ``name``,
+        refused when fewer (out of turn). When it holds more, ``applied`` says whether the push
+        in is this update: push ``clock`` was ``name``'s last and its checksum is ``update``.
+
+        ``check`` only checks that the sum would be finite now (raising ``"nonfinite"`` if not),
+        whatever the clocks, changing nothing; ``consume`` removes the stage once the new
+        version is on disk; ``in_memory=False`` writes the sum to a file a chunk at a time (an
+        array larger than the transfer budget); ``keep`` keeps the array's version before the
+        sum as an object at that path (what ``revert`` puts back). Returns (the array's record,
+        applied)."""
+        with self._path_lock("array", path):
+            key = self.find(path, None)
+            info = self.info(key)[0]
+            have = dict(info.clocks).get(name, 0)
+            where = f"accumulate of {stage!r} into {path!r} by {name!r}"
+            if clock < have and not check:  # in already: this push tried again, or another's
+                mine = clock == have - 1 and dict(info.sources).get(name) == update
+                if consume and mine:
+                    self._consume(key, stage)
+                return info, mine
+            if clock > have and not check:
+                raise StoreError(
+                    f"{where}: wave {clock} is out of turn; the array holds "
+                    f"{have} waves of {name!r}",
+                    "refused",
+                )
+            skey = self.find(stage, None)
+            staged = self.info(skey)[0]
+            dtype = wire.dtype_of(info.dtype)
+            whole = info.box == boxes.full(info.global_shape)
+            same = (staged.global_shape, staged.dtype, staged.box) == (
+                info.global_shape,
+                info.dtype,
+                info.box,
+            )
+            if not (whole and same and dtype.kind == "f"):
+                raise StoreError(
+                    f"{where}: both must be whole float arrays of one shape and dtype; the array "
+                    f"is {info.dtype}{list(info.global_shape)} box {info.box}, the update "
+                    f"{staged.dtype}{list(staged.global_shape)} box {staged.box}",
+                    "refused",
+                )
+            out = np.empty(info.nbytes, np.uint8) if in_memory and not check else None
+            sums = self._sums(key, skey, dtype, where, out)
+            if check:
+                for _ in sums:
+                    pass
+                return info, False
+            clocks = tuple(sorted({**dict(info.clocks), name: clock + 1}.items()))
+            sources = tuple(sorted({**dict(info.sources), name: staged.checksum}.items()))
+            new = dataclasses.replace(info, clocks=clocks, sources=sources)
+            if out is not None:
+                for _ in sums:
+                    pass
+                new = dataclasses.replace(new, checksum=wire.checksum(out))
+                if keep is not None:
+                    self._keep(key, info, keep)
+                self._put(new, out, durable=False)
+                if consume:
+                    self._consume(key, stage)
+                return new, True
+            tmp, digest = self._write_chunks({**new.to_json(), "checksum": None}, sums)
+            new = dataclasses.replace(new, checksum=digest)
+            try:
+                if keep is not None:
+                    self._keep(key, info, keep)
+                self._put_file(new, tmp)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            if consume:
+                self.remove([stage])
+            return new, True
+
+    def _sums(self, key: str, skey: str, dtype, where: str, out: np.ndarray | None):
+        """``array + update`` a chunk at a time, each chunk checked finite (``"nonfinite"``
+        naming the first bad element), into ``out`` (bytes) or else one scratch buffer (each
+        chunk valid until the next)."""
+        step = max(1, ACCUMULATE_CHUNK_BYTES // dtype.itemsize) * dtype.itemsize
+        scratch = np.empty(0, dtype)
+        for at, (a, b) in zip(
+            range(0, 1 << 62, step), zip(self._chunks(key, step), self._chunks(skey, step))
+        ):
+            x, y = np.frombuffer(a, dtype), np.frombuffer(b, dtype)
+            if out is not None:
+                buf = out[at : at + len(a)].view(dtype)
+            else:
+                if len(scratch) != len(x):
+                    scratch = np.empty(len(x), dtype)
+                buf = scratch
+            with np.errstate(over="ignore", invalid="ignore"):
+                np.add(x, y, out=buf)
+            bad = np.flatnonzero(~np.isfinite(buf))
+            if len(bad):
+                i = int(bad[0])
+                what = (
+                    f"the update holds {y[i]}"
+                    if not np.isfinite(y[i])
+                    else f"the sum overflows: {x[i]} + {y[i]}"
+                )
+                raise StoreError(
+                    f"{where}: {what} at element {at // dtype.itemsize + i} (and "
+                    f"{len(bad) - 1} more in that chunk); a non-finite update is refused and "
+                    f"the array is unchanged",
+                    "nonfinite",
+                )
+            yield buf.view(np.uint8)
+
+    def _keep(self, key: str, info: ObjectInfo, keep: str) -> None:
+        """Keep the version ``info`` of ``key`` at path ``keep``: the bytes the memory tier holds
+        (written back to disk as any put), else copied from its file a chunk at a time."""
+        kept = dataclasses.replace(info, path=wire.check_path(keep))
+        with self.lock:
+            held = self.memory.get(key)
+            entry = self.index.get(key)
+            data = held[1] if held is not None and entry and held[0] == entry.seq else None
+        if data is not None:
+            self._put(kept, data, durable=False)
+            return
+        tmp, _ = self._write_chunks(kept.to_json(), self._chunks(key, ACCUMULATE_CHUNK_BYTES))
+        self._put_file(kept, tmp)
+
+    def revert(self, path: str, kept: str, name: str, clock: int, check: bool) -> ObjectInfo:
+        """Put back the version of ``path`` kept at ``kept`` by the accumulate of push ``clock``
+        of ``name``, which must be the last one into ``path``. The array's clocks and sources
+        stay: the push counts as made, its update undone. ``check``: only check."""
+        with self._path_lock("array", path):
+            key, kkey = self.find(path, None), self.find(kept, None)
+            info, before = self.info(key)[0], self.info(kkey)[0]
+            undone = {k: v for k, v in {**dict(info.clocks), name: clock}.items() if v}
+            kept_clocks = {k: v for k, v in before.clocks if v}
+            if dict(info.clocks).get(name) != clock + 1 or kept_clocks != undone:
+                raise StoreError(
+                    f"revert of {path!r} to {kept!r}: push {clock} of {name!r} is not the last "
+                    f"update into it (the array holds pushes {dict(info.clocks)}, the version "
+                    f"kept {dict(before.clocks)}); only the last one can be undone",
+                    "refused",
+                )
+            if check:
+                return info
+            new = dataclasses.replace(info, checksum=before.checksum)
+            _, data = self.read(kkey)
+            self._put(new, data, durable=False)
+            self.remove([kept])
+            return new
+
+    def _consume(self, key: str, stage: str) -> None:
+        """Remove ``stage`` once the array's version now in the index is on disk (now, if it
+        is)."""
+        with self.lock:
+            entry = self.index.get(key)
+            if entry is not None and not entry.on_disk:
+                self.consumed.setdefault(key, []).append((entry.seq, stage))
+                return
+        self.remove([stage])
+
+    # -- JSON objects ------------------------------------------------------------------------
+
+    def _json_now(self, path: str) -> tuple[dict | None, np.ndarray | None]:
+        """A JSON object's file header and bytes, or (None, None) when there is none."""
+        try:
+            return self.get_json(path)
+        except StoreError as error:
+            if error.reason != "not_found":
+                raise
+            return None, None
+
+    def put_json(self, path: str, data: np.ndarray, flush: bool = True, rid=None) -> int:
+        """Store a JSON object (after every object put before it is on disk, unless ``flush``
+        is False); its version. A request ``rid`` that wrote it already is not written again."""
+        with self._path_lock("json", path):
+            header, _ = self._json_now(path)
+            done = _written_by(header, rid)
+            if done is not None:
+                return done
+            if flush:
+                self.flush()  # the objects put before a commit marker reach disk before it
+            return self._write_json(path, data, rid, [] if header is None else header["rids"])
+
+    def cas_json(
+        self, path: str, expect: int | None, data: np.ndarray, rid=None
+    ) -> tuple[bool, int | None, np.ndarray | None]:
+        """Compare and swap a JSON object: store ``data`` at ``path`` if the object there now is
+        version ``expect`` (None: there is none). (swapped, the version now, the bytes now when
+        not swapped). A request ``rid`` that swapped already answers as it did."""
+        with self._path_lock("json", path):
+            header, current = self._json_now(path)
+            done = _written_by(header, rid)
+            if done is not None:
+                return True, done, None
+            version = None if header is None else int(header.get("version", 0))
+            if version != expect:
+                return False, version, current
+            rids = [] if header is None else header.get("rids", [])
+            return True, self._write_json(path, data, rid, rids), None
+
+    def json_version(self, path: str) -> int:
+        with self.lock:
+            version = self.versions.get(path)
+        if version is None:
+            raise StoreError(f"no JSON object at path {path!r}", "not_found")
+        return version
