@@ -291,6 +291,7 @@ def _clean_run(stores) -> tuple[Run, list]:
     return run, proxies
 
 
+@pytest.mark.slow
 def test_the_parameter_server_survives_each_reply_dropped_delayed_or_duplicated(stores):
     """A clean run through the proxies records the ops the parameter server uses on each store;
     then one run per store x op x fault, the fault on the middle request of that op (a delay of

@@ -110,8 +110,10 @@ class StoreError(TenplexError, RuntimeError):
     Args:
       message: what failed, naming the store, the path and the box.
       reason: which failure, for code to decide on: ``"not_found"``, ``"corrupt"``,
-        ``"too_large"``, ``"auth"``, ``"unavailable"``, ``"protocol"``, ``"refused"``, ...;
-        ``"invalid"`` (the default) for bad arguments caught before anything was sent.
+        ``"too_large"``, ``"auth"``, ``"unavailable"``, ``"protocol"``, ``"busy"``,
+        ``"refused"``, ``"nonfinite"`` (an accumulate's update holds NaN or Inf, or its sum
+        overflows), ...; ``"invalid"`` (the default) for bad arguments caught before anything
+        was sent.
 
     Attributes:
       reason: as given.

@@ -65,8 +65,8 @@ class ParameterServer:
     Attributes:
       layout: leaf path -> the index of the store holding it (after :meth:`create` or
         :meth:`open`).
-      push_seconds: the phases of the last :meth:`push` (``stage``: put and on disk,
-        ``check``, ``commit``, ``apply``), seconds.
+      push_seconds: the phases of the last :meth:`push`, seconds: ``stage`` (the puts),
+        ``flush`` (seeing them on disk), ``check`` (finite), ``commit``, ``apply``.
 
     Raises:
       WSPError: no addresses (``"invalid"``).
@@ -216,39 +216,16 @@ class ParameterServer:
                 f"{sorted(missing)[:5]}",
                 "invalid",
             )
-        stage = f"{STAGE}{vw}/{wave}/"
-        sources, tic = {}, time.perf_counter()
-        phases = self.push_seconds = {}
+        stage, tic = f"{STAGE}{vw}/{wave}/", time.perf_counter()
+        phases = self.push_seconds = dict.fromkeys(
+            ("stage", "flush", "check", "commit", "apply"), 0.0
+        )
 
         def phase(name: str) -> None:
             nonlocal tic
-            phases[name], tic = time.perf_counter() - tic, time.perf_counter()
+            phases[name], tic = phases[name] + time.perf_counter() - tic, time.perf_counter()
 
-        missing = list(self.layout)
-        for _ in range(STAGE_TRIES):
-            for path in missing:
-                update = np.asarray(updates[path], np.float32)
-                sources[path] = self.clients[self.layout[path]].put(stage + path, update).checksum
-            # the stage is the wave's write-ahead record: on disk before the commit. A store
-            # that restarted since a put lost what it held in memory only: seen on the store
-            # after the flush, a stage is on its disk; one missing is put again
-            for store in sorted(set(self.layout.values())):
-                self.clients[store].flush()
-            there = {
-                info.path[len(stage) :]: info.checksum
-                for store in sorted(set(self.layout.values()))
-                for info in self.clients[store].list(stage)
-            }
-            missing = [p for p in self.layout if there.get(p) != sources[p]]
-            if not missing:
-                break
-        else:
-            raise WSPError(
-                f"push of wave {wave} by {vw!r}: the stage of {missing[:5]} did not stay on its "
-                f"store in {STAGE_TRIES} tries (a store restarting over and over?)",
-                "busy",
-            )
-        phase("stage")
+        sources = self._stage(stage, updates, phase)
         try:
             for path, store in self.layout.items():
                 self.clients[store].accumulate(
@@ -271,6 +248,34 @@ class ParameterServer:
         self.apply(vw, wave, wave - ledger.starts[vw], sources)
         phase("apply")
         return ledger
+
+    def _stage(self, stage: str, updates: Mapping[str, np.ndarray], phase) -> dict[str, str]:
+        """Put every leaf's update under ``stage`` and see it on its store's disk (the wave's
+        write-ahead record, before the commit); the checksums. A store that restarted since a
+        put lost what it held in memory only: a stage listed after the flush is on disk, and
+        one missing is put again."""
+        sources, missing, stores = {}, list(self.layout), sorted(set(self.layout.values()))
+        for _ in range(STAGE_TRIES):
+            for path in missing:
+                update = np.asarray(updates[path], np.float32)
+                sources[path] = self.clients[self.layout[path]].put(stage + path, update).checksum
+            phase("stage")
+            for store in stores:
+                self.clients[store].flush()
+            there = {
+                info.path[len(stage) :]: info.checksum
+                for store in stores
+                for info in self.clients[store].list(stage)
+            }
+            phase("flush")
+            missing = [p for p in self.layout if there.get(p) != sources[p]]
+            if not missing:
+                return sources
+        raise WSPError(
+            f"the stage {stage!r} of {missing[:5]} did not stay on its store in {STAGE_TRIES} "
+            f"tries (a store restarting over and over?)",
+            "busy",
+        )
 
     def _drop_stage(self, stage: str) -> None:
         for client in self.clients:

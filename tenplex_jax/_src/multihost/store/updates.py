@@ -31,6 +31,7 @@ from tenplex_jax._src.multihost.store.tiers import Tiers
 from tenplex_jax._src.multihost.store.wire import ObjectInfo
 
 ACCUMULATE_CHUNK_BYTES = 4 << 20  # an accumulate adds this much at a time
+PATH_LOCKS = 1024
 
 
 def _written_by(header: dict | None, rid: str | None) -> int | None:
@@ -44,12 +45,13 @@ class Store(Tiers):
     """The store's state (:class:`Tiers`) and its read-modify-write operations. Thread-safe."""
 
     def __init__(self, directory, memory_bytes: int):
-        self.path_locks: dict[tuple[str, str], threading.Lock] = {}
+        # a fixed set of locks, a path's chosen by its hash: one per path would grow with every
+        # stage a long run puts; two paths sharing one only take turns
+        self.path_locks = [threading.Lock() for _ in range(PATH_LOCKS)]
         super().__init__(directory, memory_bytes)
 
     def _path_lock(self, kind: str, path: str) -> threading.Lock:
-        with self.lock:
-            return self.path_locks.setdefault((kind, path), threading.Lock())
+        return self.path_locks[hash((kind, path)) % PATH_LOCKS]
 
     # -- arrays ----------------------------------------------------------------------------------
 
