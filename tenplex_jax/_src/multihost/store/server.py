@@ -437,8 +437,18 @@ class Handler(socketserver.BaseRequestHandler):
             del obj
         return path, data
 
+    def _done_before(self, sock: socket.socket, header: dict, **reply) -> bool:
+        """Answer a JSON write this store has done already (its reply was lost and the client
+        tries again) with its outcome, before its body is sent again; whether it was one."""
+        done = self.server.store.written_by(wire.check_path(header.get("path")), self.rid)
+        if done is not None:
+            self._send(sock, {"ok": True, "version": done, "time": time.time(), **reply})
+        return done is not None
+
     def _put_json(self, sock: socket.socket, header: dict, nbody: int) -> None:
         what = f"put_json of {header.get('path')!r:.200}"
+        if self._done_before(sock, header):
+            return
         path, data = self._json_body(sock, header, nbody, what)
         with self.server.budget.hold(nbody, what):
             flush = header.get("flush", True) is not False
@@ -468,6 +478,8 @@ class Handler(socketserver.BaseRequestHandler):
             )
         what = f"cas_json of {header.get('path')!r:.200}"
         store = self.server.store
+        if self._done_before(sock, header, swapped=True):
+            return
         path, data = self._json_body(sock, header, nbody, what)
         with store.lock:  # the object now, as read back to compare (a racing put may grow it)
             current = store.json.get(path, 0)

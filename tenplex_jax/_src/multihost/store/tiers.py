@@ -106,6 +106,8 @@ class Tiers:
         self.dirty_bytes = 0
         self.json: dict[str, int] = {}  # path -> bytes of the JSON objects (on disk only)
         self.versions: dict[str, int] = {}  # path -> the JSON object's version
+        # path -> {rid: version} of its last RIDS_KEPT writes (also in its file's header)
+        self.json_rids: dict[str, dict[str, int]] = {}
         self.version = 0  # the highest version handed out (versions only grow)
         # array key -> [(seq, stage path)]: stages consumed by accumulates, removed once the
         # array's version ``seq`` (or a later one) is on disk
@@ -190,6 +192,7 @@ class Tiers:
                 continue
             self.json[header["path"]] = len(data)
             self.versions[header["path"]] = int(header.get("version", 0))
+            self.json_rids[header["path"]] = {str(r): int(v) for r, v in header.get("rids", ())}
         self.version = max(self.versions.values(), default=0)
 
     @staticmethod
@@ -605,13 +608,20 @@ class Tiers:
             for path in paths:
                 del self.json[path]
                 self.versions.pop(path, None)
+                self.json_rids.pop(path, None)
                 (self.json_dir / f"{_key('json', path)}.obj").unlink(missing_ok=True)
         if keys or paths:  # so that deleted objects stay deleted after a crash of the machine
             self._sync_dir(self.objects_dir)
             self._sync_dir(self.json_dir)
         return len(keys) + len(paths)
 
-    def _write_json(self, path: str, data: np.ndarray, rid: str | None, rids: list) -> int:
+    def written_by(self, path: str, rid: str | None) -> int | None:
+        """The version of JSON object ``path`` that request ``rid`` wrote, if it is one of the
+        object's last ``RIDS_KEPT`` writes (known across a restart: they are in its file)."""
+        with self.lock:
+            return self.json_rids.get(path, {}).get(rid) if rid else None
+
+    def _write_json(self, path: str, data: np.ndarray, rid: str | None) -> int:
         """Write a JSON object's file durably with a new version; the version. Its header keeps
         the ids of the last ``RIDS_KEPT`` requests that wrote it (``[rid, version]``), so that a
         request tried again after a restart of the store is known as done."""
@@ -620,17 +630,19 @@ class Tiers:
             # microseconds: a store restarted without the file of its highest version (deleted)
             # still never repeats one
             self.version = version = max(self.version + 1, time.time_ns() // 1000)
+            rids = [*self.json_rids.get(path, {}).items(), *([(rid, version)] if rid else [])]
         header = {
             "path": path,
             "nbytes": len(data),
             "checksum": wire.checksum(data),
             "version": version,
-            "rids": ([*rids, [rid, version]] if rid else rids)[-RIDS_KEPT:],
+            "rids": [list(pair) for pair in rids[-RIDS_KEPT:]],
         }
         tmp = self._write_tmp(header, data)
         with self.lock:
             os.replace(tmp, self.json_dir / f"{_key('json', path)}.obj")
             self.json[path], self.versions[path] = len(data), version
+            self.json_rids[path] = dict(rids[-RIDS_KEPT:])
         self._sync_dir(self.json_dir)
         return version
 

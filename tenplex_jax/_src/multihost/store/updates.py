@@ -34,13 +34,6 @@ ACCUMULATE_CHUNK_BYTES = 4 << 20  # an accumulate adds this much at a time
 PATH_LOCKS = 1024
 
 
-def _written_by(header: dict | None, rid: str | None) -> int | None:
-    """The version a request ``rid`` wrote, when a JSON object's file remembers it."""
-    if header is None or rid is None:
-        return None
-    return next((v for r, v in header.get("rids", ()) if r == rid), None)
-
-
 class Store(Tiers):
     """The store's state (:class:`Tiers`) and its read-modify-write operations. Thread-safe."""
 
@@ -292,13 +285,12 @@ class Store(Tiers):
         """Store a JSON object (after every object put before it is on disk, unless ``flush``
         is False); its version. A request ``rid`` that wrote it already is not written again."""
         with self._path_lock("json", path):
-            header, _ = self._json_now(path)
-            done = _written_by(header, rid)
+            done = self.written_by(path, rid)
             if done is not None:
                 return done
             if flush:
                 self.flush()  # the objects put before a commit marker reach disk before it
-            return self._write_json(path, data, rid, [] if header is None else header["rids"])
+            return self._write_json(path, data, rid)
 
     def cas_json(
         self, path: str, expect: int | None, data: np.ndarray, rid=None
@@ -307,15 +299,14 @@ class Store(Tiers):
         version ``expect`` (None: there is none). (swapped, the version now, the bytes now when
         not swapped). A request ``rid`` that swapped already answers as it did."""
         with self._path_lock("json", path):
-            header, current = self._json_now(path)
-            done = _written_by(header, rid)
+            done = self.written_by(path, rid)
             if done is not None:
                 return True, done, None
+            header, current = self._json_now(path)
             version = None if header is None else int(header.get("version", 0))
             if version != expect:
                 return False, version, current
-            rids = [] if header is None else header.get("rids", [])
-            return True, self._write_json(path, data, rid, rids), None
+            return True, self._write_json(path, data, rid), None
 
     def json_version(self, path: str) -> int:
         with self.lock:
