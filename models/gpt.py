@@ -77,6 +77,10 @@ def moe_config(**sizes: int) -> ParallelConfig:
     return ParallelConfig.of({axis: sizes.get(axis, 1) for axis in MOE_AXES})
 
 
+# GPT-3 paper sizes (Brown et al. 2020, table 2.1): (layers, d_model, heads), the models of the
+# Tenplex paper's experiments.
+GPT3_DIMS = {"1.3b": (24, 2048, 16), "2.7b": (32, 2560, 32), "6.7b": (32, 4096, 32)}
+
 # The per-layer weights, stacked along a leading ``layers`` dim.
 STACKED = ("ln1_scale", "wq", "wk", "wv", "wo", "ln2_scale", "w1", "b1", "w2", "b2")
 STACKED_MOE = STACKED + ("router",)
@@ -145,6 +149,22 @@ class GPTConfig:
         return dataclasses.replace(cls.small(), n_experts=4, d_ff=128)
 
     @classmethod
+    def gpt3(cls, size: str) -> GPTConfig:
+        """A GPT-3 paper model (Brown et al. 2020, table 2.1) by size, ``"1.3b"``, ``"2.7b"`` or
+        ``"6.7b"``: context 2048, ``d_ff = 4 * d_model``, the vocabulary of 50257 padded to
+        50304 (a multiple of 128, as Megatron-LM pads it, so tensor parallelism divides it).
+        For planning and simulating: abstract, never trained here."""
+        layers, d_model, heads = GPT3_DIMS[size]
+        return cls(
+            vocab=50304,
+            seq_len=2048,
+            d_model=d_model,
+            n_layers=layers,
+            n_heads=heads,
+            d_ff=4 * d_model,
+        )
+
+    @classmethod
     def by_name(cls, name: str) -> GPTConfig:
         """Look up a preset by name, e.g. from a command-line flag."""
         presets: dict[str, Callable[[], GPTConfig]] = {
@@ -153,7 +173,7 @@ class GPTConfig:
             "gpt100m": cls.gpt100m,
             "moe-tiny": cls.moe_tiny,
             "moe-small": cls.moe_small,
-        }
+        } | {f"gpt3-{size}": functools.partial(cls.gpt3, size) for size in GPT3_DIMS}
         if name not in presets:
             raise ValueError(f"unknown GPT preset {name!r}; valid names: {sorted(presets)}")
         return presets[name]()

@@ -3,14 +3,17 @@ tell the policies apart (no devices: abstract states on bare device ids)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import strategies as st
 
 import tenplex_jax as tj
 from tenplex_jax._src.cli import main
@@ -125,7 +128,7 @@ def test_restore_reads_each_box_once_per_node_and_copies_it_to_each_device():
     assert estimate.bottleneck == "storage_read node 0"
 
 
-def test_a_trace_scales_by_whole_multiples():
+def test_a_trace_scales_to_the_cluster_both_ways():
     trace = ResourceTrace(
         "t",
         4,
@@ -133,13 +136,18 @@ def test_a_trace_scales_by_whole_multiples():
         (
             tj.elastic.TraceEvent(2, "preempt", count=1),
             tj.elastic.TraceEvent(3, "fail", devices=(3,)),
+            tj.elastic.TraceEvent(4, "offer", devices=(0, 1)),
         ),
     )
-    big = tj.simulator.scale(trace, 16)
+    big = tj.simulator.scale(trace, 16)  # a whole multiple: device i is devices 4i..4i+3
     assert big.devices == 16 and big.events[0].count == 4
     assert big.events[1].devices == (12, 13, 14, 15)
-    with pytest.raises(tj.errors.LayoutError, match="multiple"):
-        tj.simulator.scale(trace, 6)
+    odd = tj.simulator.scale(trace, 6)  # by proportion: 1.5 devices each, counts rounded up
+    assert odd.events[0].count == 2 and odd.events[1].devices == (4, 5)
+    assert odd.events[2].devices == (0, 1, 2)
+    small = tj.simulator.scale(trace, 2)  # two trace devices share one; never zero of them
+    assert small.events[0].count == 1 and small.events[1].devices == (1,)
+    assert small.events[2].devices == (0,)
 
 
 def _simulation(nodes=16, **costs):
@@ -243,3 +251,200 @@ def test_cluster_fields_for_the_simulator_are_checked():
         tj.planner.Cluster.from_dict(base | {"storage": 4})
     with pytest.raises(tj.errors.PlanError, match="storage_gbps > 0"):
         tj.planner.Cluster.from_dict(base | {"storage_gbps": 0})
+
+
+# --- every shipped cluster x trace x model preset: a result, or a one-line refusal; the job's
+# devices as a scheduler hands them out (idle devices kept, waiting with none, fewer per node) ---
+
+
+def _shipped():
+    """The cluster and trace files in meshes/ (a trace has ``steps``)."""
+    import pathlib
+    import tomllib
+
+    clusters, traces = [], []
+    for path in sorted((pathlib.Path(__file__).parent.parent / "meshes").glob("*.toml")):
+        (traces if "steps" in tomllib.loads(path.read_text()) else clusters).append(path)
+    return clusters, traces
+
+
+@functools.cache
+def _preset(name: str):
+    """(abstract state, rules, profile, global batch) of a ``--model`` preset, as the command
+    line builds it."""
+    from tenplex_jax._src.cli.simulate import DEFAULT_BATCH
+    from tenplex_jax_models import LOGICAL_RULES, build_state, profile_of
+
+    if name == "llm-70b":
+        return llm.abstract_state(), llm.LLM_RULES, llm.profile(), DEFAULT_BATCH[name]
+    state = build_state(name, lr=1e-3, abstract=True)[1]
+    return state, LOGICAL_RULES, profile_of(name), DEFAULT_BATCH.get(name, 64)
+
+
+def _outcome(cluster, name: str, trace, **costs):
+    """``simulate``'s result, or the TenplexError it raised (checked to be one line naming the
+    model and the cluster); any other exception propagates."""
+    state, rules, profile, batch = _preset(name)
+    sim = tj.simulator.Simulation(
+        cluster, profile, state, rules, batch, costs=tj.simulator.Costs(**costs)
+    )
+    try:
+        result = tj.simulator.simulate(sim, trace)
+    except tj.errors.TenplexError as error:
+        message = str(error)
+        assert "\n" not in message and message, repr(message)
+        assert profile.name in message and cluster.name in message, message
+        return error
+    # work a failure lost leaves the clock's training segments, so a later fallback to the
+    # checkpoint cannot count it twice (it once made goodput negative)
+    for summary in result["policies"].values():
+        assert 0.0 <= summary["goodput"] <= 1.0 + 1e-9, summary
+    return result
+
+
+def test_a_layout_uses_fewer_devices_of_a_node_when_a_prime_count_fits_none():
+    state, rules, profile, batch = _preset("gpt100m")
+    cpu8 = tj.planner.Cluster.load(_shipped()[0][0].parent / "cpu8.toml")
+    sim = tj.simulator.Simulation(cpu8, profile, state, rules, batch)
+    layout = sim.layout(range(7))  # fsdp=7 divides no dim, data=7 does not fit 2 GiB
+    assert layout.devices == tuple(range(len(layout.devices))) and 4 <= len(layout.devices) < 7
+    with pytest.raises(tj.errors.PlanError, match=r"gpt100m.* 2 devices of 'cpu8'"):
+        sim.layout(range(2))
+
+
+def _trace(devices, *events, steps=100, minutes=100):
+    return ResourceTrace.from_dict(
+        {"name": "t", "devices": devices, "steps": steps, "minutes": minutes, "events": events}
+    )
+
+
+def test_a_job_with_no_device_waits_then_resumes_on_an_offer():
+    cluster = _cluster(nodes=2, per_node=4)
+    trace = _trace(
+        8,
+        {"step": 20, "kind": "preempt", "count": 8},
+        {"step": 30, "kind": "fail", "count": 1},  # nothing left to take: no effect
+        {"step": 60, "kind": "offer", "count": 4},
+    )
+    result = _outcome(cluster, "tiny", trace)
+    wait, idle, resume = result["events"]
+    assert (wait["decision"], wait["devices_after"], wait["config_after"]) == (
+        "wait",
+        0,
+        "(no device)",
+    )
+    assert idle["decision"] == "wait" and idle["policies"]["tenplex"]["seconds"] == 0
+    assert resume["decision"] == "resume" and resume["devices_after"] == 4
+    for policy, summary in result["policies"].items():
+        # 40 of the 100 minutes without a device: a stall, never training
+        assert wait["policies"][policy]["wait"] == pytest.approx(40 * 60)
+        assert summary["stall_seconds"] >= 40 * 60
+        assert summary["productive_seconds"] <= 60 * 60
+    points = result["timeline"]["tenplex"]
+    assert (20.0, 0) in [(round(m, 6), d) for m, d, _ in points]
+    # with no offer after it, the job waits to the end
+    alone = _outcome(cluster, "tiny", _trace(8, {"step": 50, "kind": "fail", "count": 8}))
+    assert alone["policies"]["tenplex"]["productive_seconds"] <= 50 * 60
+
+
+def test_a_declined_offer_stays_with_the_job_and_a_preemption_takes_it_first():
+    # gpt tiny on 8 devices: the offer of 4 more at the last step cannot pay for a restart
+    cluster = _cluster(nodes=3, per_node=4)
+    trace = _trace(
+        12,
+        {"step": 10, "kind": "preempt", "count": 4},
+        {"step": 98, "kind": "offer", "count": 4},
+        {"step": 99, "kind": "preempt", "count": 4},
+    )
+    result = _outcome(cluster, "tiny", trace)
+    shrink, offer, preempt = result["events"]
+    assert shrink["decision"] == "change" and offer["decision"] == "stay"
+    assert offer["devices_after"] == 12 and offer["used_after"] == 12  # the layout declined
+    # the preemption takes the 4 idle devices the job holds: its layout stays
+    assert preempt["decision"] == "keep" and preempt["devices_after"] == 8
+    assert preempt["config_after"] == shrink["config_after"]
+    assert preempt["policies"]["tenplex"]["seconds"] == 0
+
+
+def _device_types():
+    """Every device type of the shipped clusters, once."""
+    types = {}
+    for path in _shipped()[0]:
+        for t in tj.planner.Cluster.load(path).types:
+            types.setdefault(t.name, t)
+    return tuple(types.values())
+
+
+_TYPES = _device_types()
+
+
+@st.composite
+def _clusters(draw):
+    nodes = draw(
+        st.lists(
+            st.tuples(st.integers(0, len(_TYPES) - 1), st.integers(1, 4)), min_size=1, max_size=3
+        )
+    )
+    kinds = tuple(k for k, count in nodes for _ in range(count))
+    ids = tuple(n for n, (_, count) in enumerate(nodes) for _ in range(count))
+    gbps = draw(st.sampled_from([7, 25, 50]))
+    return tj.planner.Cluster("random", _TYPES, kinds, ids, gbps * GB)
+
+
+@st.composite
+def _traces(draw):
+    devices = draw(st.integers(1, 12))
+    steps = draw(st.lists(st.integers(1, 49), max_size=6).map(sorted))
+    events = []
+    for step in steps:
+        kind = draw(st.sampled_from(["preempt", "fail", "offer", "redeploy"]))
+        ids = st.lists(st.integers(0, devices - 1), min_size=1, max_size=devices, unique=True)
+        if kind == "redeploy" or draw(st.booleans()):
+            events.append({"step": step, "kind": kind, "devices": draw(ids)})
+        else:
+            events.append({"step": step, "kind": kind, "count": draw(st.integers(1, devices))})
+    minutes = draw(st.sampled_from([None, 5, 600]))
+    data = {"name": "random", "devices": devices, "steps": 50, "events": events}
+    return ResourceTrace.from_dict(data | ({"minutes": minutes} if minutes else {}))
+
+
+@hypothesis.settings(max_examples=40, deadline=None, derandomize=True)
+@hypothesis.given(cluster=_clusters(), trace=_traces())
+def test_any_small_cluster_and_trace_simulates_or_refuses_in_one_line(cluster, trace):
+    outcome = _outcome(cluster, "tiny", trace)
+    if isinstance(outcome, dict):
+        assert len(outcome["events"]) == len(trace.events)
+        for row in outcome["events"]:
+            assert row["decision"] in ("change", "grow", "stay", "keep", "wait", "resume")
+            assert row["devices_after"] <= cluster.num_devices
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "path",
+    # the clusters of 1,024 and 4,096 devices take 1 and 2 minutes on one core: their matrix is
+    # run by ``benchmarks/simulate_matrix.py`` and recorded in RESULTS.md
+    [p for p in _shipped()[0] if tj.planner.Cluster.load(p).num_devices <= 64],
+    ids=lambda path: path.stem,
+)
+def test_every_shipped_cluster_trace_and_model_simulates_or_refuses_in_one_line(path):
+    from tenplex_jax._src.cli.simulate import MODELS
+
+    traces = _shipped()[1]
+    assert len(traces) >= 2
+    cluster = tj.planner.Cluster.load(path)
+    refused = []
+    for trace_path in traces:
+        trace = ResourceTrace.load(trace_path)
+        for name in MODELS:
+            outcome = _outcome(cluster, name, trace)
+            if isinstance(outcome, dict):
+                for summary in outcome["policies"].values():
+                    assert 0.0 <= summary["goodput"] <= 1.0, (trace_path.stem, name, summary)
+            else:  # the model does not fit: the planner found no layout on the devices left
+                assert isinstance(outcome, tj.errors.PlanError), outcome
+                assert "no layout of" in str(outcome), outcome
+                refused.append(name)
+    # the small presets run on every cluster but the 4096 devices their batch of 64 cannot use
+    if cluster.num_devices <= 1024:
+        assert not {"tiny", "small"} & set(refused), refused

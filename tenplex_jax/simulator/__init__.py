@@ -8,9 +8,14 @@ devices, with no devices (``tenplex-jax simulate`` is its command line)::
 A ``Network`` turns a plan's bytes into seconds on links, NICs, host copies and storage; three
 policies (``POLICIES``) are compared: tenplex's transformation from the tensor stores, the same
 through one node, and checkpoint-restart, with the costs the network does not derive in ``Costs``.
+``fixed_change`` prices one given change (no planner), ``failure_trace`` draws node failures from a
+mean time to failure (``merge`` lays them beside another trace), ``young_daly`` is the checkpoint
+interval every policy uses when a failure rate is known.
 """
 
-from tenplex_jax._src.simulator.costs import POLICIES, Costs
+from tenplex_jax._src.simulator.costs import POLICIES, Costs, young_daly
+from tenplex_jax._src.simulator.failures import failure_trace, merge
+from tenplex_jax._src.simulator.fixed import fixed_change
 from tenplex_jax._src.simulator.network import Estimate, Network, Traffic, device_traffic
 from tenplex_jax._src.simulator.replay import Layout, Simulation, scale, simulate
 
@@ -23,6 +28,10 @@ __all__ = [
     "Simulation",
     "Traffic",
     "device_traffic",
+    "failure_trace",
+    "fixed_change",
+    "merge",
     "scale",
     "simulate",
+    "young_daly",
 ]

@@ -1,8 +1,8 @@
 """``tenplex-jax simulate``: replay a resource trace on a described cluster, with no devices.
 
 The simulator's core is ``tenplex_jax.simulator``; this module supplies the models (the
-repository's GPT presets and a 70B-class decoder, from ``tenplex_jax_models``), the table, the
-plot and the JSON.
+repository's GPT presets, the GPT-3 paper's sizes, any dimensions, and a 70B-class decoder, from
+``tenplex_jax_models``), the flags and the JSON; :mod:`.simulate_output` the tables and plots.
 """
 
 from __future__ import annotations
@@ -17,18 +17,29 @@ examples:
   tenplex-jax simulate --cluster meshes/h100-4096.toml --trace meshes/philly-538.toml
       a 70B-class decoder on 4096 H100s through a 538-minute trace: per event the planner's
       layout, the bytes the plan moves and each policy's seconds; goodput per policy
-  tenplex-jax simulate --cluster meshes/cloud-1024.toml --trace meshes/philly-538.toml \\
-      --policy tenplex,checkpoint-restart --out out/sim
-      two policies on a heterogeneous cloud mix; DIR/simulate.json and DIR/simulate.png
+  tenplex-jax simulate --cluster meshes/tenplex-16.toml --model gpt3-2.7b \\
+      --from tensor=4,pipe=2,data=1 --to tensor=4,pipe=2,data=2
+      the Tenplex paper's scale-out, one fixed change: each policy's seconds and their parts
+  tenplex-jax simulate --cluster meshes/h100-4096.toml --trace meshes/philly-538.toml \\
+      --restart-seconds tenplex=5,central=5,checkpoint-restart=60 --compile-seconds 120
+      restart costs per policy; compiles as the facts say (announced: ahead, failure: on demand)
+  tenplex-jax simulate --cluster meshes/h100-4096.toml --mttf-hours 7.9 --mttf-devices 1024 \\
+      --minutes 1440 --seed 1 --out out/sim
+      a day of node failures at a published MTTF (7.9 h at 1024 GPUs, scaling as 1/N), each
+      node repaired after --repair-minutes; checkpoints at the Young/Daly interval
   tenplex-jax simulate --cluster meshes/8xh100.toml --trace meshes/philly.toml --model gpt100m
       the small trace on one node, the 114.5M-parameter GPT
 
-Costs the network model does not derive are flags (restart, compile, commit and checkpoint
-intervals); everything else comes from the cluster description (meshes/README.md).
+Costs the network model does not derive are flags (restart, compile, latency, commit and
+checkpoint intervals); everything else comes from the cluster description (meshes/README.md).
 """
 
-MODELS = ("llm-70b", "tiny", "small", "gpt100m")
-DEFAULT_BATCH = {"llm-70b": 1024}
+PRESETS = ("llm-70b", "tiny", "small", "gpt100m", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b")
+MODELS = PRESETS
+# global batch in sequences: llm-70b's; the GPT-3 sizes' is an assumption (the Tenplex paper's
+# experiments are not in the seed text), of sequences of 2048 tokens as in the GPT-3 paper
+DEFAULT_BATCH = {"llm-70b": 1024, "gpt3-1.3b": 128, "gpt3-2.7b": 128, "gpt3-6.7b": 128}
+DIMS = ("layers", "d_model", "heads", "vocab", "seq_len", "d_ff")
 
 
 def add_parser(sub) -> None:
@@ -42,175 +53,356 @@ def add_parser(sub) -> None:
         "the\n"
         "planner's layout, the abstract plan and each policy's estimated seconds from a\n"
         "network model (tenplex: pulls from the tensor stores as the plan says; central:\n"
-        "every byte through one node; checkpoint-restart); goodput per policy.",
+        "every byte through one node; checkpoint-restart); goodput per policy. Or one\n"
+        "fixed change (--from/--to), or failures drawn from a mean time to failure.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.set_defaults(command=run, name="simulate")
     p.add_argument("--cluster", required=True, metavar="FILE", help="cluster description (TOML)")
-    p.add_argument("--trace", required=True, metavar="FILE", help="resource trace (TOML)")
-    p.add_argument("--model", choices=MODELS, default="llm-70b", help="default: llm-70b")
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="resource trace (TOML); not needed with --from/--to, or with --mttf-hours",
+    )
+    m = p.add_argument_group("model", "a preset, or a GPT by its dimensions (all of them)")
+    m.add_argument(
+        "--model",
+        choices=PRESETS,
+        default=None,
+        help="default: llm-70b. gpt3-1.3b/2.7b/6.7b: the GPT-3 paper's sizes (24 layers, "
+        "d_model 2048, 16 heads / 32, 2560, 32 / 32, 4096, 32), vocabulary 50257 padded to "
+        "50304, 2048 tokens, global batch 128 (assumed)",
+    )
+    m.add_argument("--layers", type=_positive, help="a GPT's layers (with --d-model, --heads)")
+    m.add_argument("--d-model", type=_positive, help="a GPT's width")
+    m.add_argument("--heads", type=_positive, help="a GPT's attention heads")
+    m.add_argument("--vocab", type=_positive, default=50304, help="default: 50304")
+    m.add_argument("--seq-len", type=_positive, default=2048, help="tokens (default: 2048)")
+    m.add_argument("--d-ff", type=_positive, help="MLP width (default: 4 x d_model)")
     p.add_argument(
         "--batch",
-        type=int,
+        type=_positive,
         default=None,
-        help="global batch in sequences (default: 1024 for llm-70b, else 64)",
+        help="global batch in sequences (default: 1024 for llm-70b, 128 for the GPT-3 sizes "
+        "and --layers models, else 64)",
     )
     p.add_argument(
         "--policy",
         default=",".join(POLICIES),
         help=f"comma-separated policies (default: {','.join(POLICIES)})",
     )
-    p.add_argument(
+    f = p.add_argument_group("one fixed change", "no planner choosing the configs, no trace")
+    f.add_argument(
+        "--from",
+        dest="source",
+        type=_config,
+        metavar="CONFIG",
+        help="the config before, on the cluster's first devices: e.g. tensor=4,pipe=2,data=1",
+    )
+    f.add_argument(
+        "--to",
+        dest="target",
+        type=_config,
+        metavar="CONFIG",
+        help="the config after, on the cluster's first devices: e.g. tensor=4,pipe=2,data=2",
+    )
+    f.add_argument(
+        "--kind",
+        choices=("offer", "preempt", "redeploy", "fail"),
+        help="the change's kind (default: offer for more devices, preempt for fewer, else "
+        "redeploy; fail: no notice, nothing committed first)",
+    )
+    c = p.add_argument_group("costs", "what the network model does not derive")
+    c.add_argument(
         "--restart-seconds",
-        type=float,
+        type=_per_policy,
         default=defaults.restart_seconds,
-        help=f"new processes up to their first collective (default: {defaults.restart_seconds:g})",
+        metavar="S|POLICY=S,...",
+        help="new processes up to their first collective: one number for every policy, or per "
+        "policy as tenplex=5,central=5,checkpoint-restart=60, the others taking "
+        f"{defaults.restart_seconds:g} (default: {defaults.restart_seconds:g})",
     )
-    p.add_argument(
+    c.add_argument(
         "--compile-seconds",
-        type=float,
+        type=_per_policy,
         default=defaults.compile_seconds,
-        help=f"a cold compile of a layout's step (default: {defaults.compile_seconds:g})",
+        metavar="S|POLICY=S,...",
+        help="a cold compile of a layout's step, as --restart-seconds (default: "
+        f"{defaults.compile_seconds:g}); paid by every policy after a failure, by none at an "
+        "announced change",
     )
-    p.add_argument(
+    c.add_argument(
+        "--no-compile-ahead",
+        action="store_true",
+        help="announced changes compile on demand too (every policy)",
+    )
+    c.add_argument(
+        "--executable-cache",
+        action="store_true",
+        help="a failure's layout loads its step from an executable cache: no policy compiles",
+    )
+    c.add_argument(
+        "--latency-seconds",
+        type=float,
+        default=defaults.latency_seconds,
+        help="a round trip per request or message (store get/put, storage read/write, a send "
+        "across nodes), in sequence per node's process (default: 0)",
+    )
+    c.add_argument(
+        "--piece-seconds",
+        type=float,
+        default=defaults.piece_seconds,
+        help="a fixed cost per piece a device receives, overlapping the transfer (default: 0)",
+    )
+    c.add_argument(
         "--commit-every",
-        type=int,
+        type=_positive,
         default=defaults.commit_every,
         help=f"steps between commits to the stores (default: {defaults.commit_every})",
     )
-    p.add_argument(
+    c.add_argument(
         "--checkpoint-minutes",
         type=float,
         default=None,
-        help="minutes between orbax checkpoints (default: the trace's, else 30)",
+        help="minutes between orbax checkpoints, every policy (default: Young/Daly's "
+        "sqrt(2 x C x MTTF) for the failure rate of --mttf-hours or the trace's failures; "
+        "with none, the trace's checkpoint_every, else 30)",
     )
-    p.add_argument(
+    c.add_argument(
+        "--trace-checkpoints",
+        action="store_true",
+        help="use the trace's checkpoint_every before Young/Daly",
+    )
+    c.add_argument(
         "--replicas",
-        type=int,
+        type=_count,
         default=defaults.replicas,
         help=f"store copies beyond the writer's (default: {defaults.replicas})",
     )
+    g = p.add_argument_group("failures", "node failures from a mean time to failure")
+    g.add_argument(
+        "--mttf-hours",
+        type=float,
+        help="mean time to failure at --mttf-devices devices (published: 7.9 h at 1024 GPUs); "
+        "generates fail events (one node each), merged with --trace when given",
+    )
+    g.add_argument(
+        "--mttf-devices",
+        type=_positive,
+        default=1024,
+        help="the device count of --mttf-hours; failures scale as 1/N (default: 1024)",
+    )
+    g.add_argument(
+        "--repair-minutes",
+        type=float,
+        default=60.0,
+        help="a failed node's devices are offered back after this long (default: 60)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="the failures' random seed (default: 0)")
+    g.add_argument(
+        "--minutes",
+        type=float,
+        help="the generated trace's length (default: --trace's minutes, else 1440)",
+    )
     p.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
-    p.add_argument("--out", metavar="DIR", help="write DIR/simulate.json and DIR/simulate.png")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write DIR/simulate.json and DIR/simulate.png (a fixed change: DIR/change.json, "
+        "DIR/change.png)",
+    )
 
 
-def model(name: str):
-    """(abstract state, rules, planner profile) of a model preset."""
+def model(args):
+    """(name, abstract state, rules, planner profile, default batch) of the model the flags
+    name: a preset or a GPT by its dimensions."""
+    given = [d for d in DIMS[:3] if getattr(args, d) is not None]
+    if given:
+        from tenplex_jax._src.errors import PlanError
+
+        if len(given) < 3 or args.model is not None:
+            raise PlanError(
+                "a GPT by its dimensions needs all of --layers, --d-model and --heads (and no "
+                f"--model); got {given}" + (f" and --model {args.model}" if args.model else "")
+            )
+        from tenplex_jax_models import LOGICAL_RULES, GPTConfig, build_state, profile
+
+        try:
+            cfg = GPTConfig(
+                vocab=args.vocab,
+                seq_len=args.seq_len,
+                d_model=args.d_model,
+                n_layers=args.layers,
+                n_heads=args.heads,
+                d_ff=args.d_ff or 4 * args.d_model,
+            )
+        except ValueError as error:
+            raise PlanError(f"--layers/--d-model/--heads: {error}") from None
+        name = f"gpt L{cfg.n_layers} d{cfg.d_model} h{cfg.n_heads}"
+        state = build_state(cfg, lr=1e-3, abstract=True)[1]
+        return name, state, LOGICAL_RULES, profile(cfg, name=name), 128
+    name = args.model or "llm-70b"
     if name == "llm-70b":
         from tenplex_jax_models import llm
 
-        return llm.abstract_state(), llm.LLM_RULES, llm.profile()
+        return name, llm.abstract_state(), llm.LLM_RULES, llm.profile(), 1024
     from tenplex_jax_models import LOGICAL_RULES, build_state, profile_of
 
-    return build_state(name, lr=1e-3, abstract=True)[1], LOGICAL_RULES, profile_of(name)
+    state = build_state(name, lr=1e-3, abstract=True)[1]
+    return name, state, LOGICAL_RULES, profile_of(name), DEFAULT_BATCH.get(name, 64)
+
+
+def costs(args):
+    """The :class:`Costs` the flags give."""
+    from tenplex_jax._src.simulator.costs import Costs
+
+    return Costs(
+        restart_seconds=args.restart_seconds,
+        compile_seconds=args.compile_seconds,
+        commit_every=args.commit_every,
+        checkpoint_minutes=args.checkpoint_minutes,
+        replicas=args.replicas,
+        piece_seconds=args.piece_seconds,
+        latency_seconds=args.latency_seconds,
+        compile_ahead=not args.no_compile_ahead,
+        executable_cache=args.executable_cache,
+        young_daly=not args.trace_checkpoints,
+        mttf_hours=args.mttf_hours,
+        mttf_devices=args.mttf_devices,
+    )
+
+
+def trace_of(args, cluster):
+    """The trace to replay: ``--trace``, failures from ``--mttf-hours``, or both merged."""
+    from tenplex_jax._src.elastic.trace import ResourceTrace
+    from tenplex_jax._src.errors import PlanError
+    from tenplex_jax._src.simulator.failures import failure_trace, merge
+    from tenplex_jax._src.simulator.replay import scale
+
+    trace = ResourceTrace.load(args.trace) if args.trace else None
+    if args.mttf_hours is None:
+        if trace is None:
+            raise PlanError("simulate needs --trace FILE, --mttf-hours H, or --from and --to")
+        return trace
+    minutes = args.minutes or (trace.minutes if trace is not None else None) or 1440.0
+    failures = failure_trace(
+        cluster.nodes,
+        minutes,
+        args.mttf_hours,
+        args.mttf_devices,
+        repair_minutes=args.repair_minutes,
+        seed=args.seed,
+    )
+    if trace is None:
+        return failures
+    if trace.minutes is None:
+        if args.minutes is None:
+            raise PlanError(
+                f"merging failures into trace {trace.name!r} needs its length: give --minutes"
+            )
+        import dataclasses
+
+        trace = dataclasses.replace(trace, minutes=args.minutes)
+    return merge(scale(trace, cluster.num_devices), failures)
 
 
 def run(args) -> int:
-    from tenplex_jax._src.elastic.trace import ResourceTrace
+    from tenplex_jax._src.cli import simulate_output as output
     from tenplex_jax._src.errors import PlanError
     from tenplex_jax._src.planner.cluster import Cluster
-    from tenplex_jax._src.simulator.costs import Costs
     from tenplex_jax._src.simulator.replay import Simulation, simulate
 
     policies = tuple(p.strip() for p in args.policy.split(",") if p.strip())
-    cluster, trace = Cluster.load(args.cluster), ResourceTrace.load(args.trace)
-    if args.commit_every < 1 or args.replicas < 0:
-        raise PlanError(
-            f"--commit-every must be >= 1 and --replicas >= 0, got "
-            f"{args.commit_every} and {args.replicas}"
-        )
-    costs = Costs(
-        args.restart_seconds,
-        args.compile_seconds,
-        args.commit_every,
-        args.checkpoint_minutes,
-        args.replicas,
-    )
-    state, rules, profile = model(args.model)
-    batch = args.batch or DEFAULT_BATCH.get(args.model, 64)
-    sim = Simulation(cluster, profile, state, rules, batch, costs)
+    cluster = Cluster.load(args.cluster)
+    name, state, rules, profile, batch = model(args)
+    batch = args.batch or batch
+    sim = Simulation(cluster, profile, state, rules, batch, costs(args))
     quiet = args.json
-    if not quiet:
-        print(
-            f"simulate: {args.model} (global batch {batch}) on {cluster}; trace {trace.name} "
-            f"({len(trace.events)} events)"
-        )
-    result = simulate(sim, trace, policies, log=None if quiet else print)
+    if (args.source is None) != (args.target is None):
+        raise PlanError("a fixed change needs both --from and --to")
+    if args.source is not None:
+        from tenplex_jax._src.simulator.costs import POLICIES
+        from tenplex_jax._src.simulator.fixed import fixed_change
+
+        unknown = set(policies) - set(POLICIES)
+        if unknown:
+            raise PlanError(f"policies are {POLICIES}, got {sorted(unknown)}")
+        result = fixed_change(sim, args.source, args.target, args.kind)
+        result["policies"] = {p: result["policies"][p] for p in policies}
+        result["assumptions"] = {p: result["assumptions"][p] for p in policies}
+        files = ("change.json", "change.png", output.change_plot)
+        text = output.change_table
+    else:
+        trace = trace_of(args, cluster)
+        if not quiet:
+            print(
+                f"simulate: {name} (global batch {batch}) on {cluster}; trace {trace.name} "
+                f"({len(trace.events)} events)"
+            )
+        result = simulate(sim, trace, policies, log=None if quiet else print)
+        files = ("simulate.json", "simulate.png", output.plot)
+        text = output.table
     if args.json:
         json.dump(result, sys.stdout, indent=1, default=_plain)
         print()
     else:
-        print(table(result))
+        print(text(result))
     if args.out:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "simulate.json").write_text(json.dumps(result, indent=1, default=_plain) + "\n")
-        plot(result, out / "simulate.png")
+        (out / files[0]).write_text(json.dumps(result, indent=1, default=_plain) + "\n")
+        files[2](result, out / files[1])
         if not quiet:
-            print(f"wrote {out / 'simulate.json'} and {out / 'simulate.png'}")
+            print(f"wrote {out / files[0]} and {out / files[1]}")
     return 0
 
 
-def table(result: dict) -> str:
-    """The per-event table and the goodput per policy."""
-    policies = list(result["policies"])
-    head = (
-        f"{'min':>6} {'event':8} {'devices':>13} {'layout after':34} {'moved GB':>10} "
-        + " ".join(f"{p[:18] + ' s':>20}" for p in policies)
-    )
-    lines = [head, "-" * len(head)]
-    for r in result["events"]:
-        cells = []
-        for p in policies:
-            c = r["policies"][p]
-            note = " (orbax)" if c.get("fallback") else ""
-            cells.append(f"{c['seconds']:12.1f}{note:>8}")
-        devices = f"{r['devices_before']}->{r['devices_after']}"
-        layout = r["config_after"] if r["decision"] != "stay" else "(growth declined)"
-        lines.append(
-            f"{r['minute']:6.1f} {r['kind']:8} {devices:>13} {layout[:34]:34} "
-            f"{r['bytes_moved'] / 1e9:10.1f} " + " ".join(cells)
-        )
-    lines.append("")
-    lines.append(
-        f"{'policy':20} {'goodput':>8} {'stalled s':>10} {'lost s':>9} {'useful samples':>15}"
-    )
-    for p, s in result["policies"].items():
-        lines.append(
-            f"{p:20} {s['goodput']:8.1%} {s['stall_seconds']:10.0f} "
-            f"{s['lost_seconds']:9.0f} {s['useful_samples']:15,.0f}"
-        )
-    lines.append(f"(simulated in {result['seconds']:.1f} s)")
-    return "\n".join(lines)
+def _config(text: str):
+    from tenplex_jax._src.ptc import ParallelConfig
+
+    try:
+        return ParallelConfig.parse(text)
+    except ValueError as error:  # argparse would hide a ValueError's message
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def plot(result: dict, path: pathlib.Path) -> None:
-    """Devices over time, and each policy's productive time as a share of the time so far."""
-    import matplotlib
+def _per_policy(text: str):
+    """``"60"`` -> 60.0 (every policy); ``"tenplex=5,checkpoint-restart=60"`` -> a dict."""
+    from tenplex_jax._src.simulator.costs import POLICIES
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    out = {}
+    for part in filter(None, (s.strip() for s in text.split(","))):
+        policy, _, value = part.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if policy not in POLICIES or policy in out or not seconds >= 0:
+            raise argparse.ArgumentTypeError(
+                f"expected seconds, or POLICY=SECONDS,... with each of {', '.join(POLICIES)} at "
+                f"most once and seconds >= 0; got {text!r}"
+            )
+        out[policy] = seconds
+    if not out:
+        raise argparse.ArgumentTypeError(f"no seconds in {text!r}")
+    return out
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    first = next(iter(result["timeline"].values()))
-    minutes = [m for m, _, _ in first]
-    top.step(minutes, [d for _, d, _ in first], where="post")
-    top.set_ylabel("devices")
-    top.set_title(f"{result['model']} on {result['cluster']}: trace {result['trace']}")
-    for policy, points in result["timeline"].items():
-        xs = [m for m, _, _ in points if m > 0]
-        ys = [p / (m * 60) for m, _, p in points if m > 0]
-        bottom.plot(
-            xs, ys, marker="o", label=f"{policy} ({result['policies'][policy]['goodput']:.1%})"
-        )
-    bottom.set_ylabel("goodput so far")
-    bottom.set_xlabel("minutes")
-    bottom.set_ylim(0, 1.05)
-    bottom.legend(loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+
+def _positive(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _count(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
 
 
 def _plain(value):

@@ -34,6 +34,12 @@ Routes (one function each, all returning a :class:`Traffic`):
 - :func:`commit_traffic`, :func:`save_traffic`, :func:`restore_traffic` — a commit into the stores,
   an orbax save to checkpoint storage, and an orbax restore from it.
 
+Two fixed costs come on top of the bytes, both 0 unless given: ``piece_seconds`` per piece a device
+receives (a kernel launch or buffer allocation, one after another on each device, overlapping the
+transfer: one more resource), and ``latency_seconds`` per request or message a node's process
+issues (a store get or put, a storage read or write, a send across nodes), paid in sequence by
+that process and so added to the transfer's time (the busiest node's requests).
+
 Pure: it reads plans, PTCs and the cluster, never device memory.
 """
 
@@ -66,14 +72,17 @@ class Traffic:
         ``"h2d"``, ``"d2h"``) -> float ``[devices]`` bytes, by cluster device id.
       node: resource (``"node_out"``, ``"node_in"``, ``"host_memory"``, ``"storage_read"``,
         ``"storage_write"``) -> float ``[nodes]`` bytes.
-      pieces: int ``[devices]``: the copies each device receives (for a per-piece latency).
+      pieces: int ``[devices]``: the copies each device receives (for a per-piece cost).
       lost: ``(leaf path, box)`` of what no live store holds (a pull that cannot happen).
+      messages: int ``[nodes]``: the requests or messages each node's process issues (for a
+        per-message latency); None: none counted.
     """
 
     device: dict[str, np.ndarray]
     node: dict[str, np.ndarray]
     pieces: np.ndarray
     lost: list[tuple[str, boxes.Box]] = dataclasses.field(default_factory=list)
+    messages: np.ndarray | None = None
 
     @classmethod
     def empty(cls, cluster: Cluster) -> Traffic:
@@ -90,14 +99,20 @@ class Traffic:
             {r: np.zeros(n) for r in DEVICE_RESOURCES},
             {r: np.zeros(m) for r in NODE_RESOURCES},
             np.zeros(n, dtype=np.int64),
+            messages=np.zeros(m, dtype=np.int64),
         )
 
     def __add__(self, other: Traffic) -> Traffic:
+        if self.messages is None or other.messages is None:
+            messages = self.messages if other.messages is None else other.messages
+        else:
+            messages = self.messages + other.messages
         return Traffic(
             {r: self.device[r] + other.device[r] for r in DEVICE_RESOURCES},
             {r: self.node[r] + other.node[r] for r in NODE_RESOURCES},
             self.pieces + other.pieces,
             self.lost + other.lost,
+            messages,
         )
 
     @property
@@ -113,15 +128,18 @@ class Estimate:
     What :meth:`Network.seconds` returns; ``str(estimate)`` is ``"1.234 s (nic_in device 5)"``.
 
     Attributes:
-      seconds: the busiest resource's bytes over its bandwidth.
+      seconds: the busiest resource's bytes over its bandwidth, plus ``latency``.
       bottleneck: ``"<resource> <device|node> <id>"`` of that resource (``"none"`` for no
         traffic).
       resources: resource -> the seconds of its busiest device or node.
+      latency: the seconds of the busiest node's requests in sequence (``latency_seconds``
+        each), included in ``seconds``.
     """
 
     seconds: float
     bottleneck: str  # "<resource> <device|node> <id>"
     resources: Mapping[str, float]  # resource -> its busiest device's or node's seconds
+    latency: float = 0.0
 
     def __str__(self) -> str:
         return f"{self.seconds:.3f} s ({self.bottleneck})"
@@ -140,12 +158,15 @@ class Network:
 
     Attributes:
       cluster: the :class:`tenplex_jax.planner.Cluster` and its bandwidths.
-      piece_seconds: a fixed cost per piece a device receives (a message or kernel launch),
-        paid one after the other on each device; 0 leaves it out.
+      piece_seconds: a fixed cost per piece a device receives (a kernel launch, a buffer),
+        paid one after the other on each device while the bytes move; 0 leaves it out.
+      latency_seconds: a round trip per request or message a node's process issues, paid in
+        sequence on top of the bytes' time; 0 leaves it out.
     """
 
     cluster: Cluster
     piece_seconds: float = 0.0
+    latency_seconds: float = 0.0
 
     def __post_init__(self):
         c = self.cluster
@@ -230,8 +251,14 @@ class Network:
             i = int(np.argmax(traffic.pieces))
             loads["pieces"] = (float(traffic.pieces[i]) * self.piece_seconds, f"device {i}")
         name, (seconds, where) = max(loads.items(), key=lambda kv: kv[1][0])
+        latency = 0.0
+        if self.latency_seconds and traffic.messages is not None and traffic.messages.size:
+            latency = float(traffic.messages.max()) * self.latency_seconds
         return Estimate(
-            seconds, f"{name} {where}" if seconds else "none", {r: s for r, (s, _) in loads.items()}
+            seconds + latency,
+            f"{name} {where}" if seconds else ("latency" if latency else "none"),
+            {r: s for r, (s, _) in loads.items()} | ({"latency": latency} if latency else {}),
+            latency,
         )
 
 
@@ -282,6 +309,7 @@ def device_traffic(plan: Plan, network: Network) -> Traffic:
                     t.device["nic_in"][shard.device] += p.nbytes
                     t.node["node_out"][nodes[p.src_device]] += p.nbytes
                     t.node["node_in"][nodes[shard.device]] += p.nbytes
+                    t.messages[nodes[shard.device]] += 1
         per_layout[key] = t
     for leaf_key, t in per_layout.items():
         k = counts[leaf_key]
@@ -290,6 +318,7 @@ def device_traffic(plan: Plan, network: Network) -> Traffic:
         for r in NODE_RESOURCES:
             traffic.node[r] += k * t.node[r]
         traffic.pieces += k * t.pieces
+        traffic.messages += k * t.messages
     return traffic
 
 
@@ -366,7 +395,8 @@ def pulls(
 
 def store_traffic(reads: Pulls, network: Network, *, via: int | None = None) -> Traffic:
     """A new generation pulls its shards from the stores (:func:`pulls`), then host to device.
-    ``via`` routes every byte through that node's host memory (Tenplex-Central)."""
+    ``via`` routes every byte through that node's host memory (Tenplex-Central). Each pull is a
+    request by the target's node (with ``via``: by that node, then again by the target's)."""
     traffic = Traffic.empty(network.cluster)
     target = network._node_of[reads.device]
     n, m = network.cluster.num_devices, len(traffic.node["node_out"])
@@ -381,6 +411,7 @@ def store_traffic(reads: Pulls, network: Network, *, via: int | None = None) -> 
             traffic.node[name] += np.bincount(where, cross, minlength=m)
         traffic.node["host_memory"] += np.bincount(src, cross, minlength=m)
         traffic.node["host_memory"] += np.bincount(dst, cross, minlength=m)
+        traffic.messages += np.bincount(dst, minlength=m)
     traffic.device["h2d"] += np.bincount(reads.device, reads.nbytes, minlength=n)
     traffic.pieces += np.bincount(reads.device, minlength=n)
     traffic.lost = list(reads.lost)
@@ -394,27 +425,30 @@ def central_node(plan: Plan, network: Network) -> int:
 
 def commit_traffic(objects: Sequence, network: Network) -> Traffic:
     """A commit of :func:`stored` objects into the stores: device to host at each writer, then to
-    the other holders' stores."""
+    the other holders' stores (a put per copy, by the writer's node)."""
     traffic = Traffic.empty(network.cluster)
     for o in objects:
         traffic.device["d2h"][o.device] += o.nbytes
+        traffic.messages[o.slots[0]] += len(o.slots)
         for node in o.slots[1:]:
             _add(traffic, o.slots[0], node, o.nbytes)
     return traffic
 
 
 def save_traffic(objects: Sequence, network: Network) -> Traffic:
-    """An orbax save: each distinct box device to host at its writer, then written to storage."""
+    """An orbax save: each distinct box device to host at its writer, then written to storage
+    (a write request each)."""
     traffic = Traffic.empty(network.cluster)
     for o in objects:
         traffic.device["d2h"][o.device] += o.nbytes
         traffic.node["storage_write"][o.slots[0]] += o.nbytes
+        traffic.messages[o.slots[0]] += 1
     return traffic
 
 
 def restore_traffic(ptc: PTC, network: Network) -> Traffic:
     """An orbax restore onto ``ptc``: every node reads each distinct box its devices need once,
-    then copies it to each of those devices."""
+    then copies it to each of those devices (a read request per box and node)."""
     traffic = Traffic.empty(network.cluster)
     n, m = network.cluster.num_devices, len(traffic.node["node_out"])
     devices = np.asarray(ptc.device_ids)
@@ -429,4 +463,5 @@ def restore_traffic(ptc: PTC, network: Network) -> Traffic:
         )
         _, first = np.unique(rows, axis=0, return_index=True)  # a node reads each box once
         traffic.node["storage_read"] += np.bincount(node[first], size[first], minlength=m)
+        traffic.messages += np.bincount(node[first], minlength=m)
     return traffic
