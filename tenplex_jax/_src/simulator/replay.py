@@ -653,13 +653,14 @@ class _Clock:
         self._train(t)
         lost = samples = 0.0
         if kind == "fail":
+            checkpoint = max(self.saved, math.floor(t / self.period) * self.period)
             if cost["fallback"] or "save" in cost:  # back to the last checkpoint
-                checkpoint = max(self.saved, math.floor(t / self.period) * self.period)
                 lost, samples = self._discard(checkpoint, t)
-            else:  # back to the last commit: every commit_every steps since the last change
+            else:  # back to the last commit (every commit_every steps since the last change),
+                # or to the last checkpoint where it is newer
                 wall = max(t - self.ready, 0.0)
                 since = wall % (self.commit_every * self.layout.step_seconds)
-                lost, samples = self._discard(t - since, t)
+                lost, samples = self._discard(max(t - since, checkpoint), t)
         elif "save" in cost:
             self.saved = t
         self.lost += lost
