@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -576,6 +577,15 @@ def test_a_client_dying_mid_put_leaves_the_old_object(client, server) -> None:
     assert [i.checksum for i in client.list("d/")] == [wire.checksum(wire.as_bytes(old))]
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (state T in its stat)."""
+    states = []
+    for stat in pathlib.Path(f"/proc/{pid}/task").glob("*/stat"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(state == "T" for state in states)
+
+
 def test_a_stopped_store_is_skipped_within_the_connect_timeout(stores) -> None:
     procs = [stores.start(f"s{i}") for i in range(2)]
     array = _rng_array((16, 16), np.float32)
@@ -583,6 +593,12 @@ def test_a_stopped_store_is_skipped_within_the_connect_timeout(stores) -> None:
     with store.ReplicatedStore(addresses, replicas=1) as rs:
         rs.put(0, "v/w", array)
     os.kill(procs[0].pid, signal.SIGSTOP)  # accepts connections (the kernel does), never answers
+    # kill() returns before every thread of the server has stopped: a hello answered in between
+    # would make the store look alive, so wait until the kernel reports each thread stopped
+    deadline = time.monotonic() + 10
+    while not _stopped(procs[0].pid):
+        assert time.monotonic() < deadline, "the store did not stop"
+        time.sleep(0.001)
     with store.ReplicatedStore(addresses, replicas=1, connect_timeout=1) as rs:
         tic = time.monotonic()
         np.testing.assert_array_equal(rs.get("v/w", ((0, 4), (0, 16)), prefer=0), array[:4])
