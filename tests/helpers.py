@@ -209,6 +209,14 @@ def linen_state(seed: int = 0, layers: int = 2):
 # -- tensor store servers ------------------------------------------------------------------------
 
 
+def peak_rss(pid: int) -> int:
+    """The process's peak resident set size so far (bytes), from the kernel (VmHWM)."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
 class Stores:
     """Starts store servers; the fixture kills and reaps every one by PID."""
 

@@ -27,6 +27,7 @@ import pytest
 import tenplex_jax as tj
 from tenplex_jax._src.multihost.store import wire
 from tenplex_jax.multihost import store
+from tests.helpers import peak_rss
 
 MIB = 1 << 20
 
@@ -56,14 +57,6 @@ def _wait_for(predicate, what: str, timeout: float = 30.0):
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
     return value
-
-
-def _peak_rss(pid: int) -> int:
-    """The process's peak resident set size so far (bytes), from the kernel (VmHWM)."""
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
 
 
 def _raw(address: str, hello: bool = True, token=None) -> socket.socket:
@@ -113,7 +106,7 @@ def test_withheld_trailers_and_unread_replies_stay_within_the_memory_bound(store
     proc.stop()
     proc = stores(memory_bytes=limit, args=("--timeout", "60"))  # they are on disk only
     with store.StoreClient(proc.address) as client:
-        base = _peak_rss(proc.pid)
+        base = peak_rss(proc.pid)
         attackers = []
         try:
             for i in range(20):
@@ -140,7 +133,7 @@ def test_withheld_trailers_and_unread_replies_stay_within_the_memory_bound(store
                 ),
                 "one body received, 19 puts waiting",
             )
-            put_peak = _peak_rss(proc.pid) - base
+            put_peak = peak_rss(proc.pid) - base
             client.put("ok/small", np.arange(1000))  # fits beside the held body
             np.testing.assert_array_equal(client.get("ok/small"), np.arange(1000))
         finally:
@@ -155,7 +148,7 @@ def test_withheld_trailers_and_unread_replies_stay_within_the_memory_bound(store
                 wire.send_frame(sock, {"op": "get", "path": f"disk/{i}", "box": None})
                 readers.append(sock)  # never read
             _wait_for(lambda: client.stats()["transfers_waiting"] == 7, "7 gets waiting")
-            get_peak = _peak_rss(proc.pid) - base
+            get_peak = peak_rss(proc.pid) - base
         finally:
             for sock in readers:
                 sock.close()
@@ -182,11 +175,11 @@ def test_an_object_larger_than_the_budget_streams_through_disk_a_chunk_at_a_time
     proc = stores(memory_bytes=0)
     full = np.random.default_rng(0).integers(0, 255, (96, 1 << 20), dtype=np.uint8)
     with store.StoreClient(proc.address) as client:
-        idle = _peak_rss(proc.pid)
+        idle = peak_rss(proc.pid)
         client.put("big", full)
         np.testing.assert_array_equal(client.get("big"), full)
         np.testing.assert_array_equal(client.get("big", ((17, 80), (5, 1000))), full[17:80, 5:1000])
-        assert _peak_rss(proc.pid) - idle < 64 * MIB
+        assert peak_rss(proc.pid) - idle < 64 * MIB
         assert client.stats()["transfer_bytes"] == 0
         [file] = (proc.dir / "objects").glob("*.obj")
         with open(file, "r+b") as f:  # one bit of the data, far from the header

@@ -7,7 +7,6 @@ an array larger than the transfer budget is accumulated a chunk at a time. Real 
 from __future__ import annotations
 
 import json
-import pathlib
 import socket
 import threading
 
@@ -19,7 +18,7 @@ from tenplex_jax._src.multihost.store import wire
 from tenplex_jax.errors import StoreError, WSPError
 from tenplex_jax.multihost import store
 from tenplex_jax.wsp import ParameterServer
-from tests.helpers import Stores
+from tests.helpers import Stores, peak_rss
 
 MIB = 1 << 20
 
@@ -31,14 +30,6 @@ def stores(tmp_path):
         yield started
     finally:
         started.reap()
-
-
-def _hwm(pid: int) -> int:
-    """The process's peak resident set (VmHWM), bytes."""
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
 
 
 def _raw(address: str) -> socket.socket:
@@ -136,7 +127,7 @@ def test_json_bodies_are_parsed_inside_the_memory_bound(stores):
         for t in threads:
             t.join(120)
         assert client.list_json("fits/") == [f"fits/{i}" for i in range(4)]
-    grown = _hwm(pid) - base
+    grown = peak_rss(pid) - base
     # the parsed bodies take turns in the budget: the peak stays within it (measured: ~0.8x)
     assert grown < 1.25 * budget, grown / budget
 
@@ -207,7 +198,7 @@ def test_an_array_larger_than_the_budget_is_accumulated_a_chunk_at_a_time(stores
         base = psutil.Process(proc.pid).memory_info().rss
         info, applied = client.accumulate("w", "stage", name="p", clock=0, consume=True)
         assert applied and dict(info.clocks) == {"p": 1}
-        grown = _hwm(proc.pid) - base
+        grown = peak_rss(proc.pid) - base
         got = client.get("w")
         assert got[0] == 0.5 and got[-1] == n - 1 + 0.5 and info.checksum == wire.checksum(got)
         assert client.list("stage") == []  # consumed: the sum is on disk
