@@ -12,6 +12,8 @@ import json
 import pathlib
 import sys
 
+from tenplex_jax._src.cli import _count, _positive
+
 EXAMPLES = """\
 examples:
   tenplex-jax simulate --cluster meshes/h100-4096.toml --trace meshes/philly-538.toml
@@ -391,18 +393,6 @@ def _per_policy(text: str):
     if not out:
         raise argparse.ArgumentTypeError(f"no seconds in {text!r}")
     return out
-
-
-def _positive(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
-
-
-def _count(text: str) -> int:
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return int(text)
 
 
 def _plain(value):
