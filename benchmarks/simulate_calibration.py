@@ -2,28 +2,24 @@
 
 Three parts, in one run:
 
-1. **Measure and fit.** The executor (``tj.reshard`` on the 8 fake CPU devices) runs three
+1. **Measure and fit.** The executor (``tj.reshard`` on the 8 fake CPU devices) runs five
    changes of a state of 8, 64 or 512 float32 leaves of the same bytes, so the same bytes come as
-   few large or many small pieces. Each time is fitted (least squares on relative error) as
-   ``k * bytes_seconds + pieces * piece_seconds (+ shards * shard_seconds + leaves *
-   leaf_seconds)``: ``bytes_seconds`` is the network model's own prediction (``device_traffic``
-   on ``simulate_validation.cpu_network``) from a memcpy measured just before the point, so ``k``
-   says how far the bytes term is off and the rest is what it leaves out. A tensor store process
-   on 127.0.0.1 serves the same bytes as 4, 64 or 512 objects (``get``, and ``put`` with the disk
-   writer idle before each round); ``seconds = bytes / bandwidth + requests * latency_seconds``.
+   few large or many small pieces. The time beyond the network model's own prediction of the
+   bytes (``device_traffic`` on ``simulate_validation.cpu_network``, from a memcpy measured just
+   before the point) is fitted (non-negative least squares on relative error) as the library's
+   host work: ``pieces * piece_seconds + shards * shard_seconds + leaves * leaf_seconds + runs *
+   run_seconds``, the counts ``device_traffic`` makes. A tensor store process on 127.0.0.1 serves
+   the same bytes as 4, 64 or 512 objects (``get``, and ``put`` with the disk writer idle before
+   each round); ``seconds = bytes / bandwidth + requests * latency_seconds``.
 2. **This machine.** The reshard matrix (``benchmarks/reshard.py``'s ``MATRIX``) timed with
    ``tj.reshard``, each run right after a memcpy that gives its prediction (the other helpers'
-   load on these 2 cores moves both alike), predicted four ways: bytes only (as
-   ``simulate_validation``), the library's ``Network(piece_seconds=...)`` (a per-device piece
-   cost that overlaps the bytes), and two prototypes of an additive per-process term (one process
-   does every piece's host work): ``+ pieces * piece_seconds``, and the full fit's ``k`` with
-   pieces, new shards and leaves.
+   load on these 2 cores moves both alike), predicted by the library's ``Network`` with the bytes
+   alone and with the fitted host work.
 3. **The Tenplex testbed.** ``fixed_change`` for GPT-3 1.3B / 2.7B / 6.7B, (4,2,1) -> (4,2,2) on
-   ``meshes/tenplex-16.toml``, tenplex and central, with :data:`TESTBED`'s assumptions and the
-   fitted per-request and per-piece costs, against the paper's seconds; and a failure of node 3
-   of the (4,2,2) job ((4,2,2) -> (4,2,1)) against the paper's recovery range. Three variants:
-   the NIC-bound cluster of the toml, its host memory replaced by the store's rate, and a
-   prototype per-node store resource computed here from the plan (see :func:`store_seconds`).
+   ``meshes/tenplex-16.toml``, tenplex and central, with the library's ``Costs``: no fixed costs,
+   then calibrated (the fitted host work and request latency, the stores' rates, and
+   :data:`TESTBED`'s restart and failure detection), against the paper's seconds; and a failure
+   of node 3 of the (4,2,2) job ((4,2,2) -> (4,2,1)) against the paper's recovery range.
 
     python -m tenplex_jax_benchmarks.simulate_calibration [--repeats 3] [--out DIR]
 """
@@ -31,7 +27,6 @@ Three parts, in one run:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import pathlib
@@ -66,8 +61,12 @@ TESTBED = {
     "replicas_why": "one store copy beyond the writer's (the project's default)",
     "latency_why": "per request: the mean of the fitted get and put latencies (this project's "
     "store on loopback; the testbed's NIC adds tens of microseconds)",
-    "piece_why": "per piece: the executor's fitted piece_seconds (a CPU copy's host work; on a GPU "
-    "a kernel launch or allocation, of the same order)",
+    "host_why": "per piece, shard and leaf: the executor's fitted host work (a node's process "
+    "dispatches every copy; on GPUs it overlaps the copies, and strided runs cost nothing)",
+    "detect_seconds": 15.0,
+    "detect_why": "a failure is noticed when Ray's GCS marks the node dead: 5 failed health "
+    "checks 3 s apart (Ray's defaults health_check_failure_threshold 5, health_check_period_ms "
+    "3000), which this project's Ray coordinator waits for",
 }
 
 FIXED_CHANGES = (  # (name, source config, its devices, target config, its devices)
@@ -79,25 +78,26 @@ FIXED_CHANGES = (  # (name, source config, its devices, target config, its devic
     ("split tensor2 -> tensor4", {"tensor": 2}, range(2), {"tensor": 4}, range(4, 8)),
 )
 RULES = (("rows", "fsdp"), ("cols", "tensor"))
-MEMCPY_BYTES = 64 << 20
+MEMCPY_BYTES = 256 << 20
 
 
-def _network():
-    """The fake CPU devices' network from a memcpy measured now (one thread, and every core;
-    medians of 3, so one run slowed by another process does not set a point's prediction)."""
-    from tenplex_jax_benchmarks.simulate_validation import cpu_network, memcpy_fresh
+def _rates() -> tuple[float, float]:
+    """memcpy's bytes/s into fresh memory, one thread and every core: the best of 9 runs each
+    (this machine is shared: other processes and page reclaim only ever slow a run down)."""
+    from tenplex_jax_benchmarks.simulate_validation import memcpy_fresh
 
     cores = os.cpu_count() or 1
-    return cpu_network(memcpy_fresh(MEMCPY_BYTES, 3), memcpy_fresh(MEMCPY_BYTES, 3, cores))
+    return tuple(max(memcpy_fresh(MEMCPY_BYTES, 1, t) for _ in range(9)) for t in (1, cores))
 
 
-def _median_seconds(fn, repeats: int) -> tuple[float, list[float]]:
+def _best_seconds(fn, repeats: int) -> tuple[float, list[float]]:
+    """The fastest of ``repeats`` runs after a warm-up one, and every run."""
     runs = []
     for _ in range(repeats + 1):
         tic = time.perf_counter()
         fn()
         runs.append(time.perf_counter() - tic)
-    return statistics.median(runs[1:]), runs[1:]
+    return min(runs[1:]), runs[1:]
 
 
 def _lstsq(rows: list[dict], columns: tuple[str, ...], target: str) -> dict[str, float]:
@@ -111,24 +111,14 @@ def _lstsq(rows: list[dict], columns: tuple[str, ...], target: str) -> dict[str,
     return dict(zip(columns, map(float, coef))) | {"worst_ratio": worst}
 
 
-def _segments(box, outer) -> int:
-    """Contiguous runs of ``box`` inside a row-major array covering ``outer``: the product of
-    the box's extents before the last dim it does not span whole."""
-    cut = [d for d, (b, o) in enumerate(zip(box, outer)) if b[1] - b[0] < o[1] - o[0]]
-    return int(np.prod([b[1] - b[0] for b in box[: cut[-1]]])) if cut else 1
-
-
-def _counts(plan, traffic) -> dict:
-    """What the fixed costs are paid per: pieces received, new shards built, leaves rebuilt, and
-    the contiguous runs each piece is written as (``written``) and read as (``read``)."""
-    moved = [(leaf, s) for leaf in plan.leaves for s in leaf.shards if s.kind != "keep"]
+def _counts(traffic) -> dict:
+    """What the host work is paid per (one node: totals): pieces received, new shards built,
+    leaves rebuilt, contiguous runs written (``tenplex_jax.simulator.device_traffic``'s counts)."""
     return {
         "pieces": int(traffic.pieces.sum()),
-        "pieces_max_device": int(traffic.pieces.max()),
-        "shards": len(moved),
-        "leaves": sum(any(s.kind != "keep" for s in leaf.shards) for leaf in plan.leaves),
-        "written": sum(_segments(p.box, s.box) for _, s in moved for p in s.pieces),
-        "read": sum(_segments(p.box, p.src_box) for _, s in moved for p in s.pieces),
+        "shards": int(traffic.shards.sum()),
+        "leaves": int(traffic.leaves.sum()),
+        "runs": int(traffic.runs.sum()),
     }
 
 
@@ -139,9 +129,10 @@ def measure_executor(repeats: int, log=print) -> list[dict]:
 
     import tenplex_jax as tj
     from tenplex_jax.simulator import device_traffic
+    from tenplex_jax_benchmarks.simulate_validation import cpu_network
 
     rows = []
-    for total in (48 << 20, 192 << 20):
+    for total in (48 << 20, 192 << 20, 768 << 20):  # up to the matrix state's 1.4 GB
         for leaves in (8, 64, 512):
             n = total // leaves // 4096
             n -= n % 24  # divisible by every fsdp size used
@@ -162,13 +153,13 @@ def measure_executor(repeats: int, log=print) -> list[dict]:
                     out, _ = tj.reshard(placed, plan, donate=False)
                     jax.block_until_ready(out)
 
-                network = _network()
-                measured, runs = _median_seconds(once, repeats)
+                network = cpu_network(*_rates())
+                measured, runs = _best_seconds(once, repeats)
                 del placed
                 traffic = device_traffic(plan, network)
                 rows.append(
                     {"change": name, "bytes": int(n * 1024 * 4 * leaves)}
-                    | _counts(plan, traffic)
+                    | _counts(traffic)
                     | {
                         "bytes_seconds": network.seconds(traffic).seconds,
                         "measured_seconds": measured,
@@ -178,7 +169,7 @@ def measure_executor(repeats: int, log=print) -> list[dict]:
                 r = rows[-1]
                 log(
                     f"  executor {name:24s} {r['bytes'] >> 20:4d} MiB {leaves:4d} leaves "
-                    f"{r['pieces']:5d} pieces {r['written']:7d} runs: {measured * 1e3:7.1f} ms "
+                    f"{r['pieces']:5d} pieces {r['runs']:7d} runs: {measured * 1e3:7.1f} ms "
                     f"(bytes alone {r['bytes_seconds'] * 1e3:6.1f} ms)"
                 )
     return rows
@@ -212,10 +203,10 @@ def measure_store(repeats: int, log=print) -> list[dict]:
                             for i in range(count):
                                 client.get(f"c/{i}")
 
-                        got, get_runs = _median_seconds(get, repeats)
+                        got, get_runs = _best_seconds(get, repeats)
                         client.delete("c/")
                         for op, seconds, runs in (
-                            ("put", statistics.median(puts[1:]), puts[1:]),
+                            ("put", min(puts[1:]), puts[1:]),
                             ("get", got, get_runs),
                         ):
                             rows.append(
@@ -236,17 +227,32 @@ def measure_store(repeats: int, log=print) -> list[dict]:
     return rows
 
 
+# what the executor's host work is counted in -> the library's cost per one of them
+HOST_WORK = {
+    "pieces": "piece_seconds",
+    "shards": "shard_seconds",
+    "leaves": "leaf_seconds",
+    "runs": "run_seconds",
+}
+
+
 def fit(executor: list[dict], stored: list[dict]) -> dict:
-    """The least-squares fits (see the module docstring)."""
+    """The least-squares fits on relative error: the executor's time beyond the network model's
+    bytes as the library's host work (non-negative seconds per piece, shard, leaf and run:
+    ``Network``'s ``piece_seconds`` ...), and each store op's bandwidth and latency."""
+    from scipy.optimize import nnls
+
+    measured = np.array([r["measured_seconds"] for r in executor])
+    predicted_bytes = np.array([r["bytes_seconds"] for r in executor])
+    a = np.array([[r["bytes_seconds"]] + [r[c] for c in HOST_WORK] for r in executor], dtype=float)
+    coef, _ = nnls(a / measured[:, None], np.ones_like(measured))
+    fitted = a @ coef
     out = {
-        "executor_pieces": _lstsq(executor, ("bytes_seconds", "pieces"), "measured_seconds"),
-        "executor_full": _lstsq(
-            executor, ("bytes_seconds", "pieces", "shards", "leaves"), "measured_seconds"
-        ),
-        "executor_segments": _lstsq(
-            executor,
-            ("bytes_seconds", "pieces", "shards", "leaves", "written", "read"),
-            "measured_seconds",
+        "executor": {"copy_factor": float(coef[0])}
+        | {HOST_WORK[c]: float(x) for c, x in zip(HOST_WORK, coef[1:])}
+        | {"worst_ratio": float(np.max(np.maximum(measured / fitted, fitted / measured)))},
+        "bytes_only_worst_ratio": float(
+            np.max(np.maximum(measured / predicted_bytes, predicted_bytes / measured))
         ),
     }
     for op in ("get", "put"):
@@ -267,10 +273,9 @@ def validate_machine(fitted: dict, model: str, repeats: int, log=print) -> list[
     import tenplex_jax as tj
     from tenplex_jax.simulator import Network, device_traffic
     from tenplex_jax_benchmarks.reshard import MATRIX
+    from tenplex_jax_benchmarks.simulate_validation import cpu_network
     from tenplex_jax_models import LOGICAL_RULES, build_state
 
-    two, full = fitted["executor_pieces"], fitted["executor_full"]
-    seg = fitted["executor_segments"]
     _, state, _ = build_state(model, lr=1e-3)
     rows = []
     for change in MATRIX:
@@ -279,44 +284,30 @@ def validate_machine(fitted: dict, model: str, repeats: int, log=print) -> list[
         plan = tj.make_plan(src, dst)
         placed = tj.place(state, src)
         jax.block_until_ready(placed)
-        runs, predictions = [], []
-        for _ in range(repeats + 1):
-            network = _network()
-            traffic = device_traffic(plan, network)
-            n = _counts(plan, traffic)
-            bytes_s = network.seconds(traffic).seconds
-            library = Network(network.cluster, piece_seconds=max(two["pieces"], 0.0))
-            predictions.append(
-                {
-                    "bytes_only": bytes_s,
-                    "library_piece_seconds": library.seconds(device_traffic(plan, library)).seconds,
-                    "additive_pieces": bytes_s + n["pieces"] * two["pieces"],
-                    "additive_full": full["bytes_seconds"] * bytes_s
-                    + sum(n[c] * full[c] for c in ("pieces", "shards", "leaves")),
-                    "additive_segments": seg["bytes_seconds"] * bytes_s
-                    + sum(n[c] * seg[c] for c in ("pieces", "shards", "leaves", "written", "read")),
-                }
-            )
-            tic = time.perf_counter()
+        single, aggregate = _rates()
+        network = cpu_network(single, aggregate)
+        k = fitted["executor"]["copy_factor"]  # the executor's copies k times memcpy's time
+        calibrated = Network(cpu_network(single / k, aggregate / k).cluster, **host_work(fitted))
+        traffic = device_traffic(plan, network)
+
+        def once(placed=placed, plan=plan):
             out, _ = tj.reshard(placed, plan, donate=False)
             jax.block_until_ready(out)
-            runs.append(time.perf_counter() - tic)
-            del out
+
+        measured, runs = _best_seconds(once, repeats)
         del placed
-        runs, predictions = runs[1:], predictions[1:]
+        predicted = {
+            "bytes_only": network.seconds(traffic).seconds,
+            "calibrated": calibrated.seconds(traffic).seconds,
+        }
         rows.append(
             {"change": change.name, "bytes_moved": plan.bytes_moved}
-            | n
+            | _counts(traffic)
             | {
-                "measured_seconds": statistics.median(runs),
+                "measured_seconds": measured,
                 "runs_seconds": runs,
-                "predicted_seconds": {
-                    k: statistics.median(p[k] for p in predictions) for k in predictions[0]
-                },
-                "ratio": {
-                    k: statistics.median(t / p[k] for t, p in zip(runs, predictions))
-                    for k in predictions[0]
-                },
+                "predicted_seconds": predicted,
+                "ratio": {key: measured / seconds for key, seconds in predicted.items()},
             }
         )
         log(
@@ -326,126 +317,80 @@ def validate_machine(fitted: dict, model: str, repeats: int, log=print) -> list[
     return rows
 
 
-def store_seconds(reads, objects, commit: bool, via: int | None, rates: dict) -> float:
-    """The prototype per-node store resource: the seconds of the busiest node's store process,
-    ``get bytes / get rate + put bytes / put rate``. A store serves every pull from it (its own
-    node's too: a loopback get), takes a put per copy at a commit, and with ``via`` (central)
-    takes every byte pulled from elsewhere into the central node's store and serves it again."""
-    nodes = 1 + max([int(reads.source.max(initial=0))] + [s for o in objects for s in o.slots])
-    nodes = max(nodes, (via or 0) + 1)
-    get = np.bincount(reads.source, reads.nbytes, minlength=nodes).astype(float)
-    put = np.zeros(nodes)
-    if via is not None:
-        put[via] += reads.nbytes[reads.source != via].sum()
-        get[via] += reads.nbytes.sum() - reads.nbytes[reads.source == via].sum()
-    if commit:
-        for o in objects:
-            for s in o.slots:
-                put[s] += o.nbytes
-    return float(np.max(get / rates["get"] + put / rates["put"]))
-
-
-def _change(sim, source, target, kind: str, failed: frozenset, rates: dict) -> dict:
-    """``fixed_change``'s seconds per policy, and the prototype with a per-node store resource:
-    the commit and the pulls each take the longer of the library's bytes time and the store's
-    (:func:`store_seconds`), their latency on top."""
-    from tenplex_jax._src.simulator import network as net
-    from tenplex_jax._src.simulator.fixed import _layout, fixed_change
-
-    row = fixed_change(sim, source, target, kind, failed_nodes=failed)
-    old = _layout(sim, source, None)
-    new = _layout(sim, target, old.ptc)
-    result = sim.event(kind, old, new, failed)
-    objects = sim._stored(old.ptc)
-    reads = net.pulls(result["plan"], sim.network, net.holders(objects), failed)
-    out = {}
-    for policy in ("tenplex", "central"):
-        p = row["policies"][policy]
-        via = None if policy == "tenplex" else net.central_node(result["plan"], sim.network)
-        commit_lat = sim.seconds(net.commit_traffic(objects, sim.network)).latency
-        commit = kind != "fail"
-        no_reads = dataclasses.replace(reads, nbytes=np.zeros_like(reads.nbytes))
-        store_commit = store_seconds(no_reads, objects, True, None, rates) if commit else 0.0
-        store_pull = store_seconds(reads, objects, False, via, rates)
-        pull_lat = p["latency"] - (commit_lat if commit else 0.0)
-        prototype = (
-            p["restart"]
-            + p["compile"]
-            + (max(p["commit"] - commit_lat, store_commit) + commit_lat if commit else 0.0)
-            + max(p["transfer"] - pull_lat, store_pull)
-            + pull_lat
-        )
-        if p["fallback"]:
-            prototype = p["seconds"]
-        out[policy] = {
-            k: p[k]
-            for k in ("seconds", "commit", "transfer", "latency", "restart", "bottleneck")
-            + ("fallback",)
-        } | {"store_commit": store_commit, "store_pull": store_pull, "prototype": prototype}
-    return {"state_bytes": row["state_bytes"], "bytes_moved": row["bytes_moved"]} | out
+def host_work(fitted: dict) -> dict:
+    """The fitted host work as ``Network``/``Costs`` keyword arguments."""
+    return {name: fitted["executor"][name] for name in HOST_WORK.values()}
 
 
 def validate_paper(fitted: dict, log=print) -> dict:
-    """``fixed_change`` for the paper's three models on the testbed, against the paper."""
+    """``fixed_change`` for the paper's three models on the testbed, against the paper: the
+    library's network model with no fixed costs, then calibrated (:data:`TESTBED`)."""
     from tenplex_jax._src.cli.simulate import DEFAULT_BATCH
     from tenplex_jax._src.planner.cluster import Cluster
     from tenplex_jax._src.ptc import ParallelConfig
     from tenplex_jax._src.simulator.costs import Costs
+    from tenplex_jax._src.simulator.fixed import fixed_change
     from tenplex_jax._src.simulator.replay import Simulation
     from tenplex_jax_models import LOGICAL_RULES, build_state, profile_of
 
     get, put = fitted["store_get"], fitted["store_put"]
-    latency = statistics.fmean([get["latency_seconds"], put["latency_seconds"]])
-    piece = max(fitted["executor_pieces"]["pieces"], 0.0)
     k = TESTBED["store_clients"]
-    rates = {"get": k * get["bandwidth_bytes_per_s"], "put": k * put["bandwidth_bytes_per_s"]}
+    calibrated = host_work(fitted) | {
+        "latency_seconds": statistics.fmean([get["latency_seconds"], put["latency_seconds"]]),
+        "store_get_bandwidth": k * get["bandwidth_bytes_per_s"],
+        "store_put_bandwidth": k * put["bandwidth_bytes_per_s"],
+        "restart_seconds": TESTBED["restart_seconds"],
+        "detect_seconds": TESTBED["detect_seconds"],
+    }
     toml = Cluster.load(pathlib.Path(__file__).resolve().parent.parent / "meshes/tenplex-16.toml")
-    variants = {  # name -> (cluster, fixed costs?, use the prototype store resource?)
-        "bytes only (toml, no fixed costs)": (toml, False, False),
-        "NIC-bound (toml) + fixed costs": (toml, True, False),
-        "host memory = store rate + fixed costs": (
-            dataclasses.replace(toml, host_memory_bandwidth=rates["get"]),
-            True,
-            False,
-        ),
-        "prototype store resource + fixed costs": (toml, True, True),
-        "sensitivity: the same, replicas 0": (toml, True, True),
+    variants = {
+        "bytes only (no fixed costs)": {"restart_seconds": 0.0},
+        "calibrated": calibrated,
+        "calibrated, replicas 0": calibrated | {"replicas": 0},
+        "calibrated, stores at the single-stream rate": calibrated
+        | {
+            "store_get_bandwidth": get["bandwidth_bytes_per_s"],
+            "store_put_bandwidth": put["bandwidth_bytes_per_s"],
+        },
     }
     c = ParallelConfig
     rows = []
     states = {m: build_state(m, lr=1e-3, abstract=True)[1] for m in PAPER}
-    for variant, (cluster, fixed, prototype) in variants.items():
-        costs = Costs(
-            restart_seconds=TESTBED["restart_seconds"] if fixed else 0.0,
-            compile_seconds=TESTBED["compile_seconds"],
-            latency_seconds=latency if fixed else 0.0,
-            piece_seconds=piece if fixed else 0.0,
-            replicas=0 if variant.startswith("sensitivity") else TESTBED["replicas"],
-            executable_cache=True,
-        )
+    for variant, given in variants.items():
+        base = {
+            "compile_seconds": TESTBED["compile_seconds"],
+            "replicas": TESTBED["replicas"],
+            "executable_cache": True,
+        }
+        costs = Costs(**(base | given))
         for model, state in states.items():
             sim = Simulation(
-                cluster, profile_of(model), state, LOGICAL_RULES, DEFAULT_BATCH[model], costs
+                toml, profile_of(model), state, LOGICAL_RULES, DEFAULT_BATCH[model], costs
             )
-            grow = _change(
-                sim, c(tensor=4, pipe=2), c(tensor=4, pipe=2, data=2), "offer", frozenset(), rates
+            grow = fixed_change(sim, c(tensor=4, pipe=2), c(tensor=4, pipe=2, data=2), "offer")
+            fail = fixed_change(
+                sim, c(tensor=4, pipe=2, data=2), c(tensor=4, pipe=2), "fail", failed_nodes={3}
             )
-            fail = _change(
-                sim, c(tensor=4, pipe=2, data=2), c(tensor=4, pipe=2), "fail", frozenset({3}), rates
-            )
-            key = "prototype" if prototype else "seconds"
             row = {"variant": variant, "model": model, "state_bytes": grow["state_bytes"]}
             for policy in ("tenplex", "central"):
-                seconds = grow[policy][key]
-                row[policy] = grow[policy] | {
-                    "predicted": seconds,
+                p = grow["policies"][policy]
+                row[policy] = {
+                    "predicted": p["seconds"],
+                    "parts": {k: p[k] for k in ("commit", "transfer", "restart", "latency")},
+                    "bottleneck": p["bottleneck"],
                     "paper": PAPER[model][policy],
-                    "paper_over_predicted": PAPER[model][policy] / seconds,
+                    "paper_over_predicted": PAPER[model][policy] / p["seconds"],
                 }
-            row["recovery"] = fail["tenplex"] | {"predicted": fail["tenplex"][key]}
+            f = fail["policies"]["tenplex"]
+            row["recovery"] = {
+                "predicted": f["seconds"],
+                "parts": {k: f[k] for k in ("detect", "transfer", "restore", "restart")},
+                "bottleneck": f["bottleneck"],
+                "fallback": f["fallback"],
+            }
             rows.append(row)
             log(
-                f"  {variant:40s} {model:10s} tenplex {row['tenplex']['predicted']:6.2f} s "
+                f"  {variant:44s} {model:10s} tenplex {row['tenplex']['predicted']:6.2f} s "
                 f"(paper/pred {row['tenplex']['paper_over_predicted']:.2f}), central "
                 f"{row['central']['predicted']:6.2f} s "
                 f"({row['central']['paper_over_predicted']:.2f}), recovery "
@@ -462,9 +407,7 @@ def validate_paper(fitted: dict, log=print) -> dict:
         p: PAPER["gpt3-6.7b"][p] / PAPER["gpt3-1.3b"][p] for p in ("tenplex", "central")
     }
     return {
-        "latency_seconds": latency,
-        "piece_seconds": piece,
-        "store_rates_bytes_per_s": rates,
+        "costs": calibrated,
         "testbed": TESTBED,
         "rows": rows,
         "growth_6.7b_over_1.3b": growth,
@@ -494,10 +437,10 @@ def run(model: str = "gpt100m", repeats: int = 3, log=print) -> dict:
 
 def markdown(result: dict) -> str:
     f = result["fitted"]
-    two, full, seg = f["executor_pieces"], f["executor_full"], f["executor_segments"]
+    e = f["executor"]
     us = lambda s: f"{s * 1e6:.1f} us"
     lines = [
-        "# Simulator calibration: fixed per-piece and per-request costs",
+        "# Simulator calibration: the network model's fixed costs, fitted and checked",
         "",
         f"`python -m tenplex_jax_benchmarks.simulate_calibration --repeats {result['repeats']}`"
         f" on {result['cores']} shared cores (load average at the end "
@@ -507,15 +450,11 @@ def markdown(result: dict) -> str:
         "",
         "| fit | values | worst point, fit vs measured |",
         "|---|---|---:|",
-        f"| executor: k x bytes_seconds + pieces x piece_seconds | k {two['bytes_seconds']:.2f}, "
-        f"piece_seconds {us(two['pieces'])} | {two['worst_ratio']:.2f}x |",
-        f"| executor: k x bytes_seconds + pieces, new shards, leaves | k "
-        f"{full['bytes_seconds']:.2f}, piece {us(full['pieces'])}, shard {us(full['shards'])}, "
-        f"leaf {us(full['leaves'])} | {full['worst_ratio']:.2f}x |",
-        f"| executor: ... + runs written + runs read | k {seg['bytes_seconds']:.2f}, piece "
-        f"{us(seg['pieces'])}, shard {us(seg['shards'])}, leaf {us(seg['leaves'])}, run written "
-        f"{seg['written'] * 1e9:.0f} ns, run read {seg['read'] * 1e9:.0f} ns | "
-        f"{seg['worst_ratio']:.2f}x |",
+        f"| executor: the network model's bytes alone | - | {f['bytes_only_worst_ratio']:.2f}x |",
+        f"| executor: k x bytes + host work (`Network`'s fixed costs) | k {e['copy_factor']:.2f}, "
+        f"piece {us(e['piece_seconds'])}"
+        f", shard {us(e['shard_seconds'])}, leaf {us(e['leaf_seconds'])}, run "
+        f"{e['run_seconds'] * 1e9:.0f} ns | {e['worst_ratio']:.2f}x |",
     ]
     for op in ("get", "put"):
         s = f[f"store_{op}"]
@@ -528,51 +467,56 @@ def markdown(result: dict) -> str:
         "",
         f"## This machine: the reshard matrix ({result['model']}), measured ÷ predicted",
         "",
-        "Median over runs of each run ÷ its prediction (the memcpy measured just before it).",
+        "The fastest run ÷ the prediction from the best memcpy measured just before the row; "
+        "calibrated: `Network(cluster, piece_seconds=..., shard_seconds=..., leaf_seconds=..., "
+        "run_seconds=...)` with the values above, on the CPU devices copying k times slower than "
+        "memcpy.",
         "",
-        "| change | pieces | shards | leaves | runs written | measured ms | bytes only | library "
-        "piece cost | + pieces | + pieces, shards, leaves | + runs |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| change | pieces | shards | leaves | runs | measured ms | bytes only | calibrated |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["machine"]:
         q = r["ratio"]
         lines.append(
-            f"| {r['change']} | {r['pieces']} | {r['shards']} | {r['leaves']} | {r['written']} | "
-            f"{r['measured_seconds'] * 1e3:.1f} | {q['bytes_only']:.2f} | "
-            f"{q['library_piece_seconds']:.2f} | {q['additive_pieces']:.2f} | "
-            f"{q['additive_full']:.2f} | {q['additive_segments']:.2f} |"
+            f"| {r['change']} | {r['pieces']} | {r['shards']} | {r['leaves']} | {r['runs']} | "
+            f"{r['measured_seconds'] * 1e3:.1f} | {q['bytes_only']:.2f} | {q['calibrated']:.2f} |"
         )
     p = result["paper"]
-    t = p["testbed"]
+    t, costs = p["testbed"], p["costs"]
     lines += [
         "",
         "## The Tenplex testbed: GPT-3, (4,2,1) -> (4,2,2) on 4 nodes x 4 GPUs",
         "",
         "Assumptions (beyond `meshes/tenplex-16.toml`: 100 Gb/s NIC per node, PCIe Gen4 25 GB/s "
-        "to the host, 20 GB/s peer to peer, 100 GB/s host memory, 1 GB/s storage per node):",
+        "to the host, 20 GB/s peer to peer, 100 GB/s host memory, 1 GB/s storage per node), "
+        "each stated before the comparison:",
         "",
         f"- restart {t['restart_seconds']:g} s: {t['restart_why']};",
         f"- compile {t['compile_seconds']:g} s: {t['compile_why']};",
-        f"- latency_seconds {us(p['latency_seconds'])}: {t['latency_why']};",
-        f"- piece_seconds {us(p['piece_seconds'])}: {t['piece_why']};",
-        f"- store rate {p['store_rates_bytes_per_s']['get'] / 1e9:.2f} GB/s get, "
-        f"{p['store_rates_bytes_per_s']['put'] / 1e9:.2f} GB/s put per node ({t['store_clients']}"
-        f" x the fitted rates): {t['store_why']};",
+        f"- failure detection {t['detect_seconds']:g} s: {t['detect_why']};",
+        f"- latency {us(costs['latency_seconds'])} per request: {t['latency_why']};",
+        f"- host work {us(costs['piece_seconds'])} per piece, {us(costs['shard_seconds'])} per "
+        f"shard, {us(costs['leaf_seconds'])} per leaf: {t['host_why']};",
+        f"- each node's store {costs['store_get_bandwidth'] / 1e9:.2f} GB/s get, "
+        f"{costs['store_put_bandwidth'] / 1e9:.2f} GB/s put ({t['store_clients']} x the fitted "
+        f"rates): {t['store_why']};",
         f"- replicas {t['replicas']}: {t['replicas_why']}; global batch 128; the scale-out is an "
         "announced offer (the last step committed first, in the time); recovery: node 3 of the "
         "(4,2,2) job fails, (4,2,2) -> (4,2,1), pulls from the surviving stores, no commit.",
         "",
         "| variant | model | state GB | tenplex s | paper | paper ÷ pred | central s | paper | "
-        "paper ÷ pred | recovery s |",
+        "paper ÷ pred | recovery s (detect + restart + pulls or restore) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in p["rows"]:
-        a, b = r["tenplex"], r["central"]
+        a, b, rec = r["tenplex"], r["central"], r["recovery"]
         lines.append(
             f"| {r['variant']} | {r['model']} | {r['state_bytes'] / 1e9:.1f} | "
             f"{a['predicted']:.2f} | {a['paper']} | {a['paper_over_predicted']:.2f} | "
             f"{b['predicted']:.2f} | {b['paper']} | {b['paper_over_predicted']:.2f} | "
-            f"{r['recovery']['predicted']:.2f} |"
+            f"{rec['predicted']:.2f} ({rec['parts']['detect']:g} + {rec['parts']['restart']:g} + "
+            f"{rec['parts']['transfer'] + rec['parts']['restore']:.2f}"
+            f"{', orbax' if rec['fallback'] else ''}) |"
         )
     lo, hi = PAPER_RECOVERY
     lines += [
@@ -583,10 +527,10 @@ def markdown(result: dict) -> str:
     for variant, g in p["growth_6.7b_over_1.3b"].items():
         lines.append(f"- {variant}: tenplex {g['tenplex']:.2f}x, central {g['central']:.2f}x")
     lines += ["", "## Within the goals", ""]
-    for key in ("bytes_only", "additive_full", "additive_segments"):
+    for key in ("bytes_only", "calibrated"):
         out = [r["change"] for r in result["machine"] if not 1 / 1.25 <= r["ratio"][key] <= 1.25]
         lines.append(
-            f"- this machine, {key}: {len(result['machine']) - len(out)} of "
+            f"- this machine, {key.replace('_', ' ')}: {len(result['machine']) - len(out)} of "
             f"{len(result['machine'])} rows within 1.25x"
             + (f" (out: {', '.join(out)})" if out else "")
         )
@@ -609,33 +553,7 @@ def markdown(result: dict) -> str:
             f"- testbed, {variant}: {len(ok)} of 6 reconfiguration rows within 2x; recovery "
             f"within 2x of {lo}–{hi} s for {len(recovered)} of 3 models"
         )
-    lines += ["", PROPOSAL]
     return "\n".join(lines) + "\n"
-
-
-PROPOSAL = """## What the library's model would need (not changed here)
-
-- `tenplex_jax/_src/simulator/network.py`, `Network.seconds`: the per-piece cost is a resource
-  (`pieces` per device x `piece_seconds`) that overlaps the bytes. On CPU devices the executor's
-  host work is done by one process, one leaf after another, and does not overlap the copies it
-  feeds: an additive term per node, `sum over the node's devices of (pieces x piece_seconds +
-  new shards x shard_seconds) + leaves x leaf_seconds`, added like `latency`. It needs
-  `Traffic.shards` and `Traffic.leaves` counts filled by `device_traffic` (the non-`keep` shards,
-  and the leaves with one), and `Costs.shard_seconds` / `Costs.leaf_seconds`. On this machine it
-  is worth a few per cent of the matrix rows (44 leaves, <= 312 pieces); it is what makes a
-  state of many small leaves (the fit's 512-leaf points) 3-10x slower than its bytes.
-- Strided writes: a piece written as many contiguous runs (a merge along a non-leading dim)
-  copies slower than memcpy on the host path (`run written` above); per device,
-  `runs x run_seconds`, runs = the product of the piece's extents before the last dim it does
-  not span whole in its target shard. CPU-only (GPU copies of strided boxes run at bandwidth).
-- A per-node store resource (the prototype column): `store_traffic` and `commit_traffic` add
-  `node["store"]` bytes served (every pull at its source node, local pulls included; every put
-  copy at its holder; with `via`, every byte put into and served again by the central node), and
-  `Cluster.store_bandwidth` (get) and a put rate give its seconds. The toml's 100 GB/s host memory
-  never binds; the paper's central rows are consistent with a store that serves a few GB/s.
-- Failure detection: the paper's recovery includes noticing the failure (timeouts, the
-  scheduler); `Costs` has no such term, so every recovery here is restart + pulls only.
-"""
 
 
 def main(argv=None) -> int:

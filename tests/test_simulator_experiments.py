@@ -4,6 +4,7 @@ abstract states on bare device ids)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -129,6 +130,108 @@ def test_latency_is_paid_per_request_in_sequence_on_top_of_the_bytes():
     np.testing.assert_array_equal(net.save_traffic(objects, plain).messages, [1, 1, 1, 1])
     np.testing.assert_array_equal(net.commit_traffic(objects, plain).messages, [2, 2, 2, 2])
     np.testing.assert_array_equal(net.restore_traffic(dst, plain).messages, [1, 1, 0, 0])
+
+
+# -- the network model: host work, the stores' rates, failure detection ----------------------------
+
+
+def _columns(config, devices, cluster):
+    """A [8, 4] leaf split along its columns: a merge writes each of a piece's 8 rows apart."""
+    with nnx.use_eager_sharding(False):
+        state = nnx.State(
+            {"w": nnx.Param(jax.ShapeDtypeStruct((8, 4), jnp.float32), out_sharding=(None, "e"))}
+        )
+    hosts = [cluster.nodes[d] for d in devices]
+    return tj.PTC.of(state, (("e", "fsdp"),), config, devices, hosts=hosts)
+
+
+def _cpu_cluster(nodes=1, per_node=4) -> tj.planner.Cluster:
+    gpu = _cluster(nodes, per_node)
+    cpu = dataclasses.replace(gpu.types[0], name="cpu", host_memory=True)
+    return dataclasses.replace(gpu, types=(cpu,))
+
+
+@pytest.mark.parametrize("kind", ["cpu", "gpu"])
+def test_host_work_adds_to_a_cpu_nodes_copies_and_overlaps_an_accelerators(kind):
+    cluster = _cpu_cluster() if kind == "cpu" else _cluster(nodes=1, per_node=4)
+    plan = tj.make_plan(
+        _columns(C(fsdp=4), range(4), cluster), _columns(C(fsdp=2), [2, 3], cluster)
+    )
+    plain = net.Network(cluster)
+    fixed = net.Network(
+        cluster, piece_seconds=1.0, shard_seconds=10.0, leaf_seconds=100.0, run_seconds=1000.0
+    )
+    traffic = net.device_traffic(plan, fixed)
+    # devices 2 and 3 each build a [8, 2] shard from 2 column pieces: 8 rows written apart each
+    np.testing.assert_array_equal(traffic.pieces, [0, 0, 2, 2])
+    np.testing.assert_array_equal(traffic.shards, [0, 0, 1, 1])
+    np.testing.assert_array_equal(traffic.leaves, [1])  # one node rebuilds the one leaf
+    np.testing.assert_array_equal(traffic.runs, [0, 0, 16, 16] if kind == "cpu" else [0] * 4)
+    base, est = plain.seconds(traffic).seconds, fixed.seconds(traffic)
+    if kind == "cpu":  # every run costs: one process, in sequence, besides the copies
+        work = 4 * 1.0 + 2 * 10.0 + 100.0 + 32 * 1000.0
+        assert est.host_work == pytest.approx(work)
+        assert est.seconds == pytest.approx(base + work)
+    else:  # a strided box copies at bandwidth; the host work overlaps the copies
+        work = 4 * 1.0 + 2 * 10.0 + 100.0
+        assert est.host_work == 0.0 and est.resources["host_work"] == pytest.approx(work)
+        assert (
+            est.seconds == pytest.approx(max(base, work)) and est.bottleneck == "host_work node 0"
+        )
+    # a split along the rows is one run per piece
+    rows = tj.make_plan(_ptc(C(fsdp=4), range(4), cluster), _ptc(C(fsdp=2), [2, 3], cluster))
+    runs = net.device_traffic(rows, fixed).runs
+    np.testing.assert_array_equal(runs, [0, 0, 2, 2] if kind == "cpu" else [0] * 4)
+
+
+def test_the_stores_rates_bound_pulls_commits_and_the_central_node():
+    cluster = _cluster(nodes=4, per_node=1)
+    src = _ptc(C(fsdp=4), range(4), cluster)
+    dst = _ptc(C(fsdp=2), [0, 1], cluster)
+    objects = net.stored(src, replicas=1)
+    plain = net.Network(cluster)
+    rated = net.Network(cluster, store_get_bandwidth=1.0, store_put_bandwidth=0.5)
+    reads = net.pulls(tj.make_plan(src, dst), plain, net.holders(objects))
+    # 128 bytes in 4 boxes of 32, each read from the store that holds it: its writer's node
+    traffic = net.store_traffic(reads, plain)
+    np.testing.assert_array_equal(traffic.node["store_get"], [32, 32, 32, 32])
+    np.testing.assert_array_equal(traffic.node["store_put"], [0, 0, 0, 0])
+    assert rated.seconds(traffic).seconds == pytest.approx(32.0)  # 32 B at 1 B/s, every node
+    assert rated.seconds(traffic).bottleneck.startswith("store node")
+    # the target's 2 shards are built once on each of 2 devices; each node rebuilds the leaf
+    np.testing.assert_array_equal(traffic.shards, [1, 1, 0, 0])
+    np.testing.assert_array_equal(traffic.leaves, [1, 1, 0, 0])
+    # central: node 0's store takes the 96 bytes from elsewhere and serves them again
+    central = net.store_traffic(reads, plain, via=0)
+    np.testing.assert_array_equal(central.node["store_put"], [96, 0, 0, 0])
+    np.testing.assert_array_equal(central.node["store_get"], [128, 32, 32, 32])
+    assert rated.seconds(central).seconds == pytest.approx(128 / 1.0 + 96 / 0.5)
+    # a commit puts every copy into its holder's store: 2 copies of 32 bytes each
+    commit = net.commit_traffic(objects, plain)
+    np.testing.assert_array_equal(commit.node["store_put"], [64, 64, 64, 64])
+    assert rated.seconds(commit).resources["store"] == pytest.approx(128.0)
+    # without rates the stores are no limit, and their bytes are no resource of their own
+    assert plain.seconds(central).seconds < rated.seconds(central).seconds
+    assert "store_get" not in plain.seconds(central).resources
+    with pytest.raises(PlanError, match="store_get_bandwidth must be > 0"):
+        Costs(store_get_bandwidth=0)
+
+
+def test_a_failure_is_charged_its_detection_for_every_policy_and_an_announced_change_none():
+    sim = _sim(detect_seconds=15.0, executable_cache=True, restart_seconds=5)
+    fail = fixed_change(
+        sim, C(tensor=4, pipe=2, data=2), C(tensor=4, pipe=2), "fail", failed_nodes={3}
+    )
+    offer = fixed_change(sim, C(tensor=4, pipe=2), C(tensor=4, pipe=2, data=2), "offer")
+    for policy, cost in fail["policies"].items():
+        moved = ("save",) if policy == "checkpoint-restart" else ("commit", "transfer")
+        parts = ("detect", "restore", "restart", "compile") + moved
+        assert cost["detect"] == 15.0, policy
+        assert cost["seconds"] == pytest.approx(sum(cost[k] for k in parts)), policy
+    assert all(cost["detect"] == 0.0 for cost in offer["policies"].values())
+    assert "a failure is noticed after 15 s" in assumptions(sim.costs, "tenplex")
+    with pytest.raises(PlanError, match="detect_seconds must be >= 0"):
+        Costs(detect_seconds=-1)
 
 
 # -- fixed changes and fair policies ------------------------------------------------------------
@@ -266,6 +369,16 @@ def test_the_cli_simulates_a_fixed_change_of_a_gpt_by_its_dimensions(tmp_path, c
     assert main([*args[:-6], "--restart-seconds", "orbax=3"]) == 2
     assert main(["simulate", "--cluster", str(cluster), "--layers", "4"]) == 2
     assert main(["simulate", "--cluster", str(cluster), "--model", "tiny"]) == 2  # no trace
+    # the stores' rates and the host work reach the model; a failure is charged its detection
+    fail = [*args[:15], "--from", "tensor=4,pipe=2,data=2", "--to", "tensor=4,pipe=2,data=1"]
+    fail += ["--kind", "fail", "--detect-seconds", "15", "--shard-seconds", "0.001", "--json"]
+    assert main(fail) == 0
+    plain = json.loads(capsys.readouterr().out)["policies"]["tenplex"]
+    assert plain["detect"] == 15
+    assert main([*fail, "--store-get-bandwidth", "1e6", "--store-put-bandwidth", "1e6"]) == 0
+    rated = json.loads(capsys.readouterr().out)["policies"]["tenplex"]
+    assert rated["transfer"] > plain["transfer"] and rated["bottleneck"].startswith("store node")
+    assert main([*fail, "--store-get-bandwidth", "0"]) == 2
 
 
 def test_the_cli_generates_failures_from_an_mttf(tmp_path, capsys):
@@ -297,6 +410,12 @@ def test_every_flag_is_in_the_help(capsys):
         "--seq-len",
         "--latency-seconds",
         "--piece-seconds",
+        "--shard-seconds",
+        "--leaf-seconds",
+        "--run-seconds",
+        "--detect-seconds",
+        "--store-get-bandwidth",
+        "--store-put-bandwidth",
         "--restart-seconds",
         "--compile-seconds",
         "--executable-cache",

@@ -32,8 +32,9 @@ examples:
   tenplex-jax simulate --cluster meshes/8xh100.toml --trace meshes/philly.toml --model gpt100m
       the small trace on one node, the 114.5M-parameter GPT
 
-Costs the network model does not derive are flags (restart, compile, latency, commit and
-checkpoint intervals); everything else comes from the cluster description (meshes/README.md).
+Costs the network model does not derive are flags (restart, compile, failure detection, latency
+and host work per request, piece, shard, leaf and run, the stores' rates, commit and checkpoint
+intervals); everything else comes from the cluster description (meshes/README.md).
 """
 
 PRESETS = ("llm-70b", "tiny", "small", "gpt100m", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b")
@@ -144,19 +145,36 @@ def add_parser(sub) -> None:
         action="store_true",
         help="a failure's layout loads its step from an executable cache: no policy compiles",
     )
-    c.add_argument(
-        "--latency-seconds",
-        type=float,
-        default=defaults.latency_seconds,
-        help="a round trip per request or message (store get/put, storage read/write, a send "
-        "across nodes), in sequence per node's process (default: 0)",
-    )
-    c.add_argument(
-        "--piece-seconds",
-        type=float,
-        default=defaults.piece_seconds,
-        help="a fixed cost per piece a device receives, overlapping the transfer (default: 0)",
-    )
+    for name, what in (
+        (
+            "latency_seconds",
+            "a round trip per request or message (store get/put, storage "
+            "read/write, a send across nodes), in sequence per node's process",
+        ),
+        (
+            "piece_seconds",
+            "host work per piece a node's devices receive (a node's host work adds to its "
+            "copies on CPU devices and overlaps them on accelerators)",
+        ),
+        ("shard_seconds", "host work per new shard a node builds"),
+        ("leaf_seconds", "host work per leaf a node's process rebuilds"),
+        ("run_seconds", "host work per contiguous run a piece is copied as (CPU devices)"),
+        ("detect_seconds", "from a failure to its notice (health checks, a heartbeat timeout)"),
+    ):
+        c.add_argument(
+            "--" + name.replace("_", "-"),
+            type=float,
+            default=getattr(defaults, name),
+            help=f"{what} (default: 0)",
+        )
+    for op, what in (("get", "serves"), ("put", "takes in")):
+        c.add_argument(
+            f"--store-{op}-bandwidth",
+            type=float,
+            default=None,
+            metavar="BYTES_PER_S",
+            help=f"bytes per second a node's tensor store {what} (default: not a limit)",
+        )
     c.add_argument(
         "--commit-every",
         type=_positive,
@@ -257,7 +275,7 @@ def model(args):
 
 def costs(args):
     """The :class:`Costs` the flags give."""
-    from tenplex_jax._src.simulator.costs import Costs
+    from tenplex_jax._src.simulator.costs import FIXED, Costs
 
     return Costs(
         restart_seconds=args.restart_seconds,
@@ -265,13 +283,15 @@ def costs(args):
         commit_every=args.commit_every,
         checkpoint_minutes=args.checkpoint_minutes,
         replicas=args.replicas,
-        piece_seconds=args.piece_seconds,
-        latency_seconds=args.latency_seconds,
         compile_ahead=not args.no_compile_ahead,
         executable_cache=args.executable_cache,
         young_daly=not args.trace_checkpoints,
         mttf_hours=args.mttf_hours,
         mttf_devices=args.mttf_devices,
+        detect_seconds=args.detect_seconds,
+        store_get_bandwidth=args.store_get_bandwidth,
+        store_put_bandwidth=args.store_put_bandwidth,
+        **{name: getattr(args, name) for name in FIXED},
     )
 
 

@@ -58,7 +58,8 @@ def change_table(result: dict) -> str:
     ]
     head = (
         f"{'policy':20} {'seconds':>9} {'network GB':>10} {'commit/save':>11} "
-        f"{'transfer/restore':>16} {'restart':>8} {'compile':>8} {'latency':>8}  bottleneck"
+        f"{'transfer/restore':>16} {'detect':>7} {'restart':>8} {'compile':>8} {'latency':>8}  "
+        "bottleneck"
     )
     lines += [head, "-" * len(head)]
     for p, c in result["policies"].items():
@@ -68,7 +69,8 @@ def change_table(result: dict) -> str:
         lines.append(
             f"{p:20} {c['seconds']:9.2f} "
             + (f"{network / GB:10.2f} " if network is not None else f"{'-':>10} ")
-            + f"{first:11.2f} {moving:16.2f} {c['restart']:8.1f} {c['compile']:8.1f} "
+            + f"{first:11.2f} {moving:16.2f} {c.get('detect', 0.0):7.1f} {c['restart']:8.1f} "
+            f"{c['compile']:8.1f} "
             f"{c.get('latency', 0.0):8.3f}  {c['bottleneck']}"
             + ("  (orbax fallback)" if c.get("fallback") else "")
         )
@@ -120,6 +122,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
 
 
 PARTS = (
+    ("detect", "detect"),
     ("commit", "commit"),
     ("save", "save"),
     ("transfer", "transfer"),

@@ -16,6 +16,10 @@ POLICIES = ("tenplex", "central", "checkpoint-restart")
 with every byte through one node (Tenplex-Central), and checkpoint-restart through storage."""
 
 
+FIXED = ("piece_seconds", "latency_seconds", "shard_seconds", "leaf_seconds", "run_seconds")
+"""The network model's fixed costs (seconds each), which :class:`Costs` passes on to it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Costs:
     """What the network model does not derive, for a job at the cluster's scale.
@@ -35,11 +39,20 @@ class Costs:
       checkpoint_minutes: minutes between orbax checkpoints, every policy (None: see
         ``young_daly``).
       replicas: store copies beyond the writer's.
-      piece_seconds: a fixed cost per piece a device receives (a kernel launch, a buffer
-        allocation), paid one after another on each device, overlapping the bytes' transfer.
+      piece_seconds: host work per piece a node's devices receive (a slice, a kernel launch,
+        a buffer): with ``shard_seconds``, ``leaf_seconds`` and ``run_seconds``, a node's
+        process does it in sequence; it adds to the transfer on CPU devices and overlaps it on
+        accelerators (:mod:`~tenplex_jax._src.simulator.network`).
       latency_seconds: a round trip per request or message (a store pull, a put, a storage
         read or write, a send across nodes), paid in sequence by each node's process, on top
         of the transfer.
+      shard_seconds: host work per new shard a node builds.
+      leaf_seconds: host work per leaf a node's process rebuilds.
+      run_seconds: host work per contiguous run a piece is copied as (CPU devices).
+      store_get_bandwidth: bytes per second a node's tensor store serves (None: not a limit).
+      store_put_bandwidth: bytes per second a node's tensor store takes in (None: not a limit).
+      detect_seconds: from a failure to its notice (a coordinator's health checks or a
+        heartbeat timeout), charged to every policy at a failure; announced changes have none.
       compile_ahead: a change announced in advance has its layout's step compiled before it
         happens, by every policy (checkpoint-restart's new processes load that executable);
         False: every change compiles on demand.
@@ -71,6 +84,12 @@ class Costs:
     young_daly: bool = False
     mttf_hours: float | None = None
     mttf_devices: int = 1024
+    shard_seconds: float = 0.0
+    leaf_seconds: float = 0.0
+    run_seconds: float = 0.0
+    store_get_bandwidth: float | None = None
+    store_put_bandwidth: float | None = None
+    detect_seconds: float = 0.0
 
     def __post_init__(self):
         for name in ("restart_seconds", "compile_seconds"):
@@ -83,9 +102,12 @@ class Costs:
             values = value.values() if isinstance(value, Mapping) else (value,)
             if any(not s >= 0 for s in values):
                 raise PlanError(f"Costs.{name} must be >= 0, got {value!r}")
-        for name in ("piece_seconds", "latency_seconds"):
+        for name in FIXED + ("detect_seconds",):
             if not getattr(self, name) >= 0:
                 raise PlanError(f"Costs.{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("store_get_bandwidth", "store_put_bandwidth"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise PlanError(f"Costs.{name} must be > 0 or None, got {getattr(self, name)!r}")
         if self.checkpoint_minutes is not None and not self.checkpoint_minutes > 0:
             raise PlanError(f"Costs.checkpoint_minutes must be > 0, got {self.checkpoint_minutes}")
         if self.mttf_hours is not None and not (self.mttf_hours > 0 and self.mttf_devices >= 1):
@@ -93,6 +115,12 @@ class Costs:
                 f"Costs.mttf_hours must be > 0 and mttf_devices >= 1, got {self.mttf_hours} "
                 f"and {self.mttf_devices}"
             )
+
+    def network_costs(self) -> dict:
+        """The fixed costs and store rates the network model takes, as keyword arguments of
+        :class:`~tenplex_jax._src.simulator.network.Network`."""
+        names = FIXED + ("store_get_bandwidth", "store_put_bandwidth")
+        return {name: getattr(self, name) for name in names}
 
     def restart(self, policy: str) -> float:
         """The seconds ``policy`` takes to restart processes.
@@ -164,6 +192,15 @@ def young_daly(checkpoint_seconds: float, mttf_seconds: float) -> float:
             f"and {mttf_seconds}"
         )
     return math.sqrt(2.0 * checkpoint_seconds * mttf_seconds)
+
+
+_WORDS = {
+    "latency_seconds": "request",
+    "piece_seconds": "piece received",
+    "shard_seconds": "shard built",
+    "leaf_seconds": "leaf rebuilt",
+    "run_seconds": "run copied",
+}
 
 
 def _of(value, policy: str, default: float) -> float:
@@ -263,8 +300,16 @@ def assumptions(costs: Costs, policy: str, checkpoint: Mapping | None = None) ->
         out.append("saves a checkpoint at an announced change; a failure loses the work since one")
     if policy == "central":
         out.append("every byte through one node")
-    if costs.latency_seconds or costs.piece_seconds:
-        out.append(
-            f"{costs.latency_seconds:g} s per request, {costs.piece_seconds:g} s per piece received"
-        )
+    fixed = [f"{getattr(costs, n):g} s per {w}" for n, w in _WORDS.items() if getattr(costs, n)]
+    if fixed:
+        out.append(", ".join(fixed))
+    rates = [
+        f"{getattr(costs, f'store_{op}_bandwidth') / 1e9:g} GB/s {op}"
+        for op in ("get", "put")
+        if getattr(costs, f"store_{op}_bandwidth")
+    ]
+    if rates and policy != "checkpoint-restart":
+        out.append("each node's store serves " + " and ".join(rates))
+    if costs.detect_seconds:
+        out.append(f"a failure is noticed after {costs.detect_seconds:g} s")
     return out

@@ -34,11 +34,22 @@ Routes (one function each, all returning a :class:`Traffic`):
 - :func:`commit_traffic`, :func:`save_traffic`, :func:`restore_traffic` — a commit into the stores,
   an orbax save to checkpoint storage, and an orbax restore from it.
 
-Two fixed costs come on top of the bytes, both 0 unless given: ``piece_seconds`` per piece a device
-receives (a kernel launch or buffer allocation, one after another on each device, overlapping the
-transfer: one more resource), and ``latency_seconds`` per request or message a node's process
-issues (a store get or put, a storage read or write, a send across nodes), paid in sequence by
-that process and so added to the transfer's time (the busiest node's requests).
+Fixed costs come on top of the bytes, all 0 unless given (``benchmarks/simulate_calibration.py``
+fits them to this project's executor and store):
+
+- **host work**: a node's process does, one after another, ``piece_seconds`` per piece its
+  devices receive, ``shard_seconds`` per new shard it builds, ``leaf_seconds`` per leaf it
+  rebuilds and, on CPU devices, ``run_seconds`` per contiguous run a piece is copied as (a merge
+  along a later dim writes each row apart, a split reads each row apart). On a node of CPU
+  devices the same cores make the copies, so its host work adds to the transfer's time; on
+  accelerators it overlaps the copies it feeds (one more resource, ``host_work``);
+- ``latency_seconds`` per request or message a node's process issues (a store get or put, a
+  storage read or write, a send across nodes), paid in sequence by that process and so added to
+  the transfer's time (the busiest node's requests);
+- the **store** of each node serves its gets at ``store_get_bandwidth`` and takes its puts at
+  ``store_put_bandwidth`` (bytes per second of one store process; None: not a limit): every pull
+  is a get at the node it is read from (its own node's too), every copy a commit writes a put at
+  its holder, and Tenplex-Central's node takes a put and serves a get of every byte it relays.
 
 Pure: it reads plans, PTCs and the cluster, never device memory.
 """
@@ -57,7 +68,15 @@ from tenplex_jax._src.planner.cluster import Cluster
 from tenplex_jax._src.ptc import PTC
 
 DEVICE_RESOURCES = ("copy", "link_out", "link_in", "nic_out", "nic_in", "h2d", "d2h")
-NODE_RESOURCES = ("node_out", "node_in", "host_memory", "storage_read", "storage_write")
+NODE_RESOURCES = (
+    "node_out",
+    "node_in",
+    "host_memory",
+    "storage_read",
+    "storage_write",
+    "store_get",
+    "store_put",
+)
 
 
 @dataclasses.dataclass
@@ -71,11 +90,16 @@ class Traffic:
       device: resource (``"copy"``, ``"link_out"``, ``"link_in"``, ``"nic_out"``, ``"nic_in"``,
         ``"h2d"``, ``"d2h"``) -> float ``[devices]`` bytes, by cluster device id.
       node: resource (``"node_out"``, ``"node_in"``, ``"host_memory"``, ``"storage_read"``,
-        ``"storage_write"``) -> float ``[nodes]`` bytes.
+        ``"storage_write"``, ``"store_get"``, ``"store_put"``) -> float ``[nodes]`` bytes.
       pieces: int ``[devices]``: the copies each device receives (for a per-piece cost).
       lost: ``(leaf path, box)`` of what no live store holds (a pull that cannot happen).
       messages: int ``[nodes]``: the requests or messages each node's process issues (for a
         per-message latency); None: none counted.
+      shards: int ``[devices]``: the new shards built on each device.
+      leaves: int ``[nodes]``: the leaves each node's process rebuilds (one with a new shard there).
+      runs: int ``[devices]``: the contiguous runs the pieces each device receives are copied as
+        (read from the source shard or written into the target's, whichever is more; counted on
+        CPU devices only, where they cost).
     """
 
     device: dict[str, np.ndarray]
@@ -83,6 +107,15 @@ class Traffic:
     pieces: np.ndarray
     lost: list[tuple[str, boxes.Box]] = dataclasses.field(default_factory=list)
     messages: np.ndarray | None = None
+    shards: np.ndarray | None = None
+    leaves: np.ndarray | None = None
+    runs: np.ndarray | None = None
+
+    def __post_init__(self):
+        n, m = len(self.pieces), len(next(iter(self.node.values())))
+        for name, size in (("shards", n), ("leaves", m), ("runs", n)):
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(size, dtype=np.int64))
 
     @classmethod
     def empty(cls, cluster: Cluster) -> Traffic:
@@ -113,6 +146,9 @@ class Traffic:
             self.pieces + other.pieces,
             self.lost + other.lost,
             messages,
+            self.shards + other.shards,
+            self.leaves + other.leaves,
+            self.runs + other.runs,
         )
 
     @property
@@ -128,18 +164,23 @@ class Estimate:
     What :meth:`Network.seconds` returns; ``str(estimate)`` is ``"1.234 s (nic_in device 5)"``.
 
     Attributes:
-      seconds: the busiest resource's bytes over its bandwidth, plus ``latency``.
+      seconds: the busiest resource's bytes over its bandwidth, plus ``latency`` and
+        ``host_work``.
       bottleneck: ``"<resource> <device|node> <id>"`` of that resource (``"none"`` for no
         traffic).
       resources: resource -> the seconds of its busiest device or node.
       latency: the seconds of the busiest node's requests in sequence (``latency_seconds``
         each), included in ``seconds``.
+      host_work: the seconds of the busiest CPU node's host work (pieces, shards, leaves,
+        runs), which adds to its copies' time, included in ``seconds`` (an accelerator node's
+        overlaps: the ``host_work`` resource).
     """
 
     seconds: float
     bottleneck: str  # "<resource> <device|node> <id>"
     resources: Mapping[str, float]  # resource -> its busiest device's or node's seconds
     latency: float = 0.0
+    host_work: float = 0.0
 
     def __str__(self) -> str:
         return f"{self.seconds:.3f} s ({self.bottleneck})"
@@ -158,15 +199,26 @@ class Network:
 
     Attributes:
       cluster: the :class:`tenplex_jax.planner.Cluster` and its bandwidths.
-      piece_seconds: a fixed cost per piece a device receives (a kernel launch, a buffer),
-        paid one after the other on each device while the bytes move; 0 leaves it out.
+      piece_seconds: host work per piece a node's devices receive (a slice, a kernel launch,
+        a buffer); 0 leaves it out.
+      shard_seconds: host work per new shard a node builds (a device buffer assembled).
+      leaf_seconds: host work per leaf a node's process rebuilds (an array put together).
+      run_seconds: host work per contiguous run a piece is copied as, on CPU devices only
+        (an accelerator copies a strided box at its bandwidth).
       latency_seconds: a round trip per request or message a node's process issues, paid in
         sequence on top of the bytes' time; 0 leaves it out.
+      store_get_bandwidth: bytes per second one node's store serves (None: not a limit).
+      store_put_bandwidth: bytes per second one node's store takes in (None: not a limit).
     """
 
     cluster: Cluster
     piece_seconds: float = 0.0
     latency_seconds: float = 0.0
+    shard_seconds: float = 0.0
+    leaf_seconds: float = 0.0
+    run_seconds: float = 0.0
+    store_get_bandwidth: float | None = None
+    store_put_bandwidth: float | None = None
 
     def __post_init__(self):
         c = self.cluster
@@ -176,6 +228,8 @@ class Network:
         nic = c.node_network_bandwidth or None
         object.__setattr__(self, "_node_of", node_of)
         object.__setattr__(self, "_host_memory", np.array([t.host_memory for t in types]))
+        cpu_node = np.bincount(node_of, self._host_memory, minlength=len(per_node)) > 0
+        object.__setattr__(self, "_cpu_node", cpu_node)
         object.__setattr__(
             self,
             "_device_bw",
@@ -240,25 +294,58 @@ class Network:
             t = traffic.device[r] / self._device_bw[r]
             i = int(np.argmax(t))
             loads[r] = (float(t[i]), f"device {i}")
-        for r in NODE_RESOURCES:
+        for r in self._node_bw:  # the store's gets and puts: one resource, "store", below
             t = node_traffic[r] / self._node_bw[r]
             i = int(np.argmax(t))
             loads[r] = (float(t[i]), f"node {i}")
         total = self.cluster.storage_total_bandwidth
         storage = float(traffic.node["storage_read"].sum() + traffic.node["storage_write"].sum())
         loads["storage_total"] = (storage / total if total else 0.0, "all nodes")
-        if self.piece_seconds:
-            i = int(np.argmax(traffic.pieces))
-            loads["pieces"] = (float(traffic.pieces[i]) * self.piece_seconds, f"device {i}")
+        store = traffic.node["store_get"] / (self.store_get_bandwidth or np.inf) + traffic.node[
+            "store_put"
+        ] / (self.store_put_bandwidth or np.inf)
+        i = int(np.argmax(store))
+        loads["store"] = (float(store[i]), f"node {i}")
+        work = self.host_work(traffic)
+        i = int(np.argmax(np.where(self._cpu_node, 0.0, work)))
+        loads["host_work"] = (0.0 if self._cpu_node[i] else float(work[i]), f"node {i}")
+        host_work = float(work[self._cpu_node].max(initial=0.0))
         name, (seconds, where) = max(loads.items(), key=lambda kv: kv[1][0])
         latency = 0.0
         if self.latency_seconds and traffic.messages is not None and traffic.messages.size:
             latency = float(traffic.messages.max()) * self.latency_seconds
+        if seconds:
+            bottleneck = f"{name} {where}"
+        else:
+            bottleneck = "latency" if latency else ("host_work" if host_work else "none")
         return Estimate(
-            seconds + latency,
-            f"{name} {where}" if seconds else ("latency" if latency else "none"),
-            {r: s for r, (s, _) in loads.items()} | ({"latency": latency} if latency else {}),
+            seconds + latency + host_work,
+            bottleneck,
+            {r: s for r, (s, _) in loads.items()}
+            | ({"latency": latency} if latency else {})
+            | ({"host_work_added": host_work} if host_work else {}),
             latency,
+            host_work,
+        )
+
+    def host_work(self, traffic: Traffic) -> np.ndarray:
+        """Each node's host work in seconds (see the module docstring): its devices' pieces,
+        new shards and, on CPU devices, runs written, and the leaves its process rebuilds.
+
+        Args:
+          traffic: the transfer's :class:`Traffic`.
+
+        Returns:
+          float ``[nodes]`` seconds.
+        """
+        per_device = (
+            traffic.pieces * self.piece_seconds
+            + traffic.shards * self.shard_seconds
+            + traffic.runs * self._host_memory * self.run_seconds
+        )
+        m = len(self._cpu_node)
+        return (
+            np.bincount(self._node_of, per_device, minlength=m) + traffic.leaves * self.leaf_seconds
         )
 
 
@@ -287,6 +374,7 @@ def device_traffic(plan: Plan, network: Network) -> Traffic:
     """
     traffic = Traffic.empty(network.cluster)
     d, nodes = traffic.device, network._node_of
+    runs = bool(network._host_memory.any())  # they cost only on CPU devices: count them there
     per_layout: dict[int, Traffic] = {}
     counts = collections.Counter(id(leaf.shards) for leaf in plan.leaves)
     for leaf in plan.leaves:  # leaves of one layout share their shard plans: count them once
@@ -297,8 +385,12 @@ def device_traffic(plan: Plan, network: Network) -> Traffic:
         for shard in leaf.shards:
             if shard.kind == "keep":
                 continue
+            t.shards[shard.device] += 1
+            t.leaves[nodes[shard.device]] = 1
             for p in shard.pieces:
                 t.pieces[shard.device] += 1
+                if runs:  # read from its source shard and written into its target's
+                    t.runs[shard.device] += max(_runs(p.box, p.src_box), _runs(p.box, shard.box))
                 if p.local:
                     t.device["copy"][shard.device] += p.nbytes
                 elif nodes[p.src_device] == nodes[shard.device]:
@@ -317,9 +409,17 @@ def device_traffic(plan: Plan, network: Network) -> Traffic:
             d[r] += k * t.device[r]
         for r in NODE_RESOURCES:
             traffic.node[r] += k * t.node[r]
-        traffic.pieces += k * t.pieces
-        traffic.messages += k * t.messages
+        for name in ("pieces", "messages", "shards", "leaves", "runs"):
+            setattr(traffic, name, getattr(traffic, name) + k * getattr(t, name))
     return traffic
+
+
+def _runs(box: boxes.Box, outer: boxes.Box) -> int:
+    """The contiguous runs ``box`` is inside a row-major array covering ``outer``: the product of
+    its extents before the last dim it does not span whole (1 when it spans every dim after
+    the first)."""
+    cut = [i for i, (b, o) in enumerate(zip(box, outer)) if b[1] - b[0] < o[1] - o[0]]
+    return int(np.prod([b[1] - b[0] for b in box[: cut[-1]]], dtype=np.int64)) if cut else 1
 
 
 def stored(ptc: PTC, replicas: int) -> list:
@@ -343,12 +443,16 @@ def holders(objects: Sequence) -> dict[tuple[str, boxes.Box], tuple[int, ...]]:
 @dataclasses.dataclass(frozen=True)
 class Pulls:
     """What a new generation reads from the stores, piece by piece: the target device, the node
-    whose store serves the piece, its bytes; and the (leaf path, box) no live store holds."""
+    whose store serves the piece, its bytes; the (leaf path, box) no live store holds; the
+    shards built on each device and the leaves each node rebuilds (every one it holds a shard
+    of: a new generation has none)."""
 
     device: np.ndarray
     source: np.ndarray
     nbytes: np.ndarray
     lost: tuple[tuple[str, boxes.Box], ...]
+    shards: np.ndarray
+    leaves: np.ndarray
 
 
 def pulls(
@@ -361,6 +465,8 @@ def pulls(
     store holds a copy, else the first live holder (the writer, then its replicas)."""
     failed = set(failed_nodes)
     nodes = network._node_of
+    n, m = network.cluster.num_devices, len(network._cpu_node)
+    shards, leaves = np.zeros(n, dtype=np.int64), np.zeros(m, dtype=np.int64)
     layouts: dict[int, tuple] = {}  # leaves of one layout share their pieces' geometry
     parts, lost = [], set()
     for leaf in plan.leaves:
@@ -373,8 +479,12 @@ def pulls(
                 for p in shard.pieces
             ]
             device, box, nbytes = (np.array(c, dtype=np.int64).reshape(-1) for c in zip(*rows))
-            layouts[key] = (list(index), device, nodes[device], box, nbytes)
-        distinct, device, target, box, nbytes = layouts[key]
+            built = np.array([shard.device for shard in leaf.shards], dtype=np.int64)
+            counts = (np.bincount(built, minlength=n), np.bincount(nodes[built], minlength=m) > 0)
+            layouts[key] = (list(index), device, nodes[device], box, nbytes, counts)
+        distinct, device, target, box, nbytes, (built, rebuilt) = layouts[key]
+        shards += built
+        leaves += rebuilt
         holding = [[h if h not in failed else -1 for h in held[(leaf.path, b)]] for b in distinct]
         width = max(len(h) for h in holding)
         table = np.array([h + [-1] * (width - len(h)) for h in holding])  # [boxes, holders]
@@ -388,18 +498,25 @@ def pulls(
         parts.append((device[keep], np.where(own, target, first[box])[keep], nbytes[keep]))
     if not parts:
         empty = np.zeros(0, dtype=np.int64)
-        return Pulls(empty, empty, empty, ())
+        return Pulls(empty, empty, empty, (), shards, leaves)
     device, source, nbytes = (np.concatenate(c) for c in zip(*parts))
-    return Pulls(device, source, nbytes, tuple(sorted(lost)))
+    return Pulls(device, source, nbytes, tuple(sorted(lost)), shards, leaves)
 
 
 def store_traffic(reads: Pulls, network: Network, *, via: int | None = None) -> Traffic:
     """A new generation pulls its shards from the stores (:func:`pulls`), then host to device.
     ``via`` routes every byte through that node's host memory (Tenplex-Central). Each pull is a
-    request by the target's node (with ``via``: by that node, then again by the target's)."""
+    request by the target's node (with ``via``: by that node, then again by the target's) and a
+    get from the store it reads; ``via``'s store takes a put of every byte from elsewhere and
+    serves it again."""
     traffic = Traffic.empty(network.cluster)
     target = network._node_of[reads.device]
     n, m = network.cluster.num_devices, len(traffic.node["node_out"])
+    traffic.node["store_get"] += np.bincount(reads.source, reads.nbytes, minlength=m)
+    if via is not None:
+        relayed = float(reads.nbytes[reads.source != via].sum())
+        traffic.node["store_put"][via] += relayed
+        traffic.node["store_get"][via] += relayed
     legs = [(reads.source, target)] if via is None else [(reads.source, via), (via, target)]
     for src, dst in legs:
         src, dst = (
@@ -414,6 +531,8 @@ def store_traffic(reads: Pulls, network: Network, *, via: int | None = None) -> 
         traffic.messages += np.bincount(dst, minlength=m)
     traffic.device["h2d"] += np.bincount(reads.device, reads.nbytes, minlength=n)
     traffic.pieces += np.bincount(reads.device, minlength=n)
+    traffic.shards += reads.shards
+    traffic.leaves += reads.leaves
     traffic.lost = list(reads.lost)
     return traffic
 
@@ -425,11 +544,13 @@ def central_node(plan: Plan, network: Network) -> int:
 
 def commit_traffic(objects: Sequence, network: Network) -> Traffic:
     """A commit of :func:`stored` objects into the stores: device to host at each writer, then to
-    the other holders' stores (a put per copy, by the writer's node)."""
+    the other holders' stores (a put per copy, by the writer's node, into each holder's store)."""
     traffic = Traffic.empty(network.cluster)
     for o in objects:
         traffic.device["d2h"][o.device] += o.nbytes
         traffic.messages[o.slots[0]] += len(o.slots)
+        for node in o.slots:
+            traffic.node["store_put"][node] += o.nbytes
         for node in o.slots[1:]:
             _add(traffic, o.slots[0], node, o.nbytes)
     return traffic

@@ -260,7 +260,8 @@ class Simulation:
       costs: the :class:`Costs` the network model does not derive.
 
     Attributes:
-      network: the cluster's :class:`Network` (with ``costs.piece_seconds``).
+      network: the cluster's :class:`Network` (with the fixed costs and store rates of
+        ``costs``).
     """
 
     def __init__(
@@ -274,7 +275,7 @@ class Simulation:
     ):
         self.cluster, self.profile, self.global_batch = cluster, profile, global_batch
         self.costs = costs
-        self.network = net.Network(cluster, costs.piece_seconds, costs.latency_seconds)
+        self.network = net.Network(cluster, **costs.network_costs())
         self.state, self.rules = abstract_state, rules
         self._base: PTC | None = None
         self._objects: tuple[PTC, list] | None = None  # the last layout's stored objects
@@ -386,8 +387,8 @@ class Simulation:
           ``{"plan", "target", "plan_seconds", "policies"}``: the plan, the allocated target
           layout, the planning time, and per policy a dict of its seconds (``"seconds"`` in all,
           and its parts: commit or save, transfer or restore, restart, compile, the latency
-          among them), whether its step was ``"compiled_ahead"`` and whether it fell back to
-          the checkpoint.
+          among them, and ``"detect"``: a failure's ``detect_seconds``), whether its step was
+          ``"compiled_ahead"`` and whether it fell back to the checkpoint.
         """
         c = self.costs
         tic = time.perf_counter()
@@ -397,6 +398,7 @@ class Simulation:
         objects = self._stored(old.ptc)
         reads = net.pulls(plan, self.network, net.holders(objects), failed_nodes)
         notice = kind != "fail"
+        detect = 0.0 if notice else c.detect_seconds
         ahead = c.compiled_ahead(kind)
         out = {"plan": plan, "target": target, "plan_seconds": plan_seconds, "policies": {}}
         commit = self.seconds(net.commit_traffic(objects, self.network)) if notice else None
@@ -409,6 +411,7 @@ class Simulation:
                 "transfer": pull.seconds,
                 "bottleneck": pull.bottleneck,
                 "network_bytes": traffic.network_bytes,
+                "detect": detect,
                 "restart": c.restart(policy),
                 "compile": 0.0 if ahead else c.compile(policy),
                 "compiled_ahead": ahead,
@@ -425,7 +428,12 @@ class Simulation:
                     "latency": restore.latency,
                 }
             row["seconds"] = (
-                row["commit"] + row["transfer"] + row["restore"] + row["restart"] + row["compile"]
+                row["detect"]
+                + row["commit"]
+                + row["transfer"]
+                + row["restore"]
+                + row["restart"]
+                + row["compile"]
             )
             out["policies"][policy] = row
         policy = "checkpoint-restart"
@@ -434,13 +442,16 @@ class Simulation:
             "save": save.seconds if save else 0.0,
             "restore": restore.seconds,
             "bottleneck": restore.bottleneck,
+            "detect": detect,
             "restart": c.restart(policy),
             "compile": 0.0 if ahead else c.compile(policy),
             "compiled_ahead": ahead,
             "latency": restore.latency + (save.latency if save else 0.0),
             "fallback": False,
         }
-        row["seconds"] = row["save"] + row["restore"] + row["restart"] + row["compile"]
+        row["seconds"] = (
+            row["detect"] + row["save"] + row["restore"] + row["restart"] + row["compile"]
+        )
         out["policies"][policy] = row
         return out
 
