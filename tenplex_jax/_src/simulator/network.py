@@ -301,9 +301,8 @@ class Network:
         total = self.cluster.storage_total_bandwidth
         storage = float(traffic.node["storage_read"].sum() + traffic.node["storage_write"].sum())
         loads["storage_total"] = (storage / total if total else 0.0, "all nodes")
-        store = traffic.node["store_get"] / (self.store_get_bandwidth or np.inf) + traffic.node[
-            "store_put"
-        ] / (self.store_put_bandwidth or np.inf)
+        gets = traffic.node["store_get"] / (self.store_get_bandwidth or np.inf)
+        store = gets + traffic.node["store_put"] / (self.store_put_bandwidth or np.inf)
         i = int(np.argmax(store))
         loads["store"] = (float(store[i]), f"node {i}")
         work = self.host_work(traffic)
@@ -330,7 +329,7 @@ class Network:
 
     def host_work(self, traffic: Traffic) -> np.ndarray:
         """Each node's host work in seconds (see the module docstring): its devices' pieces,
-        new shards and, on CPU devices, runs written, and the leaves its process rebuilds.
+        new shards and, on CPU devices, runs copied, and the leaves its process rebuilds.
 
         Args:
           traffic: the transfer's :class:`Traffic`.
