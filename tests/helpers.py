@@ -12,6 +12,7 @@ import math
 import os
 import pathlib
 import signal
+import socket
 
 import jax
 import numpy as np
@@ -20,6 +21,7 @@ from flax import nnx
 
 import tenplex_jax as tj
 from tenplex_jax import ParallelConfig
+from tenplex_jax._src.multihost.store import wire
 from tenplex_jax.multihost import store
 from tenplex_jax_benchmarks import reshard_methods
 from tenplex_jax_models import (
@@ -206,6 +208,39 @@ def linen_state(seed: int = 0, layers: int = 2):
     return {"params": params, "opt_state": opt_state}
 
 
+# -- the simulator's small cluster and state ---------------------------------------------------
+
+GB = 1e9
+
+
+def sim_cluster(nodes: int = 2, per_node: int = 2, **extra) -> tj.planner.Cluster:
+    """``nodes`` x ``per_node`` devices with round numbers: links 10 GB/s, NICs 1 GB/s per device,
+    host links 2 GB/s, on-device copies 100 GB/s, storage 0.5 GB/s per node; ``extra`` replaces
+    :class:`tenplex_jax.planner.Cluster` fields."""
+    t = tj.planner.DeviceType(
+        "gpu",
+        memory=80 * 2**30,
+        flops=1e14,
+        link_bandwidth=10 * GB,
+        host_bandwidth=2 * GB,
+        memory_bandwidth=100 * GB,
+    )
+    n = nodes * per_node
+    fields = {"storage_bandwidth": 0.5 * GB} | extra
+    return tj.planner.Cluster(
+        "test", (t,), (0,) * n, tuple(i // per_node for i in range(n)), 1 * GB, **fields
+    )
+
+
+def sim_ptc(config, devices, cluster, names=("embed", None)) -> tj.PTC:
+    """One abstract float32 [8, 4] leaf laid out as ``config`` over cluster device ids (one host
+    per node), split along the dim ``names`` calls ``"embed"`` (the rule: embed -> fsdp)."""
+    with nnx.use_eager_sharding(False):
+        leaf = nnx.Param(jax.ShapeDtypeStruct((8, 4), np.float32), out_sharding=names)
+    hosts = [cluster.nodes[d] for d in devices]
+    return tj.PTC.of(nnx.State({"w": leaf}), (("embed", "fsdp"),), config, devices, hosts=hosts)
+
+
 # -- tensor store servers ------------------------------------------------------------------------
 
 
@@ -231,8 +266,26 @@ class Stores:
     def reap(self) -> None:
         for proc in self.procs:
             if proc.popen.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
+                os.kill(proc.pid, signal.SIGKILL)  # a stopped (SIGSTOP) one dies too
             proc.popen.wait(timeout=30)
+
+
+def raw_socket(address: str, hello: bool = True, token: str | None = None) -> socket.socket:
+    """A connection to a store that speaks the wire protocol by hand: its hello sent and answered
+    (none with ``hello=False``), as a hostile or a lost client would."""
+    sock = socket.create_connection(store.parse_address(address), timeout=30)
+    if hello:
+        wire.send_frame(sock, {"op": "hello", "token": token})
+        assert recv_frame(sock)[0]["ok"]
+    return sock
+
+
+def recv_frame(sock: socket.socket) -> tuple[dict, bytes]:
+    """One frame from a store: its header and its body (fails if the store closed the socket)."""
+    prefix = wire.recv_prefix(sock)
+    assert prefix is not None, "the store closed the connection"
+    header = wire.recv_header(sock, prefix[0], wire.MAX_RESPONSE_HEADER_BYTES)
+    return header, bytes(wire.recv_exact(sock, prefix[1]))
 
 
 # -- the launched example job (examples/elastic_gpt.py), as the launch and Ray tests run it --------

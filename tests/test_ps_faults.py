@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
-import socket
 import statistics
 import threading
 import time
@@ -34,7 +33,7 @@ from tenplex_jax.multihost.store import StoreClient, parse_address
 from tenplex_jax.wsp import ParameterServer, VirtualWorker, weights_of
 from tenplex_jax_models import build_state
 from tenplex_jax_models import wsp as job_parts
-from tests.helpers import Stores
+from tests.helpers import Stores, raw_socket, recv_frame
 from tests.store_proxy import KINDS, FaultProxy
 
 VW = "vw1"
@@ -147,7 +146,7 @@ def _server(addresses) -> ParameterServer:
 
 
 @pytest.fixture(scope="module")
-def stores(tmp_path_factory):
+def store_addresses(tmp_path_factory):
     started = Stores(tmp_path_factory.mktemp("ps_faults"))
     try:
         yield [started.start(f"s{i}").address for i in range(2)]
@@ -156,20 +155,6 @@ def stores(tmp_path_factory):
 
 
 # -- the proxy itself ----------------------------------------------------------------------------
-
-
-def _raw(address: str) -> socket.socket:
-    sock = socket.create_connection(parse_address(address), timeout=30)
-    wire.send_frame(sock, {"op": "hello", "token": None})
-    assert _frame(sock)[0]["ok"]
-    return sock
-
-
-def _frame(sock) -> tuple[dict, bytes]:
-    prefix = wire.recv_prefix(sock)
-    assert prefix is not None, "the connection was closed"
-    header = wire.recv_header(sock, prefix[0], wire.MAX_RESPONSE_HEADER_BYTES)
-    return header, bytes(wire.recv_exact(sock, prefix[1]))
 
 
 def _ask(sock, header: dict) -> None:
@@ -191,30 +176,30 @@ def test_the_proxy_relays_every_exchange_and_drops_delays_or_duplicates_the_nth_
                 np.testing.assert_array_equal(client.get("x"), np.arange(1000))
             assert proxy.ops == {"put": 2, "put_json": 1, "get": 1}
             assert not proxy.injected
-            sock = _raw(proxy.address)
+            sock = raw_socket(proxy.address)
             get = {"op": "get", "path": "x", "box": None}
             proxy.inject("get", "duplicate", nth=2)
             _ask(sock, {**get, "rid": "1" * 32})
-            header, body = _frame(sock)
+            header, body = recv_frame(sock)
             assert header["ok"] and body == np.arange(1000, dtype=np.float32).tobytes()
             _ask(sock, {**get, "rid": "2" * 32})
-            first, again = _frame(sock), _frame(sock)  # the same reply, twice
+            first, again = recv_frame(sock), recv_frame(sock)  # the same reply, twice
             assert first == again and first[1] == body
             assert {**first[0], "rid": None} == {**header, "rid": None}
             _ask(sock, {"op": "list_json", "prefix": "", "rid": "3" * 32})
-            assert _frame(sock)[0]["paths"] == ["j"]  # the next reply is the next request's
+            assert recv_frame(sock)[0]["paths"] == ["j"]  # the next reply is the next request's
             # a streamed get: header, body and checksum trailer, all twice
             proxy.inject("get", "duplicate")
             _ask(sock, {"op": "get", "path": "big", "box": None, "rid": "4" * 32})
             for _ in range(2):
-                header, body = _frame(sock)
+                header, body = recv_frame(sock)
                 assert header["ok"] and header["checksum"] is None and body == big.tobytes()
-                trailer, _ = _frame(sock)
+                trailer, _ = recv_frame(sock)
                 assert trailer["ok"] and trailer["checksum"].startswith("crc32:")
             proxy.inject("list_json", "delay", seconds=0.5)
             tic = time.monotonic()
             _ask(sock, {"op": "list_json", "prefix": "", "rid": "5" * 32})
-            assert _frame(sock)[0]["paths"] == ["j"] and time.monotonic() - tic >= 0.45
+            assert recv_frame(sock)[0]["paths"] == ["j"] and time.monotonic() - tic >= 0.45
             proxy.inject("delete", "drop")
             _ask(sock, {"op": "delete", "prefix": "x", "rid": "6" * 32})
             assert sock.recv(1) == b""  # closed, no reply
@@ -237,13 +222,13 @@ def test_the_proxy_relays_every_exchange_and_drops_delays_or_duplicates_the_nth_
 # -- one store client: the request id ------------------------------------------------------------
 
 
-def test_a_retried_request_gets_its_first_outcome_and_a_stale_reply_is_never_taken(stores):
+def test_a_retried_request_gets_its_first_outcome_and_a_stale_reply_is_never_taken(store_addresses):
     """A lost or late reply of a mutating request is retried with the same rid and answered with
     the first outcome (an accumulate of the same update reports ``applied``, a swap
     ``swapped``: not "skipped" or "conflict" by the retry itself); a duplicated reply never
     answers the next request."""
-    _wipe(stores)
-    with FaultProxy(stores[0]) as proxy:
+    _wipe(store_addresses)
+    with FaultProxy(store_addresses[0]) as proxy:
         with StoreClient(proxy.address, timeout=TIMEOUT, retry_seconds=RETRY) as client:
             client.put("w", np.zeros(8, np.float32))
             update = client.put("stage", np.ones(8, np.float32)).checksum
@@ -282,9 +267,9 @@ def test_a_retried_request_gets_its_first_outcome_and_a_stale_reply_is_never_tak
 # -- a. every op's reply dropped, delayed or duplicated --------------------------------------------
 
 
-def _clean_run(stores) -> tuple[Run, list]:
-    _wipe(stores)
-    with FaultProxy(stores[0]) as p0, FaultProxy(stores[1]) as p1:
+def _clean_run(store_addresses) -> tuple[Run, list]:
+    _wipe(store_addresses)
+    with FaultProxy(store_addresses[0]) as p0, FaultProxy(store_addresses[1]) as p1:
         with _server([p0.address, p1.address]) as ps:
             run = drive(ps, TOTAL)
         proxies = [p0, p1]
@@ -292,11 +277,11 @@ def _clean_run(stores) -> tuple[Run, list]:
 
 
 @pytest.mark.slow
-def test_the_parameter_server_survives_each_reply_dropped_delayed_or_duplicated(stores):
+def test_the_parameter_server_survives_each_reply_dropped_delayed_or_duplicated(store_addresses):
     """A clean run through the proxies records the ops the parameter server uses on each store;
     then one run per store x op x fault, the fault on the middle request of that op (a delay of
     a mutating op outlasts the client's timeout). Every run must match the clean one."""
-    clean, proxies = _clean_run(stores)
+    clean, proxies = _clean_run(store_addresses)
     assert_exactly_once(clean, TOTAL)
     assert_bitwise_equal(clean.weights, replay(initial_weights(), clean.ledger.log), "clean")
     ops = [dict(p.ops) for p in proxies]
@@ -314,15 +299,17 @@ def test_the_parameter_server_survives_each_reply_dropped_delayed_or_duplicated(
                 seconds = (LONG if op in MUTATING - {"put_json"} else SHORT) * (kind == "delay")
                 where = f"{kind} of reply {nth} of {ops[store][op]} {op!r} on store {store}"
                 try:
-                    _faulty_run(stores, store, op, kind, nth, seconds, clean)
+                    _faulty_run(store_addresses, store, op, kind, nth, seconds, clean)
                 except Exception as error:  # every case runs; all failures are reported
                     failures.append(f"{where}: {type(error).__name__}: {error}"[:400])
     assert not failures, f"{len(failures)} cases failed:\n" + "\n".join(failures)
 
 
-def _faulty_run(stores, store: int, op: str, kind: str, nth: int, seconds: float, clean: Run):
-    _wipe(stores)
-    with FaultProxy(stores[0]) as p0, FaultProxy(stores[1]) as p1:
+def _faulty_run(
+    store_addresses, store: int, op: str, kind: str, nth: int, seconds: float, clean: Run
+):
+    _wipe(store_addresses)
+    with FaultProxy(store_addresses[0]) as p0, FaultProxy(store_addresses[1]) as p1:
         proxy = (p0, p1)[store]
         proxy.inject(op, kind, nth=nth, seconds=seconds)
         with _server([p0.address, p1.address]) as ps:
@@ -339,7 +326,7 @@ def _faulty_run(stores, store: int, op: str, kind: str, nth: int, seconds: float
 
 
 @pytest.mark.slow
-def test_a_virtual_worker_finishes_exactly_once_through_mixed_faults(stores):
+def test_a_virtual_worker_finishes_exactly_once_through_mixed_faults(store_addresses):
     total, lr = 6, 0.05
     parts = job_parts.job(1, optimizer="sgd", lr=lr)
     _, state, _ = build_state("tiny", lr, optimizer="sgd")  # what parts["init"] builds
@@ -349,8 +336,8 @@ def test_a_virtual_worker_finishes_exactly_once_through_mixed_faults(stores):
     steps = StepCache(parts["train_step"], sample, devices)  # both runs: one compile
 
     def run(faults):
-        _wipe(stores)
-        with FaultProxy(stores[0]) as p0, FaultProxy(stores[1]) as p1:
+        _wipe(store_addresses)
+        with FaultProxy(store_addresses[0]) as p0, FaultProxy(store_addresses[1]) as p1:
             proxies = (p0, p1)
             for store, op, kind, nth, seconds in faults:
                 proxies[store].inject(op, kind, nth=nth, seconds=seconds)

@@ -8,11 +8,8 @@ import json
 import math
 
 import hypothesis
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from hypothesis import strategies as st
 
 import tenplex_jax as tj
@@ -20,50 +17,13 @@ from tenplex_jax._src.cli import main
 from tenplex_jax._src.elastic.trace import ResourceTrace
 from tenplex_jax._src.simulator import network as net
 from tenplex_jax_models import llm
+from tests.helpers import GB, sim_cluster, sim_ptc
 
 C = tj.ParallelConfig
-GB = 1e9
-
-
-def _cluster(nodes=2, per_node=2, **extra) -> tj.planner.Cluster:
-    """``nodes`` x ``per_node`` devices with round numbers: links 10 GB/s, NICs 1 GB/s per device,
-    host links 2 GB/s, on-device copies 100 GB/s, storage 0.5 GB/s per node."""
-    t = tj.planner.DeviceType(
-        "gpu",
-        memory=80 * 2**30,
-        flops=1e14,
-        link_bandwidth=10 * GB,
-        host_bandwidth=2 * GB,
-        memory_bandwidth=100 * GB,
-    )
-    n = nodes * per_node
-    fields = {"storage_bandwidth": 0.5 * GB} | extra
-    return tj.planner.Cluster(
-        "test", (t,), (0,) * n, tuple(i // per_node for i in range(n)), 1 * GB, **fields
-    )
-
-
-def _state(rows=8, cols=4):
-    """One float32 leaf with a logical name per dim, abstract."""
-    with nnx.use_eager_sharding(False):
-        return nnx.State(
-            {
-                "w": nnx.Param(
-                    jax.ShapeDtypeStruct((rows, cols), jnp.float32), out_sharding=("embed", None)
-                )
-            }
-        )
-
-
-RULES = (("embed", "fsdp"),)
-
-
-def _ptc(config, devices, cluster):
-    return tj.PTC.of(_state(), RULES, config, devices, hosts=[cluster.nodes[d] for d in devices])
 
 
 def test_nic_sharing_and_full_duplex_by_hand():
-    network = net.Network(_cluster(per_node=2))
+    network = net.Network(sim_cluster(per_node=2))
     t = net.Traffic.empty(network.cluster)
     # both devices of node 0 send 1 GB to node 1, and node 1 sends 2 GB back at the same time
     t.node["node_out"][:] = [2 * GB, 2 * GB]
@@ -74,29 +34,31 @@ def test_nic_sharing_and_full_duplex_by_hand():
     # a node's two NICs give 2 GB/s each way: 1 s, not 2 (full duplex) and not 0.5 (shared)
     assert estimate.seconds == pytest.approx(1.0)
     assert estimate.resources["node_out"] == pytest.approx(1.0)
-    capped = net.Network(_cluster(per_node=2, node_network_bandwidth=0.5 * GB)).seconds(t)
+    capped = net.Network(sim_cluster(per_node=2, node_network_bandwidth=0.5 * GB)).seconds(t)
     assert capped.seconds == pytest.approx(4.0) and capped.bottleneck.startswith("node_")
 
 
 def test_device_route_of_a_plan_by_hand():
-    cluster = _cluster(nodes=2, per_node=2)
+    cluster = sim_cluster(nodes=2, per_node=2)
     network = net.Network(cluster)
-    src = _ptc(C(fsdp=4), [0, 1, 2, 3], cluster)  # 8x4 float32: 32 bytes per device
-    dst = _ptc(C(fsdp=4), [2, 3, 0, 1], cluster)  # the nodes swap their halves
+    src = sim_ptc(C(fsdp=4), [0, 1, 2, 3], cluster)  # 8x4 float32: 32 bytes per device
+    dst = sim_ptc(C(fsdp=4), [2, 3, 0, 1], cluster)  # the nodes swap their halves
     traffic = net.device_traffic(tj.make_plan(src, dst), network)
     np.testing.assert_array_equal(traffic.device["nic_in"], [32, 32, 32, 32])
     np.testing.assert_array_equal(traffic.node["node_out"], [64, 64])
     assert network.seconds(traffic).seconds == pytest.approx(64 / (2 * GB))
     # a split on the same devices is an on-device copy, no network
-    local = net.device_traffic(tj.make_plan(dst, _ptc(C(fsdp=4), [2, 3, 0, 1], cluster)), network)
+    local = net.device_traffic(
+        tj.make_plan(dst, sim_ptc(C(fsdp=4), [2, 3, 0, 1], cluster)), network
+    )
     assert local.network_bytes == 0 and network.seconds(local).seconds == 0
 
 
 def test_store_pulls_read_the_own_node_then_the_writer_then_a_replica():
-    cluster = _cluster(nodes=4, per_node=1)
+    cluster = sim_cluster(nodes=4, per_node=1)
     network = net.Network(cluster)
-    src = _ptc(C(fsdp=4), range(4), cluster)  # device i on node i holds rows 2i..2i+1
-    dst = _ptc(C(fsdp=2), [0, 1], cluster)  # device 0 needs rows 0..3, device 1 rows 4..7
+    src = sim_ptc(C(fsdp=4), range(4), cluster)  # device i on node i holds rows 2i..2i+1
+    dst = sim_ptc(C(fsdp=2), [0, 1], cluster)  # device 0 needs rows 0..3, device 1 rows 4..7
     plan = tj.make_plan(src, dst)
     objects = net.stored(src, replicas=1)
     held = net.holders(objects)
@@ -118,8 +80,8 @@ def test_store_pulls_read_the_own_node_then_the_writer_then_a_replica():
 
 
 def test_restore_reads_each_box_once_per_node_and_copies_it_to_each_device():
-    cluster = _cluster(nodes=1, per_node=4)
-    dst = _ptc(C(data=2, fsdp=2), range(4), cluster)  # two replicas of two boxes on one node
+    cluster = sim_cluster(nodes=1, per_node=4)
+    dst = sim_ptc(C(data=2, fsdp=2), range(4), cluster)  # two replicas of two boxes on one node
     traffic = net.restore_traffic(dst, net.Network(cluster))
     assert traffic.node["storage_read"][0] == 128  # the leaf once
     np.testing.assert_array_equal(traffic.device["h2d"], [64, 64, 64, 64])
@@ -151,7 +113,7 @@ def test_a_trace_scales_to_the_cluster_both_ways():
 
 
 def _simulation(nodes=16, **costs):
-    cluster = _cluster(nodes=nodes, per_node=8)
+    cluster = sim_cluster(nodes=nodes, per_node=8)
     return tj.simulator.Simulation(
         cluster,
         llm.profile(),
@@ -319,7 +281,7 @@ def _trace(devices, *events, steps=100, minutes=100):
 
 
 def test_a_job_with_no_device_waits_then_resumes_on_an_offer():
-    cluster = _cluster(nodes=2, per_node=4)
+    cluster = sim_cluster(nodes=2, per_node=4)
     trace = _trace(
         8,
         {"step": 20, "kind": "preempt", "count": 8},
@@ -349,7 +311,7 @@ def test_a_job_with_no_device_waits_then_resumes_on_an_offer():
 
 def test_a_declined_offer_stays_with_the_job_and_a_preemption_takes_it_first():
     # gpt tiny on 8 devices: the offer of 4 more at the last step cannot pay for a restart
-    cluster = _cluster(nodes=3, per_node=4)
+    cluster = sim_cluster(nodes=3, per_node=4)
     trace = _trace(
         12,
         {"step": 10, "kind": "preempt", "count": 4},

@@ -8,11 +8,8 @@ import dataclasses
 import json
 import math
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import tenplex_jax as tj
 from tenplex_jax._src.cli import main
@@ -23,38 +20,9 @@ from tenplex_jax._src.simulator.costs import Costs, assumptions, checkpoint_inte
 from tenplex_jax._src.simulator.failures import failure_trace, merge
 from tenplex_jax._src.simulator.fixed import fixed_change
 from tenplex_jax_models import LOGICAL_RULES, GPTConfig, build_state, llm, profile_of
+from tests.helpers import sim_cluster, sim_ptc
 
 C = tj.ParallelConfig
-GB = 1e9
-
-
-def _cluster(nodes=2, per_node=2) -> tj.planner.Cluster:
-    t = tj.planner.DeviceType(
-        "gpu",
-        memory=80 * 2**30,
-        flops=1e14,
-        link_bandwidth=10 * GB,
-        host_bandwidth=2 * GB,
-        memory_bandwidth=100 * GB,
-    )
-    n = nodes * per_node
-    return tj.planner.Cluster(
-        "test",
-        (t,),
-        (0,) * n,
-        tuple(i // per_node for i in range(n)),
-        1 * GB,
-        storage_bandwidth=0.5 * GB,
-    )
-
-
-def _ptc(config, devices, cluster):
-    with nnx.use_eager_sharding(False):
-        state = nnx.State(
-            {"w": nnx.Param(jax.ShapeDtypeStruct((8, 4), jnp.float32), out_sharding=("e", None))}
-        )
-    hosts = [cluster.nodes[d] for d in devices]
-    return tj.PTC.of(state, (("e", "fsdp"),), config, devices, hosts=hosts)
 
 
 def _sim(nodes=4, per_node=4, model="llm-70b", **costs) -> tj.simulator.Simulation:
@@ -65,7 +33,7 @@ def _sim(nodes=4, per_node=4, model="llm-70b", **costs) -> tj.simulator.Simulati
         state, rules = build_state(model, lr=1e-3, abstract=True)[1], LOGICAL_RULES
         profile = profile_of(model)
     return tj.simulator.Simulation(
-        _cluster(nodes, per_node), profile, state, rules, global_batch=256, costs=Costs(**costs)
+        sim_cluster(nodes, per_node), profile, state, rules, global_batch=256, costs=Costs(**costs)
     )
 
 
@@ -113,9 +81,9 @@ def test_checkpoint_interval_rules():
 
 
 def test_latency_is_paid_per_request_in_sequence_on_top_of_the_bytes():
-    cluster = _cluster(nodes=4, per_node=1)
-    src = _ptc(C(fsdp=4), range(4), cluster)
-    dst = _ptc(C(fsdp=2), [0, 1], cluster)
+    cluster = sim_cluster(nodes=4, per_node=1)
+    src = sim_ptc(C(fsdp=4), range(4), cluster)
+    dst = sim_ptc(C(fsdp=2), [0, 1], cluster)
     held = net.holders(net.stored(src, replicas=1))
     plain = net.Network(cluster)
     slow = net.Network(cluster, latency_seconds=0.5)
@@ -135,27 +103,20 @@ def test_latency_is_paid_per_request_in_sequence_on_top_of_the_bytes():
 # -- the network model: host work, the stores' rates, failure detection ----------------------------
 
 
-def _columns(config, devices, cluster):
-    """A [8, 4] leaf split along its columns: a merge writes each of a piece's 8 rows apart."""
-    with nnx.use_eager_sharding(False):
-        state = nnx.State(
-            {"w": nnx.Param(jax.ShapeDtypeStruct((8, 4), jnp.float32), out_sharding=(None, "e"))}
-        )
-    hosts = [cluster.nodes[d] for d in devices]
-    return tj.PTC.of(state, (("e", "fsdp"),), config, devices, hosts=hosts)
+COLUMNS = (None, "embed")  # the [8, 4] leaf split along its columns: a merge writes rows apart
 
 
 def _cpu_cluster(nodes=1, per_node=4) -> tj.planner.Cluster:
-    gpu = _cluster(nodes, per_node)
+    gpu = sim_cluster(nodes, per_node)
     cpu = dataclasses.replace(gpu.types[0], name="cpu", host_memory=True)
     return dataclasses.replace(gpu, types=(cpu,))
 
 
 @pytest.mark.parametrize("kind", ["cpu", "gpu"])
 def test_host_work_adds_to_a_cpu_nodes_copies_and_overlaps_an_accelerators(kind):
-    cluster = _cpu_cluster() if kind == "cpu" else _cluster(nodes=1, per_node=4)
+    cluster = _cpu_cluster() if kind == "cpu" else sim_cluster(nodes=1, per_node=4)
     plan = tj.make_plan(
-        _columns(C(fsdp=4), range(4), cluster), _columns(C(fsdp=2), [2, 3], cluster)
+        sim_ptc(C(fsdp=4), range(4), cluster, COLUMNS), sim_ptc(C(fsdp=2), [2, 3], cluster, COLUMNS)
     )
     plain = net.Network(cluster)
     fixed = net.Network(
@@ -179,15 +140,15 @@ def test_host_work_adds_to_a_cpu_nodes_copies_and_overlaps_an_accelerators(kind)
             est.seconds == pytest.approx(max(base, work)) and est.bottleneck == "host_work node 0"
         )
     # a split along the rows is one run per piece
-    rows = tj.make_plan(_ptc(C(fsdp=4), range(4), cluster), _ptc(C(fsdp=2), [2, 3], cluster))
+    rows = tj.make_plan(sim_ptc(C(fsdp=4), range(4), cluster), sim_ptc(C(fsdp=2), [2, 3], cluster))
     runs = net.device_traffic(rows, fixed).runs
     np.testing.assert_array_equal(runs, [0, 0, 2, 2] if kind == "cpu" else [0] * 4)
 
 
 def test_the_stores_rates_bound_pulls_commits_and_the_central_node():
-    cluster = _cluster(nodes=4, per_node=1)
-    src = _ptc(C(fsdp=4), range(4), cluster)
-    dst = _ptc(C(fsdp=2), [0, 1], cluster)
+    cluster = sim_cluster(nodes=4, per_node=1)
+    src = sim_ptc(C(fsdp=4), range(4), cluster)
+    dst = sim_ptc(C(fsdp=2), [0, 1], cluster)
     objects = net.stored(src, replicas=1)
     plain = net.Network(cluster)
     rated = net.Network(cluster, store_get_bandwidth=1.0, store_put_bandwidth=0.5)

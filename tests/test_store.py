@@ -29,15 +29,6 @@ BIG = 200 << 20  # bytes of the object a server is killed while writing to disk
 STREAMED = 64 << 20  # bytes of the object a server is killed while receiving
 
 
-@pytest.fixture
-def stores(tmp_path):
-    started = Stores(tmp_path)
-    try:
-        yield started
-    finally:
-        started.reap()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     started = Stores(tmp_path_factory.mktemp("store"))

@@ -13,7 +13,6 @@ import json
 import os
 import pathlib
 import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -27,27 +26,9 @@ import pytest
 import tenplex_jax as tj
 from tenplex_jax._src.multihost.store import wire
 from tenplex_jax.multihost import store
-from tests.helpers import peak_rss
+from tests.helpers import peak_rss, raw_socket, recv_frame
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def stores(tmp_path):
-    procs = []
-
-    def start(name="s0", **kwargs):
-        proc = store.StoreProcess.start(tmp_path / name, **kwargs)
-        procs.append(proc)
-        return proc
-
-    try:
-        yield start
-    finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)  # a stopped one must be able to die
-            proc.kill()
 
 
 def _wait_for(predicate, what: str, timeout: float = 30.0):
@@ -57,23 +38,6 @@ def _wait_for(predicate, what: str, timeout: float = 30.0):
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
     return value
-
-
-def _raw(address: str, hello: bool = True, token=None) -> socket.socket:
-    sock = socket.create_connection(store.parse_address(address), timeout=30)
-    if hello:
-        wire.send_frame(sock, {"op": "hello", "token": token})
-        assert _reply(sock)["ok"]
-    return sock
-
-
-def _reply(sock: socket.socket) -> dict:
-    prefix = wire.recv_prefix(sock)
-    assert prefix is not None, "the server closed the connection"
-    header = wire.recv_header(sock, prefix[0], 1 << 20)
-    if prefix[1]:
-        wire.recv_exact(sock, prefix[1])
-    return header
 
 
 def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
@@ -99,18 +63,18 @@ def test_withheld_trailers_and_unread_replies_stay_within_the_memory_bound(store
     put from a well-behaved client is still served while the attack holds the budget."""
     limit, size = 64 * MIB, 40 * MIB
     body = np.ones(size, np.uint8)
-    proc = stores(memory_bytes=limit)
+    proc = stores.start(memory_bytes=limit)
     with store.StoreClient(proc.address) as client:
         for i in range(8):  # objects for the gets
             client.put(f"disk/{i}", body, durable=True)
     proc.stop()
-    proc = stores(memory_bytes=limit, args=("--timeout", "60"))  # they are on disk only
+    proc = stores.start(memory_bytes=limit, args=("--timeout", "60"))  # they are on disk only
     with store.StoreClient(proc.address) as client:
         base = peak_rss(proc.pid)
         attackers = []
         try:
             for i in range(20):
-                sock = _raw(proc.address)
+                sock = raw_socket(proc.address)
                 request = {
                     "op": "put",
                     "path": f"w/{i}",
@@ -123,7 +87,7 @@ def test_withheld_trailers_and_unread_replies_stay_within_the_memory_bound(store
                 attackers.append(sock)
             # one put is admitted and receives its body; the other 19 wait for room
             admitted = next(s for s in attackers if _ready(s))
-            assert _reply(admitted)["continue"]
+            assert recv_frame(admitted)[0]["continue"]
             admitted.sendall(body)  # and then never the trailer
             _wait_for(
                 lambda: (
@@ -149,7 +113,7 @@ def test_withheld_trailers_and_unread_replies_stay_within_the_memory_bound(store
         readers = []
         try:
             for i in range(8):
-                sock = _raw(proc.address)
+                sock = raw_socket(proc.address)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
                 wire.send_frame(sock, {"op": "get", "path": f"disk/{i}", "box": None})
                 readers.append(sock)  # never read
@@ -178,7 +142,7 @@ def test_an_object_larger_than_the_budget_streams_through_disk_a_chunk_at_a_time
     """With a memory tier of 0 the transfer budget is 64 MiB: a 96 MiB put is written to disk as
     it arrives and gets read it back a 16 MiB chunk at a time, whole or a sub-box, bit for bit,
     the server's peak RSS growing by far less than the object; a damaged file is refused."""
-    proc = stores(memory_bytes=0)
+    proc = stores.start(memory_bytes=0)
     full = np.random.default_rng(0).integers(0, 255, (96, 1 << 20), dtype=np.uint8)
     with store.StoreClient(proc.address) as client:
         idle = peak_rss(proc.pid)
@@ -213,12 +177,12 @@ def test_connections_over_the_cap_are_told_busy_and_silent_ones_leave_at_the_dea
     none for a silent one, answers one more hello "busy" without blocking its loop, closes every
     silent one (the oldest as newer ones come over --max-handshakes, the rest at the handshake
     deadline), and serves a real client once the 8 have left."""
-    proc = stores(
+    proc = stores.start(
         args=("--max-connections", "8", "--max-handshakes", "32", "--handshake-timeout", "2")
     )
     threads_before = psutil.Process(proc.pid).num_threads()
-    held = [_raw(proc.address) for _ in range(8)]
-    silent = [_raw(proc.address, hello=False) for _ in range(300)]
+    held = [raw_socket(proc.address) for _ in range(8)]
+    silent = [raw_socket(proc.address, hello=False) for _ in range(300)]
     try:
         with pytest.raises(tj.errors.StoreError, match=r"at most 8 connections") as err:
             store.StoreClient(proc.address, timeout=10).list()
@@ -238,9 +202,9 @@ def test_connections_over_the_cap_are_told_busy_and_silent_ones_leave_at_the_dea
 
 def test_a_hello_sent_a_byte_at_a_time_is_cut_at_the_handshake_deadline(stores) -> None:
     """The per-receive timeout (--timeout) alone let one byte a second hold a connection."""
-    proc = stores(args=("--handshake-timeout", "1", "--timeout", "120"))
+    proc = stores.start(args=("--handshake-timeout", "1", "--timeout", "120"))
     frame = wire.PREFIX.pack(wire.MAGIC, 200, 0) + b" " * 200
-    sock = _raw(proc.address, hello=False)
+    sock = raw_socket(proc.address, hello=False)
     start = time.monotonic()
     try:
         for i in range(len(frame)):
@@ -262,14 +226,14 @@ def test_at_the_descriptor_limit_the_accept_loop_backs_off_and_recovers(stores, 
     100 %) nor stop serving once descriptors are free again. Served connections hold the
     descriptors: the loop stops accepting for a backoff; silent ones: each accept that fails
     closes the oldest pending handshake for the connection waiting."""
-    proc = stores(args=("--handshake-timeout", "60"))
+    proc = stores.start(args=("--handshake-timeout", "60"))
     server = psutil.Process(proc.pid)
     limit = server.num_fds() + 20
     resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (limit, limit))
     held = []
     try:
         for _ in range(40):  # 20 are accepted, the rest wait in the listen backlog
-            held.append(_raw(proc.address, hello=False))
+            held.append(raw_socket(proc.address, hello=False))
             if hello:  # not waiting for the answer, which only 20 get
                 wire.send_frame(held[-1], {"op": "hello", "token": None})
         _wait_for(lambda: server.num_fds() >= limit, "the server at its descriptor limit")
@@ -292,20 +256,20 @@ def test_the_unix_socket_path_is_never_a_file_and_never_a_live_servers(stores, t
     path = tmp_path / "store.sock"
     path.write_text("precious")
     with pytest.raises(tj.errors.StoreError, match="exited with 2"):
-        stores("a", unix_socket=path, stderr=subprocess.DEVNULL)
+        stores.start("a", unix_socket=path, stderr=subprocess.DEVNULL)
     assert path.read_text() == "precious"
     path.unlink()
 
-    first = stores("b", unix_socket=path)
+    first = stores.start("b", unix_socket=path)
     with pytest.raises(tj.errors.StoreError, match="exited with 2"):
-        stores("c", unix_socket=path, stderr=subprocess.DEVNULL)
+        stores.start("c", unix_socket=path, stderr=subprocess.DEVNULL)
     with store.StoreClient(first.unix_address) as client:  # still the first server's socket
         client.put("x", np.arange(3))
         assert client.stats()["pid"] == first.pid
 
     first.kill()  # leaves a stale socket behind
     assert path.is_socket()
-    second = stores("d", unix_socket=path)
+    second = stores.start("d", unix_socket=path)
     with store.StoreClient(second.unix_address) as client:
         assert client.stats()["pid"] == second.pid
     second.stop()
@@ -334,13 +298,13 @@ def test_a_malformed_put_is_refused_with_a_reason(stores, case, tmp_path) -> Non
     log = tmp_path / "stderr"
     fields, nbody = BAD_PUTS[case]
     with open(log, "w") as stderr:
-        proc = stores(stderr=stderr)
-        sock = _raw(proc.address)
+        proc = stores.start(stderr=stderr)
+        sock = raw_socket(proc.address)
         wire.send_header(sock, {"op": "put", "path": "bad", "checksum": None, **fields}, nbody)
-        reply = _reply(sock)
+        reply = recv_frame(sock)[0]
         assert not reply["ok"] and reply["reason"] in ("invalid", "refused", "protocol"), reply
         wire.send_frame(sock, {"op": "list", "prefix": ""})  # the connection goes on
-        assert _reply(sock)["ok"]
+        assert recv_frame(sock)[0]["ok"]
         sock.close()
     with store.StoreClient(proc.address) as client:
         assert client.list() == []
@@ -351,12 +315,12 @@ def test_a_malformed_put_is_refused_with_a_reason(stores, case, tmp_path) -> Non
     "box", [[[5, 2]], [[0.5, 2]], [[0, 1]] * 40], ids=["inverted", "float", "40 dims"]
 )
 def test_a_malformed_get_is_refused_with_a_reason(stores, box) -> None:
-    proc = stores()
+    proc = stores.start()
     with store.StoreClient(proc.address) as client:
         client.put("x", np.arange(8))
-    sock = _raw(proc.address)
+    sock = raw_socket(proc.address)
     wire.send_frame(sock, {"op": "get", "path": "x", "box": box})
-    reply = _reply(sock)
+    reply = recv_frame(sock)[0]
     assert not reply["ok"] and reply["reason"] in ("invalid", "refused", "protocol"), reply
     sock.close()
 
@@ -373,10 +337,10 @@ def test_a_malformed_get_is_refused_with_a_reason(stores, box) -> None:
     ids=["nested", "huge int", "lone surrogate", "box object", "bad utf8"],
 )
 def test_malformed_headers_get_an_error_reply_and_the_server_serves_on(stores, header) -> None:
-    proc = stores()
-    sock = _raw(proc.address)
+    proc = stores.start()
+    sock = raw_socket(proc.address)
     sock.sendall(wire.PREFIX.pack(wire.MAGIC, len(header), 0) + header)
-    reply = _reply(sock)
+    reply = recv_frame(sock)[0]
     assert not reply["ok"] and reply["reason"] in ("protocol", "invalid", "refused"), reply
     sock.close()
     with store.StoreClient(proc.address) as client:
@@ -387,10 +351,10 @@ def test_a_lone_surrogate_token_is_a_wrong_token(stores, tmp_path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("s3cret")
     token_file.chmod(0o600)
-    proc = stores(token_file=token_file)
-    sock = _raw(proc.address, hello=False)
+    proc = stores.start(token_file=token_file)
+    sock = raw_socket(proc.address, hello=False)
     wire.send_frame(sock, {"op": "hello", "token": "\ud800"})
-    reply = _reply(sock)
+    reply = recv_frame(sock)[0]
     assert not reply["ok"] and reply["reason"] == "auth"
     with store.StoreClient(proc.address, token="s3cret") as client:
         client.put("alive", np.arange(2))
@@ -403,7 +367,7 @@ def test_a_token_file_others_can_read_is_warned_about(stores, tmp_path) -> None:
     for mode, warned in ((0o644, True), (0o600, False)):
         token_file.chmod(mode)
         with open(log, "w") as stderr:
-            stores(f"s{mode:o}", token_file=token_file, stderr=stderr).stop()
+            stores.start(f"s{mode:o}", token_file=token_file, stderr=stderr).stop()
         assert ("can be read by other users" in log.read_text()) == warned, mode
 
 
@@ -609,7 +573,7 @@ def test_pending_handshakes_stay_within_their_cap_and_leave_at_the_deadline(
     4th closes the oldest still pending (told "busy"), the newer ones stay open, and the server
     never reports more than 4 pending; the last 4 are closed at the --handshake-timeout deadline
     (2 s from connecting), told why. The Unix socket's server behaves as the TCP one."""
-    proc = stores(
+    proc = stores.start(
         token_file=_token_file(tmp_path),
         unix_socket=tmp_path / "s.sock",
         args=("--max-handshakes", "4", "--handshake-timeout", "2"),
@@ -629,14 +593,14 @@ def test_pending_handshakes_stay_within_their_cap_and_leave_at_the_deadline(
                 silent.append(_connect(address))
                 opened.append(time.monotonic())
                 if i >= 4:  # the oldest pending one is closed for the new one
-                    evicted = _reply(silent[i - 4])
+                    evicted = recv_frame(silent[i - 4])[0]
                     assert evicted["reason"] == "busy", evicted
                     assert "--max-handshakes" in evicted["error"]
                     assert _closed_by_peer(silent[i - 4], timeout=10)
                 _wait_for(lambda i=i: pending(min(i + 1, 4)), f"{min(i + 1, 4)} pending")
                 assert all(_untouched(sock) for sock in silent[max(0, i - 3) :])
             for sock, start in zip(silent[6:], opened[6:], strict=True):
-                reply = _reply(sock)
+                reply = recv_frame(sock)[0]
                 waited = time.monotonic() - start
                 assert reply["reason"] == "protocol" and "--handshake-timeout" in reply["error"]
                 assert 1.5 < waited < 10, f"a silent connection closed after {waited:.2f} s"
@@ -657,7 +621,7 @@ def test_authorized_clients_are_served_through_a_flood_of_unauthenticated_connec
     each on a new connection (the hardest case: a hello to pass every time), and every request
     over a pooled connection is; the server never holds more than its caps' worth of sockets."""
     max_handshakes, max_connections = 32, 8
-    proc = stores(
+    proc = stores.start(
         token_file=_token_file(tmp_path),
         args=(
             "--max-connections",

@@ -7,7 +7,6 @@ an array larger than the transfer budget is accumulated a chunk at a time. Real 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 
 import numpy as np
@@ -18,31 +17,9 @@ from tenplex_jax._src.multihost.store import wire
 from tenplex_jax.errors import StoreError, WSPError
 from tenplex_jax.multihost import store
 from tenplex_jax.wsp import ParameterServer
-from tests.helpers import Stores, peak_rss
+from tests.helpers import peak_rss, raw_socket, recv_frame
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def stores(tmp_path):
-    started = Stores(tmp_path)
-    try:
-        yield started
-    finally:
-        started.reap()
-
-
-def _raw(address: str) -> socket.socket:
-    host, port = store.parse_address(address)
-    sock = socket.create_connection((host, port), timeout=30)
-    wire.send_frame(sock, {"op": "hello", "token": None})
-    assert _frame(sock)[0]["ok"]
-    return sock
-
-
-def _frame(sock: socket.socket) -> tuple[dict, bytes]:
-    nheader, nbody = wire.recv_prefix(sock)
-    return wire.recv_header(sock, nheader, 1 << 24), bytes(wire.recv_exact(sock, nbody))
 
 
 def _cas(sock, path: str, obj, expect, rid: str) -> dict:
@@ -51,11 +28,11 @@ def _cas(sock, path: str, obj, expect, rid: str) -> dict:
     data = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
     request = {"op": "cas_json", "path": path, "expect": expect, "rid": rid}
     wire.send_header(sock, {**request, "checksum": wire.checksum(data)}, len(data))
-    header, _ = _frame(sock)
+    header, _ = recv_frame(sock)
     continued = bool(header.get("continue"))
     if continued:
         wire.send_body(sock, data)
-        header, _ = _frame(sock)
+        header, _ = recv_frame(sock)
     assert header.get("rid") == rid  # every reply names its request
     return header | {"body_sent": continued}
 
@@ -65,7 +42,7 @@ def test_a_compare_and_swap_repeated_is_done_once_also_after_a_restart(stores):
     with store.StoreClient(proc.address) as client:
         client.put_json("led", {"n": 0})
         _, v0, _ = client.get_json("led", versioned=True)
-    sock = _raw(proc.address)
+    sock = raw_socket(proc.address)
     first = _cas(sock, "led", {"n": 1}, v0, "a" * 32)
     again = _cas(sock, "led", {"n": 1}, v0, "a" * 32)  # its reply was lost: the same request
     assert first["swapped"] and again["swapped"] and again["version"] == first["version"]
@@ -75,7 +52,7 @@ def test_a_compare_and_swap_repeated_is_done_once_also_after_a_restart(stores):
     sock.close()
     proc.kill()
     proc = stores.start("s0")  # the ids of the last writes are in the object's file
-    sock = _raw(proc.address)
+    sock = raw_socket(proc.address)
     assert _cas(sock, "led", {"n": 1}, v0, "a" * 32)["swapped"]
     with store.StoreClient(proc.address) as client:
         assert client.get_json("led", versioned=True)[:2] == ({"n": 1}, first["version"])
@@ -97,7 +74,8 @@ def test_versions_only_grow_so_a_stale_writer_never_wins_and_only_objects_are_ke
         for obj in (5, None, [], "x"):
             with pytest.raises(StoreError, match="JSON objects"):
                 client.put_json("j", obj)
-    sock = _raw(proc.address)  # a client of another kind sends what it likes: the store refuses
+    # a client of another kind sends what it likes: the store refuses
+    sock = raw_socket(proc.address)
     for body in (b"5", b"null", b"[]", b'{"a": NaN}', b'{"a": Infinity}', b"{"):
         reply = _cas(sock, "j", body, None, "c" * 32)
         assert not reply["ok"] and reply["reason"] == "refused", (body, reply)

@@ -32,7 +32,7 @@ from tests.helpers import Stores
 
 
 @pytest.fixture
-def stores(tmp_path):
+def store_addresses(tmp_path):
     started = Stores(tmp_path)
     try:
         yield [started.start(f"s{i}").address for i in range(2)]
@@ -41,18 +41,18 @@ def stores(tmp_path):
 
 
 @pytest.mark.slow
-def test_d0_with_one_minibatch_and_sgd_is_synchronous_sgd_on_the_summed_gradients(stores):
+def test_d0_with_one_minibatch_and_sgd_is_synchronous_sgd_on_the_summed_gradients(store_addresses):
     lr, waves = 0.05, 3
     parts = job_parts.job(1, optimizer="sgd", lr=lr)
     graphdef, state, _ = build_state("tiny", lr, optimizer="sgd")  # what parts["init"] builds
     initial = weights_of(state)
-    with ParameterServer(stores) as ps:
+    with ParameterServer(store_addresses) as ps:
         ps.create(initial, total=2 * waves)
 
         def make(name, devices):
             return VirtualWorker(
                 name,
-                ParameterServer(stores),
+                ParameterServer(store_addresses),
                 parts["rules"],
                 parts["dataset"],
                 state,
@@ -97,16 +97,18 @@ def _flat(state) -> dict:
 
 
 @pytest.mark.slow
-def test_a_sigkilled_vw_process_is_dropped_and_its_minibatches_trained_by_others(stores, tmp_path):
+def test_a_sigkilled_vw_process_is_dropped_and_its_minibatches_trained_by_others(
+    store_addresses, tmp_path
+):
     total = 48
     parts = job_parts.job(1)
-    with ParameterServer(stores) as ps:
+    with ParameterServer(store_addresses) as ps:
         ps.create(weights_of(parts["init"]()), total=total)
         # slowdown 4: each wave holds its lease three times its compute longer, so the SIGKILL
         # below lands mid-wave (before the push), not after a push it raced
         runner = Processes(
             "tenplex_jax_models.wsp:job",
-            stores,
+            store_addresses,
             tmp_path / "run",
             options=["--minibatches", "2", "--distance", "1", "--timeout", "3", "--slowdown", "4"],
         )
