@@ -103,9 +103,8 @@ def test_withheld_trailers_and_unread_replies_stay_within_the_memory_bound(store
         finally:
             for sock in attackers:
                 sock.close()
-        # the 19 waiting puts take the budget in turn as they find their peer gone: between two of
-        # them it is empty while some still wait, and a get holding it then would keep them
-        # waiting until their timeout, so wait until none holds it and none waits
+        # the 19 waiting puts leave one by one as they find their client gone, so the budget can
+        # be empty while some still wait: wait until none holds it and none waits for it
         _wait_for(
             lambda: (st := client.stats())["transfer_bytes"] == 0 and st["transfers_waiting"] == 0,
             "the budget released and no put waiting",
@@ -136,6 +135,48 @@ def _ready(sock: socket.socket) -> bool:
         return False
     finally:
         sock.settimeout(30)
+
+
+def _put_header(sock: socket.socket, path: str, size: int) -> None:
+    """The header of a put of ``size`` bytes, its body not sent (it waits for "continue")."""
+    request = {
+        "op": "put",
+        "path": path,
+        "box": [[0, size]],
+        "global_shape": [size],
+        "dtype": "uint8",
+        "checksum": None,
+    }
+    wire.send_header(sock, request, size)
+
+
+def test_a_transfer_waiting_for_room_leaves_when_its_client_closes(stores) -> None:
+    """One put holds the whole budget (its trailer withheld); 6 more wait for room, and their
+    clients give up and close. The store drops them within seconds, not at its 60 s timeout; a
+    put that comes next waits alone behind the held one and is admitted when it is released."""
+    size = 40 * MIB
+    proc = stores.start(memory_bytes=64 * MIB, args=("--timeout", "60"))
+    with store.StoreClient(proc.address) as client:
+        holder = raw_socket(proc.address)
+        _put_header(holder, "held", size)
+        assert recv_frame(holder)[0]["continue"]
+        holder.sendall(np.ones(size, np.uint8))  # and never the trailer
+        waiting = []
+        for i in range(6):
+            waiting.append(raw_socket(proc.address))
+            _put_header(waiting[-1], f"w/{i}", size)
+        _wait_for(lambda: client.stats()["transfers_waiting"] == 6, "6 puts waiting")
+        for sock in waiting:
+            sock.close()
+        tic = time.monotonic()
+        _wait_for(lambda: client.stats()["transfers_waiting"] == 0, "the closed ones gone", 15)
+        assert time.monotonic() - tic < 15 and client.stats()["transfer_bytes"] == size
+        late = raw_socket(proc.address)  # a put that stays waits for room as before
+        _put_header(late, "late", size)
+        _wait_for(lambda: client.stats()["transfers_waiting"] == 1, "the late put waiting")
+        holder.close()  # the held put ends, and the late one is admitted
+        assert recv_frame(late)[0]["continue"]
+        late.close()
 
 
 def test_an_object_larger_than_the_budget_streams_through_disk_a_chunk_at_a_time(stores) -> None:

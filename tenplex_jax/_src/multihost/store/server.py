@@ -45,6 +45,7 @@ import itertools
 import json
 import os
 import pathlib
+import select
 import signal
 import socket
 import socketserver
@@ -78,6 +79,7 @@ DEFAULT_TIMEOUT = 120.0
 # a JSON body's parsed objects take at most this many times its bytes (32 measured, for lists of
 # empty lists: ``[[[]],[[]],...]``), counted in the transfer budget while it is checked
 JSON_PARSE_FACTOR = 40
+PEER_CHECK_SECONDS = 0.25  # how often a transfer waiting for room looks at its client's socket
 
 
 class Budget:
@@ -86,7 +88,10 @@ class Budget:
     A transfer is admitted before its bytes are received or produced: it waits for room until
     ``timeout`` seconds pass, then is refused (reason ``"busy"``); one larger than the whole budget
     is refused at once (``"too_large"``). So however clients behave (bodies sent without their
-    checksum trailer, replies never read), the bytes in flight stay within ``limit``.
+    checksum trailer, replies never read), the bytes in flight stay within ``limit``. A transfer
+    that waits for room looks at its client's connection (``peer``) every
+    ``PEER_CHECK_SECONDS`` and leaves as soon as the client has closed it: a client that gave up
+    keeps no place in the queue.
     """
 
     def __init__(self, limit: int, timeout: float):
@@ -94,7 +99,7 @@ class Budget:
         self.cond = threading.Condition()
 
     @contextlib.contextmanager
-    def hold(self, nbytes: int, what: str):
+    def hold(self, nbytes: int, what: str, peer: socket.socket | None = None):
         if nbytes > self.limit:
             raise StoreError(
                 f"{what} is {nbytes} bytes, more than the store's transfer budget of "
@@ -114,7 +119,11 @@ class Budget:
                             f"held by other transfers; try again",
                             "busy",
                         )
-                    self.cond.wait(left)
+                    if peer is not None and _closed(peer):
+                        raise ConnectionAbortedError(
+                            f"{what}: its client closed the connection while it waited for room"
+                        )
+                    self.cond.wait(left if peer is None else min(left, PEER_CHECK_SECONDS))
             finally:
                 self.waiting -= 1
             self.used += nbytes
@@ -124,6 +133,22 @@ class Budget:
             with self.cond:
                 self.used -= nbytes
                 self.cond.notify_all()
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the peer has closed ``sock`` (or reset it), seen without blocking and without
+    taking any byte it sent."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    events = poller.poll(0)
+    if not events:
+        return False  # nothing to read and no end of stream: the client is still waiting
+    if events[0][1] & (select.POLLERR | select.POLLNVAL):
+        return True
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""  # readable now, so it does not block
+    except OSError:
+        return True
 
 
 def _no_constant(name: str):
@@ -302,10 +327,10 @@ class Handler(socketserver.BaseRequestHandler):
         self._check_body_limit(nbody, what)
         info = ObjectInfo(path, box, global_shape, dtype.name, expected, "")
         if nbody > self.server.budget.limit:  # written to disk as it arrives
-            with self.server.budget.hold(tiers.STREAM_CHUNK_BYTES, what):
+            with self.server.budget.hold(tiers.STREAM_CHUNK_BYTES, what, peer=sock):
                 info = self._put_streamed(sock, header, info, what)
         else:
-            with self.server.budget.hold(nbody, what):
+            with self.server.budget.hold(nbody, what, peer=sock):
                 data, digest = self._body(sock, nbody, expected, path)
                 self._check_claim(sock, header, digest, what)
                 info = dataclasses.replace(info, checksum=digest)
@@ -325,10 +350,10 @@ class Handler(socketserver.BaseRequestHandler):
             0 if whole else wire.nbytes_of(boxes.shape(box), wire.dtype_of(info.dtype))
         )
         if reply_bytes > self.server.budget.limit:  # read from disk a chunk at a time
-            with self.server.budget.hold(tiers.STREAM_CHUNK_BYTES, f"get of {path!r}"):
+            with self.server.budget.hold(tiers.STREAM_CHUNK_BYTES, f"get of {path!r}", peer=sock):
                 self._get_streamed(sock, key, info, box or info.box)
             return
-        with self.server.budget.hold(reply_bytes, f"get of {path!r} box {box}"):
+        with self.server.budget.hold(reply_bytes, f"get of {path!r} box {box}", peer=sock):
             entry, data = store.read(key)
             info = entry.info
             if whole:
@@ -366,7 +391,9 @@ class Handler(socketserver.BaseRequestHandler):
         # those chunks, else written to a file as it is made
         chunks = 3 * min(info.nbytes, updates.ACCUMULATE_CHUNK_BYTES)
         in_memory = info.nbytes + chunks <= budget.limit and not header.get("check")
-        with budget.hold(info.nbytes + chunks if in_memory else chunks, f"accumulate of {path!r}"):
+        with budget.hold(
+            info.nbytes + chunks if in_memory else chunks, f"accumulate of {path!r}", peer=sock
+        ):
             info, applied = store.accumulate(
                 path,
                 stage,
@@ -388,7 +415,7 @@ class Handler(socketserver.BaseRequestHandler):
             raise StoreError(f"revert needs an integer clock >= 0, got {clock!r:.50}")
         store = self.server.store
         info, _ = store.info(store.find(kept, None))
-        with self.server.budget.hold(info.nbytes, f"revert of {path!r}"):
+        with self.server.budget.hold(info.nbytes, f"revert of {path!r}", peer=sock):
             info = store.revert(path, kept, name, int(clock), bool(header.get("check")))
         self._send(sock, {"ok": True, "info": info.to_json()})
 
@@ -415,7 +442,9 @@ class Handler(socketserver.BaseRequestHandler):
         so the body holds that much of the budget while it is checked."""
         path = wire.check_path(header.get("path"))
         self._check_body_limit(nbody, what, wire.MAX_JSON_BYTES)
-        with self.server.budget.hold(nbody * (1 + JSON_PARSE_FACTOR), f"{what} ({nbody} bytes)"):
+        with self.server.budget.hold(
+            nbody * (1 + JSON_PARSE_FACTOR), f"{what} ({nbody} bytes)", peer=sock
+        ):
             data, digest = self._body(sock, nbody, nbody, path)
             if digest != header.get("checksum"):
                 raise StoreError(
@@ -450,14 +479,14 @@ class Handler(socketserver.BaseRequestHandler):
         if self._done_before(sock, header):
             return
         path, data = self._json_body(sock, header, nbody, what)
-        with self.server.budget.hold(nbody, what):
+        with self.server.budget.hold(nbody, what, peer=sock):
             flush = header.get("flush", True) is not False
             version = self.server.store.put_json(path, data, flush, self.rid)
         self._send(sock, {"ok": True, "version": version})
 
     def _get_json(self, sock: socket.socket, header: dict, nbody: int) -> None:
         store, path = self.server.store, wire.check_path(header.get("path"))
-        with self.server.budget.hold(store.json_bytes(path), f"get_json of {path!r}"):
+        with self.server.budget.hold(store.json_bytes(path), f"get_json of {path!r}", peer=sock):
             file_header, data = store.get_json(path)
             reply = {
                 "ok": True,
@@ -483,7 +512,7 @@ class Handler(socketserver.BaseRequestHandler):
         path, data = self._json_body(sock, header, nbody, what)
         with store.lock:  # the object now, as read back to compare (a racing put may grow it)
             current = store.json.get(path, 0)
-        with self.server.budget.hold(nbody + 2 * current, what):
+        with self.server.budget.hold(nbody + 2 * current, what, peer=sock):
             swapped, version, now = store.cas_json(path, expect, data, self.rid)
             reply = {"ok": True, "swapped": swapped, "version": version, "time": time.time()}
             if now is not None:
