@@ -281,8 +281,8 @@ def validate_machine(fitted: dict, model: str, repeats: int, log=print) -> list[
     """The reshard matrix timed and predicted (see the module docstring).
 
     Two passes over the rows, the first a warm-up: the fresh process's first reshards of a large
-    state run up to 1.7x slower than the same reshards later in it (glibc's allocator raises its
-    mmap threshold as buffers are freed, so later buffers are reused rather than faulted in).
+    state run up to 1.7x slower than the same reshards later in it (most likely glibc's
+    allocator: once buffers are freed, later ones reuse memory rather than fault pages in).
     Each row of the second pass is its fastest run after a warm-up one, predicted from the
     machine's copy rates the fit used (``fitted["memcpy_bytes_per_s"]``)."""
     import jax
