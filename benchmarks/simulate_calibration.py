@@ -100,6 +100,24 @@ def _best_seconds(fn, repeats: int) -> tuple[float, list[float]]:
     return min(runs[1:]), runs[1:]
 
 
+def _timed_reshard(state, src, dst, repeats: int):
+    """``state`` placed as ``src`` and resharded to ``dst`` (not donated) ``repeats`` times
+    after a warm-up: (the plan, the fastest run, every run); the placed state is freed after."""
+    import jax
+
+    import tenplex_jax as tj
+
+    plan = tj.make_plan(src, dst)
+    placed = tj.place(state, src)
+    jax.block_until_ready(placed)
+
+    def once():
+        out, _ = tj.reshard(placed, plan, donate=False)
+        jax.block_until_ready(out)
+
+    return plan, *_best_seconds(once, repeats)
+
+
 def _lstsq(rows: list[dict], columns: tuple[str, ...], target: str) -> dict[str, float]:
     """Least squares on relative error (each row divided by its measurement): a 10 ms point
     counts as much as a 300 ms one."""
@@ -125,7 +143,6 @@ def _counts(traffic) -> dict:
 def measure_executor(repeats: int, log=print) -> list[dict]:
     """``tj.reshard`` of synthetic states: the same bytes as 8, 64 or 512 leaves, per change."""
     import flax.linen as nn
-    import jax
 
     import tenplex_jax as tj
     from tenplex_jax.simulator import device_traffic
@@ -145,17 +162,8 @@ def measure_executor(repeats: int, log=print) -> list[dict]:
             for name, src_cfg, src_ids, dst_cfg, dst_ids in FIXED_CHANGES:
                 src = tj.PTC.of(state, RULES, tj.ParallelConfig(**src_cfg), src_ids)
                 dst = tj.allocate(src, src.relayout(tj.ParallelConfig(**dst_cfg), dst_ids))
-                plan = tj.make_plan(src, dst)
-                placed = tj.place(state, src)
-                jax.block_until_ready(placed)
-
-                def once(placed=placed, plan=plan):
-                    out, _ = tj.reshard(placed, plan, donate=False)
-                    jax.block_until_ready(out)
-
                 rates = _rates()
-                measured, runs = _best_seconds(once, repeats)
-                del placed
+                plan, measured, runs = _timed_reshard(state, src, dst, repeats)
                 traffic = device_traffic(plan, cpu_network(*rates))
                 traffics.append(traffic)
                 rows.append(
@@ -285,7 +293,6 @@ def validate_machine(fitted: dict, model: str, repeats: int, log=print) -> list[
     allocator: once buffers are freed, later ones reuse memory rather than fault pages in).
     Each row of the second pass is its fastest run after a warm-up one, predicted from the
     machine's copy rates the fit used (``fitted["memcpy_bytes_per_s"]``)."""
-    import jax
 
     import tenplex_jax as tj
     from tenplex_jax.simulator import Network, device_traffic
@@ -302,16 +309,7 @@ def validate_machine(fitted: dict, model: str, repeats: int, log=print) -> list[
                 state, LOGICAL_RULES, change.src, change.src_devices, allow_replicate=True
             )
             dst = tj.allocate(src, src.relayout(change.dst, change.dst_devices))
-            plan = tj.make_plan(src, dst)
-            placed = tj.place(state, src)
-            jax.block_until_ready(placed)
-
-            def once(placed=placed, plan=plan):
-                out, _ = tj.reshard(placed, plan, donate=False)
-                jax.block_until_ready(out)
-
-            timed.append((change, plan, *_best_seconds(once, repeats)))
-            del placed
+            timed.append((change, *_timed_reshard(state, src, dst, repeats)))
     single, aggregate = fitted["memcpy_bytes_per_s"]
     network = cpu_network(single, aggregate)
     k = fitted["executor"]["copy_factor"]  # the executor's copies k times memcpy's time
