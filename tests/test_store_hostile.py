@@ -56,6 +56,19 @@ def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
 # -- memory: one budget for every byte in flight ---------------------------------------------------
 
 
+def _put_header(sock: socket.socket, path: str, size: int) -> None:
+    """The header of a put of ``size`` bytes, its body not sent (it waits for "continue")."""
+    request = {
+        "op": "put",
+        "path": path,
+        "box": [[0, size]],
+        "global_shape": [size],
+        "dtype": "uint8",
+        "checksum": None,
+    }
+    wire.send_header(sock, request, size)
+
+
 def test_withheld_trailers_and_unread_replies_stay_within_the_memory_bound(stores) -> None:
     """20 puts of 40 MiB that send their body but never the checksum trailer, then 8 gets of
     40 MiB disk objects whose replies are never read: the server's peak RSS grows by at most
@@ -75,15 +88,7 @@ def test_withheld_trailers_and_unread_replies_stay_within_the_memory_bound(store
         try:
             for i in range(20):
                 sock = raw_socket(proc.address)
-                request = {
-                    "op": "put",
-                    "path": f"w/{i}",
-                    "box": [[0, size]],
-                    "global_shape": [size],
-                    "dtype": "uint8",
-                    "checksum": None,
-                }
-                wire.send_header(sock, request, size)
+                _put_header(sock, f"w/{i}", size)
                 attackers.append(sock)
             # one put is admitted and receives its body; the other 19 wait for room
             admitted = next(s for s in attackers if _ready(s))
@@ -135,19 +140,6 @@ def _ready(sock: socket.socket) -> bool:
         return False
     finally:
         sock.settimeout(30)
-
-
-def _put_header(sock: socket.socket, path: str, size: int) -> None:
-    """The header of a put of ``size`` bytes, its body not sent (it waits for "continue")."""
-    request = {
-        "op": "put",
-        "path": path,
-        "box": [[0, size]],
-        "global_shape": [size],
-        "dtype": "uint8",
-        "checksum": None,
-    }
-    wire.send_header(sock, request, size)
 
 
 def test_a_transfer_waiting_for_room_leaves_when_its_client_closes(stores) -> None:
