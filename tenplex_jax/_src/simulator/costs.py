@@ -16,8 +16,15 @@ POLICIES = ("tenplex", "central", "checkpoint-restart")
 with every byte through one node (Tenplex-Central), and checkpoint-restart through storage."""
 
 
-FIXED = ("piece_seconds", "latency_seconds", "shard_seconds", "leaf_seconds", "run_seconds")
-"""The network model's fixed costs (seconds each), which :class:`Costs` passes on to it."""
+FIXED = {
+    "latency_seconds": "request",
+    "piece_seconds": "piece received",
+    "shard_seconds": "shard built",
+    "leaf_seconds": "leaf rebuilt",
+    "run_seconds": "run copied",
+}
+"""The network model's fixed costs (seconds each, which :class:`Costs` passes on to it), and
+what each one is paid per."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +109,7 @@ class Costs:
             values = value.values() if isinstance(value, Mapping) else (value,)
             if any(not s >= 0 for s in values):
                 raise PlanError(f"Costs.{name} must be >= 0, got {value!r}")
-        for name in FIXED + ("detect_seconds",):
+        for name in (*FIXED, "detect_seconds"):
             if not getattr(self, name) >= 0:
                 raise PlanError(f"Costs.{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("store_get_bandwidth", "store_put_bandwidth"):
@@ -119,7 +126,7 @@ class Costs:
     def network_costs(self) -> dict:
         """The fixed costs and store rates the network model takes, as keyword arguments of
         :class:`~tenplex_jax._src.simulator.network.Network`."""
-        names = FIXED + ("store_get_bandwidth", "store_put_bandwidth")
+        names = (*FIXED, "store_get_bandwidth", "store_put_bandwidth")
         return {name: getattr(self, name) for name in names}
 
     def restart(self, policy: str) -> float:
@@ -192,15 +199,6 @@ def young_daly(checkpoint_seconds: float, mttf_seconds: float) -> float:
             f"and {mttf_seconds}"
         )
     return math.sqrt(2.0 * checkpoint_seconds * mttf_seconds)
-
-
-_WORDS = {
-    "latency_seconds": "request",
-    "piece_seconds": "piece received",
-    "shard_seconds": "shard built",
-    "leaf_seconds": "leaf rebuilt",
-    "run_seconds": "run copied",
-}
 
 
 def _of(value, policy: str, default: float) -> float:
@@ -300,7 +298,7 @@ def assumptions(costs: Costs, policy: str, checkpoint: Mapping | None = None) ->
         out.append("saves a checkpoint at an announced change; a failure loses the work since one")
     if policy == "central":
         out.append("every byte through one node")
-    fixed = [f"{getattr(costs, n):g} s per {w}" for n, w in _WORDS.items() if getattr(costs, n)]
+    fixed = [f"{getattr(costs, n):g} s per {w}" for n, w in FIXED.items() if getattr(costs, n)]
     if fixed:
         out.append(", ".join(fixed))
     rates = [
