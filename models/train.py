@@ -26,11 +26,18 @@ from .gpt import GPT, GPTConfig, example_losses, profile
 CPU = tj.planner.DeviceType("cpu", memory=2 * tj.planner.GIB, flops=5e9, link_bandwidth=10e9)
 
 
+OPTIMIZERS = {
+    "adamw": optax.adamw,
+    "sgd": optax.sgd,
+    "momentum": lambda lr: optax.sgd(lr, momentum=0.9),
+}
+
+
 def build_state(
     model, lr: float, seed: int = 0, *, abstract: bool = False, optimizer: str = "adamw"
 ):
     """(graphdef, state, GPTConfig) of the GPT and its optimizer (AdamW; ``optimizer="sgd"``:
-    plain SGD), built without a mesh.
+    plain SGD; ``"momentum"``: SGD with momentum 0.9), built without a mesh.
 
     ``model`` is a preset name (``"tiny"``, ``"small"``, ``"gpt100m"``) or a ``GPTConfig``. The
     state is ``{"model": ..., "optimizer": ...}``, so tree paths read ``model/..``,
@@ -42,7 +49,7 @@ def build_state(
 
     def build():
         gpt = GPT(cfg, rngs=nnx.Rngs(seed))
-        tx = {"adamw": optax.adamw, "sgd": optax.sgd}[optimizer](lr)
+        tx = OPTIMIZERS[optimizer](lr)
         return {"model": gpt, "optimizer": nnx.Optimizer(gpt, tx, wrt=nnx.Param)}
 
     with nnx.use_eager_sharding(False):

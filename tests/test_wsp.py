@@ -158,6 +158,21 @@ def test_the_demo_survives_a_death_and_a_join_exactly_once(tmp_path):
     assert per["vw4"]["waves"] >= 1  # the joiner trained
     assert all(v["max_lead"] <= summary["distance"] for v in per.values())  # WSP's bound
     assert per["vw1"]["minibatches"] > per["vw3"]["minibatches"]  # Nm in proportion to speed
+    built = {v["name"]: v for v in summary["virtual_workers"]}
+    assert [(built[n]["devices"], built[n]["stages"], built[n]["nm"]) for n in sorted(built)] == [
+        ([0, 1, 2, 3], 2, 4),
+        ([4, 5], 1, 2),
+        ([6, 7], 1, 1),
+        ([4, 5], 1, 2),  # the joiner
+    ]
+    minibatches = summary["minibatches"]
+    assert sorted(m["index"] for m in minibatches) == list(range(summary["total"]))
+    for m in minibatches:  # HetPipe's bounds: local staleness < Nm, global staleness <= D
+        assert 0 <= m["local_staleness"] < built[m["vw"]]["nm"], m
+        assert 0 <= m["global_staleness"] <= summary["distance"], m
+    vw1 = [m["local_staleness"] for m in minibatches if m["vw"] == "vw1"]
+    # Nm - 1 once its pipeline is full (its last wave may be short: the run's last minibatches)
+    assert vw1[:4] == [0, 1, 2, 3] and set(vw1[4:-4]) == {3}
     assert summary["last_losses"] and np.mean(summary["last_losses"]) < summary["first_loss"]
     assert (tmp_path / "loss.png").stat().st_size > 0
 

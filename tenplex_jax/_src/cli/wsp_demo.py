@@ -10,7 +10,9 @@ and retrain its unpushed minibatches) and come back at 50 % (a new VW joins, pul
 starts at the slowest clock; its step, compiled for ``vw2``, is reused). Writes ``DIR/loss.png``
 (every minibatch's loss against the samples
 trained, per VW) and ``DIR/summary.json``: whether every minibatch and sample was trained exactly
-once, per VW its waves, minibatches, waits and pulls, the throughput, and the events.
+once, the VWs built (``virtual_workers``: devices, stages, ``Nm``), every minibatch's local
+version and its local and global staleness (``minibatches``), per VW its waves, minibatches,
+waits, pulls and largest staleness, the throughput, and the events.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ def run(options: WSPOptions, log=print) -> dict:
         sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
         steps = StepCache(parts["train_step"], sample, jax.devices())  # a joiner reuses a step
 
+        built: list[dict] = []  # every VW made, in order
+
         def make(name: str, devices: tuple[int, ...]) -> VirtualWorker:
             p = job_parts.job(
                 len(devices),
@@ -74,6 +78,15 @@ def run(options: WSPOptions, log=print) -> dict:
                 lr=options.lr,
                 seed=options.seed,
                 minibatch=options.minibatch,
+            )
+            built.append(
+                {
+                    "name": name,
+                    "devices": list(devices),
+                    "stages": p["config"].pipe,
+                    "nm": nm.get(name, options.minibatches[1]),
+                    "slowdown": options.slowdown if devices == GROUPS[2] else 1.0,
+                }
             )
             return VirtualWorker(
                 name,
@@ -84,9 +97,9 @@ def run(options: WSPOptions, log=print) -> dict:
                 p["train_step"],
                 devices=[jax.devices()[d] for d in devices],
                 config=p["config"],
-                minibatches=nm.get(name, options.minibatches[1]),
+                minibatches=built[-1]["nm"],
                 distance=options.distance,
-                slowdown=options.slowdown if devices == GROUPS[2] else 1.0,
+                slowdown=built[-1]["slowdown"],
                 timeout=options.timeout,
                 steps=steps,
             )
@@ -119,6 +132,7 @@ def run(options: WSPOptions, log=print) -> dict:
             final = ps.pull(ledger)
         records = coordinator.records()
         summary = summarize(options, ledger, records, coordinator.events, seconds, parts)
+        summary["virtual_workers"] = built
         summary["weights_finite"] = bool(all(np.isfinite(w).all() for w in final.values()))
         write_plot(records, out / "loss.png", options)
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -152,18 +166,22 @@ def summarize(options, ledger, records, events, seconds, parts) -> dict:
                 "compute_seconds": 0.0,
                 "slowdown_seconds": 0.0,
                 "max_lead": 0,
+                "max_local_staleness": 0,
+                "max_global_staleness": 0,
             },
         )
         v["waves"] += 1
         v["minibatches"] += len(r["minibatches"])
         v["pulls"] += int(r["pulled"])
         v["max_lead"] = max(v["max_lead"], r["wave"] - r["slowest"])
+        v["max_local_staleness"] = max(v["max_local_staleness"], *r["local_staleness"])
+        v["max_global_staleness"] = max(v["max_global_staleness"], *r["global_staleness"])
         for k in ("wait_seconds", "compute_seconds", "slowdown_seconds"):
             v[k] += r[k]
     return {
         "exactly_once": sorted(trained) == list(range(options.total)) and pushed == sorted(trained),
         "samples_exactly_once": bool(np.array_equal(np.sort(samples), np.sort(expected))),
-        "minibatches": options.total,
+        "total": options.total,
         "minibatch": options.minibatch,
         "distance": options.distance,
         "nm": list(options.minibatches),
@@ -174,6 +192,25 @@ def summarize(options, ledger, records, events, seconds, parts) -> dict:
         "left": list(ledger.left),
         "per_vw": per_vw,
         "events": events,
+        "minibatches": [  # what each minibatch's weights held (HetPipe's staleness)
+            {
+                "vw": r["vw"],
+                "wave": r["wave"],
+                "index": m,
+                "local_version": v,
+                "local_staleness": s,
+                "global_staleness": g,
+                "loss": loss,
+            }
+            for r in records
+            for m, v, s, g, loss in zip(
+                r["minibatches"],
+                r["local_versions"],
+                r["local_staleness"],
+                r["global_staleness"],
+                r["losses"],
+            )
+        ],
         "first_loss": records[0]["losses"][0] if records else None,
         "last_losses": [x for r in records[-3:] for x in r["losses"]],
     }
@@ -182,13 +219,14 @@ def summarize(options, ledger, records, events, seconds, parts) -> dict:
 def table(summary: dict) -> str:
     lines = [
         f"{'vw':6} {'waves':>6} {'minibatches':>11} {'pulls':>6} {'max lead':>8} "
-        f"{'wait s':>7} {'compute s':>9} {'slowdown s':>10}"
+        f"{'staleness local/global':>22} {'wait s':>7} {'compute s':>9} {'slowdown s':>10}"
     ]
     for vw, v in summary["per_vw"].items():
+        staleness = f"{v['max_local_staleness']}/{v['max_global_staleness']}"
         lines.append(
             f"{vw:6} {v['waves']:6d} {v['minibatches']:11d} {v['pulls']:6d} "
-            f"{v['max_lead']:8d} {v['wait_seconds']:7.2f} {v['compute_seconds']:9.2f} "
-            f"{v['slowdown_seconds']:10.2f}"
+            f"{v['max_lead']:8d} {staleness:>22} {v['wait_seconds']:7.2f} "
+            f"{v['compute_seconds']:9.2f} {v['slowdown_seconds']:10.2f}"
         )
     lines.append(
         f"exactly once: minibatches {summary['exactly_once']}, samples "

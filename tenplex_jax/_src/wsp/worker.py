@@ -3,33 +3,44 @@
 A VW owns its devices' mesh (pipeline, data and tensor parallelism inside it, no collective with
 any other VW), its copy of the weights and its own optimizer state. It trains in *waves* of
 ``Nm`` minibatches (``minibatches=``) and synchronizes with the others only through the parameter
-server (:mod:`tenplex_jax._src.wsp.ps`) and the ledger (:mod:`tenplex_jax._src.wsp.ledger`):
+server (:mod:`tenplex_jax._src.wsp.ps`) and the ledger (:mod:`tenplex_jax._src.wsp.ledger`).
 
-1. **wait and pull** (WSP). Before wave ``k`` its weights must hold every VW's waves before
+Its minibatches run as in HetPipe's pipeline, ``Nm`` of them in flight and no flush between
+them: its ``p``-th minibatch reads the VW's local weights holding exactly the updates of its own
+minibatches up to ``p - Nm`` (**local staleness** ``Nm - 1``: it misses the updates of the
+``Nm - 1`` before it, still in flight), and its update, computed on those weights, lands on the
+local weights as they are when it is done. Wave ``k`` is its minibatches ``k Nm .. k Nm + Nm - 1``:
+
+1. while wave ``k - 1``'s updates land one at a time, wave ``k``'s first ``Nm - 1`` minibatches
+   read their weights, each after one more of them;
+2. when the last has landed, the VW **pushes** wave ``k - 1``'s update: the change of the local
+   weights over its ``Nm`` updates, ``w_end - w_start``, staged, committed with its minibatches,
+   applied;
+3. **WSP**: the weights wave ``k``'s last minibatch reads must hold every VW's waves before
    ``k - D`` (``distance=D``). If its last pull already did (it pulled when the slowest had
    committed ``>= k - D`` waves), it goes on without pulling; else it waits until the slowest
-   member has committed ``k - D`` waves and pulls the global weights. ``D = 0``: every wave waits
-   for every VW and pulls.
-2. **claim** ``Nm`` minibatches of the global order (the dataset PTC's global batches) from the
-   ledger;
-3. **train** them one after the other with the user's step (``train_step(state, batch) ->
-   (state, metrics)``, the step ``tj.ElasticJob`` runs), each on the VW's latest local weights;
-4. **push** the wave's update: the change of the weights over the wave, ``w_end - w_start``
-   (what the VW's optimizer did with the wave's ``Nm`` gradients), staged, committed with its
-   minibatches, applied.
+   member has committed ``k - D`` waves and **pulls** the global weights (**global staleness**:
+   the VW's own waves in the weights a minibatch reads, minus the waves every VW's are there up
+   to: at most ``D``). ``D = 0``: every wave waits for every VW and pulls;
+4. it **claims** wave ``k``'s ``Nm`` minibatches (the dataset PTC's global batches) from the
+   ledger, and the last of them reads the weights.
+
+``Nm = 1`` is a wave of one minibatch trained on the latest weights, pushed before the next one
+starts. Each minibatch's update is the user's step (``train_step(state, batch) -> (state,
+metrics)``, the step ``tj.ElasticJob`` runs) applied to the weights it read and the optimizer state
+as it is when the update lands: ``update = step(read) - read``, the optimizer's output for the
+gradient at the read weights (with decoupled weight decay, the decay of the read weights too).
+The device runs the steps one after another; the schedule of reads and updates is HetPipe's.
 
 **The optimizer state stays local.** The parameter server holds the weights only (float32); each
 VW's optimizer state (AdamW moments, step count) is its own, kept across pulls (a pull replaces
 the weights, not the moments) and started fresh by ``init()`` when a VW joins: a joining VW pulls
 the global weights and starts at the slowest member's clock.
 
-**Staleness.** Within a wave, minibatch ``j`` trains on weights holding the wave's first ``j``
-local updates and none of the others' since the last pull (local staleness ``< Nm``); across VWs,
-the weights of wave ``k`` miss at most the others' waves from ``k - D`` on (global staleness).
-With ``D = 0``, ``Nm = 1`` and plain SGD, WSP is synchronous data parallelism: every wave each VW
-computes the gradient of its minibatch at the same weights and the server adds the ``V`` updates,
-``w - lr * (g_1 + ... + g_V)``: one synchronous SGD step over the ``V`` minibatches with their
-gradients summed (each minibatch's loss a mean over its samples).
+**What ``D = 0`` equals.** With ``Nm = 1`` and plain SGD, WSP is synchronous data parallelism:
+every wave each VW computes the gradient of its minibatch at the same weights and the server adds
+the ``V`` updates, ``w - lr * (g_1 + ... + g_V)``: one synchronous SGD step over the ``V``
+minibatches with their gradients summed (each minibatch's loss a mean over its samples).
 
 **Heterogeneity on CPU.** ``slowdown=s`` makes a VW ``s`` times slower: after each wave it sleeps
 ``(s - 1)`` times the wave's compute time, as a device type ``s`` times slower would take. What
@@ -78,6 +89,12 @@ class WaveRecord:
       push_seconds: pushing the wave's update.
       started: ``time.time()`` at the start of the wave's wait.
       ended: ``time.time()`` when the wave was pushed.
+      local_versions: per minibatch, how many of the VW's own updates the weights it read held
+        (counted from its join).
+      local_staleness: per minibatch, the VW's own earlier minibatches whose updates it missed
+        (``Nm - 1`` once the pipeline is full).
+      global_staleness: per minibatch, the VW's clock (its waves in the weights it read) minus
+        the clock every VW's waves were there up to (its last pull): at most ``D``.
     """
 
     vw: str
@@ -93,6 +110,9 @@ class WaveRecord:
     push_seconds: float
     started: float  # time.time() at the start of the wave's wait
     ended: float
+    local_versions: tuple[int, ...]
+    local_staleness: tuple[int, ...]
+    global_staleness: tuple[int, ...]
 
 
 def weights_of(state, part: str = "model") -> dict[str, np.ndarray]:
@@ -222,6 +242,9 @@ class VirtualWorker:
         self.steps = steps
         self.step = self.steps.get(self.ptc, self.layout, ahead=False).result().executable
         self.records: list[WaveRecord] = []
+        self.clock = self.fresh = 0  # waves pushed (the ledger's clock); the last pull's min clock
+        self.applied = self.started = 0  # own updates landed; own minibatches started
+        self.changes = 0  # changes to the weights (updates and pulls): which reads are current
         self.crashed = threading.Event()  # a simulated death: stop at once, leave nothing behind
         self.dropped = False
 
@@ -246,6 +269,7 @@ class VirtualWorker:
             sharding = NamedSharding(self.mesh, self.ptc.leaves[i].spec)
             leaves[i] = jax.device_put(weights[self.paths[i]].astype(leaves[i].dtype), sharding)
         self.state = jax.tree_util.tree_unflatten(treedef, leaves)
+        self.changes += 1
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -255,8 +279,11 @@ class VirtualWorker:
         """Join, then train waves until the run's minibatches are done, ``stop`` is set (then
         leave at the next wave boundary), ``waves`` waves are done, or the VW is dropped.
 
-        Each wave: wait and pull as WSP says, claim ``Nm`` minibatches, train them, push the
-        update. A dropped VW returns quietly (``dropped`` is set).
+        The waves overlap as in HetPipe's pipeline: while wave ``k - 1``'s updates land, one
+        at a time, wave ``k``'s minibatches read their weights; when the last one has landed
+        the wave is pushed, WSP waits and pulls for wave ``k``, and wave ``k``'s minibatches are
+        claimed. A VW that leaves lands and pushes the wave it holds first. A dropped VW returns
+        quietly (``dropped`` is set).
 
         Args:
           stop: set it (from another thread) to leave at the next wave boundary.
@@ -274,35 +301,16 @@ class VirtualWorker:
         ledger, _ = self.ps.update(
             lambda led, now: (led.reap(now, self.timeout)[0].join(self.name, now), None)
         )
-        wave = ledger.clocks[self.name]
+        self.clock = ledger.clocks[self.name]
         self.set_weights(self.ps.pull(ledger))
-        fresh = ledger.min_clock or 0
+        self.fresh = ledger.min_clock or 0
         beating = threading.Event()
         heart = threading.Thread(
             target=self._heartbeat, args=(beating,), daemon=True, name=f"wsp-heartbeat-{self.name}"
         )
         heart.start()
         try:
-            done = 0
-            while not (stop.is_set() or self.crashed.is_set() or self.dropped):
-                if waves is not None and done >= waves:
-                    break
-                start = time.time()
-                ledger, pulled = self._wait(wave, fresh)
-                if ledger is None:
-                    break
-                if pulled:
-                    fresh = ledger.min_clock or 0
-                record = self._wave(wave, ledger, pulled, start)
-                if record is None:
-                    break
-                if record == "idle":
-                    self.crashed.wait(self.poll * 10)
-                    continue
-                self.records.append(record)
-                if self.on_record is not None:
-                    self.on_record(record)
-                wave, done = wave + 1, done + 1
+            self._loop(stop, waves)
             if not (self.crashed.is_set() or self.dropped):
                 self.ps.update(lambda led, now: (led.leave(self.name), None))
         except WSPError as error:
@@ -313,6 +321,147 @@ class VirtualWorker:
             beating.set()
             heart.join(timeout=self.timeout)
         return self.records
+
+    def _loop(self, stop: threading.Event, waves: int | None) -> None:
+        held: _Wave | None = None  # the claimed wave whose updates have not all landed
+        claimed = 0
+        while not (self.crashed.is_set() or self.dropped):
+            leaving = stop.is_set() or (waves is not None and claimed >= waves)
+            if held is None and leaving:
+                return
+            # wave k's first Nm - 1 minibatches read their weights as wave k - 1's updates land
+            reads = []
+            for j in range(self.nm - 1):
+                if held is not None and j < len(held.minibatches) and not self._land(held, j):
+                    return
+                reads.append(self._read())
+            if held is not None:
+                for j in range(self.nm - 1, len(held.minibatches)):
+                    if not self._land(held, j):
+                        return
+                if not self._push(held):
+                    return
+                held = None
+                if leaving:
+                    return
+            # the last minibatch reads the weights holding wave k - 1 whole: WSP's wait and pull
+            start = time.time()
+            ledger, pulled = self._wait(self.clock, self.fresh)
+            if ledger is None:
+                return
+            if pulled:
+                self.fresh = ledger.min_clock or 0
+            led, minibatches = self.ps.update(
+                lambda led, now: led.claim(self.name, self.clock, self.nm)
+            )
+            if not minibatches:
+                if led.done:
+                    return
+                self.crashed.wait(self.poll * 10)  # others hold the last: they may die
+                continue
+            if self.on_wave is not None:
+                self.on_wave(self.name, self.clock, minibatches)
+            reads.append(self._read())
+            reads = reads[: len(minibatches) - 1] + reads[-1:]
+            held = _Wave(
+                self.clock,
+                tuple(minibatches),
+                tuple(reads),
+                tuple(self.started + j - r.version for j, r in enumerate(reads)),
+                self._weights(),
+                self.changes,
+                ledger.min_clock or 0,
+                pulled,
+                start,
+                time.time() - start,
+            )
+            self.started += len(minibatches)
+            claimed += 1
+
+    def _weights(self) -> tuple[jax.Array, ...]:
+        """The device arrays of the VW's weight leaves, in leaf order."""
+        _, leaves, _ = tree.arrays(self.state)
+        return tuple(leaves[i] for i in self.weights)
+
+    def _read(self) -> _Read:
+        """A minibatch starts: the weights it reads (the arrays themselves, immutable: no copy)."""
+        return _Read(self._weights(), self.applied, self.changes, max(self.clock - self.fresh, 0))
+
+    def _land(self, wave: _Wave, j: int) -> bool:
+        """Minibatch ``j`` of ``wave``: the user's step on the weights it read (with the
+        optimizer state as it is now), its update ``after - read`` added to the current weights.
+        False when the VW died meanwhile."""
+        if self.crashed.is_set():
+            return False
+        if j == 0:
+            wave.tic = time.perf_counter()
+        read, k = wave.reads[j], wave.minibatches[j]
+        # the step donates its input: a read that a later minibatch, or the current weights,
+        # still need goes in as a copy
+        kept = read.changes == wave.start_changes or any(
+            r.changes == read.changes for r in wave.reads[j + 1 :]
+        )
+        current = read.changes == self.changes
+        weights = read.weights if current and not kept else tuple(x.copy() for x in read.weights)
+        _, leaves, treedef = tree.arrays(self.state)
+        now = [leaves[i] for i in self.weights]
+        for i, x in zip(self.weights, weights):
+            leaves[i] = x
+        data, batch_weights, rows = device_batch(self.dataset, k, self.layout, self.mesh)
+        after, metrics = self.step(
+            jax.tree_util.tree_unflatten(treedef, leaves),
+            Batch(data, batch_weights, self.layout, self.mesh, BATCH_AXES),
+        )
+        if not current:  # the update computed on older weights lands on the current ones
+            _, leaves, treedef = tree.arrays(after)
+            landed = _landed(now, [leaves[i] for i in self.weights], list(read.weights))
+            for i, x in zip(self.weights, landed):
+                leaves[i] = x
+            after = jax.tree_util.tree_unflatten(treedef, leaves)
+        self.state = after
+        self.applied += 1
+        self.changes += 1
+        wave.losses.append(metrics["loss"])
+        wave.samples.extend(int(s) for s in rows if s >= 0)
+        return True
+
+    def _push(self, wave: _Wave) -> bool:
+        """Push a wave whose updates have all landed: the change of the weights since it was
+        claimed, with the slowdown's sleep before it; its record. False when the VW died."""
+        losses = [float(x) for x in jax.device_get(wave.losses)]
+        compute = time.perf_counter() - wave.tic
+        slow = (self.slowdown - 1.0) * compute
+        if slow and self.crashed.wait(slow):
+            return False
+        if self.crashed.is_set():
+            return False  # died mid-wave: nothing pushed, the minibatches go back
+        tic = time.perf_counter()
+        delta = jax.device_get(_delta(list(self._weights()), list(wave.start)))
+        self.ps.push(self.name, wave.wave, {self.paths[i]: d for i, d in zip(self.weights, delta)})
+        push = time.perf_counter() - tic
+        self.clock = wave.wave + 1
+        record = WaveRecord(
+            self.name,
+            wave.wave,
+            wave.minibatches,
+            tuple(wave.samples),
+            tuple(losses),
+            wave.slowest,
+            wave.pulled,
+            wave.wait,
+            compute,
+            slow,
+            push,
+            wave.started,
+            time.time(),
+            tuple(r.version for r in wave.reads),
+            wave.staleness,
+            tuple(r.behind for r in wave.reads),
+        )
+        self.records.append(record)
+        if self.on_record is not None:
+            self.on_record(record)
+        return True
 
     def _wait(self, wave: int, fresh: int) -> tuple[Ledger | None, bool]:
         """WSP before wave ``wave``: (the ledger, whether the weights were pulled); no ledger
@@ -335,53 +484,6 @@ class VirtualWorker:
                 self.ps.update(lambda led, t: (led.reap(t, self.timeout)[0], None))
             time.sleep(self.poll)  # the slowest member's next commit
 
-    def _wave(self, wave: int, ledger: Ledger, pulled: bool, start: float):
-        """Claim and train wave ``wave``, push it: its record; None when the VW must stop, or
-        ``"idle"`` when there is nothing to claim now (others hold the run's last minibatches:
-        they may die, and theirs come back)."""
-        led, minibatches = self.ps.update(lambda led, now: led.claim(self.name, wave, self.nm))
-        if not minibatches:
-            return None if led.done else "idle"
-        if self.on_wave is not None:
-            self.on_wave(self.name, wave, minibatches)
-        waited = time.time() - start
-        before = self.host_weights()
-        tic = time.perf_counter()
-        losses, samples = [], []
-        for k in minibatches:
-            data, weights, rows = device_batch(self.dataset, k, self.layout, self.mesh)
-            self.state, metrics = self.step(
-                self.state, Batch(data, weights, self.layout, self.mesh, BATCH_AXES)
-            )
-            losses.append(metrics["loss"])
-            samples.extend(int(s) for s in rows if s >= 0)
-        losses = [float(x) for x in jax.device_get(losses)]
-        compute = time.perf_counter() - tic
-        slow = (self.slowdown - 1.0) * compute
-        if slow and self.crashed.wait(slow):
-            return None
-        if self.crashed.is_set():
-            return None  # died mid-wave: nothing pushed, the minibatches go back
-        tic = time.perf_counter()
-        after = self.host_weights()
-        self.ps.push(self.name, wave, {p: after[p] - before[p] for p in after})
-        push = time.perf_counter() - tic
-        return WaveRecord(
-            self.name,
-            wave,
-            tuple(minibatches),
-            tuple(samples),
-            tuple(losses),
-            ledger.min_clock or 0,
-            pulled,
-            waited,
-            compute,
-            slow,
-            push,
-            start,
-            time.time(),
-        )
-
     def _heartbeat(self, done: threading.Event) -> None:
         while not done.wait(self.timeout / 4):
             if self.crashed.is_set():
@@ -393,3 +495,44 @@ class VirtualWorker:
                     self.dropped = True
                     return
                 raise
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """The weights a minibatch read when it started, and what they held."""
+
+    weights: tuple[jax.Array, ...]
+    version: int  # the VW's own updates in them
+    changes: int  # the VW's count of changes to its weights (updates and pulls) when read
+    behind: int  # global staleness: the VW's clock minus the clock every VW's waves reached
+
+
+@dataclasses.dataclass
+class _Wave:
+    """A claimed wave in flight: its minibatches' reads, then their losses as they land."""
+
+    wave: int
+    minibatches: tuple[int, ...]
+    reads: tuple[_Read, ...]
+    staleness: tuple[int, ...]  # local staleness: own earlier minibatches each read missed
+    start: tuple[jax.Array, ...]  # the weights when it was claimed: its push is the change
+    start_changes: int
+    slowest: int
+    pulled: bool
+    started: float
+    wait: float
+    tic: float = 0.0
+    losses: list = dataclasses.field(default_factory=list)
+    samples: list = dataclasses.field(default_factory=list)
+
+
+@jax.jit
+def _landed(current: list, after: list, read: list) -> list:
+    """An update computed on ``read`` (the step made it ``after``), added to ``current``."""
+    return [c + (a - r) for c, a, r in zip(current, after, read)]
+
+
+@jax.jit
+def _delta(end: list, start: list) -> list:
+    """A wave's update, as the parameter server takes it (float32)."""
+    return [e.astype(np.float32) - s.astype(np.float32) for e, s in zip(end, start)]
