@@ -14,7 +14,9 @@ as when one of its devices is that much slower):
    median time between commits before it, and the launcher's generation restart
    (``benchmarks/RESULTS.md``: 12 to 19 s on this machine);
 4. the parameter server's push (stage + commit + accumulate) and pull throughput against a memcpy
-   (``np.copyto``) of the same bytes.
+   (``np.copyto``) of the same bytes;
+5. the loss after a VW joins with the optimizer state another shared, or with fresh moments,
+   against a run without a join (``--only-join``: just this).
 
     python -m tenplex_jax_benchmarks.wsp [--model small] [--minibatches 160] [--out DIR]
 """
@@ -256,6 +258,68 @@ def run_ps(megabytes: int = 64, repeats: int = 5, log=print) -> dict:
     return row
 
 
+def run_join(model: str, minibatch: int, before: int = 24, after: int = 12, log=print) -> dict:
+    """The loss after a VW joins, against a run without a join: VW ``a`` (one device, ``Nm``
+    2) trains ``before`` waves and leaves; ``b`` joins and trains ``after`` waves, taking the
+    optimizer state ``a`` shared, or (``a`` sharing nothing) with ``init()``'s fresh moments;
+    against ``a`` training all ``before + after`` waves. One VW at a time, so the three runs
+    differ only in the joiner's optimizer state (the weights come from the parameter server)."""
+    import jax
+
+    from tenplex_jax._src.elastic.steps import StepCache
+    from tenplex_jax.wsp import ParameterServer, VirtualWorker, weights_of
+    from tenplex_jax_models import wsp as job_parts
+
+    parts = job_parts.job(1, model=model, minibatch=minibatch)
+    state = parts["init"]()
+    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
+    steps = StepCache(parts["train_step"], sample, jax.devices()[:1])
+    losses = {}
+    for case in ("no join", "join, optimizer shared", "join, fresh optimizer"):
+        (store,) = _stores(pathlib.Path(tempfile.mkdtemp(prefix="tenplex-wsp-join-")), 1)
+        try:
+
+            def vw(name, address=store.address, **kwargs):
+                return VirtualWorker(
+                    name,
+                    ParameterServer([address]),
+                    parts["rules"],
+                    parts["dataset"],
+                    state,
+                    parts["train_step"],
+                    devices=jax.devices()[:1],
+                    config=parts["config"],
+                    minibatches=2,
+                    steps=steps,
+                    **kwargs,
+                )
+
+            with ParameterServer([store.address]) as ps:
+                ps.create(weights_of(state), total=None)
+                if case == "no join":
+                    records = vw("a").run(waves=before + after)[before:]
+                else:
+                    vw("a", optimizer_every=4 if "shared" in case else 0).run(waves=before)
+                    records = vw("b").run(waves=after)
+            losses[case] = [x for r in records for x in r.losses]
+        finally:
+            store.kill()
+    first = 4  # the joiner's first minibatches: where fresh AdamW moments take steps of lr
+    row = {
+        "before_waves": before,
+        "after_waves": after,
+        "losses_after": losses,
+        "mean_first": {k: float(np.mean(v[:first])) for k, v in losses.items()},
+        "mean_after": {k: float(np.mean(v)) for k, v in losses.items()},
+    }
+    log(
+        f"  a VW joins after {before} waves of 2 minibatches; mean loss of its first {first} / "
+        f"all {2 * after} minibatches: "
+        + "; ".join(f"{k} {row['mean_first'][k]:.4f} / {row['mean_after'][k]:.4f}" for k in losses)
+    )
+    return row
+
+
 def plot(rows: dict, path: pathlib.Path) -> None:
     import matplotlib
 
@@ -283,11 +347,19 @@ def main(argv=None) -> int:
     parser.add_argument("--minibatch", type=int, default=8)
     parser.add_argument("--slowdown", type=float, default=2.0)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/wsp-bench"))
+    parser.add_argument(
+        "--only-join", action="store_true", help="only the join row (the joiner's optimizer)"
+    )
     args = parser.parse_args(argv)
     from tenplex_jax_benchmarks.suite import configure_jax
 
     configure_jax()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.only_join:
+        print(f"a joining VW's optimizer state, GPT {args.model}, minibatches of {args.minibatch}")
+        row = run_join(args.model, args.minibatch)
+        (args.out / "wsp_join.json").write_text(json.dumps(row, indent=1) + "\n")
+        return 0
     print(
         f"wave synchronous parallel, GPT {args.model}, {args.minibatches} minibatches of "
         f"{args.minibatch}, vw3 {args.slowdown:g}x slower, load {os.getloadavg()[0]:.1f}"
@@ -301,6 +373,7 @@ def main(argv=None) -> int:
     )
     killed = run_wsp(args.model, args.minibatches, 1, args.slowdown, args.minibatch, kill=True)
     ps = run_ps()
+    join = run_join(args.model, args.minibatch)
     tail = 21
     summary = {
         "model": args.model,
@@ -317,6 +390,7 @@ def main(argv=None) -> int:
         },
         "kill": {k: killed[k] for k in ("median_gap_before_kill", "longest_gap_after_kill")},
         "parameter_server": ps,
+        "join": join,
         "runs": runs,
     }
     plot(runs, args.out / "wsp_loss.png")

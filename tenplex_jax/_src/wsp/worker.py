@@ -32,10 +32,12 @@ as it is when the update lands: ``update = step(read) - read``, the optimizer's 
 gradient at the read weights (with decoupled weight decay, the decay of the read weights too).
 The device runs the steps one after another; the schedule of reads and updates is HetPipe's.
 
-**The optimizer state stays local.** The parameter server holds the weights only (float32); each
-VW's optimizer state (AdamW moments, step count) is its own, kept across pulls (a pull replaces
-the weights, not the moments) and started fresh by ``init()`` when a VW joins: a joining VW pulls
-the global weights and starts at the slowest member's clock.
+**The optimizer state.** The parameter server holds the weights only (float32); each VW's
+optimizer state (AdamW moments, step count: every leaf not under ``part``) is its own, kept across
+pulls (a pull replaces the weights, not the moments). A VW shares it through the stores every
+``optimizer_every`` waves and when it leaves (:mod:`tenplex_jax._src.wsp.optimizer`); a joining VW
+pulls the global weights, takes the freshest optimizer state shared (else keeps ``init()``'s) and
+starts at the slowest member's clock.
 
 **What ``D = 0`` equals.** With ``Nm = 1`` and plain SGD, WSP is synchronous data parallelism:
 every wave each VW computes the gradient of its minibatch at the same weights and the server adds
@@ -67,6 +69,7 @@ from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.errors import WSPError
 from tenplex_jax._src.executor import place
 from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
+from tenplex_jax._src.wsp import optimizer
 from tenplex_jax._src.wsp.ledger import Ledger
 from tenplex_jax._src.wsp.ps import ParameterServer
 
@@ -174,15 +177,19 @@ class VirtualWorker:
       steps: a step cache of the same ``train_step`` shared by the VWs of one process (built
         over all their devices), so a VW that replaces another on the same devices compiles
         nothing (default: its own).
+      optimizer_every: share the optimizer state through the stores every this many waves (and
+        when leaving), for VWs that join later; 0: never.
 
     Attributes:
       records: the :class:`WaveRecord` of every wave pushed.
       crashed: a ``threading.Event``: set it to end the VW at once, as a crash.
       dropped: whether the ledger dropped this VW.
+      optimizer_from: ``(vw, wave)`` of the optimizer state it took when it joined, or None
+        (it kept ``init()``'s: none was shared).
 
     Raises:
-      WSPError: ``minibatches < 1``, ``distance < 0``, ``slowdown < 1``, or the state has no
-        leaves under ``part`` (``"invalid"``).
+      WSPError: ``minibatches < 1``, ``distance < 0``, ``slowdown < 1``,
+        ``optimizer_every < 0``, or the state has no leaves under ``part`` (``"invalid"``).
     """
 
     def __init__(
@@ -206,13 +213,16 @@ class VirtualWorker:
         on_wave: Callable[[str, int, tuple[int, ...]], None] | None = None,
         on_record: Callable[[WaveRecord], None] | None = None,
         steps: StepCache | None = None,
+        optimizer_every: int = 4,
     ):
-        if minibatches < 1 or distance < 0 or slowdown < 1.0:
+        if minibatches < 1 or distance < 0 or slowdown < 1.0 or optimizer_every < 0:
             raise WSPError(
-                f"a virtual worker needs minibatches >= 1, distance >= 0 and slowdown "
-                f">= 1; got {minibatches}, {distance}, {slowdown}",
+                f"a virtual worker needs minibatches >= 1, distance >= 0, slowdown >= 1 and "
+                f"optimizer_every >= 0; got {minibatches}, {distance}, {slowdown}, "
+                f"{optimizer_every}",
                 "invalid",
             )
+        self.optimizer_every, self.optimizer_from = optimizer_every, None
         self.name, self.ps, self.dataset = name, ps, dataset
         self.nm, self.distance, self.slowdown = minibatches, distance, slowdown
         self.timeout, self.poll, self.on_wave, self.on_record = timeout, poll, on_wave, on_record
@@ -227,6 +237,7 @@ class VirtualWorker:
             self.state = place(init, self.ptc)
         self.paths, self.part = [leaf.path for leaf in self.ptc.leaves], part
         self.weights = [i for i, p in enumerate(self.paths) if p.startswith(part + "/")]
+        self.others = [i for i in range(len(self.paths)) if i not in set(self.weights)]
         if not self.weights:
             raise WSPError(
                 f"the state has no leaves under {part!r}: its paths start "
@@ -304,6 +315,8 @@ class VirtualWorker:
         self.clock = ledger.clocks[self.name]
         self.set_weights(self.ps.pull(ledger))
         self.fresh = ledger.min_clock or 0
+        if self.others:
+            self._take_optimizer()
         beating = threading.Event()
         heart = threading.Thread(
             target=self._heartbeat, args=(beating,), daemon=True, name=f"wsp-heartbeat-{self.name}"
@@ -312,6 +325,8 @@ class VirtualWorker:
         try:
             self._loop(stop, waves)
             if not (self.crashed.is_set() or self.dropped):
+                if self.records and self.optimizer_every and self.clock % self.optimizer_every:
+                    self._share_optimizer()  # (a multiple of optimizer_every is shared)
                 self.ps.update(lambda led, now: (led.leave(self.name), None))
         except WSPError as error:
             if error.reason != "dropped":
@@ -461,7 +476,41 @@ class VirtualWorker:
         self.records.append(record)
         if self.on_record is not None:
             self.on_record(record)
+        if self.others and self.optimizer_every and self.clock % self.optimizer_every == 0:
+            self._share_optimizer()
         return True
+
+    def _share_optimizer(self) -> None:
+        _, leaves, _ = tree.arrays(self.state)
+        host = jax.device_get([leaves[i] for i in self.others])
+        optimizer.share(
+            self.ps, self.name, self.clock, {self.paths[i]: x for i, x in zip(self.others, host)}
+        )
+
+    def _take_optimizer(self) -> None:
+        """A joiner: the optimizer state (every leaf not under ``part``) from the freshest share.
+
+        Raises:
+          WSPError: a shared leaf's shape differs from this VW's (``"invalid"``).
+        """
+        shared = optimizer.freshest(self.ps)
+        if shared is None:
+            return
+        vw, wave, arrays = shared
+        _, leaves, treedef = tree.arrays(self.state)
+        for i in self.others:
+            path = self.paths[i]
+            if path not in arrays or arrays[path].shape != leaves[i].shape:
+                got = arrays[path].shape if path in arrays else "no such leaf"
+                raise WSPError(
+                    f"the optimizer state {vw!r} shared at wave {wave} does not fit "
+                    f"{self.name!r}: {path} is {got}, here {leaves[i].shape}",
+                    "invalid",
+                )
+            sharding = NamedSharding(self.mesh, self.ptc.leaves[i].spec)
+            leaves[i] = jax.device_put(arrays[path].astype(leaves[i].dtype), sharding)
+        self.state = jax.tree_util.tree_unflatten(treedef, leaves)
+        self.optimizer_from = (vw, wave)
 
     def _wait(self, wave: int, fresh: int) -> tuple[Ledger | None, bool]:
         """WSP before wave ``wave``: (the ledger, whether the weights were pulled); no ledger

@@ -1,0 +1,187 @@
+"""A virtual worker's own schedule and state: HetPipe's local staleness (``Nm`` minibatches in
+flight, minibatch ``p`` reading the weights with the VW's own updates up to ``p - Nm``) against a
+plain sequential reference of the same schedule (no parameter server, no pipeline, optax by hand);
+and a joining VW keeping the optimizer: it takes the freshest state a VW shared through the
+parameter server's stores, whole and never half written, instead of fresh moments. (The bounds
+of several asynchronous VWs' staleness are checked on the demo's run, in ``test_wsp.py``.)"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+
+import tenplex_jax as tj
+from tenplex_jax._src import tree
+from tenplex_jax._src.elastic.steps import StepCache
+from tenplex_jax._src.errors import WSPError
+from tenplex_jax._src.wsp import optimizer
+from tenplex_jax.wsp import ParameterServer, VirtualWorker, weights_of
+from tenplex_jax_models import build_state, example_losses
+from tenplex_jax_models import wsp as job_parts
+
+LR, MINIBATCHES = 3e-3, 12
+
+
+@pytest.fixture(scope="module")
+def job():
+    """The tiny GPT as one-device VWs' parts, a step cache they share, and the reference's
+    gradient: the bitwise gradient the VW's step takes, in plain JAX (each compiled once)."""
+    # SGD with momentum: an optimizer state that each update changes, and no division by a
+    # running norm (AdamW's turns the rounding of a gradient that cancels to about 0 into a step
+    # of lr: 2.4e-5 of the weights' scale after 12 minibatches even with Nm = 1)
+    parts = job_parts.job(1, lr=LR, optimizer="momentum")
+    graphdef, state, _ = build_state("tiny", LR, optimizer="momentum")  # what parts["init"] is
+    dataset = parts["dataset"]
+    sample = jax.tree.map(np.asarray, dataset.load(np.zeros(1, np.int64)))
+    steps = StepCache(parts["train_step"], sample, jax.devices()[:1])
+    mgraph, params, rest = nnx.split(nnx.merge(graphdef, state)["model"], nnx.Param, ...)
+    mesh = jax.make_mesh((1, 1), ("data", "fsdp"), (AxisType.Auto,) * 2, devices=jax.devices()[:1])
+    layout = tj.data.BatchLayout(dataset.global_batch, ranks=1)
+    value_and_grad = tj.data.batch_value_and_grad(example_losses, layout, mesh)
+    grad = jax.jit(lambda p, data, w: value_and_grad(nnx.merge(mgraph, p, rest), data, w)[1])
+
+    def gradient(p, q):
+        data, weights, _ = tj.data.device_batch(dataset, q, layout, mesh)
+        return grad(p, data, weights)
+
+    return parts, state, steps, params, gradient
+
+
+TX = optax.sgd(LR, momentum=0.9)  # what build_state's "momentum" is
+
+
+@jax.jit
+def _update(grads, opt, read, weights):
+    """The optimizer's update for a gradient at ``read``, applied to ``weights``."""
+    updates, opt = TX.update(grads, opt, read)
+    return optax.apply_updates(weights, updates), opt
+
+
+@jax.jit
+def _push(glob, end, start):
+    return jax.tree.map(lambda g, e, s: g + (e - s), glob, end, start)
+
+
+def _reference(params, gradient, nm: int, distance: int) -> dict[str, np.ndarray]:
+    """One VW's schedule by its definition: minibatch ``p``'s gradient at the weights holding
+    updates ``0 .. p - nm``, its update applied to the weights as they are when it lands; a wave's
+    change pushed into the global weights when its last update lands; before wave ``k``'s last
+    minibatch reads, the global weights pulled when the last pull is older than ``k - D``."""
+    opt = TX.init(params)
+    w = glob = params
+    start, fresh, reads = w, 0, {}
+
+    def land(q):
+        nonlocal w, opt, glob, start
+        read = reads.pop(q)
+        w, opt = _update(gradient(read, q), opt, read, w)
+        if (q + 1) % nm == 0:  # the wave's last update: push its change
+            glob = _push(glob, w, start)
+
+    for p in range(MINIBATCHES):
+        wave, j = divmod(p, nm)
+        if p >= nm:
+            land(p - nm)
+        if j == nm - 1:  # WSP before the wave's last read
+            if fresh < wave - distance:
+                w, fresh = glob, wave
+            start = w
+        reads[p] = w
+    for q in range(MINIBATCHES - nm, MINIBATCHES):
+        land(q)
+    return weights_of({"model": glob})
+
+
+def _vw(name, address, job, **kwargs):
+    parts, state, steps = job[:3]
+    return VirtualWorker(
+        name,
+        ParameterServer([address]),
+        parts["rules"],
+        parts["dataset"],
+        state,
+        parts["train_step"],
+        devices=jax.devices()[:1],
+        config=parts["config"],
+        steps=steps,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("distance", [0, 1])
+def test_a_vw_with_nm_in_flight_trains_what_the_sequential_reference_does(stores, job, distance):
+    _, state, _, params, gradient = job
+    for nm in (1, 2, 4):
+        address = stores.start(f"nm{nm}").address
+        with ParameterServer([address]) as ps:
+            ps.create(weights_of(state), total=MINIBATCHES)
+            records = _vw("vw", address, job, minibatches=nm, distance=distance).run()
+            got = ps.pull()
+        want = _reference(params, gradient, nm, distance)
+        # the schedule: minibatch p read the VW's updates 0 .. p - nm, missing nm - 1 of them
+        # once the pipeline is full; one VW is never behind itself
+        order = [m for r in records for m in r.minibatches]
+        assert order == list(range(MINIBATCHES))
+        versions = [v for r in records for v in r.local_versions]
+        assert versions == [max(p - nm + 1, 0) for p in range(MINIBATCHES)]
+        assert [s for r in records for s in r.local_staleness] == [
+            min(p, nm - 1) for p in range(MINIBATCHES)
+        ]
+        assert all(g <= distance for r in records for g in r.global_staleness)
+        assert [r.pulled for r in records] == [
+            k > 0 and (distance == 0 or k % 2 == 0) for k in range(MINIBATCHES // nm)
+        ]
+        for path in want:
+            diff = np.abs(got[path] - want[path]).max() / np.abs(want[path]).max()
+            assert diff <= 1e-6, (nm, distance, path, diff)
+        moved = max(np.abs(got[p] - weights_of(state)[p]).max() for p in got)
+        assert moved > 1e-3, moved  # training moved them
+
+
+def _optimizer(vw) -> dict[str, np.ndarray]:
+    paths, leaves, _ = tree.arrays(vw.state)
+    return {p: np.asarray(x) for p, x in zip(paths, leaves) if p.startswith("optimizer/")}
+
+
+def test_a_joiner_takes_the_freshest_shared_optimizer_state(stores, job):
+    address = stores.start().address
+    with ParameterServer([address]) as ps:
+        ps.create(weights_of(job[1]), total=None)
+        first = _vw("a", address, job, minibatches=2, optimizer_every=2)
+        first.run(waves=3)  # shares at its clock 2, and at 3 when it leaves
+        assert first.optimizer_from is None  # nothing was shared when it joined
+        shared = _optimizer(first)
+        assert int(shared["optimizer/step"]) == 6  # the optimizer's count: 3 waves of 2
+        joiner = _vw("b", address, job)
+        fresh = _optimizer(joiner)
+        joiner.run(waves=0)  # joins, takes the state, leaves
+        assert joiner.optimizer_from == ("a", 3)
+        took = _optimizer(joiner)
+        assert set(took) == set(shared)
+        for path in shared:  # bitwise the state "a" left with, not init()'s
+            np.testing.assert_array_equal(took[path], shared[path], err_msg=path)
+        assert any(not np.array_equal(fresh[p], shared[p]) for p in shared)
+        # a share whose leaf is gone (a store that lost it, a delete under the reader) is never
+        # taken; the next freshest is
+        optimizer.share(ps, "c", 9, {p: np.zeros_like(x) for p, x in shared.items()})
+        assert optimizer.freshest(ps)[:2] == ("c", 9)
+        ps.clients[0].delete("wsp/optimizer/c/9/optimizer/step")
+        assert optimizer.freshest(ps)[:2] == ("a", 3)
+        # the older share of a VW is deleted once the new one is named
+        assert not ps.clients[0].list("wsp/optimizer/a/2/")
+
+
+def test_a_shared_state_that_does_not_fit_is_a_clear_error(stores, job):
+    address = stores.start().address
+    with ParameterServer([address]) as ps:
+        ps.create(weights_of(job[1]), total=None)
+        paths = tree.arrays(job[1])[0]
+        bad = {p: np.zeros((3,), np.float32) for p in paths if p.startswith("optimizer/")}
+        optimizer.share(ps, "odd", 1, bad)
+        joiner = _vw("b", address, job)
+        with pytest.raises(WSPError, match=r"does not fit 'b': optimizer/\S+ is \(3,\)"):
+            joiner.run()
