@@ -63,7 +63,7 @@ def run_wsp(
     parts = job_parts.job(1, model=model, minibatch=minibatch)
     state = parts["init"]()
     sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-    steps = StepCache(parts["train_step"], sample, jax.devices())
+    steps = StepCache(parts["train_step"], sample, jax.devices(), donate=False)
     stores = _stores(pathlib.Path(tempfile.mkdtemp(prefix="tenplex-wsp-bench-")))
     try:
         addresses = [s.address for s in stores]
@@ -258,7 +258,7 @@ def run_ps(megabytes: int = 64, repeats: int = 5, log=print) -> dict:
     return row
 
 
-def run_join(model: str, minibatch: int, before: int = 24, after: int = 12, log=print) -> dict:
+def run_join(model: str, minibatch: int, before: int = 150, after: int = 12, log=print) -> dict:
     """The loss after a VW joins, against a run without a join: VW ``a`` (one device, ``Nm``
     2) trains ``before`` waves and leaves; ``b`` joins and trains ``after`` waves, taking the
     optimizer state ``a`` shared, or (``a`` sharing nothing) with ``init()``'s fresh moments;
@@ -273,7 +273,7 @@ def run_join(model: str, minibatch: int, before: int = 24, after: int = 12, log=
     parts = job_parts.job(1, model=model, minibatch=minibatch)
     state = parts["init"]()
     sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-    steps = StepCache(parts["train_step"], sample, jax.devices()[:1])
+    steps = StepCache(parts["train_step"], sample, jax.devices()[:1], donate=False)
     losses = {}
     for case in ("no join", "join, optimizer shared", "join, fresh optimizer"):
         (store,) = _stores(pathlib.Path(tempfile.mkdtemp(prefix="tenplex-wsp-join-")), 1)

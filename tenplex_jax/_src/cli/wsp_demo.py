@@ -67,7 +67,7 @@ def run(options: WSPOptions, log=print) -> dict:
         state = parts["init"]()  # built once; each VW places it
         nm = dict(zip(("vw1", "vw2", "vw3"), options.minibatches))
         sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-        steps = StepCache(parts["train_step"], sample, jax.devices())  # a joiner reuses a step
+        steps = StepCache(parts["train_step"], sample, jax.devices(), donate=False)  # for joiners
 
         built: list[dict] = []  # every VW made, in order
 

@@ -56,7 +56,9 @@ class StepCache:
 
     ``sample`` is one dataset item with a leading dim of 1 (its shapes and dtypes make the abstract
     batch); ``devices`` are the devices meshes are built from; ``executables``, when given, the
-    on-disk cache each entry tries before compiling and stores its compile in (closed with this).
+    on-disk cache each entry tries before compiling and stores its compile in (closed with this);
+    ``donate=False`` compiles steps that leave their input state alive (a virtual worker's, whose
+    minibatches read older weights than the current ones).
     """
 
     def __init__(
@@ -66,8 +68,10 @@ class StepCache:
         devices: Sequence[jax.Device],
         batch_axes: Sequence[str] = BATCH_AXES,
         executables: ExecutableCache | None = None,
+        donate: bool = True,
     ):
         self.fn = getattr(fn, "__wrapped__", fn)  # a jax.jit-ed step: it is jitted per layout here
+        self.donate = donate
         self.sample, self.devices, self.batch_axes = sample, list(devices), tuple(batch_axes)
         self.executables = executables
         self.compiles = self.loads = 0
@@ -182,7 +186,7 @@ class StepCache:
             self.fn,
             in_shardings=(shardings, batch_shardings),
             out_shardings=(shardings, NamedSharding(mesh, P())),
-            donate_argnums=0,
+            donate_argnums=0 if self.donate else (),
         )
         return jitted.lower(ptc.abstract(mesh), abstract_batch), mesh
 

@@ -175,8 +175,9 @@ class VirtualWorker:
       on_record: ``on_record(record)``, called with each :class:`WaveRecord` when its wave is
         pushed.
       steps: a step cache of the same ``train_step`` shared by the VWs of one process (built
-        over all their devices), so a VW that replaces another on the same devices compiles
-        nothing (default: its own).
+        over all their devices, ``donate=False``: a donating one costs a copy of the weights per
+        minibatch), so a VW that replaces another on the same devices compiles nothing
+        (default: its own).
       optimizer_every: share the optimizer state through the stores every this many waves (and
         when leaving), for VWs that join later; 0: never.
 
@@ -186,6 +187,8 @@ class VirtualWorker:
       dropped: whether the ledger dropped this VW.
       optimizer_from: ``(vw, wave)`` of the optimizer state it took when it joined, or None
         (it kept ``init()``'s: none was shared).
+      share_errors: the errors of optimizer shares written in the background (a joiner then
+        takes an older share; the last share, when leaving, raises instead).
 
     Raises:
       WSPError: ``minibatches < 1``, ``distance < 0``, ``slowdown < 1``,
@@ -223,6 +226,8 @@ class VirtualWorker:
                 "invalid",
             )
         self.optimizer_every, self.optimizer_from = optimizer_every, None
+        self.share_errors: list[Exception] = []  # shares written in the background that failed
+        self._sharing: threading.Thread | None = None
         self.name, self.ps, self.dataset = name, ps, dataset
         self.nm, self.distance, self.slowdown = minibatches, distance, slowdown
         self.timeout, self.poll, self.on_wave, self.on_record = timeout, poll, on_wave, on_record
@@ -249,9 +254,11 @@ class VirtualWorker:
         )
         if steps is None:
             sample = jax.tree.map(np.asarray, dataset.load(np.zeros(1, np.int64)))
-            steps = StepCache(train_step, sample, self.devices)
+            steps = StepCache(train_step, sample, self.devices, donate=False)
         self.steps = steps
         self.step = self.steps.get(self.ptc, self.layout, ahead=False).result().executable
+        weights = list(self._weights())
+        jax.block_until_ready((_landed(weights, weights, weights), _delta(weights, weights)))
         self.records: list[WaveRecord] = []
         self.clock = self.fresh = 0  # waves pushed (the ledger's clock); the last pull's min clock
         self.applied = self.started = 0  # own updates landed; own minibatches started
@@ -326,7 +333,9 @@ class VirtualWorker:
             self._loop(stop, waves)
             if not (self.crashed.is_set() or self.dropped):
                 if self.records and self.optimizer_every and self.clock % self.optimizer_every:
-                    self._share_optimizer()  # (a multiple of optimizer_every is shared)
+                    self._share_optimizer(wait=True)  # (a multiple of optimizer_every was)
+                elif self._sharing is not None:
+                    self._sharing.join()
                 self.ps.update(lambda led, now: (led.leave(self.name), None))
         except WSPError as error:
             if error.reason != "dropped":
@@ -411,13 +420,14 @@ class VirtualWorker:
         if j == 0:
             wave.tic = time.perf_counter()
         read, k = wave.reads[j], wave.minibatches[j]
-        # the step donates its input: a read that a later minibatch, or the current weights,
-        # still need goes in as a copy
-        kept = read.changes == wave.start_changes or any(
-            r.changes == read.changes for r in wave.reads[j + 1 :]
-        )
         current = read.changes == self.changes
-        weights = read.weights if current and not kept else tuple(x.copy() for x in read.weights)
+        weights = read.weights
+        if self.steps.donate:  # a read that a later minibatch or the push still needs is copied
+            kept = read.changes == wave.start_changes or any(
+                r.changes == read.changes for r in wave.reads[j + 1 :]
+            )
+            if kept or not current:
+                weights = tuple(x.copy() for x in read.weights)
         _, leaves, treedef = tree.arrays(self.state)
         now = [leaves[i] for i in self.weights]
         for i, x in zip(self.weights, weights):
@@ -480,12 +490,29 @@ class VirtualWorker:
             self._share_optimizer()
         return True
 
-    def _share_optimizer(self) -> None:
+    def _share_optimizer(self, wait: bool = False) -> None:
+        """Share the optimizer state as of this clock, written by a thread while the VW trains
+        on (Hydrozoa's communication beside compute); skipped while the last share is still
+        being written, unless ``wait`` (then written before it returns, raising its errors)."""
+        if self._sharing is not None and self._sharing.is_alive():
+            if not wait:
+                return
+            self._sharing.join()
         _, leaves, _ = tree.arrays(self.state)
         host = jax.device_get([leaves[i] for i in self.others])
-        optimizer.share(
-            self.ps, self.name, self.clock, {self.paths[i]: x for i, x in zip(self.others, host)}
-        )
+        shared = {self.paths[i]: x for i, x in zip(self.others, host)}
+        if wait:
+            optimizer.share(self.ps, self.name, self.clock, shared)
+            return
+
+        def write(clock=self.clock):
+            try:
+                optimizer.share(self.ps, self.name, clock, shared)
+            except Exception as error:  # a joiner takes an older share; the VW trains on
+                self.share_errors.append(error)
+
+        self._sharing = threading.Thread(target=write, daemon=True, name=f"wsp-share-{self.name}")
+        self._sharing.start()
 
     def _take_optimizer(self) -> None:
         """A joiner: the optimizer state (every leaf not under ``part``) from the freshest share.
