@@ -16,7 +16,9 @@ as when one of its devices is that much slower):
 4. the parameter server's push (stage + commit + accumulate) and pull throughput against a memcpy
    (``np.copyto``) of the same bytes;
 5. the loss after a VW joins with the optimizer state another shared, or with fresh moments,
-   against a run without a join (``--only-join``: just this).
+   against a run without a join (``--only-join``: just this);
+6. ``--time-to-loss`` (alone): WSP's time to the synchronous job's final loss at ``D`` 0, 1, 4 and
+   every VW's ``Nm`` 1, 2, 4, against the synchronous job's.
 
     python -m tenplex_jax_benchmarks.wsp [--model small] [--minibatches 160] [--out DIR]
 """
@@ -52,8 +54,10 @@ def run_wsp(
     minibatch: int,
     kill: bool = False,
     log=print,
+    nm: tuple[int, int, int] = NM,
 ) -> dict:
-    """One WSP run; its commits' times, losses by samples, and (with ``kill``) the stall."""
+    """One WSP run; its commits' times, losses by samples, and (with ``kill``) the stall; ``nm``:
+    each VW's ``Nm``."""
     import jax
 
     from tenplex_jax._src.elastic.steps import StepCache
@@ -80,7 +84,7 @@ def run_wsp(
                 p["train_step"],
                 devices=[jax.devices()[d] for d in devices],
                 config=p["config"],
-                minibatches=NM[i],
+                minibatches=nm[i],
                 distance=distance,
                 slowdown=slowdown if i == 2 else 1.0,
                 timeout=3.0,
@@ -130,6 +134,7 @@ def run_wsp(
         "samples_per_second": samples / (max(ends) - first),
         "per_vw": per_vw,
         "losses": _curve(records, minibatch),
+        "commits": [(r["ended"] - first, len(r["minibatches"])) for r in sorted(records, key=_end)],
     }
     if killed is not None:
         before = [b - a for a, b in itertools.pairwise(ends) if b < killed]
@@ -187,13 +192,62 @@ def run_sync(model: str, steps: int, slowdown: float, minibatch: int, log=print)
     return row
 
 
+def _end(record) -> float:
+    return record["ended"]
+
+
 def _curve(records, minibatch) -> list[tuple[int, float]]:
     done, out = 0, []
-    for r in sorted(records, key=lambda r: r["ended"]):
+    for r in sorted(records, key=_end):
         for loss in r["losses"]:
             done += minibatch
             out.append((done, loss))
     return out
+
+
+def time_to_loss(row: dict, target: float, window: int) -> float | None:
+    """Seconds from a run's first commit (after its compile) until the mean loss of its last
+    ``window`` minibatches, in commit order, is at most ``target``; None if it never is."""
+    losses = [loss for _, loss in row["losses"]]
+    if "commits" not in row:  # the synchronous job: a step of sum(NM) minibatches every step
+        per = row["seconds"] / row["steps"]
+        for k in range(len(losses)):
+            if k + 1 >= window and np.mean(losses[k + 1 - window : k + 1]) <= target:
+                return k * per
+        return None
+    seen, ends = 0, []
+    for end, count in row["commits"]:
+        seen += count
+        ends.append((seen, end))
+    for k in range(window - 1, len(losses)):
+        if np.mean(losses[k + 1 - window : k + 1]) <= target:
+            return next(end for seen, end in ends if seen > k)
+    return None
+
+
+def run_time_to_loss(model, total, slowdown, minibatch, log=print) -> dict:
+    """WSP at D in {0, 1, 4} and every VW's Nm in {1, 2, 4}: the time to reach the synchronous
+    job's final loss (the mean of its last 3 steps' losses), against the synchronous job's time
+    to it (both from their first step after compiling; the slow device slows both the same)."""
+    sync = run_sync(model, total // sum(NM), slowdown, minibatch, log=log)
+    sync_losses = [loss for _, loss in sync["losses"]]
+    target = float(np.mean(sync_losses[-3:]))
+    base = time_to_loss(sync, target, 3)
+    rows = {}
+    for d, n in itertools.product((0, 1, 4), (1, 2, 4)):
+        row = run_wsp(model, total, d, slowdown, minibatch, log=log, nm=(n, n, n))
+        t = time_to_loss(row, target, 3 * sum(NM))
+        rows[f"D={d} Nm={n}"] = {
+            "seconds_to_target": t,
+            "over_synchronous": None if t is None else t / base,
+            "samples_per_second": row["samples_per_second"],
+            "final_loss": float(np.mean([x for _, x in row["losses"][-3 * sum(NM) :]])),
+        }
+        log(
+            f"  D={d} Nm={n}: the synchronous job's loss {target:.3f} after "
+            + ("never" if t is None else f"{t:.2f} s ({t / base:.2f}x its {base:.2f} s)")
+        )
+    return {"target": target, "synchronous_seconds": base, "wsp": rows}
 
 
 def run_ps(megabytes: int = 64, repeats: int = 5, log=print) -> dict:
@@ -350,11 +404,21 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--only-join", action="store_true", help="only the join row (the joiner's optimizer)"
     )
+    parser.add_argument(
+        "--time-to-loss",
+        action="store_true",
+        help="only WSP's time to the synchronous job's loss, D x Nm",
+    )
     args = parser.parse_args(argv)
     from tenplex_jax_benchmarks.suite import configure_jax
 
     configure_jax()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.time_to_loss:
+        print(f"time to the synchronous job's loss, GPT {args.model}, vw3 {args.slowdown:g}x slow")
+        row = run_time_to_loss(args.model, args.minibatches, args.slowdown, args.minibatch)
+        (args.out / "wsp_time_to_loss.json").write_text(json.dumps(row, indent=1) + "\n")
+        return 0
     if args.only_join:
         print(f"a joining VW's optimizer state, GPT {args.model}, minibatches of {args.minibatch}")
         row = run_join(args.model, args.minibatch)
@@ -385,8 +449,11 @@ def main(argv=None) -> int:
             k: r["samples_per_second"] / runs["synchronous"]["samples_per_second"]
             for k, r in runs.items()
         },
-        "final_loss": {
-            k: float(np.mean([loss for _, loss in r["losses"][-tail:]])) for k, r in runs.items()
+        "final_loss": {  # the same samples: 21 minibatches, or the synchronous job's 3 steps
+            k: float(
+                np.mean([x for _, x in r["losses"][-(tail // sum(NM) if "steps" in r else tail) :]])
+            )
+            for k, r in runs.items()
         },
         "kill": {k: killed[k] for k in ("median_gap_before_kill", "longest_gap_after_kill")},
         "parameter_server": ps,
