@@ -242,7 +242,7 @@ class VirtualWorker:
             self.state = place(init, self.ptc)
         self.paths, self.part = [leaf.path for leaf in self.ptc.leaves], part
         self.weights = [i for i, p in enumerate(self.paths) if p.startswith(part + "/")]
-        self.others = [i for i in range(len(self.paths)) if i not in set(self.weights)]
+        self.others = sorted(set(range(len(self.paths))) - set(self.weights))
         if not self.weights:
             raise WSPError(
                 f"the state has no leaves under {part!r}: its paths start "
@@ -282,12 +282,22 @@ class VirtualWorker:
         Raises:
           KeyError: a weight leaf is missing.
         """
-        _, leaves, treedef = tree.arrays(self.state)
-        for i in self.weights:
-            sharding = NamedSharding(self.mesh, self.ptc.leaves[i].spec)
-            leaves[i] = jax.device_put(weights[self.paths[i]].astype(leaves[i].dtype), sharding)
-        self.state = jax.tree_util.tree_unflatten(treedef, leaves)
+        self._place(self.weights, [weights[self.paths[i]] for i in self.weights])
         self.changes += 1
+
+    def _place(self, indices: list[int], host: list[np.ndarray]) -> None:
+        """Host arrays onto the devices as the state's leaves ``indices`` (dtype and layout)."""
+        self.state = _replaced(
+            self.state,
+            indices,
+            [
+                jax.device_put(
+                    x.astype(self.ptc.leaves[i].dtype),
+                    NamedSharding(self.mesh, self.ptc.leaves[i].spec),
+                )
+                for i, x in zip(indices, host)
+            ],
+        )
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -428,21 +438,16 @@ class VirtualWorker:
             )
             if kept or not current:
                 weights = tuple(x.copy() for x in read.weights)
-        _, leaves, treedef = tree.arrays(self.state)
-        now = [leaves[i] for i in self.weights]
-        for i, x in zip(self.weights, weights):
-            leaves[i] = x
+        now = self._weights()
         data, batch_weights, rows = device_batch(self.dataset, k, self.layout, self.mesh)
         after, metrics = self.step(
-            jax.tree_util.tree_unflatten(treedef, leaves),
+            _replaced(self.state, self.weights, weights),
             Batch(data, batch_weights, self.layout, self.mesh, BATCH_AXES),
         )
         if not current:  # the update computed on older weights lands on the current ones
-            _, leaves, treedef = tree.arrays(after)
-            landed = _landed(now, [leaves[i] for i in self.weights], list(read.weights))
-            for i, x in zip(self.weights, landed):
-                leaves[i] = x
-            after = jax.tree_util.tree_unflatten(treedef, leaves)
+            _, leaves, _ = tree.arrays(after)
+            landed = _landed(list(now), [leaves[i] for i in self.weights], list(read.weights))
+            after = _replaced(after, self.weights, landed)
         self.state = after
         self.applied += 1
         self.changes += 1
@@ -524,19 +529,16 @@ class VirtualWorker:
         if shared is None:
             return
         vw, wave, arrays = shared
-        _, leaves, treedef = tree.arrays(self.state)
         for i in self.others:
-            path = self.paths[i]
-            if path not in arrays or arrays[path].shape != leaves[i].shape:
+            path, shape = self.paths[i], tuple(self.ptc.leaves[i].shape)
+            if path not in arrays or arrays[path].shape != shape:
                 got = arrays[path].shape if path in arrays else "no such leaf"
                 raise WSPError(
                     f"the optimizer state {vw!r} shared at wave {wave} does not fit "
-                    f"{self.name!r}: {path} is {got}, here {leaves[i].shape}",
+                    f"{self.name!r}: {path} is {got}, here {shape}",
                     "invalid",
                 )
-            sharding = NamedSharding(self.mesh, self.ptc.leaves[i].spec)
-            leaves[i] = jax.device_put(arrays[path].astype(leaves[i].dtype), sharding)
-        self.state = jax.tree_util.tree_unflatten(treedef, leaves)
+        self._place(self.others, [arrays[self.paths[i]] for i in self.others])
         self.optimizer_from = (vw, wave)
 
     def _wait(self, wave: int, fresh: int) -> tuple[Ledger | None, bool]:
@@ -600,6 +602,14 @@ class _Wave:
     tic: float = 0.0
     losses: list = dataclasses.field(default_factory=list)
     samples: list = dataclasses.field(default_factory=list)
+
+
+def _replaced(state, indices: list[int], arrays) -> object:
+    """``state`` with its leaves ``indices`` (in :func:`tree.arrays` order) set to ``arrays``."""
+    _, leaves, treedef = tree.arrays(state)
+    for i, x in zip(indices, arrays):
+        leaves[i] = x
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 @jax.jit
