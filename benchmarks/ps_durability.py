@@ -39,10 +39,10 @@ procs = [store.StoreProcess.start(root / f"s{{i}}") for i in range(2)]
 try:
     with ParameterServer([p.address for p in procs]) as ps:
         ps.create(weights, total=None)
-        ps.update(lambda led, now: (led.join("b", now), None))
+        ps.update(lambda led, *now: (led.join("b", *now), None))  # either revision's API
         push, pull = [], []
         for wave in range({repeats} + 1):
-            ps.update(lambda led, now, wave=wave: led.claim("b", wave, 1))
+            ps.update(lambda led, *now, wave=wave: led.claim("b", wave, 1))
             tic = time.perf_counter()
             ps.push("b", wave, update)
             push.append(time.perf_counter() - tic)

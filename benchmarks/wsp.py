@@ -97,8 +97,9 @@ def run_wsp(
                 coordinator.add(*GROUPS)
                 killed = None
                 if kill:
-                    while len(ps.ledger().trained()) < total // 3:
-                        time.sleep(0.01)
+                    ledger = ps.ledger()
+                    while ledger.trained_count < total // 3:
+                        ledger = ps.wait(1.0)  # the next commit
                     coordinator.kill("vw2")
                     killed = time.time()
                 coordinator.wait(timeout=1200)
@@ -265,10 +266,10 @@ def run_ps(megabytes: int = 64, repeats: int = 5, log=print) -> dict:
     try:
         with ParameterServer([s.address for s in stores]) as ps:
             ps.create(weights, total=None)
-            ps.update(lambda led, now: (led.join("b", now), None))
+            ps.update(lambda led: (led.join("b"), None))
             push, pull, phases = [], [], []
             for wave in range(repeats + 1):
-                ps.update(lambda led, now, wave=wave: led.claim("b", wave, 1))
+                ps.update(lambda led, wave=wave: led.claim("b", wave, 1))
                 tic = time.perf_counter()
                 ps.push("b", wave, update)
                 push.append(time.perf_counter() - tic)

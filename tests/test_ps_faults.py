@@ -47,6 +47,7 @@ MUTATING = {"put", "put_json", "cas_json", "accumulate", "delete"}
 RETRY = 20.0  # seconds a client retries a broken request
 REAP = 3600.0  # no member is silent this long in these runs: nobody is reaped
 PULL = 5.0  # seconds a pull waits for the weights to hold the ledger's commits
+PIECE = 256  # bytes: the larger leaves are cut into pieces over both stores
 RID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -96,16 +97,16 @@ def drive(ps: ParameterServer, total: int, *, on_wave=None, on_push=None) -> Run
     and ``_wave`` do: join, pull, then claim ``NM`` minibatches, update, push, pull until the
     ledger is done; leave. ``on_wave(wave)`` before each claim, ``on_push(wave)`` after each
     push returned."""
-    ps.create(initial_weights(), total=total)
+    ps.create(initial_weights(), total=total, piece_bytes=PIECE)
     ps.open()
-    ledger, _ = ps.update(lambda led, now: (led.reap(now, REAP)[0].join(VW, now), None))
+    ledger, _ = ps.update(lambda led: (led.join(VW), None))
     wave = ledger.clocks[VW]
     weights = ps.pull(ledger, timeout=PULL)
     acked = []
     for _ in range(total + 1):  # each wave claims at least one minibatch
         if on_wave is not None:
             on_wave(wave)
-        led, minibatches = ps.update(lambda led, now, wave=wave: led.claim(VW, wave, NM))
+        led, minibatches = ps.update(lambda led, wave=wave: led.claim(VW, wave, NM))
         if not minibatches:
             assert led.done, f"nothing to claim, yet the run is not done: {led}"
             break
@@ -117,8 +118,8 @@ def drive(ps: ParameterServer, total: int, *, on_wave=None, on_push=None) -> Run
         wave += 1
     else:
         raise AssertionError(f"the run did not finish in {total + 1} waves")
-    ledger, _ = ps.update(lambda led, now: (led.leave(VW), None))
-    return Run(ledger, weights, tuple(acked))
+    ledger, _ = ps.update(lambda led: (led.leave(VW), None))
+    return Run(ps.history(ledger), weights, tuple(acked))
 
 
 def assert_exactly_once(run: Run, total: int) -> None:
@@ -454,12 +455,13 @@ def test_no_acknowledged_wave_is_lost_when_stores_are_sigkilled_and_restarted(tm
             assert ps.open() and ps.layout
             expected = replay(initial_weights(), ledger.log)
             assert_bitwise_equal(run.weights, expected, "the weights pulled last")
-            stored = {}
-            for path, store in ps.layout.items():
-                with StoreClient(procs[store].address) as client:
-                    stored[path], info = client.get("wsp/w/" + path, with_info=True)
+            stored = {path: np.empty(shape, np.float32) for path, shape in ps.shapes.items()}
+            for piece in ps.pieces:
+                with StoreClient(procs[piece.store].address) as client:
+                    stored_piece, info = client.get("wsp/w/" + piece.key, with_info=True)
+                stored[piece.leaf].reshape(-1)[piece.start : piece.stop] = stored_piece
                 # the weights hold every acknowledged wave, each once
-                assert dict(info.clocks) == {VW: ledger.committed[VW]}, (path, info.clocks)
+                assert dict(info.clocks) == {VW: ledger.committed[VW]}, (piece, info.clocks)
                 assert ledger.committed[VW] == len(run.acked) == max(run.acked) + 1
             assert_bitwise_equal(stored, expected, "the weights the log implies")
     finally:

@@ -115,13 +115,13 @@ def test_a_non_finite_update_is_refused_and_the_weights_are_untouched(stores):
     w = {"a": np.ones(64, np.float32), "b": np.full(64, 3e38, np.float32)}
     with ParameterServer(addresses) as ps:
         ps.create(w, total=None)
-        ps.update(lambda led, now: (led.join("vw", now), None))
+        ps.update(lambda led: (led.join("vw"), None))
         for leaf, bad, what in [
             ("a", np.nan, "holds nan"),
             ("a", np.inf, "holds inf"),
             ("b", 1e38, "overflows"),
         ]:
-            ps.update(lambda led, now: led.claim("vw", 0, 1))
+            ps.update(lambda led: led.claim("vw", 0, 1))
             update = {"a": np.zeros(64, np.float32), "b": np.zeros(64, np.float32)}
             update[leaf][7] = bad
             with pytest.raises(WSPError, match=what) as refused:
@@ -205,11 +205,11 @@ def test_an_operator_rolls_the_last_wave_back(stores):
     with ParameterServer(addresses) as ps:
         ps.create(w, total=4)
         for vw in ("v1", "v2"):
-            ps.update(lambda led, now, vw=vw: (led.join(vw, now), None))
-        ps.update(lambda led, now: led.claim("v1", 0, 1))
+            ps.update(lambda led, vw=vw: (led.join(vw), None))
+        ps.update(lambda led: led.claim("v1", 0, 1))
         ps.push("v1", 0, {"a": np.full(8, 1.0, np.float32), "b": np.full(8, 2.0, np.float32)})
         before = ps.pull()
-        ps.update(lambda led, now: led.claim("v2", 0, 1))
+        ps.update(lambda led: led.claim("v2", 0, 1))
         ps.push("v2", 0, {"a": np.full(8, 0.5, np.float32), "b": np.full(8, 9.0, np.float32)})
         ledger = ps.rollback()  # v2's wave was bad
         assert ledger.undone == (("v2", 0, (1,)),) and ledger.returned == (1,)
@@ -219,7 +219,7 @@ def test_an_operator_rolls_the_last_wave_back(stores):
         with pytest.raises(WSPError, match="cannot be rolled back") as refused:
             ps.rollback()  # v1's wave is the last in the log, but not the last in each leaf
         assert refused.value.reason == "refused" and ps.ledger().trained() == [0]
-        ps.update(lambda led, now: led.claim("v2", 1, 1))  # minibatch 1 is trained again
+        ps.update(lambda led: led.claim("v2", 1, 1))  # minibatch 1 is trained again
         ps.push("v2", 1, {"a": np.full(8, 0.25, np.float32), "b": np.zeros(8, np.float32)})
         assert sorted(ps.ledger().trained()) == [0, 1]
         assert np.all(ps.pull()["a"] == 2.25)

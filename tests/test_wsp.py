@@ -119,8 +119,7 @@ def test_a_sigkilled_vw_process_is_dropped_and_its_minibatches_trained_by_others
             # pushed a wave and holds the next one's lease) while another VW is a member too
             deadline, victim, ledger = time.monotonic() + 240, None, ps.ledger()
             while victim is None and not ledger.done and time.monotonic() < deadline:
-                time.sleep(0.01)
-                ledger = ps.ledger()
+                ledger = ps.wait(1.0)  # the next change of the ledger
                 victim = next(
                     (
                         vw
@@ -134,7 +133,7 @@ def test_a_sigkilled_vw_process_is_dropped_and_its_minibatches_trained_by_others
             coordinator.kill(victim)
             killed = time.time()
             coordinator.wait(timeout=240)
-            ledger = ps.ledger()
+            ledger = ps.history()
     others = {"vw1", "vw2", "vw3"} - {victim}
     assert ledger.done and victim in ledger.dropped
     assert sorted(ledger.trained()) == list(range(total))  # exactly once, after the death

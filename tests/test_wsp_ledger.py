@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tenplex_jax._src.wsp.ledger import Ledger
+from tenplex_jax._src.wsp.ledger import Beats, Ledger
 from tenplex_jax.errors import WSPError
 
 TIMEOUT = 10.0
@@ -15,10 +15,12 @@ TIMEOUT = 10.0
 
 class Sim:
     """VWs acting on one ledger as the worker loop does: decide (go / pull / wait), claim, train,
-    commit; they join, die (fall silent: reaped after the timeout) and leave at random."""
+    commit; they join, die (their heartbeats stop: dropped once a watcher has seen them stopped
+    for the timeout) and leave at random."""
 
     def __init__(self, total: int, nm: int, distance: int):
         self.ledger, self.now = Ledger(total=total), 0.0
+        self.beats, self.watched = {}, Beats()  # each live VW's heartbeat; one watcher's record
         self.nm, self.distance = nm, distance
         self.state: dict[str, dict] = {}  # live VWs: wave, fresh, phase, the weights' tags
         self.tags: set = set()  # every committed (vw, wave): the global weights
@@ -28,7 +30,8 @@ class Sim:
     def join(self):
         self.count += 1
         vw = f"vw{self.count}"
-        self.ledger = self.ledger.join(vw, self.now)
+        self.beats[vw] = 0  # a VW beats before it joins
+        self.ledger = self.ledger.join(vw)
         # a join pulls: its weights hold every committed wave
         clock = self.ledger.clocks[vw]
         self.state[vw] = {
@@ -40,7 +43,7 @@ class Sim:
 
     def step(self, vw: str):
         s = self.state[vw]
-        self.ledger = self.ledger.heartbeat(vw, self.now)
+        self.beats[vw] += 1
         if s["phase"] == "wait":
             decision = self.ledger.decide(vw, s["wave"], s["fresh"], self.distance)
             if decision == "wait":
@@ -61,12 +64,24 @@ class Sim:
             s["wave"] += 1
             s["phase"] = "wait"
 
+    def watch(self):
+        self.watched = self.watched.observe(self.ledger.clocks, self.beats, self.now)
+
     def die(self, vw: str):
-        del self.state[vw]  # falls silent; the others reap it after the timeout
-        self.now += TIMEOUT + 1
+        del self.state[vw]  # falls silent; a watcher drops it once silent for the timeout
+        self.watch()
+        self.now += TIMEOUT / 2
         for other in self.state:
-            self.ledger = self.ledger.heartbeat(other, self.now)
-        self.ledger, dropped = self.ledger.reap(self.now, TIMEOUT)
+            self.beats[other] += 1
+        self.watch()
+        assert not self.watched.silent(self.now, TIMEOUT)  # not yet
+        self.now += TIMEOUT
+        for other in self.state:
+            self.beats[other] += 1
+        self.watch()
+        silent = self.watched.silent(self.now, TIMEOUT)
+        assert silent == (vw,)
+        self.ledger, dropped = self.ledger.drop(silent)
         assert dropped == (vw,)
 
     def leave(self, vw: str):
@@ -119,12 +134,11 @@ def test_every_minibatch_is_trained_exactly_once_and_wsp_holds_over_joins_and_de
 
 
 def test_a_dropped_vws_lease_goes_back_and_its_late_commit_is_refused():
-    led = Ledger(total=10).join("a", 0.0).join("b", 0.0)
+    led = Ledger(total=10).join("a").join("b")
     led, mine = led.claim("a", 0, 3)
     led, theirs = led.claim("b", 0, 3)
     assert mine == (0, 1, 2) and theirs == (3, 4, 5)
-    led = led.heartbeat("b", 20.0)
-    led, dropped = led.reap(20.0, TIMEOUT)
+    led, dropped = led.drop(["a", "gone"])  # a name no longer a member is ignored
     assert dropped == ("a",) and led.returned == (0, 1, 2) and led.min_clock == 0
     with pytest.raises(WSPError, match="dropped") as refused:
         led.commit("a", 0)
@@ -133,18 +147,43 @@ def test_a_dropped_vws_lease_goes_back_and_its_late_commit_is_refused():
     led, again = led.claim("b", 1, 4)
     assert again == (0, 1, 2, 6)  # the returned minibatches first, then the cursor's
     with pytest.raises(WSPError, match="used once"):
-        led.join("a", 30.0)
+        led.join("a")
 
 
 def test_a_joiner_starts_at_the_slowest_clock_and_the_record_round_trips():
-    led = Ledger(total=None).join("a", 0.0)
+    led = Ledger(total=None).join("a")
     for wave in range(3):
         led, _ = led.claim("a", wave, 1)
         led = led.commit("a", wave)
-    led = led.join("b", 1.0)
+    led = led.join("b")
     assert led.clocks == {"a": 3, "b": 3} and led.may_start("b", 3, 0)
     assert not led.may_start("a", 4, 0) and led.may_start("a", 4, 1)
     assert led.decide("a", 4, 3, 0) == "wait" and led.decide("a", 4, 3, 1) == "go"
     assert Ledger.from_json(led.to_json()) == led
     with pytest.raises(WSPError, match="malformed"):
         Ledger.from_json({"total": 3})
+
+
+def test_compaction_moves_all_but_the_newest_entries_and_keeps_the_count():
+    led = Ledger(total=None).join("a")
+    for wave in range(5):
+        led, _ = led.claim("a", wave, 2)
+        led = led.commit("a", wave)
+    compacted, moved = led.compact(2, "wsp/log/x")
+    assert moved == led.log[:3] and compacted.log == led.log[3:]
+    assert compacted.archived == 6 and compacted.archive == "wsp/log/x"
+    assert compacted.trained_count == led.trained_count == 10
+    assert Ledger.from_json(compacted.to_json()) == compacted
+    assert compacted.compact(2, "wsp/log/y") == (compacted, ())  # nothing more to move
+    assert led.compact(0, "z")[0].log == led.log[-1:]  # the last entry always stays
+
+
+def test_a_member_is_silent_only_after_its_beat_stood_still_for_the_timeout():
+    watched = Beats().observe(["a", "b"], {"a": 0}, now=0.0)  # b has no heartbeat object yet
+    watched = watched.observe(["a", "b"], {"a": 1}, now=TIMEOUT)
+    assert watched.silent(TIMEOUT, TIMEOUT) == ()
+    watched = watched.observe(["a", "b"], {"a": 1, "b": 0}, now=TIMEOUT + 1)  # b beats at last
+    assert watched.silent(TIMEOUT + 1.5, TIMEOUT) == ()
+    assert watched.silent(2 * TIMEOUT + 0.5, TIMEOUT) == ("a",)
+    assert watched.silent(2 * TIMEOUT + 1.5, TIMEOUT) == ("a", "b")
+    assert watched.observe(["b"], {"b": 0}, now=50.0).last.keys() == {"b"}  # members only

@@ -128,7 +128,7 @@ def run(options: WSPOptions, log=print) -> dict:
             errors = coordinator.runner.errors
             if errors:
                 raise WSPError(f"virtual workers failed: {errors}", "failed")
-            ledger = ps.ledger()
+            ledger = ps.history()
             final = ps.pull(ledger)
         records = coordinator.records()
         summary = summarize(options, ledger, records, coordinator.events, seconds, parts)

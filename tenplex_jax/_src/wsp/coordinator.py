@@ -30,6 +30,8 @@ from tenplex_jax._src.elastic.trace import ResourceTrace
 from tenplex_jax._src.errors import WSPError
 from tenplex_jax._src.wsp.ps import ParameterServer
 
+WATCH_SECONDS = 0.5  # the longest ``follow`` waits for the ledger before it looks at its VWs
+
 
 @dataclasses.dataclass
 class Member:
@@ -95,7 +97,7 @@ class Threads:
 
     def kill(self, handle) -> None:
         """End the VW without a word, as a crash: it stops at once, pushes nothing more and
-        falls silent (the others drop it after the ledger's timeout).
+        falls silent (the others drop it once its heartbeats have stood still for the timeout).
 
         Args:
           handle: what :meth:`start` returned.
@@ -374,9 +376,7 @@ class Coordinator:
         used = {d for m in self.members.values() for d in m.devices}
         return [d for d in devices if d not in used]
 
-    def follow(
-        self, trace: ResourceTrace, group: int, *, timeout: float = 600.0, poll: float = 0.05
-    ) -> None:
+    def follow(self, trace: ResourceTrace, group: int, *, timeout: float = 600.0) -> None:
         """Apply a resource trace's events as the job trains; return when the run is done (or
         no VW is left).
 
@@ -388,17 +388,15 @@ class Coordinator:
           trace: the :class:`tenplex_jax.elastic.ResourceTrace` (its steps count minibatches).
           group: devices per VW.
           timeout: seconds the job may take.
-          poll: seconds between reads of the ledger.
 
         Raises:
           WSPError: the job did not finish within ``timeout`` (``"busy"``), or an event is not
             an offer, preempt or fail (``"invalid"``).
         """
         deadline = time.monotonic() + timeout
-        pending = list(trace.events)
+        pending, ledger = list(trace.events), self.ps.ledger()
         while True:
-            ledger = self.ps.ledger()
-            trained = len(ledger.trained())
+            trained = ledger.trained_count
             while pending and trained >= pending[0].step:
                 self._apply(pending.pop(0), group, trace.devices)
             if ledger.done or not self.members:
@@ -409,7 +407,7 @@ class Coordinator:
                     f"{ledger.total} minibatches trained",
                     "busy",
                 )
-            time.sleep(poll)
+            ledger = self.ps.wait(WATCH_SECONDS)  # the next commit (or a VW's end, within this)
 
     def _apply(self, event, group: int, total: int) -> None:
         if event.kind == "offer":

@@ -12,10 +12,14 @@ ledger (and a result), so the rules are tested exhaustively without stores or de
   minibatches)`` and advances its clock to ``c + 1``. The log is the proof: every minibatch it
   lists was trained and pushed exactly once.
 - **Members and deaths.** A VW ``join``s at the slowest member's clock (it never holds the others
-  back) and ``heartbeat``s; ``reap`` drops a member silent for longer than the timeout: its leased
-  minibatches go back (to be trained by another VW) and it leaves the clock barrier, so the others
-  wait for it at most the timeout. A dropped VW's late commit is refused. ``leave`` is the
-  graceful exit.
+  back). Its heartbeats are not in the ledger (they would rewrite it all the time): a VW that
+  sees a member's heartbeats stop for longer than the timeout (:class:`Beats`) has it ``drop``ped:
+  its leased minibatches go back (to be trained by another VW) and it leaves the clock barrier, so
+  the others wait for it at most about the timeout. A dropped VW's late commit is refused.
+  ``leave`` is the graceful exit.
+- **Compaction.** The log would grow with the run: ``compact`` moves all but its newest entries
+  out, into an archive the parameter server keeps beside the ledger as a chain of immutable
+  segments (``archive`` names the newest; :meth:`ParameterServer.history` reads the whole log).
 - **Wave synchronous parallel.** ``may_start(vw, wave, D)``: a VW starts wave ``k`` only when every
   member has committed at least ``k - D`` waves (``D = 0``: every wave waits for all).
 """
@@ -23,7 +27,7 @@ ledger (and a result), so the rules are tested exhaustively without stores or de
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from tenplex_jax._src.errors import WSPError
 
@@ -45,7 +49,7 @@ class Ledger:
     Pure and frozen: every change returns a new ledger (and a result); the parameter server
     stores it and changes it by compare-and-swap (``ParameterServer.update``).
 
-    >>> ledger = Ledger(total=4).join("vw1", now=0.0)
+    >>> ledger = Ledger(total=4).join("vw1")
     >>> ledger, minibatches = ledger.claim("vw1", wave=0, count=3)
     >>> minibatches
     (0, 1, 2)
@@ -59,31 +63,34 @@ class Ledger:
       returned: minibatches handed back (by a VW that left or was dropped), claimed first.
       clocks: each live member's clock: the waves it counts as done (a joiner starts at the
         slowest's clock).
-      seen: each live member's last heartbeat (the store's clock, seconds).
       leases: each live member's claimed, uncommitted minibatches (a ``Lease``: its wave and
         minibatches).
       committed: how many waves every VW, live or gone, has pushed (its waves ``starts[vw] ..
         starts[vw] + committed[vw] - 1``).
       starts: the clock each VW joined at.
-      log: the committed waves in commit order: ``(vw, wave, minibatches)``.
-      dropped: VWs reaped (died or fell silent).
+      log: the newest committed waves in commit order: ``(vw, wave, minibatches)`` (the older
+        ones are archived).
+      dropped: VWs dropped (died or fell silent).
       left: VWs that left gracefully.
       undone: waves an operator rolled back (``roll_back``), as log entries: their
         minibatches went back to be trained again; the push still counts in the VW's clock.
+      archived: how many minibatches the archived log entries hold.
+      archive: the store path of the newest archived segment of the log (``None``: none).
     """
 
     total: int | None = None
     cursor: int = 0
     returned: tuple[int, ...] = ()
     clocks: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    seen: Mapping[str, float] = dataclasses.field(default_factory=dict)
     leases: Mapping[str, Lease] = dataclasses.field(default_factory=dict)
     committed: Mapping[str, int] = dataclasses.field(default_factory=dict)
     starts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     log: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
-    dropped: tuple[str, ...] = ()  # reaped: died or fell silent
+    dropped: tuple[str, ...] = ()  # died or fell silent
     left: tuple[str, ...] = ()  # left gracefully
     undone: tuple[tuple[str, int, tuple[int, ...]], ...] = ()  # rolled back by an operator
+    archived: int = 0
+    archive: str | None = None
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -140,8 +147,14 @@ class Ledger:
         return vw in self.committed and start <= wave < start + self.committed[vw]
 
     def trained(self) -> list[int]:
-        """Every committed minibatch, in commit order (each exactly once, by construction)."""
+        """The committed minibatches of the log held here, in commit order (each exactly once,
+        by construction; :meth:`ParameterServer.history` gives a ledger holding the whole log)."""
         return [m for _, _, minibatches in self.log for m in minibatches]
+
+    @property
+    def trained_count(self) -> int:
+        """How many minibatches are committed: the archived ones and the log's."""
+        return self.archived + sum(len(m) for _, _, m in self.log)
 
     def _check_member(self, vw: str, what: str) -> None:
         if vw not in self.clocks:
@@ -157,13 +170,12 @@ class Ledger:
 
     # -- changes -------------------------------------------------------------------------------
 
-    def join(self, vw: str, now: float) -> Ledger:
+    def join(self, vw: str) -> Ledger:
         """A VW joins at the slowest member's clock (0 in an empty job), so it never holds the
         others back.
 
         Args:
           vw: its name, never used before in this job.
-          now: the store's clock (seconds): its first heartbeat.
 
         Returns:
           The new ledger.
@@ -179,43 +191,25 @@ class Ledger:
         return dataclasses.replace(
             self,
             clocks={**self.clocks, vw: clock},
-            seen={**self.seen, vw: now},
             committed={**self.committed, vw: 0},
             starts={**self.starts, vw: clock},
         )
 
-    def heartbeat(self, vw: str, now: float) -> Ledger:
-        """A member says it is alive.
+    def drop(self, silent: Iterable[str]) -> tuple[Ledger, tuple[str, ...]]:
+        """Drop members found silent (their heartbeats stopped: :class:`Beats`): their leased
+        minibatches go back, and they leave the clock barrier.
 
         Args:
-          vw: the member.
-          now: the store's clock (seconds).
-
-        Returns:
-          The new ledger.
-
-        Raises:
-          WSPError: ``vw`` is not a member (``"dropped"``: it was reaped, left or never joined).
-        """
-        self._check_member(vw, "heartbeat")
-        return dataclasses.replace(self, seen={**self.seen, vw: now})
-
-    def reap(self, now: float, timeout: float) -> tuple[Ledger, tuple[str, ...]]:
-        """Drop the members silent for too long: their leased minibatches go back, and they
-        leave the clock barrier.
-
-        Args:
-          now: the store's clock (seconds).
-          timeout: seconds of silence after which a member is dropped.
+          silent: names; those no longer members (dropped or left meanwhile) are ignored.
 
         Returns:
           ``(ledger, dropped)``: the new ledger and the names dropped.
         """
-        silent = tuple(sorted(vw for vw, t in self.seen.items() if now - t > timeout))
+        names = tuple(sorted(set(silent) & set(self.clocks)))
         ledger = self
-        for vw in silent:
+        for vw in names:
             ledger = ledger._without(vw, dropped=True)
-        return ledger, silent
+        return ledger, names
 
     def leave(self, vw: str) -> Ledger:
         """A member leaves gracefully: its uncommitted minibatches go back.
@@ -239,7 +233,6 @@ class Ledger:
             self,
             returned=back,
             clocks={k: v for k, v in self.clocks.items() if k != vw},
-            seen={k: v for k, v in self.seen.items() if k != vw},
             leases={k: v for k, v in self.leases.items() if k != vw},
             dropped=self.dropped + ((vw,) if dropped else ()),
             left=self.left + (() if dropped else (vw,)),
@@ -351,6 +344,30 @@ class Ledger:
             returned=tuple(sorted((*self.returned, *entry[2]))),
         )
 
+    def compact(self, keep: int, archive: str) -> tuple[Ledger, tuple]:
+        """Move all but the newest ``keep`` log entries out (the roll-back-able last one always
+        stays): the parameter server has written them, as a segment at ``archive``, first.
+
+        Args:
+          keep: log entries kept (>= 1).
+          archive: the store path of the segment holding the entries moved out (it names the
+            previous segment, :attr:`archive`).
+
+        Returns:
+          ``(ledger, moved)``: the new ledger and the entries moved out, oldest first (none, and
+          the same ledger, when the log holds at most ``keep``).
+        """
+        keep = max(1, keep)
+        moved = self.log[:-keep]
+        if not moved:
+            return self, ()
+        return dataclasses.replace(
+            self,
+            log=self.log[-keep:],
+            archived=self.archived + sum(len(m) for _, _, m in moved),
+            archive=archive,
+        ), moved
+
     # -- the JSON record -----------------------------------------------------------------------
 
     def to_json(self) -> dict:
@@ -360,7 +377,6 @@ class Ledger:
             "cursor": self.cursor,
             "returned": list(self.returned),
             "clocks": dict(self.clocks),
-            "seen": dict(self.seen),
             "leases": {k: [v.wave, list(v.minibatches)] for k, v in self.leases.items()},
             "committed": dict(self.committed),
             "starts": dict(self.starts),
@@ -368,6 +384,8 @@ class Ledger:
             "dropped": list(self.dropped),
             "left": list(self.left),
             "undone": [[vw, wave, list(m)] for vw, wave, m in self.undone],
+            "archived": self.archived,
+            "archive": self.archive,
         }
 
     @classmethod
@@ -389,7 +407,6 @@ class Ledger:
                 int(record["cursor"]),
                 tuple(int(m) for m in record["returned"]),
                 {str(k): int(v) for k, v in record["clocks"].items()},
-                {str(k): float(v) for k, v in record["seen"].items()},
                 {
                     str(k): Lease(int(w), tuple(int(m) for m in ms))
                     for k, (w, ms) in record["leases"].items()
@@ -403,6 +420,46 @@ class Ledger:
                     (str(vw), int(w), tuple(int(m) for m in ms))
                     for vw, w, ms in record.get("undone", ())
                 ),
+                int(record.get("archived", 0)),
+                None if record.get("archive") is None else str(record["archive"]),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise WSPError(f"the ledger record is malformed: {error!r:.200}", "corrupt") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Beats:
+    """What one VW saw of the members' heartbeats: each one's last beat and when (on its own
+    monotonic clock) that beat changed. Heartbeats are counters in objects of their own, never
+    clock readings, so no two hosts' clocks are compared; a member is silent once its beat has
+    stayed the same, or absent, for ``timeout`` seconds of watching.
+
+    >>> beats = Beats().observe(["a", "b"], {"a": 1, "b": 7}, now=0.0)
+    >>> beats = beats.observe(["a", "b"], {"a": 2, "b": 7}, now=5.0)
+    >>> beats.silent(now=5.0, timeout=3.0)
+    ('b',)
+    """
+
+    last: Mapping[str, tuple[int | None, float]] = dataclasses.field(default_factory=dict)
+
+    def observe(self, members: Iterable[str], beats: Mapping[str, int], now: float) -> Beats:
+        """Note the members' beats read at ``now``: a changed one restarts its member's clock; a
+        member seen for the first time starts watched.
+
+        Args:
+          members: the ledger's members (only they are kept).
+          beats: member -> its heartbeat counter, as read (absent: no heartbeat object).
+          now: the observer's monotonic clock, seconds.
+
+        Returns:
+          The new record.
+        """
+        last = {}
+        for vw in members:
+            beat, before = beats.get(vw), self.last.get(vw)
+            last[vw] = before if before is not None and before[0] == beat else (beat, now)
+        return Beats(last)
+
+    def silent(self, now: float, timeout: float) -> tuple[str, ...]:
+        """The members whose beat has not changed for longer than ``timeout`` seconds."""
+        return tuple(sorted(vw for vw, (_, t) in self.last.items() if now - t > timeout))

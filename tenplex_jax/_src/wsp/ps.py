@@ -1,32 +1,39 @@
 """The parameter server: global weights sharded over tensor stores, updated by atomic accumulates.
 
-Each leaf of the global weights (float32) lives whole in one store, the leaves spread over the
-stores by size (``LAYOUT``), so no store carries all the bytes; the ledger
-(:mod:`tenplex_jax._src.wsp.ledger`) lives in the first store. A push of a virtual worker's wave is:
+The global weights (float32) are cut into *pieces* by bytes: each leaf into contiguous ranges of
+its flattened elements of at most ``piece_bytes``, each piece kept in one store, the pieces
+spread over the stores by size (``LAYOUT``), so the stores carry about equal bytes and a push or
+pull talks to every store at once (a thread per store). A leaf may be confined to some stores
+(those of the nodes that run its stage). The ledger (:mod:`tenplex_jax._src.wsp.ledger`) lives
+in the first store. A push of a virtual worker's wave is:
 
-1. **stage**: every leaf's update is put under ``wsp/stage/<vw>/<wave>/<leaf>`` in the leaf's
+1. **stage**: every piece's update is put under ``wsp/stage/<vw>/<wave>/<piece>`` in the piece's
    store (checksummed like every object), checked (an update holding NaN or Inf, or whose sum
    with the weights overflows, is refused here, before anything is committed) and flushed to the
    stores' disks: the stage is the wave's write-ahead record;
 2. **commit**: one compare-and-swap of the ledger logs the wave and its minibatches (the atomic
    point: a wave is pushed or it is not; a dropped VW's commit is refused);
-3. **apply**: each store adds the staged update into its leaf with ``accumulate``, atomically
+3. **apply**: each store adds the staged update into its piece with ``accumulate``, atomically
    (readers see the old array or the new, never a mix), once: each array counts the pushes of
    every VW it holds (its *clocks*: a VW's ``n``-th push is its wave ``starts[vw] + n``), and an
    accumulate out of turn is refused or skipped. The store removes the stage once the new
-   version of the leaf is on its disk.
+   version of the piece is on its disk.
 
 **Nothing acknowledged is lost.** Every store request carries an id and is tried again, for up
 to ``retry_seconds``, when its reply is lost or its store restarts; the store does it once. A
 commit refused is re-read from the ledger before its stage is deleted (the commit may have
-landed). A store killed after a push restarts with the ledger's commit and either the leaf's new
+landed). A store killed after a push restarts with the ledger's commit and either the piece's new
 version or the stage on its disk: whoever pulls next adds any committed wave the weights lack
 from its stage (``pull`` requires every array to hold every committed wave). A VW that dies
 before 2 leaves stages that nothing applies (deleted by ``collect``).
+
+The ledger, its archived log and the heartbeats are :mod:`tenplex_jax._src.wsp.records`'s (the
+base class); the pieces are :mod:`tenplex_jax._src.wsp.pieces`'s.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,15 +43,17 @@ import numpy as np
 from tenplex_jax._src.errors import StoreError, WSPError
 from tenplex_jax._src.multihost.store.client import StoreClient
 from tenplex_jax._src.wsp.ledger import PATH, Ledger
+from tenplex_jax._src.wsp.pieces import PIECE_BYTES, Piece, cut
+from tenplex_jax._src.wsp.records import Records
 
-LAYOUT = "wsp/layout"  # JSON in the first store: leaf path -> store index, shapes
-WEIGHTS = "wsp/w/"  # the global weights' objects
-PREVIOUS = "wsp/previous/"  # each leaf's version before its last update
+LAYOUT = "wsp/layout"  # JSON in the first store: the leaves' shapes and pieces
+WEIGHTS = "wsp/w/"  # the global weights' pieces
+PREVIOUS = "wsp/previous/"  # each piece's version before its last update
 STAGE = "wsp/stage/"
 STAGE_TRIES = 10  # a push puts a stage that a restarting store lost again, this many times
 
 
-class ParameterServer:
+class ParameterServer(Records):
     """A client of the parameter server kept in tensor stores: the global weights and the ledger.
 
     Every VW holds its own client; the server is the stores themselves (a context manager closes
@@ -63,8 +72,8 @@ class ParameterServer:
         unreachable (a store restarting on the same address and directory).
 
     Attributes:
-      layout: leaf path -> the index of the store holding it (after :meth:`create` or
-        :meth:`open`).
+      layout: leaf path -> its :class:`Piece` s (after :meth:`create` or :meth:`open`).
+      shapes: leaf path -> its shape.
       push_seconds: the phases of the last :meth:`push`, seconds: ``stage`` (the puts),
         ``flush`` (seeing them on disk), ``check`` (finite), ``commit``, ``apply``.
 
@@ -87,11 +96,17 @@ class ParameterServer:
             StoreClient(a, token=token, timeout=timeout, retry_seconds=retry_seconds)
             for a in self.addresses
         ]
-        self.layout: dict[str, int] = {}
+        self.layout: dict[str, tuple[Piece, ...]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         self.push_seconds: dict[str, float] = {}
+        self._version: int | None = None  # of the last ledger this client read or wrote
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            len(self.clients), thread_name_prefix="wsp-ps"
+        )
 
     def close(self) -> None:
         """Close the connections to every store."""
+        self._pool.shutdown(wait=True)
         for client in self.clients:
             client.close()
 
@@ -106,92 +121,104 @@ class ParameterServer:
         """The client of the first store, which holds the ledger and the layout."""
         return self.clients[0]
 
+    @property
+    def pieces(self) -> list[Piece]:
+        """Every piece of the weights, leaf by leaf."""
+        return [piece for pieces in self.layout.values() for piece in pieces]
+
+    def _each_store(self, work: Callable[[StoreClient, list[Piece]], object]) -> dict:
+        """``work(client, pieces)`` for each store's pieces, the stores at once (a thread each);
+        store index -> its result. The first error raised is raised, after every store's work
+        has ended."""
+        by_store: dict[int, list[Piece]] = {}
+        for piece in self.pieces:
+            by_store.setdefault(piece.store, []).append(piece)
+        if len(by_store) == 1:
+            ((store, pieces),) = by_store.items()
+            return {store: work(self.clients[store], pieces)}
+        futures = {
+            store: self._pool.submit(work, self.clients[store], pieces)
+            for store, pieces in by_store.items()
+        }
+        concurrent.futures.wait(futures.values())
+        return {store: future.result() for store, future in futures.items()}
+
     # -- the global weights ----------------------------------------------------------------------
 
-    def create(self, weights: Mapping[str, np.ndarray], total: int | None) -> None:
-        """Start a job: lay the initial weights out over the stores (largest leaves first, each
-        to the least loaded store) and an empty ledger.
+    def create(
+        self,
+        weights: Mapping[str, np.ndarray],
+        total: int | None,
+        *,
+        piece_bytes: int = PIECE_BYTES,
+        stores: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
+        """Start a job: cut the initial weights into pieces over the stores (:func:`cut`) and
+        write an empty ledger.
 
         Args:
           weights: leaf path -> array (:func:`weights_of` gives them), stored as float32.
           total: minibatches in the run (``None``: unbounded).
+          piece_bytes: the largest piece of a leaf, bytes.
+          stores: leaf path -> the stores (indices) its pieces may go to, e.g. those of the nodes
+            that run its stage (default: any).
 
         Raises:
-          WSPError: a job already exists on these stores (``"refused"``).
+          WSPError: a job already exists on these stores (``"refused"``), or a bad
+            ``piece_bytes`` or ``stores`` (``"invalid"``; nothing written).
           StoreError: a store failed a request.
         """
-        load = [0] * len(self.clients)
-        layout = {}
-        for path, w in sorted(weights.items(), key=lambda kv: -kv[1].nbytes):
-            store = min(range(len(load)), key=lambda i: (load[i], i))
-            load[store] += w.nbytes
-            layout[path] = store
+        arrays = {path: np.asarray(w, np.float32) for path, w in weights.items()}
+        shapes = {path: tuple(a.shape) for path, a in arrays.items()}
+        layout = cut(shapes, len(self.clients), piece_bytes, stores)
         if not self.coordinator.cas_json(PATH, Ledger(total=total).to_json(), expect=None).swapped:
             raise WSPError(
                 f"a job already exists on {self.addresses[0]} (its ledger {PATH!r})", "refused"
             )
-        for path, w in weights.items():
-            self.clients[layout[path]].put(WEIGHTS + path, np.asarray(w, np.float32))
-        self.coordinator.put_json(LAYOUT, layout)
-        self.layout = layout
+        self.layout, self.shapes = layout, shapes
+        flat = {path: a.reshape(-1) for path, a in arrays.items()}
+        self._each_store(
+            lambda client, pieces: [
+                client.put(WEIGHTS + p.key, flat[p.leaf][p.start : p.stop]) for p in pieces
+            ]
+        )
+        self.coordinator.put_json(
+            LAYOUT,
+            {
+                "shapes": {path: list(shape) for path, shape in shapes.items()},
+                "pieces": [[p.leaf, p.store, p.start, p.stop] for p in self.pieces],
+            },
+        )
 
-    def open(self) -> dict[str, int]:
-        """Read where each leaf lives, for a client of a job another client created.
+    def open(self) -> dict[str, tuple[Piece, ...]]:
+        """Read where each piece lives, for a client of a job another client created.
 
         Returns:
-          :attr:`layout`: leaf path -> store index.
+          :attr:`layout`: leaf path -> its pieces.
 
         Raises:
           StoreError: the job's layout is not in the first store (``"not_found"``: no job was
             created, or ``create`` has not finished), or a store failed the request.
+          WSPError: the layout is malformed (``"corrupt"``).
         """
-        self.layout = {k: int(v) for k, v in self.coordinator.get_json(LAYOUT).items()}
+        record = self.coordinator.get_json(LAYOUT)
+        try:
+            shapes = {str(k): tuple(int(d) for d in v) for k, v in record["shapes"].items()}
+            layout: dict[str, list[Piece]] = {path: [] for path in shapes}
+            for leaf, store, start, stop in record["pieces"]:
+                pieces = layout[leaf]
+                pieces.append(Piece(leaf, len(pieces), int(store), int(start), int(stop)))
+        except (KeyError, TypeError, ValueError) as error:
+            raise WSPError(f"the layout record is malformed: {error!r:.200}", "corrupt") from None
+        self.layout = {path: tuple(pieces) for path, pieces in layout.items()}
+        self.shapes = shapes
         return self.layout
-
-    # -- the ledger ------------------------------------------------------------------------------
-
-    def ledger(self) -> Ledger:
-        """The job's :class:`Ledger` as stored now.
-
-        Raises:
-          StoreError: there is no job (``"not_found"``), or the store failed the request.
-          WSPError: the stored ledger is malformed (``"corrupt"``).
-        """
-        record, _, _ = self.coordinator.get_json(PATH, versioned=True)
-        return Ledger.from_json(record)
-
-    def update(self, change: Callable[[Ledger, float], tuple[Ledger, object]], tries: int = 1000):
-        """Change the ledger atomically: compare-and-swap, retried on conflict.
-
-        Args:
-          change: ``change(ledger, now) -> (ledger, result)``, pure (it may run several times);
-            ``now`` is the store's clock in seconds. What it raises (a ``WSPError`` of the
-            ledger's rules) propagates.
-          tries: conflicts in a row before giving up.
-
-        Returns:
-          ``(ledger, result)`` of the call whose ledger was stored.
-
-        Raises:
-          WSPError: the ledger changed under ``tries`` tries (``"busy"``), or what ``change``
-            raises.
-          StoreError: the store failed a request.
-        """
-        record, version, now = self.coordinator.get_json(PATH, versioned=True)
-        for _ in range(tries):
-            ledger, result = change(Ledger.from_json(record), now)
-            # a reply lost after the swap: the store answers the request's retry as swapped
-            cas = self.coordinator.cas_json(PATH, ledger.to_json(), expect=version)
-            if cas.swapped:
-                return ledger, result
-            record, version, now = cas.value, cas.version, cas.time
-        raise WSPError(f"the ledger changed under {tries} tries in a row", "busy")
 
     # -- push and pull ---------------------------------------------------------------------------
 
     def push(self, vw: str, wave: int, updates: Mapping[str, np.ndarray]) -> Ledger:
         """Push a wave: stage its updates, check and flush them, commit it in the ledger, add it
-        into the weights.
+        into the weights (every store at once).
 
         Args:
           vw: the pushing VW.
@@ -202,11 +229,11 @@ class ParameterServer:
           The ledger after the commit.
 
         Raises:
-          WSPError: a leaf lacks an update, or an update holds NaN or Inf or would overflow a
-            weight (``"invalid"``: nothing is committed, the weights are untouched); the ledger
-            refuses the commit (``"dropped"``: the wave's minibatches went to others; the
-            staged updates are deleted); or a leaf holds this push from another update
-            (``"refused"``: another client pushes under this VW's name).
+          WSPError: a leaf lacks an update or has another shape, or an update holds NaN or Inf
+            or would overflow a weight (``"invalid"``: nothing is committed, the weights are
+            untouched); the ledger refuses the commit (``"dropped"``: the wave's minibatches
+            went to others; the staged updates are deleted); or a piece holds this push from
+            another update (``"refused"``: another client pushes under this VW's name).
           StoreError: a store failed a request for longer than ``retry_seconds``.
         """
         missing = set(self.layout) - set(updates)
@@ -216,6 +243,16 @@ class ParameterServer:
                 f"{sorted(missing)[:5]}",
                 "invalid",
             )
+        flat = {}
+        for path, shape in self.shapes.items():
+            update = np.asarray(updates[path], np.float32)
+            if update.shape != shape:
+                raise WSPError(
+                    f"push of wave {wave} by {vw!r}: the update of leaf {path!r} has shape "
+                    f"{update.shape}; the weights' leaf is {shape}",
+                    "invalid",
+                )
+            flat[path] = np.ascontiguousarray(update).reshape(-1)
         stage, tic = f"{STAGE}{vw}/{wave}/", time.perf_counter()
         phases = self.push_seconds = dict.fromkeys(
             ("stage", "flush", "check", "commit", "apply"), 0.0
@@ -225,12 +262,14 @@ class ParameterServer:
             nonlocal tic
             phases[name], tic = phases[name] + time.perf_counter() - tic, time.perf_counter()
 
-        sources = self._stage(stage, updates, phase)
+        sources = self._stage(stage, flat, phase)
+
+        def check(client: StoreClient, pieces: list[Piece]) -> None:
+            for p in pieces:
+                client.accumulate(WEIGHTS + p.key, stage + p.key, name=vw, clock=0, check=True)
+
         try:
-            for path, store in self.layout.items():
-                self.clients[store].accumulate(
-                    WEIGHTS + path, stage + path, name=vw, clock=0, check=True
-                )
+            self._each_store(check)
         except StoreError as error:
             if error.reason != "nonfinite":
                 raise
@@ -238,7 +277,7 @@ class ParameterServer:
             raise WSPError(f"push of wave {wave} by {vw!r}: {error}", "invalid") from None
         phase("check")
         try:
-            ledger, _ = self.update(lambda led, now: (led.commit(vw, wave), None))
+            ledger, _ = self.update(lambda led: (led.commit(vw, wave), None))
         except WSPError:
             ledger = self.ledger()  # a refusal may follow a commit whose reply was lost
             if not ledger.pushed(vw, wave):
@@ -249,31 +288,35 @@ class ParameterServer:
         phase("apply")
         return ledger
 
-    def _stage(self, stage: str, updates: Mapping[str, np.ndarray], phase) -> dict[str, str]:
-        """Put every leaf's update under ``stage`` and see it on its store's disk (the wave's
-        write-ahead record, before the commit); the checksums. A store that restarted since a
-        put lost what it held in memory only: a stage listed after the flush is on disk, and
-        one missing is put again."""
-        sources, missing, stores = {}, list(self.layout), sorted(set(self.layout.values()))
+    def _stage(self, stage: str, flat: Mapping[str, np.ndarray], phase) -> dict[str, str]:
+        """Put every piece's update under ``stage`` and see it on its store's disk (the wave's
+        write-ahead record, before the commit); the checksums by piece. A store that restarted
+        since a put lost what it held in memory only: a stage listed after the flush is on disk,
+        and one missing is put again."""
+        sources: dict[str, str] = {}
+        missing = {p.key for p in self.pieces}
         for _ in range(STAGE_TRIES):
-            for path in missing:
-                update = np.asarray(updates[path], np.float32)
-                sources[path] = self.clients[self.layout[path]].put(stage + path, update).checksum
+
+            def put(client: StoreClient, pieces: list[Piece], missing=missing) -> None:
+                for p in pieces:
+                    if p.key in missing:
+                        update = flat[p.leaf][p.start : p.stop]
+                        sources[p.key] = client.put(stage + p.key, update).checksum
+
+            def listed(client: StoreClient, pieces: list[Piece]) -> dict[str, str]:
+                client.flush()
+                return {info.path[len(stage) :]: info.checksum for info in client.list(stage)}
+
+            self._each_store(put)
             phase("stage")
-            for store in stores:
-                self.clients[store].flush()
-            there = {
-                info.path[len(stage) :]: info.checksum
-                for store in stores
-                for info in self.clients[store].list(stage)
-            }
+            there = {k: v for found in self._each_store(listed).values() for k, v in found.items()}
             phase("flush")
-            missing = [p for p in self.layout if there.get(p) != sources[p]]
+            missing = {p.key for p in self.pieces if there.get(p.key) != sources[p.key]}
             if not missing:
                 return sources
         raise WSPError(
-            f"the stage {stage!r} of {missing[:5]} did not stay on its store in {STAGE_TRIES} "
-            f"tries (a store restarting over and over?)",
+            f"the stage {stage!r} of {sorted(missing)[:5]} did not stay on its store in "
+            f"{STAGE_TRIES} tries (a store restarting over and over?)",
             "busy",
         )
 
@@ -285,54 +328,76 @@ class ParameterServer:
     def apply(
         self, vw: str, wave: int, push: int, sources: Mapping[str, str] | None = None
     ) -> None:
-        """Add a committed, staged wave into every leaf (a no-op where it is already in); each
-        store removes the stage once the leaf's new version is on its disk. :meth:`push` and
-        :meth:`pull` call it.
+        """Add a committed, staged wave into every piece (a no-op where it is already in; every
+        store at once); each store removes the stage once the piece's new version is on its
+        disk. :meth:`push` and :meth:`pull` call it.
 
         Args:
           vw: the VW that pushed it.
           wave: the wave.
           push: its push number: ``wave - ledger.starts[vw]``.
-          sources: leaf path -> the checksum of the staged update (the pusher's own call):
-            then a leaf that holds this push from another update is an error.
+          sources: piece key -> the checksum of the staged update (the pusher's own call):
+            then a piece that holds this push from another update is an error.
 
         Raises:
-          WSPError: a leaf holds push ``push`` of ``vw`` from another update than ``sources``
+          WSPError: a piece holds push ``push`` of ``vw`` from another update than ``sources``
             says (``"refused"``).
           StoreError: a store refused an accumulate out of turn (``"refused"``), a stage is
             missing (``"not_found"``), or a store failed a request.
         """
-        stage = f"{STAGE}{vw}/{wave}/"
-        for path, store in self.layout.items():
-            source = None if sources is None else sources[path]
-            for late in (False, True):
+        stage, todo = f"{STAGE}{vw}/{wave}/", {p.key for p in self.pieces}
+
+        def add(client: StoreClient, pieces: list[Piece]) -> tuple[list[str], list[str]]:
+            behind, other = [], []  # out of turn; holding this push from another update
+            for p in pieces:
+                if p.key not in todo:
+                    continue
                 try:
-                    _, applied = self.clients[store].accumulate(
-                        WEIGHTS + path,
-                        stage + path,
+                    _, applied = client.accumulate(
+                        WEIGHTS + p.key,
+                        stage + p.key,
                         name=vw,
                         clock=push,
-                        update=source,
+                        update=None if sources is None else sources[p.key],
                         consume=True,
-                        keep=PREVIOUS + path,
+                        keep=PREVIOUS + p.key,
                     )
-                    break
                 except StoreError as error:
-                    # the leaf lacks an earlier committed wave (its store restarted before the
-                    # sum reached its disk; the stage did): add those first
-                    if late or error.reason != "refused" or "out of turn" not in str(error):
+                    if error.reason != "refused" or "out of turn" not in str(error):
                         raise
-                    self._complete(self.ledger())
-            if source is not None and not applied:
-                raise WSPError(
-                    f"push {push} of {vw!r} (wave {wave}): leaf {path!r} holds that push from "
-                    f"another update than its stage {stage + path!r}; another client pushes "
-                    f"under the name {vw!r}",
+                    behind.append(p.key)
+                    continue
+                if sources is not None and not applied:
+                    other.append(p.key)
+            return behind, other
+
+        results = list(self._each_store(add).values())
+        behind = [k for b, _ in results for k in b]
+        if behind:
+            # a piece lacks an earlier committed wave (its store restarted before the sum
+            # reached its disk; the stage did): add those first, then this one
+            self._complete(self.ledger())
+            todo = set(behind)
+            again = list(self._each_store(add).values())
+            late = sorted(k for b, _ in again for k in b)
+            if late:
+                raise StoreError(
+                    f"push {push} of {vw!r} (wave {wave}) is out of turn at {late[:5]} after "
+                    f"the committed waves before it were added",
                     "refused",
                 )
+            results += again
+        other = sorted(k for _, o in results for k in o)
+        if other:
+            raise WSPError(
+                f"push {push} of {vw!r} (wave {wave}): piece {other[0]!r} holds that push from "
+                f"another update than its stage {stage + other[0]!r}; another client pushes "
+                f"under the name {vw!r}",
+                "refused",
+            )
 
     def _complete(self, ledger: Ledger) -> set[tuple[str, int]]:
-        """Add every wave ``ledger`` commits that a leaf lacks, from its stage, oldest push
+        """Add every wave ``ledger`` commits that a piece lacks, from its stage, oldest push
         first; the ``(vw, push)`` that were behind."""
         behind = set()
         for client in self.clients:
@@ -346,15 +411,15 @@ class ParameterServer:
         return behind
 
     def rollback(self) -> Ledger:
-        """Undo the last committed wave: every leaf goes back to its version before that wave's
-        update (each store keeps it), and the ledger hands the wave's minibatches back to be
-        trained again. For an operator, while no VW pushes (a wave found bad after the fact).
+        """Undo the last committed wave: every piece goes back to its version before that
+        wave's update (each store keeps it), and the ledger hands the wave's minibatches back to
+        be trained again. For an operator, while no VW pushes (a wave found bad after the fact).
 
         Returns:
           The ledger after the rollback.
 
         Raises:
-          WSPError: nothing is committed, or a leaf's last update is another wave than the
+          WSPError: nothing is committed, or a piece's last update is another wave than the
             ledger's last (``"refused"``: then nothing is changed).
           StoreError: a store failed a request.
         """
@@ -363,11 +428,11 @@ class ParameterServer:
             raise WSPError("no wave is committed: nothing to roll back", "refused")
         vw, wave, _ = ledger.log[-1]
         push = wave - ledger.starts[vw]
-        for check in (True, False):  # every leaf can be put back, then put back
-            for path, store in self.layout.items():
+        for check in (True, False):  # every piece can be put back, then put back
+            for p in self.pieces:
                 try:
-                    self.clients[store].revert(
-                        WEIGHTS + path, PREVIOUS + path, name=vw, clock=push, check=check
+                    self.clients[p.store].revert(
+                        WEIGHTS + p.key, PREVIOUS + p.key, name=vw, clock=push, check=check
                     )
                 except StoreError as error:
                     if not check or error.reason not in ("refused", "not_found"):
@@ -375,34 +440,42 @@ class ParameterServer:
                     raise WSPError(
                         f"wave {wave} of {vw!r} cannot be rolled back: {error}", "refused"
                     ) from None
-        return self.update(lambda led, now: (led.roll_back(vw, wave), None))[0]
+        return self.update(lambda led: (led.roll_back(vw, wave), None))[0]
 
     def pull(self, ledger: Ledger | None = None, timeout: float = 60.0) -> dict[str, np.ndarray]:
         """The global weights holding every wave the ledger has committed, applying any that a
-        dead pusher left staged.
+        dead pusher left staged; every store read at once, each piece received straight into
+        its place in its leaf.
 
         Args:
           ledger: the ledger whose commits the weights must hold (default: the current one).
           timeout: seconds to wait for the weights to catch up with the commits.
 
         Returns:
-          Leaf path -> float32 array, each read whole and atomically; the arrays may hold newer
-          waves than asked for, never older.
+          Leaf path -> float32 array, each piece read whole and atomically; the arrays may hold
+          newer waves than asked for, never older.
 
         Raises:
           WSPError: the weights stayed behind the commits for ``timeout`` (``"busy"``).
           StoreError: a store failed a request.
         """
         deadline = time.monotonic() + timeout
+        out = {path: np.empty(shape, np.float32) for path, shape in self.shapes.items()}
+        flat = {path: a.reshape(-1) for path, a in out.items()}
         while True:
             ledger = ledger or self.ledger()
-            out, behind = {}, set()
-            for path, store in self.layout.items():
-                array, info = self.clients[store].get(WEIGHTS + path, with_info=True)
-                clocks = dict(info.clocks)
-                for vw, pushes in ledger.committed.items():
-                    behind |= {(vw, n) for n in range(clocks.get(vw, 0), pushes)}
-                out[path] = array
+
+            def read(client: StoreClient, pieces: list[Piece], ledger=ledger) -> set:
+                behind = set()
+                for p in pieces:
+                    view = flat[p.leaf][p.start : p.stop]
+                    _, info = client.get(WEIGHTS + p.key, with_info=True, out=view)
+                    clocks = dict(info.clocks)
+                    for vw, pushes in ledger.committed.items():
+                        behind |= {(vw, n) for n in range(clocks.get(vw, 0), pushes)}
+                return behind
+
+            behind = set().union(*self._each_store(read).values())
             if not behind:
                 return out
             for vw, push in sorted(behind, key=lambda t: (t[1], t[0])):
@@ -418,8 +491,8 @@ class ParameterServer:
 
     def collect(self) -> int:
         """Delete the stages no push needs: of waves the ledger will never commit (their pushers
-        were dropped or left before committing), and of waves every leaf holds (left when a
-        store stopped between writing a leaf and removing its stage).
+        were dropped or left before committing), and of waves every piece holds (left when a
+        store stopped between writing a piece and removing its stage).
 
         Returns:
           How many objects were deleted.
@@ -428,7 +501,7 @@ class ParameterServer:
           StoreError: a store failed a request.
         """
         ledger = self.ledger()
-        applied: dict[str, int] = {}  # vw -> the pushes every leaf holds
+        applied: dict[str, int] = {}  # vw -> the pushes every piece holds
         for client in self.clients:
             for info in client.list(WEIGHTS):
                 for vw in ledger.committed:

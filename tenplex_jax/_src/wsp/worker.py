@@ -53,7 +53,9 @@ cores, so VWs in one process slow each other down.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -66,12 +68,14 @@ from tenplex_jax._src import tree
 from tenplex_jax._src.batch import BATCH_AXES, Batch, device_batch
 from tenplex_jax._src.data import BatchLayout, DatasetPTC
 from tenplex_jax._src.elastic.steps import StepCache
-from tenplex_jax._src.errors import WSPError
+from tenplex_jax._src.errors import StoreError, WSPError
 from tenplex_jax._src.executor import place
 from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
 from tenplex_jax._src.wsp import optimizer
-from tenplex_jax._src.wsp.ledger import Ledger
+from tenplex_jax._src.wsp.ledger import Beats, Ledger
 from tenplex_jax._src.wsp.ps import ParameterServer
+
+WAIT_SECONDS = 1.0  # the longest a waiting VW blocks on the ledger before it looks again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,10 +170,10 @@ class VirtualWorker:
       workers: the batch layout's virtual worker count (None: one per sample).
       slowdown: ``s >= 1``: after each wave, sleep ``s - 1`` times its compute time, as a device
         ``s`` times slower would take (heterogeneity on one machine).
-      timeout: seconds after which a silent member is dropped (this VW too, if it falls
-        silent); it heartbeats every ``timeout / 4``.
+      timeout: seconds of unchanged heartbeats after which a waiting VW drops a member (this
+        VW too, if it falls silent); it heartbeats every ``timeout / 4``, and while it waits it
+        blocks on the ledger's changes for ``timeout / 4`` (at most 1 s) at a time.
       part: the top-level key of the weights the parameter server holds.
-      poll: seconds between reads of the ledger while it waits.
       on_wave: ``on_wave(name, wave, minibatches)``, called when a wave's minibatches are
         claimed.
       on_record: ``on_record(record)``, called with each :class:`WaveRecord` when its wave is
@@ -212,7 +216,6 @@ class VirtualWorker:
         slowdown: float = 1.0,
         timeout: float = 10.0,
         part: str = "model",
-        poll: float = 0.01,
         on_wave: Callable[[str, int, tuple[int, ...]], None] | None = None,
         on_record: Callable[[WaveRecord], None] | None = None,
         steps: StepCache | None = None,
@@ -230,7 +233,7 @@ class VirtualWorker:
         self._sharing: threading.Thread | None = None
         self.name, self.ps, self.dataset = name, ps, dataset
         self.nm, self.distance, self.slowdown = minibatches, distance, slowdown
-        self.timeout, self.poll, self.on_wave, self.on_record = timeout, poll, on_wave, on_record
+        self.timeout, self.on_wave, self.on_record = timeout, on_wave, on_record
         self.devices = list(devices)
         if callable(init):  # built straight into the layout
             self.ptc = PTC.of(jax.eval_shape(init), rules, config, self.devices)
@@ -265,6 +268,7 @@ class VirtualWorker:
         self.changes = 0  # changes to the weights (updates and pulls): which reads are current
         self.crashed = threading.Event()  # a simulated death: stop at once, leave nothing behind
         self.dropped = False
+        self.watched, self.watched_at = Beats(), -math.inf  # the members' heartbeats, seen when
 
     # -- the weights between host and devices ------------------------------------------------
 
@@ -326,9 +330,8 @@ class VirtualWorker:
         """
         stop = stop or threading.Event()
         self.ps.open()
-        ledger, _ = self.ps.update(
-            lambda led, now: (led.reap(now, self.timeout)[0].join(self.name, now), None)
-        )
+        self.ps.beat(self.name, 0)  # before it is a member: a member always has a heartbeat
+        ledger, _ = self.ps.update(lambda led: (led.join(self.name), None))
         self.clock = ledger.clocks[self.name]
         self.set_weights(self.ps.pull(ledger))
         self.fresh = ledger.min_clock or 0
@@ -346,7 +349,7 @@ class VirtualWorker:
                     self._share_optimizer(wait=True)  # (a multiple of optimizer_every was)
                 elif self._sharing is not None:
                     self._sharing.join()
-                self.ps.update(lambda led, now: (led.leave(self.name), None))
+                self.ps.update(lambda led: (led.leave(self.name), None))
         except WSPError as error:
             if error.reason != "dropped":
                 raise
@@ -354,6 +357,9 @@ class VirtualWorker:
         finally:
             beating.set()
             heart.join(timeout=self.timeout)
+        if not self.crashed.is_set():  # a member no more: its heartbeat object goes
+            with contextlib.suppress(StoreError):
+                self.ps.forget(self.name)
         return self.records
 
     def _loop(self, stop: threading.Event, waves: int | None) -> None:
@@ -385,13 +391,11 @@ class VirtualWorker:
                 return
             if pulled:
                 self.fresh = ledger.min_clock or 0
-            led, minibatches = self.ps.update(
-                lambda led, now: led.claim(self.name, self.clock, self.nm)
-            )
+            led, minibatches = self.ps.update(lambda led: led.claim(self.name, self.clock, self.nm))
             if not minibatches:
                 if led.done:
                     return
-                self.crashed.wait(self.poll * 10)  # others hold the last: they may die
+                self._idle(led)  # others hold the last: they may die
                 continue
             if self.on_wave is not None:
                 self.on_wave(self.name, self.clock, minibatches)
@@ -544,8 +548,8 @@ class VirtualWorker:
     def _wait(self, wave: int, fresh: int) -> tuple[Ledger | None, bool]:
         """WSP before wave ``wave``: (the ledger, whether the weights were pulled); no ledger
         when the VW must stop."""
+        ledger = self.ps.ledger()
         while True:
-            ledger = self.ps.ledger()
             if self.name not in ledger.clocks:
                 self.dropped = True
                 return None, False
@@ -557,22 +561,28 @@ class VirtualWorker:
                 return ledger, True
             if self.crashed.is_set():
                 return None, False
-            now = max(ledger.seen.values())
-            if any(now - t > self.timeout for t in ledger.seen.values()):
-                self.ps.update(lambda led, t: (led.reap(t, self.timeout)[0], None))
-            time.sleep(self.poll)  # the slowest member's next commit
+            ledger = self._idle(ledger)  # the slowest member's next commit
+
+    def _idle(self, ledger: Ledger) -> Ledger:
+        """Wait for the ledger to change (a commit, a join, a leave), at most a quarter of the
+        timeout; first drop the members whose heartbeats have not changed for the timeout
+        (read at most every quarter of it). The ledger after."""
+        now = time.monotonic()
+        if now - self.watched_at >= self.timeout / 4:
+            self.watched = self.watched.observe(ledger.clocks, self.ps.beats(), now)
+            self.watched_at = now
+            silent = [vw for vw in self.watched.silent(now, self.timeout) if vw != self.name]
+            if silent:
+                return self.ps.update(lambda led: led.drop(silent))[0]
+        return self.ps.wait(min(self.timeout / 4, WAIT_SECONDS))
 
     def _heartbeat(self, done: threading.Event) -> None:
+        count = 0
         while not done.wait(self.timeout / 4):
             if self.crashed.is_set():
                 return  # a dead VW falls silent
-            try:
-                self.ps.update(lambda led, now: (led.heartbeat(self.name, now), None))
-            except WSPError as error:
-                if error.reason == "dropped":
-                    self.dropped = True
-                    return
-                raise
+            count += 1
+            self.ps.beat(self.name, count)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -249,6 +249,8 @@ class StoreClient:
         # every object not yet on disk
         if request["op"] in ("flush", "put_json"):
             sock.settimeout(self._timeout * 10)
+        elif request.get("wait"):  # a get_json waiting for a newer version
+            sock.settimeout(self._timeout + request["wait"])
         elif request.get("durable"):
             sock.settimeout(self._timeout + nbody / DISK_BYTES_PER_S)
         try:
@@ -272,7 +274,9 @@ class StoreClient:
                 raise StoreError(
                     f"store {self.address}: no memory for the reply of {nreply} bytes", "too_large"
                 ) from None
-            raise StoreError(f"store {self.address}: {error}", "protocol") from None
+            # the caller's own mistake (an ``out`` that does not fit) is not tried again
+            reason = "invalid" if error.reason == "invalid" else "protocol"
+            raise StoreError(f"store {self.address}: {error}", reason) from None
         except BaseException:
             sock.close()
             raise
@@ -361,7 +365,14 @@ class StoreClient:
         header, _ = self._call(request, data)
         return ObjectInfo.from_json(header["info"])
 
-    def get(self, path: str, box: Box | None = None, *, with_info: bool = False):
+    def get(
+        self,
+        path: str,
+        box: Box | None = None,
+        *,
+        with_info: bool = False,
+        out: np.ndarray | None = None,
+    ):
         """Read a box of a stored object: only its bytes travel, checksummed on arrival.
 
         Args:
@@ -369,9 +380,12 @@ class StoreClient:
           box: the block to read, in global coordinates, inside the object's box (``None``: the
             whole object).
           with_info: also return the object's :class:`ObjectInfo` (its ``clocks`` among them).
+          out: a C-contiguous array of the box's shape and the object's dtype to receive the
+            bytes into (a view of a larger array: no allocation, no copy); its contents are
+            unspecified when the read fails.
 
         Returns:
-          The box as a new array, or ``(array, ObjectInfo)`` with ``with_info``.
+          The box as a new array (or ``out``), or ``(array, ObjectInfo)`` with ``with_info``.
 
         Raises:
           StoreError: no object at ``path`` contains ``box`` (``"not_found"``), the bytes
@@ -386,8 +400,12 @@ class StoreClient:
         }
 
         def into(header, nreply):
-            info = ObjectInfo.from_json(header.get("info"))
-            sent = wire.as_box(header.get("box"))
+            try:  # the server's claims: a reply that breaks them is a protocol error
+                info = ObjectInfo.from_json(header.get("info"))
+                sent = wire.as_box(header.get("box"))
+                dtype = wire.dtype_of(info.dtype)
+            except StoreError as error:
+                raise StoreError(f"get of {path!r}: {error}", "protocol") from None
             if (
                 info.path != path
                 or not boxes.contains(info.box, sent)
@@ -395,14 +413,24 @@ class StoreClient:
             ):
                 raise StoreError(
                     f"get of {path!r} box {box}: the reply is for {info.path!r} "
-                    f"box {sent} of an object {info.box}"
+                    f"box {sent} of an object {info.box}",
+                    "protocol",
                 )
-            dtype = wire.dtype_of(info.dtype)
             if nreply != wire.nbytes_of(boxes.shape(sent), dtype):
                 raise StoreError(
-                    f"get of {path!r}: {nreply} bytes announced for box {sent} of {dtype.name}"
+                    f"get of {path!r}: {nreply} bytes announced for box {sent} of {dtype.name}",
+                    "protocol",
                 )
-            return np.empty(boxes.shape(sent), dtype)
+            if out is None:
+                return np.empty(boxes.shape(sent), dtype)
+            if out.shape != boxes.shape(sent) or out.dtype != dtype or not out.flags.c_contiguous:
+                raise StoreError(  # the caller's mistake: not tried again
+                    f"get of {path!r} box {sent}: out is a {out.dtype.name} array of shape "
+                    f"{out.shape}{'' if out.flags.c_contiguous else ', not C-contiguous'}; the "
+                    f"box is {boxes.shape(sent)} of {dtype.name}",
+                    "invalid",
+                )
+            return out
 
         header, out = self._call(request, into=into)
         digest = header["received"]  # computed as the bytes arrived
@@ -572,13 +600,26 @@ class StoreClient:
         }
         self._call(request, data)
 
-    def get_json(self, path: str, default: Any = _MISSING, *, versioned: bool = False) -> Any:
-        """Read a JSON object.
+    def get_json(
+        self,
+        path: str,
+        default: Any = _MISSING,
+        *,
+        versioned: bool = False,
+        newer_than: int | None = None,
+        wait: float = 0.0,
+    ) -> Any:
+        """Read a JSON object; or wait for another version of it, then read it (a blocking watch
+        instead of polling: the store answers when the object is written).
 
         Args:
           path: the object's path.
           default: returned when there is none (without it, that raises).
           versioned: also return the object's version and the store's clock.
+          newer_than: a version of the object: first wait until the object is another one
+            (written since, or deleted), for at most ``wait`` seconds.
+          wait: the longest wait, seconds (the store waits 30 s at most); after it, the object
+            is read as it is (the same version).
 
         Returns:
           The object, or with ``versioned`` ``(object, its version, the store's clock in
@@ -589,8 +630,11 @@ class StoreClient:
           StoreError: there is no object and no ``default`` (``"not_found"``), the bytes arrived
             damaged (``"corrupt"``), or the store failed the request.
         """
+        request = {"op": "get_json", "path": wire.check_path(path)}
+        if newer_than is not None:
+            request |= {"newer_than": int(newer_than), "wait": max(0.0, float(wait))}
         try:
-            header, body = self._call({"op": "get_json", "path": wire.check_path(path)})
+            header, body = self._call(request)
         except StoreError as error:
             if error.reason == "not_found" and default is not _MISSING:
                 return (default, None, None) if versioned else default

@@ -80,6 +80,7 @@ DEFAULT_TIMEOUT = 120.0
 # empty lists: ``[[[]],[[]],...]``), counted in the transfer budget while it is checked
 JSON_PARSE_FACTOR = 40
 PEER_CHECK_SECONDS = 0.25  # how often a transfer waiting for room looks at its client's socket
+MAX_WAIT = 30.0  # the longest a get_json waits for a newer version of its object
 
 
 class Budget:
@@ -485,7 +486,17 @@ class Handler(socketserver.BaseRequestHandler):
         self._send(sock, {"ok": True, "version": version})
 
     def _get_json(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        """Read a JSON object; with ``newer_than`` (a version) and ``wait`` (seconds, at most
+        ``MAX_WAIT``), first wait until the object is another version than that one."""
         store, path = self.server.store, wire.check_path(header.get("path"))
+        newer_than, wait = header.get("newer_than"), header.get("wait", 0)
+        if newer_than is not None:
+            if not wire._is_int(newer_than) or not isinstance(wait, (int, float)) or wait < 0:
+                raise StoreError(
+                    f"get_json of {path!r}: newer_than is a version (an int) and wait seconds "
+                    f"(>= 0); got {newer_than!r:.40} and {wait!r:.40}"
+                )
+            store.wait_json(path, newer_than, min(float(wait), MAX_WAIT))
         with self.server.budget.hold(store.json_bytes(path), f"get_json of {path!r}", peer=sock):
             file_header, data = store.get_json(path)
             reply = {

@@ -116,6 +116,7 @@ class Tiers:
         self.queued = 0  # tickets handed out
         self.pending: set[int] = set()  # tickets not yet written back
         self.written_cond = threading.Condition(self.lock)
+        self.json_changed = threading.Condition(self.lock)  # a JSON object written or deleted
         self.failed: dict[str, str] = {}  # dirty keys whose write-back failed -> the error
         # transfers under way, by thread, for `stats` (set and popped whole: atomic under the GIL)
         self.receiving: dict[int, dict] = {}  # request bodies: path, bytes so far, of
@@ -610,6 +611,8 @@ class Tiers:
                 self.versions.pop(path, None)
                 self.json_rids.pop(path, None)
                 (self.json_dir / f"{_key('json', path)}.obj").unlink(missing_ok=True)
+            if paths:
+                self.json_changed.notify_all()
         if keys or paths:  # so that deleted objects stay deleted after a crash of the machine
             self._sync_dir(self.objects_dir)
             self._sync_dir(self.json_dir)
@@ -643,8 +646,20 @@ class Tiers:
             os.replace(tmp, self.json_dir / f"{_key('json', path)}.obj")
             self.json[path], self.versions[path] = len(data), version
             self.json_rids[path] = dict(rids[-RIDS_KEPT:])
+            self.json_changed.notify_all()
         self._sync_dir(self.json_dir)
         return version
+
+    def wait_json(self, path: str, version: int, timeout: float) -> None:
+        """Return once JSON object ``path`` is another version than ``version`` (written since,
+        or deleted), the store closes, or ``timeout`` seconds have passed."""
+        deadline = time.monotonic() + timeout
+        with self.json_changed:
+            while self.versions.get(path) == version and not self.closing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.json_changed.wait(left)
 
     def json_bytes(self, path: str) -> int:
         with self.lock:
@@ -677,6 +692,7 @@ class Tiers:
         """Refuse further puts, write every object still only in memory, stop the writer."""
         with self.lock:
             self.closing = True
+            self.json_changed.notify_all()
         for _ in self.writers:
             self.writes.put(None)
         for writer in self.writers:

@@ -1,0 +1,164 @@
+"""A lean parameter server: a blocking watch instead of polling, heartbeats outside the ledger, a
+compacted log, and leaves cut by bytes over the stores; on real stores on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from tenplex_jax._src.wsp.ledger import PATH
+from tenplex_jax._src.wsp.pieces import cut
+from tenplex_jax._src.wsp.records import BEATS, LOG_KEPT
+from tenplex_jax.errors import StoreError, WSPError
+from tenplex_jax.multihost.store import StoreClient
+from tenplex_jax.wsp import ParameterServer
+from tests.helpers import Stores
+
+
+@pytest.fixture
+def stores(tmp_path):
+    started = Stores(tmp_path)
+    try:
+        yield started
+    finally:
+        started.reap()
+
+
+def test_a_watch_answers_when_its_object_changes_and_only_then(stores):
+    address = stores.start("s0").address
+    with StoreClient(address) as client:
+        client.put_json("n", {"count": 0})
+        _, version, _ = client.get_json("n", versioned=True)
+        # nothing changes: the same version, after the wait
+        assert client.get_json("n", versioned=True, newer_than=version, wait=0.2)[:2] == (
+            {"count": 0},
+            version,
+        )
+        got, asking = [], threading.Event()
+
+        def watch():
+            asking.set()
+            got.append(client.get_json("n", versioned=True, newer_than=version, wait=25.0))
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        asking.wait(10)
+        client.put_json("n", {"count": 1})
+        watcher.join(timeout=10)  # woken by the write, not the 25 s wait
+        assert not watcher.is_alive() and got[0][0] == {"count": 1} and got[0][1] > version
+        with pytest.raises(StoreError, match="newer_than is a version"):
+            client._call({"op": "get_json", "path": "n", "newer_than": "x", "wait": 1})
+
+
+def _tiny(stores, count: int = 1, **create) -> ParameterServer:
+    addresses = [stores.start(f"s{i}").address for i in range(count)]
+    ps = ParameterServer(addresses)
+    ps.create({"w": np.zeros(4, np.float32)}, total=None, **create)
+    return ps
+
+
+def test_heartbeats_write_no_ledger_and_a_long_run_keeps_it_bounded(stores):
+    with _tiny(stores) as ps:
+        ps.beat("vw", 0)
+        ps.update(lambda led: (led.join("vw"), None))
+        before = ps.coordinator.get_json(PATH, versioned=True)[1]
+        for count in range(1, 4):
+            ps.beat("vw", count)
+        assert ps.coordinator.get_json(PATH, versioned=True)[1] == before  # untouched
+        assert ps.beats() == {"vw": 3}
+        sizes = []  # the ledger's bytes after each wave
+        for wave in range(6 * LOG_KEPT):
+            ps.update(lambda led, wave=wave: led.claim("vw", wave, 2))
+            ps.push("vw", wave, {"w": np.ones(4, np.float32)})
+            sizes.append(len(json.dumps(ps.ledger().to_json())))
+        ledger = ps.ledger()
+        assert len(ledger.log) <= 2 * LOG_KEPT and ledger.archive is not None
+        # three times the waves, the same size (the log alone would have tripled)
+        assert max(sizes[-2 * LOG_KEPT :]) <= 1.2 * max(sizes[2 * LOG_KEPT : 4 * LOG_KEPT])
+        whole = ps.history()
+        assert [wave for _, wave, _ in whole.log] == list(range(6 * LOG_KEPT))
+        assert (
+            whole.trained() == list(range(12 * LOG_KEPT)) and ledger.trained_count == 12 * LOG_KEPT
+        )
+        np.testing.assert_array_equal(ps.pull()["w"], np.full(4, 6 * LOG_KEPT, np.float32))
+        assert ps.rollback().trained_count == 12 * LOG_KEPT - 2  # the kept last entry
+        ps.update(lambda led: (led.leave("vw"), None))
+        ps.forget("vw")
+        assert ps.beats() == {} and not ps.coordinator.list_json(BEATS)
+
+
+def test_a_waiting_client_wakes_on_the_commit_it_waits_for(stores):
+    with _tiny(stores) as ps, ParameterServer(ps.addresses) as other:
+        other.open()
+        ps.update(lambda led: (led.join("a"), None))
+        ps.update(lambda led: led.claim("a", 0, 1))
+        seen, asking = [], threading.Event()
+
+        def wait():
+            other.ledger()
+            asking.set()
+            seen.append(other.wait(25.0))
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        asking.wait(10)
+        ps.push("a", 0, {"w": np.ones(4, np.float32)})
+        waiter.join(timeout=10)
+        assert not waiter.is_alive() and seen[0].clocks == {"a": 1}
+
+
+def test_leaves_are_cut_by_bytes_over_the_stores_and_placed_where_asked(stores):
+    rng = np.random.default_rng(0)
+    weights = {
+        "big": rng.standard_normal((64, 1024)).astype(np.float32),  # 256 KiB: 4 pieces
+        "stage1": rng.standard_normal((3, 100)).astype(np.float32),
+        "small": rng.standard_normal(7).astype(np.float32),
+    }
+    addresses = [stores.start(f"s{i}").address for i in range(3)]
+    with ParameterServer(addresses) as ps:
+        with pytest.raises(WSPError, match=r"'stage1'.*0\.\.2.*\[3\]") as bad:
+            ps.create(weights, total=None, piece_bytes=64 << 10, stores={"stage1": [3]})
+        assert bad.value.reason == "invalid" and not ps.coordinator.list_json()  # nothing written
+        ps.create(weights, total=None, piece_bytes=64 << 10, stores={"stage1": [2]})
+        big = ps.layout["big"]
+        assert [(p.start, p.stop) for p in big] == [(k * 16384, (k + 1) * 16384) for k in range(4)]
+        assert {p.store for p in ps.layout["stage1"]} == {2}
+        held = [
+            sum(i.nbytes for i in StoreClient(a).list("wsp/w/")) for a in addresses
+        ]  # about equal bytes
+        assert max(held) - min(held) <= 64 << 10, held
+        update = {p: rng.standard_normal(w.shape).astype(np.float32) for p, w in weights.items()}
+        ps.update(lambda led: (led.join("vw"), None))
+        ps.update(lambda led: led.claim("vw", 0, 1))
+        with pytest.raises(WSPError, match=r"'small' has shape \(8,\).*\(7,\)"):
+            ps.push("vw", 0, {**update, "small": np.zeros(8, np.float32)})
+        ps.push("vw", 0, update)
+        with ParameterServer(addresses) as reader:
+            assert reader.open() == ps.layout
+            pulled = reader.pull()
+        for path, w in weights.items():
+            assert pulled[path].shape == w.shape
+            np.testing.assert_array_equal(pulled[path], w + update[path])
+
+
+def test_cut_spreads_the_largest_leaves_first_and_refuses_a_piece_below_one_element():
+    layout = cut({"a": (10,), "b": (30,), "c": (20,)}, stores=2, piece_bytes=1 << 20)
+    assert [p.store for leaf in ("b", "c", "a") for p in layout[leaf]] == [0, 1, 1]
+    assert list(layout) == ["a", "b", "c"]  # the weights' order
+    with pytest.raises(WSPError, match="piece_bytes is at least"):
+        cut({"a": (10,)}, stores=1, piece_bytes=2)
+
+
+def test_a_read_into_an_array_that_does_not_fit_is_refused_at_once(stores):
+    with StoreClient(stores.start("s0").address, retry_seconds=60) as client:
+        client.put("x", np.arange(6, dtype=np.float32))
+        out = np.empty(6, np.float32)
+        assert client.get("x", out=out) is out and out[5] == 5
+        with pytest.raises(StoreError, match=r"out is a float32 array of shape \(5,\)") as bad:
+            client.get("x", out=np.empty(5, np.float32))
+        assert bad.value.reason == "invalid"  # not retried for a minute
+        with pytest.raises(StoreError, match="not C-contiguous"):
+            client.get("x", out=np.empty(12, np.float32)[::2])
