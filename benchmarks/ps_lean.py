@@ -7,9 +7,11 @@ subprocesses per version for the transfers):
 - **transfers**: one VW pushing and pulling 64 MiB of float32 weights over two stores, as 8
   leaves of 8 MiB and as one leaf of 64 MiB (a leaf kept whole lives in one store; cut by bytes
   it spreads over both); the median over ``--repeats`` waves (the first not counted) against a
-  memcpy (``np.copyto``) of the same bytes measured in the same process. Beside them, the floor
-  any store on this machine sits on: the same bytes sent once over a loopback TCP socket to
-  another process (a push or a pull crosses one at least), against the same memcpy.
+  memcpy (``np.copyto``) of the same bytes measured in the same process. Beside them, the
+  floors any store on this machine sits on, each against a memcpy measured beside it: the same
+  bytes sent once over a loopback TCP socket to another process (a push or a pull crosses one
+  at least), written to a file and fsynced (a durable push's stage reaches disk before its
+  commit) and checksummed (crc32: every transfer is checked on arrival).
 - **the ledger's traffic**: the WSP benchmark's run (``benchmarks/wsp.py``: three VWs as
   threads, ``D = 1``, vw3 2x slow, heartbeats every 0.75 s) with every JSON request its store
   clients make counted by kind: the bytes written to the ledger per committed wave, the ledger
@@ -155,6 +157,31 @@ def socket_floor(nbytes: int = 64 * MIB, repeats: int = 7) -> dict:
     return {"send": statistics.median(send[1:]), "memcpy": statistics.median(copy[1:])}
 
 
+def local_floors(nbytes: int = 64 * MIB, repeats: int = 7) -> dict:
+    """Seconds to write ``nbytes`` to a new file in the temporary directory and fsync it, to
+    crc32 them, and to memcpy them; each the median of ``repeats`` taking turns."""
+    import os
+    import zlib
+
+    src, dst = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+    times: dict = {"fsync": [], "crc32": [], "memcpy": []}
+    with tempfile.TemporaryDirectory(prefix="tenplex-floor-") as root:
+        for i in range(repeats + 1):
+            tic = time.perf_counter()
+            with open(os.path.join(root, str(i)), "wb") as f:
+                f.write(memoryview(src).cast("B"))
+                f.flush()
+                os.fsync(f.fileno())
+            times["fsync"].append(time.perf_counter() - tic)
+            tic = time.perf_counter()
+            zlib.crc32(src)
+            times["crc32"].append(time.perf_counter() - tic)
+            tic = time.perf_counter()
+            np.copyto(dst, src)
+            times["memcpy"].append(time.perf_counter() - tic)
+    return {k: statistics.median(v[1:]) for k, v in times.items()}
+
+
 def run_ps_lean(before: str, rounds: int = 3, repeats: int = 5, total: int = 161, log=print):
     with tempfile.TemporaryDirectory(prefix="tenplex-before-") as root:
         trees = {"before": _tree(before, pathlib.Path(root)), "after": HERE}
@@ -163,7 +190,7 @@ def run_ps_lean(before: str, rounds: int = 3, repeats: int = 5, total: int = 161
         for _ in range(rounds):
             for version, tree in trees.items():
                 transfers[version].append(_in(tree, TRANSFERS.format(repeats=repeats)))
-            floors.append(socket_floor())
+            floors.append(socket_floor() | {"local": local_floors()})
         ledger = {v: _in(tree, LEDGER.format(total=total)) for v, tree in trees.items()}
     ratios: dict = {}
     for version, runs in transfers.items():
@@ -173,7 +200,11 @@ def run_ps_lean(before: str, rounds: int = 3, repeats: int = 5, total: int = 161
                 ratios.setdefault(version, {})[f"{op}, {shape}"] = statistics.median(
                     r[shape]["memcpy"] / r[shape][op] for r in runs
                 )
-    floor = statistics.median(f["memcpy"] / f["send"] for f in floors)
+    floor = {
+        "socket": statistics.median(f["memcpy"] / f["send"] for f in floors),
+        "fsync": statistics.median(f["local"]["memcpy"] / f["local"]["fsync"] for f in floors),
+        "crc32": statistics.median(f["local"]["memcpy"] / f["local"]["crc32"] for f in floors),
+    }
     per_wave = {}
     for version, row in ledger.items():
         c, waves = row["counts"], row["waves"]
@@ -185,7 +216,10 @@ def run_ps_lean(before: str, rounds: int = 3, repeats: int = 5, total: int = 161
             "log segment bytes written per wave": c.get("log segments write bytes", 0) / waves,
             "samples_per_second": row["samples_per_second"],
         }
-    log(f"  one loopback TCP crossing: {floor:.2f} of memcpy (the floor of any store here)")
+    log(
+        f"  floors ÷ memcpy: one loopback TCP crossing {floor['socket']:.2f}, a write and fsync "
+        f"{floor['fsync']:.2f}, crc32 {floor['crc32']:.2f}"
+    )
     for key in ratios["after"]:
         log(
             f"  {key} ÷ memcpy: before {ratios['before'][key]:.3f}, "
@@ -197,10 +231,10 @@ def run_ps_lean(before: str, rounds: int = 3, repeats: int = 5, total: int = 161
         "kind": "ps_lean",
         "before": before,
         "rounds": rounds,
-        "socket_over_memcpy": floor,
+        "floors_over_memcpy": floor,
         "over_memcpy": ratios,
         "transfers": transfers,
-        "socket_floor_runs": floors,
+        "floor_runs": floors,
         "ledger_per_wave": per_wave,
         "ledger_runs": ledger,
     }

@@ -93,7 +93,8 @@ class WaveRecord:
       wait_seconds: waiting (WSP's barrier) and pulling, before training.
       compute_seconds: training the minibatches.
       slowdown_seconds: the sleep that makes the VW ``slowdown`` times slower.
-      push_seconds: pushing the wave's update.
+      push_seconds: pushing the wave's update, until its commit (the parameter server adds it into
+        the weights on a thread beside the next wave's compute).
       started: ``time.time()`` at the start of the wave's wait.
       ended: ``time.time()`` when the wave was pushed.
       local_versions: per minibatch, how many of the VW's own updates the weights it read held
@@ -349,6 +350,7 @@ class VirtualWorker:
                     self._share_optimizer(wait=True)  # (a multiple of optimizer_every was)
                 elif self._sharing is not None:
                     self._sharing.join()
+                self.ps.settle()  # its last push is in the weights before it leaves
                 self.ps.update(lambda led: (led.leave(self.name), None))
         except WSPError as error:
             if error.reason != "dropped":
@@ -471,7 +473,8 @@ class VirtualWorker:
             return False  # died mid-wave: nothing pushed, the minibatches go back
         tic = time.perf_counter()
         delta = jax.device_get(_delta(list(self._weights()), list(wave.start)))
-        self.ps.push(self.name, wave.wave, {self.paths[i]: d for i, d in zip(self.weights, delta)})
+        updates = {self.paths[i]: d for i, d in zip(self.weights, delta)}
+        self.ps.push(self.name, wave.wave, updates, background=True)  # added beside the compute
         push = time.perf_counter() - tic
         self.clock = wave.wave + 1
         record = WaveRecord(
@@ -573,7 +576,11 @@ class VirtualWorker:
             self.watched_at = now
             silent = [vw for vw in self.watched.silent(now, self.timeout) if vw != self.name]
             if silent:
-                return self.ps.update(lambda led: led.drop(silent))[0]
+                ledger, dropped = self.ps.update(lambda led: led.drop(silent))
+                for vw in dropped:  # a dead VW leaves its heartbeat object behind
+                    with contextlib.suppress(StoreError):
+                        self.ps.forget(vw)
+                return ledger
         return self.ps.wait(min(self.timeout / 4, WAIT_SECONDS))
 
     def _heartbeat(self, done: threading.Event) -> None:
