@@ -11,20 +11,26 @@ the others train (Hydrozoa)::
 
 The ``Ledger`` is the job's record in the stores (data cursor, leases, clocks, commits); a
 ``Coordinator`` starts and ends virtual workers as ``Threads`` or ``Processes``;
-``plan_workers`` groups a cluster's devices into virtual workers.
+``plan_workers`` groups a cluster's devices into virtual workers; a ``Scaler`` runs Hydrozoa's
+``ScalingPolicy`` (grow while the throughput per dollar holds) on a coordinator.
 """
 
 from tenplex_jax._src.wsp.coordinator import Coordinator, Processes, Threads
 from tenplex_jax._src.wsp.ledger import Ledger
 from tenplex_jax._src.wsp.planner import WorkerPlan, WSPChoice, plan_workers
+from tenplex_jax._src.wsp.policy import Decision, Measured, Scaler, ScalingPolicy
 from tenplex_jax._src.wsp.ps import ParameterServer
 from tenplex_jax._src.wsp.worker import VirtualWorker, WaveRecord, weights_of
 
 __all__ = [
     "Coordinator",
+    "Decision",
     "Ledger",
+    "Measured",
     "ParameterServer",
     "Processes",
+    "Scaler",
+    "ScalingPolicy",
     "Threads",
     "VirtualWorker",
     "WSPChoice",

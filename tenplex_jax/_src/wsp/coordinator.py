@@ -376,18 +376,24 @@ class Coordinator:
         used = {d for m in self.members.values() for d in m.devices}
         return [d for d in devices if d not in used]
 
-    def follow(self, trace: ResourceTrace, group: int, *, timeout: float = 600.0) -> None:
+    def follow(
+        self, trace: ResourceTrace, group: int, *, timeout: float = 600.0, scaler=None
+    ) -> None:
         """Apply a resource trace's events as the job trains; return when the run is done (or
         no VW is left).
 
         An event applies when the job has committed as many minibatches as its step. An offer
         of ``count`` devices adds ``count // group`` VWs on free devices; a preempt (removed)
         or fail (killed) of ``count`` ends the VWs holding the job's last ``count`` devices.
+        With a ``scaler``, Hydrozoa's policy decides instead: each group offered is taken or
+        declined (and a VW taken is reviewed), and a preempt of any ``count`` devices removes
+        the least efficient VWs.
 
         Args:
           trace: the :class:`tenplex_jax.elastic.ResourceTrace` (its steps count minibatches).
           group: devices per VW.
           timeout: seconds the job may take.
+          scaler: a :class:`tenplex_jax.wsp.Scaler` of this coordinator (default: none).
 
         Raises:
           WSPError: the job did not finish within ``timeout`` (``"busy"``), or an event is not
@@ -398,7 +404,7 @@ class Coordinator:
         while True:
             trained = ledger.trained_count
             while pending and trained >= pending[0].step:
-                self._apply(pending.pop(0), group, trace.devices)
+                self._apply(pending.pop(0), group, trace.devices, scaler)
             if ledger.done or not self.members:
                 return
             if time.monotonic() > deadline:
@@ -409,17 +415,27 @@ class Coordinator:
                 )
             ledger = self.ps.wait(WATCH_SECONDS)  # the next commit (or a VW's end, within this)
 
-    def _apply(self, event, group: int, total: int) -> None:
+    def _apply(self, event, group: int, total: int, scaler) -> None:
         if event.kind == "offer":
             free = self.free(range(total)) if event.devices is None else list(event.devices)
             count = len(free) if event.devices is not None else min(event.count, len(free))
-            self.add(*(free[i * group : (i + 1) * group] for i in range(count // group)))
+            groups = [free[i * group : (i + 1) * group] for i in range(count // group)]
+            if scaler is None:
+                self.add(*groups)
+            for devices in groups if scaler is not None else ():
+                if scaler.offer(devices).action == "add":
+                    scaler.review()
             return
         if event.kind not in ("preempt", "fail"):
             raise WSPError(
                 f"a trace event for virtual workers is offer, preempt or fail; got {event.kind!r}",
                 "invalid",
             )
+        if scaler is not None and event.kind == "preempt" and event.devices is None:
+            for _ in range(-(-event.count // group)):
+                if self.members:
+                    scaler.shrink(f"a preemption of {event.count} devices")
+            return
         held = sorted(self.members.values(), key=lambda m: max(m.devices))
         gone = set(event.devices or ())
         if event.devices is None:

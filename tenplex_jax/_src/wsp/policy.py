@@ -1,0 +1,389 @@
+"""Hydrozoa's scaling policy: take an offer of devices when the job's throughput per dollar with
+one more virtual worker (VW) holds, keep it only if the measured numbers agree, and shrink by
+removing the least efficient VW.
+
+Throughput per dollar is samples per US dollar: the job's samples/s times 3,600 over the price of
+the devices its VWs hold, $/hour. The policy is pure: it decides on :class:`Measured` windows
+(samples each VW trained over some seconds, the price of its devices) and says why, with every
+number it used, in a :class:`Decision`. A :class:`Scaler` runs it on a live job: it measures the
+coordinator's VWs over windows of committed waves, takes or declines offers, reviews what it
+added, and logs each decision as an event of the coordinator.
+
+    scaler = Scaler(coordinator, ScalingPolicy(tolerance=0.9), usd_per_device_hour=2.5)
+    decision = scaler.offer([2, 3])          # measured now; added, or declined, with the numbers
+    review = scaler.review()                 # measured again: kept, or removed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from tenplex_jax._src.errors import WSPError
+
+SECONDS_PER_HOUR = 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What a job's VWs did over a window.
+
+    Attributes:
+      seconds: the window's length.
+      samples: VW name -> the samples it trained (waves ended) in the window.
+      devices: VW name -> how many devices it holds.
+      usd_per_hour: VW name -> the price of its devices, $/hour.
+    """
+
+    seconds: float
+    samples: Mapping[str, int]
+    devices: Mapping[str, int]
+    usd_per_hour: Mapping[str, float]
+
+    @property
+    def throughput(self) -> float:
+        """The job's samples/s."""
+        return sum(self.samples.values()) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def price(self) -> float:
+        """The job's devices' price, $/hour."""
+        return sum(self.usd_per_hour.values())
+
+    @property
+    def per_dollar(self) -> float:
+        """Samples per dollar (infinite when the devices are free)."""
+        return _per_dollar(self.throughput, self.price)
+
+    def rate(self, vw: str) -> float:
+        """The samples/s of VW ``vw`` (0 when it trained none in the window)."""
+        return self.samples.get(vw, 0) / self.seconds if self.seconds > 0 else 0.0
+
+    def numbers(self, suffix: str = "") -> dict[str, float]:
+        """The job's throughput, price and samples per dollar, keyed with ``suffix``."""
+        return {
+            f"samples_per_second{suffix}": self.throughput,
+            f"usd_per_hour{suffix}": self.price,
+            f"samples_per_usd{suffix}": self.per_dollar,
+        }
+
+
+def _per_dollar(throughput: float, price: float) -> float:
+    return throughput * SECONDS_PER_HOUR / price if price > 0 else math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """A decision of the policy.
+
+    Attributes:
+      action: ``"add"`` or ``"decline"`` (an offer), ``"keep"`` or ``"remove"`` (a review of a VW
+        added, or a shrink).
+      vw: the VW removed or kept (None for an offer's decision).
+      devices: the devices offered, or those of the VW.
+      reason: why, in words.
+      numbers: every number it was based on (throughput, price, samples per dollar, now and
+        estimated or measured with the change).
+    """
+
+    action: str
+    vw: str | None
+    devices: tuple[int, ...]
+    reason: str
+    numbers: Mapping[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingPolicy:
+    """Hydrozoa's rule for growing and shrinking a job of VWs.
+
+    >>> now = Measured(10.0, {"vw1": 400}, {"vw1": 2}, {"vw1": 2.0})
+    >>> ScalingPolicy().offer(now, (2, 3), 2.0).action
+    'add'
+    >>> ScalingPolicy(budget=3.0).offer(now, (2, 3), 2.0).action
+    'decline'
+
+    Args:
+      tolerance: take an offer when the estimated samples per dollar with it is at least this
+        fraction of today's, and keep what was taken when the measured one is (``1``: only what
+        pays; below: some efficiency for speed).
+      floor: a throughput (samples/s) the user wants: below it, offers are taken (within the
+        budget) whatever they cost per sample, and kept while they raise the throughput.
+      budget: the most the job may spend, $/hour: an offer over it is declined.
+
+    Raises:
+      WSPError: a tolerance outside (0, 1], a negative floor or a budget <= 0 (``"invalid"``).
+    """
+
+    tolerance: float = 0.9
+    floor: float | None = None
+    budget: float | None = None
+
+    def __post_init__(self):
+        if not 0 < self.tolerance <= 1 or (self.floor or 0) < 0 or (self.budget or 1) <= 0:
+            raise WSPError(
+                f"a scaling policy needs 0 < tolerance <= 1, floor >= 0 and budget > 0; got "
+                f"{self.tolerance}, {self.floor}, {self.budget}",
+                "invalid",
+            )
+
+    def offer(self, now: Measured, devices: Sequence[int], usd_per_hour: float) -> Decision:
+        """Take or decline an offer of devices for one more VW.
+
+        Its throughput is estimated from the running VWs' samples/s per device (the same kind
+        of device: a cluster of one type, or the caller's prices per type).
+
+        Args:
+          now: the job measured over its last window.
+          devices: the devices offered.
+          usd_per_hour: their price, $/hour.
+
+        Returns:
+          ``"add"`` or ``"decline"``, with the numbers.
+        """
+        devices = tuple(devices)
+        held = sum(now.devices.values())
+        estimate = now.throughput / held * len(devices) if held else 0.0
+        price = now.price + usd_per_hour
+        numbers = {
+            **now.numbers(),
+            "estimated_samples_per_second_with": now.throughput + estimate,
+            "usd_per_hour_with": price,
+            "estimated_samples_per_usd_with": _per_dollar(now.throughput + estimate, price),
+        }
+        if self.budget is not None and price > self.budget:
+            return Decision(
+                "decline",
+                None,
+                devices,
+                f"over the budget: ${price:.2f}/h with it > ${self.budget:.2f}/h",
+                numbers,
+            )
+        if self.floor is not None and now.throughput < self.floor:
+            return Decision(
+                "add",
+                None,
+                devices,
+                f"below the floor: {now.throughput:.1f} < {self.floor:.1f} samples/s",
+                numbers,
+            )
+        with_, bar = numbers["estimated_samples_per_usd_with"], self.tolerance * now.per_dollar
+        if with_ >= bar:
+            return Decision(
+                "add",
+                None,
+                devices,
+                f"it pays: {with_:.0f} samples/$ with it >= {self.tolerance:g} x "
+                f"{now.per_dollar:.0f}",
+                numbers,
+            )
+        return Decision(
+            "decline",
+            None,
+            devices,
+            f"it does not pay: {with_:.0f} samples/$ with it < {self.tolerance:g} x "
+            f"{now.per_dollar:.0f}",
+            numbers,
+        )
+
+    def review(self, before: Measured, after: Measured, vw: str, devices: Sequence[int]):
+        """Keep or remove a VW added, on the job measured before and after it.
+
+        Args:
+          before: the job's window before the VW was added.
+          after: a window after it joined.
+          vw: the VW added.
+          devices: its devices.
+
+        Returns:
+          ``"keep"`` or ``"remove"``, with the numbers.
+        """
+        numbers = {
+            **before.numbers(),
+            **after.numbers("_with"),
+            "vw_samples_per_second": after.rate(vw),
+        }
+        if self.floor is not None and before.throughput < self.floor:
+            if after.throughput > before.throughput:
+                return Decision(
+                    "keep", vw, tuple(devices), "it raises the throughput toward the floor", numbers
+                )
+            return Decision(
+                "remove", vw, tuple(devices), "it does not raise the throughput", numbers
+            )
+        if after.per_dollar >= self.tolerance * before.per_dollar:
+            return Decision(
+                "keep",
+                vw,
+                tuple(devices),
+                f"it pays: {after.per_dollar:.0f} samples/$ measured >= {self.tolerance:g} x "
+                f"{before.per_dollar:.0f}",
+                numbers,
+            )
+        return Decision(
+            "remove",
+            vw,
+            tuple(devices),
+            f"it does not pay: {after.per_dollar:.0f} samples/$ measured < {self.tolerance:g} x "
+            f"{before.per_dollar:.0f}",
+            numbers,
+        )
+
+    def shrink(self, now: Measured, devices: Mapping[str, Sequence[int]], why: str) -> Decision:
+        """The VW to remove (a preemption without named devices, or a budget cut): the one
+        training the fewest samples per dollar.
+
+        Args:
+          now: the job measured over its last window.
+          devices: VW name -> its devices.
+          why: what asks for the removal (for the decision's reason).
+
+        Returns:
+          ``"remove"``, with each VW's samples per dollar among the numbers.
+
+        Raises:
+          WSPError: there is no VW (``"invalid"``).
+        """
+        if not devices:
+            raise WSPError(f"{why}: there is no virtual worker to remove", "invalid")
+        efficiency = {
+            vw: _per_dollar(now.rate(vw), now.usd_per_hour.get(vw, 0.0)) for vw in devices
+        }
+        worst = min(sorted(efficiency), key=lambda vw: efficiency[vw])
+        numbers = {**now.numbers(), **{f"samples_per_usd_{vw}": e for vw, e in efficiency.items()}}
+        return Decision(
+            "remove",
+            worst,
+            tuple(devices[worst]),
+            f"{why}: {worst} trains the fewest samples per dollar ({efficiency[worst]:.0f})",
+            numbers,
+        )
+
+
+class Scaler:
+    """Runs a :class:`ScalingPolicy` on a coordinator's live job (Hydrozoa's coordinator).
+
+    Windows are counted in committed waves: a measurement waits (on the ledger, not by polling)
+    until ``window`` more waves are committed after ``warmup`` waves since the last change, and
+    counts the samples of each VW's waves that ended in it.
+
+    Args:
+      coordinator: the job's :class:`Coordinator`.
+      policy: the policy.
+      usd_per_device_hour: the price of one device, $/hour: a number, or ``f(device id)``.
+      window: waves a measurement spans.
+      warmup: waves after a change before a measurement starts (a joiner compiles and pulls).
+      timeout: seconds a measurement may wait.
+
+    Attributes:
+      decisions: every decision taken, in order.
+      added: ``(vw, devices, the window before it)`` of the last VW added and not yet reviewed.
+    """
+
+    def __init__(
+        self,
+        coordinator,
+        policy: ScalingPolicy,
+        usd_per_device_hour: float | Callable[[int], float],
+        *,
+        window: int = 12,
+        warmup: int = 3,
+        timeout: float = 300.0,
+    ):
+        self.coordinator, self.policy = coordinator, policy
+        self.price = (
+            usd_per_device_hour
+            if callable(usd_per_device_hour)
+            else lambda device: float(usd_per_device_hour)
+        )
+        self.window, self.warmup, self.timeout = window, warmup, timeout
+        self.decisions: list[Decision] = []
+        self.added: tuple[str, tuple[int, ...], Measured] | None = None
+
+    def measure(self) -> Measured:
+        """The job over its next window: after ``warmup`` more waves, ``window`` waves.
+
+        Raises:
+          WSPError: the waves did not come within ``timeout`` (``"busy"``).
+        """
+        self._waves(self.warmup)
+        tic = time.time()
+        self._waves(self.window)
+        toc = time.time()
+        members = dict(self.coordinator.members)
+        samples = dict.fromkeys(members, 0)
+        for record in self.coordinator.records():
+            if record["vw"] in samples and tic < record["ended"] <= toc:
+                samples[record["vw"]] += len(record["samples"])
+        return Measured(
+            toc - tic,
+            samples,
+            {vw: len(m.devices) for vw, m in members.items()},
+            {vw: sum(self.price(d) for d in m.devices) for vw, m in members.items()},
+        )
+
+    def _waves(self, count: int) -> None:
+        ps, deadline = self.coordinator.ps, time.monotonic() + self.timeout
+        ledger = ps.ledger()
+        target = sum(ledger.committed.values()) + count
+        while sum(ledger.committed.values()) < target:
+            if time.monotonic() > deadline or ledger.done:
+                raise WSPError(
+                    f"{count} waves were not committed within {self.timeout:.0f} s", "busy"
+                )
+            ledger = ps.wait(1.0)
+
+    def offer(self, devices: Sequence[int]) -> Decision:
+        """An offer of devices for one more VW: measured now, then added or declined.
+
+        Args:
+          devices: the device ids offered.
+
+        Returns:
+          The decision (added: ``coordinator.members`` holds the new VW).
+        """
+        now = self.measure()
+        decision = self.policy.offer(now, devices, sum(self.price(d) for d in devices))
+        if decision.action == "add":
+            (vw,) = self.coordinator.add(devices)
+            decision = dataclasses.replace(decision, vw=vw)
+            self.added = (vw, tuple(devices), now)
+        return self._log(decision)
+
+    def review(self) -> Decision | None:
+        """Measure the job with the VW last added and keep or remove it (None: nothing to
+        review)."""
+        if self.added is None:
+            return None
+        vw, devices, before = self.added
+        self.added = None
+        decision = self.policy.review(before, self.measure(), vw, devices)
+        if decision.action == "remove":
+            self.coordinator.remove(vw)
+        return self._log(decision)
+
+    def shrink(self, why: str) -> Decision:
+        """Remove the VW training the fewest samples per dollar (a preemption of any devices, a
+        budget cut).
+
+        Args:
+          why: what asks for it (in the decision's reason).
+        """
+        devices = {vw: m.devices for vw, m in self.coordinator.members.items()}
+        decision = self.policy.shrink(self.measure(), devices, why)
+        self.coordinator.remove(decision.vw)
+        return self._log(decision)
+
+    def _log(self, decision: Decision) -> Decision:
+        self.decisions.append(decision)
+        self.coordinator._event(
+            "decide",
+            action=decision.action,
+            vw=decision.vw,
+            devices=list(decision.devices),
+            reason=decision.reason,
+            **{k: round(v, 3) for k, v in decision.numbers.items()},
+        )
+        return decision

@@ -1,0 +1,145 @@
+"""Hydrozoa's scaling policy: its decisions on measured windows (pure), and a Scaler growing,
+reviewing and shrinking a live job of virtual workers on a parameter server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from tenplex_jax._src.elastic.steps import StepCache
+from tenplex_jax.elastic import ResourceTrace
+from tenplex_jax.errors import WSPError
+from tenplex_jax.wsp import (
+    Coordinator,
+    Measured,
+    ParameterServer,
+    Scaler,
+    ScalingPolicy,
+    Threads,
+    VirtualWorker,
+    weights_of,
+)
+from tenplex_jax_models import wsp as job_parts
+from tests.helpers import Stores
+
+TOTAL = 90  # minibatches of the live run
+
+
+def _job(**rates) -> Measured:
+    """Ten seconds of VWs of 2 devices at $1/device-hour, each at its samples/s."""
+    return Measured(
+        10.0,
+        {vw: int(10 * r) for vw, r in rates.items()},
+        dict.fromkeys(rates, 2),
+        dict.fromkeys(rates, 2.0),
+    )
+
+
+def test_an_offer_is_taken_when_the_throughput_per_dollar_holds_with_it():
+    now = _job(vw1=40.0, vw2=40.0)  # 80 samples/s for $4/h: 72,000 samples/$
+    taken = ScalingPolicy(tolerance=0.9).offer(now, (4, 5), 2.0)
+    assert taken.action == "add" and taken.devices == (4, 5)
+    assert taken.numbers["samples_per_usd"] == pytest.approx(72_000)
+    assert taken.numbers["estimated_samples_per_second_with"] == pytest.approx(120.0)
+    assert taken.numbers["estimated_samples_per_usd_with"] == pytest.approx(72_000)
+    # devices at 4x the price: 120 samples/s for $12/h is 36,000 samples/$, half of today's
+    dear = ScalingPolicy(tolerance=0.9).offer(now, (4, 5), 8.0)
+    assert dear.action == "decline" and "does not pay" in dear.reason
+    assert ScalingPolicy(tolerance=0.5).offer(now, (4, 5), 8.0).action == "add"
+    # a throughput floor takes it anyway, a budget declines it whatever it pays
+    assert ScalingPolicy(floor=100.0).offer(now, (4, 5), 8.0).action == "add"
+    over = ScalingPolicy(floor=100.0, budget=10.0).offer(now, (4, 5), 8.0)
+    assert over.action == "decline" and "budget" in over.reason
+    assert over.numbers["usd_per_hour_with"] == 12.0
+
+
+def test_a_vw_added_is_kept_only_if_the_measured_numbers_agree():
+    before = _job(vw1=40.0, vw2=40.0)
+    pays = _job(vw1=38.0, vw2=38.0, vw3=38.0)  # 114 for $6/h: 68,400 >= 0.9 x 72,000
+    kept = ScalingPolicy().review(before, pays, "vw3", (4, 5))
+    assert kept.action == "keep" and kept.numbers["vw_samples_per_second"] == pytest.approx(38.0)
+    crowded = _job(vw1=30.0, vw2=30.0, vw3=20.0)  # 80 for $6/h: 48,000
+    removed = ScalingPolicy().review(before, crowded, "vw3", (4, 5))
+    assert removed.action == "remove" and removed.vw == "vw3"
+    assert removed.numbers["samples_per_usd_with"] == pytest.approx(48_000)
+    # below a floor, what raises the throughput stays
+    assert ScalingPolicy(floor=200.0).review(before, crowded, "vw3", (4, 5)).action == "remove"
+    assert ScalingPolicy(floor=200.0).review(before, pays, "vw3", (4, 5)).action == "keep"
+
+
+def test_a_shrink_removes_the_vw_training_the_fewest_samples_per_dollar():
+    now = _job(vw1=40.0, vw2=25.0, vw3=40.0)
+    devices = {"vw1": (0, 1), "vw2": (2, 3), "vw3": (4, 5)}
+    decision = ScalingPolicy().shrink(now, devices, "a budget cut")
+    assert (decision.action, decision.vw, decision.devices) == ("remove", "vw2", (2, 3))
+    assert decision.numbers["samples_per_usd_vw2"] == pytest.approx(45_000)
+    with pytest.raises(WSPError, match="no virtual worker"):
+        ScalingPolicy().shrink(now, {}, "a preemption")
+    with pytest.raises(WSPError, match="tolerance"):
+        ScalingPolicy(tolerance=1.5)
+
+
+@pytest.mark.slow
+def test_a_scaler_follows_a_trace_growing_reviewing_and_shrinking_a_live_job(tmp_path):
+    started = Stores(tmp_path)
+    try:
+        addresses = [started.start(f"s{i}").address for i in range(2)]
+        parts = job_parts.job(1)
+        state = parts["init"]()
+        sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
+        steps = StepCache(parts["train_step"], sample, jax.devices(), donate=False)
+
+        def make(name, devices):
+            return VirtualWorker(
+                name,
+                ParameterServer(addresses),
+                parts["rules"],
+                parts["dataset"],
+                state,
+                parts["train_step"],
+                config=parts["config"],
+                devices=[jax.devices()[d] for d in devices],
+                distance=1,
+                timeout=3.0,
+                steps=steps,
+            )
+
+        trace = ResourceTrace.from_dict(
+            {
+                "devices": 4,
+                "steps": TOTAL,
+                "events": [
+                    {"step": 4, "kind": "offer", "devices": [1]},  # the same price: it pays
+                    {"step": 30, "kind": "offer", "devices": [2]},  # over the $2.50 budget
+                    {"step": 50, "kind": "preempt", "count": 1},  # any device: the least efficient
+                ],
+            }
+        )
+        with ParameterServer(addresses) as ps:
+            ps.create(weights_of(state), total=TOTAL)
+            with Coordinator(ps, Threads(make)) as coordinator:
+                coordinator.add([0])
+                policy = ScalingPolicy(tolerance=0.05, budget=2.5)
+                scaler = Scaler(coordinator, policy, usd_per_device_hour=1.0, window=4, warmup=1)
+                coordinator.follow(trace, group=1, timeout=240, scaler=scaler)
+                coordinator.wait(timeout=120)
+            assert not coordinator.runner.errors
+            ledger = ps.history()
+        actions = [(d.action, d.vw, d.devices) for d in scaler.decisions]
+        assert actions[0] == ("add", "vw2", (1,))
+        review = actions[1]
+        assert review[:2] in (("keep", "vw2"), ("remove", "vw2"))
+        assert actions[2] == ("decline", None, (2,))
+        if review[0] == "keep":  # the preemption took the VW training the fewest samples per $
+            assert actions[3][0] == "remove" and len(actions) == 4
+            assert ledger.done and sorted(ledger.trained()) == list(range(TOTAL))
+        added = [e["vw"] for e in coordinator.events if e["event"] == "add"]
+        assert added == ["vw1", "vw2"]  # the declined offer started nothing
+        decided = [e for e in coordinator.events if e["event"] == "decide"]
+        assert len(decided) == len(actions)
+        for event in decided:  # every decision logged with the numbers it was based on
+            assert event["reason"] and event["samples_per_second"] > 0
+            assert event["usd_per_hour"] >= 1.0 and event["samples_per_usd"] > 0
+    finally:
+        started.reap()
