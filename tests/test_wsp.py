@@ -201,5 +201,13 @@ def test_the_planner_groups_mixed_nodes_into_equal_vws_with_stages_by_speed():
     fast_vw, slow_vw = sorted(by_node.workers, key=lambda w: w.candidate.step_time)
     assert fast_vw.minibatches > slow_vw.minibatches == 1  # Nm in proportion to speed
     assert "synchronous" in str(choice) and choice.throughput > 0
+    hybrid = plan_workers(cluster, model, minibatch=8, groupings=("hybrid",))
+    # HetPipe's hybrid distribution: blocks of 2 adjacent devices of each node, 2 of each type
+    assert [w.devices for w in hybrid.workers] == [(0, 1, 4, 5), (2, 3, 6, 7)]
+    assert hybrid.grouping == "hybrid" and hybrid.distance == 1
+    assert {g for g, _, _ in choice.alternatives} | {choice.grouping} == {"node", "equal", "hybrid"}
+    odd = tj.planner.Cluster("odd", (fast, slow), (0,) * 3 + (1,) * 3, (0,) * 3 + (1,) * 3, 10e9)
+    with pytest.raises(tj.errors.PlanError, match=r"hybrid grouping needs.*\[3, 3\]"):
+        plan_workers(odd, model, minibatch=8, groupings=("hybrid",))
     with pytest.raises(tj.errors.PlanError, match="objective"):
         plan_workers(cluster, model, minibatch=8, objective="speed")

@@ -6,7 +6,11 @@ virtual workers (VWs), as HetPipe's resource allocator does:
 - ``node``: each node is a VW (a node's devices share fast links: pipeline and data parallelism
   inside it cost least);
 - ``equal``: VW ``i`` takes the ``i``-th device of every node (HetPipe's equal distribution: every
-  VW holds the same mix of device types, so the VWs are equally fast).
+  VW holds the same mix of device types, so the VWs are equally fast);
+- ``hybrid``: between the two (HetPipe's hybrid distribution): VW ``i`` takes the ``i``-th block of
+  ``h`` adjacent devices of every node, ``h`` the largest divisor of the smallest node's device
+  count below it: the same mix of types in every VW as ``equal``, in fewer, larger VWs whose
+  stages keep more of their devices inside one node.
 
 For each VW the planner's search (``tj.planner.choose``, the cost model of ``search.py``) picks its
 layout and its pipeline stages, each stage's layers in proportion to its devices' speed. ``Nm`` (the
@@ -29,7 +33,7 @@ from tenplex_jax._src.planner.cluster import Cluster
 from tenplex_jax._src.planner.profile import ModelProfile
 from tenplex_jax._src.planner.search import Candidate, choose
 
-GROUPINGS = ("node", "equal")
+GROUPINGS = ("node", "equal", "hybrid")
 MAX_MINIBATCHES = 16
 
 
@@ -60,8 +64,8 @@ class WSPChoice:
     compare: what :func:`plan_workers` returns; ``print(choice)`` shows :meth:`table`.
 
     Attributes:
-      grouping: ``"node"`` (each node a VW) or ``"equal"`` (VW ``i`` takes every node's
-        ``i``-th device).
+      grouping: ``"node"`` (each node a VW), ``"equal"`` (VW ``i`` takes every node's
+        ``i``-th device) or ``"hybrid"`` (VW ``i`` takes every node's ``i``-th block of devices).
       workers: one :class:`WorkerPlan` per VW.
       distance: WSP's ``D`` (1, or 0 for one VW).
       minibatch: samples per minibatch.
@@ -134,9 +138,21 @@ def groups(cluster: Cluster, grouping: str) -> list[tuple[int, ...]]:
         by_node.setdefault(node, []).append(d)
     if grouping == "node":
         return [tuple(ids) for ids in by_node.values()]
+    width = min(len(ids) for ids in by_node.values())
     if grouping == "equal":
-        width = min(len(ids) for ids in by_node.values())
         return [tuple(ids[i] for ids in by_node.values()) for i in range(width)]
+    if grouping == "hybrid":
+        block = max((h for h in range(2, width) if width % h == 0), default=None)
+        if block is None or len(by_node) < 2:
+            raise PlanError(
+                f"a hybrid grouping needs two nodes or more whose smallest has a device count "
+                f"with a divisor between 1 and itself; the nodes have "
+                f"{sorted(len(ids) for ids in by_node.values())} devices"
+            )
+        return [
+            tuple(d for ids in by_node.values() for d in ids[i : i + block])
+            for i in range(0, width, block)
+        ]
     raise PlanError(f"a grouping is one of {GROUPINGS}, got {grouping!r}")
 
 
@@ -159,7 +175,8 @@ def plan_workers(
       profile: the model's :class:`tenplex_jax.planner.ModelProfile`.
       minibatch: samples per minibatch (each VW's global batch).
       objective: ``"time"`` (most samples per second) or ``"cost"`` (per dollar).
-      groupings: the groupings to try: ``"node"``, ``"equal"``.
+      groupings: the groupings to try: ``"node"``, ``"equal"``, ``"hybrid"`` (one that does
+        not apply to the cluster is refused, as one that does not fit).
 
     Returns:
       The :class:`WSPChoice`.
