@@ -303,7 +303,8 @@ class Scaler:
         self.added: tuple[str, tuple[int, ...], Measured] | None = None
 
     def measure(self) -> Measured:
-        """The job over its next window: after ``warmup`` more waves, ``window`` waves.
+        """The job over its next window: after ``warmup`` more waves, ``window`` waves (fewer
+        when the run ends first).
 
         Raises:
           WSPError: the waves did not come within ``timeout`` (``"busy"``).
@@ -328,8 +329,8 @@ class Scaler:
         ps, deadline = self.coordinator.ps, time.monotonic() + self.timeout
         ledger = ps.ledger()
         target = sum(ledger.committed.values()) + count
-        while sum(ledger.committed.values()) < target:
-            if time.monotonic() > deadline or ledger.done:
+        while sum(ledger.committed.values()) < target and not ledger.done:  # done: no more
+            if time.monotonic() > deadline:
                 raise WSPError(
                     f"{count} waves were not committed within {self.timeout:.0f} s", "busy"
                 )
