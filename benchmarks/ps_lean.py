@@ -14,8 +14,9 @@ subprocesses per version for the transfers):
   commit) and checksummed (crc32: every transfer is checked on arrival).
 - **the ledger's traffic**: the WSP benchmark's run (``benchmarks/wsp.py``: three VWs as
   threads, ``D = 1``, vw3 2x slow, heartbeats every 0.75 s) with every JSON request its store
-  clients make counted by kind: the bytes written to the ledger per committed wave, the ledger
-  reads per wave, the heartbeat and log-segment writes.
+  clients make counted by kind: the bytes written to the ledger per committed wave and its size at
+  the end (it grew with the run before compaction), the ledger reads per wave, the heartbeat
+  and log-segment writes.
 
     python -m tenplex_jax_benchmarks.ps_lean --before REF [--rounds 3] [--out FILE]
 """
@@ -99,6 +100,7 @@ def counted(name, method):
         out = method(self, path, *args, **kwargs)
         if name in ("cas_json", "put_json"):
             counts[f"{{kind(path)}} write bytes"] += len(json.dumps(args[0]).encode())
+            counts[f"{{kind(path)}} last write bytes"] = len(json.dumps(args[0]).encode())
             counts[f"{{kind(path)}} writes"] += 1
         else:
             counts[f"{{kind(path)}} reads"] += 1
@@ -214,6 +216,7 @@ def run_ps_lean(before: str, rounds: int = 3, repeats: int = 5, total: int = 161
             "ledger reads per wave": c.get("ledger reads", 0) / waves,
             "heartbeat bytes written per wave": c.get("beats write bytes", 0) / waves,
             "log segment bytes written per wave": c.get("log segments write bytes", 0) / waves,
+            "ledger bytes at the end": c.get("ledger last write bytes", 0),
             "samples_per_second": row["samples_per_second"],
         }
     log(
