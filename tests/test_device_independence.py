@@ -29,8 +29,20 @@ def build(seed: int = 0):
     return nnx.split((model, optimizer))
 
 
+STEPS_BY_LAYOUT: dict = {}  # a layout's jitted step, shared by the runs that use it
+
+
 def compiled_step(graphdef, ptc: tj.PTC, layout: tj.data.BatchLayout, microbatches: int = 0):
-    """The jitted step; ``microbatches > 0`` runs the layers as a pipeline over ``pipe``."""
+    """The jitted step; ``microbatches > 0`` runs the layers as a pipeline over ``pipe``. One
+    function object per layout, so a run on a layout another run compiled takes its executable
+    from JAX's in-memory cache (``build`` gives every run the same graphdef)."""
+    key = (ptc.config, ptc.device_ids, layout, microbatches)
+    if key not in STEPS_BY_LAYOUT:
+        STEPS_BY_LAYOUT[key] = _compiled_step(graphdef, ptc, layout, microbatches)
+    return STEPS_BY_LAYOUT[key]
+
+
+def _compiled_step(graphdef, ptc: tj.PTC, layout: tj.data.BatchLayout, microbatches: int):
     mesh = ptc.mesh()
     loss = example_losses
     if microbatches:
@@ -134,6 +146,16 @@ def test_tensor_parallel_resizes_stay_within_fp32_rounding(fixed_run):
     assert max_relative_difference(state, fixed_state) <= 1e-6
 
 
+@functools.cache
+def unpadded_reference(rows: tuple[int, ...]):
+    """The loss and gradient of ``build``'s model on the samples ``rows`` alone, op by op on the
+    host (no padding, no layout, nothing jitted); the same for every parametrization below."""
+    graphdef, state = build()
+    model, _ = nnx.merge(graphdef, jax.tree.map(np.asarray, state))
+    unpadded = jax.tree.map(lambda x: x[np.asarray(rows)], tiny_samples())
+    return nnx.value_and_grad(lambda m: example_losses(m, unpadded).mean())(model)
+
+
 @pytest.mark.parametrize("workers, accumulate", [(None, 1), (None, 2), (4, 1)])
 def test_padded_uneven_ranks_give_the_gradient_of_the_unpadded_batch(workers, accumulate):
     """3 ranks, global batch 16: 6, 5, 5 real rows; the padding must not count."""
@@ -155,10 +177,7 @@ def test_padded_uneven_ranks_give_the_gradient_of_the_unpadded_batch(workers, ac
     assert int((samples < 0).sum()) == layout.rows - 16
     loss, got = grads(state, batch, weights)
 
-    host = jax.tree.map(np.asarray, state)
-    model, _ = nnx.merge(graphdef, host)
-    unpadded = jax.tree.map(lambda x: x[dataset.indices(0)[0]], tiny_samples())
-    want_loss, want = nnx.value_and_grad(lambda m: example_losses(m, unpadded).mean())(model)
+    want_loss, want = unpadded_reference(tuple(dataset.indices(0)[0]))
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)

@@ -100,7 +100,10 @@ def train(schedule: dict, steps: int):
     return losses, host_copy(state), reshards
 
 
-PATHS = [leaf.path for leaf in tj.PTC.of(build()[1], MOE_RULES, SCHEDULE[0][0], range(8)).leaves]
+def paths(state) -> list[str]:
+    """The leaves' paths of ``state``, in ``host_copy``'s order (built when a test asks, not when
+    the file is collected: every worker collects it)."""
+    return [leaf.path for leaf in tj.PTC.of(state, MOE_RULES, SCHEDULE[0][0], range(8)).leaves]
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +140,8 @@ def test_training_through_expert_resizes_matches_a_fixed_run_within_tolerance(ru
     (losses, state, _), (fixed_losses, fixed_state, _) = runs
     np.testing.assert_allclose(losses, fixed_losses, rtol=LOSS_RTOL)
     assert losses[-1] < losses[0]  # it trains
-    initial = host_copy(build()[1])
-    for path, got, want, start in zip(PATHS, state, fixed_state, initial):
+    initial = build()[1]
+    for path, got, want, start in zip(paths(initial), state, fixed_state, host_copy(initial)):
         if want.dtype.kind != "f":
             np.testing.assert_array_equal(got, want, err_msg=path)  # step counters
             continue

@@ -124,7 +124,19 @@ def _train(schedule: dict[int, tuple], steps: int):
     return losses, plans
 
 
+STEPS_BY_LAYOUT: dict = {}  # a layout's jitted step, shared by the runs that use it
+
+
 def _step(graphdef, ptc, microbatches, stages=None):
+    """One function object per layout (every run's graphdef is the same), so a run on a layout
+    another run compiled takes its executable from JAX's in-memory cache."""
+    key = (ptc.config, ptc.device_ids, microbatches, stages)
+    if key not in STEPS_BY_LAYOUT:
+        STEPS_BY_LAYOUT[key] = _jitted_step(graphdef, ptc, microbatches, stages)
+    return STEPS_BY_LAYOUT[key]
+
+
+def _jitted_step(graphdef, ptc, microbatches, stages):
     mesh = ptc.mesh()
 
     def step(state, batch):

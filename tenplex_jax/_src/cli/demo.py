@@ -231,7 +231,7 @@ def train(
     PTC serves every step's global batch, so an event changes how the batch is split over ranks,
     never which samples it holds.
     """
-    from tenplex_jax_models import CPU, LOGICAL_RULES, MOE_RULES, build_state, profile_of
+    from tenplex_jax_models import CPU, LOGICAL_RULES, MOE_RULES, profile_of
 
     if layouts is None:  # the planner picks data and FSDP sizes with the model's profile
         job_options |= {"profile": profile_of(options.model), "device_type": CPU}
@@ -267,7 +267,7 @@ def train(
         options=JobOptions(method=options.method, log=bar.write, **job_options),
     ) as job:
         tic = time.perf_counter()
-        state = job.start(lambda: build_state(options.model, options.lr, options.seed)[1])
+        state = job.start(_init(options.model, options.lr, options.seed))
         state = replay(job, state, job.jit(step_fn), trace, on_step=on_step)
         host = [np.asarray(x) for x in jax.tree.leaves(state)]
     return Run(
@@ -278,6 +278,18 @@ def train(
         done[-1] - done[0],
         done[0] - tic,
     )
+
+
+@functools.cache
+def _init(model: str, lr: float, seed: int):
+    """The train state's init, one function object per model: as ``_train_step``, the run without
+    resizes jits it from JAX's in-memory cache of the resized run's."""
+    from tenplex_jax_models import build_state
+
+    def init():
+        return build_state(model, lr, seed)[1]
+
+    return init
 
 
 @functools.cache
