@@ -14,7 +14,9 @@ from collections.abc import Mapping, Sequence
 
 from tenplex_jax._src.errors import WSPError
 
-PIECE_BYTES = 8 << 20  # the largest piece of a leaf, by default
+# the largest piece of a leaf, by default: a 64 MiB leaf over 2 stores pushed in 0.163 s and
+# pulled in 0.067 s as 32 MiB pieces, 0.174 and 0.078 s as 8 MiB ones (2 cores, one run)
+PIECE_BYTES = 32 << 20
 
 
 @dataclasses.dataclass(frozen=True)
