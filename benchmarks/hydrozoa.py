@@ -47,7 +47,6 @@ def run_growth(
         Scaler,
         ScalingPolicy,
         Threads,
-        VirtualWorker,
         weights_of,
     )
     from tenplex_jax_models import wsp as job_parts
@@ -63,15 +62,12 @@ def run_growth(
         addresses = [s.address for s in stores]
 
         def make(name, devices):
-            return VirtualWorker(
+            return job_parts.virtual_worker(
+                parts,
                 name,
-                ParameterServer(addresses),
-                parts["rules"],
-                parts["dataset"],
+                devices,
+                addresses,
                 state,
-                parts["train_step"],
-                config=parts["config"],
-                devices=[jax.devices()[d] for d in devices],
                 minibatches=nm,
                 distance=1,
                 slowdown=slowdown,

@@ -17,14 +17,10 @@ a temporary directory and run from there, the working tree's from here, taking t
 
 from __future__ import annotations
 
-import argparse
-import json
-import pathlib
 import statistics
 import sys
-import tempfile
 
-from tenplex_jax_benchmarks.store_hardening import HERE, MIB, _in, _tree
+from tenplex_jax_benchmarks.store_hardening import MIB, compare_main, compare_revisions
 
 PUSH = """
 import json, pathlib, statistics, tempfile, time
@@ -79,13 +75,9 @@ finally:
 
 
 def run_ps_durability(before: str, rounds: int = 3, repeats: int = 5, log=print) -> dict:
-    with tempfile.TemporaryDirectory(prefix="tenplex-before-") as root:
-        trees = {"before": _tree(before, pathlib.Path(root)), "after": HERE}
-        runs: dict = {v: [] for v in trees}
-        for _ in range(rounds):
-            for version, tree in trees.items():
-                runs[version].append(_in(tree, PUSH.format(repeats=repeats)))
-        json_body = {v: _in(tree, JSON_BODY.format(tier=64 * MIB)) for v, tree in trees.items()}
+    runs, json_body = compare_revisions(
+        before, rounds, PUSH.format(repeats=repeats), JSON_BODY.format(tier=64 * MIB)
+    )
     medians = {
         v: {k: statistics.median(r[k] for r in rs) for k in ("push", "pull")}
         for v, rs in runs.items()
@@ -110,16 +102,8 @@ def run_ps_durability(before: str, rounds: int = 3, repeats: int = 5, log=print)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", required=True, help="the revision to compare against")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", help="write the row as JSON here")
-    args = parser.parse_args(argv)
-    row = run_ps_durability(args.before, args.rounds, args.repeats)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(row, indent=1))
-    return 0
+    repeats = {"type": int, "default": 5}
+    return compare_main(argv, __doc__, run_ps_durability, repeats=repeats)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,6 @@ subprocesses per version for the transfers):
 
 from __future__ import annotations
 
-import argparse
-import json
-import pathlib
 import statistics
 import subprocess
 import sys
@@ -34,7 +31,7 @@ import time
 
 import numpy as np
 
-from tenplex_jax_benchmarks.store_hardening import HERE, _in, _tree
+from tenplex_jax_benchmarks.store_hardening import compare_main, compare_revisions
 
 MIB = 1 << 20
 
@@ -185,15 +182,14 @@ def local_floors(nbytes: int = 64 * MIB, repeats: int = 7) -> dict:
 
 
 def run_ps_lean(before: str, rounds: int = 3, repeats: int = 5, total: int = 161, log=print):
-    with tempfile.TemporaryDirectory(prefix="tenplex-before-") as root:
-        trees = {"before": _tree(before, pathlib.Path(root)), "after": HERE}
-        transfers: dict = {v: [] for v in trees}
-        floors = []
-        for _ in range(rounds):
-            for version, tree in trees.items():
-                transfers[version].append(_in(tree, TRANSFERS.format(repeats=repeats)))
-            floors.append(socket_floor() | {"local": local_floors()})
-        ledger = {v: _in(tree, LEDGER.format(total=total)) for v, tree in trees.items()}
+    floors = []
+    transfers, ledger = compare_revisions(
+        before,
+        rounds,
+        TRANSFERS.format(repeats=repeats),
+        LEDGER.format(total=total),
+        each_round=lambda: floors.append(socket_floor() | {"local": local_floors()}),
+    )
     ratios: dict = {}
     for version, runs in transfers.items():
         for shape in runs[0]:
@@ -244,17 +240,8 @@ def run_ps_lean(before: str, rounds: int = 3, repeats: int = 5, total: int = 161
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", required=True, help="the revision to compare against")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--minibatches", type=int, default=161)
-    parser.add_argument("--out", help="write the row as JSON here")
-    args = parser.parse_args(argv)
-    row = run_ps_lean(args.before, args.rounds, args.repeats, args.minibatches)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(row, indent=1))
-    return 0
+    repeats, minibatches = {"type": int, "default": 5}, {"type": int, "default": 161}
+    return compare_main(argv, __doc__, run_ps_lean, repeats=repeats, minibatches=minibatches)
 
 
 if __name__ == "__main__":

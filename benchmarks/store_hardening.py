@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 MIB = 1 << 20
 ATTACK_TIER, ATTACK_OBJECT = 64 * MIB, 40 * MIB
@@ -54,6 +55,52 @@ def _in(tree: pathlib.Path, code: str) -> dict:
         cwd=tempfile.gettempdir(),
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def compare_revisions(
+    before: str,
+    rounds: int,
+    alternated: str,
+    once: str,
+    *,
+    each_round: Callable[[], object] = lambda: None,
+    once_may_fail: bool = False,
+) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+    """Revision ``before``'s ``tenplex_jax`` against the working tree's, in one run: ``alternated``
+    (code that prints one JSON object last) run ``rounds`` times with each, the two taking turns
+    (``each_round()`` after each round), then ``once`` once with each; ``(runs, onces)``, each
+    keyed by ``"before"`` and ``"after"``: ``alternated``'s objects and ``once``'s object. With
+    ``once_may_fail``, a version whose ``once`` exits with an error is left out of ``onces``."""
+    with tempfile.TemporaryDirectory(prefix="tenplex-before-") as root:
+        trees = {"before": _tree(before, pathlib.Path(root)), "after": HERE}
+        runs: dict = {v: [] for v in trees}
+        for _ in range(rounds):
+            for version, tree in trees.items():
+                runs[version].append(_in(tree, alternated))
+            each_round()
+        onces: dict = {}
+        failed = (subprocess.CalledProcessError,) if once_may_fail else ()
+        for version, tree in trees.items():
+            with contextlib.suppress(*failed):
+                onces[version] = _in(tree, once)
+    return runs, onces
+
+
+def compare_main(argv, doc: str, run: Callable[..., dict], **options: dict) -> int:
+    """The command line of a benchmark comparing revisions: ``--before REF``, ``--rounds``, each
+    of ``options`` (an option's name -> ``add_argument``'s keywords) and ``--out FILE``; the row
+    ``run(before, rounds, *options' values)`` written to ``--out`` as JSON."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--before", required=True, help="the revision to compare against")
+    parser.add_argument("--rounds", type=int, default=3)
+    for name, keywords in options.items():
+        parser.add_argument(f"--{name}", **keywords)
+    parser.add_argument("--out", help="write the row as JSON here")
+    args = parser.parse_args(argv)
+    row = run(args.before, args.rounds, *(getattr(args, name) for name in options))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(row, indent=1))
+    return 0
 
 
 THROUGHPUT = """
@@ -168,16 +215,13 @@ def _peak_rss(pid: int) -> int:
 
 
 def run_store_hardening(before: str, rounds: int = 3, quick: bool = False, log=print) -> dict:
-    with tempfile.TemporaryDirectory(prefix="tenplex-before-") as root:
-        trees = {"before": _tree(before, pathlib.Path(root)), "after": HERE}
-        ratios: dict = {v: [] for v in trees}
-        attacks: dict = {}
-        for _ in range(rounds):
-            for version, tree in trees.items():
-                ratios[version].append(_in(tree, THROUGHPUT.format(quick=quick)))
-        for version, tree in trees.items():
-            with contextlib.suppress(subprocess.CalledProcessError):
-                attacks[version] = _in(tree, ATTACK.format(here=str(HERE)))
+    ratios, attacks = compare_revisions(
+        before,
+        rounds,
+        THROUGHPUT.format(quick=quick),
+        ATTACK.format(here=str(HERE)),
+        once_may_fail=True,
+    )
     ops = list(ratios["after"][0])
     medians = {
         v: {op: statistics.median(r[op] for r in runs) for op in ops} for v, runs in ratios.items()
@@ -207,16 +251,8 @@ def run_store_hardening(before: str, rounds: int = 3, quick: bool = False, log=p
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", required=True, help="the revision to compare against")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="32 MiB objects instead of 256 MiB")
-    parser.add_argument("--out", help="write the row as JSON here")
-    args = parser.parse_args(argv)
-    row = run_store_hardening(args.before, args.rounds, args.quick)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(row, indent=1))
-    return 0
+    quick = {"action": "store_true", "help": "32 MiB objects instead of 256 MiB"}
+    return compare_main(argv, __doc__, run_store_hardening, quick=quick)
 
 
 if __name__ == "__main__":

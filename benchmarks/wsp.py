@@ -61,7 +61,7 @@ def run_wsp(
     import jax
 
     from tenplex_jax._src.elastic.steps import StepCache
-    from tenplex_jax.wsp import Coordinator, ParameterServer, Threads, VirtualWorker, weights_of
+    from tenplex_jax.wsp import Coordinator, ParameterServer, Threads, weights_of
     from tenplex_jax_models import wsp as job_parts
 
     parts = job_parts.job(1, model=model, minibatch=minibatch)
@@ -75,15 +75,12 @@ def run_wsp(
         def make(name, devices):
             p = job_parts.job(len(devices), model=model, minibatch=minibatch)
             i = GROUPS.index(devices)
-            return VirtualWorker(
+            return job_parts.virtual_worker(
+                p,
                 name,
-                ParameterServer(addresses),
-                p["rules"],
-                p["dataset"],
+                devices,
+                addresses,
                 state,
-                p["train_step"],
-                devices=[jax.devices()[d] for d in devices],
-                config=p["config"],
                 minibatches=nm[i],
                 distance=distance,
                 slowdown=slowdown if i == 2 else 1.0,
@@ -322,7 +319,7 @@ def run_join(model: str, minibatch: int, before: int = 150, after: int = 12, log
     import jax
 
     from tenplex_jax._src.elastic.steps import StepCache
-    from tenplex_jax.wsp import ParameterServer, VirtualWorker, weights_of
+    from tenplex_jax.wsp import ParameterServer, weights_of
     from tenplex_jax_models import wsp as job_parts
 
     parts = job_parts.job(1, model=model, minibatch=minibatch)
@@ -335,18 +332,8 @@ def run_join(model: str, minibatch: int, before: int = 150, after: int = 12, log
         try:
 
             def vw(name, address=store.address, **kwargs):
-                return VirtualWorker(
-                    name,
-                    ParameterServer([address]),
-                    parts["rules"],
-                    parts["dataset"],
-                    state,
-                    parts["train_step"],
-                    devices=jax.devices()[:1],
-                    config=parts["config"],
-                    minibatches=2,
-                    steps=steps,
-                    **kwargs,
+                return job_parts.virtual_worker(
+                    parts, name, [0], [address], state, minibatches=2, steps=steps, **kwargs
                 )
 
             with ParameterServer([store.address]) as ps:

@@ -69,14 +69,15 @@ def profile_of(name: str) -> tj.planner.ModelProfile:
     return profile(GPTConfig.by_name(name), name=f"gpt {name}")
 
 
-def train_step(graphdef):
+def train_step(graphdef, stages: tj.pipelining.Stages | None = None):
     """``step(state, batch) -> (state, {"loss": loss})`` for ``ElasticJob.jit``: one AdamW step on
     the batch's bitwise gradient (``batch.value_and_grad``); the layers run as a GPipe pipeline
-    when the mesh has a ``pipe`` axis larger than 1."""
+    when the mesh has a ``pipe`` axis larger than 1 (over uneven ``stages`` if given: the state's
+    stacked weights padded for them)."""
 
     def step(state, batch):
         nodes = nnx.merge(graphdef, state)
-        losses = pipelined(example_losses, batch.mesh, batch.layout)
+        losses = pipelined(example_losses, batch.mesh, batch.layout, stages)
         loss, grads = batch.value_and_grad(losses)(nodes["model"])
         nodes["optimizer"].update(nodes["model"], grads)
         return nnx.state(nodes), {"loss": loss}
@@ -84,16 +85,17 @@ def train_step(graphdef):
     return step
 
 
-def pipelined(losses, mesh, layout: tj.data.BatchLayout):
+def pipelined(losses, mesh, layout: tj.data.BatchLayout, stages=None):
     """``losses`` (a per-example loss of the GPT) with its layers pipelined over the mesh's
-    ``pipe`` axis: in as many microbatches as divide the rows of one pass (a virtual worker's
-    unit, or a rank's microbatch) up to twice the stages; ``losses`` itself without a pipe axis."""
-    stages = mesh.shape.get("pipe", 1)
-    if stages == 1:
+    ``pipe`` axis (over ``stages``, uneven ones, if given): in as many microbatches as divide the
+    rows of one pass (a virtual worker's unit, or a rank's microbatch) up to twice the stages;
+    ``losses`` itself without a pipe axis."""
+    pipe = mesh.shape.get("pipe", 1)
+    if pipe == 1:
         return losses
     rows = layout.unit if layout.virtual else layout.rows // layout.accumulate
-    micro = max(m for m in range(1, min(rows, 2 * stages) + 1) if rows % m == 0)
-    return functools.partial(losses, mesh=mesh, microbatches=micro)
+    micro = max(m for m in range(1, min(rows, 2 * pipe) + 1) if rows % m == 0)
+    return functools.partial(losses, mesh=mesh, microbatches=micro, stages=stages)
 
 
 def make_train_step(graphdef, ptc: tj.PTC, layout: tj.data.BatchLayout, batch_axes=None):

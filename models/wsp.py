@@ -3,15 +3,22 @@
 ``job(devices)`` gives what a ``tenplex_jax.wsp.VirtualWorker`` (or the process entry ``python -m
 tenplex_jax.wsp --job tenplex_jax_models.wsp:job``) needs: rules, dataset, init, train step and the
 layout of a VW of ``devices`` devices: a GPipe pipeline of two stages when the VW has 4 devices or
-more (``pipe=2``, the rest data parallel), plain data parallelism below.
+more (``pipe=2``, the rest data parallel), plain data parallelism below. ``virtual_worker``
+builds a VW from them in one process (the tests' and benchmarks' threads).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+
 import tenplex_jax as tj
+from tenplex_jax.wsp import ParameterServer, VirtualWorker
 
 from .data import corpus_samples, stdlib_corpus
-from .gpt import LOGICAL_RULES
+from .gpt import LOGICAL_RULES, GPTConfig
 from .train import build_state, train_step
 
 
@@ -31,15 +38,46 @@ def job(
     minibatch: int = 8,
     seed: int = 0,
     num_samples: int = 4096,
+    layers: int | None = None,
+    stages: tj.pipelining.Stages | None = None,
 ) -> dict:
-    """A VW's parts for the GPT ``model`` trained with ``optimizer`` on minibatches of
-    ``minibatch`` sequences of the standard library's bytes (the same order in every VW)."""
-    graphdef, _, cfg = build_state(model, lr, seed, abstract=True, optimizer=optimizer)
+    """A VW's parts for the GPT ``model`` (with ``layers`` layers instead of its own, if given)
+    trained with ``optimizer`` on minibatches of ``minibatch`` sequences of the standard library's
+    bytes (the same order in every VW); its step runs the pipeline over ``stages`` if given (the
+    VW's ``stages=``: the planner's uneven stages)."""
+    cfg = GPTConfig.by_name(model)
+    if layers is not None:
+        cfg = dataclasses.replace(cfg, n_layers=layers)
+    graphdef, _, cfg = build_state(cfg, lr, seed, abstract=True, optimizer=optimizer)
     source = corpus_samples(stdlib_corpus(), cfg.seq_len, num_samples=num_samples)
     return {
         "rules": LOGICAL_RULES,
         "dataset": tj.DatasetPTC(source, minibatch, seed=seed),
-        "init": lambda: build_state(model, lr, seed, optimizer=optimizer)[1],
-        "train_step": train_step(graphdef),
+        "init": lambda: build_state(cfg, lr, seed, optimizer=optimizer)[1],
+        "train_step": train_step(graphdef, stages),
         "config": config_for(devices),
     }
+
+
+def virtual_worker(
+    parts: dict,
+    name: str,
+    devices: Sequence[int],
+    addresses: Sequence[str],
+    state,
+    **options,
+) -> VirtualWorker:
+    """The VW ``name`` of a job's ``parts`` (:func:`job`'s) on ``jax.devices()``'s ``devices``
+    (indices), starting from ``state``, with a parameter server client of its own on the stores
+    at ``addresses``; ``options``: the VW's other keywords (``minibatches``, ``steps``, ...)."""
+    return VirtualWorker(
+        name,
+        ParameterServer(addresses),
+        parts["rules"],
+        parts["dataset"],
+        state,
+        parts["train_step"],
+        devices=[jax.devices()[d] for d in devices],
+        config=parts["config"],
+        **options,
+    )

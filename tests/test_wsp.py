@@ -22,7 +22,6 @@ from tenplex_jax.wsp import (
     ParameterServer,
     Processes,
     Threads,
-    VirtualWorker,
     plan_workers,
     weights_of,
 )
@@ -50,16 +49,8 @@ def test_d0_with_one_minibatch_and_sgd_is_synchronous_sgd_on_the_summed_gradient
         ps.create(initial, total=2 * waves)
 
         def make(name, devices):
-            return VirtualWorker(
-                name,
-                ParameterServer(store_addresses),
-                parts["rules"],
-                parts["dataset"],
-                state,
-                parts["train_step"],
-                config=parts["config"],
-                devices=[jax.devices()[d] for d in devices],
-                distance=0,
+            return job_parts.virtual_worker(
+                parts, name, devices, store_addresses, state, distance=0
             )
 
         with Coordinator(ps, Threads(make)) as coordinator:
@@ -176,6 +167,54 @@ def test_the_demo_survives_a_death_and_a_join_exactly_once(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 
+# two nodes: 2 fast devices, and 2 too small to hold a data-parallel replica of gpt100m
+TWO_BY_TWO = """name = "two-by-two"
+network_gbps = 7
+[types.fast]
+memory_gib = 24
+tflops = 16
+link_gbps = 12
+[types.slow]
+memory_gib = 6
+tflops = 6.5
+link_gbps = 12
+[[nodes]]
+type = "fast"
+count = 2
+[[nodes]]
+type = "slow"
+count = 2
+"""
+
+
+@pytest.mark.slow
+def test_the_planner_builds_the_demo_s_vws_with_uneven_stages_and_nm_in_flight(tmp_path):
+    cluster = tmp_path / "two-by-two.toml"
+    cluster.write_text(TWO_BY_TWO)
+    out = tmp_path / "out"
+    assert (
+        main(["demo", "--wsp", "--cluster", str(cluster), "--steps", "24", "--out", str(out)]) == 0
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exactly_once"] and summary["samples_exactly_once"] and summary["weights_finite"]
+    built = {v["name"]: v for v in summary["virtual_workers"]}
+    # HetPipe's equal grouping: a fast and a slow device per VW, the fast one's stage first with
+    # 12 of the 16 layers (padded to 12 + 12 rows); Nm = 2, one minibatch in flight per stage
+    expected = [([0, 2], [12, 4], 2), ([1, 3], [12, 4], 2), ([1, 3], [12, 4], 2)]  # + the joiner
+    got = [
+        (built[n]["devices"], built[n]["layers_per_stage"], built[n]["nm"]) for n in sorted(built)
+    ]
+    assert got == expected and summary["distance"] == 1
+    assert [(e["event"], e["vw"]) for e in summary["events"]][-2:] == [
+        ("kill", "vw2"),
+        ("add", "vw3"),
+    ]
+    for m in summary["minibatches"]:
+        assert 0 <= m["local_staleness"] < 2 and 0 <= m["global_staleness"] <= 1, m
+    assert 1 in {m["local_staleness"] for m in summary["minibatches"]}  # minibatches in flight
+    assert summary["last_losses"] and np.mean(summary["last_losses"]) < summary["first_loss"]
+
+
 def _device(name, tflops, memory_gib=24, usd=1.0):
     return tj.planner.DeviceType(name, int(memory_gib * 2**30), tflops * 1e12, 50e9, usd)
 
@@ -197,6 +236,7 @@ def test_the_planner_groups_mixed_nodes_into_equal_vws_with_stages_by_speed():
         assert worker.candidate.config.pipe == 2
         first, second = worker.candidate.stages.layers
         assert first > second
+        assert worker.minibatches == 2  # a minibatch in flight on each stage
     by_node = plan_workers(cluster, model, minibatch=8, groupings=("node",))
     fast_vw, slow_vw = sorted(by_node.workers, key=lambda w: w.candidate.step_time)
     assert fast_vw.minibatches > slow_vw.minibatches == 1  # Nm in proportion to speed

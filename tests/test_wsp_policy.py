@@ -17,7 +17,6 @@ from tenplex_jax.wsp import (
     Scaler,
     ScalingPolicy,
     Threads,
-    VirtualWorker,
     weights_of,
 )
 from tenplex_jax_models import wsp as job_parts
@@ -91,15 +90,12 @@ def test_a_scaler_follows_a_trace_growing_reviewing_and_shrinking_a_live_job(tmp
         steps = StepCache(parts["train_step"], sample, jax.devices(), donate=False)
 
         def make(name, devices):
-            return VirtualWorker(
+            return job_parts.virtual_worker(
+                parts,
                 name,
-                ParameterServer(addresses),
-                parts["rules"],
-                parts["dataset"],
+                devices,
+                addresses,
                 state,
-                parts["train_step"],
-                config=parts["config"],
-                devices=[jax.devices()[d] for d in devices],
                 distance=1,
                 timeout=3.0,
                 steps=steps,

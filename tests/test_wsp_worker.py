@@ -19,7 +19,7 @@ from tenplex_jax._src import tree
 from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.errors import WSPError
 from tenplex_jax._src.wsp import optimizer
-from tenplex_jax.wsp import ParameterServer, VirtualWorker, weights_of
+from tenplex_jax.wsp import ParameterServer, weights_of
 from tenplex_jax_models import build_state, example_losses
 from tenplex_jax_models import wsp as job_parts
 
@@ -99,17 +99,7 @@ def _reference(params, gradient, nm: int, distance: int) -> dict[str, np.ndarray
 def _vw(name, address, job, **kwargs):
     parts, state, steps = job[:3]
     kwargs.setdefault("steps", steps)
-    return VirtualWorker(
-        name,
-        ParameterServer([address]),
-        parts["rules"],
-        parts["dataset"],
-        state,
-        parts["train_step"],
-        devices=jax.devices()[:1],
-        config=parts["config"],
-        **kwargs,
-    )
+    return job_parts.virtual_worker(parts, name, [0], [address], state, **kwargs)
 
 
 @pytest.mark.parametrize("distance,donate", [(0, False), (1, True)])
@@ -191,3 +181,51 @@ def test_a_shared_state_that_does_not_fit_is_a_clear_error(stores, job):
         joiner = _vw("b", address, job)
         with pytest.raises(WSPError, match=r"does not fit 'b': optimizer/\S+ is \(3,\)"):
             joiner.run()
+
+
+def test_vws_of_different_stages_train_one_job_through_unpadded_weights(stores):
+    # the tiny GPT with 4 layers: "a" pipelines them as stages (3, 1) over 2 devices (stacked
+    # leaves padded to 3 + 3 rows), "b" runs them unpipelined, "c" as stages (1, 3); each joiner
+    # takes the optimizer state the one before shared, through the unpadded leaves
+    layers, wide = 4, "optimizer/opt_state/0/mu/w1"
+    state = job_parts.job(1, layers=layers)["init"]()
+    address = stores.start().address
+
+    def vw(name, devices, stages):
+        parts = job_parts.job(len(devices), layers=layers, stages=stages)
+        if stages is not None:
+            parts["config"] = tj.ParallelConfig(pipe=2)
+        return job_parts.virtual_worker(
+            parts, name, devices, [address], state, minibatches=2, optimizer_every=1, stages=stages
+        )
+
+    with ParameterServer([address]) as ps:
+        ps.create(weights_of(state), total=12)
+        a = vw("a", [0, 1], tj.pipelining.Stages((3, 1)))
+        padded = _optimizer(a)[wide]
+        assert a.ptc.leaf("model/w1").shape[0] == 6 and padded.shape[0] == 6
+        assert a.host_weights()["model/w1"].shape[0] == layers
+        a.run(waves=2)
+        rows = a.stages.mask
+        a_moments = _optimizer(a)[wide]
+        assert not a_moments[~rows].any() and a_moments[rows].any()  # padding rows stay zero
+        b = vw("b", [2], None)
+        b.run(waves=0)  # joins, takes the state, leaves
+        assert b.optimizer_from == ("a", 2)
+        np.testing.assert_array_equal(_optimizer(b)[wide], a_moments[rows])  # unpadded
+        vw("b2", [2], None).run(waves=3)
+        c = vw("c", [4, 5], tj.pipelining.Stages((1, 3)))
+        records = c.run()
+        assert c.optimizer_from == ("b2", 3)
+        assert records and c.ptc.leaf("model/w1").shape[0] == 6
+        assert not _optimizer(c)[wide][~c.stages.mask].any()
+        ledger = ps.history()
+        assert sorted(ledger.trained()) == list(range(12))
+        got = ps.pull()
+    assert {p: x.shape for p, x in got.items()} == {
+        p: x.shape for p, x in weights_of(state).items()
+    }
+    assert all(np.isfinite(x).all() for x in got.values())
+    assert max(np.abs(got[p] - weights_of(state)[p]).max() for p in got) > 1e-3
+    with pytest.raises(WSPError, match=r"cannot be padded for stages \(1, 3\): it needs 4 rows"):
+        c.set_weights({p: np.zeros((5,) + x.shape[1:], x.dtype) for p, x in got.items()})

@@ -57,6 +57,9 @@ examples:
   tenplex-jax demo --wsp --out out/wsp
       heterogeneous virtual workers with wave synchronous parallel through a parameter server in
       the tensor stores; one dies at 30%, a new one joins at 50%; exactly once, loss.png
+  tenplex-jax demo --wsp --cluster meshes/hetpipe.toml --out out/wsp-hetpipe
+      the planner builds the virtual workers for a cluster (grouping, uneven stages, Nm, D) and
+      the demo trains them on fake CPU devices slowed by their speed
   tenplex-jax demo --trace meshes/philly.toml --out out/trace
       replay a Philly-shaped resource trace (preemptions, a failure, offers) with the elastic
       loop; per-event table, goodput against checkpoint-restart, DIR/summary.json
@@ -291,6 +294,19 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="asynchronous virtual workers (4+2+2 devices, one slower) with wave synchronous "
         "parallel through a parameter server; one dies at 30%% and a new one joins at 50%%",
+    )
+    demo.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="with --wsp: let the planner build the virtual workers for this cluster (TOML, see "
+        "meshes/; at most 8 devices, each a fake CPU device slowed by its speed)",
+    )
+    demo.add_argument(
+        "--plan-model",
+        choices=MODELS,
+        default="gpt100m",
+        help="with --wsp --cluster: the GPT preset the plan is made for; the demo trains "
+        "--model's width with its depth (default: gpt100m)",
     )
     demo.add_argument(
         "--distance", type=_count, default=1, help="with --wsp: the clock distance D (default: 1)"
@@ -619,6 +635,8 @@ def _demo(args) -> int:
                 slowdown=args.slowdown,
                 lr=args.lr,
                 seed=args.seed,
+                cluster=pathlib.Path(args.cluster) if args.cluster else None,
+                plan_model=args.plan_model,
             )
         )
         return 0

@@ -13,6 +13,16 @@ trained, per VW) and ``DIR/summary.json``: whether every minibatch and sample wa
 once, the VWs built (``virtual_workers``: devices, stages, ``Nm``), every minibatch's local
 version and its local and global staleness (``minibatches``), per VW its waves, minibatches,
 waits, pulls and largest staleness, the throughput, and the events.
+
+With ``--cluster FILE`` the planner builds the job instead (HetPipe's resource allocator):
+``plan_workers`` groups the file's devices into VWs (node, equal or hybrid grouping), lays each out
+with its pipeline stages balanced by its devices' speed, and sets its ``Nm`` and ``D``, for the
+model the cluster is sized for (``--plan-model``, ``gpt100m`` by default). Each of the file's
+devices becomes the fake CPU device of the same index; the demo trains a model of
+``--model``'s width with the planned model's depth, so each VW runs the planned stages (uneven
+ones padded), and each VW is slowed by its speed ratio: its planned seconds per minibatch over the
+fastest VW's (fake devices are all equally fast). The second VW's devices fail at 30 % and come
+back at 50 % (a new VW on them, with the same plan).
 """
 
 from __future__ import annotations
@@ -37,9 +47,87 @@ class WSPOptions:
     timeout: float = 3.0  # the ledger drops a VW silent this long
     lr: float = 3e-3
     seed: int = 0
+    cluster: pathlib.Path | None = None  # plan the VWs for this cluster file instead
+    plan_model: str = "gpt100m"  # with cluster: the GPT preset the plan is made for
 
 
 GROUPS = ((0, 1, 2, 3), (4, 5), (6, 7))
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """How the demo builds one VW: its devices in mesh order, layout, stages, ``Nm`` and
+    slowdown (a summary's ``virtual_workers`` entry, with its name)."""
+
+    devices: tuple[int, ...]
+    config: object  # tj.ParallelConfig
+    stages: object  # tj.pipelining.Stages, or None: even
+    nm: int
+    slowdown: float
+
+    def describe(self, name: str) -> dict:
+        stages = self.stages.layers if self.stages is not None else None
+        return {
+            "name": name,
+            "devices": list(self.devices),
+            "config": str(self.config),
+            "stages": self.config.pipe,
+            "layers_per_stage": list(stages) if stages else None,
+            "nm": self.nm,
+            "slowdown": self.slowdown,
+        }
+
+
+def by_hand(options: WSPOptions) -> list[Built]:
+    """The default demo's VWs: ``GROUPS``, laid out as ``job_parts.config_for``, the last one
+    ``--slowdown`` times slower."""
+    from tenplex_jax_models import wsp as job_parts
+
+    return [
+        Built(
+            devices,
+            job_parts.config_for(len(devices)),
+            None,
+            nm,
+            options.slowdown if devices == GROUPS[2] else 1.0,
+        )
+        for devices, nm in zip(GROUPS, options.minibatches)
+    ]
+
+
+def planned(options: WSPOptions, devices: int, log=print) -> tuple[list[Built], int]:
+    """The planner's VWs for ``options.cluster`` and the planned model's layer count.
+
+    Raises:
+      PlanError: the cluster has more devices than the demo's ``devices`` fake ones, or no
+        grouping fits.
+    """
+    from tenplex_jax._src.errors import PlanError
+    from tenplex_jax._src.planner.cluster import Cluster
+    from tenplex_jax._src.wsp.planner import plan_workers
+    from tenplex_jax_models.gpt import GPTConfig
+    from tenplex_jax_models.train import profile_of
+
+    cluster = Cluster.load(options.cluster)
+    if len(cluster.kinds) > devices:
+        raise PlanError(
+            f"the demo maps each of {cluster}'s {len(cluster.kinds)} devices onto one of its "
+            f"{devices} fake CPU devices: use a cluster of at most {devices} devices"
+        )
+    choice = plan_workers(cluster, profile_of(options.plan_model), options.minibatch)
+    log(str(choice))
+    fastest = min(w.candidate.step_time for w in choice.workers)
+    built = [
+        Built(
+            w.candidate.devices,
+            w.candidate.config,
+            None if w.candidate.stages.is_even else w.candidate.stages,
+            w.minibatches,
+            w.candidate.step_time / fastest,
+        )
+        for w in choice.workers
+    ]
+    return built, GPTConfig.by_name(options.plan_model).n_layers
 
 
 def run(options: WSPOptions, log=print) -> dict:
@@ -61,33 +149,33 @@ def run(options: WSPOptions, log=print) -> dict:
     stores = [StoreProcess.start(root / f"s{i}") for i in range(2)]
     try:
         addresses = [s.address for s in stores]
-        parts = job_parts.job(
-            1, model=options.model, lr=options.lr, seed=options.seed, minibatch=options.minibatch
-        )
+        if options.cluster is None:
+            plans, layers, distance = by_hand(options), None, options.distance
+        else:
+            plans, layers = planned(options, len(jax.devices()), log)
+            distance = 1 if len(plans) > 1 else 0  # the planner's D
+        common = {
+            "model": options.model,
+            "lr": options.lr,
+            "seed": options.seed,
+            "minibatch": options.minibatch,
+            "layers": layers,
+        }
+        parts = job_parts.job(1, **common)
         state = parts["init"]()  # built once; each VW places it
-        nm = dict(zip(("vw1", "vw2", "vw3"), options.minibatches))
         sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-        steps = StepCache(parts["train_step"], sample, jax.devices(), donate=False)  # for joiners
+        caches = {}  # a step cache per stages over all devices: a joiner compiles nothing
 
         built: list[dict] = []  # every VW made, in order
 
         def make(name: str, devices: tuple[int, ...]) -> VirtualWorker:
-            p = job_parts.job(
-                len(devices),
-                model=options.model,
-                lr=options.lr,
-                seed=options.seed,
-                minibatch=options.minibatch,
-            )
-            built.append(
-                {
-                    "name": name,
-                    "devices": list(devices),
-                    "stages": p["config"].pipe,
-                    "nm": nm.get(name, options.minibatches[1]),
-                    "slowdown": options.slowdown if devices == GROUPS[2] else 1.0,
-                }
-            )
+            plan = next(p for p in plans if sorted(p.devices) == sorted(devices))
+            p = job_parts.job(len(devices), stages=plan.stages, **common)
+            if plan.stages not in caches:
+                caches[plan.stages] = StepCache(
+                    p["train_step"], sample, jax.devices(), donate=False
+                )
+            built.append(plan.describe(name))
             return VirtualWorker(
                 name,
                 ParameterServer(addresses),
@@ -95,34 +183,37 @@ def run(options: WSPOptions, log=print) -> dict:
                 p["dataset"],
                 state,
                 p["train_step"],
-                devices=[jax.devices()[d] for d in devices],
-                config=p["config"],
-                minibatches=built[-1]["nm"],
-                distance=options.distance,
-                slowdown=built[-1]["slowdown"],
+                devices=[jax.devices()[d] for d in plan.devices],
+                config=plan.config,
+                minibatches=plan.nm,
+                distance=distance,
+                slowdown=plan.slowdown,
                 timeout=options.timeout,
-                steps=steps,
+                steps=caches[plan.stages],
+                stages=plan.stages,
             )
 
         events = []
-        if options.fail:
+        if options.fail and len(plans) > 1:  # the second VW's devices fail, then come back
             at = lambda f: max(1, int(f * options.total))
             events = [
-                TraceEvent(at(0.3), "fail", devices=GROUPS[1]),
-                TraceEvent(at(0.5), "offer", devices=GROUPS[1]),
+                TraceEvent(at(0.3), "fail", devices=plans[1].devices),
+                TraceEvent(at(0.5), "offer", devices=plans[1].devices),
             ]
-        trace = ResourceTrace("wsp-demo", 8, options.total, tuple(events))
+        trace = ResourceTrace("wsp-demo", len(jax.devices()), options.total, tuple(events))
         with ParameterServer(addresses) as ps:
             ps.create(weights_of(state), total=options.total)
             coordinator = Coordinator(ps, Threads(make), log=log)
             log(
-                f"wsp demo: {options.model} GPT, {options.total} minibatches of "
-                f"{options.minibatch}, D={options.distance}, Nm={options.minibatches}, vw3 "
-                f"{options.slowdown:g}x slower; building and compiling 3 virtual workers"
+                f"wsp demo: {options.model} GPT"
+                + (f" of {layers} layers" if layers else "")
+                + f", {options.total} minibatches of {options.minibatch}, D={distance}, "
+                f"Nm={[p.nm for p in plans]}, slowdown {[round(p.slowdown, 2) for p in plans]}; "
+                f"building and compiling {len(plans)} virtual workers"
             )
-            coordinator.add(*GROUPS)
+            coordinator.add(*(p.devices for p in plans))
             tic = time.perf_counter()
-            coordinator.follow(trace, group=2)
+            coordinator.follow(trace, group=len(plans[1].devices) if len(plans) > 1 else 1)
             coordinator.wait()
             seconds = time.perf_counter() - tic
             errors = coordinator.runner.errors
@@ -132,6 +223,8 @@ def run(options: WSPOptions, log=print) -> dict:
             final = ps.pull(ledger)
         records = coordinator.records()
         summary = summarize(options, ledger, records, coordinator.events, seconds, parts)
+        summary["distance"], summary["nm"] = distance, [p.nm for p in plans]
+        summary["cluster"] = str(options.cluster) if options.cluster else None
         summary["virtual_workers"] = built
         summary["weights_finite"] = bool(all(np.isfinite(w).all() for w in final.values()))
         write_plot(records, out / "loss.png", options)
@@ -255,6 +348,8 @@ def write_plot(records, path: pathlib.Path, options) -> None:
     ax.set_ylabel("minibatch loss")
     ax.set_title(
         f"WSP, D={options.distance}, Nm={options.minibatches}, vw3 {options.slowdown:g}x slower"
+        if options.cluster is None
+        else f"WSP, planned for {options.cluster}"
     )
     ax.legend()
     fig.tight_layout()

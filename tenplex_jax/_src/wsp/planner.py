@@ -14,8 +14,9 @@ virtual workers (VWs), as HetPipe's resource allocator does:
 
 For each VW the planner's search (``tj.planner.choose``, the cost model of ``search.py``) picks its
 layout and its pipeline stages, each stage's layers in proportion to its devices' speed. ``Nm`` (the
-minibatches of a wave) is set per VW in proportion to the VW's speed, the slowest doing one, so
-that every VW's wave takes about as long and the clocks advance together; the job's throughput is
+minibatches of a wave, in flight together in the VW's pipeline) is at least the VW's stages, so
+that every stage holds one, and set per VW in proportion to the VW's speed, so that every VW's
+wave takes about as long and the clocks advance together; the job's throughput is
 then ``sum(Nm) / (the longest wave)``. ``D = 1`` lets a VW start a wave before the slowest has
 finished the previous one (a stall of one wave is absorbed), ``D = 0`` when there is one VW. The
 choice is the grouping with the most samples per second (``objective="time"``) or per dollar
@@ -45,7 +46,8 @@ class WorkerPlan:
       devices: the VW's cluster device ids.
       candidate: the planner's :class:`tenplex_jax.planner.Candidate` for them (its ``devices``
         in cluster ids too).
-      minibatches: ``Nm``: minibatches per wave, in proportion to the VW's speed.
+      minibatches: ``Nm``: minibatches per wave, in proportion to the VW's speed and at least
+        its stages.
     """
 
     devices: tuple[int, ...]
@@ -156,6 +158,20 @@ def groups(cluster: Cluster, grouping: str) -> list[tuple[int, ...]]:
     raise PlanError(f"a grouping is one of {GROUPINGS}, got {grouping!r}")
 
 
+def _minibatches(workers) -> list[int]:
+    """Each VW's ``Nm``: in proportion to its speed (``r`` times the slowest VW's speed does
+    ``r`` times the minibatches a wave), and at least its pipeline's stages (HetPipe: a minibatch
+    in flight on every stage, none idle but at a wave's start and end); the proportion is scaled
+    up until every VW has that many, at most ``MAX_MINIBATCHES``."""
+    slowest = max(c.step_time for _, c in workers)
+    speed = [slowest / c.step_time for _, c in workers]
+    scale = max(math.ceil(c.config.pipe / r) for (_, c), r in zip(workers, speed))
+    return [
+        min(MAX_MINIBATCHES, max(c.config.pipe, round(scale * r)))
+        for (_, c), r in zip(workers, speed)
+    ]
+
+
 def plan_workers(
     cluster: Cluster,
     profile: ModelProfile,
@@ -199,10 +215,8 @@ def plan_workers(
         except PlanError as error:
             refused.append(f"{grouping}: {error}")
             continue
-        slowest = max(c.step_time for _, c in workers)
         plans = tuple(
-            WorkerPlan(ids, c, min(MAX_MINIBATCHES, max(1, round(slowest / c.step_time))))
-            for ids, c in workers
+            WorkerPlan(ids, c, nm) for (ids, c), nm in zip(workers, _minibatches(workers))
         )
         wave = max(w.wave_seconds for w in plans)
         throughput = sum(w.minibatches for w in plans) * minibatch / wave

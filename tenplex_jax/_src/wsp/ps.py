@@ -37,7 +37,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -428,9 +428,7 @@ class ParameterServer(Records):
         behind = set()
         for client in self.clients:
             for info in client.list(WEIGHTS):
-                clocks = dict(info.clocks)
-                for vw, pushes in ledger.committed.items():
-                    behind |= {(vw, n) for n in range(clocks.get(vw, 0), pushes)}
+                behind |= _behind(info.clocks, ledger)
         for vw, push in sorted(behind, key=lambda t: (t[1], t[0])):
             with contextlib.suppress(StoreError):  # applied meanwhile: the clocks say so
                 self.apply(vw, ledger.starts[vw] + push, push)
@@ -497,9 +495,7 @@ class ParameterServer(Records):
                 for p in pieces:
                     view = flat[p.leaf][p.start : p.stop]
                     _, info = client.get(WEIGHTS + p.key, with_info=True, out=view)
-                    clocks = dict(info.clocks)
-                    for vw, pushes in ledger.committed.items():
-                        behind |= {(vw, n) for n in range(clocks.get(vw, 0), pushes)}
+                    behind |= _behind(info.clocks, ledger)
                 return behind
 
             behind = set().union(*self._each_store(read).values())
@@ -564,3 +560,12 @@ class _Applying:
         self.thread.join()
         if self.error is not None:
             raise self.error
+
+
+def _behind(clocks: Iterable[tuple[str, int]], ledger: Ledger) -> set[tuple[str, int]]:
+    """The ``(vw, push)`` that ``ledger`` commits and an array with these ``clocks`` (its
+    :class:`ObjectInfo`'s: VW -> the pushes it holds) lacks."""
+    held = dict(clocks)
+    return {
+        (vw, n) for vw, pushes in ledger.committed.items() for n in range(held.get(vw, 0), pushes)
+    }

@@ -70,6 +70,7 @@ from tenplex_jax._src.data import BatchLayout, DatasetPTC
 from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.errors import StoreError, WSPError
 from tenplex_jax._src.executor import place
+from tenplex_jax._src.pipelining import Stages
 from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
 from tenplex_jax._src.wsp import optimizer
 from tenplex_jax._src.wsp.ledger import Beats, Ledger
@@ -185,6 +186,11 @@ class VirtualWorker:
         (default: its own).
       optimizer_every: share the optimizer state through the stores every this many waves (and
         when leaving), for VWs that join later; 0: never.
+      stages: uneven pipeline stages (HetPipe: more layers on the faster devices; the planner's
+        ``WorkerPlan.candidate.stages``): the VW holds every leaf whose first logical axis is
+        ``layers`` padded for them (:meth:`tenplex_jax.pipelining.Stages.pad`), and the
+        ``train_step`` must run its pipeline with them. What it pushes, pulls and shares is
+        unpadded, so VWs of different stages train one job. None: the stacked leaves as they are.
 
     Attributes:
       records: the :class:`WaveRecord` of every wave pushed.
@@ -221,6 +227,7 @@ class VirtualWorker:
         on_record: Callable[[WaveRecord], None] | None = None,
         steps: StepCache | None = None,
         optimizer_every: int = 4,
+        stages: Stages | None = None,
     ):
         if minibatches < 1 or distance < 0 or slowdown < 1.0 or optimizer_every < 0:
             raise WSPError(
@@ -236,6 +243,10 @@ class VirtualWorker:
         self.nm, self.distance, self.slowdown = minibatches, distance, slowdown
         self.timeout, self.on_wave, self.on_record = timeout, on_wave, on_record
         self.devices = list(devices)
+        self.stages, self.stacked = stages, frozenset()
+        if stages is not None:  # the stacked leaves padded for the stages, on the host
+            self.stacked = _stacked(jax.eval_shape(init) if callable(init) else init, rules)
+            init = _padded(init, self.stacked, stages)
         if callable(init):  # built straight into the layout
             self.ptc = PTC.of(jax.eval_shape(init), rules, config, self.devices)
             self.mesh = self.ptc.mesh(self.devices)
@@ -274,8 +285,9 @@ class VirtualWorker:
     # -- the weights between host and devices ------------------------------------------------
 
     def host_weights(self) -> dict[str, np.ndarray]:
-        """The VW's current weights: :func:`weights_of` its state."""
-        return weights_of(self.state, self.part)
+        """The VW's current weights: :func:`weights_of` its state (stacked leaves unpadded)."""
+        weights = weights_of(self.state, self.part)
+        return {self.paths[i]: self._unpad(i, weights[self.paths[i]]) for i in self.weights}
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         """Replace the VW's weights (a pull); its optimizer state stays as it is.
@@ -290,14 +302,26 @@ class VirtualWorker:
         self._place(self.weights, [weights[self.paths[i]] for i in self.weights])
         self.changes += 1
 
+    def _unpad(self, i: int, x: np.ndarray) -> np.ndarray:
+        """Leaf ``i`` as the parameter server and the optimizer shares hold it: unpadded."""
+        return x[self.stages.mask] if i in self.stacked else x
+
+    def _shape(self, i: int) -> tuple[int, ...]:
+        """Leaf ``i``'s shape as the parameter server and the optimizer shares hold it."""
+        shape = tuple(self.ptc.leaves[i].shape)
+        return (self.stages.num_layers,) + shape[1:] if i in self.stacked else shape
+
     def _place(self, indices: list[int], host: list[np.ndarray]) -> None:
-        """Host arrays onto the devices as the state's leaves ``indices`` (dtype and layout)."""
+        """Host arrays (unpadded) onto the devices as the state's leaves ``indices`` (padded
+        where stacked; dtype and layout)."""
         self.state = _replaced(
             self.state,
             indices,
             [
                 jax.device_put(
-                    x.astype(self.ptc.leaves[i].dtype),
+                    (_pad_rows(x, self.stages) if i in self.stacked else x).astype(
+                        self.ptc.leaves[i].dtype
+                    ),
                     NamedSharding(self.mesh, self.ptc.leaves[i].spec),
                 )
                 for i, x in zip(indices, host)
@@ -473,7 +497,7 @@ class VirtualWorker:
             return False  # died mid-wave: nothing pushed, the minibatches go back
         tic = time.perf_counter()
         delta = jax.device_get(_delta(list(self._weights()), list(wave.start)))
-        updates = {self.paths[i]: d for i, d in zip(self.weights, delta)}
+        updates = {self.paths[i]: self._unpad(i, d) for i, d in zip(self.weights, delta)}
         self.ps.push(self.name, wave.wave, updates, background=True)  # added beside the compute
         push = time.perf_counter() - tic
         self.clock = wave.wave + 1
@@ -512,7 +536,7 @@ class VirtualWorker:
             self._sharing.join()
         _, leaves, _ = tree.arrays(self.state)
         host = jax.device_get([leaves[i] for i in self.others])
-        shared = {self.paths[i]: x for i, x in zip(self.others, host)}
+        shared = {self.paths[i]: self._unpad(i, x) for i, x in zip(self.others, host)}
         if wait:
             optimizer.share(self.ps, self.name, self.clock, shared)
             return
@@ -537,7 +561,7 @@ class VirtualWorker:
             return
         vw, wave, arrays = shared
         for i in self.others:
-            path, shape = self.paths[i], tuple(self.ptc.leaves[i].shape)
+            path, shape = self.paths[i], self._shape(i)
             if path not in arrays or arrays[path].shape != shape:
                 got = arrays[path].shape if path in arrays else "no such leaf"
                 raise WSPError(
@@ -627,6 +651,35 @@ def _replaced(state, indices: list[int], arrays) -> object:
     for i, x in zip(indices, arrays):
         leaves[i] = x
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _stacked(state, rules: Rules, name: str = "layers") -> frozenset[int]:
+    """The leaves (in :func:`tree.arrays` order) whose first logical axis is ``name``."""
+    layouts = PTC.of(state, rules, ParallelConfig(), jax.devices()[:1]).leaves
+    return frozenset(i for i, leaf in enumerate(layouts) if (leaf.logical or (None,))[0] == name)
+
+
+def _padded(init, stacked: frozenset[int], stages: Stages):
+    """``init`` (a state, or a function that builds one) with its ``stacked`` leaves padded."""
+
+    def pad(state):
+        _, leaves, _ = tree.arrays(state)
+        return _replaced(state, sorted(stacked), [stages.pad(leaves[i]) for i in sorted(stacked)])
+
+    return (lambda: pad(init())) if callable(init) else pad(init)
+
+
+def _pad_rows(x: np.ndarray, stages: Stages) -> np.ndarray:
+    """A host array of ``num_layers`` rows padded for ``stages`` (zeros in the padding rows)."""
+    if x.shape[:1] != (stages.num_layers,):
+        raise WSPError(
+            f"a stacked leaf of {x.shape} cannot be padded for stages {stages.layers}: it needs "
+            f"{stages.num_layers} rows",
+            "invalid",
+        )
+    out = np.zeros((len(stages.index),) + x.shape[1:], x.dtype)
+    out[stages.mask] = x
+    return out
 
 
 @jax.jit
