@@ -15,8 +15,17 @@ from .gpt import (
     loss_fn,
     moe_config,
     profile,
+    wave_losses,
 )
-from .train import CPU, build_state, make_train_step, param_count, profile_of, train_step
+from .train import (
+    CPU,
+    build_state,
+    make_train_step,
+    param_count,
+    profile_of,
+    train_step,
+    wave_step,
+)
 
 __all__ = [
     "CPU",
@@ -37,4 +46,6 @@ __all__ = [
     "profile_of",
     "stdlib_corpus",
     "train_step",
+    "wave_losses",
+    "wave_step",
 ]

@@ -386,6 +386,39 @@ def example_losses(model: GPT, batch: dict[str, jax.Array], **pipelining) -> jax
     return losses + model.cfg.aux_weight / model.cfg.n_layers * aux
 
 
+def wave_losses(
+    cfg: GPTConfig,
+    versions: dict[str, jax.Array],
+    batch: dict[str, jax.Array],
+    *,
+    mesh: Mesh,
+    stages: Stages | None = None,
+) -> jax.Array:
+    """float32[Nm, rows]: each example's loss in HetPipe's pipelined wave of ``Nm`` minibatches,
+    minibatch ``j`` on its own weights ``versions[name][j]`` on every stage.
+
+    ``versions`` maps each weight's name (``tok_embed``, ``wq``, ...) to its ``Nm`` versions
+    stacked; ``batch`` holds ``inputs`` and ``targets`` of ``[Nm, rows, T]``. The embedding and
+    the head run per minibatch; the stacked layers run as one pipeline over the mesh's ``pipe``
+    axis with the minibatches in flight (``pipeline(..., versions=True)``, uneven ``stages``
+    padded). The dense model only: a mixture of experts' load-balancing loss is not carried.
+    """
+    if cfg.n_experts:
+        raise ValueError("wave_losses runs the dense GPT; this config has experts")
+    tokens, n = batch["inputs"], batch["inputs"].shape[0]
+    T = tokens.shape[-1]
+    embed = lambda v, t: jnp.take(v["tok_embed"], t, axis=0) + v["pos_embed"][:T]
+    x = jax.vmap(embed)(versions, tokens)
+    layers = {name: versions[name] for name in stacked(cfg)}
+    x = pipeline(block_fn(cfg), layers, x, mesh=mesh, microbatches=n, stages=stages, versions=True)
+
+    def head(v, h, targets):
+        logits = jnp.einsum("btd,dv->btv", _rms_norm(h, v["final_norm_scale"]), v["unembed"])
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets), -1)
+
+    return jax.vmap(head)(versions, x, batch["targets"])
+
+
 def profile(cfg: GPTConfig, name: str = "gpt") -> ModelProfile:
     """The GPT as the planner sees it: one block's costs, the embedding and head, divisibility.
 

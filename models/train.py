@@ -13,6 +13,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -20,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import tenplex_jax as tj
 
-from .gpt import GPT, GPTConfig, example_losses, profile
+from .gpt import GPT, GPTConfig, example_losses, profile, wave_losses
 
 # One fake CPU device, as described in meshes/cpu8.toml: what the demo tells the planner it runs on.
 CPU = tj.planner.DeviceType("cpu", memory=2 * tj.planner.GIB, flops=5e9, link_bandwidth=10e9)
@@ -83,6 +84,64 @@ def train_step(graphdef, stages: tj.pipelining.Stages | None = None):
         return nnx.state(nodes), {"loss": loss}
 
     return step
+
+
+def wave_step(graphdef, stages: tj.pipelining.Stages | None = None):
+    """``step(state, reads, batch) -> (state, landed, {"loss": losses})`` for a
+    ``tenplex_jax.wsp.VirtualWorker``'s ``wave_step=``: HetPipe's wave of ``Nm`` minibatches in
+    one program, the layers pipelined over the mesh's ``pipe`` axis (over ``stages`` if given)
+    with all ``Nm`` in flight.
+
+    ``reads`` is the model's weights with ``Nm`` versions stacked (minibatch ``j`` read version
+    ``j``), ``batch`` a ``tj.Batch`` whose data and weights lead with ``Nm``. Each minibatch's
+    gradient is taken at its version (its loss the mean over its real rows); the updates then
+    land one after another as the VW's ``train_step`` would land them: AdamW's update for
+    gradient ``j`` at version ``j`` (the optimizer state as it is then), added to the current
+    weights. ``landed`` stacks the weights after each landing; ``losses`` is ``float32[Nm]``."""
+
+    def step(state, reads, batch):
+        nodes = nnx.merge(graphdef, state)
+        model, optimizer = nodes["model"], nodes["optimizer"]
+        weights = batch.weights
+
+        def total(versions):
+            losses = wave_losses(model.cfg, versions, batch.data, mesh=batch.mesh, stages=stages)
+            per = (losses * weights).sum(-1) / weights.sum(-1)
+            return per.sum(), per
+
+        # plain arrays throughout: nnx Variables are mutable and would alias the reads
+        reads = nnx.to_pure_dict(reads)
+        (_, per), grads = jax.value_and_grad(total, has_aux=True)(reads)
+        landed = []
+        for j in range(per.shape[0]):
+            read = jax.tree.map(lambda r, j=j: r[j], reads)
+            current = _params(model)
+            _set_params(model, read)
+            optimizer.update(model, _as_params(model, jax.tree.map(lambda g, j=j: g[j], grads)))
+            after = _params(model)
+            _set_params(model, jax.tree.map(lambda c, a, r: c + (a - r), current, after, read))
+            landed.append(_params(model))
+        stack = jax.tree.map(lambda *xs: jnp.stack(xs), *landed)
+        return nnx.state(nodes), stack, {"loss": per}
+
+    return step
+
+
+def _params(model) -> dict:
+    """The model's weights as plain arrays (a pure dict)."""
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _as_params(model, pure: dict):
+    """A pure dict of arrays as the model's ``nnx.Param`` state (a gradient for the optimizer)."""
+    state = jax.tree.map(lambda x: x, nnx.state(model, nnx.Param))  # new Variables: a copy
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+def _set_params(model, pure: dict) -> None:
+    """Set the model's weights to a pure dict of arrays."""
+    nnx.update(model, _as_params(model, pure))
 
 
 def pipelined(losses, mesh, layout: tj.data.BatchLayout, stages=None):

@@ -19,7 +19,7 @@ from tenplex_jax.wsp import ParameterServer, VirtualWorker
 
 from .data import corpus_samples, stdlib_corpus
 from .gpt import LOGICAL_RULES, GPTConfig
-from .train import build_state, train_step
+from .train import build_state, train_step, wave_step
 
 
 def config_for(devices: int) -> tj.ParallelConfig:
@@ -55,6 +55,7 @@ def job(
         "dataset": tj.DatasetPTC(source, minibatch, seed=seed),
         "init": lambda: build_state(cfg, lr, seed, optimizer=optimizer)[1],
         "train_step": train_step(graphdef, stages),
+        "wave_step": None if cfg.n_experts else wave_step(graphdef, stages),
         "config": config_for(devices),
     }
 

@@ -270,3 +270,35 @@ def test_a_pipeline_runs_on_auto_and_explicit_axes_and_equals_the_scan(types, st
     )
     got = run(params, batch)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pipe,stages", [(1, None), (2, None), (2, (3, 1))])
+def test_versions_run_each_microbatch_on_its_own_weights_with_its_own_gradient(pipe, stages):
+    # HetPipe's minibatches in flight: microbatch j on weight version j on every stage
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((pipe, 2), ("pipe", "data"), auto, devices=jax.devices()[: 2 * pipe])
+    split = tj.pipelining.Stages(stages) if stages else None
+    rng = np.random.default_rng(0)
+    m, layer = 3, lambda h, p: jnp.tanh(h @ p)
+    versions = jnp.asarray(rng.normal(size=(m, 4, 8, 8)) * 0.3, jnp.float32)
+    xs = jnp.asarray(rng.normal(size=(m, 4, 8)), jnp.float32)
+
+    def scans(w, x):
+        return jnp.stack(
+            [jax.lax.scan(lambda h, p: (layer(h, p), None), x[j], w[j])[0] for j in range(m)]
+        )
+
+    def pipelined(w, x):
+        w = w if split is None else jax.vmap(split.pad)(w)
+        kw = {"mesh": mesh, "microbatches": m, "stages": split, "versions": True}
+        return tj.pipelining.pipeline(layer, w, x, **kw)
+
+    np.testing.assert_allclose(
+        jax.jit(pipelined)(versions, xs), scans(versions, xs), rtol=1e-5, atol=1e-6
+    )
+    second = lambda f: jax.grad(lambda w: (f(w, xs)[1] ** 2).sum())(versions)
+    grads, want = jax.jit(lambda: second(pipelined))(), second(scans)
+    assert not np.asarray(grads[0]).any() and not np.asarray(grads[2]).any()  # not theirs
+    np.testing.assert_allclose(grads, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(tj.errors.LayoutError, match=r"leads with the 3 microbatches.*\(4, 8, 8\)"):
+        tj.pipelining.pipeline(layer, versions[0], xs, mesh=mesh, microbatches=m, versions=True)

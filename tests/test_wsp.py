@@ -148,6 +148,10 @@ def test_the_demo_survives_a_death_and_a_join_exactly_once(tmp_path):
     assert per["vw4"]["waves"] >= 1  # the joiner trained
     assert all(v["max_lead"] <= summary["distance"] for v in per.values())  # WSP's bound
     assert per["vw1"]["minibatches"] > per["vw3"]["minibatches"]  # Nm in proportion to speed
+    # vw1's two stages run each wave as one pipeline: they wait one tick per wave, not per
+    # minibatch; the data-parallel VWs have no pipeline
+    assert per["vw1"]["idle_ticks"] == per["vw1"]["waves"] < per["vw1"]["minibatches"]
+    assert per["vw3"]["idle_ticks"] == 0
     built = {v["name"]: v for v in summary["virtual_workers"]}
     assert [(built[n]["devices"], built[n]["stages"], built[n]["nm"]) for n in sorted(built)] == [
         ([0, 1, 2, 3], 2, 4),

@@ -20,7 +20,7 @@ from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.errors import WSPError
 from tenplex_jax._src.wsp import optimizer
 from tenplex_jax.wsp import ParameterServer, weights_of
-from tenplex_jax_models import build_state, example_losses
+from tenplex_jax_models import build_state, example_losses, wave_step
 from tenplex_jax_models import wsp as job_parts
 
 LR, MINIBATCHES = 3e-3, 12
@@ -136,6 +136,43 @@ def test_a_vw_with_nm_in_flight_trains_what_the_sequential_reference_does(
             assert diff <= 1e-6, (nm, distance, path, diff)
         moved = max(np.abs(got[p] - weights_of(state)[p]).max() for p in got)
         assert moved > 1e-3, moved  # training moved them
+
+
+@pytest.mark.parametrize("distance", [0, 1])
+def test_a_pipelined_wave_trains_what_the_sequential_reference_does(stores, job, distance):
+    # HetPipe's pipeline: a VW of two stages runs each wave as one program, its Nm minibatches
+    # in flight (each on the weights it read), and lands the same updates as the reference
+    parts, state, _, params, gradient = job
+    parts = dict(parts, config=tj.ParallelConfig(pipe=2))
+    graphdef = build_state("tiny", LR, optimizer="momentum", abstract=True)[0]
+    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
+    steps = StepCache(parts["train_step"], sample, jax.devices()[:2], donate=False)
+    for nm in (1, 2, 4):
+        address = stores.start(f"wave{nm}").address
+        with ParameterServer([address]) as ps:
+            ps.create(weights_of(state), total=MINIBATCHES)
+            worker = job_parts.virtual_worker(
+                parts,
+                "vw",
+                [0, 1],
+                [address],
+                state,
+                minibatches=nm,
+                distance=distance,
+                steps=steps,
+                wave_step=wave_step(graphdef),
+            )
+            records = worker.run()
+            got = ps.pull()
+        want = _reference(params, gradient, nm, distance)
+        assert [m for r in records for m in r.minibatches] == list(range(MINIBATCHES))
+        versions = [v for r in records for v in r.local_versions]
+        assert versions == [max(p - nm + 1, 0) for p in range(MINIBATCHES)]
+        assert [r.idle_ticks for r in records] == [1] * (MINIBATCHES // nm)  # per wave, not nm
+        assert all(np.isfinite(x) for r in records for x in r.losses)
+        for path in want:
+            diff = np.abs(got[path] - want[path]).max() / np.abs(want[path]).max()
+            assert diff <= 1e-6, (nm, distance, path, diff)
 
 
 def _optimizer(vw) -> dict[str, np.ndarray]:

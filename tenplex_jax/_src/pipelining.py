@@ -187,6 +187,7 @@ def pipeline(
     stages: Stages | None = None,
     axis: str = "pipe",
     remat: bool = True,
+    versions: bool = False,
 ) -> jax.Array:
     """Apply stacked layers to ``x`` as a GPipe pipeline over the ``axis`` mesh axis.
 
@@ -215,11 +216,18 @@ def pipeline(
       axis: the mesh axis the stages are laid out over.
       remat: recompute each layer in the backward pass (``jax.checkpoint``, as in GPipe), so a
         stage keeps only every layer's input for each microbatch in flight.
+      versions: HetPipe's (and PipeDream's) weight stashing: every param leaf has a leading dim
+        of ``microbatches`` weight versions before its layers dim, ``x`` a leading dim of
+        ``microbatches`` (one microbatch each: HetPipe's minibatches in flight, not cut from one
+        batch), and microbatch ``j`` runs on version ``j`` on every stage. The gradient with
+        respect to the versions is each microbatch's own. The pipeline fills and drains once for
+        all of them: ``microbatches + stages - 1`` ticks, each stage idle ``stages - 1`` of them.
 
     Returns:
       What ``lax.scan(lambda h, p: (layer_fn(h, p), None), x, layer_params)[0]`` returns on the
       unpadded layers, to within floating-point reassociation; with ``mesh.shape[axis] == 1`` it
-      is that scan.
+      is that scan. With ``versions``: ``[microbatches, ...]``, microbatch ``j``'s scan over
+      version ``j``.
 
     Raises:
       LayoutError: ``stages`` does not match the axis size, a param leaf has not
@@ -230,38 +238,51 @@ def pipeline(
     leaves = jax.tree.leaves(layer_params)
     if not leaves:
         raise LayoutError("pipeline needs at least one stacked layer parameter, got none")
-    rows = leaves[0].shape[0]
+    if versions:
+        _check_versions(layer_params, x, microbatches)
+        one = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # a version, as checked below
+        layer_params_shape, x_shape = jax.tree.map(one, layer_params), jax.tree.map(one, x)
+    else:
+        layer_params_shape, x_shape = layer_params, x
+    rows = jax.tree.leaves(layer_params_shape)[0].shape[0]
     if stages is None:
         stages = Stages.even(rows, n_stages)
-    _check(layer_params, x, stages, n_stages, microbatches, axis, mesh)
+    _check(
+        layer_params_shape, x_shape, stages, n_stages, 1 if versions else microbatches, axis, mesh
+    )
     if remat:
         layer_fn = jax.checkpoint(layer_fn)
     uneven = not stages.is_even
     if n_stages == 1:
-        return _layers(layer_fn, layer_params, jnp.asarray(stages.mask), x, uneven)
+        mask = jnp.asarray(stages.mask)
+        if versions:  # one microbatch after another, each on its own version
+            return jax.vmap(lambda p, h: _layers(layer_fn, p, mask, h, uneven))(layer_params, x)
+        return _layers(layer_fn, layer_params, mask, x, uneven)
 
     # Microbatch j takes rows j, j + m, j + 2m, ...: a reshape that keeps the batch sharding.
     split = lambda a: jnp.swapaxes(
         a.reshape((a.shape[0] // microbatches, microbatches) + a.shape[1:]), 0, 1
     )
-    xs = jax.tree.map(split, x)
+    xs = x if versions else jax.tree.map(split, x)
     masks = stages.mask.reshape(n_stages, stages.slots)
 
     def spmd(params, xs):
         # each stage's rows of the mask, a constant picked by the stage's index: not an input,
         # whose sharding would have to match the spec on an Explicit pipe axis
         mask = jnp.asarray(masks)[jax.lax.axis_index(axis)]
-        return _gpipe(layer_fn, params, mask, xs, n_stages, axis, uneven)
+        return _gpipe(layer_fn, params, mask, xs, n_stages, axis, uneven, versions)
 
     context = _context_mesh(mesh)
     run = jax.shard_map(
         spmd,
         mesh=context,
-        in_specs=(P(axis), P()),
+        in_specs=(P(None, axis) if versions else P(axis), P()),
         out_specs=P(),
         axis_names=_manual_axes(context, axis),
     )
     ys = run(layer_params, xs)
+    if versions:
+        return ys
     return jax.tree.map(lambda y: jnp.swapaxes(y, 0, 1).reshape((-1,) + y.shape[2:]), ys)
 
 
@@ -305,8 +326,12 @@ def _layers(layer_fn: LayerFn, params, mask: jax.Array, h: jax.Array, uneven: bo
     return jax.lax.scan(body, h, (params, mask))[0]
 
 
-def _gpipe(layer_fn: LayerFn, params, mask, xs, n_stages: int, axis: str, uneven: bool):
-    """One stage's view of the schedule: ``xs`` is ``[microbatches, mb, ...]`` on every stage."""
+def _gpipe(
+    layer_fn: LayerFn, params, mask, xs, n_stages: int, axis: str, uneven: bool, versions=False
+):
+    """One stage's view of the schedule: ``xs`` is ``[microbatches, mb, ...]`` on every stage;
+    with ``versions`` each param leaf is ``[microbatches, slots, ...]`` and the stage runs the
+    microbatch it holds on that microbatch's version."""
     stage = jax.lax.axis_index(axis)
     n_micro = jax.tree.leaves(xs)[0].shape[0]
     last = n_stages - 1
@@ -319,7 +344,13 @@ def _gpipe(layer_fn: LayerFn, params, mask, xs, n_stages: int, axis: str, uneven
         index = jnp.minimum(t, n_micro - 1)
         fresh = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), xs)
         held = where(stage == 0, fresh, held)
-        held = _layers(layer_fn, params, mask, held, uneven)
+        weights = params
+        if versions:  # the microbatch this stage holds at tick t entered at tick t - stage
+            version = jnp.clip(t - stage, 0, n_micro - 1)
+            weights = jax.tree.map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, version, keepdims=False), params
+            )
+        held = _layers(layer_fn, weights, mask, held, uneven)
         done = t - last  # the microbatch the last stage finishes at this tick
         slot = jnp.clip(done, 0, n_micro - 1)
         write = (stage == last) & (done >= 0)
@@ -341,6 +372,18 @@ def _gpipe(layer_fn: LayerFn, params, mask, xs, n_stages: int, axis: str, uneven
     return jax.tree.map(
         lambda out: jax.lax.psum(jnp.where(stage == last, out, jnp.zeros_like(out)), axis), outputs
     )
+
+
+def _check_versions(params, x, microbatches: int) -> None:
+    """With ``versions``: every param leaf and activation leads with ``microbatches``."""
+    for name, tree in (("param", params), ("activation", x)):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if leaf.ndim < 2 or leaf.shape[0] != microbatches:
+                raise LayoutError(
+                    f"with versions, every {name} leaf leads with the {microbatches} "
+                    f"microbatches' versions: {jax.tree_util.keystr(path)!r} has shape "
+                    f"{tuple(leaf.shape)}"
+                )
 
 
 def _check(params, x, stages: Stages, n_stages: int, microbatches: int, axis: str, mesh) -> None:

@@ -191,6 +191,7 @@ def run(options: WSPOptions, log=print) -> dict:
                 timeout=options.timeout,
                 steps=caches[plan.stages],
                 stages=plan.stages,
+                wave_step=p["wave_step"],
             )
 
         events = []
@@ -261,11 +262,13 @@ def summarize(options, ledger, records, events, seconds, parts) -> dict:
                 "max_lead": 0,
                 "max_local_staleness": 0,
                 "max_global_staleness": 0,
+                "idle_ticks": 0,
             },
         )
         v["waves"] += 1
         v["minibatches"] += len(r["minibatches"])
         v["pulls"] += int(r["pulled"])
+        v["idle_ticks"] += r["idle_ticks"]
         v["max_lead"] = max(v["max_lead"], r["wave"] - r["slowest"])
         v["max_local_staleness"] = max(v["max_local_staleness"], *r["local_staleness"])
         v["max_global_staleness"] = max(v["max_global_staleness"], *r["global_staleness"])

@@ -3,7 +3,8 @@
 
 ``FUNCTION(devices, **options)`` (``--option key=value``, values read as JSON when they parse)
 returns the job's parts: ``rules``, ``dataset``, ``init``, ``train_step``, ``config`` (a
-``tj.ParallelConfig`` for ``K`` devices) and optionally ``workers``. The process runs on ``K``
+``tj.ParallelConfig`` for ``K`` devices) and optionally ``workers``, ``stages`` and ``wave_step``
+(the VW's arguments of those names). The process runs on ``K``
 devices of its own (fake CPU devices with ``--platform cpu``), joins the job's ledger, trains until
 the run is done and appends each pushed wave to ``--records`` as a JSON line. SIGTERM: leave at the
 next wave boundary.
@@ -74,6 +75,8 @@ def main(argv=None) -> int:
             timeout=args.timeout,
             workers=parts.get("workers"),
             on_record=write,
+            stages=parts.get("stages"),
+            wave_step=parts.get("wave_step"),
         )
         worker.run(stop)
     if records is not None:

@@ -30,7 +30,11 @@ starts. Each minibatch's update is the user's step (``train_step(state, batch) -
 metrics)``, the step ``tj.ElasticJob`` runs) applied to the weights it read and the optimizer state
 as it is when the update lands: ``update = step(read) - read``, the optimizer's output for the
 gradient at the read weights (with decoupled weight decay, the decay of the read weights too).
-The device runs the steps one after another; the schedule of reads and updates is HetPipe's.
+With a ``wave_step`` and a ``pipe`` axis, a wave runs as one program: its ``Nm`` minibatches flow
+through the stages together, each on the weights it read (weight stashing), and the pipeline
+fills and drains once per wave (``stages - 1`` idle ticks per stage, not per minibatch); the
+updates then land as above. Otherwise the device runs one ``train_step`` per minibatch, on the
+same schedule of reads and updates.
 
 **The optimizer state.** The parameter server holds the weights only (float32); each VW's
 optimizer state (AdamW moments, step count: every leaf not under ``part``) is its own, kept across
@@ -61,6 +65,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -104,6 +109,9 @@ class WaveRecord:
         (``Nm - 1`` once the pipeline is full).
       global_staleness: per minibatch, the VW's clock (its waves in the weights it read) minus
         the clock every VW's waves were there up to (its last pull): at most ``D``.
+      idle_ticks: the ticks each pipeline stage waited in the wave, by its schedule: ``stages -
+        1`` with ``wave_step`` (the pipeline fills and drains once per wave), ``stages - 1`` per
+        minibatch without (each ``train_step`` fills and drains it); 0 without a ``pipe`` axis.
     """
 
     vw: str
@@ -122,6 +130,7 @@ class WaveRecord:
     local_versions: tuple[int, ...]
     local_staleness: tuple[int, ...]
     global_staleness: tuple[int, ...]
+    idle_ticks: int = 0
 
 
 def weights_of(state, part: str = "model") -> dict[str, np.ndarray]:
@@ -186,6 +195,18 @@ class VirtualWorker:
         (default: its own).
       optimizer_every: share the optimizer state through the stores every this many waves (and
         when leaving), for VWs that join later; 0: never.
+      wave_step: HetPipe's pipelined wave: ``wave_step(state, reads, batch) -> (state, landed,
+        metrics)`` runs a wave's minibatches in one program with all of them in flight in the
+        pipeline (no flush between them); ``reads`` is the state's ``part`` subtree with each
+        weight leaf's versions stacked (minibatch ``j`` read version ``j``), ``batch`` a
+        :class:`tenplex_jax.Batch` whose data and weights lead with the wave's minibatches;
+        it returns the state after the wave's updates landed (each computed at its version,
+        added to the weights as they are when it lands, as ``train_step``'s are), ``landed``
+        (the ``part`` subtree after each landing, stacked) and ``metrics["loss"]`` per
+        minibatch. The reads and updates are the same schedule as ``train_step``'s, which is
+        then used for nothing but the layout (``tenplex_jax_models.train.wave_step`` for the
+        reference GPT). Used where ``config`` has a ``pipe`` axis larger than 1; None, or no
+        pipeline: one ``train_step`` per minibatch.
       stages: uneven pipeline stages (HetPipe: more layers on the faster devices; the planner's
         ``WorkerPlan.candidate.stages``): the VW holds every leaf whose first logical axis is
         ``layers`` padded for them (:meth:`tenplex_jax.pipelining.Stages.pad`), and the
@@ -228,6 +249,7 @@ class VirtualWorker:
         steps: StepCache | None = None,
         optimizer_every: int = 4,
         stages: Stages | None = None,
+        wave_step: Callable | None = None,
     ):
         if minibatches < 1 or distance < 0 or slowdown < 1.0 or optimizer_every < 0:
             raise WSPError(
@@ -270,7 +292,8 @@ class VirtualWorker:
         if steps is None:
             sample = jax.tree.map(np.asarray, dataset.load(np.zeros(1, np.int64)))
             steps = StepCache(train_step, sample, self.devices, donate=False)
-        self.steps = steps
+        self.steps, self._programs = steps, {}
+        self.wave_step = wave_step if config.pipe > 1 else None  # nothing to overlap without
         self.step = self.steps.get(self.ptc, self.layout, ahead=False).result().executable
         weights = list(self._weights())
         jax.block_until_ready((_landed(weights, weights, weights), _delta(weights, weights)))
@@ -459,6 +482,8 @@ class VirtualWorker:
             return False
         if j == 0:
             wave.tic = time.perf_counter()
+        if self.wave_step is not None:
+            return self._land_pipelined(wave, j)
         read, k = wave.reads[j], wave.minibatches[j]
         current = read.changes == self.changes
         weights = read.weights
@@ -484,6 +509,55 @@ class VirtualWorker:
         wave.losses.append(metrics["loss"])
         wave.samples.extend(int(s) for s in rows if s >= 0)
         return True
+
+    def _land_pipelined(self, wave: _Wave, j: int) -> bool:
+        """Minibatch ``j`` of ``wave`` with ``wave_step``: the whole wave runs as one pipelined
+        program when its first update lands; each landing then sets the weights it produced."""
+        n = len(wave.minibatches)
+        if j == 0:
+            batches = [
+                device_batch(self.dataset, k, self.layout, self.mesh) for k in wave.minibatches
+            ]
+            after, landed, metrics = self._program(n)(
+                self.state,
+                [r.weights for r in wave.reads],
+                [data for data, _, _ in batches],
+                [weights for _, weights, _ in batches],
+            )
+            wave.after, wave.landed = after, tree.arrays(landed)[1]
+            wave.losses.extend(metrics["loss"][i] for i in range(n))
+            for _, _, rows in batches:
+                wave.samples.extend(int(s) for s in rows if s >= 0)
+        if j == n - 1:
+            self.state = wave.after
+        else:  # the weights after landing j, for the next wave's read j
+            shardings = [NamedSharding(self.mesh, self.ptc.leaves[i].spec) for i in self.weights]
+            weights = [jax.device_put(x[j], s) for x, s in zip(wave.landed, shardings)]
+            self.state = _replaced(self.state, self.weights, weights)
+        self.applied += 1
+        self.changes += 1
+        return True
+
+    def _program(self, n: int) -> Callable:
+        """``wave_step`` for waves of ``n`` minibatches, compiled once: the reads stacked into
+        versions and the minibatches into one batch inside it; the state keeps its layout."""
+        if n not in self._programs:
+
+            def run(state, reads, data, weights):
+                stacked = [jnp.stack([r[i] for r in reads]) for i in range(len(self.weights))]
+                versions = _replaced(state, self.weights, stacked)[self.part]
+                batch = Batch(
+                    jax.tree.map(lambda *xs: jnp.stack(xs), *data),
+                    jnp.stack(weights),
+                    self.layout,
+                    self.mesh,
+                    BATCH_AXES,
+                )
+                return self.wave_step(state, versions, batch)
+
+            shardings = self.ptc.shardings(self.mesh)
+            self._programs[n] = jax.jit(run, out_shardings=(shardings, None, None))
+        return self._programs[n]
 
     def _push(self, wave: _Wave) -> bool:
         """Push a wave whose updates have all landed: the change of the weights since it was
@@ -518,6 +592,7 @@ class VirtualWorker:
             tuple(r.version for r in wave.reads),
             wave.staleness,
             tuple(r.behind for r in wave.reads),
+            self._idle_ticks(len(wave.minibatches)),
         )
         self.records.append(record)
         if self.on_record is not None:
@@ -525,6 +600,11 @@ class VirtualWorker:
         if self.others and self.optimizer_every and self.clock % self.optimizer_every == 0:
             self._share_optimizer()
         return True
+
+    def _idle_ticks(self, n: int) -> int:
+        """Ticks each stage waits in a wave of ``n`` minibatches, by the schedule."""
+        fill = self.ptc.config.pipe - 1
+        return fill if self.wave_step is not None else n * fill
 
     def _share_optimizer(self, wait: bool = False) -> None:
         """Share the optimizer state as of this clock, written by a thread while the VW trains
@@ -643,6 +723,8 @@ class _Wave:
     tic: float = 0.0
     losses: list = dataclasses.field(default_factory=list)
     samples: list = dataclasses.field(default_factory=list)
+    after: object = None  # with wave_step: the state after the wave, and the weights after each
+    landed: list = dataclasses.field(default_factory=list)  # landing (leaves stacked)
 
 
 def _replaced(state, indices: list[int], arrays) -> object:
