@@ -362,6 +362,65 @@ def run_join(model: str, minibatch: int, before: int = 150, after: int = 12, log
     return row
 
 
+def run_pipeline(
+    model: str, minibatch: int, waves: int = 12, nm: int = 4, rounds: int = 3, log=print
+) -> dict:
+    """HetPipe's pipelined wave against one step per minibatch: a VW of two pipeline stages
+    (devices 0 and 1, the GPT with 4 layers), ``Nm`` minibatches a wave, alone; each round runs
+    both, one after the other. Per minibatch: the compute seconds (the first wave, which
+    compiles, left out) and the idle ticks of each stage by the schedule."""
+    import jax
+
+    import tenplex_jax
+    from tenplex_jax._src.elastic.steps import StepCache
+    from tenplex_jax.wsp import ParameterServer, weights_of
+    from tenplex_jax_models import wsp as job_parts
+
+    parts = dict(job_parts.job(2, model=model, minibatch=minibatch, layers=4))
+    parts["config"] = tenplex_jax.ParallelConfig(pipe=2)
+    state = parts["init"]()
+    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
+    steps = StepCache(parts["train_step"], sample, jax.devices()[:2], donate=False)
+    seconds, idle = {"pipelined wave": [], "a step per minibatch": []}, {}
+    for _ in range(rounds):
+        for case in seconds:
+            (store,) = _stores(pathlib.Path(tempfile.mkdtemp(prefix="tenplex-wsp-pipe-")), 1)
+            try:
+                with ParameterServer([store.address]) as ps:
+                    ps.create(weights_of(state), total=None)
+                    wave = parts["wave_step"] if case == "pipelined wave" else None
+                    vw = job_parts.virtual_worker(
+                        parts,
+                        "vw",
+                        [0, 1],
+                        [store.address],
+                        state,
+                        minibatches=nm,
+                        steps=steps,
+                        wave_step=wave,
+                        optimizer_every=0,
+                    )
+                    records = vw.run(waves=waves)[1:]
+            finally:
+                store.kill()
+            seconds[case].append(sum(r.compute_seconds for r in records) / (nm * len(records)))
+            idle[case] = records[0].idle_ticks
+    row = {
+        "nm": nm,
+        "stages": 2,
+        "idle_ticks_per_wave": idle,
+        "compute_seconds_per_minibatch": {k: float(np.median(v)) for k, v in seconds.items()},
+        "rounds": seconds,
+    }
+    piped, each = (row["compute_seconds_per_minibatch"][k] for k in seconds)
+    log(
+        f"  two stages, Nm {nm}: idle ticks per wave {idle['pipelined wave']} pipelined, "
+        f"{idle['a step per minibatch']} a step per minibatch; compute per minibatch "
+        f"{piped * 1e3:.1f} ms against {each * 1e3:.1f} ms ({each / piped:.2f}x)"
+    )
+    return row
+
+
 def plot(rows: dict, path: pathlib.Path) -> None:
     import matplotlib
 
@@ -393,6 +452,11 @@ def main(argv=None) -> int:
         "--only-join", action="store_true", help="only the join row (the joiner's optimizer)"
     )
     parser.add_argument(
+        "--only-pipeline",
+        action="store_true",
+        help="only the pipelined wave against a step per minibatch (two stages)",
+    )
+    parser.add_argument(
         "--time-to-loss",
         action="store_true",
         help="only WSP's time to the synchronous job's loss, D x Nm",
@@ -406,6 +470,11 @@ def main(argv=None) -> int:
         print(f"time to the synchronous job's loss, GPT {args.model}, vw3 {args.slowdown:g}x slow")
         row = run_time_to_loss(args.model, args.minibatches, args.slowdown, args.minibatch)
         (args.out / "wsp_time_to_loss.json").write_text(json.dumps(row, indent=1) + "\n")
+        return 0
+    if args.only_pipeline:
+        print(f"HetPipe's pipelined wave, GPT {args.model}, minibatches of {args.minibatch}")
+        row = run_pipeline(args.model, args.minibatch)
+        (args.out / "wsp_pipeline.json").write_text(json.dumps(row, indent=1) + "\n")
         return 0
     if args.only_join:
         print(f"a joining VW's optimizer state, GPT {args.model}, minibatches of {args.minibatch}")
