@@ -138,16 +138,20 @@ def test_a_vw_with_nm_in_flight_trains_what_the_sequential_reference_does(
         assert moved > 1e-3, moved  # training moved them
 
 
+WAVE_STEP = []
+
+
 @pytest.mark.parametrize("distance", [0, 1])
 def test_a_pipelined_wave_trains_what_the_sequential_reference_does(stores, job, distance):
     # HetPipe's pipeline: a VW of two stages runs each wave as one program, its Nm minibatches
     # in flight (each on the weights it read), and lands the same updates as the reference
     parts, state, _, params, gradient = job
     parts = dict(parts, config=tj.ParallelConfig(pipe=2))
-    graphdef = build_state("tiny", LR, optimizer="momentum", abstract=True)[0]
+    if not WAVE_STEP:  # one for both distances: their VWs share its compiled programs
+        WAVE_STEP.append(wave_step(build_state("tiny", LR, optimizer="momentum", abstract=True)[0]))
     sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
     steps = StepCache(parts["train_step"], sample, jax.devices()[:2], donate=False)
-    for nm in (1, 2, 4):
+    for nm in (1, 2, 4):  # each wave's program compiled once: the VWs share it
         address = stores.start(f"wave{nm}").address
         with ParameterServer([address]) as ps:
             ps.create(weights_of(state), total=MINIBATCHES)
@@ -160,7 +164,7 @@ def test_a_pipelined_wave_trains_what_the_sequential_reference_does(stores, job,
                 minibatches=nm,
                 distance=distance,
                 steps=steps,
-                wave_step=wave_step(graphdef),
+                wave_step=WAVE_STEP[0],
             )
             records = worker.run()
             got = ps.pull()

@@ -164,17 +164,17 @@ def run(options: WSPOptions, log=print) -> dict:
         parts = job_parts.job(1, **common)
         state = parts["init"]()  # built once; each VW places it
         sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-        caches = {}  # a step cache per stages over all devices: a joiner compiles nothing
+        caches = {}  # steps per stages, cached over all devices: a joiner compiles nothing
 
         built: list[dict] = []  # every VW made, in order
 
         def make(name: str, devices: tuple[int, ...]) -> VirtualWorker:
             plan = next(p for p in plans if sorted(p.devices) == sorted(devices))
             p = job_parts.job(len(devices), stages=plan.stages, **common)
-            if plan.stages not in caches:
-                caches[plan.stages] = StepCache(
-                    p["train_step"], sample, jax.devices(), donate=False
-                )
+            if plan.stages not in caches:  # the train step's cache, and one wave step
+                steps = StepCache(p["train_step"], sample, jax.devices(), donate=False)
+                caches[plan.stages] = (steps, p["wave_step"])
+            steps, wave_step = caches[plan.stages]
             built.append(plan.describe(name))
             return VirtualWorker(
                 name,
@@ -189,9 +189,9 @@ def run(options: WSPOptions, log=print) -> dict:
                 distance=distance,
                 slowdown=plan.slowdown,
                 timeout=options.timeout,
-                steps=caches[plan.stages],
+                steps=steps,
                 stages=plan.stages,
-                wave_step=p["wave_step"],
+                wave_step=wave_step,
             )
 
         events = []

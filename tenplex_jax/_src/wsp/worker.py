@@ -62,6 +62,7 @@ import dataclasses
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import jax
@@ -292,9 +293,11 @@ class VirtualWorker:
         if steps is None:
             sample = jax.tree.map(np.asarray, dataset.load(np.zeros(1, np.int64)))
             steps = StepCache(train_step, sample, self.devices, donate=False)
-        self.steps, self._programs = steps, {}
+        self.steps = steps
         self.wave_step = wave_step if config.pipe > 1 else None  # nothing to overlap without
-        self.step = self.steps.get(self.ptc, self.layout, ahead=False).result().executable
+        self.step = None  # the train step, compiled only where it runs
+        if self.wave_step is None:
+            self.step = self.steps.get(self.ptc, self.layout, ahead=False).result().executable
         weights = list(self._weights())
         jax.block_until_ready((_landed(weights, weights, weights), _delta(weights, weights)))
         self.records: list[WaveRecord] = []
@@ -518,7 +521,10 @@ class VirtualWorker:
             batches = [
                 device_batch(self.dataset, k, self.layout, self.mesh) for k in wave.minibatches
             ]
-            after, landed, metrics = self._program(n)(
+            program = _wave_program(
+                self.wave_step, n, self.ptc, self.layout, self.part, tuple(self.weights), self.mesh
+            )
+            after, landed, metrics = program(
                 self.state,
                 [r.weights for r in wave.reads],
                 [data for data, _, _ in batches],
@@ -537,27 +543,6 @@ class VirtualWorker:
         self.applied += 1
         self.changes += 1
         return True
-
-    def _program(self, n: int) -> Callable:
-        """``wave_step`` for waves of ``n`` minibatches, compiled once: the reads stacked into
-        versions and the minibatches into one batch inside it; the state keeps its layout."""
-        if n not in self._programs:
-
-            def run(state, reads, data, weights):
-                stacked = [jnp.stack([r[i] for r in reads]) for i in range(len(self.weights))]
-                versions = _replaced(state, self.weights, stacked)[self.part]
-                batch = Batch(
-                    jax.tree.map(lambda *xs: jnp.stack(xs), *data),
-                    jnp.stack(weights),
-                    self.layout,
-                    self.mesh,
-                    BATCH_AXES,
-                )
-                return self.wave_step(state, versions, batch)
-
-            shardings = self.ptc.shardings(self.mesh)
-            self._programs[n] = jax.jit(run, out_shardings=(shardings, None, None))
-        return self._programs[n]
 
     def _push(self, wave: _Wave) -> bool:
         """Push a wave whose updates have all landed: the change of the weights since it was
@@ -733,6 +718,34 @@ def _replaced(state, indices: list[int], arrays) -> object:
     for i, x in zip(indices, arrays):
         leaves[i] = x
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# compiled wave programs, per wave_step function: VWs of one layout (a joiner on a dead VW's
+# devices, the rounds of a test) share them, as they share a StepCache's train steps
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PROGRAMS_LOCK = threading.Lock()
+
+
+def _wave_program(wave_step, n: int, ptc: PTC, layout: BatchLayout, part: str, weights, mesh):
+    """``wave_step`` for waves of ``n`` minibatches on ``ptc``, compiled once: the reads
+    stacked into versions and the minibatches into one batch inside it; the state keeps its
+    layout."""
+    with _PROGRAMS_LOCK:
+        programs = _PROGRAMS.setdefault(wave_step, {})
+        key = (n, ptc, layout, part, weights)
+        if key not in programs:
+
+            def run(state, reads, data, batch_weights):
+                stacked = [jnp.stack([r[i] for r in reads]) for i in range(len(weights))]
+                versions = _replaced(state, list(weights), stacked)[part]
+                stack = lambda *xs: jnp.stack(xs)
+                batch = Batch(
+                    jax.tree.map(stack, *data), stack(*batch_weights), layout, mesh, BATCH_AXES
+                )
+                return wave_step(state, versions, batch)
+
+            programs[key] = jax.jit(run, out_shardings=(ptc.shardings(mesh), None, None))
+        return programs[key]
 
 
 def _stacked(state, rules: Rules, name: str = "layers") -> frozenset[int]:
