@@ -232,13 +232,25 @@ def test_vws_of_different_stages_train_one_job_through_unpadded_weights(stores):
     state = job_parts.job(1, layers=layers)["init"]()
     address = stores.start().address
 
-    def vw(name, devices, stages):
+    def vw(name, devices, stages, **options):
         parts = job_parts.job(len(devices), layers=layers, stages=stages)
         if stages is not None:
             parts["config"] = tj.ParallelConfig(pipe=2)
         return job_parts.virtual_worker(
-            parts, name, devices, [address], state, minibatches=2, optimizer_every=1, stages=stages
+            parts,
+            name,
+            devices,
+            [address],
+            state,
+            minibatches=2,
+            optimizer_every=1,
+            stages=stages,
+            **options,
         )
+
+    flat = job_parts.job(1, layers=layers)  # "b" and "b2" share its compiled step
+    sample = jax.tree.map(np.asarray, flat["dataset"].load(np.zeros(1, np.int64)))
+    steps = StepCache(flat["train_step"], sample, jax.devices()[2:3], donate=False)
 
     with ParameterServer([address]) as ps:
         ps.create(weights_of(state), total=12)
@@ -250,11 +262,11 @@ def test_vws_of_different_stages_train_one_job_through_unpadded_weights(stores):
         rows = a.stages.mask
         a_moments = _optimizer(a)[wide]
         assert not a_moments[~rows].any() and a_moments[rows].any()  # padding rows stay zero
-        b = vw("b", [2], None)
+        b = vw("b", [2], None, steps=steps)
         b.run(waves=0)  # joins, takes the state, leaves
         assert b.optimizer_from == ("a", 2)
         np.testing.assert_array_equal(_optimizer(b)[wide], a_moments[rows])  # unpadded
-        vw("b2", [2], None).run(waves=3)
+        vw("b2", [2], None, steps=steps).run(waves=3)
         c = vw("c", [4, 5], tj.pipelining.Stages((1, 3)))
         records = c.run()
         assert c.optimizer_from == ("b2", 3)

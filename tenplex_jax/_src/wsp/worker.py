@@ -734,6 +734,7 @@ def _wave_program(wave_step, n: int, ptc: PTC, layout: BatchLayout, part: str, w
         programs = _PROGRAMS.setdefault(wave_step, {})
         key = (n, ptc, layout, part, weights)
         if key not in programs:
+            step = weakref.ref(wave_step)  # the program must not hold its key alive
 
             def run(state, reads, data, batch_weights):
                 stacked = [jnp.stack([r[i] for r in reads]) for i in range(len(weights))]
@@ -742,7 +743,7 @@ def _wave_program(wave_step, n: int, ptc: PTC, layout: BatchLayout, part: str, w
                 batch = Batch(
                     jax.tree.map(stack, *data), stack(*batch_weights), layout, mesh, BATCH_AXES
                 )
-                return wave_step(state, versions, batch)
+                return step()(state, versions, batch)
 
             programs[key] = jax.jit(run, out_shardings=(ptc.shardings(mesh), None, None))
         return programs[key]
