@@ -62,11 +62,9 @@ import dataclasses
 import math
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -78,9 +76,10 @@ from tenplex_jax._src.errors import StoreError, WSPError
 from tenplex_jax._src.executor import place
 from tenplex_jax._src.pipelining import Stages
 from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
-from tenplex_jax._src.wsp import optimizer
+from tenplex_jax._src.wsp import optimizer, waves
 from tenplex_jax._src.wsp.ledger import Beats, Ledger
 from tenplex_jax._src.wsp.ps import ParameterServer
+from tenplex_jax._src.wsp.waves import replaced
 
 WAIT_SECONDS = 1.0  # the longest a waiting VW blocks on the ledger before it looks again
 
@@ -268,8 +267,10 @@ class VirtualWorker:
         self.devices = list(devices)
         self.stages, self.stacked = stages, frozenset()
         if stages is not None:  # the stacked leaves padded for the stages, on the host
-            self.stacked = _stacked(jax.eval_shape(init) if callable(init) else init, rules)
-            init = _padded(init, self.stacked, stages)
+            self.stacked = waves.stacked_leaves(
+                jax.eval_shape(init) if callable(init) else init, rules
+            )
+            init = waves.padded(init, self.stacked, stages)
         if callable(init):  # built straight into the layout
             self.ptc = PTC.of(jax.eval_shape(init), rules, config, self.devices)
             self.mesh = self.ptc.mesh(self.devices)
@@ -340,12 +341,12 @@ class VirtualWorker:
     def _place(self, indices: list[int], host: list[np.ndarray]) -> None:
         """Host arrays (unpadded) onto the devices as the state's leaves ``indices`` (padded
         where stacked; dtype and layout)."""
-        self.state = _replaced(
+        self.state = replaced(
             self.state,
             indices,
             [
                 jax.device_put(
-                    (_pad_rows(x, self.stages) if i in self.stacked else x).astype(
+                    (waves.pad_rows(x, self.stages) if i in self.stacked else x).astype(
                         self.ptc.leaves[i].dtype
                     ),
                     NamedSharding(self.mesh, self.ptc.leaves[i].spec),
@@ -499,13 +500,13 @@ class VirtualWorker:
         now = self._weights()
         data, batch_weights, rows = device_batch(self.dataset, k, self.layout, self.mesh)
         after, metrics = self.step(
-            _replaced(self.state, self.weights, weights),
+            replaced(self.state, self.weights, weights),
             Batch(data, batch_weights, self.layout, self.mesh, BATCH_AXES),
         )
         if not current:  # the update computed on older weights lands on the current ones
             _, leaves, _ = tree.arrays(after)
             landed = _landed(list(now), [leaves[i] for i in self.weights], list(read.weights))
-            after = _replaced(after, self.weights, landed)
+            after = replaced(after, self.weights, landed)
         self.state = after
         self.applied += 1
         self.changes += 1
@@ -521,7 +522,7 @@ class VirtualWorker:
             batches = [
                 device_batch(self.dataset, k, self.layout, self.mesh) for k in wave.minibatches
             ]
-            program = _wave_program(
+            program = waves.program(
                 self.wave_step, n, self.ptc, self.layout, self.part, tuple(self.weights), self.mesh
             )
             after, landed, metrics = program(
@@ -539,7 +540,7 @@ class VirtualWorker:
         else:  # the weights after landing j, for the next wave's read j
             shardings = [NamedSharding(self.mesh, self.ptc.leaves[i].spec) for i in self.weights]
             weights = [jax.device_put(x[j], s) for x, s in zip(wave.landed, shardings)]
-            self.state = _replaced(self.state, self.weights, weights)
+            self.state = replaced(self.state, self.weights, weights)
         self.applied += 1
         self.changes += 1
         return True
@@ -710,72 +711,6 @@ class _Wave:
     samples: list = dataclasses.field(default_factory=list)
     after: object = None  # with wave_step: the state after the wave, and the weights after each
     landed: list = dataclasses.field(default_factory=list)  # landing (leaves stacked)
-
-
-def _replaced(state, indices: list[int], arrays) -> object:
-    """``state`` with its leaves ``indices`` (in :func:`tree.arrays` order) set to ``arrays``."""
-    _, leaves, treedef = tree.arrays(state)
-    for i, x in zip(indices, arrays):
-        leaves[i] = x
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-# compiled wave programs, per wave_step function: VWs of one layout (a joiner on a dead VW's
-# devices, the rounds of a test) share them, as they share a StepCache's train steps
-_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PROGRAMS_LOCK = threading.Lock()
-
-
-def _wave_program(wave_step, n: int, ptc: PTC, layout: BatchLayout, part: str, weights, mesh):
-    """``wave_step`` for waves of ``n`` minibatches on ``ptc``, compiled once: the reads
-    stacked into versions and the minibatches into one batch inside it; the state keeps its
-    layout."""
-    with _PROGRAMS_LOCK:
-        programs = _PROGRAMS.setdefault(wave_step, {})
-        key = (n, ptc, layout, part, weights)
-        if key not in programs:
-            step = weakref.ref(wave_step)  # the program must not hold its key alive
-
-            def run(state, reads, data, batch_weights):
-                stacked = [jnp.stack([r[i] for r in reads]) for i in range(len(weights))]
-                versions = _replaced(state, list(weights), stacked)[part]
-                stack = lambda *xs: jnp.stack(xs)
-                batch = Batch(
-                    jax.tree.map(stack, *data), stack(*batch_weights), layout, mesh, BATCH_AXES
-                )
-                return step()(state, versions, batch)
-
-            programs[key] = jax.jit(run, out_shardings=(ptc.shardings(mesh), None, None))
-        return programs[key]
-
-
-def _stacked(state, rules: Rules, name: str = "layers") -> frozenset[int]:
-    """The leaves (in :func:`tree.arrays` order) whose first logical axis is ``name``."""
-    layouts = PTC.of(state, rules, ParallelConfig(), jax.devices()[:1]).leaves
-    return frozenset(i for i, leaf in enumerate(layouts) if (leaf.logical or (None,))[0] == name)
-
-
-def _padded(init, stacked: frozenset[int], stages: Stages):
-    """``init`` (a state, or a function that builds one) with its ``stacked`` leaves padded."""
-
-    def pad(state):
-        _, leaves, _ = tree.arrays(state)
-        return _replaced(state, sorted(stacked), [stages.pad(leaves[i]) for i in sorted(stacked)])
-
-    return (lambda: pad(init())) if callable(init) else pad(init)
-
-
-def _pad_rows(x: np.ndarray, stages: Stages) -> np.ndarray:
-    """A host array of ``num_layers`` rows padded for ``stages`` (zeros in the padding rows)."""
-    if x.shape[:1] != (stages.num_layers,):
-        raise WSPError(
-            f"a stacked leaf of {x.shape} cannot be padded for stages {stages.layers}: it needs "
-            f"{stages.num_layers} rows",
-            "invalid",
-        )
-    out = np.zeros((len(stages.index),) + x.shape[1:], x.dtype)
-    out[stages.mask] = x
-    return out
 
 
 @jax.jit
