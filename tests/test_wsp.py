@@ -219,6 +219,24 @@ def test_the_planner_builds_the_demo_s_vws_with_uneven_stages_and_nm_in_flight(t
     assert summary["last_losses"] and np.mean(summary["last_losses"]) < summary["first_loss"]
 
 
+def test_nm_is_what_memory_holds_in_flight_weight_versions_and_layer_inputs():
+    from tenplex_jax._src.planner.search import Candidate
+    from tenplex_jax._src.wsp.planner import _minibatches, in_flight_limit
+
+    layer = tj.planner.LayerProfile(1e9, param_bytes=100_000_000, act_bytes=0, out_bytes=10**7)
+    model = tj.planner.ModelProfile("m", (layer,) * 4, tj.planner.LayerProfile(1e9, 0, 0, 0))
+
+    def candidate(limit):  # two stages of 2 layers, 8 samples; each device has used 1 GB
+        stages = tj.pipelining.Stages((2, 2))
+        return Candidate(tj.ParallelConfig(pipe=2), 2, stages, (0, 1), 1.0, (10**9,) * 2, limit, 8)
+
+    # one more minibatch in flight: 2 layers' weights (200 MB) and their inputs for 8 samples
+    # (160 MB) on each device of a stage; the tighter stage decides
+    roomy, tight = candidate((1_500_000_000, 1_400_000_000)), candidate((1_300_000_000,) * 2)
+    assert in_flight_limit(roomy, model) == 2 and in_flight_limit(tight, model) == 1
+    assert _minibatches([((0, 1), roomy), ((2, 3), tight)], model) == [2, 1]
+
+
 def _device(name, tflops, memory_gib=24, usd=1.0):
     return tj.planner.DeviceType(name, int(memory_gib * 2**30), tflops * 1e12, 50e9, usd)
 

@@ -16,7 +16,8 @@ For each VW the planner's search (``tj.planner.choose``, the cost model of ``sea
 layout and its pipeline stages, each stage's layers in proportion to its devices' speed. ``Nm`` (the
 minibatches of a wave, in flight together in the VW's pipeline) is at least the VW's stages, so
 that every stage holds one, and set per VW in proportion to the VW's speed, so that every VW's
-wave takes about as long and the clocks advance together; the job's throughput is
+wave takes about as long and the clocks advance together, as far as its memory holds the weight
+versions and activations of that many minibatches in flight; the job's throughput is
 then ``sum(Nm) / (the longest wave)``. ``D = 1`` lets a VW start a wave before the slowest has
 finished the previous one (a stall of one wave is absorbed), ``D = 0`` when there is one VW. The
 choice is the grouping with the most samples per second (``objective="time"``) or per dollar
@@ -158,16 +159,34 @@ def groups(cluster: Cluster, grouping: str) -> list[tuple[int, ...]]:
     raise PlanError(f"a grouping is one of {GROUPINGS}, got {grouping!r}")
 
 
-def _minibatches(workers) -> list[int]:
+def in_flight_limit(candidate: Candidate, profile: ModelProfile) -> int:
+    """The most minibatches a VW laid out as ``candidate`` keeps in flight within its devices'
+    memory: each one past the first adds, on every device of a stage, a version of the stage's
+    weights (HetPipe's weight stashing: it runs on the weights it read) and what it keeps for its
+    backward pass (each layer's input, the layers recomputed as the search's memory model has
+    them, and the part outside the pipeline's); the candidate's estimate holds one. At least 1."""
+    c = candidate.config
+    slots = candidate.stages.slots
+    weights = slots * max(layer.param_bytes for layer in profile.layers)
+    weights = (weights + profile.outside.param_bytes) / (c.tensor * c.fsdp)
+    samples = -(-candidate.global_batch // (c.data * c.fsdp))
+    per_sample = slots * max(layer.out_bytes for layer in profile.layers)
+    acts = (per_sample + profile.outside.act_bytes) * samples / c.tensor
+    free = min(limit - used for used, limit in zip(candidate.memory, candidate.memory_limit))
+    return 1 + max(0, int(free // (weights + acts)))
+
+
+def _minibatches(workers, profile: ModelProfile) -> list[int]:
     """Each VW's ``Nm``: in proportion to its speed (``r`` times the slowest VW's speed does
     ``r`` times the minibatches a wave), and at least its pipeline's stages (HetPipe: a minibatch
     in flight on every stage, none idle but at a wave's start and end); the proportion is scaled
-    up until every VW has that many, at most ``MAX_MINIBATCHES``."""
+    up until every VW has that many; at most ``MAX_MINIBATCHES`` and what its memory holds in
+    flight (:func:`in_flight_limit`: fewer than its stages if it must)."""
     slowest = max(c.step_time for _, c in workers)
     speed = [slowest / c.step_time for _, c in workers]
     scale = max(math.ceil(c.config.pipe / r) for (_, c), r in zip(workers, speed))
     return [
-        min(MAX_MINIBATCHES, max(c.config.pipe, round(scale * r)))
+        min(MAX_MINIBATCHES, in_flight_limit(c, profile), max(c.config.pipe, round(scale * r)))
         for (_, c), r in zip(workers, speed)
     ]
 
@@ -216,7 +235,7 @@ def plan_workers(
             refused.append(f"{grouping}: {error}")
             continue
         plans = tuple(
-            WorkerPlan(ids, c, nm) for (ids, c), nm in zip(workers, _minibatches(workers))
+            WorkerPlan(ids, c, nm) for (ids, c), nm in zip(workers, _minibatches(workers, profile))
         )
         wave = max(w.wave_seconds for w in plans)
         throughput = sum(w.minibatches for w in plans) * minibatch / wave
