@@ -13,7 +13,6 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -97,7 +96,8 @@ def wave_step(graphdef, stages: tj.pipelining.Stages | None = None):
     gradient is taken at its version (its loss the mean over its real rows); the updates then
     land one after another as the VW's ``train_step`` would land them: AdamW's update for
     gradient ``j`` at version ``j`` (the optimizer state as it is then), added to the current
-    weights. ``landed`` stacks the weights after each landing; ``losses`` is ``float32[Nm]``."""
+    weights. ``landed`` holds the weights after each landing but the last (the state holds
+    those); ``losses`` is ``float32[Nm]``."""
 
     def step(state, reads, batch):
         nodes = nnx.merge(graphdef, state)
@@ -121,8 +121,7 @@ def wave_step(graphdef, stages: tj.pipelining.Stages | None = None):
             after = _params(model)
             _set_params(model, jax.tree.map(lambda c, a, r: c + (a - r), current, after, read))
             landed.append(_params(model))
-        stack = jax.tree.map(lambda *xs: jnp.stack(xs), *landed)
-        return nnx.state(nodes), stack, {"loss": per}
+        return nnx.state(nodes), tuple(landed[:-1]), {"loss": per}
 
     return step
 

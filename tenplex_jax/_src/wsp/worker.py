@@ -202,7 +202,7 @@ class VirtualWorker:
         :class:`tenplex_jax.Batch` whose data and weights lead with the wave's minibatches;
         it returns the state after the wave's updates landed (each computed at its version,
         added to the weights as they are when it lands, as ``train_step``'s are), ``landed``
-        (the ``part`` subtree after each landing, stacked) and ``metrics["loss"]`` per
+        (the ``part`` subtree after each landing but the last) and ``metrics["loss"]`` per
         minibatch. The reads and updates are the same schedule as ``train_step``'s, which is
         then used for nothing but the layout (``tenplex_jax_models.train.wave_step`` for the
         reference GPT). Used where ``config`` has a ``pipe`` axis larger than 1; None, or no
@@ -531,7 +531,7 @@ class VirtualWorker:
                 [data for data, _, _ in batches],
                 [weights for _, weights, _ in batches],
             )
-            wave.after, wave.landed = after, tree.arrays(landed)[1]
+            wave.after, wave.landed = after, [tree.arrays(w)[1] for w in landed]
             wave.losses.extend(metrics["loss"][i] for i in range(n))
             for _, _, rows in batches:
                 wave.samples.extend(int(s) for s in rows if s >= 0)
@@ -539,7 +539,7 @@ class VirtualWorker:
             self.state = wave.after
         else:  # the weights after landing j, for the next wave's read j
             shardings = [NamedSharding(self.mesh, self.ptc.leaves[i].spec) for i in self.weights]
-            weights = [jax.device_put(x[j], s) for x, s in zip(wave.landed, shardings)]
+            weights = [jax.device_put(x, s) for x, s in zip(wave.landed[j], shardings)]
             self.state = replaced(self.state, self.weights, weights)
         self.applied += 1
         self.changes += 1
@@ -710,7 +710,7 @@ class _Wave:
     losses: list = dataclasses.field(default_factory=list)
     samples: list = dataclasses.field(default_factory=list)
     after: object = None  # with wave_step: the state after the wave, and the weights after each
-    landed: list = dataclasses.field(default_factory=list)  # landing (leaves stacked)
+    landed: list = dataclasses.field(default_factory=list)  # landing but the last (leaves)
 
 
 @jax.jit
