@@ -272,11 +272,14 @@ def test_a_pipeline_runs_on_auto_and_explicit_axes_and_equals_the_scan(types, st
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("pipe,stages", [(1, None), (2, None), (2, (3, 1))])
-def test_versions_run_each_microbatch_on_its_own_weights_with_its_own_gradient(pipe, stages):
+@pytest.mark.parametrize(
+    "pipe,stages,types",
+    [(1, None, "Auto"), (2, None, "Auto"), (2, None, "Explicit"), (2, (3, 1), "Auto")],
+)
+def test_versions_run_each_microbatch_on_its_own_weights_with_its_own_gradient(pipe, stages, types):
     # HetPipe's minibatches in flight: microbatch j on weight version j on every stage
-    auto = (jax.sharding.AxisType.Auto,) * 2
-    mesh = jax.make_mesh((pipe, 2), ("pipe", "data"), auto, devices=jax.devices()[: 2 * pipe])
+    axes = (getattr(jax.sharding.AxisType, types),) * 2
+    mesh = jax.make_mesh((pipe, 2), ("pipe", "data"), axes, devices=jax.devices()[: 2 * pipe])
     split = tj.pipelining.Stages(stages) if stages else None
     rng = np.random.default_rng(0)
     m, layer = 3, lambda h, p: jnp.tanh(h @ p)
@@ -293,11 +296,14 @@ def test_versions_run_each_microbatch_on_its_own_weights_with_its_own_gradient(p
         kw = {"mesh": mesh, "microbatches": m, "stages": split, "versions": True}
         return tj.pipelining.pipeline(layer, w, x, **kw)
 
+    placed = versions  # on Explicit axes laid out as the spec (jax 0.12's shard_map wants it)
+    if types == "Explicit":
+        placed = jax.device_put(versions, NamedSharding(mesh, P(None, "pipe")))
     np.testing.assert_allclose(
-        jax.jit(pipelined)(versions, xs), scans(versions, xs), rtol=1e-5, atol=1e-6
+        jax.jit(pipelined)(placed, xs), scans(versions, xs), rtol=1e-5, atol=1e-6
     )
-    second = lambda f: jax.grad(lambda w: (f(w, xs)[1] ** 2).sum())(versions)
-    grads, want = jax.jit(lambda: second(pipelined))(), second(scans)
+    second = lambda f, w: jax.grad(lambda w: (f(w, xs)[1] ** 2).sum())(w)
+    grads, want = jax.jit(lambda w: second(pipelined, w))(placed), second(scans, versions)
     assert not np.asarray(grads[0]).any() and not np.asarray(grads[2]).any()  # not theirs
     np.testing.assert_allclose(grads, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(tj.errors.LayoutError, match=r"leads with the 3 microbatches.*\(4, 8, 8\)"):

@@ -217,7 +217,8 @@ def pipeline(
       remat: recompute each layer in the backward pass (``jax.checkpoint``, as in GPipe), so a
         stage keeps only every layer's input for each microbatch in flight.
       versions: HetPipe's (and PipeDream's) weight stashing: every param leaf has a leading dim
-        of ``microbatches`` weight versions before its layers dim, ``x`` a leading dim of
+        of ``microbatches`` weight versions before its layers dim (the layers dim sharded over
+        ``axis``, the versions not), ``x`` a leading dim of
         ``microbatches`` (one microbatch each: HetPipe's minibatches in flight, not cut from one
         batch), and microbatch ``j`` runs on version ``j`` on every stage. The gradient with
         respect to the versions is each microbatch's own. The pipeline fills and drains once for
