@@ -95,8 +95,9 @@ def by_hand(options: WSPOptions) -> list[Built]:
     ]
 
 
-def planned(options: WSPOptions, devices: int, log=print) -> tuple[list[Built], int]:
-    """The planner's VWs for ``options.cluster`` and the planned model's layer count.
+def planned(options: WSPOptions, devices: int, log=print) -> tuple[list[Built], int, int]:
+    """The planner's VWs for ``options.cluster``, the planned model's layer count and the
+    planner's ``D``.
 
     Raises:
       PlanError: the cluster has more devices than the demo's ``devices`` fake ones, or no
@@ -127,7 +128,7 @@ def planned(options: WSPOptions, devices: int, log=print) -> tuple[list[Built], 
         )
         for w in choice.workers
     ]
-    return built, GPTConfig.by_name(options.plan_model).n_layers
+    return built, GPTConfig.by_name(options.plan_model).n_layers, choice.distance
 
 
 def run(options: WSPOptions, log=print) -> dict:
@@ -152,8 +153,7 @@ def run(options: WSPOptions, log=print) -> dict:
         if options.cluster is None:
             plans, layers, distance = by_hand(options), None, options.distance
         else:
-            plans, layers = planned(options, len(jax.devices()), log)
-            distance = 1 if len(plans) > 1 else 0  # the planner's D
+            plans, layers, distance = planned(options, len(jax.devices()), log)
         common = {
             "model": options.model,
             "lr": options.lr,
