@@ -118,12 +118,15 @@ def run_wsp(
                 "wait": 0.0,
                 "slowdown": 0.0,
                 "push": 0.0,
+                "push_wait": 0.0,
             },
         )
         v["waves"] += 1
         v["minibatches"] += len(r["minibatches"])
         for key in ("compute", "wait", "slowdown", "push"):
             v[key] += r[f"{key}_seconds"]
+        # what the compute waited for pushes (all of it where the push was on its thread)
+        v["push_wait"] += r.get("push_wait_seconds", r["push_seconds"])
     row = {
         "distance": distance,
         "minibatches": total,

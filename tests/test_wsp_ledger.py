@@ -15,8 +15,10 @@ TIMEOUT = 10.0
 
 class Sim:
     """VWs acting on one ledger as the worker loop does: decide (go / pull / wait), claim, train,
-    commit; they join, die (their heartbeats stop: dropped once a watcher has seen them stopped
-    for the timeout) and leave at random."""
+    push; a push commits later, on its own thread (``land``), while the VW decides and claims
+    its next wave (its lease ahead); it settles its push before the next push, a pull or
+    leaving. They join, die (their heartbeats stop: dropped once a watcher has seen them stopped
+    for the timeout; a push in flight dies with them) and leave at random."""
 
     def __init__(self, total: int, nm: int, distance: int):
         self.ledger, self.now = Ledger(total=total), 0.0
@@ -39,7 +41,16 @@ class Sim:
             "fresh": self.ledger.min_clock,
             "phase": "wait",
             "known": set(self.tags),
+            "pushing": None,  # the wave whose push is in flight
         }
+
+    def land(self, vw: str):
+        """The push in flight commits (its thread's work; the VW settles it)."""
+        s = self.state[vw]
+        if s["pushing"] is not None:
+            self.ledger = self.ledger.commit(vw, s["pushing"])
+            self.tags.add((vw, s["pushing"]))
+            s["pushing"] = None
 
     def step(self, vw: str):
         s = self.state[vw]
@@ -48,7 +59,8 @@ class Sim:
             decision = self.ledger.decide(vw, s["wave"], s["fresh"], self.distance)
             if decision == "wait":
                 return
-            if decision == "pull":
+            if decision == "pull":  # after its own push is in the weights
+                self.land(vw)
                 s["fresh"], s["known"] = self.ledger.min_clock, set(self.tags)
             self.starts.append((vw, s["wave"], self.ledger.min_clock, frozenset(s["known"])))
             self.ledger, got = self.ledger.claim(vw, s["wave"], self.nm)
@@ -58,8 +70,8 @@ class Sim:
                 self.starts.pop()
                 s["phase"] = "done" if self.ledger.done else "wait"
         elif s["phase"] == "train":
-            self.ledger = self.ledger.commit(vw, s["wave"])
-            self.tags.add((vw, s["wave"]))
+            self.land(vw)  # pushes commit in order
+            s["pushing"] = s["wave"]
             s["known"].add((vw, s["wave"]))  # its own update is in its weights
             s["wave"] += 1
             s["phase"] = "wait"
@@ -85,13 +97,15 @@ class Sim:
         assert dropped == (vw,)
 
     def leave(self, vw: str):
+        self.land(vw)
         del self.state[vw]
         self.ledger = self.ledger.leave(vw)
 
 
 ACTIONS = st.lists(
     st.tuples(
-        st.sampled_from(["step", "step", "step", "step", "join", "die", "leave"]), st.integers(0, 7)
+        st.sampled_from(["step", "step", "step", "step", "land", "join", "die", "leave"]),
+        st.integers(0, 7),
     ),
     min_size=1,
     max_size=200,
@@ -99,9 +113,15 @@ ACTIONS = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(total=st.integers(1, 40), nm=st.integers(1, 4), distance=st.integers(0, 3), actions=ACTIONS)
+@given(
+    total=st.integers(1, 40),
+    nm=st.integers(1, 4),
+    distance=st.integers(0, 3),
+    actions=ACTIONS,
+    late=st.booleans(),
+)
 def test_every_minibatch_is_trained_exactly_once_and_wsp_holds_over_joins_and_deaths(
-    total, nm, distance, actions
+    total, nm, distance, actions, late
 ):
     sim = Sim(total, nm, distance)
     sim.join()
@@ -112,15 +132,21 @@ def test_every_minibatch_is_trained_exactly_once_and_wsp_holds_over_joins_and_de
             sim.join()
         elif action in ("die", "leave") and len(live) > 1:
             getattr(sim, action)(live[pick % len(live)])
+        elif action == "land" and live:
+            sim.land(live[pick % len(live)])
         elif live:
             sim.step(live[pick % len(live)])
     if not sim.state:
         sim.join()
-    for _ in range(100 * total + 100):  # the survivors finish the run
+    for round in range(100 * total + 100):  # the survivors finish the run
         if sim.ledger.done:
             break
         for vw in sorted(sim.state):
             sim.step(vw)
+            if not late or round % 3 == 2:  # pushes land at once, or a few rounds later
+                sim.land(vw)
+    for vw in sorted(sim.state):  # the last pushes, settled before leaving
+        sim.land(vw)
     assert sim.ledger.done
     trained = sim.ledger.trained()
     assert sorted(trained) == list(range(total))  # each minibatch exactly once
@@ -148,6 +174,29 @@ def test_a_dropped_vws_lease_goes_back_and_its_late_commit_is_refused():
     assert again == (0, 1, 2, 6)  # the returned minibatches first, then the cursor's
     with pytest.raises(WSPError, match="used once"):
         led.join("a")
+
+
+def test_a_vw_leases_one_wave_ahead_while_its_push_is_in_flight():
+    led = Ledger(total=10).join("a").join("b")
+    led, first = led.claim("a", 0, 3)
+    led, ahead = led.claim("a", 1, 3)  # wave 0's push in flight
+    assert (first, ahead) == ((0, 1, 2), (3, 4, 5))
+    assert led.claim("a", 1, 3) == (led, ahead)  # a retried claim: the same lease
+    with pytest.raises(WSPError, match="no wave before a commit") as refused:
+        led.claim("a", 2, 3)  # one ahead at most
+    assert refused.value.reason == "refused"
+    with pytest.raises(WSPError, match="may claim wave 0, not wave 1"):
+        led.claim("b", 1, 3)  # nothing in flight: no lease ahead
+    assert Ledger.from_json(led.to_json()) == led
+    committed = led.commit("a", 0)  # the lease ahead becomes the lease
+    assert committed.leases["a"].wave == 1 and not committed.ahead
+    assert committed.claim("a", 2, 3)[1] == (6, 7, 8)
+    with pytest.raises(WSPError, match="holds wave 0"):
+        led.commit("a", 1)  # in order
+    dropped, _ = led.drop(["a"])  # both leases go back
+    assert dropped.returned == (0, 1, 2, 3, 4, 5) and not dropped.ahead
+    left = committed.leave("a")
+    assert left.returned == (3, 4, 5) and left.trained() == [0, 1, 2]
 
 
 def test_a_joiner_starts_at_the_slowest_clock_and_the_record_round_trips():

@@ -7,6 +7,8 @@ of several asynchronous VWs' staleness are checked on the demo's run, in ``test_
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import numpy as np
 import optax
@@ -17,7 +19,7 @@ from jax.sharding import AxisType
 import tenplex_jax as tj
 from tenplex_jax._src import tree
 from tenplex_jax._src.elastic.steps import StepCache
-from tenplex_jax._src.errors import WSPError
+from tenplex_jax._src.errors import StoreError, WSPError
 from tenplex_jax._src.wsp import optimizer
 from tenplex_jax.wsp import ParameterServer, weights_of
 from tenplex_jax_models import build_state, example_losses, wave_step
@@ -282,3 +284,85 @@ def test_vws_of_different_stages_train_one_job_through_unpadded_weights(stores):
     assert max(np.abs(got[p] - weights_of(state)[p]).max() for p in got) > 1e-3
     with pytest.raises(WSPError, match=r"cannot be padded for stages \(1, 3\): it needs 4 rows"):
         c.set_weights({p: np.zeros((5,) + x.shape[1:], x.dtype) for p, x in got.items()})
+
+
+def _pushes(worker, before_push):
+    """Wrap ``worker``'s pushes: ``before_push(wave)`` runs on the push thread first."""
+    push = worker.ps.push
+
+    def wrapped(vw, wave, updates, **kwargs):
+        before_push(wave)
+        return push(vw, wave, updates, **kwargs)
+
+    worker.ps.push = wrapped
+
+
+def test_a_push_runs_beside_the_next_wave_which_is_leased_ahead(stores, job):
+    address = stores.start().address
+    with ParameterServer([address]) as ps:
+        ps.create(weights_of(job[1]), total=None)
+        claimed = {}
+        next_claimed = threading.Event()
+
+        def on_wave(name, wave, minibatches):
+            claimed[wave] = minibatches
+            if wave == 1:
+                next_claimed.set()
+
+        worker = _vw("a", address, job, minibatches=2, distance=1, on_wave=on_wave)
+        seen = {}
+
+        def hold(wave):
+            if wave == 0:  # wave 0's push waits until wave 1 is claimed: the VW went on
+                assert next_claimed.wait(120), "wave 1 was not claimed while wave 0 pushed"
+                seen["ledger"] = ps.ledger()
+                seen["records"] = len(worker.records)
+
+        _pushes(worker, hold)
+        records = worker.run(waves=3)
+        ahead = seen["ledger"].ahead["a"]
+        assert (ahead.wave, ahead.minibatches) == (1, claimed[1]) == (1, (2, 3))
+        assert seen["records"] == 0  # a wave's record comes with its commit
+        assert [r.minibatches for r in records] == [(0, 1), (2, 3), (4, 5)]
+        history = ps.history()
+        assert [(vw, w) for vw, w, _ in history.log] == [("a", 0), ("a", 1), ("a", 2)]
+        assert not history.leases and not history.ahead
+        assert worker.push_waits >= 0 and records[1].push_wait_seconds >= 0
+
+
+def test_a_vw_that_dies_with_a_push_in_flight_records_exactly_what_committed(stores, job):
+    address = stores.start().address
+    with ParameterServer([address]) as ps:
+        ps.create(weights_of(job[1]), total=None)
+        worker = _vw("a", address, job, minibatches=1, distance=1)
+
+        def die(wave):
+            if wave == 1:  # dies while pushing: the commit may still land, as it does here
+                worker.crashed.set()
+
+        _pushes(worker, die)
+        records = worker.run()  # returns at once, its push finished
+        ledger = ps.ledger()
+        committed = [(vw, w, m) for vw, w, m in ledger.log]
+        assert [(r.vw, r.wave, r.minibatches) for r in records] == committed
+        assert [w for _, w, _ in committed] == [0, 1]
+        assert "a" in ledger.clocks  # silent, not gone: the others drop it after the timeout
+
+
+@pytest.mark.parametrize("distance", [0, 1])
+def test_a_push_that_fails_on_its_thread_ends_the_vw_with_its_error(stores, job, distance):
+    address = stores.start().address
+    with ParameterServer([address]) as ps:
+        ps.create(weights_of(job[1]), total=None)
+        worker = _vw("a", address, job, minibatches=1, distance=distance)
+
+        def fail(wave):
+            if wave == 1:
+                raise StoreError("injected: the store went away", "unavailable")
+
+        _pushes(worker, fail)
+        # D = 0: the VW waits for its own commit before wave 2, which never comes: it must see
+        # the failure instead of waiting for ever; D = 1: the next push settles it
+        with pytest.raises(StoreError, match="injected"):
+            worker.run(waves=4)
+        assert [w for _, w, _ in ps.ledger().log] == [0]

@@ -7,7 +7,9 @@ ledger (and a result), so the rules are tested exhaustively without stores or de
 
 - **The data cursor.** Minibatches are the dataset PTC's global batches ``0, 1, 2, ...``: one
   global order. ``claim`` leases a VW the next ``Nm`` of them for its wave, minibatches handed
-  back first (lowest first), then fresh ones from the cursor.
+  back first (lowest first), then fresh ones from the cursor. A VW whose push is in flight may
+  lease its next wave before that push commits (one lease ahead, HetPipe's communication beside
+  the compute); the commit turns the lease ahead into its lease.
 - **Commits.** ``commit`` turns a VW's lease for wave ``c`` into a log entry ``(vw, c,
   minibatches)`` and advances its clock to ``c + 1``. The log is the proof: every minibatch it
   lists was trained and pushed exactly once.
@@ -65,6 +67,8 @@ class Ledger:
         slowest's clock).
       leases: each live member's claimed, uncommitted minibatches (a ``Lease``: its wave and
         minibatches).
+      ahead: each live member's lease of the wave after its leased one, claimed while the push
+        of that one is in flight (at most one; the commit makes it the member's lease).
       committed: how many waves every VW, live or gone, has pushed (its waves ``starts[vw] ..
         starts[vw] + committed[vw] - 1``).
       starts: the clock each VW joined at.
@@ -83,6 +87,7 @@ class Ledger:
     returned: tuple[int, ...] = ()
     clocks: Mapping[str, int] = dataclasses.field(default_factory=dict)
     leases: Mapping[str, Lease] = dataclasses.field(default_factory=dict)
+    ahead: Mapping[str, Lease] = dataclasses.field(default_factory=dict)
     committed: Mapping[str, int] = dataclasses.field(default_factory=dict)
     starts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     log: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
@@ -138,7 +143,7 @@ class Ledger:
             self.total is not None
             and self.cursor >= self.total
             and not self.returned
-            and not self.leases
+            and not self.leases  # (a lease ahead comes with a lease)
         )
 
     def pushed(self, vw: str, wave: int) -> bool:
@@ -227,13 +232,14 @@ class Ledger:
         return self._without(vw, dropped=False)
 
     def _without(self, vw: str, dropped: bool) -> Ledger:
-        lease = self.leases.get(vw)
-        back = tuple(sorted((*self.returned, *(lease.minibatches if lease else ()))))
+        held = [lease.minibatches for lease in (self.leases.get(vw), self.ahead.get(vw)) if lease]
+        back = tuple(sorted((*self.returned, *(m for minibatches in held for m in minibatches))))
         return dataclasses.replace(
             self,
             returned=back,
             clocks={k: v for k, v in self.clocks.items() if k != vw},
             leases={k: v for k, v in self.leases.items() if k != vw},
+            ahead={k: v for k, v in self.ahead.items() if k != vw},
             dropped=self.dropped + ((vw,) if dropped else ()),
             left=self.left + (() if dropped else (vw,)),
         )
@@ -241,34 +247,36 @@ class Ledger:
     def claim(self, vw: str, wave: int, count: int) -> tuple[Ledger, tuple[int, ...]]:
         """Lease a member minibatches for its next wave: returned ones first, then the cursor's.
 
-        Asking again for the same wave returns the same lease (a retried request).
+        The next wave is its clock's; while it holds that wave's lease (its push in flight), the
+        one after, as its lease ahead. Asking again for a leased wave returns the same lease (a
+        retried request).
 
         Args:
           vw: the member.
-          wave: its next wave (its clock).
+          wave: its clock, or its clock + 1 while it holds its clock's lease.
           count: the most minibatches to lease (its ``Nm``).
 
         Returns:
           ``(ledger, minibatches)``; no minibatches (and the same ledger) when none is left now.
 
         Raises:
-          WSPError: ``vw`` is not a member (``"dropped"``), holds another wave's lease, or
-            ``wave`` is not its next (``"refused"``).
+          WSPError: ``vw`` is not a member (``"dropped"``), or ``wave`` is neither its next
+            nor, while it holds that one's lease, the one after (``"refused"``).
         """
         self._check_member(vw, "claim")
-        lease = self.leases.get(vw)
-        if lease is not None:
-            if lease.wave != wave:
-                raise WSPError(
-                    f"virtual worker {vw!r} holds wave {lease.wave}'s minibatches; "
-                    f"commit or leave before claiming wave {wave}",
-                    "refused",
-                )
-            return self, lease.minibatches
-        if wave != self.clocks[vw]:
+        lease, ahead, clock = self.leases.get(vw), self.ahead.get(vw), self.clocks[vw]
+        for held in (lease, ahead):
+            if held is not None and held.wave == wave:
+                return self, held.minibatches
+        allowed = clock if lease is None else (clock + 1 if ahead is None else None)
+        if wave != allowed:
             raise WSPError(
-                f"virtual worker {vw!r} has committed {self.clocks[vw]} waves; its "
-                f"next wave is {self.clocks[vw]}, not {wave}",
+                f"virtual worker {vw!r} has committed {clock} waves and holds "
+                + (f"wave {lease.wave}'s lease" if lease else "no lease")
+                + (f" and wave {ahead.wave}'s lease ahead" if ahead else "")
+                + "; it may claim "
+                + ("no wave before a commit" if allowed is None else f"wave {allowed}")
+                + f", not wave {wave}",
                 "refused",
             )
         taken = self.returned[:count]
@@ -277,16 +285,17 @@ class Ledger:
         minibatches = (*taken, *range(self.cursor, end))
         if not minibatches:
             return self, ()
+        held = "leases" if wave == clock else "ahead"
         return dataclasses.replace(
             self,
             returned=self.returned[len(taken) :],
             cursor=end,
-            leases={**self.leases, vw: Lease(wave, minibatches)},
+            **{held: {**getattr(self, held), vw: Lease(wave, minibatches)}},
         ), minibatches
 
     def commit(self, vw: str, wave: int) -> Ledger:
         """A member's wave is pushed: log its minibatches and advance its clock (the atomic point
-        of a push).
+        of a push); its lease ahead, if any, becomes its lease.
 
         Args:
           vw: the member.
@@ -307,11 +316,15 @@ class Ledger:
                 f"{'no lease' if lease is None else f'wave {lease.wave}'}",
                 "refused",
             )
+        leases = {k: v for k, v in self.leases.items() if k != vw}
+        if vw in self.ahead:
+            leases[vw] = self.ahead[vw]
         return dataclasses.replace(
             self,
             clocks={**self.clocks, vw: wave + 1},
             committed={**self.committed, vw: wave + 1 - self.starts[vw]},
-            leases={k: v for k, v in self.leases.items() if k != vw},
+            leases=leases,
+            ahead={k: v for k, v in self.ahead.items() if k != vw},
             log=self.log + ((vw, wave, lease.minibatches),),
         )
 
@@ -378,6 +391,7 @@ class Ledger:
             "returned": list(self.returned),
             "clocks": dict(self.clocks),
             "leases": {k: [v.wave, list(v.minibatches)] for k, v in self.leases.items()},
+            "ahead": {k: [v.wave, list(v.minibatches)] for k, v in self.ahead.items()},
             "committed": dict(self.committed),
             "starts": dict(self.starts),
             "log": [[vw, wave, list(m)] for vw, wave, m in self.log],
@@ -410,6 +424,10 @@ class Ledger:
                 {
                     str(k): Lease(int(w), tuple(int(m) for m in ms))
                     for k, (w, ms) in record["leases"].items()
+                },
+                {
+                    str(k): Lease(int(w), tuple(int(m) for m in ms))
+                    for k, (w, ms) in record.get("ahead", {}).items()
                 },
                 {str(k): int(v) for k, v in record["committed"].items()},
                 {str(k): int(v) for k, v in record["starts"].items()},

@@ -14,8 +14,10 @@ local weights as they are when it is done. Wave ``k`` is its minibatches ``k Nm 
 1. while wave ``k - 1``'s updates land one at a time, wave ``k``'s first ``Nm - 1`` minibatches
    read their weights, each after one more of them;
 2. when the last has landed, the VW **pushes** wave ``k - 1``'s update: the change of the local
-   weights over its ``Nm`` updates, ``w_end - w_start``, staged, committed with its minibatches,
-   applied;
+   weights over its ``Nm`` updates, ``w_end - w_start``, copied off the devices, staged,
+   committed with its minibatches and applied on a thread of its own, beside wave ``k``'s
+   compute (Hydrozoa's communication thread); pushes commit in order, and a pull, the next push
+   and leaving wait for the push in flight;
 3. **WSP**: the weights wave ``k``'s last minibatch reads must hold every VW's waves before
    ``k - D`` (``distance=D``). If its last pull already did (it pulled when the slowest had
    committed ``>= k - D`` waves), it goes on without pulling; else it waits until the slowest
@@ -23,7 +25,8 @@ local weights as they are when it is done. Wave ``k`` is its minibatches ``k Nm 
    the VW's own waves in the weights a minibatch reads, minus the waves every VW's are there up
    to: at most ``D``). ``D = 0``: every wave waits for every VW and pulls;
 4. it **claims** wave ``k``'s ``Nm`` minibatches (the dataset PTC's global batches) from the
-   ledger, and the last of them reads the weights.
+   ledger, as its lease ahead while wave ``k - 1``'s push is in flight, and the last of them
+   reads the weights.
 
 ``Nm = 1`` is a wave of one minibatch trained on the latest weights, pushed before the next one
 starts. Each minibatch's update is the user's step (``train_step(state, batch) -> (state,
@@ -50,9 +53,9 @@ minibatches with their gradients summed (each minibatch's loss a mean over its s
 
 **Heterogeneity on CPU.** ``slowdown=s`` makes a VW ``s`` times slower: after each wave it sleeps
 ``(s - 1)`` times the wave's compute time, as a device type ``s`` times slower would take. What
-this cannot show: the contention of real devices for host memory and PCIe, a slow device's
-different memory, and communication overlapping compute; fake CPU devices also share the host's
-cores, so VWs in one process slow each other down.
+this cannot show: the contention of real devices for host memory and PCIe, and a slow
+device's different memory; fake CPU devices also share the host's
+cores, so VWs in one process slow each other down, and the pushes beside them.
 """
 
 from __future__ import annotations
@@ -99,10 +102,10 @@ class WaveRecord:
       wait_seconds: waiting (WSP's barrier) and pulling, before training.
       compute_seconds: training the minibatches.
       slowdown_seconds: the sleep that makes the VW ``slowdown`` times slower.
-      push_seconds: pushing the wave's update, until its commit (the parameter server adds it into
-        the weights on a thread beside the next wave's compute).
+      push_seconds: pushing the wave's update (copied off the devices, staged, committed,
+        applied), on a thread beside the next wave's compute.
       started: ``time.time()`` at the start of the wave's wait.
-      ended: ``time.time()`` when the wave was pushed.
+      ended: ``time.time()`` when the wave's push was in the weights.
       local_versions: per minibatch, how many of the VW's own updates the weights it read held
         (counted from its join).
       local_staleness: per minibatch, the VW's own earlier minibatches whose updates it missed
@@ -112,6 +115,9 @@ class WaveRecord:
       idle_ticks: the ticks each pipeline stage waited in the wave, by its schedule: ``stages -
         1`` with ``wave_step`` (the pipeline fills and drains once per wave), ``stages - 1`` per
         minibatch without (each ``train_step`` fills and drains it); 0 without a ``pipe`` axis.
+      push_wait_seconds: how long the VW waited, since the push before this wave's started, for
+        that push to finish (before a pull or this push): the communication its compute did not
+        hide.
     """
 
     vw: str
@@ -131,6 +137,7 @@ class WaveRecord:
     local_staleness: tuple[int, ...]
     global_staleness: tuple[int, ...]
     idle_ticks: int = 0
+    push_wait_seconds: float = 0.0
 
 
 def weights_of(state, part: str = "model") -> dict[str, np.ndarray]:
@@ -214,7 +221,9 @@ class VirtualWorker:
         unpadded, so VWs of different stages train one job. None: the stacked leaves as they are.
 
     Attributes:
-      records: the :class:`WaveRecord` of every wave pushed.
+      records: the :class:`WaveRecord` of every wave pushed (each added when its push is done).
+      push_waits: seconds the VW waited for a push in flight (before the next push, a pull or
+        leaving): the communication its compute did not hide.
       crashed: a ``threading.Event``: set it to end the VW at once, as a crash.
       dropped: whether the ledger dropped this VW.
       optimizer_from: ``(vw, wave)`` of the optimizer state it took when it joined, or None
@@ -308,6 +317,8 @@ class VirtualWorker:
         self.crashed = threading.Event()  # a simulated death: stop at once, leave nothing behind
         self.dropped = False
         self.watched, self.watched_at = Beats(), -math.inf  # the members' heartbeats, seen when
+        self._pushing: _Thread | None = None  # the push in flight
+        self.push_waits = self._waited = 0.0  # in all; when the last push started
 
     # -- the weights between host and devices ------------------------------------------------
 
@@ -395,7 +406,13 @@ class VirtualWorker:
         )
         heart.start()
         try:
-            self._loop(stop, waves)
+            try:
+                self._loop(stop, waves)
+            finally:  # the push in flight ends first (a crash's too: it may have committed)
+                if self._pushing is not None:
+                    self._pushing.join()
+            if not self.crashed.is_set():
+                self._settle()  # raises what it raised
             if not (self.crashed.is_set() or self.dropped):
                 if self.records and self.optimizer_every and self.clock % self.optimizer_every:
                     self._share_optimizer(wait=True)  # (a multiple of optimizer_every was)
@@ -546,8 +563,10 @@ class VirtualWorker:
         return True
 
     def _push(self, wave: _Wave) -> bool:
-        """Push a wave whose updates have all landed: the change of the weights since it was
-        claimed, with the slowdown's sleep before it; its record. False when the VW died."""
+        """Push a wave whose updates have all landed, after the slowdown's sleep: its change of
+        the weights since it was claimed, computed on the devices now, then copied off, pushed
+        and recorded on a thread beside the next wave's compute (the push before it settled
+        first: pushes commit in order). False when the VW died."""
         losses = [float(x) for x in jax.device_get(wave.losses)]
         compute = time.perf_counter() - wave.tic
         slow = (self.slowdown - 1.0) * compute
@@ -555,37 +574,57 @@ class VirtualWorker:
             return False
         if self.crashed.is_set():
             return False  # died mid-wave: nothing pushed, the minibatches go back
-        tic = time.perf_counter()
-        delta = jax.device_get(_delta(list(self._weights()), list(wave.start)))
-        updates = {self.paths[i]: self._unpad(i, d) for i, d in zip(self.weights, delta)}
-        self.ps.push(self.name, wave.wave, updates, background=True)  # added beside the compute
-        push = time.perf_counter() - tic
+        self._settle()
+        waited, self._waited = self.push_waits - self._waited, self.push_waits
+        delta = _delta(list(self._weights()), list(wave.start))
         self.clock = wave.wave + 1
+        args = (wave, delta, tuple(losses), compute, slow, waited)
+        self._pushing = _Thread(self._send, args, f"wsp-push-{self.name}-{wave.wave}")
+        if self.others and self.optimizer_every and self.clock % self.optimizer_every == 0:
+            self._share_optimizer()
+        return True
+
+    def _send(self, wave: _Wave, delta: list, losses, compute, slow, waited) -> None:
+        """The push thread: the wave's change copied off the devices, pushed (committed and in
+        the weights when it returns), its record added."""
+        tic = time.perf_counter()
+        host = jax.device_get(delta)
+        updates = {self.paths[i]: self._unpad(i, d) for i, d in zip(self.weights, host)}
+        if self.crashed.is_set():
+            return  # died before the push: nothing committed, the minibatches go back
+        self.ps.push(self.name, wave.wave, updates)
         record = WaveRecord(
             self.name,
             wave.wave,
             wave.minibatches,
             tuple(wave.samples),
-            tuple(losses),
+            losses,
             wave.slowest,
             wave.pulled,
             wave.wait,
             compute,
             slow,
-            push,
+            time.perf_counter() - tic,
             wave.started,
             time.time(),
             tuple(r.version for r in wave.reads),
             wave.staleness,
             tuple(r.behind for r in wave.reads),
             self._idle_ticks(len(wave.minibatches)),
+            waited,
         )
         self.records.append(record)
         if self.on_record is not None:
             self.on_record(record)
-        if self.others and self.optimizer_every and self.clock % self.optimizer_every == 0:
-            self._share_optimizer()
-        return True
+
+    def _settle(self) -> None:
+        """Wait for the push in flight (counted in :attr:`push_waits`); raise what it raised."""
+        pushing, self._pushing = self._pushing, None
+        if pushing is not None:
+            tic = time.perf_counter()
+            pushing.join()
+            self.push_waits += time.perf_counter() - tic
+            pushing.result()
 
     def _idle_ticks(self, n: int) -> int:
         """Ticks each stage waits in a wave of ``n`` minibatches, by the schedule."""
@@ -601,19 +640,26 @@ class VirtualWorker:
                 return
             self._sharing.join()
         _, leaves, _ = tree.arrays(self.state)
-        host = jax.device_get([leaves[i] for i in self.others])
-        shared = {self.paths[i]: self._unpad(i, x) for i, x in zip(self.others, host)}
-        if wait:
-            optimizer.share(self.ps, self.name, self.clock, shared)
-            return
+        arrays = [leaves[i] for i in self.others]  # immutable: copied off on the thread
 
         def write(clock=self.clock):
+            host = jax.device_get(arrays)
+            shared = {self.paths[i]: self._unpad(i, x) for i, x in zip(self.others, host)}
+            optimizer.share(self.ps, self.name, clock, shared)
+
+        if wait:
+            write()
+            return
+
+        def write_or_note():
             try:
-                optimizer.share(self.ps, self.name, clock, shared)
+                write()
             except Exception as error:  # a joiner takes an older share; the VW trains on
                 self.share_errors.append(error)
 
-        self._sharing = threading.Thread(target=write, daemon=True, name=f"wsp-share-{self.name}")
+        self._sharing = threading.Thread(
+            target=write_or_note, daemon=True, name=f"wsp-share-{self.name}"
+        )
         self._sharing.start()
 
     def _take_optimizer(self) -> None:
@@ -650,10 +696,16 @@ class VirtualWorker:
             if decision == "go":
                 return ledger, False
             if decision == "pull":
+                if self._pushing is not None:  # its own push first (its update stays in its
+                    self._settle()  # weights), then the ledger holding its commit
+                    ledger = self.ps.ledger()
+                    continue
                 self.set_weights(self.ps.pull(ledger))
                 return ledger, True
             if self.crashed.is_set():
                 return None, False
+            if self._pushing is not None and self._pushing.done:
+                self._settle()  # its push failed: WSP would wait for its commit for ever
             ledger = self._idle(ledger)  # the slowest member's next commit
 
     def _idle(self, ledger: Ledger) -> Ledger:
@@ -723,3 +775,32 @@ def _landed(current: list, after: list, read: list) -> list:
 def _delta(end: list, start: list) -> list:
     """A wave's update, as the parameter server takes it (float32)."""
     return [e.astype(np.float32) - s.astype(np.float32) for e, s in zip(end, start)]
+
+
+class _Thread:
+    """``target(*args)`` on a daemon thread; ``result`` raises what it raised."""
+
+    def __init__(self, target: Callable, args: tuple, name: str):
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(
+            target=self._run, args=(target, args), name=name, daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, target: Callable, args: tuple) -> None:
+        try:
+            target(*args)
+        except BaseException as error:  # raised by ``result``
+            self.error = error
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def join(self) -> None:
+        self.thread.join()
+
+    def result(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
