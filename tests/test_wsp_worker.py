@@ -21,7 +21,8 @@ from tenplex_jax._src import tree
 from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.errors import StoreError, WSPError
 from tenplex_jax._src.wsp import optimizer
-from tenplex_jax.wsp import ParameterServer, weights_of
+from tenplex_jax.elastic import ResourceTrace
+from tenplex_jax.wsp import Coordinator, ParameterServer, Threads, weights_of
 from tenplex_jax_models import build_state, example_losses, wave_step
 from tenplex_jax_models import wsp as job_parts
 
@@ -366,3 +367,28 @@ def test_a_push_that_fails_on_its_thread_ends_the_vw_with_its_error(stores, job,
         with pytest.raises(StoreError, match="injected"):
             worker.run(waves=4)
         assert [w for _, w, _ in ps.ledger().log] == [0]
+
+
+def test_the_coordinator_returns_when_every_vw_has_failed(stores, job):
+    address = stores.start().address
+    with ParameterServer([address]) as ps:
+        ps.create(weights_of(job[1]), total=40)
+
+        def make(name, devices):
+            worker = _vw(name, address, job, minibatches=1, distance=1)
+
+            def fail(wave):
+                if wave == 1:
+                    raise StoreError("injected: the store went away", "unavailable")
+
+            _pushes(worker, fail)
+            return worker
+
+        with Coordinator(ps, Threads(make)) as coordinator:
+            coordinator.add([0])
+            # the VW fails after one wave; follow sees that no VW runs (it would wait its
+            # timeout for commits that never come)
+            coordinator.follow(ResourceTrace("none", 1, 40, ()), group=1, timeout=120)
+            assert ps.ledger().trained_count == 1
+            [(name, error)] = coordinator.runner.errors
+            assert name == "vw1" and "injected" in str(error)

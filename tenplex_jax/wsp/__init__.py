@@ -20,7 +20,8 @@ from tenplex_jax._src.wsp.ledger import Ledger
 from tenplex_jax._src.wsp.planner import WorkerPlan, WSPChoice, plan_workers
 from tenplex_jax._src.wsp.policy import Decision, Measured, Scaler, ScalingPolicy
 from tenplex_jax._src.wsp.ps import ParameterServer
-from tenplex_jax._src.wsp.worker import VirtualWorker, WaveRecord, weights_of
+from tenplex_jax._src.wsp.waves import WaveRecord
+from tenplex_jax._src.wsp.worker import VirtualWorker, weights_of
 
 __all__ = [
     "Coordinator",

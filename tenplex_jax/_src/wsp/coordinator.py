@@ -380,7 +380,7 @@ class Coordinator:
         self, trace: ResourceTrace, group: int, *, timeout: float = 600.0, scaler=None
     ) -> None:
         """Apply a resource trace's events as the job trains; return when the run is done (or
-        no VW is left).
+        no VW is left running: each that failed is in the runner's ``errors``).
 
         An event applies when the job has committed as many minibatches as its step. An offer
         of ``count`` devices adds ``count // group`` VWs on free devices; a preempt (removed)
@@ -405,8 +405,8 @@ class Coordinator:
             trained = ledger.trained_count
             while pending and trained >= pending[0].step:
                 self._apply(pending.pop(0), group, trace.devices, scaler)
-            if ledger.done or not self.members:
-                return
+            if ledger.done or not any(self.runner.alive(m.handle) for m in self.members.values()):
+                return  # done, or no VW left running (those that failed are the runner's errors)
             if time.monotonic() > deadline:
                 raise WSPError(
                     f"the job did not finish in {timeout:.0f} s: {trained} of "

@@ -7,10 +7,15 @@ programs are compiled once per wave step and layout, so a VW that takes a dead o
 compiles nothing. A VW of uneven ``stages`` holds its stacked leaves padded
 (:func:`stacked_leaves`, :func:`padded`, :func:`pad_rows`); the parameter server and the
 optimizer shares hold them unpadded.
+
+A wave in flight is a :class:`Wave` of :class:`Read` s (the weights each minibatch read); its
+update lands on the weights as they are then (:func:`landed`), and its push is the change of the
+weights over it (:func:`delta`); a pushed wave leaves a :class:`WaveRecord`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 
@@ -90,3 +95,99 @@ def pad_rows(x: np.ndarray, stages: Stages) -> np.ndarray:
     out = np.zeros((len(stages.index),) + x.shape[1:], x.dtype)
     out[stages.mask] = x
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class WaveRecord:
+    """One wave of one VW: what it trained and where its time went (seconds).
+
+    Attributes:
+      vw: the VW's name.
+      wave: the wave.
+      minibatches: the minibatches (global batches of the dataset PTC) it trained.
+      samples: every real sample trained (the exactly-once proof, per sample).
+      losses: each minibatch's loss.
+      slowest: the slowest member's committed waves when the wave started.
+      pulled: whether it pulled the global weights before the wave.
+      wait_seconds: waiting (WSP's barrier) and pulling, before training.
+      compute_seconds: training the minibatches.
+      slowdown_seconds: the sleep that makes the VW ``slowdown`` times slower.
+      push_seconds: pushing the wave's update (copied off the devices, staged, committed,
+        applied), on a thread beside the next wave's compute.
+      started: ``time.time()`` at the start of the wave's wait.
+      ended: ``time.time()`` when the wave's push was in the weights.
+      local_versions: per minibatch, how many of the VW's own updates the weights it read held
+        (counted from its join).
+      local_staleness: per minibatch, the VW's own earlier minibatches whose updates it missed
+        (``Nm - 1`` once the pipeline is full).
+      global_staleness: per minibatch, the VW's clock (its waves in the weights it read) minus
+        the clock every VW's waves were there up to (its last pull): at most ``D``.
+      idle_ticks: the ticks each pipeline stage waited in the wave, by its schedule: ``stages -
+        1`` with ``wave_step`` (the pipeline fills and drains once per wave), ``stages - 1`` per
+        minibatch without (each ``train_step`` fills and drains it); 0 without a ``pipe`` axis.
+      push_wait_seconds: how long the VW waited, since the push before this wave's started, for
+        that push to finish (before a pull or this push): the communication its compute did not
+        hide.
+    """
+
+    vw: str
+    wave: int
+    minibatches: tuple[int, ...]
+    samples: tuple[int, ...]  # every real sample trained (the exactly-once proof, per sample)
+    losses: tuple[float, ...]
+    slowest: int  # the slowest member's committed waves when the wave started
+    pulled: bool
+    wait_seconds: float
+    compute_seconds: float
+    slowdown_seconds: float
+    push_seconds: float
+    started: float  # time.time() at the start of the wave's wait
+    ended: float
+    local_versions: tuple[int, ...]
+    local_staleness: tuple[int, ...]
+    global_staleness: tuple[int, ...]
+    idle_ticks: int = 0
+    push_wait_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """The weights a minibatch read when it started, and what they held."""
+
+    weights: tuple[jax.Array, ...]
+    version: int  # the VW's own updates in them
+    changes: int  # the VW's count of changes to its weights (updates and pulls) when read
+    behind: int  # global staleness: the VW's clock minus the clock every VW's waves reached
+
+
+@dataclasses.dataclass
+class Wave:
+    """A claimed wave in flight: its minibatches' reads, then their losses as they land."""
+
+    wave: int
+    minibatches: tuple[int, ...]
+    reads: tuple[Read, ...]
+    staleness: tuple[int, ...]  # local staleness: own earlier minibatches each read missed
+    start: tuple[jax.Array, ...]  # the weights when it was claimed: its push is the change
+    start_changes: int
+    slowest: int
+    pulled: bool
+    started: float
+    wait: float
+    tic: float = 0.0
+    losses: list = dataclasses.field(default_factory=list)
+    samples: list = dataclasses.field(default_factory=list)
+    after: object = None  # with wave_step: the state after the wave, and the weights after each
+    landed: list = dataclasses.field(default_factory=list)  # landing but the last (leaves)
+
+
+@jax.jit
+def landed(current: list, after: list, read: list) -> list:
+    """An update computed on ``read`` (the step made it ``after``), added to ``current``."""
+    return [c + (a - r) for c, a, r in zip(current, after, read)]
+
+
+@jax.jit
+def delta(end: list, start: list) -> list:
+    """A wave's update, as the parameter server takes it (float32)."""
+    return [e.astype(np.float32) - s.astype(np.float32) for e, s in zip(end, start)]

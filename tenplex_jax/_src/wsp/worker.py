@@ -61,7 +61,6 @@ cores, so VWs in one process slow each other down, and the pushes beside them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import threading
 import time
@@ -82,62 +81,9 @@ from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
 from tenplex_jax._src.wsp import optimizer, waves
 from tenplex_jax._src.wsp.ledger import Beats, Ledger
 from tenplex_jax._src.wsp.ps import ParameterServer
-from tenplex_jax._src.wsp.waves import replaced
+from tenplex_jax._src.wsp.waves import Read, Wave, WaveRecord, delta, landed, replaced
 
 WAIT_SECONDS = 1.0  # the longest a waiting VW blocks on the ledger before it looks again
-
-
-@dataclasses.dataclass(frozen=True)
-class WaveRecord:
-    """One wave of one VW: what it trained and where its time went (seconds).
-
-    Attributes:
-      vw: the VW's name.
-      wave: the wave.
-      minibatches: the minibatches (global batches of the dataset PTC) it trained.
-      samples: every real sample trained (the exactly-once proof, per sample).
-      losses: each minibatch's loss.
-      slowest: the slowest member's committed waves when the wave started.
-      pulled: whether it pulled the global weights before the wave.
-      wait_seconds: waiting (WSP's barrier) and pulling, before training.
-      compute_seconds: training the minibatches.
-      slowdown_seconds: the sleep that makes the VW ``slowdown`` times slower.
-      push_seconds: pushing the wave's update (copied off the devices, staged, committed,
-        applied), on a thread beside the next wave's compute.
-      started: ``time.time()`` at the start of the wave's wait.
-      ended: ``time.time()`` when the wave's push was in the weights.
-      local_versions: per minibatch, how many of the VW's own updates the weights it read held
-        (counted from its join).
-      local_staleness: per minibatch, the VW's own earlier minibatches whose updates it missed
-        (``Nm - 1`` once the pipeline is full).
-      global_staleness: per minibatch, the VW's clock (its waves in the weights it read) minus
-        the clock every VW's waves were there up to (its last pull): at most ``D``.
-      idle_ticks: the ticks each pipeline stage waited in the wave, by its schedule: ``stages -
-        1`` with ``wave_step`` (the pipeline fills and drains once per wave), ``stages - 1`` per
-        minibatch without (each ``train_step`` fills and drains it); 0 without a ``pipe`` axis.
-      push_wait_seconds: how long the VW waited, since the push before this wave's started, for
-        that push to finish (before a pull or this push): the communication its compute did not
-        hide.
-    """
-
-    vw: str
-    wave: int
-    minibatches: tuple[int, ...]
-    samples: tuple[int, ...]  # every real sample trained (the exactly-once proof, per sample)
-    losses: tuple[float, ...]
-    slowest: int  # the slowest member's committed waves when the wave started
-    pulled: bool
-    wait_seconds: float
-    compute_seconds: float
-    slowdown_seconds: float
-    push_seconds: float
-    started: float  # time.time() at the start of the wave's wait
-    ended: float
-    local_versions: tuple[int, ...]
-    local_staleness: tuple[int, ...]
-    global_staleness: tuple[int, ...]
-    idle_ticks: int = 0
-    push_wait_seconds: float = 0.0
 
 
 def weights_of(state, part: str = "model") -> dict[str, np.ndarray]:
@@ -309,7 +255,7 @@ class VirtualWorker:
         if self.wave_step is None:
             self.step = self.steps.get(self.ptc, self.layout, ahead=False).result().executable
         weights = list(self._weights())
-        jax.block_until_ready((_landed(weights, weights, weights), _delta(weights, weights)))
+        jax.block_until_ready((landed(weights, weights, weights), delta(weights, weights)))
         self.records: list[WaveRecord] = []
         self.clock = self.fresh = 0  # waves pushed (the ledger's clock); the last pull's min clock
         self.applied = self.started = 0  # own updates landed; own minibatches started
@@ -433,7 +379,7 @@ class VirtualWorker:
         return self.records
 
     def _loop(self, stop: threading.Event, waves: int | None) -> None:
-        held: _Wave | None = None  # the claimed wave whose updates have not all landed
+        held: Wave | None = None  # the claimed wave whose updates have not all landed
         claimed = 0
         while not (self.crashed.is_set() or self.dropped):
             leaving = stop.is_set() or (waves is not None and claimed >= waves)
@@ -471,7 +417,7 @@ class VirtualWorker:
                 self.on_wave(self.name, self.clock, minibatches)
             reads.append(self._read())
             reads = reads[: len(minibatches) - 1] + reads[-1:]
-            held = _Wave(
+            held = Wave(
                 self.clock,
                 tuple(minibatches),
                 tuple(reads),
@@ -491,11 +437,11 @@ class VirtualWorker:
         _, leaves, _ = tree.arrays(self.state)
         return tuple(leaves[i] for i in self.weights)
 
-    def _read(self) -> _Read:
+    def _read(self) -> Read:
         """A minibatch starts: the weights it reads (the arrays themselves, immutable: no copy)."""
-        return _Read(self._weights(), self.applied, self.changes, max(self.clock - self.fresh, 0))
+        return Read(self._weights(), self.applied, self.changes, max(self.clock - self.fresh, 0))
 
-    def _land(self, wave: _Wave, j: int) -> bool:
+    def _land(self, wave: Wave, j: int) -> bool:
         """Minibatch ``j`` of ``wave``: the user's step on the weights it read (with the
         optimizer state as it is now), its update ``after - read`` added to the current weights.
         False when the VW died meanwhile."""
@@ -522,8 +468,8 @@ class VirtualWorker:
         )
         if not current:  # the update computed on older weights lands on the current ones
             _, leaves, _ = tree.arrays(after)
-            landed = _landed(list(now), [leaves[i] for i in self.weights], list(read.weights))
-            after = replaced(after, self.weights, landed)
+            on_now = landed(list(now), [leaves[i] for i in self.weights], list(read.weights))
+            after = replaced(after, self.weights, on_now)
         self.state = after
         self.applied += 1
         self.changes += 1
@@ -531,7 +477,7 @@ class VirtualWorker:
         wave.samples.extend(int(s) for s in rows if s >= 0)
         return True
 
-    def _land_pipelined(self, wave: _Wave, j: int) -> bool:
+    def _land_pipelined(self, wave: Wave, j: int) -> bool:
         """Minibatch ``j`` of ``wave`` with ``wave_step``: the whole wave runs as one pipelined
         program when its first update lands; each landing then sets the weights it produced."""
         n = len(wave.minibatches)
@@ -562,7 +508,7 @@ class VirtualWorker:
         self.changes += 1
         return True
 
-    def _push(self, wave: _Wave) -> bool:
+    def _push(self, wave: Wave) -> bool:
         """Push a wave whose updates have all landed, after the slowdown's sleep: its change of
         the weights since it was claimed, computed on the devices now, then copied off, pushed
         and recorded on a thread beside the next wave's compute (the push before it settled
@@ -576,19 +522,19 @@ class VirtualWorker:
             return False  # died mid-wave: nothing pushed, the minibatches go back
         self._settle()
         waited, self._waited = self.push_waits - self._waited, self.push_waits
-        delta = _delta(list(self._weights()), list(wave.start))
+        change = delta(list(self._weights()), list(wave.start))
         self.clock = wave.wave + 1
-        args = (wave, delta, tuple(losses), compute, slow, waited)
+        args = (wave, change, tuple(losses), compute, slow, waited)
         self._pushing = _Thread(self._send, args, f"wsp-push-{self.name}-{wave.wave}")
         if self.others and self.optimizer_every and self.clock % self.optimizer_every == 0:
             self._share_optimizer()
         return True
 
-    def _send(self, wave: _Wave, delta: list, losses, compute, slow, waited) -> None:
+    def _send(self, wave: Wave, change: list, losses, compute, slow, waited) -> None:
         """The push thread: the wave's change copied off the devices, pushed (committed and in
         the weights when it returns), its record added."""
         tic = time.perf_counter()
-        host = jax.device_get(delta)
+        host = jax.device_get(change)
         updates = {self.paths[i]: self._unpad(i, d) for i, d in zip(self.weights, host)}
         if self.crashed.is_set():
             return  # died before the push: nothing committed, the minibatches go back
@@ -732,49 +678,6 @@ class VirtualWorker:
                 return  # a dead VW falls silent
             count += 1
             self.ps.beat(self.name, count)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Read:
-    """The weights a minibatch read when it started, and what they held."""
-
-    weights: tuple[jax.Array, ...]
-    version: int  # the VW's own updates in them
-    changes: int  # the VW's count of changes to its weights (updates and pulls) when read
-    behind: int  # global staleness: the VW's clock minus the clock every VW's waves reached
-
-
-@dataclasses.dataclass
-class _Wave:
-    """A claimed wave in flight: its minibatches' reads, then their losses as they land."""
-
-    wave: int
-    minibatches: tuple[int, ...]
-    reads: tuple[_Read, ...]
-    staleness: tuple[int, ...]  # local staleness: own earlier minibatches each read missed
-    start: tuple[jax.Array, ...]  # the weights when it was claimed: its push is the change
-    start_changes: int
-    slowest: int
-    pulled: bool
-    started: float
-    wait: float
-    tic: float = 0.0
-    losses: list = dataclasses.field(default_factory=list)
-    samples: list = dataclasses.field(default_factory=list)
-    after: object = None  # with wave_step: the state after the wave, and the weights after each
-    landed: list = dataclasses.field(default_factory=list)  # landing but the last (leaves)
-
-
-@jax.jit
-def _landed(current: list, after: list, read: list) -> list:
-    """An update computed on ``read`` (the step made it ``after``), added to ``current``."""
-    return [c + (a - r) for c, a, r in zip(current, after, read)]
-
-
-@jax.jit
-def _delta(end: list, start: list) -> list:
-    """A wave's update, as the parameter server takes it (float32)."""
-    return [e.astype(np.float32) - s.astype(np.float32) for e, s in zip(end, start)]
 
 
 class _Thread:
