@@ -92,6 +92,7 @@ def run_wsp(
             ps.create(weights_of(state), total=total)
             with Coordinator(ps, Threads(make)) as coordinator:
                 coordinator.add(*GROUPS)
+                cpu = _cpu_times()
                 killed = None
                 if kill:
                     ledger = ps.ledger()
@@ -100,6 +101,7 @@ def run_wsp(
                     coordinator.kill("vw2")
                     killed = time.time()
                 coordinator.wait(timeout=1200)
+                cpu = [b - a for a, b in zip(cpu, _cpu_times())]
             records = coordinator.records()
     finally:
         for s in stores:
@@ -136,6 +138,8 @@ def run_wsp(
         "per_vw": per_vw,
         "losses": _curve(records, minibatch),
         "commits": [(r["ended"] - first, len(r["minibatches"])) for r in sorted(records, key=_end)],
+        # the machine's cores busy while the VWs trained (this process, the stores, the rest)
+        "cpu_busy": cpu[0] / cpu[1] if cpu[1] else None,
     }
     if killed is not None:
         before = [b - a for a, b in itertools.pairwise(ends) if b < killed]
@@ -155,6 +159,17 @@ def run_wsp(
         )
     )
     return row
+
+
+def _cpu_times() -> tuple[int, int]:
+    """The machine's busy and total CPU ticks so far (``/proc/stat``; zeros elsewhere)."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(x) for x in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    return sum(ticks) - idle, sum(ticks)
 
 
 def run_sync(model: str, steps: int, slowdown: float, minibatch: int, log=print) -> dict:

@@ -4,8 +4,9 @@
 benchmark's job (``benchmarks/wsp.py``: three VWs on 8 fake CPU devices, ``Nm`` 4 / 2 / 1, the
 last VW 2x slower, GPT small, ``--minibatches`` minibatches, ``D`` = ``--distance``), the working
 tree's the same, the two taking turns for ``--rounds`` rounds. Each run gives its samples per
-second and, per VW, its push time and how much of it the compute waited for (a revision that
-pushes between waves waits for all of it).
+second, per VW its push time and how much of it the compute waited for (a revision that
+pushes between waves waits for all of it), and how busy the machine's cores were while the VWs
+trained (``/proc/stat``: where they are all busy, hiding communication cannot add throughput).
 
     python -m tenplex_jax_benchmarks.wsp_overlap --before REF [--rounds 3] [--out FILE]
 """
@@ -23,7 +24,8 @@ from tenplex_jax_benchmarks.suite import configure_jax
 configure_jax()
 from tenplex_jax_benchmarks import wsp
 row = wsp.run_wsp("small", {total}, {distance}, 2.0, 8, log=lambda *a: None)
-print(json.dumps({{k: row[k] for k in ("samples_per_second", "seconds", "waves", "per_vw")}}))
+keys = ("samples_per_second", "seconds", "waves", "per_vw", "cpu_busy")
+print(json.dumps({{k: row[k] for k in keys}}))
 """
 
 
@@ -40,6 +42,7 @@ def run_overlap(before: str, rounds: int = 3, minibatches: int = 161, distance: 
             "push_seconds": statistics.median(push),
             "push_wait_seconds": statistics.median(waited),
             "hidden": statistics.median(1 - w / p for w, p in zip(waited, push) if p),
+            "cpu_busy": statistics.median(r["cpu_busy"] or 0.0 for r in rows),
         }
     ratio = statistics.median(
         a["samples_per_second"] / b["samples_per_second"]
@@ -49,7 +52,7 @@ def run_overlap(before: str, rounds: int = 3, minibatches: int = 161, distance: 
         log(
             f"  {version}: {row['samples_per_second']:.1f} samples/s; pushes "
             f"{row['push_seconds']:.2f} s, the compute waited {row['push_wait_seconds']:.2f} s "
-            f"({row['hidden']:.0%} hidden)"
+            f"({row['hidden']:.0%} hidden); the machine's cores {row['cpu_busy']:.0%} busy"
         )
     log(f"  after ÷ before, samples/s (median of the rounds' ratios): {ratio:.2f}x")
     return {

@@ -181,3 +181,19 @@ def test_a_push_in_the_background_returns_at_its_commit_and_the_next_pull_holds_
         with pytest.raises(StoreError, match="injected"):
             ps.settle()
         ps.settle()  # reported once
+
+
+def test_a_pull_beside_the_vws_own_push_in_flight_holds_that_push_once(stores):
+    with _tiny(stores, count=2, piece_bytes=8) as ps:  # two pieces, one per store
+        ps.update(lambda led: (led.join("vw"), None))
+        ps.update(lambda led: led.claim("vw", 0, 1))
+        ps.push("vw", 0, {"w": np.full(4, 2.0, np.float32)})
+        ps.update(lambda led: led.claim("vw", 1, 1))
+        update = np.arange(4, dtype=np.float32)
+        pending = ("vw", 1, {"w": update})
+        # wave 1's push is in flight, in no store yet: the pull adds it to every piece
+        np.testing.assert_array_equal(ps.pull(pending=pending)["w"], 2.0 + update)
+        np.testing.assert_array_equal(ps.pull()["w"], np.full(4, 2.0, np.float32))
+        ps.push("vw", 1, {"w": update})
+        # in every store now: added by none
+        np.testing.assert_array_equal(ps.pull(pending=pending)["w"], 2.0 + update)

@@ -466,7 +466,13 @@ class ParameterServer(Records):
                     ) from None
         return self.update(lambda led: (led.roll_back(vw, wave), None))[0]
 
-    def pull(self, ledger: Ledger | None = None, timeout: float = 60.0) -> dict[str, np.ndarray]:
+    def pull(
+        self,
+        ledger: Ledger | None = None,
+        timeout: float = 60.0,
+        *,
+        pending: tuple[str, int, Mapping[str, np.ndarray]] | None = None,
+    ) -> dict[str, np.ndarray]:
         """The global weights holding every wave the ledger has committed, applying any that a
         dead pusher left staged; every store read at once, each piece received straight into
         its place in its leaf.
@@ -474,6 +480,10 @@ class ParameterServer(Records):
         Args:
           ledger: the ledger whose commits the weights must hold (default: the current one).
           timeout: seconds to wait for the weights to catch up with the commits.
+          pending: ``(vw, wave, updates)``: a push still in flight on another thread (the
+            caller's own, made with :meth:`push`): its updates are added to every piece that
+            does not hold it yet, so the arrays hold it whether or not it has reached the
+            stores, and the pull need not wait for it.
 
         Returns:
           Leaf path -> float32 array, each piece read whole and atomically; the arrays may hold
@@ -490,16 +500,22 @@ class ParameterServer(Records):
         while True:
             ledger = ledger or self.ledger()
 
-            def read(client: StoreClient, pieces: list[Piece], ledger=ledger) -> set:
-                behind = set()
+            def read(client: StoreClient, pieces: list[Piece], ledger=ledger) -> tuple:
+                behind, lacking = set(), []
                 for p in pieces:
                     view = flat[p.leaf][p.start : p.stop]
                     _, info = client.get(WEIGHTS + p.key, with_info=True, out=view)
                     behind |= _behind(info.clocks, ledger)
-                return behind
+                    if pending is not None and not _holds(info.clocks, ledger, *pending[:2]):
+                        lacking.append(p)
+                return behind, lacking
 
-            behind = set().union(*self._each_store(read).values())
+            reads = self._each_store(read).values()
+            behind = set().union(*(b for b, _ in reads))
             if not behind:
+                for p in (p for _, lacking in reads for p in lacking):
+                    update = np.asarray(pending[2][p.leaf], np.float32).reshape(-1)
+                    flat[p.leaf][p.start : p.stop] += update[p.start : p.stop]
                 return out
             for vw, push in sorted(behind, key=lambda t: (t[1], t[0])):
                 with contextlib.suppress(StoreError):  # applied meanwhile: the clocks say so
@@ -569,3 +585,8 @@ def _behind(clocks: Iterable[tuple[str, int]], ledger: Ledger) -> set[tuple[str,
     return {
         (vw, n) for vw, pushes in ledger.committed.items() for n in range(held.get(vw, 0), pushes)
     }
+
+
+def _holds(clocks: Iterable[tuple[str, int]], ledger: Ledger, vw: str, wave: int) -> bool:
+    """Whether an array with these ``clocks`` holds ``vw``'s push of its wave ``wave``."""
+    return dict(clocks).get(vw, 0) > wave - ledger.starts[vw]

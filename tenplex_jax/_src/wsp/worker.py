@@ -16,8 +16,9 @@ local weights as they are when it is done. Wave ``k`` is its minibatches ``k Nm 
 2. when the last has landed, the VW **pushes** wave ``k - 1``'s update: the change of the local
    weights over its ``Nm`` updates, ``w_end - w_start``, copied off the devices, staged,
    committed with its minibatches and applied on a thread of its own, beside wave ``k``'s
-   compute (Hydrozoa's communication thread); pushes commit in order, and a pull, the next push
-   and leaving wait for the push in flight;
+   compute (Hydrozoa's communication thread); pushes commit in order (the next push and
+   leaving wait for the one in flight), and a pull does not wait for it: its update is added
+   to the pieces the stores have not applied it to yet;
 3. **WSP**: the weights wave ``k``'s last minibatch reads must hold every VW's waves before
    ``k - D`` (``distance=D``). If its last pull already did (it pulled when the slowest had
    committed ``>= k - D`` waves), it goes on without pulling; else it waits until the slowest
@@ -60,6 +61,7 @@ cores, so VWs in one process slow each other down, and the pushes beside them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
 import threading
@@ -264,6 +266,7 @@ class VirtualWorker:
         self.dropped = False
         self.watched, self.watched_at = Beats(), -math.inf  # the members' heartbeats, seen when
         self._pushing: _Thread | None = None  # the push in flight
+        self._copied: concurrent.futures.Future | None = None  # its update, once on the host
         self.push_waits = self._waited = 0.0  # in all; when the last push started
 
     # -- the weights between host and devices ------------------------------------------------
@@ -405,8 +408,6 @@ class VirtualWorker:
             ledger, pulled = self._wait(self.clock, self.fresh)
             if ledger is None:
                 return
-            if pulled:
-                self.fresh = ledger.min_clock or 0
             led, minibatches = self.ps.update(lambda led: led.claim(self.name, self.clock, self.nm))
             if not minibatches:
                 if led.done:
@@ -524,18 +525,25 @@ class VirtualWorker:
         waited, self._waited = self.push_waits - self._waited, self.push_waits
         change = delta(list(self._weights()), list(wave.start))
         self.clock = wave.wave + 1
-        args = (wave, change, tuple(losses), compute, slow, waited)
+        self._copied = concurrent.futures.Future()  # (wave, the update on the host)
+        args = (wave, change, self._copied, tuple(losses), compute, slow, waited)
         self._pushing = _Thread(self._send, args, f"wsp-push-{self.name}-{wave.wave}")
         if self.others and self.optimizer_every and self.clock % self.optimizer_every == 0:
             self._share_optimizer()
         return True
 
-    def _send(self, wave: Wave, change: list, losses, compute, slow, waited) -> None:
-        """The push thread: the wave's change copied off the devices, pushed (committed and in
-        the weights when it returns), its record added."""
+    def _send(self, wave: Wave, change: list, copied, losses, compute, slow, waited) -> None:
+        """The push thread: the wave's change copied off the devices (``copied``'s result, for a
+        pull that cannot wait for the push), pushed (committed and in the weights when it
+        returns), its record added."""
         tic = time.perf_counter()
-        host = jax.device_get(change)
-        updates = {self.paths[i]: self._unpad(i, d) for i, d in zip(self.weights, host)}
+        try:
+            host = jax.device_get(change)
+            updates = {self.paths[i]: self._unpad(i, d) for i, d in zip(self.weights, host)}
+        except BaseException as error:
+            copied.set_exception(error)
+            raise
+        copied.set_result((wave.wave, updates))
         if self.crashed.is_set():
             return  # died before the push: nothing committed, the minibatches go back
         self.ps.push(self.name, wave.wave, updates)
@@ -631,8 +639,8 @@ class VirtualWorker:
         self.optimizer_from = (vw, wave)
 
     def _wait(self, wave: int, fresh: int) -> tuple[Ledger | None, bool]:
-        """WSP before wave ``wave``: (the ledger, whether the weights were pulled); no ledger
-        when the VW must stop."""
+        """WSP before wave ``wave``: (the ledger, whether the weights were pulled, and then
+        :attr:`fresh` set); no ledger when the VW must stop."""
         ledger = self.ps.ledger()
         while True:
             if self.name not in ledger.clocks:
@@ -641,12 +649,12 @@ class VirtualWorker:
             decision = ledger.decide(self.name, wave, fresh, self.distance)
             if decision == "go":
                 return ledger, False
-            if decision == "pull":
-                if self._pushing is not None:  # its own push first (its update stays in its
-                    self._settle()  # weights), then the ledger holding its commit
-                    ledger = self.ps.ledger()
-                    continue
-                self.set_weights(self.ps.pull(ledger))
+            if decision == "pull":  # its push in flight is added where the stores lack it
+                pending = None if self._pushing is None else (self.name, *self._copied.result())
+                self.set_weights(self.ps.pull(ledger, pending=pending))
+                # the weights hold every other VW's commits and all of its own waves
+                others = [c for vw, c in ledger.clocks.items() if vw != self.name]
+                self.fresh = min([*others, self.clock])
                 return ledger, True
             if self.crashed.is_set():
                 return None, False
