@@ -164,25 +164,6 @@ def test_a_read_into_an_array_that_does_not_fit_is_refused_at_once(stores):
             client.get("x", out=np.empty(12, np.float32)[::2])
 
 
-def test_a_push_in_the_background_returns_at_its_commit_and_the_next_pull_holds_it(stores):
-    with _tiny(stores, count=2, piece_bytes=8) as ps:
-        ps.update(lambda led: (led.join("vw"), None))
-        for wave in range(3):
-            ps.update(lambda led, wave=wave: led.claim("vw", wave, 1))
-            ledger = ps.push("vw", wave, {"w": np.full(4, 2.0, np.float32)}, background=True)
-            assert ledger.committed["vw"] == wave + 1 and ps.push_seconds["apply"] == 0.0
-        np.testing.assert_array_equal(ps.pull()["w"], np.full(4, 6.0, np.float32))
-        ps.settle()  # nothing pending: a no-op
-        # an apply that fails raises at the next call that waits for it
-        ps.update(lambda led: led.claim("vw", 3, 1))
-        ps.push("vw", 3, {"w": np.ones(4, np.float32)}, background=True)
-        ps._applying.result()  # the apply done ...
-        ps._applying.error = StoreError("injected", "unavailable")  # ... as if it had failed
-        with pytest.raises(StoreError, match="injected"):
-            ps.settle()
-        ps.settle()  # reported once
-
-
 def test_a_pull_beside_the_vws_own_push_in_flight_holds_that_push_once(stores):
     with _tiny(stores, count=2, piece_bytes=8) as ps:  # two pieces, one per store
         ps.update(lambda led: (led.join("vw"), None))

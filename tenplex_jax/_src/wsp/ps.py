@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -101,16 +100,12 @@ class ParameterServer(Records):
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.push_seconds: dict[str, float] = {}
         self._version: int | None = None  # of the last ledger this client read or wrote
-        self._applying: _Applying | None = None  # a push's apply running in the background
         self._pool = concurrent.futures.ThreadPoolExecutor(
             len(self.clients), thread_name_prefix="wsp-ps"
         )
 
     def close(self) -> None:
-        """Close the connections to every store, once a background apply has ended (what it
-        raised is dropped: the next pull applies that wave from its stage)."""
-        if self._applying is not None:
-            self._applying.thread.join()
+        """Close the connections to every store."""
         self._pool.shutdown(wait=True)
         for client in self.clients:
             client.close()
@@ -221,20 +216,15 @@ class ParameterServer(Records):
 
     # -- push and pull ---------------------------------------------------------------------------
 
-    def push(
-        self, vw: str, wave: int, updates: Mapping[str, np.ndarray], *, background: bool = False
-    ) -> Ledger:
+    def push(self, vw: str, wave: int, updates: Mapping[str, np.ndarray]) -> Ledger:
         """Push a wave: stage its updates, check and flush them, commit it in the ledger, add it
-        into the weights (every store at once).
+        into the weights (every store at once). A VW pushes on a thread of its own, beside its
+        compute (:class:`VirtualWorker`).
 
         Args:
           vw: the pushing VW.
           wave: the wave it leased.
           updates: leaf path -> the change of that leaf over the wave (float32), for every leaf.
-          background: return once the wave is committed (it is then durable: its stage is on
-            the stores' disks) and add it into the weights on a thread of this client, beside
-            the caller's compute; the next push, pull or :meth:`settle` waits for it and raises
-            what it raised.
 
         Returns:
           The ledger after the commit.
@@ -247,7 +237,6 @@ class ParameterServer(Records):
             another update (``"refused"``: another client pushes under this VW's name).
           StoreError: a store failed a request for longer than ``retry_seconds``.
         """
-        self.settle()
         missing = set(self.layout) - set(updates)
         if missing:
             raise WSPError(
@@ -296,23 +285,9 @@ class ParameterServer(Records):
                 self._drop_stage(stage)
                 raise
         phase("commit")
-        args = (vw, wave, wave - ledger.starts[vw], sources)
-        if background:
-            self._applying = _Applying(self, args)
-        else:
-            self.apply(*args)
-            phase("apply")
+        self.apply(vw, wave, wave - ledger.starts[vw], sources)
+        phase("apply")
         return ledger
-
-    def settle(self) -> None:
-        """Wait until the last push made with ``background=True`` is in the weights.
-
-        Raises:
-          WSPError, StoreError: what its apply raised (as :meth:`apply` says).
-        """
-        applying, self._applying = self._applying, None
-        if applying is not None:
-            applying.result()
 
     def _stage(self, stage: str, flat: Mapping[str, np.ndarray], phase) -> dict[str, str]:
         """Put every piece's update under ``stage`` and see it on its store's disk (the wave's
@@ -493,7 +468,6 @@ class ParameterServer(Records):
           WSPError: the weights stayed behind the commits for ``timeout`` (``"busy"``).
           StoreError: a store failed a request.
         """
-        self.settle()
         deadline = time.monotonic() + timeout
         out = {path: np.empty(shape, np.float32) for path, shape in self.shapes.items()}
         flat = {path: a.reshape(-1) for path, a in out.items()}
@@ -554,28 +528,6 @@ class ParameterServer(Records):
                 if never or int(wave) < start + applied.get(vw, 0):
                     deleted += client.delete(f"{STAGE}{vw}/{wave}/")
         return deleted
-
-
-class _Applying:
-    """A committed push added into the weights on a thread of its own."""
-
-    def __init__(self, ps: ParameterServer, args: tuple):
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(
-            target=self._run, args=(ps, args), name=f"wsp-apply-{args[0]}", daemon=True
-        )
-        self.thread.start()
-
-    def _run(self, ps: ParameterServer, args: tuple) -> None:
-        try:
-            ps.apply(*args)
-        except BaseException as error:  # raised by ``result``
-            self.error = error
-
-    def result(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
 
 
 def _behind(clocks: Iterable[tuple[str, int]], ledger: Ledger) -> set[tuple[str, int]]:

@@ -367,7 +367,6 @@ class VirtualWorker:
                     self._share_optimizer(wait=True)  # (a multiple of optimizer_every was)
                 elif self._sharing is not None:
                     self._sharing.join()
-                self.ps.settle()  # its last push is in the weights before it leaves
                 self.ps.update(lambda led: (led.leave(self.name), None))
         except WSPError as error:
             if error.reason != "dropped":
