@@ -148,6 +148,8 @@ def test_the_demo_survives_a_death_and_a_join_exactly_once(tmp_path):
     assert per["vw4"]["waves"] >= 1  # the joiner trained
     assert all(v["max_lead"] <= summary["distance"] for v in per.values())  # WSP's bound
     assert per["vw1"]["minibatches"] > per["vw3"]["minibatches"]  # Nm in proportion to speed
+    # pushes run beside the compute, which waits for at most their time
+    assert all(0 <= v["push_wait_seconds"] <= v["push_seconds"] for v in per.values())
     # vw1's two stages run each wave as one pipeline: they wait one tick per wave, not per
     # minibatch; the data-parallel VWs have no pipeline
     assert per["vw1"]["idle_ticks"] == per["vw1"]["waves"] < per["vw1"]["minibatches"]
