@@ -178,3 +178,27 @@ def test_a_pull_beside_the_vws_own_push_in_flight_holds_that_push_once(stores):
         ps.push("vw", 1, {"w": update})
         # in every store now: added by none
         np.testing.assert_array_equal(ps.pull(pending=pending)["w"], 2.0 + update)
+
+
+def test_a_wait_answers_at_once_for_a_change_another_thread_of_the_client_made(stores):
+    # a VW commits on its push thread while its main thread waits for the ledger to change:
+    # the waiter has not seen that commit, so it must not wait for a change after it
+    with _tiny(stores) as ps:
+        ps.update(lambda led: (led.join("vw"), None))
+        seen, claimed, answered = (threading.Event() for _ in range(3))
+        got = []
+
+        def waiter():
+            ps.ledger()  # this thread's view: the join
+            seen.set()
+            claimed.wait(60)
+            got.append(ps.wait(600.0))
+            answered.set()
+
+        threading.Thread(target=waiter, daemon=True).start()
+        assert seen.wait(60)
+        ps.update(lambda led: led.claim("vw", 0, 1))  # another thread of the same client
+        claimed.set()
+        # (a store answers a wait within 30 s at most: it would come, but late)
+        assert answered.wait(15), "the waiter waited for a change after one it had not seen"
+        assert got[0].leases["vw"].minibatches == (0,)

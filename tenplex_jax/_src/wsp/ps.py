@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -99,7 +100,7 @@ class ParameterServer(Records):
         self.layout: dict[str, tuple[Piece, ...]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.push_seconds: dict[str, float] = {}
-        self._version: int | None = None  # of the last ledger this client read or wrote
+        self._seen = threading.local()  # per thread: the version of the last ledger it saw
         self._pool = concurrent.futures.ThreadPoolExecutor(
             len(self.clients), thread_name_prefix="wsp-ps"
         )

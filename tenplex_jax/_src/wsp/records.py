@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from collections.abc import Callable
 
 from tenplex_jax._src import checksums
@@ -32,7 +33,8 @@ class Records:
     first store, ``coordinator``."""
 
     coordinator: StoreClient
-    _version: int | None  # of the last ledger this client read or wrote
+    _seen: threading.local  # per thread of the client: ``version``, of the last ledger it read
+    # or wrote (a thread waits for what it has not seen, whatever the client's other threads saw)
 
     def ledger(self) -> Ledger:
         """The job's :class:`Ledger` as stored now.
@@ -41,22 +43,23 @@ class Records:
           StoreError: there is no job (``"not_found"``), or the store failed the request.
           WSPError: the stored ledger is malformed (``"corrupt"``).
         """
-        record, self._version, _ = self.coordinator.get_json(PATH, versioned=True)
+        record, self._seen.version, _ = self.coordinator.get_json(PATH, versioned=True)
         return Ledger.from_json(record)
 
     def wait(self, seconds: float) -> Ledger:
-        """The ledger once it is newer than the last one this client read or wrote: the store
-        answers when it changes (a blocking wait, no polling), or after ``seconds`` (then as it
-        is).
+        """The ledger once it is newer than the last one this thread of the client read or
+        wrote: the store answers when it changes (a blocking wait, no polling), or after
+        ``seconds`` (then as it is).
 
         Raises:
           StoreError: there is no job (``"not_found"``), or the store failed the request.
           WSPError: the stored ledger is malformed (``"corrupt"``).
         """
-        if self._version is None:
+        seen = getattr(self._seen, "version", None)
+        if seen is None:
             return self.ledger()
-        record, self._version, _ = self.coordinator.get_json(
-            PATH, versioned=True, newer_than=self._version, wait=seconds
+        record, self._seen.version, _ = self.coordinator.get_json(
+            PATH, versioned=True, newer_than=seen, wait=seconds
         )
         return Ledger.from_json(record)
 
@@ -82,12 +85,12 @@ class Records:
             before = Ledger.from_json(record)
             ledger, result = change(before)
             if ledger == before:  # nothing to write (a claim with nothing left, say)
-                self._version = version
+                self._seen.version = version
                 return ledger, result
             # a reply lost after the swap: the store answers the request's retry as swapped
             cas = self.coordinator.cas_json(PATH, ledger.to_json(), expect=version)
             if cas.swapped:
-                self._version = cas.version
+                self._seen.version = cas.version
                 if len(ledger.log) > 2 * LOG_KEPT:
                     ledger = self._compact(ledger, cas.version)
                 return ledger, result
@@ -109,7 +112,7 @@ class Records:
         cas = self.coordinator.cas_json(PATH, compacted.to_json(), expect=version)
         if not cas.swapped:
             return ledger
-        self._version = cas.version
+        self._seen.version = cas.version
         return compacted
 
     def history(self, ledger: Ledger | None = None) -> Ledger:
