@@ -238,6 +238,16 @@ def run(options: WSPOptions, log=print) -> dict:
             s.kill()
 
 
+# a VW's time, summed over its waves (push_wait: the push time its compute did not hide)
+SECONDS = (
+    "wait_seconds",
+    "compute_seconds",
+    "slowdown_seconds",
+    "push_seconds",
+    "push_wait_seconds",
+)
+
+
 def summarize(options, ledger, records, events, seconds, parts) -> dict:
     """The run's proof and numbers: exactly once (minibatches from the ledger's log, samples
     from the dataset PTC's order), per VW, throughput, events."""
@@ -256,11 +266,7 @@ def summarize(options, ledger, records, events, seconds, parts) -> dict:
                 "waves": 0,
                 "minibatches": 0,
                 "pulls": 0,
-                "wait_seconds": 0.0,
-                "compute_seconds": 0.0,
-                "slowdown_seconds": 0.0,
-                "push_seconds": 0.0,
-                "push_wait_seconds": 0.0,
+                **dict.fromkeys(SECONDS, 0.0),
                 "max_lead": 0,
                 "max_local_staleness": 0,
                 "max_global_staleness": 0,
@@ -274,9 +280,8 @@ def summarize(options, ledger, records, events, seconds, parts) -> dict:
         v["max_lead"] = max(v["max_lead"], r["wave"] - r["slowest"])
         v["max_local_staleness"] = max(v["max_local_staleness"], *r["local_staleness"])
         v["max_global_staleness"] = max(v["max_global_staleness"], *r["global_staleness"])
-        for k in ("wait_seconds", "compute_seconds", "slowdown_seconds", "push_seconds"):
+        for k in SECONDS:
             v[k] += r[k]
-        v["push_wait_seconds"] += r["push_wait_seconds"]  # the push time the compute waited
     return {
         "exactly_once": sorted(trained) == list(range(options.total)) and pushed == sorted(trained),
         "samples_exactly_once": bool(np.array_equal(np.sort(samples), np.sort(expected))),
