@@ -41,7 +41,9 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "elastic_gpt.py"
-VARIANTS = ("store", "orbax")
+# "store": the survivors stay in their processes; "store, no keep": every process of the next
+# generation is new (warm standbys); "orbax": a plain restart from the orbax checkpoint
+VARIANTS = ("store", "store, no keep", "orbax")
 CACHED = ("store, cached compile", "orbax, cached compile")  # optional: both with a warm cache
 # the loop benchmark's GPT: 3.3M params, 38 MiB of state with the AdamW moments
 FULL_MODEL = "seq_len=128,d_model=256,n_layers=4,n_heads=4,d_ff=1024"
@@ -107,6 +109,7 @@ def run_recovery(
         "median_restore_seconds": restore,
         "median_phases": phases,
         "speedup": total["orbax"] / total["store"],
+        "keep_speedup": total["store, no keep"] / total["store"],
         "restore_speedup": restore["orbax"] / restore["store"],
         **({"cached_speedup": total[CACHED[1]] / total[CACHED[0]]} if cached else {}),
     }
@@ -175,6 +178,8 @@ def recover_once(
             )
         if done.returncode != 0:
             raise RuntimeError((run / "warm.log").read_text(errors="replace")[-3000:])
+    if variant == "store, no keep":
+        command += ["--no-keep"]
     if variant.startswith("orbax"):
         command += [
             "--checkpoint-dir",
@@ -185,6 +190,7 @@ def recover_once(
             "checkpoint",
             # a plain restart: new processes, cold, every process compiling the new layout
             "--no-standby",
+            "--no-keep",
             "--no-executable-cache",
         ]
     command += [
@@ -276,6 +282,7 @@ def timings(run: pathlib.Path, killed: float, nprocs: int, planned: bool = False
         },
         "step_loaded": [s["loaded"] for s in steps],
         "warm_processes": generation.get("warm"),
+        "kept_processes": generation.get("kept"),  # survivors that stayed in their process
         "restore_seconds": restore["seconds"],
         "restore_source": generation["restore"],
         "lost_steps": generation["lost_steps"],
@@ -369,12 +376,13 @@ def _wait(predicate, proc, deadline: float, what: str, done_ok: bool = False) ->
 def table(row: dict) -> str:
     m, r = row["median_seconds"], row["median_restore_seconds"]
     head = (
-        "| recovery | state MiB | store s | orbax s | orbax / store | store restore ms | "
-        "orbax restore ms | orbax / store (restore) |"
+        "| recovery | state MiB | store s | store, no keep s | orbax s | orbax / store | "
+        "no keep / store | store restore ms | orbax restore ms | orbax / store (restore) |"
     )
     line = (
         f"| GPT {_name(row['model'])}, {row['change']} | {row['state_bytes'] / 2**20:.2f} | "
-        f"{m['store']:.2f} | {m['orbax']:.2f} | **{row['speedup']:.2f}x** | "
+        f"{m['store']:.2f} | {m['store, no keep']:.2f} | {m['orbax']:.2f} | "
+        f"**{row['speedup']:.2f}x** | {row['keep_speedup']:.2f}x | "
         f"{r['store'] * 1e3:.0f} | {r['orbax'] * 1e3:.0f} | **{row['restore_speedup']:.1f}x** |"
     )
     names = list(row["median_phases"]["store"])
@@ -393,7 +401,7 @@ def table(row: dict) -> str:
             f"both: store {m[CACHED[0]]:.2f} s, orbax {m[CACHED[1]]:.2f} s from the kill to the "
             f"first step, orbax / store **{row['cached_speedup']:.2f}x**."
         )
-    table = f"{head}\n|---|---:|---:|---:|---:|---:|---:|---:|\n{line}{cached}\n\n"
+    table = f"{head}\n|---|" + "---:|" * 9 + f"\n{line}{cached}\n\n"
     return table + "\n".join(phases)
 
 

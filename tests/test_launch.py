@@ -5,15 +5,15 @@ processes x 2 CPU devices, replicas=1, a commit every 2 steps, an orbax checkpoi
 through two failures, each injected by PID at a known step while the job is paused at a step
 boundary (``--pause-after``, commits finished):
 
-1. after step 3: SIGKILL worker 3 and its store. The job goes on with 3 processes; worker 3's
-   shards come from their replicas on store 0; lost steps = 3 - 2.
+1. after step 3: SIGKILL worker 3 and its store. The job goes on with 3 processes, the three
+   survivors in their own processes; worker 3's shards come from their replicas on store 0; lost
+   steps = 3 - 2. Slot 1's warm standby process is killed too: its survivor takes its rank.
 2. after step 6: SIGKILL worker 2 and both stores holding its shards (2 and 0). No copy survives:
    the launcher names the leaves and falls back to the orbax checkpoint of step 4 on the one
-   process left; lost steps = 6 - 4.
-   Slot 1's warm standby process is killed too, before it is used: the spare takes its rank.
+   process left (slot 1's, the same process since generation 0); lost steps = 6 - 4.
 3. after step 7: a planned resize to 2 processes (``RUN_DIR/resize``): the process finds the
-   request at the next step boundary (step 8), commits synchronously and exits; a new slot gets a
-   new store; lost steps = 0.
+   request at the next step boundary (step 8), commits synchronously and stays; a new slot gets a
+   new store, and a fresh process (the spare standby is killed before it is used); lost steps = 0.
 
 The final params must equal, bit for bit, a single-process run of 10 steps fed the same batches,
 and the steps that count must have trained each global batch of the dataset order exactly once.
@@ -132,6 +132,9 @@ def job(tmp_path_factory):
         kill(workers[2])
         # a planned resize to 2 processes (one new slot, with a new store), asked after step 7
         wait_for(lambda: paused(7, 1), "generation 2 to pause after step 7", proc)
+        spare = [e["pids"]["-1"] for e in events(run) if e["event"] == "standby"][-1]
+        children.append(spare)
+        kill(spare)  # the spare dies before the growth needs it: the new slot starts fresh
         (run / "resize").write_text("2")
         wait_for(lambda: (run / "control.json").exists(), "the launcher's request", proc)
         (run / "resume-7").write_text("")
@@ -174,11 +177,15 @@ def test_job_survives_two_failures_and_finishes(job):
     assert [g["lost_steps"] for g in gens] == [None, 1, 2, 0]  # 0: the resize was planned
     kinds = [e["event"] for e in events(job["run"])]
     assert kinds.count("failure") == 2 and kinds.count("resize") == 1
-    # warm standby processes took every rank of the later generations: slot 1's was killed
-    # before it was used, and the spare took its rank; a later spare took the new slot 4's
-    assert [g["warm"] for g in gens] == [[False] * 4, [True] * 3, [True], [True, True]]
+    # every survivor stayed in its process: slot 1's process ran all four generations; the new
+    # slot 4 started fresh, its spare standby killed before it was used
+    kept = [[False] * 4, [True] * 3, [True], [True, False]]
+    assert [g["kept"] for g in gens] == kept
+    assert [g["warm"] for g in gens] == kept
+    pids = [g["pids"] for g in gens]
+    assert pids[1] == pids[0][:3] and pids[2] == [pids[0][1]] and pids[3][0] == pids[0][1]
     lost = [e for e in events(job["run"]) if e["event"] == "standby_lost"]
-    assert [e["slot"] for e in lost] == [1], lost
+    assert [e["slot"] for e in lost] == [-1], lost
     for pid in job["children"]:  # every worker and store was reaped
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

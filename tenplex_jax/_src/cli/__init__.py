@@ -442,8 +442,8 @@ def _parser() -> argparse.ArgumentParser:
         "--grace",
         type=float,
         default=0.0,
-        help="seconds survivors of a failure get before SIGKILL (default: 0; on CPU they hang "
-        "in gloo collectives with the dead peer, which never time out)",
+        help="with --no-keep: seconds survivors of a failure get before SIGKILL (default: 0; on "
+        "CPU they hang in gloo collectives with the dead peer, which never time out)",
     )
     launch.add_argument(
         "--no-executable-cache",
@@ -459,6 +459,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_false",
         help="start every process of a new generation cold (default: one warm standby process "
         "per slot, JAX and the script's imports loaded, takes the rank)",
+    )
+    launch.add_argument(
+        "--no-keep",
+        dest="keep",
+        action="store_false",
+        help="end every process with its generation, as a plain restart does (default: the "
+        "processes that stay keep running and join the next generation in place; the "
+        "coordination service runs in the launcher)",
     )
     launch.add_argument(
         "--ray",
@@ -505,6 +513,7 @@ def _launch(args) -> int:
             recover_from=args.recover_from,
             grace=args.grace,
             standby=args.standby,
+            keep=args.keep,
             executables=args.executables,
         )
     except LaunchError as error:

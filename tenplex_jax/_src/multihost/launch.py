@@ -14,16 +14,16 @@ The launcher:
    the generation, the replica count, the commit interval and where to restore from; that entry
    point joins ``jax.distributed`` and runs the script as ``__main__``;
 3. watches the workers and the stores. A generation ends when
-   - a worker exits nonzero or by a signal, or a store dies: a *failure*. The survivors (they hang
-     in collectives with the dead peer, which never time out on CPU) get ``--grace`` seconds
-     (default 0), then SIGKILL; all are reaped by PID. The failed slots
+   - a worker exits nonzero or by a signal, or a store dies: a *failure*. The survivors hang in
+     collectives with the dead peer (which never time out on CPU): the launcher tells them on
+     their stdin, and each breaks its collectives and leaves (``membership``). The failed slots
      are dropped and the next generation runs on the slots left, restoring the latest complete
      version from the stores, where the dead worker's shards come from their replicas. Lost steps
      = the last step reached minus the restored step. If no copy of some shard survives, the
      launcher names the leaves and falls back to the latest orbax checkpoint (``--checkpoint-dir``,
      or the script's ``ElasticJob(checkpoint_dir=...)``).
    - a resize is requested: ``echo N > RUN_DIR/resize``. The workers agree on a step, commit
-     synchronously (0 lost steps) and exit; the next generation runs N processes (new slots get
+     synchronously (0 lost steps) and leave; the next generation runs N processes (new slots get
      new stores).
    - SIGTERM: the same planned end, then the launcher stops (with a checkpoint dir the last
      commit is also an orbax checkpoint, which the next launch resumes from). Ctrl-C (SIGINT)
@@ -31,7 +31,11 @@ The launcher:
 4. stops when the workers finish (exit 0 after ``job.finish``), after ``--max-restarts`` failures,
    or when fewer than ``--min-procs`` slots are left.
 
-A restart costs no process start, import or compile: once a generation has stepped, the launcher
+The processes that stay keep running: the launcher runs each generation's ``jax.distributed``
+coordination service, so a survivor leaves one generation's job and joins the next in its own
+process, given its next rank on stdin (``--no-keep``, and on Ray: every process ends with its
+generation, and the survivors get ``--grace`` seconds, then SIGKILL; every child is reaped by PID).
+A new process costs no process start, import or compile: once a generation has stepped, the launcher
 keeps a warm *standby* process per slot (and a spare for a new slot) that has imported what the job
 needs and waits for a rank on stdin; and the processes share their compiled steps through
 ``RUN_DIR/executables`` (one compiles each layout, the others and later generations load it;
@@ -60,6 +64,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 
@@ -74,6 +79,8 @@ CHECKPOINT = "checkpoint.json"  # in the run dir: the script's own checkpoint di
 ACTIONS = ("resize", "stop")
 STANDBY = "TENPLEX_STANDBY"  # set for a standby process: it imports, then waits for its rank
 SPARE = -1  # the standby kept for a slot the job does not have yet (a growth)
+LEAVE_SECONDS = 10.0  # how long a survivor gets to leave its generation before it is killed
+STUCK_SECONDS = 2.0  # then the service stops: a survivor blocked in a call to it is ended
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +110,8 @@ class JobSpec:
       executables: whether the processes share their compiled steps through
         ``RUN_DIR/executables`` (one compiles a layout, the others and later generations load
         it; process 0 compiles ahead for the loss of any one process).
+      hosted: the launcher runs the coordination service, and a process that survives the
+        generation stays for the next one (see ``LaunchOptions.keep``); else process 0 runs it.
     """
 
     coordinator: str  # "127.0.0.1:port" of the jax.distributed coordinator (process 0)
@@ -120,6 +129,7 @@ class JobSpec:
     checkpoint_every: int | None = None
     token_file: str | None = None  # the stores' secret, in a file only this job's user reads
     executables: bool = True  # share compiled steps through RUN_DIR/executables
+    hosted: bool = False  # the launcher runs the coordination service; survivors stay
 
     def to_env(self) -> dict[str, str]:
         """The environment a worker is started with: ``{"TENPLEX_JOB": <this record as JSON>}``."""
@@ -195,7 +205,12 @@ class LaunchOptions:
       standby: keep one warm standby process per host slot, and a spare for a new slot (JAX
         and the script's imports loaded, waiting for a rank), for the next generation, so that
         a restart costs no process start or import.
-      grace: seconds the survivors of a failure get before SIGKILL.
+      keep: the processes that stay in the next generation keep running: at a failure or a
+        planned change they leave the generation's ``jax.distributed`` job and join the next
+        one in the same process (the coordination service runs in the launcher, so no
+        process's death takes another with it). False ends every process with its generation,
+        as a plain restart does (on Ray, always).
+      grace: seconds the survivors of a failure get before SIGKILL (without ``keep``).
       stop_timeout: seconds the workers get to commit and exit on a planned end.
       start_timeout: seconds a store gets to listen.
       python: the interpreter of the stores and workers.
@@ -222,6 +237,7 @@ class LaunchOptions:
     token: bool = False  # stores refuse clients without the job's secret (always on Ray)
     executables: bool = True  # compiled steps shared by processes and generations
     standby: bool = True  # a warm process per slot for the next generation
+    keep: bool = True  # survivors stay in their process for the next generation
     # survivors of a failure on CPU hang in gloo collectives with the dead peer (no timeout:
     # measured > 50 s), so by default they are killed at once
     grace: float = 0.0
@@ -257,7 +273,9 @@ class _Generation:
     workers: list[subprocess.Popen]
     logs: list[pathlib.Path | None]
     restore: str
-    warm: list[bool]  # per process: a standby took the rank
+    warm: list[bool]  # per process: a standby or a survivor took the rank
+    kept: list[bool]  # per process: a process of the last generation took the rank
+    service: object = None  # the coordination service the launcher runs, if it does
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +310,7 @@ class Launcher:
         self.slots: dict[int, _Slot] = {}
         self.workers: list[subprocess.Popen] = []
         self.standbys: dict[int, subprocess.Popen] = {}  # slot -> a warm process, not yet used
+        self.kept: dict[int, subprocess.Popen] = {}  # slot -> a survivor waiting for its rank
         self._terminate = False
         self.token_file: pathlib.Path | None = None
 
@@ -309,6 +328,8 @@ class Launcher:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for name in (CONTROL, "resize", "progress.json", "finished.json", "stopped.json"):
             (self.run_dir / name).unlink(missing_ok=True)
+        for left in self.run_dir.glob("left-g*.json"):  # an earlier run's
+            left.unlink(missing_ok=True)
         if opts.token:
             self.token_file = write_token(self.run_dir / "token")
         previous = self._install_signals()
@@ -327,13 +348,14 @@ class Launcher:
                     slots=slots,
                     pids=[w.pid for w in gen.workers],
                     warm=gen.warm,
+                    kept=gen.kept,
                     restore=source,
                     step=step,
                     lost_steps=lost,
                 )
                 outcome = self._watch(gen)
                 reached = self._progress(number, default=step)
-                self._end_generation(gen)
+                self._end_generation(gen, outcome)
                 self._event(
                     outcome.kind,
                     generation=number,
@@ -514,9 +536,16 @@ class Launcher:
     def _start_generation(self, number: int, slots: list[int], source: str) -> _Generation:
         opts = self.options
         (self.run_dir / CONTROL).unlink(missing_ok=True)
+        for slot in set(self.kept) - set(slots):  # a survivor the next generation has no slot for
+            _release(self.kept.pop(slot))
         coordinator = self._coordinator(slots[0])
+        service = None
+        if self._keeps:  # here, so that no trainer's death takes the others with it
+            from tenplex_jax._src.multihost.membership import host_service
+
+            service = host_service(coordinator, len(slots))
         stores = {i: s.address for i, s in self.slots.items() if self._up(i)}
-        workers, logs, warms = [], [], []
+        workers, logs, warms, kept = [], [], [], []
         for pid in range(len(slots)):
             spec = JobSpec(
                 coordinator,
@@ -534,20 +563,25 @@ class Launcher:
                 opts.checkpoint_every,
                 None if self.token_file is None else str(self.token_file),
                 opts.executables,
+                hosted=service is not None,
             )
             path = None if pid == 0 else self.run_dir / "logs" / f"g{number}-p{pid}.log"
-            warm = self._activate(slots[pid], spec.to_env(), path)
-            if warm is None:
+            proc, how = self._activate(slots[pid], spec.to_env(), path)
+            if proc is None and self._keeps:  # a fresh process, ranked on its stdin as the others
+                proc = self._spawn_standbys([slots[pid]])[slots[pid]]
+                message = {"env": spec.to_env(), "log": None if path is None else str(path)}
+                self._give_rank(proc, json.dumps(message | {"warm": False}).encode())
+            elif proc is None:
                 env = spec.to_env() | self._worker_env()
-                workers.append(self._spawn_worker(slots[pid], self._command(), env, path))
-            else:
-                workers.append(warm)
-            warms.append(warm is not None)
+                proc = self._spawn_worker(slots[pid], self._command(), env, path)
+            workers.append(proc)
+            warms.append(how is not None)
+            kept.append(how == "kept")
             logs.append(path)
         self.workers = workers
         for slot in set(self.standbys) - {*slots, SPARE}:  # a slot the job left: its standby too
             _kill(self.standbys.pop(slot))
-        return _Generation(number, list(slots), workers, logs, source, warms)
+        return _Generation(number, list(slots), workers, logs, source, warms, kept, service)
 
     def _refill_standbys(self, gen: _Generation) -> None:
         """A warm process for each of the generation's slots and a spare for a new slot, started
@@ -580,12 +614,20 @@ class Launcher:
         """The slots a standby is kept for: the generation's, and a spare for a new slot."""
         return [*gen.slots, SPARE]
 
+    @property
+    def _keeps(self) -> bool:
+        """Whether survivors stay in their process for the next generation (``keep``)."""
+        return self.options.keep
+
     def _give_rank(self, proc, message: bytes) -> None:
-        """Hand a standby its rank (one line on its stdin); OSError when it is gone."""
+        """Hand a standby or a survivor its rank (one line on its stdin); OSError when it is
+        gone. Its stdin stays open for the launcher's next messages when survivors stay."""
         if proc.poll() is not None:
             raise BrokenPipeError(f"exited with {proc.returncode}")
         proc.stdin.write(message + b"\n")
-        proc.stdin.close()
+        proc.stdin.flush()
+        if not self._keeps:
+            proc.stdin.close()
 
     def _spawn_standbys(self, slots: list[int]) -> dict:
         """A warm process on each of ``slots``' hosts: it imports what the job needs, then waits
@@ -595,23 +637,28 @@ class Launcher:
         return {slot: _spawn(self._command(), env=env, stdin=subprocess.PIPE) for slot in slots}
 
     def _activate(self, slot: int, env: dict, log: pathlib.Path | None):
-        """A standby process for ``slot`` (its own, else the spare), given a rank (``env``) and
-        its output file; None when there is none alive (the caller starts a process cold)."""
+        """A waiting process for ``slot`` — the survivor on it, else its standby, else the
+        spare — given a rank (``env``) and its output file: ``(process, "kept" or "warm")``, or
+        ``(None, None)`` when none is alive (the caller starts a fresh one)."""
         message = json.dumps({"env": env, "log": None if log is None else str(log)}).encode()
-        for owner in (slot, SPARE):
-            proc = self.standbys.pop(owner, None)
+        for pool, owner, how in (
+            (self.kept, slot, "kept"),
+            (self.standbys, slot, "warm"),
+            (self.standbys, SPARE, "warm"),
+        ):
+            proc = pool.pop(owner, None)
             if proc is None:
                 continue
             try:
                 self._give_rank(proc, message)
             except OSError as error:  # BrokenPipeError: it died since the last poll
                 self._event(
-                    "standby_lost", slot=owner, detail=f"the standby of slot {owner} {error}"
+                    "standby_lost", slot=owner, detail=f"the {how} process of slot {owner} {error}"
                 )
                 _kill(proc)
                 continue
-            return proc
-        return None
+            return proc, how
+        return None, None
 
     def _survivors(self, slots: list[int], outcome: _Outcome) -> list[int]:
         """The slots the next generation runs on after a failure: not the failed workers' (on
@@ -652,7 +699,7 @@ class Launcher:
                     self._tail(gen, i)
                 lost = tuple(sorted({gen.slots[i] for i in failed} | set(stores_down)))
                 return _Outcome("failure", lost, detail=detail)
-            if all(c == 0 for c in codes):
+            if all(c == 0 or self._left(gen, i) for i, c in enumerate(codes)):
                 if (self.run_dir / "finished.json").exists():
                     return _Outcome("finished")
                 if requested is not None:
@@ -693,13 +740,58 @@ class Launcher:
             self._event("request", action=action[0], processes=action[1])
         return action
 
-    def _end_generation(self, gen: _Generation) -> None:
-        """Give the workers ``--grace`` seconds, then SIGKILL the rest; reap every one by PID."""
-        deadline = time.monotonic() + self.options.grace
-        while any(w.poll() is None for w in gen.workers) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    def _left(self, gen: _Generation, i: int) -> bool:
+        """Whether process ``i`` of ``gen`` has left it and waits for a rank (it stays)."""
+        return gen.service is not None and (self.run_dir / f"left-g{gen.number}-p{i}.json").exists()
+
+    def _end_generation(self, gen: _Generation, outcome: _Outcome) -> None:
+        """End ``gen``: its survivors leave it and wait for the next rank (with ``keep``), the
+        rest are killed (after ``--grace`` seconds without ``keep``) and reaped by PID.
+
+        At a failure, the survivors are told to end the generation: each breaks its collectives
+        with the others (they block on the dead peer) and leaves. A survivor that has not left
+        within ``LEAVE_SECONDS``, or whose slot the job loses, is killed: a standby takes its
+        rank."""
+        stopping = None
+        if gen.service is not None and outcome.kind in ("failure", "resize"):
+            alive = [
+                i
+                for i, w in enumerate(gen.workers)
+                if w.poll() is None and gen.slots[i] not in outcome.lost_slots
+            ]
+            if outcome.kind == "failure":
+                message = json.dumps({"end": outcome.kind, "peers": [w.pid for w in gen.workers]})
+                for i in alive:
+                    with contextlib.suppress(OSError):
+                        gen.workers[i].stdin.write(message.encode() + b"\n")
+                        gen.workers[i].stdin.flush()
+            started, stopping = time.monotonic(), None
+            waiting = set(alive)
+            while waiting and time.monotonic() < started + LEAVE_SECONDS:
+                waiting = {
+                    i for i in waiting if not self._left(gen, i) and gen.workers[i].poll() is None
+                }
+                if waiting and stopping is None and time.monotonic() > started + STUCK_SECONDS:
+                    # one blocked in a call to the service (joining, a rendezvous with the dead
+                    # peer) only returns when the service is gone: JAX then ends it, and a
+                    # standby takes its rank (a gRPC shutdown waits for the calls in flight)
+                    stopping = threading.Thread(target=gen.service.shutdown, daemon=True)
+                    stopping.start()
+                time.sleep(0.01)
+            for i in alive:
+                if self._left(gen, i) and gen.workers[i].poll() is None:
+                    self.kept[gen.slots[i]] = gen.workers[i]
+        else:
+            deadline = time.monotonic() + self.options.grace
+            while any(w.poll() is None for w in gen.workers) and time.monotonic() < deadline:
+                time.sleep(0.05)
         for w in gen.workers:
-            _kill(w)
+            if w not in self.kept.values():
+                _kill(w)
+        if stopping is not None:
+            stopping.join()
+        elif gen.service is not None:
+            gen.service.shutdown()
         self.workers = []
 
     def _resized(self, slots: list[int], count: int) -> list[int]:
@@ -737,9 +829,11 @@ class Launcher:
         return {signal.SIGTERM: signal.signal(signal.SIGTERM, on_term)}
 
     def _teardown(self) -> None:
+        for w in self.kept.values():
+            _release(w)
         for w in [*self.workers, *self.standbys.values()]:
             _kill(w)
-        self.standbys = {}
+        self.standbys, self.kept = {}, {}
         for slot in self.slots.values():
             _kill(slot.store, signal.SIGTERM, timeout=5.0)
         self.workers = []
@@ -767,6 +861,15 @@ def _kill(proc: subprocess.Popen, sig=signal.SIGKILL, timeout: float = 10.0) -> 
             proc.wait(timeout)
     else:
         proc.wait()
+
+
+def _release(proc: subprocess.Popen) -> None:
+    """Tell a process that waits for a rank to exit (EOF on its stdin), and reap it."""
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(2.0)
+    _kill(proc)
 
 
 def _spawn(command: list[str], **kwargs) -> subprocess.Popen:

@@ -167,6 +167,8 @@ class RayLauncher(Launcher):
     resource take part. ``nprocs`` processes start (one per node); the job grows onto nodes that
     join when growing pays."""
 
+    _keeps = False  # every process ends with its generation: a node's death is the usual change
+
     def __init__(
         self,
         options: LaunchOptions,

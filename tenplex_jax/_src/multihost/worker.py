@@ -20,6 +20,7 @@ an implementation detail of the job:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -30,7 +31,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -38,31 +39,40 @@ import numpy as np
 from tenplex_jax._src import compat
 from tenplex_jax._src.data import DatasetPTC, DataState
 from tenplex_jax._src.errors import DataError, StoreError
+from tenplex_jax._src.multihost import membership
 from tenplex_jax._src.multihost.launch import ACTIONS, CHECKPOINT, CONTROL, ENV, STANDBY, JobSpec
 from tenplex_jax._src.ptc import PTC
 
 
 def join(spec: JobSpec, *, timeout: float = 120.0) -> None:
     """Configure JAX for the launched job and join it; before anything starts JAX's backend."""
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.config.update("jax_num_cpu_devices", spec.devices_per_process)
-    jax.distributed.initialize(
+    membership.join(
         spec.coordinator,
-        num_processes=spec.num_processes,
-        process_id=spec.process_id,
-        initialization_timeout=int(timeout),
-        # the coordinator service listens on its node's address only, not on every interface
-        coordinator_bind_address=spec.coordinator if spec.process_id == 0 else None,
+        spec.num_processes,
+        spec.process_id,
+        spec.devices_per_process,
+        hosted=spec.hosted,
+        timeout=timeout,
     )
 
 
+# seconds a process whose script failed waits for the launcher to say that the generation ended
+# (a peer died, and the collectives failed with it): then it stays for the next generation
+ENDING_SECONDS = 1.0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tenplex_jax.multihost SCRIPT ARGS``: join the launched job, run SCRIPT."""
+    """``python -m tenplex_jax.multihost SCRIPT ARGS``: join the launched job, run SCRIPT; a
+    process the launcher ranks on stdin stays for its next generations while it survives."""
     argv = sys.argv[1:] if argv is None else argv
     if argv:  # as `python SCRIPT` would, before a standby imports what the script imports
         sys.path.insert(0, str(pathlib.Path(argv[0]).resolve().parent))
-    if os.environ.pop(STANDBY, None) and argv and not stand_by(argv[0]):
-        return 0  # the launcher went away before it needed this process
+    control = None
+    if os.environ.pop(STANDBY, None) and argv:
+        control = membership.Control()
+        _warm(argv[0])
+        if not _ranked(control):
+            return 0  # the launcher went away before it needed this process
     spec = JobSpec.from_env(os.environ)
     if spec is None or not argv:
         print(
@@ -71,12 +81,46 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    started = time.time()
-    join(spec)
-    Worker.joined = started, time.time()
+    while True:
+        code = _run(spec, argv, control if spec.hosted else None)
+        if control is None or not spec.hosted or Worker.finished:
+            break
+        if code != 0 and not control.wait_ending(ENDING_SECONDS):
+            break  # the script's own failure, not its generation's end
+        # the generation ended: planned (the script exited 0 after its commit), or broken by a
+        # failure elsewhere (the launcher broke the collectives): leave, wait for the next rank
+        _leave(spec, broken=control.ending.is_set())
+        control.ending.clear()
+        if not _ranked(control):
+            return 0  # not in the next generation
+        spec = JobSpec.from_env(os.environ)
+    if code != 0:
+        # a failed worker ends now with its status: at a normal exit JAX would wait in
+        # jax.distributed's shutdown barrier for peers that are still training, and the
+        # launcher would not see the failure until they time out
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return 0
+
+
+def _run(spec: JobSpec, argv: list[str], control: membership.Control | None) -> int:
+    """Join the generation and run the script as ``__main__``; its exit status. ``control``:
+    the launcher may end the generation while the script runs (it unwinds)."""
     sys.argv = list(argv)
     try:
-        runpy.run_path(argv[0], run_name="__main__")
+        try:
+            if control is not None:
+                control.arm()
+            started = time.time()
+            join(spec)
+            Worker.joined = started, time.time()
+            runpy.run_path(argv[0], run_name="__main__")
+        finally:
+            if control is not None:
+                control.disarm()
+    except membership.GenerationEnded:
+        code = 1
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
         if done.code is not None and not isinstance(done.code, int):
@@ -86,14 +130,53 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     else:
         code = 0
-    if code != 0:
-        # a failed worker ends now with its status: at a normal exit JAX would wait in
-        # jax.distributed's shutdown barrier for peers that are still training, and the
-        # launcher would not see the failure until they time out
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return 0
+    return code
+
+
+def _leave(spec: JobSpec, *, broken: bool) -> None:
+    """End this process's part in ``spec``'s generation: close its jobs' threads and store
+    connections, leave ``jax.distributed``, tell the launcher (``RUN_DIR/left-g<gen>-p<id>``)."""
+    tic = time.perf_counter()
+    membership.leave(broken=broken)  # first: the launcher stops the service soon after a failure
+    for worker in Worker.opened:
+        with contextlib.suppress(Exception):  # a broken generation's commit may fail: it is lost
+            worker.close()
+    Worker.opened.clear()
+    Worker.kept = True
+    record = {"pid": os.getpid(), "broken": broken, "seconds": time.perf_counter() - tic}
+    path = pathlib.Path(spec.run_dir) / f"left-g{spec.generation}-p{spec.process_id}.json"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+_OUTPUT: tuple[int, int] | None = None  # the launcher's stdout and stderr, as this process got them
+
+
+def _ranked(control: membership.Control) -> bool:
+    """Wait for a rank from the launcher and take it: its environment (the ``JobSpec``) and its
+    output file (null: the launcher's own output). False at EOF: the launcher has no use for
+    this process."""
+    global _OUTPUT
+    message = control.rank()
+    if message is None:
+        return False
+    if message.get("warm", True):
+        Worker.activated = time.time()
+    os.environ.update(message["env"])
+    if _OUTPUT is None:
+        _OUTPUT = os.dup(1), os.dup(2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if message.get("log"):
+        fd = os.open(message["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    else:
+        os.dup2(_OUTPUT[0], 1)
+        os.dup2(_OUTPUT[1], 2)
+    return ENV in os.environ
 
 
 # what every launched job imports, warmed by a standby process before it has a rank
@@ -109,16 +192,14 @@ WARM_MODULES = (
 )
 
 
-def stand_by(script: str) -> bool:
-    """A standby process: import what the job will need, then wait for a rank.
+def _warm(script: str) -> None:
+    """A standby process: import what the job will need before it has a rank.
 
     The launcher keeps one standby per host slot, started while a generation trains, so that a
     replacement costs no interpreter start or import. It imports JAX, flax, optax, orbax, the
     launched job's modules and the script's top-level imports — never starting JAX's backend,
-    which needs the job's device count and ``jax.distributed`` — then reads one line from stdin:
-    ``{"env": {...}, "log": path or null}``, the environment of its rank (``TENPLEX_JOB``) and
-    the file its output goes to (null: the launcher's own stdout). EOF (the launcher went away,
-    or it has no use for this process) returns False.
+    which needs the job's device count and ``jax.distributed`` — then waits for its rank on
+    stdin (:class:`tenplex_jax._src.multihost.membership.Control`).
     """
     import importlib
 
@@ -127,18 +208,6 @@ def stand_by(script: str) -> bool:
             importlib.import_module(name)
         except Exception:  # the run proper raises it where the script imports it
             continue
-    line = sys.stdin.readline()
-    if not line:
-        return False
-    message = json.loads(line)
-    Worker.activated = time.time()
-    os.environ.update(message["env"])
-    if message.get("log"):
-        fd = os.open(message["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    return ENV in os.environ
 
 
 def _script_imports(script: str) -> list[str]:
@@ -163,9 +232,15 @@ class Worker:
 
     joined: tuple[float, float] | None = None  # wall-clock times around jax.distributed.initialize
     activated: float | None = None  # when a standby process got its rank
+    kept = False  # this process ran an earlier generation and stayed for this one
+    finished = False  # the job finished (every process knows it at ``finish``)
+    opened: ClassVar[
+        list[Worker]
+    ] = []  # this generation's workers: closed when the process leaves it
 
     def __init__(self, spec: JobSpec, checkpoint_dir=None, checkpoint_every: int | None = None):
         self.spec = spec
+        Worker.opened.append(self)
         # the launcher's flags win; else the script's own, which the launcher then learns
         self.checkpoint_dir = spec.checkpoint_dir or checkpoint_dir
         self.checkpoint_every = spec.checkpoint_every or checkpoint_every
@@ -214,6 +289,7 @@ class Worker:
             "config": str(ptc.config),
             "process": self.process_index,
             "warm": Worker.activated is not None,  # a standby process took this rank
+            "kept": Worker.kept,  # ... a process of an earlier generation took it
         }
         if kind == "init":
             state, step, data_state = init(), 0, None
@@ -406,6 +482,7 @@ class Worker:
             self.commit(state, ptc, step, dataset, wait=True, checkpoint=True)
         self.committer.wait(collect=True)
         self._checkpoint(state, ptc, step, dataset.state())
+        Worker.finished = True
         self._write("finished.json", {"generation": self.generation, "step": step})
 
     def close(self) -> None:

@@ -1,0 +1,246 @@
+"""A launched process's membership in its generations: join, leave, and the launcher's messages.
+
+A process that survives a change keeps running: it leaves the generation's ``jax.distributed``
+job and joins the next one, with its interpreter, imports and run directory intact. Three facts
+of JAX make that work (checked on jax 0.10.2 and 0.12, CPU with gloo collectives):
+
+- The *coordination service* runs in the launcher (:func:`host_service`), not in a trainer, so
+  the death of any trainer — process 0 included — takes no other with it. It is recoverable:
+  a task that leaves is not waited for at shutdown. ``jax.distributed.initialize`` starts a
+  service in process 0 whatever it is told, so process 0 starts one on a port nobody connects
+  to (loopback), and connects to the launcher's like every other process.
+- *Leaving* (:func:`leave`) is ``jax.distributed.shutdown`` (this process's client only), then
+  dropping the backends (``jax._src.api.clear_backends``): the next ``initialize`` builds a
+  client over the next generation's devices.
+- A survivor of a failure is blocked in a collective with the dead peer (gloo never times out).
+  :func:`break_collectives` shuts down this process's TCP connections to the generation's other
+  trainers (found through ``/proc``): each blocked collective then fails at once, the step's
+  arrays hold the error, and the script unwinds to :func:`tenplex_jax._src.multihost.worker.main`.
+
+The launcher talks to a process on its stdin, one JSON object per line (:class:`Control`):
+``{"env": {...}, "log": path}`` gives it a rank in a generation (the environment holding its
+``JobSpec``, and the file its output goes to: null for the launcher's own); ``{"end": ...,
+"peers": [pid, ...]}`` ends the generation it runs in (a failure elsewhere); EOF tells it to exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+
+import jax
+
+_STUCK: list = []  # backends whose collectives were broken: dropped, never destroyed
+
+
+def host_service(address: str, processes: int, *, heartbeat_seconds: int = 10):
+    """Run a generation's ``jax.distributed`` coordination service in this process.
+
+    ``jax._src.lib._jax.get_distributed_runtime_service`` is what ``jax.distributed.initialize``
+    calls in process 0 (the same in jax 0.10.2 and 0.12; private, so only here). Recoverable:
+    tasks may leave without the others waiting for them.
+
+    Returns:
+      The service; ``shutdown()`` stops it, once every process has left.
+    """
+    from jax._src.lib import _jax
+
+    return _jax.get_distributed_runtime_service(
+        address,
+        processes,
+        heartbeat_timeout=heartbeat_seconds,
+        shutdown_timeout=heartbeat_seconds,
+        recoverable=True,
+    )
+
+
+def join(
+    coordinator: str,
+    processes: int,
+    process_id: int,
+    devices_per_process: int,
+    *,
+    hosted: bool,
+    timeout: float = 120.0,
+) -> None:
+    """Configure JAX for a launched generation and join its ``jax.distributed`` job.
+
+    Args:
+      coordinator: the coordination service's ``host:port``.
+      processes: the generation's process count.
+      process_id: this process's index in it.
+      devices_per_process: CPU devices per process (``jax_num_cpu_devices``).
+      hosted: the launcher runs the service (:func:`host_service`); else process 0 does, bound
+        to the coordinator's address only.
+      timeout: seconds to wait for every process to connect.
+    """
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_num_cpu_devices", devices_per_process)
+    jax.config.update("jax_enable_recoverability", True)
+    bind = None
+    if process_id == 0:  # initialize starts a service in process 0: the launcher's is the real one
+        bind = f"127.0.0.1:{_free_port()}" if hosted else coordinator
+    jax.distributed.initialize(
+        coordinator,
+        num_processes=processes,
+        process_id=process_id,
+        initialization_timeout=int(timeout),
+        coordinator_bind_address=bind,
+    )
+
+
+def leave(*, broken: bool) -> None:
+    """Leave the generation's ``jax.distributed`` job and drop the backends over its devices.
+
+    Args:
+      broken: the generation's collectives were broken (:func:`break_collectives`): its
+        backends are kept referenced, never destroyed, since a destructor would wait for
+        computations whose peers are gone.
+    """
+    from jax._src import api, distributed, xla_bridge
+
+    if broken:
+        with contextlib.suppress(Exception):
+            _STUCK.append(dict(xla_bridge._backends))
+    try:
+        jax.distributed.shutdown()
+    except Exception:  # a client that never connected (the generation ended while it joined)
+        state = distributed.global_state
+        state.client = state.service = state.preemption_sync_manager = None
+    api.clear_backends()
+
+
+def break_collectives(peers: list[int]) -> int:
+    """Shut down this process's TCP connections to the processes ``peers`` (their pids): the
+    collectives blocked on them fail instead of waiting forever. Returns how many were shut."""
+    table = _tcp_table()
+    theirs = set()
+    for pid in peers:
+        if pid != os.getpid():
+            theirs |= {table[i][0] for i in _socket_inodes(pid) if i in table}
+    shut = 0
+    for fd, inode in _socket_fds("self"):
+        if inode in table and table[inode][1] in theirs:
+            with contextlib.suppress(OSError):
+                sock = socket.socket(fileno=fd)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    shut += 1
+                finally:
+                    sock.detach()  # the fd stays the collectives' own
+    return shut
+
+
+def _raise_in(thread: int, exception: type[BaseException]) -> None:
+    """Raise ``exception`` in thread ``thread`` (its ident) when it next runs Python code
+    (CPython's ``PyThreadState_SetAsyncExc``, the same in 3.11 to 3.13)."""
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(exception))
+
+
+def _tcp_table() -> dict[int, tuple[str, str]]:
+    """Established TCP sockets of this network namespace: inode -> (local, remote) address."""
+    table = {}
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(name) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if fields[3] == "01":  # ESTABLISHED
+                    table[int(fields[9])] = (fields[1], fields[2])
+    return table
+
+
+def _socket_fds(pid) -> list[tuple[int, int]]:
+    out = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    out.append((int(fd), int(target[8:-1])))
+    return out
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    return {inode for _, inode in _socket_fds(pid)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GenerationEnded(BaseException):
+    """The launcher ended this process's generation (a failure elsewhere): raised in the main
+    thread while it runs the script, wherever it is, so that the script unwinds and the process
+    stays for the next generation. A ``BaseException``, as ``SystemExit``: a script's ``except
+    Exception`` does not stop it."""
+
+
+class Control:
+    """The launcher's messages on this process's stdin, read by a daemon thread.
+
+    When the launcher ends the running generation, the thread breaks this process's collectives
+    with its peers, sets ``ending`` and, while the main thread runs the script (between
+    :meth:`arm` and :meth:`disarm`), raises :class:`GenerationEnded` in it. :meth:`rank` waits
+    for the next rank.
+    """
+
+    def __init__(self, stream=None):
+        self._stream = sys.stdin if stream is None else stream
+        self._ranks: queue.Queue = queue.Queue()
+        self.ending = threading.Event()
+        self._lock = threading.Lock()
+        self._armed = False
+        self._main = threading.main_thread().ident
+        threading.Thread(target=self._read, name="tenplex-control", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for line in self._stream:
+                message = json.loads(line)
+                if "end" in message:
+                    break_collectives(list(message.get("peers", ())))
+                    self.ending.set()
+                    with self._lock:
+                        if self._armed:
+                            self._armed = False
+                            _raise_in(self._main, GenerationEnded)
+                else:
+                    self._ranks.put(message)
+        except (OSError, ValueError):
+            pass
+        self._ranks.put(None)
+
+    def arm(self) -> None:
+        """The main thread starts running the script: an end of the generation interrupts it."""
+        with self._lock:
+            self._armed = not self.ending.is_set()
+
+    def disarm(self) -> None:
+        """The main thread leaves the script: nothing interrupts it any more. Call it inside a
+        ``try`` that catches :class:`GenerationEnded`: one raised just before lands here."""
+        with self._lock:
+            self._armed = False
+        for _ in range(8):  # backward jumps: a pending asynchronous exception is raised here
+            pass
+
+    def rank(self, timeout: float | None = None) -> dict | None:
+        """The next rank the launcher gives (``{"env": ..., "log": ...}``); None at EOF (exit)
+        or after ``timeout`` seconds."""
+        try:
+            return self._ranks.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def wait_ending(self, timeout: float) -> bool:
+        """Whether the launcher ends the generation within ``timeout`` seconds."""
+        return self.ending.wait(timeout)

@@ -1,0 +1,117 @@
+"""Survivors keep running: a launched job loses process 0, then another process while the job
+re-forms.
+
+``examples/elastic_gpt.py`` under ``tenplex-jax launch`` (GPT tiny, 3 processes x 2 CPU devices,
+replicas=1, a commit every 2 steps). The job pauses after step 3 (commits finished: the others
+wait in Python code, which the launcher's end of the generation interrupts); the test SIGKILLs
+process 0 — the one that hosted JAX's coordination service before the launcher did — and its
+store. Then, as soon as generation 1 is formed, it SIGKILLs generation 1's process 1: a second
+failure during the change. (Survivors blocked in a collective with a dead peer are freed by
+breaking their connections: ``tests/test_membership.py``.)
+
+What must hold: the two processes left after the first kill are the same processes in
+generation 1 (their PIDs; the launcher says ``kept``); generation 2 runs on the one slot left (its
+process, or its standby when that process was blocked joining generation 1 with the dead peer,
+which only a kill ends); the job finishes; its final params equal, bit for bit, an uninterrupted
+single-process run fed the same batches; generation 1's processes compile nothing (each loads its
+step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.helpers import LAUNCH_BATCH, LAUNCH_SAMPLES, LAUNCH_WORKERS, events, reference_run
+from tests.test_launch import EXAMPLE, ROOT, kill, last, wait_for
+
+STEPS = 8
+
+
+@pytest.mark.slow
+def test_survivors_stay_in_their_processes_through_two_failures(tmp_path):
+    run = tmp_path
+    command = [
+        sys.executable,
+        "-m",
+        "tenplex_jax",
+        "launch",
+        "--nprocs",
+        "3",
+        "--devices-per-proc",
+        "2",
+        "--replicas",
+        "1",
+        "--commit-every",
+        "2",
+        "--run-dir",
+        str(run),
+        str(EXAMPLE),
+        "--steps",
+        str(STEPS),
+        "--batch",
+        str(LAUNCH_BATCH),
+        "--workers",
+        str(LAUNCH_WORKERS),
+        "--samples",
+        str(LAUNCH_SAMPLES),
+        "--out",
+        str(run / "final.npz"),
+        "--pause-after",
+        "3",
+    ]
+    env = os.environ | {"JAX_PLATFORMS": "cpu"}
+    with open(run / "launcher.log", "wb") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    children: list[int] = []
+    try:
+        want, _, _ = reference_run(STEPS)  # while the job starts
+        wait_for(
+            lambda: all((run / f"paused-3-p{i}").exists() for i in range(3)),
+            "generation 0 to pause after step 3",
+            proc,
+        )
+        wait_for((run / "ahead-g0.json").exists, "the compile-ahead after a loss", proc)
+        stores = {int(k): v["pid"] for k, v in last(run, "stores")["slots"].items()}
+        first = last(run, "generation")["pids"]
+        children += [*stores.values(), *first]
+        children += [
+            pid for e in events(run) if e["event"] == "standby" for pid in e["pids"].values()
+        ]
+        kill(first[0])
+        kill(stores[0])
+        wait_for(lambda: last(run, "generation")["generation"] == 1, "generation 1", proc)
+        second = last(run, "generation")["pids"]
+        kill(second[1])  # the second failure, while generation 1 forms
+        proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    log = (run / "launcher.log").read_text(errors="replace")
+    assert proc.returncode == 0, log[-3000:]
+    gens = [e for e in events(run) if e["event"] == "generation"]
+    assert [g["processes"] for g in gens] == [3, 2, 1], log[-3000:]
+    assert [g["kept"] for g in gens[:2]] == [[False] * 3, [True, True]]
+    assert gens[1]["pids"] == first[1:]
+    assert gens[2]["slots"] == [1] and gens[2]["warm"] == [True]
+    failures = [e for e in events(run) if e["event"] == "failure"]
+    assert len(failures) == 2
+    # generation 1's processes loaded the step process 0 compiled ahead; generation 1 ended
+    # before its own compile-ahead (for one process) could run, so generation 2 may compile
+    for path in run.glob("step-g1-p*.json"):
+        record = json.loads(path.read_text())
+        assert record["loaded"] and record["compiles"] == 0, (path.name, record)
+    with np.load(run / "final.npz") as final:
+        got = [final[f"arr_{i}"] for i in range(len(final.files))]
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(a, b, err_msg=f"leaf {i}")
+    for pid in children:  # every worker, standby and store was reaped
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
