@@ -20,8 +20,9 @@ line per step.
 
 ``--pause-after 3,6`` holds a launched job once at the boundary after each of those steps (its
 commits finished) until RUN_DIR/resume-STEP exists, so that a test, a benchmark or a person can
-kill a process at a
-known step; each process marks RUN_DIR/paused-STEP-p<id> while it waits.
+kill a process at a known step; each process marks RUN_DIR/paused-STEP-p<id> while it waits.
+``--pause-only P`` holds process P alone: the others go on into the next step, whose
+collectives wait for P, and mark RUN_DIR/passed-STEP-p<id> once they have dispatched it.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def main(argv=None) -> int:
     parser.add_argument("--log", help="append a JSON line per step here (process 0)")
     parser.add_argument("--out", help="write the final params and optimizer state here (.npz)")
     parser.add_argument("--pause-after", default="", metavar="STEPS", help="e.g. 3,6")
+    parser.add_argument("--pause-only", type=int, metavar="P", help="hold only process P")
     args = parser.parse_args(argv)
 
     model = gpt_config(args.model)
@@ -104,9 +106,13 @@ def main(argv=None) -> int:
         while job.step < args.steps:
             boundary = job.step
             state, batch = job.next(state)  # launched: commits here, or ends the generation
-            if boundary in pauses and job.run_dir is not None:
+            held = boundary in pauses and job.run_dir is not None
+            if held and args.pause_only in (None, job.process_index):
                 pause(job, boundary)
             state, metrics = step(state, batch)
+            if held and args.pause_only not in (None, job.process_index):
+                # dispatched: its collectives wait for the process held
+                (job.run_dir / f"passed-{boundary}-p{job.process_index}").write_text("")
             loss = float(metrics["loss"])
             say(f"step {job.step:4d}  loss {loss:.4f}  {job.ptc.config}", flush=True)
             if args.log and job.process_index == 0:

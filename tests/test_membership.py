@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,46 +18,64 @@ import pytest
 
 from tenplex_jax._src.multihost import membership
 
+SURVIVOR = """
+import json, os, socket, subprocess, sys, time
+from tenplex_jax._src.multihost import membership
+
+def connected(listener, argv):
+    port = str(listener.getsockname()[1])
+    proc = subprocess.Popen([sys.executable, "-c", sys.argv[1], port, *argv])
+    conn, _ = listener.accept()
+    assert conn.recv(1) == b"x"
+    return proc, conn
+
+def shut(conn):  # whether this end was shut down: a receive returns at once, with nothing
+    conn.settimeout(0.2)
+    try:
+        return conn.recv(1) == b""
+    except TimeoutError:
+        return False
+
+with socket.create_server(("127.0.0.1", 0)) as listener:
+    peer, to_peer = connected(listener, ["wait"])  # a trainer of the generation
+    other, to_other = connected(listener, ["wait"])  # a process that is not one (a store)
+    dead, to_dead = connected(listener, ["exit"])  # a trainer that died: its end is gone
+    dead.wait()
+    mine = socket.create_connection(listener.getsockname())  # one of this process's own
+    own, _ = listener.accept()
+    count = membership.break_collectives([peer.pid, dead.pid])
+    result = {"count": count, "peer": shut(to_peer), "other": shut(to_other),
+              "dead": shut(to_dead), "own": shut(mine) and shut(own)}
+    to_other.sendall(b"y")  # still open both ways
+    result["peer_saw"] = peer.wait(30)
+    result["other_saw"] = other.wait(30)
+    print(json.dumps(result))
+"""
+
 PEER = """
 import socket, sys
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
 s.sendall(b"x")
+if sys.argv[2] == "exit":
+    sys.exit(0)
 data = s.recv(1)  # blocks until the other side sends, or shuts the connection down
-sys.exit(0 if data == b"" else 3)
+sys.exit(4 if data == b"" else 3)
 """
 
 
-def _peer(listener: socket.socket) -> tuple[subprocess.Popen, socket.socket]:
-    """A process connected to ``listener``, blocked in a receive; our end of its connection."""
-    port = listener.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", PEER, str(port)])
-    conn, _ = listener.accept()
-    assert conn.recv(1) == b"x"  # it is connected and about to block
-    return proc, conn
-
-
-def test_breaking_collectives_shuts_the_connections_to_the_peers_only():
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        blocked, ours = _peer(listener)
-        other, kept = _peer(listener)
-        try:
-            shut = membership.break_collectives([blocked.pid])
-            assert shut == 1
-            assert blocked.wait(30) == 0  # its receive returned: the connection was shut down
-            assert ours.recv(1) == b""  # our end too
-            # the connection to a process that is not a peer still works
-            kept.sendall(b"y")
-            assert other.wait(30) == 3
-        finally:
-            for proc in (blocked, other):
-                proc.kill()
-                proc.wait()
-            ours.close()
-            kept.close()
-
-
-def test_breaking_collectives_with_no_live_peer_shuts_nothing():
-    assert membership.break_collectives([os.getpid(), 2**22 + 1]) == 0
+def test_breaking_collectives_shuts_the_trainers_connections_only():
+    """In a process of its own (it shuts its own loopback connections too): its connections
+    with a peer, with itself and with a dead peer are shut; one with another process stays."""
+    done = subprocess.run(
+        [sys.executable, "-c", SURVIVOR, PEER], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["peer"] and result["own"] and result["dead"], result
+    assert not result["other"], result
+    assert result["peer_saw"] == 4  # its receive returned: the connection was shut down
+    assert result["other_saw"] == 3  # it received the byte sent after the break
+    assert result["count"] == 4, result  # the peer's, the dead peer's, both ends of its own
 
 
 class _Lines:
@@ -93,6 +110,7 @@ def test_the_end_of_a_generation_interrupts_the_script_while_armed():
             control.disarm()
     except membership.GenerationEnded:
         interrupted = True
+    control.close()
     assert interrupted
     assert control.ending.is_set()
 
@@ -109,3 +127,54 @@ def test_a_disarmed_process_is_told_but_not_interrupted_and_takes_its_next_rank(
     assert control.rank(timeout=30) == rank
     lines.send(None)  # EOF: the launcher has no use for this process
     assert control.rank(timeout=30) is None
+    control.close()
+
+
+@pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(), reason="needs the main thread"
+)
+def test_the_end_of_a_generation_interrupts_a_wait_on_a_future():
+    """A main thread waiting on a future (a compile, a pull) is interrupted too: an
+    asynchronous exception alone would wait until the future is done."""
+    import concurrent.futures
+
+    lines = _Lines()
+    control = membership.Control(lines.reader)
+    never: concurrent.futures.Future = concurrent.futures.Future()
+    control.arm()
+    threading.Timer(0.2, lines.send, [{"end": "failure", "peers": []}]).start()
+    tic = time.monotonic()
+    try:
+        try:
+            never.result(timeout=60)
+        finally:
+            control.disarm()
+    except membership.GenerationEnded:
+        pass
+    control.close()
+    assert time.monotonic() - tic < 30
+
+
+JOINING = """
+import time
+from tenplex_jax._src.multihost import membership
+
+control = membership.Control()
+with control.joining():
+    print("joining", flush=True)
+    time.sleep(60)  # as uninterruptible as jax.distributed's connect, for this test
+"""
+
+
+def test_a_process_still_joining_when_its_generation_ends_exits_for_its_standby():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", JOINING], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "joining"
+        proc.stdin.write(json.dumps({"end": "failure", "peers": []}) + "\n")
+        proc.stdin.flush()
+        assert proc.wait(30) == membership.REJOIN
+    finally:
+        proc.kill()
+        proc.wait()

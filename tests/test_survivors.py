@@ -1,13 +1,12 @@
-"""Survivors keep running: a launched job loses process 0, then another process while the job
-re-forms.
+"""Survivors keep running: a launched job loses process 0 while the others are in a collective
+with it, then loses another process while the job re-forms.
 
 ``examples/elastic_gpt.py`` under ``tenplex-jax launch`` (GPT tiny, 3 processes x 2 CPU devices,
-replicas=1, a commit every 2 steps). The job pauses after step 3 (commits finished: the others
-wait in Python code, which the launcher's end of the generation interrupts); the test SIGKILLs
-process 0 — the one that hosted JAX's coordination service before the launcher did — and its
-store. Then, as soon as generation 1 is formed, it SIGKILLs generation 1's process 1: a second
-failure during the change. (Survivors blocked in a collective with a dead peer are freed by
-breaking their connections: ``tests/test_membership.py``.)
+replicas=1, a commit every 2 steps). Process 0 alone is held after step 3 (``--pause-only 0``);
+the others go on into step 4, whose collectives wait for it. The test SIGKILLs process 0 — the
+one that hosted JAX's coordination service before the launcher did — and its store, so the
+others are blocked in a collective with a dead peer (gloo's never time out). Then, as soon as
+generation 1 is formed, it SIGKILLs generation 1's process 1: a second failure during the change.
 
 What must hold: the two processes left after the first kill are the same processes in
 generation 1 (their PIDs; the launcher says ``kept``); generation 2 runs on the one slot left (its
@@ -64,6 +63,8 @@ def test_survivors_stay_in_their_processes_through_two_failures(tmp_path):
         str(run / "final.npz"),
         "--pause-after",
         "3",
+        "--pause-only",
+        "0",
     ]
     env = os.environ | {"JAX_PLATFORMS": "cpu"}
     with open(run / "launcher.log", "wb") as out:
@@ -71,9 +72,10 @@ def test_survivors_stay_in_their_processes_through_two_failures(tmp_path):
     children: list[int] = []
     try:
         want, _, _ = reference_run(STEPS)  # while the job starts
+        held = [run / "paused-3-p0", run / "passed-3-p1", run / "passed-3-p2"]
         wait_for(
-            lambda: all((run / f"paused-3-p{i}").exists() for i in range(3)),
-            "generation 0 to pause after step 3",
+            lambda: all(path.exists() for path in held),
+            "process 0 held after step 3, the others in step 4",
             proc,
         )
         wait_for((run / "ahead-g0.json").exists, "the compile-ahead after a loss", proc)

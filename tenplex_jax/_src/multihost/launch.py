@@ -80,7 +80,6 @@ ACTIONS = ("resize", "stop")
 STANDBY = "TENPLEX_STANDBY"  # set for a standby process: it imports, then waits for its rank
 SPARE = -1  # the standby kept for a slot the job does not have yet (a growth)
 LEAVE_SECONDS = 10.0  # how long a survivor gets to leave its generation before it is killed
-STUCK_SECONDS = 2.0  # then the service stops: a survivor blocked in a call to it is ended
 
 
 @dataclasses.dataclass(frozen=True)
@@ -536,8 +535,12 @@ class Launcher:
     def _start_generation(self, number: int, slots: list[int], source: str) -> _Generation:
         opts = self.options
         (self.run_dir / CONTROL).unlink(missing_ok=True)
-        for slot in set(self.kept) - set(slots):  # a survivor the next generation has no slot for
-            _release(self.kept.pop(slot))
+        # a survivor the next generation has no slot for: told to exit now, reaped once the
+        # others have their ranks (its exit takes a fraction of a second)
+        leaving = [self.kept.pop(slot) for slot in set(self.kept) - set(slots)]
+        for proc in leaving:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
         coordinator = self._coordinator(slots[0])
         service = None
         if self._keeps:  # here, so that no trainer's death takes the others with it
@@ -581,6 +584,8 @@ class Launcher:
         self.workers = workers
         for slot in set(self.standbys) - {*slots, SPARE}:  # a slot the job left: its standby too
             _kill(self.standbys.pop(slot))
+        for proc in leaving:
+            _release(proc)
         return _Generation(number, list(slots), workers, logs, source, warms, kept, service)
 
     def _refill_standbys(self, gen: _Generation) -> None:
@@ -751,8 +756,7 @@ class Launcher:
         At a failure, the survivors are told to end the generation: each breaks its collectives
         with the others (they block on the dead peer) and leaves. A survivor that has not left
         within ``LEAVE_SECONDS``, or whose slot the job loses, is killed: a standby takes its
-        rank."""
-        stopping = None
+        rank (one that was joining the generation exits at once: see ``membership.Control``)."""
         if gen.service is not None and outcome.kind in ("failure", "resize"):
             alive = [
                 i
@@ -765,18 +769,12 @@ class Launcher:
                     with contextlib.suppress(OSError):
                         gen.workers[i].stdin.write(message.encode() + b"\n")
                         gen.workers[i].stdin.flush()
-            started, stopping = time.monotonic(), None
+            deadline = time.monotonic() + LEAVE_SECONDS
             waiting = set(alive)
-            while waiting and time.monotonic() < started + LEAVE_SECONDS:
+            while waiting and time.monotonic() < deadline:
                 waiting = {
                     i for i in waiting if not self._left(gen, i) and gen.workers[i].poll() is None
                 }
-                if waiting and stopping is None and time.monotonic() > started + STUCK_SECONDS:
-                    # one blocked in a call to the service (joining, a rendezvous with the dead
-                    # peer) only returns when the service is gone: JAX then ends it, and a
-                    # standby takes its rank (a gRPC shutdown waits for the calls in flight)
-                    stopping = threading.Thread(target=gen.service.shutdown, daemon=True)
-                    stopping.start()
                 time.sleep(0.01)
             for i in alive:
                 if self._left(gen, i) and gen.workers[i].poll() is None:
@@ -788,10 +786,8 @@ class Launcher:
         for w in gen.workers:
             if w not in self.kept.values():
                 _kill(w)
-        if stopping is not None:
-            stopping.join()
-        elif gen.service is not None:
-            gen.service.shutdown()
+        if gen.service is not None:  # 5 s while a process still waits in a call: not waited for
+            threading.Thread(target=gen.service.shutdown, daemon=True).start()
         self.workers = []
 
     def _resized(self, slots: list[int], count: int) -> list[int]:
@@ -818,8 +814,6 @@ class Launcher:
     # -- signals and teardown ------------------------------------------------------------------
 
     def _install_signals(self) -> dict:
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             return {}
 

@@ -29,12 +29,15 @@ import contextlib
 import json
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
 
 import jax
 
+INTERRUPT = signal.SIGUSR1  # how the control thread interrupts the main thread
+REJOIN = 75  # the exit status of a process whose generation ended while it joined it
 _STUCK: list = []  # backends whose collectives were broken: dropped, never destroyed
 
 
@@ -92,6 +95,9 @@ def join(
         initialization_timeout=int(timeout),
         coordinator_bind_address=bind,
     )
+    # the backend: its creation exchanges every process's devices through the service, a wait
+    # as uninterruptible as the connect, so it belongs to joining
+    jax.devices()
 
 
 def leave(*, broken: bool) -> None:
@@ -116,16 +122,22 @@ def leave(*, broken: bool) -> None:
 
 
 def break_collectives(peers: list[int]) -> int:
-    """Shut down this process's TCP connections to the processes ``peers`` (their pids): the
-    collectives blocked on them fail instead of waiting forever. Returns how many were shut."""
+    """Shut down this process's TCP connections with the generation's trainers — ``peers`` (their
+    pids) and itself (gloo connects a process's own devices over TCP too) — and those whose
+    other end on this host is gone (a dead peer's): the collectives blocked on them fail instead
+    of waiting forever. Connections to anything else (the stores, the coordination service, a
+    script's own) stay. Returns how many were shut."""
     table = _tcp_table()
+    local = {ends[0] for ends in table.values()}
     theirs = set()
-    for pid in peers:
-        if pid != os.getpid():
-            theirs |= {table[i][0] for i in _socket_inodes(pid) if i in table}
+    for pid in {*peers, os.getpid()}:
+        theirs |= {table[i][0] for i in _socket_inodes(pid) if i in table}
     shut = 0
-    for fd, inode in _socket_fds("self"):
-        if inode in table and table[inode][1] in theirs:
+    for fd, inode in _socket_fds(os.getpid()):
+        if inode not in table:
+            continue
+        remote = table[inode][1]
+        if remote in theirs or (remote not in local and _loopback(remote)):
             with contextlib.suppress(OSError):
                 sock = socket.socket(fileno=fd)
                 try:
@@ -136,25 +148,26 @@ def break_collectives(peers: list[int]) -> int:
     return shut
 
 
-def _raise_in(thread: int, exception: type[BaseException]) -> None:
-    """Raise ``exception`` in thread ``thread`` (its ident) when it next runs Python code
-    (CPython's ``PyThreadState_SetAsyncExc``, the same in 3.11 to 3.13)."""
-    import ctypes
-
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(exception))
-
-
 def _tcp_table() -> dict[int, tuple[str, str]]:
-    """Established TCP sockets of this network namespace: inode -> (local, remote) address."""
+    """Connected TCP sockets of this network namespace (not listening, not closed): inode ->
+    (local, remote) address, as ``/proc/net/tcp`` writes them."""
     table = {}
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError), open(name) as f:
             next(f)
             for line in f:
                 fields = line.split()
-                if fields[3] == "01":  # ESTABLISHED
+                if fields[3] not in ("07", "0A") and int(fields[9]):  # CLOSE, LISTEN; orphans
                     table[int(fields[9])] = (fields[1], fields[2])
     return table
+
+
+def _loopback(address: str) -> bool:
+    """Whether ``/proc/net/tcp``'s ``address`` is on 127.0.0.0/8 (or ::1, or IPv4 in IPv6)."""
+    host = address.split(":")[0]
+    if len(host) == 8:  # IPv4, little-endian: the last byte pair is the first octet
+        return host[6:8] == "7F"
+    return host in ("00000000000000000000000001000000",) or host.endswith("0100007F")
 
 
 def _socket_fds(pid) -> list[tuple[int, int]]:
@@ -190,8 +203,14 @@ class Control:
 
     When the launcher ends the running generation, the thread breaks this process's collectives
     with its peers, sets ``ending`` and, while the main thread runs the script (between
-    :meth:`arm` and :meth:`disarm`), raises :class:`GenerationEnded` in it. :meth:`rank` waits
-    for the next rank.
+    :meth:`arm` and :meth:`disarm`), interrupts it with ``SIGUSR1``, whose handler raises
+    :class:`GenerationEnded`: in Python code and in waits Python can interrupt (a lock, a
+    future's result, a sleep, a socket), where an asynchronous exception would wait for the wait
+    to end. A wait inside JAX on a collective ends when the collectives break. A process still
+    joining (:meth:`joining`) exits instead, with ``REJOIN``: ``jax.distributed.initialize``
+    waits for every process of the generation to connect, and the backend's creation for every
+    process's devices; neither can be interrupted, and stopping the service does not end them
+    (measured: the connect waits out its timeout); the launcher gives its rank to its standby. :meth:`rank` waits for the next rank.
     """
 
     def __init__(self, stream=None):
@@ -200,7 +219,10 @@ class Control:
         self.ending = threading.Event()
         self._lock = threading.Lock()
         self._armed = False
+        self._joining = False
+        self._interrupt = False  # set by the control thread, consumed by the handler
         self._main = threading.main_thread().ident
+        self._previous = signal.signal(INTERRUPT, self._on_signal)  # from the main thread
         threading.Thread(target=self._read, name="tenplex-control", daemon=True).start()
 
     def _read(self) -> None:
@@ -211,26 +233,53 @@ class Control:
                     break_collectives(list(message.get("peers", ())))
                     self.ending.set()
                     with self._lock:
+                        if self._joining:
+                            sys.stdout.flush()
+                            sys.stderr.flush()
+                            os._exit(REJOIN)
                         if self._armed:
                             self._armed = False
-                            _raise_in(self._main, GenerationEnded)
+                            self._interrupt = True
+                            signal.pthread_kill(self._main, INTERRUPT)
                 else:
                     self._ranks.put(message)
         except (OSError, ValueError):
             pass
         self._ranks.put(None)
 
+    def _on_signal(self, signum, frame) -> None:
+        if self._interrupt:  # no lock here: the main thread may hold it when this runs
+            self._interrupt = False
+            raise GenerationEnded
+
+    def close(self) -> None:
+        """Give ``SIGUSR1`` back its previous handler (the reader thread ends at EOF)."""
+        signal.signal(INTERRUPT, self._previous)
+
     def arm(self) -> None:
         """The main thread starts running the script: an end of the generation interrupts it."""
         with self._lock:
             self._armed = not self.ending.is_set()
+
+    @contextlib.contextmanager
+    def joining(self):
+        """The main thread joins a generation: an end of it meanwhile ends the process."""
+        with self._lock:
+            if self.ending.is_set():
+                raise GenerationEnded
+            self._joining = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._joining = False
 
     def disarm(self) -> None:
         """The main thread leaves the script: nothing interrupts it any more. Call it inside a
         ``try`` that catches :class:`GenerationEnded`: one raised just before lands here."""
         with self._lock:
             self._armed = False
-        for _ in range(8):  # backward jumps: a pending asynchronous exception is raised here
+        for _ in range(8):  # backward jumps: a signal sent just before is handled here
             pass
 
     def rank(self, timeout: float | None = None) -> dict | None:

@@ -113,7 +113,8 @@ def _run(spec: JobSpec, argv: list[str], control: membership.Control | None) -> 
             if control is not None:
                 control.arm()
             started = time.time()
-            join(spec)
+            with contextlib.nullcontext() if control is None else control.joining():
+                join(spec)
             Worker.joined = started, time.time()
             runpy.run_path(argv[0], run_name="__main__")
         finally:
