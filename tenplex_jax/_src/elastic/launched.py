@@ -256,8 +256,11 @@ class LaunchedJob(_JobCore):
         self._worker.wait()
 
     def close(self) -> None:
-        """Stop the compile and commit threads and close the store connections."""
-        super().close()
+        """Stop the compile and commit threads and close the store connections. A compile ahead
+        under way is not waited for (it would hold every process of the next generation): it
+        finishes on its thread and stores its executable."""
+        if self.steps_cache is not None:
+            self.steps_cache.close(wait=False)
         self._worker.close()
 
     # -- what changes devices within a process: refused, or left to the launcher -------------------

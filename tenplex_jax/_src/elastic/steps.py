@@ -203,11 +203,15 @@ class StepCache:
         futures = list(self._futures.values())
         return [f.result() for f in futures if f.done() and f.exception() is None]
 
-    def close(self) -> None:
-        """Stop the compile threads (waiting for a compile under way), then the cache's writes."""
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the compile threads (waiting for a compile under way), then the cache's writes.
+
+        ``wait=False`` drops the queued compiles and returns at once: a compile under way
+        finishes on its thread and still stores its executable (a launched process leaving its
+        generation, whose next generation may load it)."""
         for pool in self._pools.values():
-            pool.shutdown(wait=True)
-        if self.executables is not None:
+            pool.shutdown(wait=wait, cancel_futures=not wait)
+        if self.executables is not None and wait:
             self.executables.close()
 
 

@@ -210,7 +210,8 @@ class Control:
     joining (:meth:`joining`) exits instead, with ``REJOIN``: ``jax.distributed.initialize``
     waits for every process of the generation to connect, and the backend's creation for every
     process's devices; neither can be interrupted, and stopping the service does not end them
-    (measured: the connect waits out its timeout); the launcher gives its rank to its standby. :meth:`rank` waits for the next rank.
+    (measured: the connect waits out its timeout); the launcher gives its rank to its standby.
+    :meth:`rank` waits for the next rank.
     """
 
     def __init__(self, stream=None):
