@@ -11,8 +11,8 @@ Scenario (3 nodes with the ``tenplex`` resource; 3 processes x 2 CPU devices, re
 commit every 2 steps, an orbax checkpoint every 4; each death injected while the job is paused at
 a step boundary, its commits done):
 
-1. after step 4: the node of process 0 dies (the jax.distributed coordinator's, and a store); the
-   job goes on with 2 processes on the other nodes, the dead node's shards from their replicas;
+1. after step 4: the node of process 0 dies (and its store); the job goes on with 2 processes on
+   the other nodes, in their own processes, the dead node's shards from their replicas;
 2. a node joins while that generation is paused after step 7 (a generation of warm standby
    processes that load their step could otherwise run past step 10 before Ray reports the node):
    growing pays over the planned run (``--planned-steps``); once the launcher asks for it, the job

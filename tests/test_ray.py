@@ -63,12 +63,15 @@ def test_the_job_survives_node_deaths_and_grows_onto_a_joining_node(job):
     gens = [e for e in events(run) if e["event"] == "generation"]
     assert [g["processes"] for g in gens] == [3, 2, 3, 1]
     assert [g["restore"].split(":")[0] for g in gens] == ["init", "store", "store", "checkpoint"]
-    # the coordinator's node died: its slot is gone, the others go on though their workers
-    # aborted with the coordinator; its shards came from their replicas, nothing lost
+    # process 0's node died: its slot is gone; the others go on in their own processes (the
+    # coordination service runs in the launcher); its shards came from their replicas
     assert gens[1]["slots"] == [1, 2] and gens[1]["restore"] == "store:4"
     assert gens[1]["lost_steps"] == 0
-    # the nodes' warm standby processes (one actor each) took the ranks; the new node's is cold
+    # the survivors kept their processes through every change; the new node's is cold
+    assert gens[1]["kept"] == [True, True] and gens[2]["kept"] == [True, True, False]
     assert gens[1]["warm"] == [True, True] and gens[2]["warm"] == [True, True, False]
+    assert gens[1]["pids"] == gens[0]["pids"][1:] == gens[2]["pids"][:2]
+    assert gens[3]["kept"] == [True] and gens[3]["pids"] == gens[0]["pids"][1:2]
     # the joining node: growth paid over the planned run; a planned resize, nothing lost
     offer = next(e for e in events(run) if e["event"] == "offer")
     assert offer["grow"] and offer["gain_seconds"] > offer["cost_seconds"] > 0

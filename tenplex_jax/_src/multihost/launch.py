@@ -33,8 +33,8 @@ The launcher:
 
 The processes that stay keep running: the launcher runs each generation's ``jax.distributed``
 coordination service, so a survivor leaves one generation's job and joins the next in its own
-process, given its next rank on stdin (``--no-keep``, and on Ray: every process ends with its
-generation, and the survivors get ``--grace`` seconds, then SIGKILL; every child is reaped by PID).
+process, given its next rank on stdin (``--no-keep``: every process ends with its generation, and
+the survivors get ``--grace`` seconds, then SIGKILL; every child is reaped by PID).
 A new process costs no process start, import or compile: once a generation has stepped, the launcher
 keeps a warm *standby* process per slot (and a spare for a new slot) that has imported what the job
 needs and waits for a rank on stdin; and the processes share their compiled steps through
@@ -208,7 +208,7 @@ class LaunchOptions:
         planned change they leave the generation's ``jax.distributed`` job and join the next
         one in the same process (the coordination service runs in the launcher, so no
         process's death takes another with it). False ends every process with its generation,
-        as a plain restart does (on Ray, always).
+        as a plain restart does.
       grace: seconds the survivors of a failure get before SIGKILL (without ``keep``).
       stop_timeout: seconds the workers get to commit and exit on a planned end.
       start_timeout: seconds a store gets to listen.

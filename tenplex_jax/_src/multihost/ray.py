@@ -7,11 +7,16 @@ on Ray nodes instead of this host. A slot is a Ray node:
 - **a tensor store per node**, started by a Ray actor pinned to the node
   (``NodeAffinitySchedulingStrategy``, not soft), bound to the node's address with the job's
   token; it outlives worker generations (it is not one of their actors);
-- **a worker per node and generation**: an actor pinned to the node starts ``python -m
-  tenplex_jax.multihost SCRIPT`` there and reports its exit; process 0's node hosts the
-  ``jax.distributed`` coordinator (its address and a free port there); once a generation has
-  stepped, another actor per node starts a warm standby process there (imports loaded, waiting
-  for its rank on stdin), which becomes that node's worker in the next generation;
+- **a worker per node**: an actor pinned to the node starts ``python -m tenplex_jax.multihost
+  SCRIPT`` there, writes the launcher's messages to its stdin and reports its exit. The
+  ``jax.distributed`` coordination service runs in the launcher (the driver's node address and a
+  free port; with ``--no-keep``, in process 0, on its node), so a worker whose node survives a
+  change stays for the next generation; once a generation has stepped, another actor per node
+  starts a warm standby process there (imports loaded, waiting for its rank on stdin), for a
+  worker that could not stay. A survivor frees itself from collectives blocked on a dead peer by
+  shutting down its connections with the trainers it finds through ``/proc``, so on nodes of one
+  machine (the tests' clusters); on separate machines a survivor blocked on a remote peer is
+  killed after ``LEAVE_SECONDS`` and its standby takes its rank;
 - **deaths**: Ray reports an actor whose node died (the ``wait`` call fails); for the launcher
   that worker or store is gone, the generation ends, and the next runs on the surviving nodes,
   every shard from the surviving stores' replicas (or the orbax tier, the leaves named);
@@ -90,16 +95,21 @@ def _host_class():
             self.proc = _spawn(command, env=os.environ | env, stdin=subprocess.PIPE)
             return self.proc.pid
 
-        def give_rank(self, message: bytes) -> str | None:
-            """Write the standby's rank to its stdin; why not, when it is gone."""
+        def tell(self, data: bytes) -> str | None:
+            """Write the launcher's message (a rank, an end) to the process's stdin; why not,
+            when it is gone."""
             try:
                 if self.proc.poll() is not None:
                     return f"exited with {self.proc.returncode}"
-                self.proc.stdin.write(message + b"\n")
-                self.proc.stdin.close()
+                self.proc.stdin.write(data)
+                self.proc.stdin.flush()
             except OSError as error:
                 return str(error)
             return None
+
+        def close_stdin(self) -> None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
 
         def start_store(self, directory: str, host: str, token_file: str, python: str) -> tuple:
             from tenplex_jax._src.multihost.store.process import StoreProcess
@@ -127,6 +137,7 @@ class Remote:
         self.actor, self.pid, self.node = actor, pid, node
         self.returncode: int | None = None
         self._done = actor.wait.remote()
+        self.stdin = _RemoteStdin(actor)
 
     def poll(self) -> int | None:
         import ray
@@ -161,13 +172,39 @@ class Remote:
         self.send_signal(signal.SIGKILL)
 
 
+class _RemoteStdin:
+    """A Ray process's stdin, as the launcher writes a child's: what is written goes at
+    ``flush``; BrokenPipeError when the process or its node is gone."""
+
+    def __init__(self, actor):
+        self.actor, self._pending = actor, b""
+
+    def write(self, data: bytes) -> None:
+        self._pending += data
+
+    def flush(self) -> None:
+        import ray
+
+        data, self._pending = self._pending, b""
+        try:
+            problem = ray.get(self.actor.tell.remote(data), timeout=30)
+        except ray.exceptions.RayError as error:  # its node died
+            raise BrokenPipeError(f"its node is gone ({type(error).__name__})") from None
+        if problem is not None:
+            raise BrokenPipeError(problem)
+
+    def close(self) -> None:
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self.actor.close_stdin.remote(), timeout=30)
+
+
 class RayLauncher(Launcher):
     """The launcher with its stores and workers on the nodes of the Ray cluster at ``address``
     (``"auto"``: the one this machine belongs to). ``resource``: only nodes offering this custom
     resource take part. ``nprocs`` processes start (one per node); the job grows onto nodes that
     join when growing pays."""
-
-    _keeps = False  # every process ends with its generation: a node's death is the usual change
 
     def __init__(
         self,
@@ -264,6 +301,13 @@ class RayLauncher(Launcher):
     def _coordinator(self, slot: int) -> str:
         import ray
 
+        if self._keeps:  # the service runs here, in the launcher: no node's death ends it
+            import socket
+
+            ip = ray.util.get_node_ip_address()
+            with socket.socket() as s:
+                s.bind((ip, 0))
+                return f"{ip}:{s.getsockname()[1]}"
         ip, _ = ray.get(self.hosts[slot].where.remote(), timeout=30)
         port = ray.get(self.hosts[slot].free_port.remote(ip), timeout=30)
         return f"{ip}:{port}"
@@ -301,18 +345,6 @@ class RayLauncher(Launcher):
             else:
                 started[slot] = Remote(actors[slot], pid, self.nodes[slot])
         return started
-
-    def _give_rank(self, proc, message: bytes) -> None:
-        import ray
-
-        if proc.poll() is not None:
-            raise BrokenPipeError(f"exited with {proc.returncode}")
-        try:
-            problem = ray.get(proc.actor.give_rank.remote(message), timeout=30)
-        except ray.exceptions.RayError as error:  # its node died
-            raise BrokenPipeError(f"its node is gone ({type(error).__name__})") from None
-        if problem is not None:
-            raise BrokenPipeError(problem)
 
     def _start_generation(self, number: int, slots: list[int], source: str):
         self._progress_seen, self._generation = [], number  # step times are this generation's
@@ -450,6 +482,12 @@ class _Dead:
 
     def __init__(self, node: str):
         self.node = node
+        self.stdin = self
+
+    def write(self, data: bytes) -> None:
+        raise BrokenPipeError(f"node {self.node} is gone")
+
+    flush = close = lambda self: None
 
     def poll(self) -> int:
         return self.returncode
