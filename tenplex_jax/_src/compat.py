@@ -38,6 +38,44 @@ def broadcast_one_to_all(value):
     return multihost_utils.broadcast_one_to_all(value)
 
 
+def coordination_service(address: str, processes: int, *, heartbeat_seconds: int):
+    """A ``jax.distributed`` coordination service for ``processes`` tasks, run in this process,
+    recoverable (tasks may leave without the others waiting for them). What
+    ``jax.distributed.initialize`` starts in process 0: ``_jax.get_distributed_runtime_service``,
+    private, the same in 0.10.2 and 0.12. ``shutdown()`` stops it."""
+    from jax._src.lib import _jax
+
+    return _jax.get_distributed_runtime_service(
+        address,
+        processes,
+        heartbeat_timeout=heartbeat_seconds,
+        shutdown_timeout=heartbeat_seconds,
+        recoverable=True,
+    )
+
+
+def drop_backends(*, keep_alive: bool) -> None:
+    """Leave ``jax.distributed`` and drop the backends, so that the next ``initialize`` builds a
+    client over other devices (``jax._src.api.clear_backends``: ``jax.clear_backends`` left the
+    public API). ``keep_alive`` keeps the dropped backends referenced for the process's life: a
+    destructor would wait for computations blocked on peers that are gone. A client that never
+    connected (its generation ended while it joined) is forgotten, not shut down."""
+    import jax
+    from jax._src import api, distributed, xla_bridge
+
+    if keep_alive:
+        _KEPT_BACKENDS.append(dict(xla_bridge._backends))
+    try:
+        jax.distributed.shutdown()
+    except Exception:
+        state = distributed.global_state
+        state.client = state.service = state.preemption_sync_manager = None
+    api.clear_backends()
+
+
+_KEPT_BACKENDS: list = []
+
+
 def serialize_executable(compiled) -> bytes:
     """The bytes of a ``jax.stages.Compiled`` (``jax.experimental.serialize_executable``; the
     same in 0.10.2 and 0.12). Its pytrees are dropped: the loader passes its own, since user

@@ -13,9 +13,11 @@ of JAX make that work (checked on jax 0.10.2 and 0.12, CPU with gloo collectives
   dropping the backends (``jax._src.api.clear_backends``): the next ``initialize`` builds a
   client over the next generation's devices.
 - A survivor of a failure is blocked in a collective with the dead peer (gloo never times out).
-  :func:`break_collectives` shuts down this process's TCP connections to the generation's other
-  trainers (found through ``/proc``): each blocked collective then fails at once, the step's
-  arrays hold the error, and the script unwinds to :func:`tenplex_jax._src.multihost.worker.main`.
+  :func:`break_collectives` shuts down this process's TCP connections with the generation's
+  trainers, itself included, and with dead peers (found through ``/proc``): each blocked
+  collective then fails at once (measured: within 0.25 s), the step's arrays hold the error, and
+  the script unwinds (:class:`Control` interrupts it) to
+  :func:`tenplex_jax._src.multihost.worker.main`.
 
 The launcher talks to a process on its stdin, one JSON object per line (:class:`Control`):
 ``{"env": {...}, "log": path}`` gives it a rank in a generation (the environment holding its
@@ -36,30 +38,20 @@ import threading
 
 import jax
 
+from tenplex_jax._src import compat
+
 INTERRUPT = signal.SIGUSR1  # how the control thread interrupts the main thread
 REJOIN = 75  # the exit status of a process whose generation ended while it joined it
-_STUCK: list = []  # backends whose collectives were broken: dropped, never destroyed
 
 
 def host_service(address: str, processes: int, *, heartbeat_seconds: int = 10):
-    """Run a generation's ``jax.distributed`` coordination service in this process.
-
-    ``jax._src.lib._jax.get_distributed_runtime_service`` is what ``jax.distributed.initialize``
-    calls in process 0 (the same in jax 0.10.2 and 0.12; private, so only here). Recoverable:
-    tasks may leave without the others waiting for them.
+    """Run a generation's ``jax.distributed`` coordination service in this process (the
+    launcher): recoverable, so tasks may leave without the others waiting for them.
 
     Returns:
-      The service; ``shutdown()`` stops it, once every process has left.
+      The service; ``shutdown()`` stops it.
     """
-    from jax._src.lib import _jax
-
-    return _jax.get_distributed_runtime_service(
-        address,
-        processes,
-        heartbeat_timeout=heartbeat_seconds,
-        shutdown_timeout=heartbeat_seconds,
-        recoverable=True,
-    )
+    return compat.coordination_service(address, processes, heartbeat_seconds=heartbeat_seconds)
 
 
 def join(
@@ -105,20 +97,10 @@ def leave(*, broken: bool) -> None:
 
     Args:
       broken: the generation's collectives were broken (:func:`break_collectives`): its
-        backends are kept referenced, never destroyed, since a destructor would wait for
+        backends stay referenced, never destroyed, since a destructor would wait for
         computations whose peers are gone.
     """
-    from jax._src import api, distributed, xla_bridge
-
-    if broken:
-        with contextlib.suppress(Exception):
-            _STUCK.append(dict(xla_bridge._backends))
-    try:
-        jax.distributed.shutdown()
-    except Exception:  # a client that never connected (the generation ended while it joined)
-        state = distributed.global_state
-        state.client = state.service = state.preemption_sync_manager = None
-    api.clear_backends()
+    compat.drop_backends(keep_alive=broken)
 
 
 def break_collectives(peers: list[int]) -> int:
