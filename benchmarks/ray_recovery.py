@@ -45,8 +45,8 @@ def ray_once(run: pathlib.Path, model: str) -> dict:
     import psutil
     from ray.cluster_utils import Cluster
 
-    from tenplex_jax._src.multihost.launch import LaunchOptions
     from tenplex_jax._src.multihost.ray import RayLauncher
+    from tenplex_jax._src.multihost.spec import LaunchOptions
 
     tic = time.monotonic()
     cluster = Cluster(

@@ -79,8 +79,8 @@ def main() -> int:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     from ray.cluster_utils import Cluster
 
-    from tenplex_jax._src.multihost.launch import LaunchOptions
     from tenplex_jax._src.multihost.ray import RayLauncher
+    from tenplex_jax._src.multihost.spec import LaunchOptions
     from tenplex_jax.errors import StoreError
     from tenplex_jax.multihost.store import StoreClient
 

@@ -6,6 +6,7 @@ of them; the state that must outlive a generation lives in the tensor stores
 unchanged as a launched process. Importing this needs no JAX.
 """
 
-from tenplex_jax._src.multihost.launch import JobSpec, Launcher, LaunchOptions, launch
+from tenplex_jax._src.multihost.launch import Launcher, launch
+from tenplex_jax._src.multihost.spec import JobSpec, LaunchOptions
 
 __all__ = ["JobSpec", "LaunchOptions", "Launcher", "launch"]

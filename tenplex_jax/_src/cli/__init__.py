@@ -492,7 +492,8 @@ def _launch(args) -> int:
     import pathlib
 
     from tenplex_jax._src.errors import LaunchError
-    from tenplex_jax._src.multihost.launch import LaunchOptions, launch
+    from tenplex_jax._src.multihost.launch import launch
+    from tenplex_jax._src.multihost.spec import LaunchOptions
 
     path = lambda p: None if p is None else pathlib.Path(p)
     try:

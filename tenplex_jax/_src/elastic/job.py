@@ -33,7 +33,7 @@ from tenplex_jax._src.elastic.events import DECISIONS, KINDS, Event, EventRecord
 from tenplex_jax._src.elastic.launched import LaunchedJob
 from tenplex_jax._src.errors import DataError, LayoutError, LostShardsError
 from tenplex_jax._src.executor import reshard
-from tenplex_jax._src.multihost.launch import JobSpec
+from tenplex_jax._src.multihost.spec import JobSpec
 from tenplex_jax._src.plan import allocate, make_plan
 from tenplex_jax._src.planner.cluster import Cluster
 from tenplex_jax._src.planner.growth import growth

@@ -22,7 +22,7 @@ import jax
 from tenplex_jax._src.data import DatasetPTC
 from tenplex_jax._src.elastic.core import JobOptions, _JobCore
 from tenplex_jax._src.errors import DataError, LayoutError
-from tenplex_jax._src.multihost.launch import JobSpec
+from tenplex_jax._src.multihost.spec import JobSpec
 from tenplex_jax._src.multihost.worker import Worker
 from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
 

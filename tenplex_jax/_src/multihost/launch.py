@@ -60,202 +60,26 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
 
-from tenplex_jax._src import libc
 from tenplex_jax._src.errors import LaunchError, StoreError
+from tenplex_jax._src.multihost.processes import (
+    free_port,
+    kill,
+    release,
+    spawn,
+    status,
+    write_token,
+)
+from tenplex_jax._src.multihost.spec import CHECKPOINT, CONTROL, STANDBY, JobSpec, LaunchOptions
 
-__all__ = ["JobSpec", "LaunchOptions", "Launcher", "launch"]
+__all__ = ["Launcher", "launch"]
 
-ENV = "TENPLEX_JOB"  # the launcher passes the whole job description as one JSON variable
-CONTROL = "control.json"  # in the run dir: the launcher's request to end the generation
-CHECKPOINT = "checkpoint.json"  # in the run dir: the script's own checkpoint dir, for fallbacks
-ACTIONS = ("resize", "stop")
-STANDBY = "TENPLEX_STANDBY"  # set for a standby process: it imports, then waits for its rank
 SPARE = -1  # the standby kept for a slot the job does not have yet (a growth)
 LEAVE_SECONDS = 10.0  # how long a survivor gets to leave its generation before it is killed
-
-
-@dataclasses.dataclass(frozen=True)
-class JobSpec:
-    """What the launcher tells each worker process of a generation.
-
-    Passed as one JSON environment variable (``TENPLEX_JOB``): :meth:`to_env` writes it,
-    :meth:`from_env` reads it back; ``tj.ElasticJob`` finds itself launched when it is set.
-
-    Attributes:
-      coordinator: ``"host:port"`` of the ``jax.distributed`` coordinator (process 0).
-      process_id: this process's index in the generation.
-      num_processes: processes in the generation.
-      devices_per_process: devices each process uses.
-      generation: the generation's number, from 0.
-      slots: each process's host slot (its tensor store), by process index.
-      stores: slot -> address, for every store that is up.
-      replicas: store copies of every shard beyond the writer's.
-      commit_every: steps between commits to the stores.
-      restore: where the state comes from: ``"init"``, ``"store:<step>"`` or
-        ``"checkpoint:<step>"``.
-      run_dir: the launcher's run directory (control files, progress, logs).
-      checkpoint_dir: the orbax checkpoint directory, if any.
-      checkpoint_every: steps between orbax checkpoints, if any.
-      token_file: a file holding the stores' secret (readable by this job's user only), if
-        the stores need one.
-      executables: whether the processes share their compiled steps through
-        ``RUN_DIR/executables`` (one compiles a layout, the others and later generations load
-        it; process 0 compiles ahead for the loss of any one process).
-      hosted: the launcher runs the coordination service, and a process that survives the
-        generation stays for the next one (see ``LaunchOptions.keep``); else process 0 runs it.
-    """
-
-    coordinator: str  # "127.0.0.1:port" of the jax.distributed coordinator (process 0)
-    process_id: int
-    num_processes: int
-    devices_per_process: int
-    generation: int
-    slots: tuple[int, ...]  # process -> host slot (its tensor store)
-    stores: dict[int, str]  # slot -> address, for every store that is up
-    replicas: int
-    commit_every: int
-    restore: str  # "init", "store:<step>" or "checkpoint:<step>"
-    run_dir: str
-    checkpoint_dir: str | None = None
-    checkpoint_every: int | None = None
-    token_file: str | None = None  # the stores' secret, in a file only this job's user reads
-    executables: bool = True  # share compiled steps through RUN_DIR/executables
-    hosted: bool = False  # the launcher runs the coordination service; survivors stay
-
-    def to_env(self) -> dict[str, str]:
-        """The environment a worker is started with: ``{"TENPLEX_JOB": <this record as JSON>}``."""
-        record = dataclasses.asdict(self)
-        record["stores"] = {str(k): v for k, v in self.stores.items()}
-        return {ENV: json.dumps(record, sort_keys=True)}
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> JobSpec | None:
-        """The spec a launcher passed to this process.
-
-        Args:
-          environ: the environment (``os.environ``).
-
-        Returns:
-          The spec, or ``None`` when the process was not started by a launcher.
-
-        Raises:
-          ValueError: the variable is not JSON (``json.JSONDecodeError``); ``KeyError`` or
-            ``TypeError`` when it lacks a field: only a launcher writes it.
-        """
-        text = environ.get(ENV)
-        if not text:
-            return None
-        record = json.loads(text)
-        record["slots"] = tuple(record["slots"])
-        record["stores"] = {int(k): v for k, v in record["stores"].items()}
-        return cls(**record)
-
-    @property
-    def slot(self) -> int:
-        """This process's host slot: the index of its own tensor store."""
-        return self.slots[self.process_id]
-
-    def token(self) -> str | None:
-        """The stores' token, read from ``token_file``; ``None`` when the stores need none.
-
-        Raises:
-          OSError: the token file cannot be read.
-        """
-        if self.token_file is None:
-            return None
-        return pathlib.Path(self.token_file).read_text().strip()
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchOptions:
-    """How to launch a job: what ``tenplex-jax launch`` reads from its command line.
-
-    Example::
-
-        options = LaunchOptions("train.py", args=("--steps", "1000"), nprocs=4, replicas=1)
-        status = tj.multihost.launch(options)      # 0: done or stopped
-
-    Attributes:
-      script: the training script, run as ``__main__`` in every worker.
-      args: its command-line arguments.
-      nprocs: processes (host slots) of generation 0.
-      devices_per_proc: devices each process uses.
-      replicas: store copies of every shard beyond the writer's (0: none survive a failure).
-      commit_every: steps between commits of the state to the stores.
-      max_restarts: failures survived before the launcher gives up.
-      min_procs: the fewest slots a generation may run on.
-      run_dir: the run directory (logs, events, control files; default: a fresh temporary one).
-      checkpoint_dir: the orbax checkpoint directory, the fallback when no replica survives.
-      checkpoint_every: steps between orbax checkpoints (with ``checkpoint_dir``).
-      store_dir: the stores' disk tier (default ``RUN_DIR/stores``).
-      compile_cache: JAX's persistent compilation cache directory, shared by the generations.
-      recover_from: ``"store"``, or ``"checkpoint"`` to ignore the stores (a baseline).
-      token: the stores refuse clients without the job's secret (always on Ray).
-      executables: share compiled steps through ``RUN_DIR/executables`` (see
-        :class:`JobSpec`); False compiles every layout in every process, as a plain restart.
-      standby: keep one warm standby process per host slot, and a spare for a new slot (JAX
-        and the script's imports loaded, waiting for a rank), for the next generation, so that
-        a restart costs no process start or import.
-      keep: the processes that stay in the next generation keep running: at a failure or a
-        planned change they leave the generation's ``jax.distributed`` job and join the next
-        one in the same process (the coordination service runs in the launcher, so no
-        process's death takes another with it). False ends every process with its generation,
-        as a plain restart does.
-      grace: seconds the survivors of a failure get before SIGKILL (without ``keep``).
-      stop_timeout: seconds the workers get to commit and exit on a planned end.
-      start_timeout: seconds a store gets to listen.
-      python: the interpreter of the stores and workers.
-
-    Raises:
-      LaunchError: a count is out of range, ``recover_from`` is unknown, or ``"checkpoint"``
-        comes without ``checkpoint_dir``.
-    """
-
-    script: str
-    args: tuple[str, ...] = ()
-    nprocs: int = 2
-    devices_per_proc: int = 2
-    replicas: int = 1
-    commit_every: int = 10
-    max_restarts: int = 3
-    min_procs: int = 1
-    run_dir: pathlib.Path | None = None  # default: a fresh temporary folder
-    checkpoint_dir: pathlib.Path | None = None  # the orbax tier
-    checkpoint_every: int | None = None
-    store_dir: pathlib.Path | None = None  # the stores' disk tier; default RUN_DIR/stores
-    compile_cache: pathlib.Path | None = None  # JAX's persistent compilation cache, shared
-    recover_from: str = "store"  # "checkpoint": ignore the stores (the benchmark's baseline)
-    token: bool = False  # stores refuse clients without the job's secret (always on Ray)
-    executables: bool = True  # compiled steps shared by processes and generations
-    standby: bool = True  # a warm process per slot for the next generation
-    keep: bool = True  # survivors stay in their process for the next generation
-    # survivors of a failure on CPU hang in gloo collectives with the dead peer (no timeout:
-    # measured > 50 s), so by default they are killed at once
-    grace: float = 0.0
-    stop_timeout: float = 300.0  # seconds workers get to commit and exit on a planned end
-    start_timeout: float = 60.0  # seconds a store gets to listen
-    python: str = sys.executable
-
-    def __post_init__(self):
-        for name in ("nprocs", "devices_per_proc", "commit_every", "min_procs"):
-            if getattr(self, name) < 1:
-                raise LaunchError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
-        if self.replicas < 0 or self.max_restarts < 0:
-            raise LaunchError(f"--replicas and --max-restarts must be >= 0, got {self}")
-        if self.recover_from not in ("store", "checkpoint"):
-            raise LaunchError(f"recover_from is 'store' or 'checkpoint', got {self.recover_from!r}")
-        if self.recover_from == "checkpoint" and self.checkpoint_dir is None:
-            raise LaunchError("recovering from checkpoints needs --checkpoint-dir")
 
 
 @dataclasses.dataclass
@@ -413,7 +237,7 @@ class Launcher:
             if self.token_file is not None:
                 command += ["--token-file", str(self.token_file)]
             with open(self.run_dir / "logs" / f"store-{i}.log", "ab") as log:
-                started[i] = (_spawn(command, stdout=log, stderr=log), ready)
+                started[i] = (spawn(command, stdout=log, stderr=log), ready)
             self.slots[i] = _Slot(i, started[i][0], "")
         deadline = time.monotonic() + self.options.start_timeout
         for i, (proc, ready) in started.items():
@@ -583,9 +407,9 @@ class Launcher:
             logs.append(path)
         self.workers = workers
         for slot in set(self.standbys) - {*slots, SPARE}:  # a slot the job left: its standby too
-            _kill(self.standbys.pop(slot))
+            kill(self.standbys.pop(slot))
         for proc in leaving:
-            _release(proc)
+            release(proc)
         return _Generation(number, list(slots), workers, logs, source, warms, kept, service)
 
     def _refill_standbys(self, gen: _Generation) -> None:
@@ -639,7 +463,7 @@ class Launcher:
         for the rank :meth:`_activate` writes to its stdin (its output: the launcher's until
         then)."""
         env = os.environ | self._worker_env() | {STANDBY: "1"}
-        return {slot: _spawn(self._command(), env=env, stdin=subprocess.PIPE) for slot in slots}
+        return {slot: spawn(self._command(), env=env, stdin=subprocess.PIPE) for slot in slots}
 
     def _activate(self, slot: int, env: dict, log: pathlib.Path | None):
         """A waiting process for ``slot`` — the survivor on it, else its standby, else the
@@ -660,7 +484,7 @@ class Launcher:
                 self._event(
                     "standby_lost", slot=owner, detail=f"the {how} process of slot {owner} {error}"
                 )
-                _kill(proc)
+                kill(proc)
                 continue
             return proc, how
         return None, None
@@ -672,14 +496,14 @@ class Launcher:
 
     def _coordinator(self, slot: int) -> str:
         """The jax.distributed coordinator's address for a generation led by ``slot``."""
-        return f"127.0.0.1:{_free_port()}"
+        return f"127.0.0.1:{free_port()}"
 
     def _spawn_worker(self, slot: int, command: list[str], env: dict, log: pathlib.Path | None):
         """A worker process on ``slot``'s host (stdout and stderr to ``log``; None: ours)."""
         if log is None:
-            return _spawn(command, env=os.environ | env)
+            return spawn(command, env=os.environ | env)
         with open(log, "wb") as out:
-            return _spawn(command, env=os.environ | env, stdout=out, stderr=out)
+            return spawn(command, env=os.environ | env, stdout=out, stderr=out)
 
     def _watch(self, gen: _Generation) -> _Outcome:
         opts = self.options
@@ -695,7 +519,7 @@ class Launcher:
                 detail = "; ".join(
                     [
                         f"process {i} (slot {gen.slots[i]}, pid {gen.workers[i].pid}) "
-                        f"{_status(codes[i])}"
+                        f"{status(codes[i])}"
                         for i in failed
                     ]
                     + [f"the store of slot {s} died" for s in stores_down]
@@ -785,7 +609,7 @@ class Launcher:
                 time.sleep(0.05)
         for w in gen.workers:
             if w not in self.kept.values():
-                _kill(w)
+                kill(w)
         if gen.service is not None:  # 5 s while a process still waits in a call: not waited for
             threading.Thread(target=gen.service.shutdown, daemon=True).start()
         self.workers = []
@@ -824,12 +648,12 @@ class Launcher:
 
     def _teardown(self) -> None:
         for w in self.kept.values():
-            _release(w)
+            release(w)
         for w in [*self.workers, *self.standbys.values()]:
-            _kill(w)
+            kill(w)
         self.standbys, self.kept = {}, {}
         for slot in self.slots.values():
-            _kill(slot.store, signal.SIGTERM, timeout=5.0)
+            kill(slot.store, signal.SIGTERM, timeout=5.0)
         self.workers = []
 
     def _event(self, kind: str, **fields) -> None:
@@ -840,62 +664,6 @@ class Launcher:
             f"{k}={v}" for k, v in fields.items() if k not in ("detail", "pids", "slots")
         )
         self.log(f"tenplex launch: {kind}: {text}")
-
-
-def _kill(proc: subprocess.Popen, sig=signal.SIGKILL, timeout: float = 10.0) -> None:
-    """Signal ``proc`` by PID unless it has exited; reap it (SIGKILL if ``sig`` does not do)."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait(timeout)
-    else:
-        proc.wait()
-
-
-def _release(proc: subprocess.Popen) -> None:
-    """Tell a process that waits for a rank to exit (EOF on its stdin), and reap it."""
-    with contextlib.suppress(OSError):
-        proc.stdin.close()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(2.0)
-    _kill(proc)
-
-
-def _spawn(command: list[str], **kwargs) -> subprocess.Popen:
-    """A child in its own session (a Ctrl-C at the terminal reaches the launcher only, which then
-    kills it by PID) that Linux SIGKILLs if the launcher dies, even by SIGKILL."""
-    prctl = libc.function("prctl") if sys.platform.startswith("linux") else None
-    die = None if prctl is None else (lambda: prctl(1, signal.SIGKILL))  # PR_SET_PDEATHSIG
-    # the callable only calls a libc function resolved here, before the fork
-    return subprocess.Popen(command, start_new_session=True, preexec_fn=die, **kwargs)
-
-
-def write_token(path: pathlib.Path) -> pathlib.Path:
-    """A fresh secret for the job's stores, in a file only this user can read; its path."""
-    import secrets
-
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    return path
-
-
-def _status(code: int) -> str:
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with status {code}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(options: LaunchOptions, log=None) -> int:

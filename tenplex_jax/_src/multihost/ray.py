@@ -52,7 +52,8 @@ import sys
 import time
 
 from tenplex_jax._src.errors import LaunchError
-from tenplex_jax._src.multihost.launch import STANDBY, Launcher, LaunchOptions, _Slot
+from tenplex_jax._src.multihost.launch import Launcher, _Slot
+from tenplex_jax._src.multihost.spec import STANDBY, LaunchOptions
 
 POLL_NODES_SECONDS = 1.0  # how often the launcher looks for new nodes
 ANSWER_SECONDS = 10.0  # how long a node whose worker failed has to show it is alive
@@ -82,17 +83,17 @@ def _host_class():
                 return s.getsockname()[1]
 
         def start(self, command: list[str], env: dict, log: str | None) -> int:
-            from tenplex_jax._src.multihost.launch import _spawn
+            from tenplex_jax._src.multihost.processes import spawn
 
             out = open(log, "ab") if log else None  # noqa: SIM115 (closed when it exits)
-            self.proc = _spawn(command, env=os.environ | env, stdout=out, stderr=out)
+            self.proc = spawn(command, env=os.environ | env, stdout=out, stderr=out)
             return self.proc.pid
 
         def stand_by(self, command: list[str], env: dict) -> int:
             """A standby process (see ``worker.stand_by``), its rank to come on its stdin."""
-            from tenplex_jax._src.multihost.launch import _spawn
+            from tenplex_jax._src.multihost.processes import spawn
 
-            self.proc = _spawn(command, env=os.environ | env, stdin=subprocess.PIPE)
+            self.proc = spawn(command, env=os.environ | env, stdin=subprocess.PIPE)
             return self.proc.pid
 
         def tell(self, data: bytes) -> str | None:
@@ -405,7 +406,7 @@ class RayLauncher(Launcher):
         return self._ask("resize", current + len(offered))
 
     def _ask(self, action: str, count: int) -> tuple[str, int]:
-        from tenplex_jax._src.multihost.launch import CONTROL
+        from tenplex_jax._src.multihost.spec import CONTROL
 
         control = self.run_dir / CONTROL
         tmp = control.with_name(".control.tmp")

@@ -40,7 +40,7 @@ from tenplex_jax._src import compat
 from tenplex_jax._src.data import DatasetPTC, DataState
 from tenplex_jax._src.errors import DataError, StoreError
 from tenplex_jax._src.multihost import membership
-from tenplex_jax._src.multihost.launch import ACTIONS, CHECKPOINT, CONTROL, ENV, STANDBY, JobSpec
+from tenplex_jax._src.multihost.spec import ACTIONS, CHECKPOINT, CONTROL, ENV, STANDBY, JobSpec
 from tenplex_jax._src.ptc import PTC
 
 

@@ -232,9 +232,9 @@ class Processes:
         Args:
           handle: what :meth:`start` returned.
         """
-        from tenplex_jax._src.multihost.launch import _kill
+        from tenplex_jax._src.multihost.processes import kill as kill_process
 
-        _kill(handle)
+        kill_process(handle)
 
     def alive(self, handle) -> bool:
         """Whether the VW's process runs.
@@ -257,9 +257,9 @@ class Processes:
         try:
             handle.wait(timeout)
         except subprocess.TimeoutExpired:
-            from tenplex_jax._src.multihost.launch import _kill
+            from tenplex_jax._src.multihost.processes import kill as kill_process
 
-            _kill(handle)
+            kill_process(handle)
 
     def records(self, handle) -> list:
         """The VW's wave records so far, read from ``run_dir/<name>.jsonl``.
