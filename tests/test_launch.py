@@ -54,6 +54,45 @@ def wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 150.
         time.sleep(0.05)
 
 
+def launch_example(run: pathlib.Path, nprocs: int, steps: int, *, flags=(), script=()):
+    """``tenplex-jax launch`` of the example job as the launch tests run it (2 devices per
+    process, replicas=1, a commit every 2 steps, the final state to RUN_DIR/final.npz), started
+    with its output in RUN_DIR/launcher.log: ``flags`` go to the launcher, ``script`` to the
+    script."""
+    command = [
+        sys.executable,
+        "-m",
+        "tenplex_jax",
+        "launch",
+        "--nprocs",
+        str(nprocs),
+        "--devices-per-proc",
+        "2",
+        "--replicas",
+        "1",
+        "--commit-every",
+        "2",
+        *flags,
+        "--run-dir",
+        str(run),
+        str(EXAMPLE),
+        "--steps",
+        str(steps),
+        "--batch",
+        str(LAUNCH_BATCH),
+        "--workers",
+        str(LAUNCH_WORKERS),
+        "--samples",
+        str(LAUNCH_SAMPLES),
+        "--out",
+        str(run / "final.npz"),
+        *script,
+    ]
+    env = os.environ | {"JAX_PLATFORMS": "cpu"}
+    with open(run / "launcher.log", "wb") as out:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
 def last(run: pathlib.Path, kind: str) -> dict | None:
     found = [e for e in events(run) if e["event"] == kind]
     return found[-1] if found else None
@@ -67,46 +106,9 @@ def kill(pid: int) -> None:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     run = tmp_path_factory.mktemp("launch")
-    command = [
-        sys.executable,
-        "-m",
-        "tenplex_jax",
-        "launch",
-        "--nprocs",
-        "4",
-        "--devices-per-proc",
-        "2",
-        "--replicas",
-        "1",
-        "--commit-every",
-        "2",
-        "--checkpoint-dir",
-        str(run / "ckpt"),
-        "--checkpoint-every",
-        "4",
-        "--grace",
-        "1",
-        "--run-dir",
-        str(run),
-        str(EXAMPLE),
-        "--steps",
-        str(STEPS),
-        "--batch",
-        str(LAUNCH_BATCH),
-        "--workers",
-        str(LAUNCH_WORKERS),
-        "--samples",
-        str(LAUNCH_SAMPLES),
-        "--log",
-        str(run / "steps.jsonl"),
-        "--out",
-        str(run / "final.npz"),
-        "--pause-after",
-        "3,6,7",
-    ]
-    env = os.environ | {"JAX_PLATFORMS": "cpu"}
-    with open(run / "launcher.log", "wb") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    flags = ["--checkpoint-dir", str(run / "ckpt"), "--checkpoint-every", "4", "--grace", "1"]
+    script = ["--log", str(run / "steps.jsonl"), "--pause-after", "3,6,7"]
+    proc = launch_example(run, 4, STEPS, flags=flags, script=script)
     children: list[int] = []
     try:
         want = reference_run(STEPS)  # while the job starts: this process would wait idle otherwise

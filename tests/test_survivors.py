@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.helpers import LAUNCH_BATCH, LAUNCH_SAMPLES, LAUNCH_WORKERS, events, reference_run
-from tests.test_launch import EXAMPLE, ROOT, kill, last, wait_for
+from tests.helpers import events, reference_run
+from tests.test_launch import kill, last, launch_example, wait_for
 
 STEPS = 8
 
@@ -35,40 +33,7 @@ STEPS = 8
 @pytest.mark.slow
 def test_survivors_stay_in_their_processes_through_two_failures(tmp_path):
     run = tmp_path
-    command = [
-        sys.executable,
-        "-m",
-        "tenplex_jax",
-        "launch",
-        "--nprocs",
-        "3",
-        "--devices-per-proc",
-        "2",
-        "--replicas",
-        "1",
-        "--commit-every",
-        "2",
-        "--run-dir",
-        str(run),
-        str(EXAMPLE),
-        "--steps",
-        str(STEPS),
-        "--batch",
-        str(LAUNCH_BATCH),
-        "--workers",
-        str(LAUNCH_WORKERS),
-        "--samples",
-        str(LAUNCH_SAMPLES),
-        "--out",
-        str(run / "final.npz"),
-        "--pause-after",
-        "3",
-        "--pause-only",
-        "0",
-    ]
-    env = os.environ | {"JAX_PLATFORMS": "cpu"}
-    with open(run / "launcher.log", "wb") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    proc = launch_example(run, 3, STEPS, script=["--pause-after", "3", "--pause-only", "0"])
     children: list[int] = []
     try:
         want, _, _ = reference_run(STEPS)  # while the job starts

@@ -396,8 +396,7 @@ class Launcher:
             proc, how = self._activate(slots[pid], spec.to_env(), path)
             if proc is None and self._keeps:  # a fresh process, ranked on its stdin as the others
                 proc = self._spawn_standbys([slots[pid]])[slots[pid]]
-                message = {"env": spec.to_env(), "log": None if path is None else str(path)}
-                self._give_rank(proc, json.dumps(message | {"warm": False}).encode())
+                self._give_rank(proc, spec.to_env(), path, warm=False)
             elif proc is None:
                 env = spec.to_env() | self._worker_env()
                 proc = self._spawn_worker(slots[pid], self._command(), env, path)
@@ -448,15 +447,22 @@ class Launcher:
         """Whether survivors stay in their process for the next generation (``keep``)."""
         return self.options.keep
 
-    def _give_rank(self, proc, message: bytes) -> None:
-        """Hand a standby or a survivor its rank (one line on its stdin); OSError when it is
+    def _give_rank(self, proc, env: dict, log: pathlib.Path | None, *, warm: bool = True) -> None:
+        """Hand a waiting process its rank: the environment ``env`` and its output file (None:
+        the launcher's own); ``warm``: it was waiting before it was needed. OSError when it is
         gone. Its stdin stays open for the launcher's next messages when survivors stay."""
         if proc.poll() is not None:
             raise BrokenPipeError(f"exited with {proc.returncode}")
-        proc.stdin.write(message + b"\n")
-        proc.stdin.flush()
+        self._tell(proc, {"env": env, "log": None if log is None else str(log), "warm": warm})
         if not self._keeps:
             proc.stdin.close()
+
+    @staticmethod
+    def _tell(proc, message: dict) -> None:
+        """One message to a launched process: a JSON line on its stdin (``membership.Control``
+        reads it); OSError when it is gone."""
+        proc.stdin.write(json.dumps(message).encode() + b"\n")
+        proc.stdin.flush()
 
     def _spawn_standbys(self, slots: list[int]) -> dict:
         """A warm process on each of ``slots``' hosts: it imports what the job needs, then waits
@@ -469,7 +475,6 @@ class Launcher:
         """A waiting process for ``slot`` — the survivor on it, else its standby, else the
         spare — given a rank (``env``) and its output file: ``(process, "kept" or "warm")``, or
         ``(None, None)`` when none is alive (the caller starts a fresh one)."""
-        message = json.dumps({"env": env, "log": None if log is None else str(log)}).encode()
         for pool, owner, how in (
             (self.kept, slot, "kept"),
             (self.standbys, slot, "warm"),
@@ -479,7 +484,7 @@ class Launcher:
             if proc is None:
                 continue
             try:
-                self._give_rank(proc, message)
+                self._give_rank(proc, env, log)
             except OSError as error:  # BrokenPipeError: it died since the last poll
                 self._event(
                     "standby_lost", slot=owner, detail=f"the {how} process of slot {owner} {error}"
@@ -588,11 +593,10 @@ class Launcher:
                 if w.poll() is None and gen.slots[i] not in outcome.lost_slots
             ]
             if outcome.kind == "failure":
-                message = json.dumps({"end": outcome.kind, "peers": [w.pid for w in gen.workers]})
+                message = {"end": outcome.kind, "peers": [w.pid for w in gen.workers]}
                 for i in alive:
                     with contextlib.suppress(OSError):
-                        gen.workers[i].stdin.write(message.encode() + b"\n")
-                        gen.workers[i].stdin.flush()
+                        self._tell(gen.workers[i], message)
             deadline = time.monotonic() + LEAVE_SECONDS
             waiting = set(alive)
             while waiting and time.monotonic() < deadline:

@@ -39,6 +39,7 @@ import threading
 import jax
 
 from tenplex_jax._src import compat
+from tenplex_jax._src.multihost.processes import free_port
 
 INTERRUPT = signal.SIGUSR1  # how the control thread interrupts the main thread
 REJOIN = 75  # the exit status of a process whose generation ended while it joined it
@@ -79,7 +80,7 @@ def join(
     jax.config.update("jax_enable_recoverability", True)
     bind = None
     if process_id == 0:  # initialize starts a service in process 0: the launcher's is the real one
-        bind = f"127.0.0.1:{_free_port()}" if hosted else coordinator
+        bind = f"127.0.0.1:{free_port()}" if hosted else coordinator
     jax.distributed.initialize(
         coordinator,
         num_processes=processes,
@@ -165,12 +166,6 @@ def _socket_fds(pid) -> list[tuple[int, int]]:
 
 def _socket_inodes(pid: int) -> set[int]:
     return {inode for _, inode in _socket_fds(pid)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GenerationEnded(BaseException):

@@ -138,17 +138,16 @@ def _leave(spec: JobSpec, *, broken: bool) -> None:
     """End this process's part in ``spec``'s generation: close its jobs' threads and store
     connections, leave ``jax.distributed``, tell the launcher (``RUN_DIR/left-g<gen>-p<id>``)."""
     tic = time.perf_counter()
-    membership.leave(broken=broken)  # first: the launcher stops the service soon after a failure
+    membership.leave(broken=broken)
     for worker in Worker.opened:
         with contextlib.suppress(Exception):  # a broken generation's commit may fail: it is lost
             worker.close()
     Worker.opened.clear()
     Worker.kept = True
     record = {"pid": os.getpid(), "broken": broken, "seconds": time.perf_counter() - tic}
-    path = pathlib.Path(spec.run_dir) / f"left-g{spec.generation}-p{spec.process_id}.json"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    _write_json(
+        pathlib.Path(spec.run_dir) / f"left-g{spec.generation}-p{spec.process_id}.json", record
+    )
 
 
 _OUTPUT: tuple[int, int] | None = None  # the launcher's stdout and stderr, as this process got them
@@ -235,9 +234,8 @@ class Worker:
     activated: float | None = None  # when a standby process got its rank
     kept = False  # this process ran an earlier generation and stayed for this one
     finished = False  # the job finished (every process knows it at ``finish``)
-    opened: ClassVar[
-        list[Worker]
-    ] = []  # this generation's workers: closed when the process leaves it
+    # this generation's workers: closed when the process leaves it
+    opened: ClassVar[list[Worker]] = []
 
     def __init__(self, spec: JobSpec, checkpoint_dir=None, checkpoint_every: int | None = None):
         self.spec = spec
@@ -497,10 +495,14 @@ class Worker:
         """Atomically write a JSON record into the run dir (process 0 only unless ``every``)."""
         if not (every or self.process_index == 0):
             return
-        path = self.run_dir / name
-        tmp = path.with_name(f".{name}.{os.getpid()}")
-        tmp.write_text(json.dumps(record, default=_json_default))
-        os.replace(tmp, path)
+        _write_json(self.run_dir / name, record)
+
+
+def _write_json(path: pathlib.Path, record: dict) -> None:
+    """Write ``record`` as JSON at ``path`` atomically: a reader sees all of it or none."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(record, default=_json_default))
+    os.replace(tmp, path)
 
 
 def _process_start() -> float:
