@@ -215,6 +215,37 @@ def test_a_joiner_takes_the_freshest_shared_optimizer_state(stores, job):
         assert not ps.clients[0].list("wsp/optimizer/a/2/")
 
 
+def test_a_vw_leaving_shares_its_last_clock_even_when_a_slow_share_skipped_the_others(
+    stores, job, monkeypatch
+):
+    # the share of clock 1 is held on its thread until the VW leaves, so those of clocks 2 and 3
+    # are skipped (a share still being written); the VW leaving at clock 3 still shares clock 3
+    address = stores.start().address
+    leaving, written, share = threading.Event(), [], optimizer.share
+
+    def held(ps, vw, wave, leaves):
+        if not written:
+            assert leaving.wait(60)
+        share(ps, vw, wave, leaves)
+        written.append(wave)
+
+    monkeypatch.setattr(optimizer, "share", held)
+    with ParameterServer([address]) as ps:
+        ps.create(weights_of(job[1]), total=None)
+        vw = _vw("a", address, job, minibatches=1, optimizer_every=1)
+        sharing = vw._share_optimizer
+
+        def spy(wait=False):
+            if wait:
+                leaving.set()
+            sharing(wait)
+
+        vw._share_optimizer = spy
+        vw.run(waves=3)
+        assert written == [1, 3]
+        assert optimizer.freshest(ps)[:2] == ("a", 3)
+
+
 def test_a_shared_state_that_does_not_fit_is_a_clear_error(stores, job):
     address = stores.start().address
     with ParameterServer([address]) as ps:

@@ -218,6 +218,7 @@ class VirtualWorker:
         self.optimizer_every, self.optimizer_from = optimizer_every, None
         self.share_errors: list[Exception] = []  # shares written in the background that failed
         self._sharing: threading.Thread | None = None
+        self._shared: int | None = None  # the clock of the last share written
         self.name, self.ps, self.dataset = name, ps, dataset
         self.nm, self.distance, self.slowdown = minibatches, distance, slowdown
         self.timeout, self.on_wave, self.on_record = timeout, on_wave, on_record
@@ -363,10 +364,8 @@ class VirtualWorker:
             if not self.crashed.is_set():
                 self._settle()  # raises what it raised
             if not (self.crashed.is_set() or self.dropped):
-                if self.records and self.optimizer_every and self.clock % self.optimizer_every:
-                    self._share_optimizer(wait=True)  # (a multiple of optimizer_every was)
-                elif self._sharing is not None:
-                    self._sharing.join()
+                if self.records and self.optimizer_every:
+                    self._share_optimizer(wait=True)  # its last clock's, whatever was skipped
                 self.ps.update(lambda led: (led.leave(self.name), None))
         except WSPError as error:
             if error.reason != "dropped":
@@ -587,11 +586,14 @@ class VirtualWorker:
     def _share_optimizer(self, wait: bool = False) -> None:
         """Share the optimizer state as of this clock, written by a thread while the VW trains
         on (Hydrozoa's communication beside compute); skipped while the last share is still
-        being written, unless ``wait`` (then written before it returns, raising its errors)."""
+        being written, unless ``wait`` (then this clock's share is written before it returns,
+        raising its errors)."""
         if self._sharing is not None and self._sharing.is_alive():
             if not wait:
                 return
             self._sharing.join()
+        if wait and self._shared == self.clock:
+            return  # the thread wrote this clock's
         _, leaves, _ = tree.arrays(self.state)
         arrays = [leaves[i] for i in self.others]  # immutable: copied off on the thread
 
@@ -599,6 +601,7 @@ class VirtualWorker:
             host = jax.device_get(arrays)
             shared = {self.paths[i]: self._unpad(i, x) for i, x in zip(self.others, host)}
             optimizer.share(self.ps, self.name, clock, shared)
+            self._shared = clock
 
         if wait:
             write()
