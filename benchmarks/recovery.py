@@ -14,8 +14,9 @@ left, which restores
 Recovery time = from the kill to the end of the first train step on the new config; it also holds
 what both variants share (failure detection, the survivors' grace period, process start-up,
 ``jax.distributed`` init, compiling the step), so the *restore* column — the time ``job.start``
-took to restore in process 0 — isolates the part that differs. The variants take turns, ``repeats``
-rounds;
+took to restore in process 0 — isolates the part that differs. It also holds one step, which no
+way of recovering removes: the new configuration's steady step (the median of its next steps) is
+shown, and the ratio of the stalls less a step each. The variants take turns, ``repeats`` rounds;
 the ratios are orbax ÷ store of the medians, measured in the same run.
 
     python -m tenplex_jax_benchmarks.recovery [--quick] [--repeats 2] [--commit-overhead] [--out
@@ -89,10 +90,12 @@ def run_recovery(
                 f"(restore {result['restore_seconds'] * 1e3:.0f} ms, lost steps "
                 f"{result['lost_steps']}, {result['from_processes']} -> "
                 f"{result['to_processes']} processes, {result['config']}; step loaded "
-                f"{result['step_loaded']}, warm {result['warm_processes']}; s: {phases})"
+                f"{result['step_loaded']}, traced {result['step_traced']}, warm "
+                f"{result['warm_processes']}; s: {phases})"
             )
     median = lambda key: {v: statistics.median(r[key] for r in runs[v]) for v in variants}
     total, restore = median("recovery_seconds"), median("restore_seconds")
+    step = median("step_seconds")
     phases = {
         v: {k: statistics.median(r["phases"][k] for r in runs[v]) for k in runs[v][0]["phases"]}
         for v in variants
@@ -108,7 +111,10 @@ def run_recovery(
         "median_seconds": total,
         "median_restore_seconds": restore,
         "median_phases": phases,
+        "median_step_seconds": step,
         "speedup": total["orbax"] / total["store"],
+        # the stalls less one steady step each: what recovering adds to the step it ends with
+        "speedup_beyond_step": (total["orbax"] - step["orbax"]) / (total["store"] - step["store"]),
         "keep_speedup": total["store, no keep"] / total["store"],
         "restore_speedup": restore["orbax"] / restore["store"],
         **({"cached_speedup": total[CACHED[1]] / total[CACHED[0]]} if cached else {}),
@@ -124,10 +130,11 @@ def recover_once(
     devices_per_proc: int,
     change: str = "kill",
     kill_after: int = 2,
-    steps: int = 3,
+    after: int = 3,
     timeout: float = 300.0,
 ) -> dict:
-    """One launched job, one change after step ``kill_after``; the timings of its recovery.
+    """One launched job, one change after step ``kill_after``, ``after`` steps on the new
+    configuration (the first is the recovery's; the others time a steady step); the timings.
 
     ``change``: ``"kill"`` SIGKILLs the last worker and its store (``nprocs`` -> ``nprocs - 1``);
     ``"shrink"`` and ``"grow"`` ask for a planned resize (``nprocs`` -> ``nprocs - 1``, and
@@ -137,8 +144,8 @@ def recover_once(
     planned = change != "kill"
     if change == "grow":
         nprocs -= 1
-    if planned:  # runs on until stopped: a shrink trains on while its layout compiles ahead
-        steps = 1000
+    # planned: runs on until stopped (a shrink trains on while its layout compiles ahead)
+    steps = 1000 if planned else kill_after + after
     command = [
         sys.executable,
         "-m",
@@ -221,12 +228,16 @@ def recover_once(
             (run / "resize").write_text(str(nprocs - 1 if change == "shrink" else nprocs + 1))
             _wait(lambda: (run / "control.json").exists(), proc, deadline, "the request")
             (run / f"resume-{kill_after}").write_text("")
-            _wait(lambda: _stepped(run, generation=1), proc, deadline, "the new generation")
+            stepped = lambda: _stepped(run, generation=1) >= after
+            _wait(stepped, proc, deadline, "the new generation's steps")
             proc.send_signal(signal.SIGTERM)  # a graceful stop: commit, exit 0
         else:
             if variant.startswith("store"):  # a failure comes after the job's first seconds
-                ahead = run / "ahead-g0.json"
-                _wait(ahead.exists, proc, deadline, "the compile-ahead after a loss")
+                # process 0 compiled the next generation's step, the others lowered it
+                ahead = [run / "ahead-g0.json"]
+                ahead += [run / f"lowered-g0-p{i}.json" for i in range(1, nprocs)]
+                ready = lambda: all(p.exists() for p in ahead)
+                _wait(ready, proc, deadline, "the compile-ahead after a loss")
                 killed = time.time()
             for pid in (workers[-1], stores[str(nprocs - 1)]["pid"]):
                 os.kill(pid, signal.SIGKILL)
@@ -243,10 +254,11 @@ def recover_once(
     return timings(run, killed, nprocs, planned=planned)
 
 
-def _stepped(run: pathlib.Path, generation: int) -> bool:
+def _stepped(run: pathlib.Path, generation: int) -> int:
+    """How many steps ``generation`` has logged."""
     path = run / "steps.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
-    return any(json.loads(line)["generation"] == generation for line in lines if line.strip())
+    return sum(json.loads(line)["generation"] == generation for line in lines if line.strip())
 
 
 def timings(run: pathlib.Path, killed: float, nprocs: int, planned: bool = False) -> dict:
@@ -254,7 +266,8 @@ def timings(run: pathlib.Path, killed: float, nprocs: int, planned: bool = False
     dir: the seconds to the first step of generation 1, and where they went. A planned change
     counts from the last step of generation 0 (it trains on until then): the stall."""
     records = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
-    first = min((r for r in records if r["generation"] == 1), key=lambda r: r["step"])
+    new = sorted((r for r in records if r["generation"] == 1), key=lambda r: r["step"])
+    first = new[0]
     if planned:
         killed = max(r["time"] for r in records if r["generation"] == 0)
     restore = json.loads((run / "restore-g1-p0.json").read_text())
@@ -280,7 +293,14 @@ def timings(run: pathlib.Path, killed: float, nprocs: int, planned: bool = False
             "compile_or_load": steps[0]["seconds"],
             "first_step": first["time"] - times["restored"] - steps[0]["seconds"],
         },
+        # a steady step of the new configuration: the first step's own share of the recovery,
+        # which no way of recovering removes
+        "step_seconds": statistics.median(
+            b["time"] - a["time"] for a, b in itertools.pairwise(new)
+        ),
         "step_loaded": [s["loaded"] for s in steps],
+        # False: loaded as a program the process had lowered before (a survivor), nothing traced
+        "step_traced": [s.get("traced", True) for s in steps],
         "warm_processes": generation.get("warm"),
         "kept_processes": generation.get("kept"),  # survivors that stayed in their process
         "restore_seconds": restore["seconds"],
@@ -377,13 +397,15 @@ def table(row: dict) -> str:
     m, r = row["median_seconds"], row["median_restore_seconds"]
     head = (
         "| recovery | state MiB | store s | store, no keep s | orbax s | orbax / store | "
-        "no keep / store | store restore ms | orbax restore ms | orbax / store (restore) |"
+        "no keep / store | store restore ms | orbax restore ms | orbax / store (restore) | "
+        "steady step s | orbax / store, less a step each |"
     )
     line = (
         f"| GPT {_name(row['model'])}, {row['change']} | {row['state_bytes'] / 2**20:.2f} | "
         f"{m['store']:.2f} | {m['store, no keep']:.2f} | {m['orbax']:.2f} | "
         f"**{row['speedup']:.2f}x** | {row['keep_speedup']:.2f}x | "
-        f"{r['store'] * 1e3:.0f} | {r['orbax'] * 1e3:.0f} | **{row['restore_speedup']:.1f}x** |"
+        f"{r['store'] * 1e3:.0f} | {r['orbax'] * 1e3:.0f} | **{row['restore_speedup']:.1f}x** | "
+        f"{row['median_step_seconds']['store']:.2f} | {row['speedup_beyond_step']:.2f}x |"
     )
     names = list(row["median_phases"]["store"])
     origin = "kill" if row.get("kind_of_change", "kill") == "kill" else "last step"
@@ -401,7 +423,7 @@ def table(row: dict) -> str:
             f"both: store {m[CACHED[0]]:.2f} s, orbax {m[CACHED[1]]:.2f} s from the kill to the "
             f"first step, orbax / store **{row['cached_speedup']:.2f}x**."
         )
-    table = f"{head}\n|---|" + "---:|" * 9 + f"\n{line}{cached}\n\n"
+    table = f"{head}\n|---|" + "---:|" * 11 + f"\n{line}{cached}\n\n"
     return table + "\n".join(phases)
 
 

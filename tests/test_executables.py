@@ -145,7 +145,8 @@ def test_a_damaged_entry_is_a_logged_miss_that_recompiles_and_rewrites(
 def test_another_jax_version_is_a_miss(stored, tmp_path, monkeypatch):
     layout, directory, _ = stored
     steps = StepCache(STEP, layout.sample, jax.devices())
-    lowered, mesh = steps._lower(layout.ptc, layout.layout)
+    mesh, state, batch = steps._abstract(layout.ptc, layout.layout)
+    lowered = steps._lower(mesh, layout.ptc, state, batch)
     steps.close()
     cache = ExecutableCache(copy(directory, tmp_path))
     assert cache.load(lowered, mesh) is not None  # this JAX's entry

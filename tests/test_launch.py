@@ -117,8 +117,10 @@ def job(tmp_path_factory):
         # failure 1: worker 3 and its store, once all four processes paused after step 3
         paused = lambda step, n: all((run / f"paused-{step}-p{i}").exists() for i in range(n))
         wait_for(lambda: paused(3, 4), "generation 0 to pause after step 3", proc)
-        # a failure comes after the first seconds: process 0 has compiled the next layout ahead
-        wait_for((run / "ahead-g0.json").exists, "the compile-ahead after a loss", proc)
+        # a failure comes after the first seconds: process 0 has compiled the next layout ahead,
+        # and processes 1 and 2, which stay, have lowered it
+        ahead = [run / "ahead-g0.json", run / "lowered-g0-p1.json", run / "lowered-g0-p2.json"]
+        wait_for(lambda: all(p.exists() for p in ahead), "the compile-ahead after a loss", proc)
         workers, standbys = last(run, "generation")["pids"], last(run, "standby")["pids"]
         children += workers + list(standbys.values())
         kill(standbys["1"])  # slot 1's warm process dies before it is used: the spare takes it
@@ -202,12 +204,14 @@ def step_records(run: pathlib.Path, generation: int) -> list[dict]:
 @pytest.mark.slow
 def test_no_process_compiles_a_layout_compiled_before(job):
     """After the loss of a process, every process of the new generation loads the step process
-    0 compiled ahead (the first N - 1 processes' devices, whichever process died); at the
+    0 compiled ahead (the first N - 1 processes' devices, whichever process died), and the
+    survivors, which lowered it beside process 0, load it without tracing it again; at the
     growth, at most process 0 compiles the new layout (unless generation 1's compile-ahead
     already did) and process 1 waits and loads it."""
     assert json.loads((job["run"] / "ahead-g0.json").read_text())["processes"] == 3
     after_loss = step_records(job["run"], 1)
-    assert [(r["loaded"], r["compiles"]) for r in after_loss] == [(True, 0)] * 3, after_loss
+    got = [(r["loaded"], r["compiles"], r["traced"]) for r in after_loss]
+    assert got == [(True, 0, False)] * 3, after_loss
     grown = step_records(job["run"], 3)
     assert len(grown) == 2 and grown[1]["loaded"] and grown[1]["compiles"] == 0, grown
     assert grown[0]["compiles"] == (0 if grown[0]["loaded"] else 1), grown

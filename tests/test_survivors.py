@@ -43,7 +43,8 @@ def test_survivors_stay_in_their_processes_through_two_failures(tmp_path):
             "process 0 held after step 3, the others in step 4",
             proc,
         )
-        wait_for((run / "ahead-g0.json").exists, "the compile-ahead after a loss", proc)
+        ahead = [run / "ahead-g0.json", run / "lowered-g0-p1.json", run / "lowered-g0-p2.json"]
+        wait_for(lambda: all(p.exists() for p in ahead), "the compile-ahead after a loss", proc)
         stores = {int(k): v["pid"] for k, v in last(run, "stores")["slots"].items()}
         first = last(run, "generation")["pids"]
         children += [*stores.values(), *first]
@@ -69,11 +70,13 @@ def test_survivors_stay_in_their_processes_through_two_failures(tmp_path):
     assert gens[2]["slots"] == [1] and gens[2]["warm"] == [True]
     failures = [e for e in events(run) if e["event"] == "failure"]
     assert len(failures) == 2
-    # generation 1's processes loaded the step process 0 compiled ahead; generation 1 ended
-    # before its own compile-ahead (for one process) could run, so generation 2 may compile
-    for path in run.glob("step-g1-p*.json"):
-        record = json.loads(path.read_text())
-        assert record["loaded"] and record["compiles"] == 0, (path.name, record)
+    # generation 1's processes loaded the step process 0 compiled ahead, without tracing it
+    # (they had lowered it beside process 0); generation 1 ended before its own compile-ahead
+    # (for one process) could run, so generation 2 may compile
+    records = [json.loads(path.read_text()) for path in run.glob("step-g1-p*.json")]
+    for record in records:
+        assert record["loaded"] and record["compiles"] == 0, record
+        assert not record["traced"], record
     with np.load(run / "final.npz") as final:
         got = [final[f"arr_{i}"] for i in range(len(final.files))]
     assert len(got) == len(want)

@@ -41,6 +41,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -94,8 +95,15 @@ class ExecutableCache:
         self._lock = threading.Lock()
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "tenplex-compile-store")
 
-    def key(self, lowered: jax.stages.Lowered, mesh: Mesh) -> str:
-        """The entry's key (hex sha256) of ``lowered`` compiled on ``mesh``."""
+    @staticmethod
+    def digest(lowered: jax.stages.Lowered) -> bytes:
+        """The sha256 of ``lowered``'s program text: the part of a key that tracing decides."""
+        return hashlib.sha256(lowered.as_text().encode()).digest()
+
+    def key(self, lowered: jax.stages.Lowered, mesh: Mesh, digest: bytes | None = None) -> str:
+        """The entry's key (hex sha256) of ``lowered`` compiled on ``mesh``; with ``digest``
+        (:meth:`digest` of the same program, remembered), ``lowered`` may be None: no tracing."""
+        digest = self.digest(lowered) if digest is None else digest
         devices = list(mesh.devices.flat)
         client = devices[0].client
         flags = {
@@ -117,19 +125,28 @@ class ExecutableCache:
             "flags": flags,
             "env": {name: os.environ.get(name) for name in ENV_FLAGS},
         }
-        digest = hashlib.sha256(json.dumps(context, sort_keys=True).encode())
-        digest.update(b"\0")
-        digest.update(lowered.as_text().encode())
-        return digest.hexdigest()
+        key = hashlib.sha256(json.dumps(context, sort_keys=True).encode())
+        key.update(b"\0")
+        key.update(digest)
+        return key.hexdigest()
 
     def path(self, key: str) -> pathlib.Path:
         return self.directory / f"{key}.xla"
 
     def load(
-        self, lowered: jax.stages.Lowered, mesh: Mesh, *, wait: float | None = None
+        self,
+        lowered: jax.stages.Lowered | None,
+        mesh: Mesh,
+        *,
+        wait: float | None = None,
+        known: tuple[bytes, Any, Any] | None = None,
     ) -> jax.stages.Compiled | None:
         """The executable stored for ``lowered`` on ``mesh``, loaded onto the mesh's devices; None
         when there is none or it cannot be used (the reason is recorded and logged).
+
+        ``known``: ``(digest, in_tree, out_tree)`` of ``lowered`` (:meth:`digest`, the trees of
+        its arguments ``(args, kwargs)`` and of its outputs), computed already; with ``lowered``
+        None, those of a program this process lowered before on such a mesh: nothing is traced.
 
         With ``wait`` > 0 (default: the cache's ``follow``), a process that does not lead the
         mesh (the leader owns its first device) waits up to that many seconds for the leader to
@@ -138,8 +155,12 @@ class ExecutableCache:
         at once.
         """
         try:
-            self._check_mesh(lowered, mesh)
-            key = self.key(lowered, mesh)
+            if lowered is not None:
+                self._check_mesh(lowered, mesh)
+            if known is None:
+                known = (self.digest(lowered), lowered.in_tree, lowered.out_tree)
+            digest, in_tree, out_tree = known
+            key = self.key(lowered, mesh, digest)
             wait = self.follow if wait is None else wait
             if wait > 0 and _follows(mesh):
                 self._await(key, wait)
@@ -152,9 +173,7 @@ class ExecutableCache:
         if problem is not None:
             return self._miss(f"entry {self.path(key)} ignored: {problem}")
         try:
-            compiled = compat.deserialize_executable(
-                payload, lowered.in_tree, lowered.out_tree, mesh.devices.flat
-            )
+            compiled = compat.deserialize_executable(payload, in_tree, out_tree, mesh.devices.flat)
         except Exception as error:  # a payload this JAX cannot load is a miss, not a failure
             return self._miss(
                 f"entry {self.path(key)} did not load: {type(error).__name__}: {error}"
@@ -164,19 +183,24 @@ class ExecutableCache:
         return compiled
 
     def store(
-        self, lowered: jax.stages.Lowered, mesh: Mesh, compiled: jax.stages.Compiled
+        self,
+        lowered: jax.stages.Lowered,
+        mesh: Mesh,
+        compiled: jax.stages.Compiled,
+        digest: bytes | None = None,
     ) -> concurrent.futures.Future:
-        """Serialize ``compiled`` (the executable of ``lowered`` on ``mesh``) now and write its
-        entry in the background; the future's result is whether the entry was written."""
+        """Serialize ``compiled`` (the executable of ``lowered`` on ``mesh``; ``digest``: its
+        :meth:`digest`, if computed already) now and write its entry in the background; the
+        future's result is whether the entry was written."""
         try:
             self._check_mesh(lowered, mesh)
-            key = self.key(lowered, mesh)
+            key = self.key(lowered, mesh, digest)
             payload = compat.serialize_executable(compiled)
         except Exception as error:  # e.g. host callbacks: this step is compiled every time
             self._problem(f"executable not stored: {type(error).__name__}: {error}")
             with contextlib.suppress(Exception):  # the followers compile it themselves
                 self.directory.mkdir(parents=True, exist_ok=True)
-                self.path(self.key(lowered, mesh)).with_suffix(".none").touch()
+                self.path(self.key(lowered, mesh, digest)).with_suffix(".none").touch()
             done = concurrent.futures.Future()
             done.set_result(False)
             return done

@@ -187,7 +187,9 @@ class LaunchedJob(_JobCore):
         generation that follows the loss of any one process: the processes left
         are renumbered in order, so that generation's devices are the first ``N - 1``
         processes' devices of this one, whichever process dies, and its processes load the
-        executable instead of compiling it.
+        executable instead of compiling it. The other processes lower that step beside it
+        and remember it: in the next generation, where they keep their process, they load
+        process 0's executable without tracing the step again (``elastic/programs.py``).
 
         Args:
           fn: ``fn(state, batch) -> (state, metrics)``, as for ``ElasticJob.jit``.
@@ -202,8 +204,9 @@ class LaunchedJob(_JobCore):
 
     @property
     def _compiles_ahead(self) -> bool:
-        """Whether process 0 compiles the next generation's step: with ``compile_ahead`` and an
-        executable cache (the next generation's processes load it from there)."""
+        """Whether the next generation's step is compiled ahead (process 0 compiles, the others
+        lower it): with ``compile_ahead`` and an executable cache (the next generation's
+        processes load it from there)."""
         return (
             self.options.compile_ahead
             and self.executable_cache is not None
@@ -212,7 +215,8 @@ class LaunchedJob(_JobCore):
 
     def _compile_ahead(self, processes: int, *, guess: bool):
         """The future step of a generation of the first ``processes`` processes, compiled ahead
-        on the guesses' or the announced layouts' thread; None when no layout fits."""
+        on the guesses' or the announced layouts' thread; None when no layout fits. A guess
+        outside process 0 is only lowered (the future says whether it was remembered)."""
         ids = sorted(self.devices)[: processes * self._worker.spec.devices_per_process]
         try:
             config = self.config_for(len(ids))
@@ -220,13 +224,21 @@ class LaunchedJob(_JobCore):
         except (LayoutError, DataError) as error:  # no layout for that many devices
             self.log(f"compile-ahead for {processes} processes skipped: {error}")
             return None
+        if guess and self._worker.spec.process_id != 0:  # process 0 compiles it
+            return self.steps_cache.lower_ahead(target, self._layout(config))
         return self.steps_cache.get(target, self._layout(config), ahead=True, guess=guess)
 
     def _record_ahead(self, future) -> None:
-        """``RUN_DIR/ahead-g<gen>.json``: the step after a loss is ready (for the benchmarks)."""
+        """``RUN_DIR/ahead-g<gen>.json``: the step after a loss is ready; the other processes'
+        ``lowered-g<gen>-p<id>.json``: they remembered it (for the benchmarks and tests)."""
         if future.cancelled() or future.exception() is not None:
             return
         step = future.result()
+        if self._worker.spec.process_id != 0:
+            if step:
+                name = f"lowered-g{self.generation}-p{self._worker.spec.process_id}.json"
+                self._worker.write_record(name, {"processes": len(self.devices)}, every=True)
+            return
         record = {"processes": self._worker.spec.num_processes - 1, "loaded": step.loaded}
         self._worker.write_record(
             f"ahead-g{self.generation}.json", record | {"seconds": step.seconds}
@@ -314,12 +326,13 @@ class LaunchedJob(_JobCore):
             step = self._compiled(self.ptc, ahead=False).result()
             self._worker.record_step(
                 loaded=step.loaded,
+                traced=step.traced,
                 seconds=step.seconds,
                 compiles=self.compiles,
                 loads=self.loads,
             )
             spec = self._worker.spec
-            if self._compiles_ahead and spec.process_id == 0 and spec.num_processes > 1:
+            if self._compiles_ahead and spec.num_processes > 1:
                 future = self._compile_ahead(spec.num_processes - 1, guess=True)
                 if future is not None:
                     future.add_done_callback(self._record_ahead)

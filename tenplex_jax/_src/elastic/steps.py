@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from tenplex_jax._src import compat
 from tenplex_jax._src.batch import BATCH_AXES, Batch
 from tenplex_jax._src.data import BatchLayout
+from tenplex_jax._src.elastic import programs
 from tenplex_jax._src.elastic.executables import ExecutableCache
 from tenplex_jax._src.ptc import PTC
 
@@ -42,12 +43,14 @@ from tenplex_jax._src.ptc import PTC
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     """A step compiled for one layout, how long XLA took (or the load, when ``loaded``), whether
-    it ran ahead, and whether it was loaded from the :class:`ExecutableCache` (no XLA compile)."""
+    it ran ahead, whether it was loaded from the :class:`ExecutableCache` (no XLA compile), and
+    whether it was traced (a load of a program this process lowered before is not)."""
 
     executable: Any
     seconds: float
     ahead: bool
     loaded: bool = False
+    traced: bool = True  # False: loaded as a program this process lowered before (programs.py)
 
 
 class StepCache:
@@ -143,35 +146,90 @@ class StepCache:
     ) -> Compiled:
         """``fn`` for ``ptc`` and ``layout``, lowered from abstract values afresh (whatever
         steps this cache holds): loaded from ``executables`` when stored there and ``load`` is
-        True, else compiled by XLA (and then stored there)."""
-        lowered, mesh = self._lower(ptc, layout)
-        if self.executables is not None and load:
+        True, else compiled by XLA (and then stored there). A program this process lowered
+        before for the layout (:mod:`programs`: a survivor running its script again) is loaded
+        without tracing it again."""
+        mesh, state, batch = self._abstract(ptc, layout)
+        known = self._program(ptc, layout, state) if self.executables is not None else None
+        lowering = programs.recall(known) if known is not None and load else None
+        if lowering is not None:  # lowered before in this process: load it untraced
             tic = time.perf_counter()
-            executable = self.executables.load(lowered, mesh)
+            trees = (lowering.digest, jax.tree.structure(((state, batch), {})), lowering.out_tree)
+            executable = self.executables.load(None, mesh, known=trees)
+            if executable is not None:
+                with self._lock:
+                    self.loads += 1
+                return Compiled(executable, time.perf_counter() - tic, ahead, True, traced=False)
+        lowered = self._lower(mesh, ptc, state, batch)
+        if self.executables is None:
+            return self._compile(lowered, mesh, ahead, None)
+        digest = self.executables.digest(lowered)
+        if known is not None and _outputs_fit(lowered):
+            programs.remember(known, programs.Lowering(digest, lowered.out_tree))
+        if load and lowering is None:  # (a remembered program's miss was this key's miss)
+            tic = time.perf_counter()
+            trees = (digest, lowered.in_tree, lowered.out_tree)
+            executable = self.executables.load(lowered, mesh, known=trees)
             if executable is not None:
                 with self._lock:
                     self.loads += 1
                 return Compiled(executable, time.perf_counter() - tic, ahead, loaded=True)
-        return self._compile(lowered, mesh, ahead)
+        return self._compile(lowered, mesh, ahead, digest)
 
-    def _compile(self, lowered: jax.stages.Lowered, mesh: Mesh, ahead: bool) -> Compiled:
+    def lower_ahead(self, ptc: PTC, layout: BatchLayout) -> concurrent.futures.Future:
+        """Lower the step for ``ptc`` and ``layout`` on the guesses' thread and remember it
+        (:mod:`programs`), compiling nothing: a process that another compiles a layout for, so
+        that it loads the executable untraced when the layout comes. The future's result is
+        whether it was remembered (False: no executable cache, or ``fn`` has no fingerprint)."""
+        return self._pools[True].submit(self._remember, ptc, layout)
+
+    def _remember(self, ptc: PTC, layout: BatchLayout) -> bool:
+        mesh, state, batch = self._abstract(ptc, layout)
+        known = self._program(ptc, layout, state) if self.executables is not None else None
+        if known is None or programs.recall(known) is not None:
+            return known is not None
+        lowered = self._lower(mesh, ptc, state, batch)
+        if not _outputs_fit(lowered):
+            return False
+        programs.remember(
+            known, programs.Lowering(self.executables.digest(lowered), lowered.out_tree)
+        )
+        return True
+
+    def _program(self, ptc: PTC, layout: BatchLayout, state) -> tuple | None:
+        """The key this step's lowering for ``ptc`` and ``layout`` is remembered under (see
+        :mod:`programs`), or None when ``fn`` has no fingerprint."""
+        fn = programs.fingerprint(self.fn)
+        if fn is None:
+            return None
+        sample = programs.signature(self.sample)
+        return (
+            fn,
+            ptc.config,
+            ptc.device_ids,
+            layout,
+            self.batch_axes,
+            self.donate,
+            sample,
+            programs.signature(state),
+        )
+
+    def _compile(
+        self, lowered: jax.stages.Lowered, mesh: Mesh, ahead: bool, digest: bytes | None
+    ) -> Compiled:
         tic = time.perf_counter()
         executable = lowered.compile()
         seconds = time.perf_counter() - tic
         with self._lock:
             self.compiles += 1
-        if self.executables is not None:
-            self.executables.store(lowered, mesh, executable)  # written in the background
+        if self.executables is not None:  # written in the background
+            self.executables.store(lowered, mesh, executable, digest)
         return Compiled(executable, seconds, ahead)
 
-    def _lower(self, ptc: PTC, layout: BatchLayout) -> tuple[jax.stages.Lowered, Mesh]:
-        """``fn`` jitted with the layout's shardings and lowered on abstract values; its mesh."""
+    def _abstract(self, ptc: PTC, layout: BatchLayout) -> tuple[Mesh, Any, Batch]:
+        """The layout's mesh, abstract state and abstract batch (with their shardings)."""
         mesh = ptc.mesh(self.devices)
         rows = NamedSharding(mesh, P(self.batch_axes))
-        shardings = ptc.shardings(mesh)
-        batch_shardings = Batch(
-            jax.tree.map(lambda _: rows, self.sample), rows, layout, mesh, self.batch_axes
-        )
         abstract_batch = Batch(
             jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct((layout.rows, *x.shape[1:]), x.dtype, sharding=rows),
@@ -182,13 +240,22 @@ class StepCache:
             mesh,
             self.batch_axes,
         )
+        return mesh, ptc.abstract(mesh), abstract_batch
+
+    def _lower(self, mesh: Mesh, ptc: PTC, state, batch: Batch) -> jax.stages.Lowered:
+        """``fn`` jitted with the layout's shardings and lowered on the abstract values."""
+        shardings = ptc.shardings(mesh)
+        rows = NamedSharding(mesh, P(self.batch_axes))
+        batch_shardings = Batch(
+            jax.tree.map(lambda _: rows, self.sample), rows, batch.layout, mesh, self.batch_axes
+        )
         jitted = jax.jit(
             self.fn,
             in_shardings=(shardings, batch_shardings),
             out_shardings=(shardings, NamedSharding(mesh, P())),
             donate_argnums=0 if self.donate else (),
         )
-        return jitted.lower(ptc.abstract(mesh), abstract_batch), mesh
+        return jitted.lower(state, batch)
 
     def cancel_queued(self) -> None:
         """Drop the compile-ahead requests not started yet (to submit them again in a new order)."""
@@ -213,6 +280,15 @@ class StepCache:
             pool.shutdown(wait=wait, cancel_futures=not wait)
         if self.executables is not None and wait:
             self.executables.close()
+
+
+def _outputs_fit(lowered: jax.stages.Lowered) -> bool:
+    """Whether a later load may pass ``lowered``'s output tree with a fresh input tree: the state
+    it returns has the tree of the state it takes (no mesh or device in either)."""
+    try:
+        return lowered.out_tree.children()[0] == lowered.in_tree.children()[0].children()[0]
+    except (AttributeError, IndexError):
+        return False
 
 
 def enable_compilation_cache(directory: str | pathlib.Path) -> None:

@@ -409,9 +409,9 @@ class Worker:
         record["times"] = dict(self.times)
         self._write(f"step-g{self.generation}-p{self.process_index}.json", record, every=True)
 
-    def write_record(self, name: str, record: dict) -> None:
-        """Write a JSON record into the run dir (process 0 only), atomically."""
-        self._write(name, record)
+    def write_record(self, name: str, record: dict, *, every: bool = False) -> None:
+        """Write a JSON record into the run dir (process 0 only, unless ``every``), atomically."""
+        self._write(name, record, every=every)
 
     def stop_requested(self, ready: Callable[[int], bool] | None = None) -> str | None:
         """``"resize"`` or ``"stop"`` when the launcher asked this generation to end (a collective:

@@ -1,0 +1,169 @@
+"""A step a process lowered before loads untraced: what a survivor of a change does when it runs
+its script again. New function objects of the same program (same code, equal closures: a new
+``train_step(graphdef)`` of an equal model and optimizer) are known; another program, a script's
+function compiled anew, or a closure over device arrays are traced. The load gives the bits the
+compile gave, and a damaged entry is one miss and one compile."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tenplex_jax as tj
+from tenplex_jax._src.batch import BATCH_AXES, Batch, device_batch
+from tenplex_jax._src.data import BatchLayout
+from tenplex_jax._src.elastic import programs
+from tenplex_jax._src.elastic.executables import ExecutableCache
+from tenplex_jax._src.elastic.steps import StepCache
+from tenplex_jax._src.ptc import PTC
+from tenplex_jax_models import LOGICAL_RULES, build_state, train_step
+from tests.helpers import host_copy, tiny_samples
+
+BATCH, CONFIG = 24, tj.ParallelConfig(data=4)
+TRACES: list[str] = []  # one entry per trace of a counted step
+
+
+def counted(inner, name: str = "step"):
+    """``inner`` with a note in TRACES each time JAX traces it."""
+
+    def step(state, batch):
+        TRACES.append(name)
+        return inner(state, batch)
+
+    return step
+
+
+def step_of(lr: float = 3e-3):
+    """A new function object of the tiny GPT's step: a new model and optimizer built each call."""
+    return counted(train_step(build_state("tiny", lr, abstract=True)[0]))
+
+
+class Job:
+    """One layout on 4 devices, its first batch and initial state."""
+
+    def __init__(self):
+        self.devices = jax.devices()[:4]
+        self.dataset = tj.DatasetPTC(tiny_samples(), BATCH, seed=1)
+        self.sample = jax.tree.map(np.asarray, self.dataset.load(np.zeros(1, np.int64)))
+        self.ptc = PTC.of(
+            build_state("tiny", 3e-3, abstract=True)[1], LOGICAL_RULES, CONFIG, self.devices
+        )
+        self.layout = BatchLayout(BATCH, ranks=4, workers=4)
+        self.mesh = self.ptc.mesh(self.devices)
+
+    def steps(self, fn, directory) -> StepCache:
+        return StepCache(fn, self.sample, self.devices, executables=ExecutableCache(directory))
+
+    def run(self, steps: StepCache):
+        """(the compiled entry, the outputs of one step from the initial state)."""
+        compiled = steps.get(self.ptc, self.layout, ahead=False).result()
+        init = lambda: build_state("tiny", 3e-3)[1]
+        state = jax.jit(init, out_shardings=self.ptc.shardings(self.mesh))()
+        data, weights, _ = device_batch(self.dataset, 0, self.layout, self.mesh)
+        batch = Batch(data, weights, self.layout, self.mesh, BATCH_AXES)
+        return compiled, host_copy(compiled.executable(state, batch))
+
+
+@pytest.fixture
+def job():
+    programs.forget()
+    TRACES.clear()
+    yield Job()
+    programs.forget()
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(a, b, err_msg=f"leaf {i}")
+
+
+def test_the_same_program_anew_loads_untraced_with_the_compiles_bits(job, tmp_path):
+    first = job.steps(step_of(), tmp_path)
+    compiled, want = job.run(first)
+    first.close()  # waits for the entry's write
+    assert (compiled.traced, compiled.loaded, first.compiles, TRACES) == (True, False, 1, ["step"])
+    again = job.steps(step_of(), tmp_path)  # a new graphdef, optimizer and closure: equal
+    compiled, got = job.run(again)
+    again.close()
+    assert (compiled.traced, compiled.loaded, again.compiles, again.loads) == (False, True, 0, 1)
+    assert TRACES == ["step"]  # nothing traced the second time
+    assert_same(got, want)
+
+
+def test_another_program_a_script_anew_or_device_arrays_are_traced(job, tmp_path):
+    first = job.steps(step_of(), tmp_path)
+    _, want = job.run(first)
+    first.close()
+    # another learning rate: another program (its optimizer's closures differ), compiled
+    other = job.steps(step_of(lr=1e-2), tmp_path)
+    compiled, got = job.run(other)
+    other.close()
+    assert (compiled.traced, compiled.loaded, other.compiles) == (True, False, 1)
+    assert any(not np.array_equal(a, b) for a, b in zip(got, want))
+    # a script run again: its functions are new code objects, whatever their source
+    source = "def step(state, batch):\n    return inner(state, batch)\n"
+    for _ in range(2):
+        space = {"inner": train_step(build_state("tiny", 3e-3, abstract=True)[0])}
+        exec(compile(source, "script.py", "exec"), space)
+        steps = job.steps(space["step"], tmp_path)
+        compiled, _ = job.run(steps)
+        steps.close()
+        assert compiled.traced and compiled.loaded  # the same program text: loaded, but traced
+    # a closure over an array on devices has no fingerprint
+    scale = jnp.ones(())
+    inner = train_step(build_state("tiny", 3e-3, abstract=True)[0])
+    assert programs.fingerprint(lambda s, b: jax.tree.map(lambda x: x * scale, inner(s, b))) is None
+
+
+def test_a_remembered_programs_damaged_entry_is_one_miss_and_one_compile(job, tmp_path):
+    first = job.steps(step_of(), tmp_path)
+    _, want = job.run(first)
+    first.close()
+    (entry,) = tmp_path.glob("*.xla")
+    data = bytearray(entry.read_bytes())
+    data[-1] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    again = job.steps(step_of(), tmp_path)
+    compiled, got = job.run(again)
+    again.close()
+    assert (compiled.traced, compiled.loaded, again.compiles, again.loads) == (True, False, 1, 0)
+    cache = again.executables
+    assert (cache.hits, cache.misses, len(cache.problems)) == (0, 1, 1), cache.problems
+    assert "sha256" in cache.problems[0]
+    assert_same(got, want)
+    assert again.executables.writes == 1  # rewritten whole: the next load is untraced again
+    compiled, _ = job.run(job.steps(step_of(), tmp_path))
+    assert not compiled.traced
+
+
+def test_a_fingerprint_is_equal_for_equal_programs_only():
+    graphdef = lambda lr=3e-3: build_state("tiny", lr, abstract=True)[0]
+    same = programs.fingerprint(train_step(graphdef()))
+    assert same is not None and same == programs.fingerprint(train_step(graphdef()))
+    assert same != programs.fingerprint(train_step(graphdef(1e-2)))
+
+    def scaled(array):
+        return lambda x: x * array
+
+    a, b = np.arange(3.0), np.arange(3.0)
+    assert programs.fingerprint(scaled(a)) == programs.fingerprint(scaled(b))  # by bytes
+    assert programs.fingerprint(scaled(a)) != programs.fingerprint(scaled(a + 1))
+    assert programs.fingerprint(scaled([1, 2])) != programs.fingerprint(scaled([1, 3]))
+    cycle: list = []
+    cycle.append(cycle)
+    assert programs.fingerprint(scaled(cycle)) is None
+    assert programs.fingerprint(scaled({1: [2]})) == programs.fingerprint(scaled({1: [2]}))
+    assert programs.fingerprint(scaled(bytearray(b"x"))) is None  # no hash, no parts
+    owner = object()  # no value hash: by identity
+    assert programs.fingerprint(scaled(owner)) == programs.fingerprint(scaled(owner))
+    assert programs.fingerprint(scaled(owner)) != programs.fingerprint(scaled(object()))
+    partial = functools.partial(np.add, 1)
+    assert programs.fingerprint(scaled(partial)) == programs.fingerprint(
+        scaled(functools.partial(np.add, 1))
+    )
+    assert programs.fingerprint(jax.jit(lambda x: x)) is None  # not a plain function
