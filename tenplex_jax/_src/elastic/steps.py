@@ -150,7 +150,7 @@ class StepCache:
         before for the layout (:mod:`programs`: a survivor running its script again) is loaded
         without tracing it again."""
         mesh, state, batch = self._abstract(ptc, layout)
-        known = self._program(ptc, layout, state) if self.executables is not None else None
+        known = self._program(ptc, layout, state)
         lowering = programs.recall(known) if known is not None and load else None
         if lowering is not None:  # lowered before in this process: load it untraced
             tic = time.perf_counter()
@@ -163,9 +163,7 @@ class StepCache:
         lowered = self._lower(mesh, ptc, state, batch)
         if self.executables is None:
             return self._compile(lowered, mesh, ahead, None)
-        digest = self.executables.digest(lowered)
-        if known is not None and _outputs_fit(lowered):
-            programs.remember(known, programs.Lowering(digest, lowered.out_tree))
+        digest = self._remember_lowered(known, lowered)
         if load and lowering is None:  # (a remembered program's miss was this key's miss)
             tic = time.perf_counter()
             trees = (digest, lowered.in_tree, lowered.out_tree)
@@ -185,21 +183,24 @@ class StepCache:
 
     def _remember(self, ptc: PTC, layout: BatchLayout) -> bool:
         mesh, state, batch = self._abstract(ptc, layout)
-        known = self._program(ptc, layout, state) if self.executables is not None else None
-        if known is None or programs.recall(known) is not None:
-            return known is not None
-        lowered = self._lower(mesh, ptc, state, batch)
-        if not _outputs_fit(lowered):
-            return False
-        programs.remember(
-            known, programs.Lowering(self.executables.digest(lowered), lowered.out_tree)
-        )
-        return True
+        known = self._program(ptc, layout, state)
+        if known is not None and programs.recall(known) is None:
+            self._remember_lowered(known, self._lower(mesh, ptc, state, batch))
+        return known is not None and programs.recall(known) is not None
+
+    def _remember_lowered(self, known: tuple | None, lowered: jax.stages.Lowered) -> bytes:
+        """``lowered``'s digest, remembered under ``known`` when it has one and a load may pass
+        its output tree with fresh inputs."""
+        digest = self.executables.digest(lowered)
+        if known is not None and _outputs_fit(lowered):
+            programs.remember(known, programs.Lowering(digest, lowered.out_tree))
+        return digest
 
     def _program(self, ptc: PTC, layout: BatchLayout, state) -> tuple | None:
         """The key this step's lowering for ``ptc`` and ``layout`` is remembered under (see
-        :mod:`programs`), or None when ``fn`` has no fingerprint."""
-        fn = programs.fingerprint(self.fn)
+        :mod:`programs`), or None: no executable cache to load from, or ``fn`` has no
+        fingerprint."""
+        fn = programs.fingerprint(self.fn) if self.executables is not None else None
         if fn is None:
             return None
         sample = programs.signature(self.sample)
