@@ -114,7 +114,10 @@ def run_recovery(
         "median_step_seconds": step,
         "speedup": total["orbax"] / total["store"],
         # the stalls less one steady step each: what recovering adds to the step it ends with
-        "speedup_beyond_step": (total["orbax"] - step["orbax"]) / (total["store"] - step["store"]),
+        # (None when the store variant's stall is within a step: noise decides the ratio)
+        "speedup_beyond_step": (total["orbax"] - step["orbax"]) / (total["store"] - step["store"])
+        if total["store"] > step["store"]
+        else None,
         "keep_speedup": total["store, no keep"] / total["store"],
         "restore_speedup": restore["orbax"] / restore["store"],
         **({"cached_speedup": total[CACHED[1]] / total[CACHED[0]]} if cached else {}),
@@ -405,7 +408,7 @@ def table(row: dict) -> str:
         f"{m['store']:.2f} | {m['store, no keep']:.2f} | {m['orbax']:.2f} | "
         f"**{row['speedup']:.2f}x** | {row['keep_speedup']:.2f}x | "
         f"{r['store'] * 1e3:.0f} | {r['orbax'] * 1e3:.0f} | **{row['restore_speedup']:.1f}x** | "
-        f"{row['median_step_seconds']['store']:.2f} | {row['speedup_beyond_step']:.2f}x |"
+        f"{row['median_step_seconds']['store']:.2f} | {_times(row['speedup_beyond_step'])} |"
     )
     names = list(row["median_phases"]["store"])
     origin = "kill" if row.get("kind_of_change", "kill") == "kill" else "last step"
@@ -425,6 +428,10 @@ def table(row: dict) -> str:
         )
     table = f"{head}\n|---|" + "---:|" * 11 + f"\n{line}{cached}\n\n"
     return table + "\n".join(phases)
+
+
+def _times(ratio: float | None) -> str:
+    return "—" if ratio is None else f"{ratio:.2f}x"
 
 
 def _name(model: str) -> str:
