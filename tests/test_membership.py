@@ -92,6 +92,81 @@ class _Lines:
             os.write(self._w, (json.dumps(message) + "\n").encode())
 
 
+PUBLISHED = """
+import json, socket, subprocess, sys
+from tenplex_jax._src.multihost import membership
+
+def endpoint(sock):  # as /proc/net/tcp writes 127.0.0.1:port
+    return "0100007F:%04X" % sock.getsockname()[1]
+
+def shut(conn):
+    conn.settimeout(0.2)
+    try:
+        return conn.recv(1) == b""
+    except TimeoutError:
+        return False
+
+def child(script, *argv):
+    command = [sys.executable, "-c", script, *argv]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
+
+with socket.create_server(("127.0.0.1", 0)) as mine:
+    # a trainer on "another host": not a pid this process is told; it listens, and connects to
+    # this process's listener as gloo's pairs do
+    trainer, port = child(sys.argv[1], str(mine.getsockname()[1]))
+    to_trainer = socket.create_connection(("127.0.0.1", port))  # to its published endpoint
+    from_trainer, _ = mine.accept()  # on this process's published endpoint
+    store, store_port = child(sys.argv[2])  # a store: listens, not published
+    to_store = socket.create_connection(("127.0.0.1", store_port))
+    assert membership.listening() == [endpoint(mine)]
+    endpoints = [endpoint(mine), "0100007F:%04X" % port]
+    count = membership.break_collectives([], endpoints)
+    result = {"count": count, "to_trainer": shut(to_trainer), "from_trainer": shut(from_trainer),
+              "store": shut(to_store)}
+    to_store.sendall(b"y")
+    result["store_open"] = to_store.recv(1) == b"y"  # echoed: open both ways
+    result["trainer_saw"], result["store_saw"] = trainer.wait(30), store.wait(30)
+    print(json.dumps(result))
+"""
+
+STORE = """
+import socket
+with socket.create_server(("127.0.0.1", 0)) as listener:
+    print(listener.getsockname()[1], flush=True)
+    conn, _ = listener.accept()
+    conn.sendall(conn.recv(1))
+"""
+
+TRAINER = """
+import socket, sys
+with socket.create_server(("127.0.0.1", 0)) as listener:
+    print(listener.getsockname()[1], flush=True)
+    accepted, _ = listener.accept()
+    out = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+    # each receive returns b"" once the survivor shuts its end down
+    sys.exit(5 if accepted.recv(1) == b"" and out.recv(1) == b"" else 3)
+"""
+
+
+def test_breaking_collectives_shuts_the_connections_of_published_endpoints_on_any_host():
+    """With no pid to find them by (a trainer on another host), the connections to a trainer's
+    published collectives endpoint and those accepted on this process's own are shut; a
+    connection to an endpoint nobody published (a store) stays."""
+    done = subprocess.run(
+        [sys.executable, "-c", PUBLISHED, TRAINER, STORE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["to_trainer"] and result["from_trainer"], result
+    assert not result["store"] and result["store_open"] and result["store_saw"] == 0, result
+    assert result["trainer_saw"] == 5, result  # both of its ends saw the shutdown
+    assert result["count"] == 2, result
+
+
 @pytest.mark.skipif(
     threading.current_thread() is not threading.main_thread(), reason="needs the main thread"
 )

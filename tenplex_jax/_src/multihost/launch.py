@@ -578,6 +578,15 @@ class Launcher:
         """Whether process ``i`` of ``gen`` has left it and waits for a rank (it stays)."""
         return gen.service is not None and (self.run_dir / f"left-g{gen.number}-p{i}.json").exists()
 
+    def _endpoints(self, gen: _Generation) -> list[str]:
+        """The collectives endpoints ``gen``'s processes published when they joined it."""
+        out = []
+        for i in range(len(gen.workers)):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                path = self.run_dir / f"endpoints-g{gen.number}-p{i}.json"
+                out += json.loads(path.read_text())["endpoints"]
+        return out
+
     def _end_generation(self, gen: _Generation, outcome: _Outcome) -> None:
         """End ``gen``: its survivors leave it and wait for the next rank (with ``keep``), the
         rest are killed (after ``--grace`` seconds without ``keep``) and reaped by PID.
@@ -593,7 +602,11 @@ class Launcher:
                 if w.poll() is None and gen.slots[i] not in outcome.lost_slots
             ]
             if outcome.kind == "failure":
-                message = {"end": outcome.kind, "peers": [w.pid for w in gen.workers]}
+                message = {
+                    "end": outcome.kind,
+                    "peers": [w.pid for w in gen.workers],
+                    "endpoints": self._endpoints(gen),
+                }
                 for i in alive:
                     with contextlib.suppress(OSError):
                         self._tell(gen.workers[i], message)

@@ -14,7 +14,8 @@ of JAX make that work (checked on jax 0.10.2 and 0.12, CPU with gloo collectives
   client over the next generation's devices.
 - A survivor of a failure is blocked in a collective with the dead peer (gloo never times out).
   :func:`break_collectives` shuts down this process's TCP connections with the generation's
-  trainers, itself included, and with dead peers (found through ``/proc``): each blocked
+  trainers, itself included (by the endpoints each published when it joined, on any host; on
+  this host also through ``/proc``, a dead peer's too): each blocked
   collective then fails at once (measured: within 0.25 s), the step's arrays hold the error, and
   the script unwinds (:class:`Control` interrupts it) to
   :func:`tenplex_jax._src.multihost.worker.main`.
@@ -22,7 +23,9 @@ of JAX make that work (checked on jax 0.10.2 and 0.12, CPU with gloo collectives
 The launcher talks to a process on its stdin, one JSON object per line (:class:`Control`):
 ``{"env": {...}, "log": path}`` gives it a rank in a generation (the environment holding its
 ``JobSpec``, and the file its output goes to: null for the launcher's own); ``{"end": ...,
-"peers": [pid, ...]}`` ends the generation it runs in (a failure elsewhere); EOF tells it to exit.
+"peers": [pid, ...], "endpoints": [...]}`` ends the generation it runs in (a failure elsewhere;
+the trainers' pids and the collectives endpoints they published at :func:`join`, in
+``RUN_DIR/endpoints-g<gen>-p<id>.json``); EOF tells it to exit.
 """
 
 from __future__ import annotations
@@ -63,8 +66,10 @@ def join(
     *,
     hosted: bool,
     timeout: float = 120.0,
-) -> None:
-    """Configure JAX for a launched generation and join its ``jax.distributed`` job.
+) -> list[str]:
+    """Configure JAX for a launched generation and join its ``jax.distributed`` job; the TCP
+    endpoints this process listens on for the generation's collectives (gloo's), as
+    :func:`break_collectives` takes them.
 
     Args:
       coordinator: the coordination service's ``host:port``.
@@ -89,8 +94,21 @@ def join(
         coordinator_bind_address=bind,
     )
     # the backend: its creation exchanges every process's devices through the service, a wait
-    # as uninterruptible as the connect, so it belongs to joining
+    # as uninterruptible as the connect, so it belongs to joining; gloo listens from then on
     jax.devices()
+    return listening(exclude_ports={_port(bind)} if bind is not None else set())
+
+
+def listening(exclude_ports=frozenset()) -> list[str]:
+    """This process's listening TCP endpoints, as ``/proc/net/tcp`` writes them
+    (``"0100007F:88F9"``), but those on ``exclude_ports`` (decimal strings)."""
+    own = _socket_inodes(os.getpid())
+    ports = {f"{int(p):04X}" for p in exclude_ports}
+    return sorted(
+        local
+        for inode, (state, local, _) in _tcp_table(listening=True).items()
+        if state == LISTEN and inode in own and _port(local) not in ports
+    )
 
 
 def leave(*, broken: bool) -> None:
@@ -104,23 +122,30 @@ def leave(*, broken: bool) -> None:
     compat.drop_backends(keep_alive=broken)
 
 
-def break_collectives(peers: list[int]) -> int:
-    """Shut down this process's TCP connections with the generation's trainers — ``peers`` (their
-    pids) and itself (gloo connects a process's own devices over TCP too) — and those whose
-    other end on this host is gone (a dead peer's): the collectives blocked on them fail instead
-    of waiting forever. Connections to anything else (the stores, the coordination service, a
-    script's own) stay. Returns how many were shut."""
+def break_collectives(peers: list[int], endpoints: list[str] = ()) -> int:
+    """Shut down this process's TCP connections with the generation's trainers, itself included
+    (gloo connects a process's own devices over TCP too), so that the collectives blocked on
+    them fail instead of waiting forever. A connection is the trainers' when one of its ends is
+    a trainer's collectives endpoint (``endpoints``, as each published it at :func:`join`: on
+    any host), or, on this host, an endpoint of ``peers`` (their pids) or a loopback endpoint
+    that is gone (a dead peer's, which may not have published its own). Connections to anything
+    else (the stores, the coordination service, a script's own) stay. Returns how many were
+    shut."""
     table = _tcp_table()
-    local = {ends[0] for ends in table.values()}
+    local = {ends[1] for ends in table.values()}
+    published = set(endpoints)
+    own = {_port(e) for e in set(listening()) & published}  # this process's own listeners
+    anywhere = {_port(e) for e in published if _wildcard(e)}  # listening on every address
     theirs = set()
     for pid in {*peers, os.getpid()}:
-        theirs |= {table[i][0] for i in _socket_inodes(pid) if i in table}
+        theirs |= {table[i][1] for i in _socket_inodes(pid) if i in table}
     shut = 0
     for fd, inode in _socket_fds(os.getpid()):
         if inode not in table:
             continue
-        remote = table[inode][1]
-        if remote in theirs or (remote not in local and _loopback(remote)):
+        _, mine, remote = table[inode]
+        trainers = remote in published or _port(remote) in anywhere or _port(mine) in own
+        if trainers or remote in theirs or (remote not in local and _loopback(remote)):
             with contextlib.suppress(OSError):
                 sock = socket.socket(fileno=fd)
                 try:
@@ -131,18 +156,32 @@ def break_collectives(peers: list[int]) -> int:
     return shut
 
 
-def _tcp_table() -> dict[int, tuple[str, str]]:
-    """Connected TCP sockets of this network namespace (not listening, not closed): inode ->
-    (local, remote) address, as ``/proc/net/tcp`` writes them."""
+LISTEN, CLOSE = "0A", "07"  # /proc/net/tcp's states
+
+
+def _tcp_table(*, listening: bool = False) -> dict[int, tuple[str, str, str]]:
+    """TCP sockets of this network namespace, connected ones (not closed; with ``listening``,
+    listening ones too): inode -> (state, local, remote) address, as ``/proc/net/tcp`` writes
+    them."""
     table = {}
+    skip = {CLOSE} if listening else {CLOSE, LISTEN}
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError), open(name) as f:
             next(f)
             for line in f:
                 fields = line.split()
-                if fields[3] not in ("07", "0A") and int(fields[9]):  # CLOSE, LISTEN; orphans
-                    table[int(fields[9])] = (fields[1], fields[2])
+                if fields[3] not in skip and int(fields[9]):  # (orphans have no inode)
+                    table[int(fields[9])] = (fields[3], fields[1], fields[2])
     return table
+
+
+def _port(endpoint: str) -> str:
+    return endpoint.rsplit(":", 1)[1]
+
+
+def _wildcard(endpoint: str) -> bool:
+    """Whether a listening endpoint is on every address (0.0.0.0 or ::)."""
+    return set(endpoint.rsplit(":", 1)[0]) == {"0"}
 
 
 def _loopback(address: str) -> bool:
@@ -208,7 +247,7 @@ class Control:
             for line in self._stream:
                 message = json.loads(line)
                 if "end" in message:
-                    break_collectives(list(message.get("peers", ())))
+                    break_collectives(message.get("peers", []), message.get("endpoints", []))
                     self.ending.set()
                     with self._lock:
                         if self._joining:

@@ -45,8 +45,10 @@ from tenplex_jax._src.ptc import PTC
 
 
 def join(spec: JobSpec, *, timeout: float = 120.0) -> None:
-    """Configure JAX for the launched job and join it; before anything starts JAX's backend."""
-    membership.join(
+    """Configure JAX for the launched job and join it; before anything starts JAX's backend.
+    The endpoints its collectives listen on go to ``RUN_DIR/endpoints-g<gen>-p<id>.json``: the
+    launcher hands them to the survivors of a failure (``membership.break_collectives``)."""
+    endpoints = membership.join(
         spec.coordinator,
         spec.num_processes,
         spec.process_id,
@@ -54,6 +56,8 @@ def join(spec: JobSpec, *, timeout: float = 120.0) -> None:
         hosted=spec.hosted,
         timeout=timeout,
     )
+    name = f"endpoints-g{spec.generation}-p{spec.process_id}.json"
+    _write_json(pathlib.Path(spec.run_dir) / name, {"endpoints": endpoints})
 
 
 # seconds a process whose script failed waits for the launcher to say that the generation ended
