@@ -37,7 +37,7 @@ import time
 
 from tenplex_jax_benchmarks.recovery import EXAMPLE, FULL_MODEL, recover_once, timings
 
-NPROCS, DEVICES, KILL_AFTER, STEPS = 3, 2, 2, 3
+NPROCS, DEVICES, KILL_AFTER, STEPS = 3, 2, 2, 5  # 3 steps after the kill: a steady one timed
 
 
 def ray_once(run: pathlib.Path, model: str) -> dict:
@@ -97,8 +97,10 @@ def ray_once(run: pathlib.Path, model: str) -> dict:
             if time.monotonic() > deadline or not thread.is_alive():
                 raise RuntimeError("the Ray job did not reach its pause")
             time.sleep(0.05)
-        ahead = run / "ahead-g0.json"  # a failure comes after the job's first seconds
-        while not ahead.exists():
+        # a failure comes after the job's first seconds: process 0 compiled the next layout
+        # ahead, the others lowered it
+        ahead = [run / "ahead-g0.json"] + [run / f"lowered-g0-p{i}.json" for i in range(1, NPROCS)]
+        while not all(p.exists() for p in ahead):
             if time.monotonic() > deadline or not thread.is_alive():
                 raise RuntimeError("the Ray job did not compile ahead for a loss")
             time.sleep(0.05)
@@ -141,7 +143,7 @@ def inside(repeats: int, model: str, out: pathlib.Path) -> None:
                         nprocs=NPROCS,
                         devices_per_proc=DEVICES,
                         kill_after=KILL_AFTER,
-                        steps=STEPS,
+                        after=STEPS - KILL_AFTER,
                     )
             runs[variant].append(result)
             print(

@@ -298,9 +298,9 @@ def timings(run: pathlib.Path, killed: float, nprocs: int, planned: bool = False
         },
         # a steady step of the new configuration: the first step's own share of the recovery,
         # which no way of recovering removes
-        "step_seconds": statistics.median(
-            b["time"] - a["time"] for a, b in itertools.pairwise(new)
-        ),
+        "step_seconds": statistics.median(b["time"] - a["time"] for a, b in itertools.pairwise(new))
+        if len(new) > 1
+        else None,
         "step_loaded": [s["loaded"] for s in steps],
         # False: loaded as a program the process had lowered before (a survivor), nothing traced
         "step_traced": [s.get("traced", True) for s in steps],

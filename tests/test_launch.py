@@ -472,3 +472,32 @@ def test_a_generation_ending_on_a_checkpoint_step_saves_its_checkpoint(job):
     )
     assert resize["step"] == 8
     assert 8 in saved_steps(job["run"] / "ckpt")
+
+
+def test_a_planned_growths_stores_start_before_the_change_and_are_reaped(tmp_path):
+    """A growth 2 -> 3 asked for: the new slot's store starts at once (the generation trains on
+    to the change meanwhile), and the change takes that store; one started for a growth that
+    never came is reaped with the rest."""
+    from tenplex_jax._src.multihost.launch import Launcher
+    from tenplex_jax._src.multihost.spec import LaunchOptions
+
+    launcher = Launcher(LaunchOptions("train.py", nprocs=2, run_dir=str(tmp_path)), log=print)
+    (tmp_path / "logs").mkdir()
+    pids = []
+    try:
+        launcher._start_stores([0, 1])
+        launcher._prepare_stores(2, 3)
+        [growing] = [e for e in events(tmp_path) if e["event"] == "growing"]
+        early = growing["slots"]["2"]
+        pids += [early, *(s.store.pid for s in launcher.slots.values())]
+        assert launcher._resized([0, 1], 3) == [0, 1, 2]
+        assert launcher.slots[2].store.pid == early and launcher._early == {}
+        with store.StoreClient(launcher.slots[2].address) as client:  # it listens
+            assert client.ping()
+        launcher._prepare_stores(3, 4)  # a growth that never comes
+        pids.append(launcher._early[3][0].pid)
+    finally:
+        launcher._teardown()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -131,6 +131,7 @@ class Launcher:
             self.run_dir = pathlib.Path(options.run_dir)
         self.store_dir = pathlib.Path(options.store_dir or self.run_dir / "stores")
         self.slots: dict[int, _Slot] = {}
+        self._early: dict[int, tuple] = {}  # slot -> (store, ready file), started for a growth
         self.workers: list[subprocess.Popen] = []
         self.standbys: dict[int, subprocess.Popen] = {}  # slot -> a warm process, not yet used
         self.kept: dict[int, subprocess.Popen] = {}  # slot -> a survivor waiting for its rank
@@ -216,28 +217,21 @@ class Launcher:
     # -- stores
     # --------------------------------------------------------------------------------------
 
+    def _prepare_stores(self, current: int, count: int) -> None:
+        """A planned growth from ``current`` to ``count`` slots: start the new slots' stores now
+        (those :meth:`_resized` will name), while the generation trains on to the change, so
+        that they listen when it comes."""
+        new = [max(self.slots) + 1 + i for i in range(count - current)]
+        for i in new:
+            if i not in self._early:
+                self._early[i] = self._spawn_store(i)
+        pids = {i: self._early[i][0].pid for i in new}
+        self._event("growing", slots=pids, detail=f"stores of slots {new} started for the growth")
+
     def _start_stores(self, indices) -> None:
         started = {}
-        for i in indices:
-            ready = self.run_dir / f"store-{i}.addr"
-            ready.unlink(missing_ok=True)
-            command = [
-                self.options.python,
-                "-m",
-                "tenplex_jax.multihost.store",
-                "--dir",
-                str(self.store_dir / str(i)),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--ready-file",
-                str(ready),
-            ]
-            if self.token_file is not None:
-                command += ["--token-file", str(self.token_file)]
-            with open(self.run_dir / "logs" / f"store-{i}.log", "ab") as log:
-                started[i] = (spawn(command, stdout=log, stderr=log), ready)
+        for i in indices:  # those started early (a planned growth) are waited for here
+            started[i] = self._early.pop(i) if i in self._early else self._spawn_store(i)
             self.slots[i] = _Slot(i, started[i][0], "")
         deadline = time.monotonic() + self.options.start_timeout
         for i, (proc, ready) in started.items():
@@ -264,6 +258,28 @@ class Launcher:
             detail=f"stores up for slots {sorted(started)}: "
             + ", ".join(self.slots[i].address for i in sorted(started)),
         )
+
+    def _spawn_store(self, i: int) -> tuple[subprocess.Popen, pathlib.Path]:
+        """Start slot ``i``'s store; (its process, the file it writes its address to)."""
+        ready = self.run_dir / f"store-{i}.addr"
+        ready.unlink(missing_ok=True)
+        command = [
+            self.options.python,
+            "-m",
+            "tenplex_jax.multihost.store",
+            "--dir",
+            str(self.store_dir / str(i)),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+        ]
+        if self.token_file is not None:
+            command += ["--token-file", str(self.token_file)]
+        with open(self.run_dir / "logs" / f"store-{i}.log", "ab") as log:
+            return spawn(command, stdout=log, stderr=log), ready
 
     def _up(self, slot: int) -> bool:
         return slot in self.slots and self.slots[slot].store.poll() is None
@@ -543,6 +559,8 @@ class Launcher:
                 requested = self._request(len(gen.slots))
                 if requested is not None:
                     deadline = time.monotonic() + opts.stop_timeout
+                    if requested[0] == "resize" and requested[1] > len(gen.slots):
+                        self._prepare_stores(len(gen.slots), requested[1])
             elif time.monotonic() > deadline:
                 return _Outcome(
                     "failure",
@@ -669,8 +687,9 @@ class Launcher:
         for w in [*self.workers, *self.standbys.values()]:
             kill(w)
         self.standbys, self.kept = {}, {}
-        for slot in self.slots.values():
-            kill(slot.store, signal.SIGTERM, timeout=5.0)
+        for proc in [s.store for s in self.slots.values()] + [p for p, _ in self._early.values()]:
+            kill(proc, signal.SIGTERM, timeout=5.0)
+        self._early = {}
         self.workers = []
 
     def _event(self, kind: str, **fields) -> None:

@@ -258,6 +258,9 @@ class RayLauncher(Launcher):
 
     # -- the launcher's processes, on nodes ------------------------------------------------------
 
+    def _prepare_stores(self, current: int, count: int) -> None:
+        """(A growth's stores start on the nodes it takes, when it takes them.)"""
+
     def _start_stores(self, indices) -> None:
         import ray
 
