@@ -190,6 +190,11 @@ def test_job_survives_two_failures_and_finishes(job):
     assert pids[1] == pids[0][:3] and pids[2] == [pids[0][1]] and pids[3][0] == pids[0][1]
     lost = [e for e in events(job["run"]) if e["event"] == "standby_lost"]
     assert [e["slot"] for e in lost] == [-1], lost
+    # the growth's store for slot 4 started when the growth was asked for, before the change
+    ordered = [e for e in events(job["run"]) if e["event"] in ("request", "growing", "resize")]
+    assert [e["event"] for e in ordered] == ["request", "growing", "resize"], ordered
+    stores = [e for e in events(job["run"]) if e["event"] == "stores"]
+    assert stores[-1]["slots"]["4"]["pid"] == ordered[1]["slots"]["4"]
     for pid in job["children"]:  # every worker and store was reaped
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

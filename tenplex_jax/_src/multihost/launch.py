@@ -80,6 +80,8 @@ __all__ = ["Launcher", "launch"]
 
 SPARE = -1  # the standby kept for a slot the job does not have yet (a growth)
 LEAVE_SECONDS = 10.0  # how long a survivor gets to leave its generation before it is killed
+# how long a planned growth waits for its stores and warm process before it is asked for anyway
+GROW_WAIT_SECONDS = 30.0
 
 
 @dataclasses.dataclass
@@ -481,10 +483,10 @@ class Launcher:
         proc.stdin.flush()
 
     def _spawn_standbys(self, slots: list[int]) -> dict:
-        """A warm process on each of ``slots``' hosts: it imports what the job needs, then waits
-        for the rank :meth:`_activate` writes to its stdin (its output: the launcher's until
-        then)."""
-        env = os.environ | self._worker_env() | {STANDBY: "1"}
+        """A warm process on each of ``slots``' hosts: it imports what the job needs, says so
+        (``RUN_DIR/warm-<pid>``), then waits for the rank :meth:`_activate` writes to its stdin
+        (its output: the launcher's until then)."""
+        env = os.environ | self._worker_env() | {STANDBY: str(self.run_dir)}
         return {slot: spawn(self._command(), env=env, stdin=subprocess.PIPE) for slot in slots}
 
     def _activate(self, slot: int, env: dict, log: pathlib.Path | None):
@@ -528,7 +530,7 @@ class Launcher:
 
     def _watch(self, gen: _Generation) -> _Outcome:
         opts = self.options
-        requested, deadline, stepped = None, None, False
+        requested, deadline, stepped, ask_by = None, None, False, None
         while True:
             if not stepped and self._progress(gen.number, default=-1) >= 0:
                 stepped = True
@@ -559,8 +561,16 @@ class Launcher:
                 requested = self._request(len(gen.slots))
                 if requested is not None:
                     deadline = time.monotonic() + opts.stop_timeout
-                    if requested[0] == "resize" and requested[1] > len(gen.slots):
+                    growing = requested[0] == "resize" and requested[1] > len(gen.slots)
+                    if growing:  # asked once its stores and its warm process are ready
                         self._prepare_stores(len(gen.slots), requested[1])
+                        ask_by = time.monotonic() + GROW_WAIT_SECONDS
+                    else:
+                        self._post_control(requested)
+                        ask_by = None
+            elif ask_by is not None and (self._ready_to_grow() or time.monotonic() > ask_by):
+                self._post_control(requested)
+                ask_by = None
             elif time.monotonic() > deadline:
                 return _Outcome(
                     "failure",
@@ -585,12 +595,25 @@ class Launcher:
                 return None
             action = ("resize", int(text))
         if action is not None:
-            control = self.run_dir / CONTROL
-            tmp = control.with_name(".control.tmp")
-            tmp.write_text(json.dumps({"action": action[0], "processes": action[1]}))
-            os.replace(tmp, control)
             self._event("request", action=action[0], processes=action[1])
         return action
+
+    def _post_control(self, action: tuple[str, int]) -> None:
+        """Ask the workers to end the generation at a step they agree on (``RUN_DIR/control``)."""
+        control = self.run_dir / CONTROL
+        tmp = control.with_name(".control.tmp")
+        tmp.write_text(json.dumps({"action": action[0], "processes": action[1]}))
+        os.replace(tmp, control)
+
+    def _ready_to_grow(self) -> bool:
+        """Whether a planned growth may end the generation: the new slots' stores listen and the
+        spare standby has imported what the job needs (the generation trains on meanwhile)."""
+        stores = all(
+            ready.exists() and ready.read_text().strip() for _, ready in self._early.values()
+        )
+        spare = self.standbys.get(SPARE)  # (a dead one is replaced by a fresh process)
+        warm = spare is None or spare.poll() is not None
+        return stores and (warm or (self.run_dir / f"warm-{spare.pid}").exists())
 
     def _left(self, gen: _Generation, i: int) -> bool:
         """Whether process ``i`` of ``gen`` has left it and waits for a rank (it stays)."""

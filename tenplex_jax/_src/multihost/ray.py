@@ -261,6 +261,9 @@ class RayLauncher(Launcher):
     def _prepare_stores(self, current: int, count: int) -> None:
         """(A growth's stores start on the nodes it takes, when it takes them.)"""
 
+    def _ready_to_grow(self) -> bool:
+        return True  # (its stores start with the growth; its standbys are on other nodes)
+
     def _start_stores(self, indices) -> None:
         import ray
 
@@ -406,17 +409,8 @@ class RayLauncher(Launcher):
         if not rule["grow"]:
             self._declined = set(offered)
             return None
-        return self._ask("resize", current + len(offered))
-
-    def _ask(self, action: str, count: int) -> tuple[str, int]:
-        from tenplex_jax._src.multihost.spec import CONTROL
-
-        control = self.run_dir / CONTROL
-        tmp = control.with_name(".control.tmp")
-        tmp.write_text(json.dumps({"action": action, "processes": count}))
-        os.replace(tmp, control)
-        self._event("request", action=action, processes=count)
-        return action, count
+        self._event("request", action="resize", processes=current + len(offered))
+        return "resize", current + len(offered)  # the launcher asks the workers for it
 
     def _note_progress(self) -> None:
         try:

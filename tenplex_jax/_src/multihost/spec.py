@@ -21,7 +21,9 @@ ENV = "TENPLEX_JOB"  # the launcher passes the whole job description as one JSON
 CONTROL = "control.json"  # in the run dir: the launcher's request to end the generation
 CHECKPOINT = "checkpoint.json"  # in the run dir: the script's own checkpoint dir, for fallbacks
 ACTIONS = ("resize", "stop")
-STANDBY = "TENPLEX_STANDBY"  # set for a standby process: it imports, then waits for its rank
+# set for a standby process: it imports, then waits for its rank; the launcher's run dir, where
+# it says when it has imported (``warm-<pid>``), or "1"
+STANDBY = "TENPLEX_STANDBY"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,9 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv:  # as `python SCRIPT` would, before a standby imports what the script imports
         sys.path.insert(0, str(pathlib.Path(argv[0]).resolve().parent))
     control = None
-    if os.environ.pop(STANDBY, None) and argv:
+    standby = os.environ.pop(STANDBY, None)
+    if standby and argv:
         control = membership.Control()
         _warm(argv[0])
+        if os.path.isdir(standby):  # the launcher's run dir: it waits for this for a growth
+            pathlib.Path(standby, f"warm-{os.getpid()}").touch()
         if not _ranked(control):
             return 0  # the launcher went away before it needed this process
     spec = JobSpec.from_env(os.environ)
