@@ -7,6 +7,7 @@ compile gave, and a damaged entry is one miss and one compile."""
 from __future__ import annotations
 
 import functools
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -68,12 +69,29 @@ class Job:
         return compiled, host_copy(compiled.executable(state, batch))
 
 
-@pytest.fixture
-def job():
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The layout's step compiled once into a directory, its outputs, and the job."""
     programs.forget()
     TRACES.clear()
-    yield Job()
+    job, directory = Job(), tmp_path_factory.mktemp("executables")
+    first = job.steps(step_of(), directory)
+    compiled, want = job.run(first)
+    first.close()  # waits for the entry's write
+    assert (compiled.traced, compiled.loaded, first.compiles, TRACES) == (True, False, 1, ["step"])
+    yield job, directory, want
     programs.forget()
+
+
+@pytest.fixture
+def job(compiled, tmp_path):
+    """The job, the compiled entry copied into ``tmp_path`` and the compile's outputs; this
+    process remembers the program (the fixture lowered it)."""
+    job, directory, want = compiled
+    for entry in directory.iterdir():
+        shutil.copy(entry, tmp_path / entry.name)
+    TRACES.clear()
+    return job, want
 
 
 def assert_same(got, want):
@@ -83,22 +101,17 @@ def assert_same(got, want):
 
 
 def test_the_same_program_anew_loads_untraced_with_the_compiles_bits(job, tmp_path):
-    first = job.steps(step_of(), tmp_path)
-    compiled, want = job.run(first)
-    first.close()  # waits for the entry's write
-    assert (compiled.traced, compiled.loaded, first.compiles, TRACES) == (True, False, 1, ["step"])
+    job, want = job
     again = job.steps(step_of(), tmp_path)  # a new graphdef, optimizer and closure: equal
     compiled, got = job.run(again)
     again.close()
     assert (compiled.traced, compiled.loaded, again.compiles, again.loads) == (False, True, 0, 1)
-    assert TRACES == ["step"]  # nothing traced the second time
+    assert TRACES == []  # nothing traced
     assert_same(got, want)
 
 
 def test_another_program_a_script_anew_or_device_arrays_are_traced(job, tmp_path):
-    first = job.steps(step_of(), tmp_path)
-    _, want = job.run(first)
-    first.close()
+    job, want = job
     # another learning rate: another program (its optimizer's closures differ), compiled
     other = job.steps(step_of(lr=1e-2), tmp_path)
     compiled, got = job.run(other)
@@ -121,9 +134,7 @@ def test_another_program_a_script_anew_or_device_arrays_are_traced(job, tmp_path
 
 
 def test_a_remembered_programs_damaged_entry_is_one_miss_and_one_compile(job, tmp_path):
-    first = job.steps(step_of(), tmp_path)
-    _, want = job.run(first)
-    first.close()
+    job, want = job
     (entry,) = tmp_path.glob("*.xla")
     data = bytearray(entry.read_bytes())
     data[-1] ^= 0xFF

@@ -63,6 +63,9 @@ def join(spec: JobSpec, *, timeout: float = 120.0) -> None:
 # seconds a process whose script failed waits for the launcher to say that the generation ended
 # (a peer died, and the collectives failed with it): then it stays for the next generation
 ENDING_SECONDS = 1.0
+# seconds a commit's copy waits for a store to answer its connection before that copy fails (a
+# ReplicatedStore's 2 s failed commits on a loaded 2-core host: a generation lost to a slow store)
+STORE_CONNECT_SECONDS = 10.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,8 +361,12 @@ class Worker:
         if missing:
             raise StoreError(f"the stores of slots {missing} of this generation are not reachable")
         replicas = min(spec.replicas, len(spec.slots) - 1)
-        replicated = ReplicatedStore(
-            [spec.stores[s] for s in spec.slots], replicas=replicas, token=spec.token()
+        replicated = ReplicatedStore(  # a loaded host's store may take seconds to answer (a
+            # dead one refuses at once, and the launcher ends the generation of a lost host)
+            [spec.stores[s] for s in spec.slots],
+            replicas=replicas,
+            token=spec.token(),
+            connect_timeout=STORE_CONNECT_SECONDS,
         )
         stores = [self.clients[s] for s in spec.slots]
         self.committer = Committer(spec.process_id, spec.slots, stores, replicated, replicas)
