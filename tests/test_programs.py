@@ -161,6 +161,11 @@ def test_a_fingerprint_is_equal_for_equal_programs_only():
     def scaled(array):
         return lambda x: x * array
 
+    # scalars by type and value: these trace to other programs though Python calls them equal
+    assert programs.fingerprint(scaled(1)) != programs.fingerprint(scaled(1.0))
+    assert programs.fingerprint(scaled(True)) != programs.fingerprint(scaled(1))
+    assert programs.fingerprint(scaled(0.0)) != programs.fingerprint(scaled(-0.0))
+    assert programs.fingerprint(scaled(0.5)) == programs.fingerprint(scaled(0.5))
     a, b = np.arange(3.0), np.arange(3.0)
     assert programs.fingerprint(scaled(a)) == programs.fingerprint(scaled(b))  # by bytes
     assert programs.fingerprint(scaled(a)) != programs.fingerprint(scaled(a + 1))

@@ -233,13 +233,14 @@ class LaunchedJob(_JobCore):
         ``lowered-g<gen>-p<id>.json``: they remembered it (for the benchmarks and tests)."""
         if future.cancelled() or future.exception() is not None:
             return
-        step = future.result()
-        if self._worker.spec.process_id != 0:
-            if step:
-                name = f"lowered-g{self.generation}-p{self._worker.spec.process_id}.json"
-                self._worker.write_record(name, {"processes": len(self.devices)}, every=True)
+        step, spec = future.result(), self._worker.spec
+        record = {"processes": spec.num_processes - 1}
+        if spec.process_id != 0:
+            if step:  # remembered
+                name = f"lowered-g{self.generation}-p{spec.process_id}.json"
+                self._worker.write_record(name, record, every=True)
             return
-        record = {"processes": self._worker.spec.num_processes - 1, "loaded": step.loaded}
+        record["loaded"] = step.loaded
         self._worker.write_record(
             f"ahead-g{self.generation}.json", record | {"seconds": step.seconds}
         )

@@ -91,7 +91,8 @@ def _canonical(value, seen: set[int]):
     their parts, host arrays by their bytes, other objects by their own hash if they have a value
     hash, else by identity."""
     if isinstance(value, _VALUES):
-        return value
+        # typed (1, 1.0 and True trace to other programs), floats by repr (0.0 and -0.0 too)
+        return (type(value), repr(value) if isinstance(value, (float, complex)) else value)
     if id(value) in seen or len(seen) > _DEPTH:
         raise _Unknown  # a cycle, or too deep to be worth it
     seen = seen | {id(value)}

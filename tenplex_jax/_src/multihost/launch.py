@@ -567,7 +567,6 @@ class Launcher:
                         ask_by = time.monotonic() + GROW_WAIT_SECONDS
                     else:
                         self._post_control(requested)
-                        ask_by = None
             elif ask_by is not None and (self._ready_to_grow() or time.monotonic() > ask_by):
                 self._post_control(requested)
                 ask_by = None
