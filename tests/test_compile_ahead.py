@@ -3,6 +3,7 @@ layout (config, device order, batch layout) it picks, and no guess takes its com
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -104,3 +105,45 @@ def test_upcoming_gives_the_devices_after_each_of_the_next_two_changes(events, w
         tj.elastic.TraceEvent(s, k, None if d is None else tuple(d), c) for s, k, d, c in events
     ]
     assert upcoming(job, trace) == want
+
+
+@pytest.mark.parametrize("option", [tj.elastic.JobOptions.switch_interval, None])
+def test_a_background_compile_lowers_the_switch_interval_and_puts_it_back(option):
+    """While a step traces on a compile thread, Python's switch interval is at most the option
+    (the job's loop would otherwise wait up to 5 ms for the GIL at each JAX call); when no
+    compile runs it is the user's again, after a failed compile too, and a value the user set
+    meanwhile is kept. None leaves it alone."""
+    seen, user = [], sys.getswitchinterval()
+
+    def step(state, batch):  # its body runs at trace time, on the compile's thread
+        seen.append(sys.getswitchinterval())
+        if len(seen) == 2:
+            raise ValueError("a step that fails to trace")
+        if len(seen) == 3:
+            sys.setswitchinterval(0.002)  # the user's own change, during a compile
+        return STEP(state, batch)
+
+    options = tj.elastic.JobOptions(compile_ahead=True, switch_interval=option)
+    job = tj.ElasticJob(
+        LOGICAL_RULES, tj.DatasetPTC(tiny_samples(), 24, seed=1), workers=8, options=options
+    )
+
+    def ahead(ids) -> None:  # compile the layout of ``ids`` on a compile thread; wait for it
+        target = job._target(tuple(ids))
+        job.steps_cache.get(target, job._layout(target.config), ahead=True).exception()
+
+    sys.setswitchinterval(0.005)
+    try:
+        with job:
+            job.start(tiny_init)
+            job.jit(step)  # the first layout compiles on a compile thread
+            ahead(range(8))
+            assert sys.getswitchinterval() == pytest.approx(0.005)
+            ahead(range(4))  # fails to trace
+            assert sys.getswitchinterval() == pytest.approx(0.005)
+            ahead(range(6))  # the user changes the setting while it traces
+            assert sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        sys.setswitchinterval(user)
+    want = 0.005 if option is None else option
+    assert seen == pytest.approx([want] * 3)

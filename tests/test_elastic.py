@@ -347,6 +347,11 @@ def _compile_threads() -> list[threading.Thread]:
         ({"batch_axes": ("data", "rows")}, r"distinct mesh axes among .*got \('data', 'rows'\)"),
         ({"compile_ahead": 1}, r"JobOptions.compile_ahead is a bool, got 1"),
         ({"log": "stdout"}, r"JobOptions.log is a callable"),
+        (
+            {"switch_interval": 0},
+            r"JobOptions.switch_interval is seconds in \(0, 1\] or None, got 0",
+        ),
+        ({"switch_interval": "5ms"}, r"JobOptions.switch_interval is seconds .* got '5ms'"),
     ],
 )
 def test_job_options_refuse_a_bad_field_naming_it(fields, match):

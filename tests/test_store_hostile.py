@@ -739,3 +739,39 @@ def test_authorized_clients_are_served_through_a_flood_of_unauthenticated_connec
     assert pending and max(pending) <= max_handshakes, report
     assert max(fds) <= fds_before + max_handshakes + max_connections + 8, report
     assert sum(opened.values()) >= 10 * 70, report  # a flood: every peer re-opened many times
+
+
+def test_socketservers_own_handle_request_is_refused_and_serves_no_one() -> None:
+    """The store admits a connection, checking its hello and token, only in its own accept loop.
+    ``socketserver``'s inherited ``handle_request`` would accept a waiting connection and run the
+    handler on it unchecked: it is refused, and the connection is not accepted."""
+    import socketserver
+    import types
+
+    from tenplex_jax._src.multihost.store.connections import Server
+
+    handled = []
+
+    class Handler(socketserver.BaseRequestHandler):
+        def handle(self):
+            handled.append(self.client_address)
+
+    limits = types.SimpleNamespace(
+        max_body_bytes=MIB,
+        timeout=5.0,
+        handshake_timeout=5.0,
+        max_connections=4,
+        max_handshakes=4,
+        budget=None,
+    )
+    server = Server(("127.0.0.1", 0), None, "token", limits, Handler)
+    try:
+        server.timeout = 2.0  # the inherited method would wait this long for a connection
+        with (
+            socket.create_connection(server.server_address, timeout=5.0),
+            pytest.raises(NotImplementedError, match="only in serve_forever"),
+        ):
+            server.handle_request()
+        assert handled == [] and server.connections() == 0
+    finally:
+        server.server_close()

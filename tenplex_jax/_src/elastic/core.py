@@ -35,7 +35,7 @@ import numpy as np
 from tenplex_jax._src.batch import BATCH_AXES, Batch, device_batch
 from tenplex_jax._src.data import BatchLayout, DatasetPTC
 from tenplex_jax._src.elastic.executables import ExecutableCache
-from tenplex_jax._src.elastic.steps import StepCache
+from tenplex_jax._src.elastic.steps import SWITCH_INTERVAL, StepCache
 from tenplex_jax._src.errors import LayoutError
 from tenplex_jax._src.executor import METHODS, place
 from tenplex_jax._src.mesh import MESH_AXES, show_mesh
@@ -80,6 +80,10 @@ class JobOptions:
         program, process and layout): each layout's step is loaded from it when this process, or
         one in its position, compiled it before, and stored in it after a compile. Default None:
         none for :class:`tenplex_jax.ElasticJob`, ``RUN_DIR/executables`` for a launched job.
+      switch_interval: seconds; while a step traces and compiles on a background thread, Python's
+        thread switch interval (``sys.setswitchinterval``, process-wide) is at most this, so that
+        the tracing does not hold up the training loop's thread for up to the interpreter's 5 ms
+        at each JAX call; the setting is put back when no compile runs. None leaves it alone.
 
     Raises:
       LayoutError: a field has the wrong type or lies outside its range; the message names the
@@ -95,6 +99,7 @@ class JobOptions:
     device_type: DeviceType | None = None
     log: Callable[[str], None] | None = None
     executable_cache: str | os.PathLike | None = None
+    switch_interval: float | None = SWITCH_INTERVAL
 
     def __post_init__(self):
         for name in ("compile_ahead", "exact_step_times"):
@@ -118,6 +123,15 @@ class JobOptions:
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
                 raise LayoutError(f"JobOptions.{name} is a {kind.__name__} or None, got {value!r}")
+        interval = self.switch_interval
+        if interval is not None and (
+            isinstance(interval, bool)
+            or not isinstance(interval, (int, float))
+            or not 0 < interval <= 1
+        ):
+            raise LayoutError(
+                f"JobOptions.switch_interval is seconds in (0, 1] or None, got {interval!r}"
+            )
         if self.log is not None and not callable(self.log):
             raise LayoutError(f"JobOptions.log is a callable taking a str, got {self.log!r}")
         directory = self.executable_cache
@@ -255,7 +269,12 @@ class _JobCore(abc.ABC):
             follow = FOLLOW_SECONDS if self.launched else 0.0
             executables = ExecutableCache(self.executable_cache, log=self.log, follow=follow)
         self.steps_cache = StepCache(
-            fn, self._sample, list(self.devices.values()), self.options.batch_axes, executables
+            fn,
+            self._sample,
+            list(self.devices.values()),
+            self.options.batch_axes,
+            executables,
+            switch_interval=self.options.switch_interval,
         )
         self._compiled(self.ptc, ahead=True)
         self._stalled = (None, time.perf_counter())  # time the first step too
