@@ -3,16 +3,19 @@ layout (config, device order, batch layout) it picks, and no guess takes its com
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 
 import tenplex_jax as tj
+from tenplex_jax._src.elastic.events import Event
 from tenplex_jax._src.elastic.trace import upcoming
 from tenplex_jax_models import LOGICAL_RULES
-from tests.helpers import tiny_init, tiny_samples, tiny_step
+from tests.helpers import host_copy, tiny_init, tiny_samples, tiny_step
 
 C = tj.ParallelConfig
 STEP = tiny_step()
@@ -107,6 +110,17 @@ def test_upcoming_gives_the_devices_after_each_of_the_next_two_changes(events, w
     assert upcoming(job, trace) == want
 
 
+def test_upcoming_starts_after_the_events_still_waiting_for_their_step():
+    """An event posted but not applied (a notice waiting for its layout's step) is the next
+    change: the ones after it are counted from its devices."""
+    dataset = tj.DatasetPTC(np.zeros((8, 2), np.float32), global_batch=8)
+    job = tj.ElasticJob((), dataset, config=lambda n: C(data=n))
+    job.start({"w": np.zeros((8, 2), np.float32)})
+    job.preempt([6, 7])  # posted; no boundary has run
+    later = [tj.elastic.TraceEvent(5, "preempt", (4, 5)), tj.elastic.TraceEvent(9, "offer", (6,))]
+    assert upcoming(job, later) == [(0, 1, 2, 3, 4, 5), (0, 1, 2, 3)]
+
+
 @pytest.mark.parametrize("option", [tj.elastic.JobOptions.switch_interval, None])
 def test_a_background_compile_lowers_the_switch_interval_and_puts_it_back(option):
     """While a step traces on a compile thread, Python's switch interval is at most the option
@@ -147,3 +161,101 @@ def test_a_background_compile_lowers_the_switch_interval_and_puts_it_back(option
         sys.setswitchinterval(user)
     want = 0.005 if option is None else option
     assert seen == pytest.approx([want] * 3)
+
+
+def _notice_job(step, notice: float = 60.0):
+    job = tj.ElasticJob(
+        LOGICAL_RULES,
+        tj.DatasetPTC(tiny_samples(), 24, seed=1),
+        workers=8,
+        options=tj.elastic.JobOptions(notice_seconds=notice, exact_step_times=True),
+    )
+    return job, job.start(tiny_init), job.jit(step)
+
+
+def test_a_notice_trains_on_its_devices_until_the_new_layout_is_compiled():
+    """With ``notice_seconds``, a preemption notice whose layout is not compiled yet queues it
+    ahead and the job trains on all its devices; the first boundary after the compile is ready
+    moves the job, with nothing to wait for. The run's params equal, bit for bit, a run that
+    never changed devices (data parallelism over virtual workers), and every batch is the same."""
+    gate = threading.Event()  # holds the six-device step's trace until the test lets it go
+
+    def step(state, batch):
+        if batch.mesh.devices.size == 6:
+            assert gate.wait(120), "the test never released the compile"
+        return STEP(state, batch)
+
+    job, state, run = _notice_job(step)
+    samples = []
+    with job:
+        for i in range(8):
+            if i == 2:
+                job.preempt([6, 7])
+            if i == 5:  # three boundaries waited: release the compile, wait until it is ready
+                gate.set()
+                assert wait_compiled(job, range(6))
+            state, batch = job.next(state)
+            if i < 5:
+                assert list(job.ptc.device_ids) == list(range(8)), i  # trains on, on all 8
+                assert job.records == []
+            state, _ = run(state, batch)
+            samples.append(job.samples[job.samples >= 0])  # the real rows, in order
+        [record] = job.records
+        got = host_copy(state)
+    assert (record.step, record.decision, record.notice_steps) == (5, "shrink", 3)
+    assert record.compile == "cached" and record.compile_wait_seconds < 0.05
+    assert record.devices_after == list(range(6))
+
+    fixed, state, run = _notice_job(STEP)
+    with fixed:
+        for i in range(8):
+            state, batch = fixed.next(state)
+            np.testing.assert_array_equal(fixed.samples[fixed.samples >= 0], samples[i])
+            state, _ = run(state, batch)
+        want = host_copy(state)
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(a, b, err_msg=f"leaf {i}")
+
+
+def test_which_events_wait_for_their_step():
+    """Only a notice or a redeploy waits, alone in the queue, within its time, for a step that
+    is not ready; a failure, an event with another behind it, one past its time or a job without
+    a notice applies at the next boundary, as does one whose step is compiled."""
+    gate = threading.Event()
+
+    def step(state, batch):
+        if batch.mesh.devices.size == 4:
+            assert gate.wait(120)
+        return STEP(state, batch)
+
+    job, _, _ = _notice_job(step)
+    with job:
+        cases = {
+            "notice": ([Event("preempt", (4, 5, 6, 7))], True),
+            "redeploy": ([Event("redeploy", (0, 1, 2, 3))], True),
+            "failure": ([Event("fail", (4, 5, 6, 7))], False),
+            "another behind it": ([Event("preempt", (4, 5, 6, 7)), Event("fail", (7,))], False),
+            "past its time": (
+                [Event("preempt", (4, 5, 6, 7), posted=time.perf_counter() - 61)],
+                False,
+            ),
+            "no change": ([Event("redeploy", tuple(range(8)))], False),
+        }
+        for name, (queued, waits) in cases.items():
+            job._pending.clear()
+            job._notice = None
+            job._pending.extend(queued)
+            assert job._waits(queued[0]) is waits, name
+        gate.set()
+        assert wait_compiled(job, range(4))
+        job._pending.clear()
+        job._notice = None
+        job._pending.append(Event("preempt", (4, 5, 6, 7)))
+        assert not job._waits(job._pending[0]), "compiled"
+        job._pending.clear()
+    quiet, _, _ = _notice_job(STEP, notice=0.0)
+    with quiet:
+        quiet._pending.append(Event("preempt", (4, 5, 6, 7)))
+        assert not quiet._waits(quiet._pending[0])
+    with pytest.raises(tj.errors.LayoutError, match=r"JobOptions.notice_seconds is seconds >= 0"):
+        dataclasses.replace(quiet.options, notice_seconds=-1)

@@ -283,6 +283,15 @@ def _parser() -> argparse.ArgumentParser:
         "size; 0 for plain data parallelism (default: 8)",
     )
     demo.add_argument(
+        "--notice",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="how long a preemption notice or a scheduled move leaves the job its devices: the "
+        "change waits up to this long for its layout's step to compile, training on meanwhile "
+        "(JobOptions.notice_seconds; default: 0, the next step boundary)",
+    )
+    demo.add_argument(
         "--trace",
         metavar="FILE",
         help="replay a resource trace (TOML, see meshes/README.md) with the elastic loop: "
@@ -666,6 +675,7 @@ def _demo(args) -> int:
         seed=args.seed,
         workers=args.workers or None,
         samples=args.samples,
+        notice_seconds=args.notice,
     )
     if trace is not None:
         from tenplex_jax._src.cli import trace_demo

@@ -69,6 +69,7 @@ class DemoOptions:
     workers: int | None = 8  # virtual data-parallel workers; None: plain data parallelism
     samples: int = 1000  # dataset size: not a multiple of the batch, so an epoch ends mid-run
     bitwise: bool = False  # the data-parallel schedule (the default schedule's only)
+    notice_seconds: float = 0.0  # JobOptions.notice_seconds: a change waits for its step
 
     @property
     def plan(self) -> tuple[tuple[int, Layout], ...]:
@@ -264,7 +265,12 @@ def train(
         steps=trace.steps,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
-        options=JobOptions(method=options.method, log=bar.write, **job_options),
+        options=JobOptions(
+            method=options.method,
+            log=bar.write,
+            notice_seconds=options.notice_seconds,
+            **job_options,
+        ),
     ) as job:
         tic = time.perf_counter()
         state = job.start(_init(options.model, options.lr, options.seed))
@@ -400,6 +406,7 @@ def _resize_record(r, step_log) -> dict:
         "seconds": r.reshard_seconds,
         "compile": r.compile,
         "compile_wait_seconds": r.compile_wait_seconds,
+        "notice_steps": r.notice_steps,
         "first_step_seconds": first,
         "step_seconds": step,
         "stall_seconds": r.stall_seconds,

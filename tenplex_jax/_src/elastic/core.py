@@ -80,6 +80,11 @@ class JobOptions:
         program, process and layout): each layout's step is loaded from it when this process, or
         one in its position, compiled it before, and stored in it after a compile. Default None:
         none for :class:`tenplex_jax.ElasticJob`, ``RUN_DIR/executables`` for a launched job.
+      notice_seconds: how long a preemption notice or a redeploy leaves the job its devices. The
+        change waits at most this long for its layout's step, compiling it in the background
+        (ahead, if nothing compiles it yet), while the job trains on its current devices; it is
+        applied at the first boundary where the step is ready, the time is up, or another event
+        is posted after it. Default 0: at the next boundary, as a failure always is.
       switch_interval: seconds; while a step traces and compiles on a background thread, Python's
         thread switch interval (``sys.setswitchinterval``, process-wide) is at most this, so that
         the tracing does not hold up the training loop's thread for up to the interpreter's 5 ms
@@ -99,6 +104,7 @@ class JobOptions:
     device_type: DeviceType | None = None
     log: Callable[[str], None] | None = None
     executable_cache: str | os.PathLike | None = None
+    notice_seconds: float = 0.0
     switch_interval: float | None = SWITCH_INTERVAL
 
     def __post_init__(self):
@@ -123,6 +129,9 @@ class JobOptions:
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
                 raise LayoutError(f"JobOptions.{name} is a {kind.__name__} or None, got {value!r}")
+        notice = self.notice_seconds
+        if isinstance(notice, bool) or not isinstance(notice, (int, float)) or not notice >= 0:
+            raise LayoutError(f"JobOptions.notice_seconds is seconds >= 0, got {notice!r}")
         interval = self.switch_interval
         if interval is not None and (
             isinstance(interval, bool)

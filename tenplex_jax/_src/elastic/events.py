@@ -73,6 +73,9 @@ class EventRecord:
         ``checkpoint_dir``; 0 when this step was already saved).
       restore_seconds: the time a ``restore`` took to read the checkpoint onto the new layout.
       lost_steps: the steps a ``restore`` rewound, to rerun from the checkpoint's step.
+      notice_steps: the steps the job trained on its devices after the event was posted, while
+        the new layout's step compiled (``JobOptions.notice_seconds``); its stall counts from the
+        boundary it was applied at.
       stall_seconds: from the event's posting to the end of the first step on the new layout
         (that step is waited for); None on a ``stay``, until that step has run, and for an event
         another one follows at the same boundary (the stall is the last one's).
@@ -102,6 +105,7 @@ class EventRecord:
     commit_seconds: float = 0.0
     restore_seconds: float = 0.0
     lost_steps: int = 0
+    notice_steps: int = 0  # steps trained on the old devices while the new layout compiled
     stall_seconds: float | None = None  # event posted -> first step done on the new layout
     estimate: dict | None = None  # growth: the numbers behind the decision
     error: str | None = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import pathlib
 import signal
@@ -137,6 +138,8 @@ class ElasticJob(_JobCore):
         self._saving = None  # the checkpoint being written in the background, if any
         self.resumed: int | None = None  # the checkpoint step start() restored, if any
         self._pending: collections.deque[Event] = collections.deque()
+        # the event waiting for its layout's step (notice_seconds): (event, step, target)
+        self._notice: tuple[Event, int, PTC] | None = None
         self._hints: list[tuple[int, ...]] = []  # announced device sets, in the order of use
         self._outstanding: tuple[tuple[int, ...], ...] = ()  # those compiled ahead, not reached
         self._guessed: tuple[int, ...] | None = None  # the devices the last guess was made on
@@ -192,13 +195,18 @@ class ElasticJob(_JobCore):
         """
         if self.ptc is None:
             raise LayoutError("call job.start(init) before job.next(state)")
-        changed = bool(self._pending)
-        while self._pending:
-            state = self._apply(state, self._pending.popleft())
+        changed = False
+        while self._pending and not self._waits(self._pending[0]):
+            event, notice_steps = self._pending.popleft(), 0
+            if self._notice is not None and self._notice[0] is event:  # it waited: the job
+                notice_steps = self.step - self._notice[1]  # trained on; it stalls from now
+                event, self._notice = dataclasses.replace(event, posted=time.perf_counter()), None
+            state = self._apply(state, event, notice_steps)
+            changed = True
         every = self.checkpoint_every
         if self.checkpoint_dir is not None and every and self.step % every == 0:
             self._save(state)
-        if not changed:  # not beside the first step of a change, which ends its stall
+        if not changed and not self._pending:  # not beside a change's first step or its compile
             self._guess()
         return state, self._batch()
 
@@ -358,7 +366,35 @@ class ElasticJob(_JobCore):
         ids = None if devices is None else tuple(int(d) for d in devices)
         self._pending.append(Event(kind, ids, count, source))  # deque.append: signal-safe
 
-    def _apply(self, state, event: Event):
+    def _waits(self, event: Event) -> bool:
+        """Whether ``event`` waits at this boundary for its layout's step (``notice_seconds``):
+        a notice or a redeploy, the only event posted, within its time, whose step is not ready.
+        The first time it waits, its step is queued ahead unless something compiles it."""
+        if (
+            event.kind not in ("preempt", "redeploy")
+            or len(self._pending) > 1
+            or self.steps_cache is None
+            or time.perf_counter() - event.posted >= self.options.notice_seconds
+        ):
+            return False
+        if self._notice is None or self._notice[0] is not event:
+            ids = self.devices_after(event.kind, event.devices, event.count)
+            if set(ids) == set(self.ptc.device_ids):
+                return False
+            try:
+                target = self._target(ids)
+            except (LayoutError, DataError):
+                return False  # applied now, where the error is raised
+            self._notice = (event, self.step, target)
+        target = self._notice[2]
+        key = self._key(target)
+        if self.steps_cache.ready(key):
+            return False
+        if self.steps_cache.status(key) in (None, "failed"):  # never submitted, or cancelled
+            self.steps_cache.get(target, self._layout(target.config), ahead=True)
+        return True
+
+    def _apply(self, state, event: Event, notice_steps: int = 0):
         before = self.ptc
         ids = self.devices_after(event.kind, event.devices, event.count)
         record = EventRecord(
@@ -370,6 +406,7 @@ class ElasticJob(_JobCore):
             str(before.config),
             "",
             "",
+            notice_steps=notice_steps,
         )
         failed = ()
         if event.kind == "fail":

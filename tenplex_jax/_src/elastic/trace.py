@@ -223,7 +223,7 @@ def replay(
     events = list(trace.events)
     announce = hints
     while job.step < trace.steps:
-        if announce:  # from the devices the job has now: the change before is done
+        if announce:  # from the devices the job has after the changes posted before
             for ids in upcoming(job, events):
                 job.expect(ids)
             announce = False
@@ -244,9 +244,20 @@ def replay(
 def upcoming(job: ElasticJob, events, changes: int = 2) -> list[tuple[int, ...]]:
     """The device ids ``job`` will have after each of the next ``changes`` step boundaries of
     ``events`` (events at one boundary are applied together: only the last set is run), from the
-    devices it has now; fewer when the events end or one would leave the job no device."""
+    devices it has now; fewer when the events end or one would leave the job no device. Events
+    posted but not applied yet (waiting for their step, ``JobOptions.notice_seconds``) come first,
+    as one boundary."""
     ids, sets = tuple(job.ptc.device_ids), []
+    for e in list(job._pending):
+        try:
+            ids = job.devices_after(e.kind, e.devices, e.count, current=ids)
+        except LayoutError:
+            return sets
+    if job._pending:
+        sets.append(ids)
     for i, e in enumerate(events):
+        if len(sets) == changes:
+            break
         try:
             ids = job.devices_after(e.kind, e.devices, e.count, current=ids)
         except LayoutError:  # the event itself raises it when it is applied
