@@ -84,7 +84,9 @@ class JobOptions:
         change waits at most this long for its layout's step, compiling it in the background
         (ahead, if nothing compiles it yet), while the job trains on its current devices; it is
         applied at the first boundary where the step is ready, the time is up, or another event
-        is posted after it. Default 0: at the next boundary, as a failure always is.
+        is posted after it. Default 0: at the next boundary, as a failure always is. (One
+        process's :class:`tenplex_jax.ElasticJob`; a launched job's planned shrink always trains
+        on until its layout is compiled.)
       switch_interval: seconds; while a step traces and compiles on a background thread, Python's
         thread switch interval (``sys.setswitchinterval``, process-wide) is at most this, so that
         the tracing does not hold up the training loop's thread for up to the interpreter's 5 ms
