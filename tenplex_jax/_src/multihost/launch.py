@@ -237,7 +237,7 @@ class Launcher:
             self.slots[i] = _Slot(i, started[i][0], "")
         deadline = time.monotonic() + self.options.start_timeout
         for i, (proc, ready) in started.items():
-            while not (ready.exists() and ready.read_text().strip()):
+            while not (address := _address(ready)):
                 if proc.poll() is not None:
                     raise LaunchError(
                         f"the store of slot {i} exited with {proc.returncode}; see "
@@ -249,7 +249,7 @@ class Launcher:
                         f"{self.options.start_timeout:.0f} s"
                     )
                 time.sleep(0.05)
-            self.slots[i].address = ready.read_text().strip()
+            self.slots[i].address = address
         self._event(
             "stores",
             slots={
@@ -607,9 +607,7 @@ class Launcher:
     def _ready_to_grow(self) -> bool:
         """Whether a planned growth may end the generation: the new slots' stores listen and the
         spare standby has imported what the job needs (the generation trains on meanwhile)."""
-        stores = all(
-            ready.exists() and ready.read_text().strip() for _, ready in self._early.values()
-        )
+        stores = all(_address(ready) for _, ready in self._early.values())
         spare = self.standbys.get(SPARE)  # (a dead one is replaced by a fresh process)
         warm = spare is None or spare.poll() is not None
         return stores and (warm or (self.run_dir / f"warm-{spare.pid}").exists())
@@ -722,6 +720,14 @@ class Launcher:
             f"{k}={v}" for k, v in fields.items() if k not in ("detail", "pids", "slots")
         )
         self.log(f"tenplex launch: {kind}: {text}")
+
+
+def _address(ready: pathlib.Path) -> str:
+    """The address a store wrote to its ready file, or "" while it has not."""
+    try:
+        return ready.read_text().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def launch(options: LaunchOptions, log=None) -> int:
