@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import tenplex_jax as tj
+from tenplex_jax._src import compat
 from tenplex_jax._src.batch import BATCH_AXES, Batch, device_batch
 from tenplex_jax._src.data import BatchLayout
 from tenplex_jax._src.elastic import executables
@@ -156,6 +157,56 @@ def test_another_jax_version_is_a_miss(stored, tmp_path, monkeypatch):
     assert cache.key(lowered, mesh) != key
     assert cache.load(lowered, mesh) is None
     assert (cache.hits, cache.misses, cache.problems) == (1, 1, [])  # a plain miss, not damage
+
+
+@pytest.fixture
+def jax_persistent_cache(tmp_path):
+    """JAX's persistent compilation cache on, in its own directory, with JAX's in-memory
+    executables dropped (so that a compile reads it); all put back after the test."""
+    names = [
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    ]
+    before = {n: getattr(jax.config, n) for n in names}
+    jax.clear_caches()
+    tj.elastic.enable_compilation_cache(tmp_path / "jax-cache")
+    yield
+    for name, value in before.items():
+        jax.config.update(name, value)
+    compat.reset_compilation_cache()
+    jax.clear_caches()
+
+
+def test_an_executable_jaxs_persistent_cache_served_is_never_stored(
+    stored, tmp_path, jax_persistent_cache
+):
+    layout, _, want = stored
+    fresh = layout.steps(tmp_path / "fresh")
+    assert_same(layout.run(fresh), want)  # JAX's cache missed: compiled, stored in both
+    fresh.close()
+    assert fresh.executables.writes == 1 and not fresh.executables.problems
+    for round in ("read from JAX's cache", "JAX's in-memory copy of what it read"):
+        if round == "read from JAX's cache":
+            jax.clear_caches()
+        lines = []
+        served = layout.steps(tmp_path / "served", log=lines.append)
+        assert_same(layout.run(served), want)
+        served.close()
+        assert (served.compiles, served.executables.writes) == (1, 0), round
+        assert len(lines) == 1 and "JAX's persistent compilation cache served it" in lines[0]
+        assert list(served.executables.directory.glob("*.xla")) == []
+        assert len(list(served.executables.directory.glob("*.none"))) == 1  # followers compile
+    # what the rule prevents: the served executable, stored anyway, loads and then cannot run
+    mesh, state, batch = served._abstract(layout.ptc, layout.layout)
+    lowered = served._lower(mesh, layout.ptc, state, batch)
+    (compiled,) = served.done()
+    stored_anyway = ExecutableCache(tmp_path / "stored anyway")
+    assert stored_anyway.store(lowered, mesh, compiled.executable).result()
+    loaded = layout.steps(stored_anyway.directory)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"not found"):
+        layout.run(loaded)
+    assert loaded.loads == 1
 
 
 def test_concurrent_writers_of_one_key_leave_a_whole_entry_for_every_reader(tmp_path):

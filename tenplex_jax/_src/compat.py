@@ -9,6 +9,9 @@ or has behaved differently between releases; each function says which.
 
 from __future__ import annotations
 
+import functools
+import threading
+
 
 def reset_compilation_cache() -> None:
     """Make JAX decide again whether its persistent compilation cache is on.
@@ -20,6 +23,40 @@ def reset_compilation_cache() -> None:
     from jax.experimental.compilation_cache import compilation_cache
 
     compilation_cache.reset_cache()
+
+
+def compile_noting_persistent_cache(lowered):
+    """``lowered.compile()``, and whether the executable is one JAX loaded from its persistent
+    compilation cache (now, or earlier in this process: JAX's in-memory cache then hands the same
+    executable back without another read). Serialized again, such an executable lacks its
+    kernels: on XLA CPU its copy loads and then fails when run ("Function ... not found"),
+    measured on jax 0.10.2 and 0.12. A hit is JAX's ``/jax/compilation_cache/cache_hits``
+    monitoring event (its name is not public API), recorded on the compiling thread."""
+    _listen_for_persistent_cache_hits()
+    before = getattr(_PERSISTENT_HITS, "count", 0)
+    compiled = lowered.compile()
+    executable = id(compiled.runtime_executable())
+    with _PERSISTENT_LOCK:
+        if getattr(_PERSISTENT_HITS, "count", 0) > before:
+            _FROM_PERSISTENT_CACHE.add(executable)
+        # an id reused by a later executable only costs that one its stored copy
+        return compiled, executable in _FROM_PERSISTENT_CACHE
+
+
+_PERSISTENT_HITS = threading.local()  # .count: JAX persistent cache hits on this thread
+_PERSISTENT_LOCK = threading.Lock()
+_FROM_PERSISTENT_CACHE: set[int] = set()  # ids of the executables JAX read from it
+
+
+@functools.cache
+def _listen_for_persistent_cache_hits() -> None:
+    import jax
+
+    def listen(event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            _PERSISTENT_HITS.count = getattr(_PERSISTENT_HITS, "count", 0) + 1
+
+    jax.monitoring.register_event_listener(listen)
 
 
 def reached_preemption_sync_point(step: int) -> bool:

@@ -22,6 +22,11 @@ that finds no entry, a foreign or truncated file, a checksum that does not match
 JAX cannot load is a miss: the caller compiles and stores over it. Nothing here raises for the
 cache's sake; what went wrong is counted and logged.
 
+An executable that JAX's persistent compilation cache served (``enable_compilation_cache``, or
+the launcher's ``compile_cache``) is never stored: serialized again, it lacks its kernels, and
+its copy loads and then fails when run (XLA CPU, jax 0.10.2 and 0.12: "Function ... not found").
+A process that compiles it fresh stores it instead (on CPU, JAX's cache serves only process 0).
+
 The payload is a pickle that loads executable code: the directory must be as trusted as the
 program (the checksum catches corruption, not an attacker).
 """
@@ -51,7 +56,7 @@ from tenplex_jax._src import compat
 __all__ = ["ExecutableCache"]
 
 MAGIC = b"TJXEXEC\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: entries that may hold an executable JAX's persistent cache served
 # magic, format version, key (sha256), payload bytes, payload sha256
 HEADER = struct.Struct("<8sI32sQ32s")
 # JAX flags that change where JAX caches or what it logs, never the executable
@@ -182,6 +187,26 @@ class ExecutableCache:
             self.hits += 1
         return compiled
 
+    def compile(
+        self, lowered: jax.stages.Lowered, mesh: Mesh, digest: bytes | None = None
+    ) -> jax.stages.Compiled:
+        """``lowered.compile()``, its entry written in the background (:meth:`store`), unless
+        JAX's persistent compilation cache served the executable: serialized again, such an
+        executable lacks its kernels (its copy fails when run), so no entry is written and a
+        marker tells the mesh's other processes to compile their own, whose entries are whole."""
+        compiled, served = compat.compile_noting_persistent_cache(lowered)
+        if served:
+            self._decline(
+                lowered,
+                mesh,
+                digest,
+                "executable not stored: JAX's persistent compilation cache served it, and "
+                "serialized again such an executable lacks its kernels",
+            )
+        else:
+            self.store(lowered, mesh, compiled, digest)
+        return compiled
+
     def store(
         self,
         lowered: jax.stages.Lowered,
@@ -197,10 +222,9 @@ class ExecutableCache:
             key = self.key(lowered, mesh, digest)
             payload = compat.serialize_executable(compiled)
         except Exception as error:  # e.g. host callbacks: this step is compiled every time
-            self._problem(f"executable not stored: {type(error).__name__}: {error}")
-            with contextlib.suppress(Exception):  # the followers compile it themselves
-                self.directory.mkdir(parents=True, exist_ok=True)
-                self.path(self.key(lowered, mesh, digest)).with_suffix(".none").touch()
+            self._decline(
+                lowered, mesh, digest, f"executable not stored: {type(error).__name__}: {error}"
+            )
             done = concurrent.futures.Future()
             done.set_result(False)
             return done
@@ -227,6 +251,16 @@ class ExecutableCache:
                 raise ValueError(
                     f"an output's sharding {sharding} is not a NamedSharding on {mesh}"
                 )
+
+    def _decline(
+        self, lowered: jax.stages.Lowered, mesh: Mesh, digest: bytes | None, problem: str
+    ) -> None:
+        """Record why ``lowered``'s executable has no entry, and leave the marker that ends the
+        mesh's other processes' wait for it: they compile it themselves."""
+        self._problem(problem)
+        with contextlib.suppress(Exception):
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.path(self.key(lowered, mesh, digest)).with_suffix(".none").touch()
 
     def _await(self, key: str, seconds: float) -> None:
         """Until the leader's entry (or its marker of none) exists, or ``seconds`` pass."""

@@ -236,12 +236,13 @@ class StepCache:
         self, lowered: jax.stages.Lowered, mesh: Mesh, ahead: bool, digest: bytes | None
     ) -> Compiled:
         tic = time.perf_counter()
-        executable = lowered.compile()
+        if self.executables is None:
+            executable = lowered.compile()
+        else:  # its entry written in the background
+            executable = self.executables.compile(lowered, mesh, digest)
         seconds = time.perf_counter() - tic
         with self._lock:
             self.compiles += 1
-        if self.executables is not None:  # written in the background
-            self.executables.store(lowered, mesh, executable, digest)
         return Compiled(executable, seconds, ahead)
 
     def _abstract(self, ptc: PTC, layout: BatchLayout) -> tuple[Mesh, Any, Batch]:
