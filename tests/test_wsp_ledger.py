@@ -41,6 +41,7 @@ class Sim:
             "fresh": self.ledger.min_clock,
             "phase": "wait",
             "known": set(self.tags),
+            "members": frozenset(self.ledger.clocks),  # the members at its last pull
             "pushing": None,  # the wave whose push is in flight
         }
 
@@ -56,13 +57,18 @@ class Sim:
         s = self.state[vw]
         self.beats[vw] += 1
         if s["phase"] == "wait":
-            decision = self.ledger.decide(vw, s["wave"], s["fresh"], self.distance)
+            decision = self.ledger.decide(vw, s["wave"], s["fresh"], self.distance, s["members"])
             if decision == "wait":
                 return
-            if decision == "pull":  # after its own push is in the weights
-                self.land(vw)
-                s["fresh"], s["known"] = self.ledger.min_clock, set(self.tags)
-            self.starts.append((vw, s["wave"], self.ledger.min_clock, frozenset(s["known"])))
+            others = [c for u, c in self.ledger.clocks.items() if u != vw]
+            if decision == "pull":  # its push in flight is added where the stores lack it
+                s["fresh"], s["known"] = min([*others, s["wave"]]), set(self.tags)
+                s["members"] = frozenset(self.ledger.clocks)
+                if s["pushing"] is not None:
+                    s["known"].add((vw, s["pushing"]))
+            # the slowest: the others' commits, and its own waves (a push in flight commits next)
+            slowest = min([*others, s["wave"]])
+            self.starts.append((vw, s["wave"], slowest, frozenset(s["known"])))
             self.ledger, got = self.ledger.claim(vw, s["wave"], self.nm)
             if got:
                 s["phase"] = "train"
@@ -211,6 +217,28 @@ def test_a_joiner_starts_at_the_slowest_clock_and_the_record_round_trips():
     assert Ledger.from_json(led.to_json()) == led
     with pytest.raises(WSPError, match="malformed"):
         Ledger.from_json({"total": 3})
+
+
+def test_a_joiner_below_a_vws_pull_holds_that_vw_back_as_wsp_says():
+    # a is the slowest; its push of wave 1 is in flight when it pulls (the pull adds that push):
+    # its weights hold every member's first 2 waves. c joins at the ledger's slowest clock, a's
+    # committed 1: a's wave 3 must wait for c's wave 1 (D = 1), then pull it
+    led = Ledger(total=None).join("a").join("b")
+    for wave in range(2):
+        led = led.claim("b", wave, 1)[0].commit("b", wave)
+        led = led.claim("a", wave, 1)[0]
+    led = led.commit("a", 0)
+    pulled = {"fresh": min(led.clocks["b"], 2), "members": frozenset(led.clocks)}
+    assert led.clocks == {"a": 1, "b": 2} and pulled["fresh"] == 2
+    late = led.commit("a", 1).join("c")  # a's push landed before the join: c starts at 2
+    assert late.clocks["c"] == 2 and late.decide("a", 3, distance=1, **pulled) == "go"
+    early = led.join("c")  # while a's push of wave 1 is in flight: c starts at a's 1
+    assert early.clocks == {"a": 1, "b": 2, "c": 1}
+    assert early.decide("a", 3, distance=1, **pulled) == "wait"  # c has committed none
+    early = early.commit("a", 1).claim("c", 1, 1)[0].commit("c", 1)
+    assert early.clocks == {"a": 2, "b": 2, "c": 2}
+    assert early.decide("a", 3, distance=1, **pulled) == "pull"  # c's wave 1 is not in a's weights
+    assert early.decide("a", 3, pulled["fresh"], 1) == "go"  # what the rule was without members
 
 
 def test_compaction_moves_all_but_the_newest_entries_and_keeps_the_count():

@@ -118,7 +118,14 @@ class Ledger:
         slowest = self.min_clock
         return slowest is None or wave - slowest <= distance
 
-    def decide(self, vw: str, wave: int, fresh: int, distance: int) -> str:
+    def decide(
+        self,
+        vw: str,
+        wave: int,
+        fresh: int,
+        distance: int,
+        members: Iterable[str] | None = None,
+    ) -> str:
         """What a VW does before a wave.
 
         Args:
@@ -127,11 +134,18 @@ class Ledger:
           fresh: its weights hold every member's first ``fresh`` waves (the slowest's clock at
             its last pull).
           distance: WSP's ``D``.
+          members: the members when it last pulled (default: the ledger's now). One that
+            joined since holds none of its waves in the VW's weights, and may have joined below
+            ``fresh`` (at the ledger's slowest clock, the VW's own while its push was in
+            flight): ``fresh`` is at most its start.
 
         Returns:
           ``"go"`` (fresh enough: ``fresh >= wave - D``), ``"pull"`` (the slowest has committed
           ``wave - D`` waves: pull, then go) or ``"wait"``.
         """
+        if members is not None:
+            known = set(members)
+            fresh = min([fresh, *(self.starts[m] for m in self.clocks if m not in known)])
         if fresh >= wave - distance:
             return "go"
         return "pull" if self.may_start(vw, wave, distance) else "wait"

@@ -261,6 +261,7 @@ class VirtualWorker:
         jax.block_until_ready((landed(weights, weights, weights), delta(weights, weights)))
         self.records: list[WaveRecord] = []
         self.clock = self.fresh = 0  # waves pushed (the ledger's clock); the last pull's min clock
+        self.members: frozenset[str] = frozenset()  # the ledger's members at the last pull
         self.applied = self.started = 0  # own updates landed; own minibatches started
         self.changes = 0  # changes to the weights (updates and pulls): which reads are current
         self.crashed = threading.Event()  # a simulated death: stop at once, leave nothing behind
@@ -347,7 +348,7 @@ class VirtualWorker:
         ledger, _ = self.ps.update(lambda led: (led.join(self.name), None))
         self.clock = ledger.clocks[self.name]
         self.set_weights(self.ps.pull(ledger))
-        self.fresh = ledger.min_clock or 0
+        self.fresh, self.members = ledger.min_clock or 0, frozenset(ledger.clocks)
         if self.others:
             self._take_optimizer()
         beating = threading.Event()
@@ -648,7 +649,7 @@ class VirtualWorker:
             if self.name not in ledger.clocks:
                 self.dropped = True
                 return None, False
-            decision = ledger.decide(self.name, wave, fresh, self.distance)
+            decision = ledger.decide(self.name, wave, fresh, self.distance, self.members)
             if decision == "go":
                 return ledger, False
             if decision == "pull":  # its push in flight is added where the stores lack it
@@ -656,7 +657,7 @@ class VirtualWorker:
                 self.set_weights(self.ps.pull(ledger, pending=pending))
                 # the weights hold every other VW's commits and all of its own waves
                 others = [c for vw, c in ledger.clocks.items() if vw != self.name]
-                self.fresh = min([*others, self.clock])
+                self.fresh, self.members = min([*others, self.clock]), frozenset(ledger.clocks)
                 return ledger, True
             if self.crashed.is_set():
                 return None, False
