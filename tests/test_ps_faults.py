@@ -29,6 +29,7 @@ import pytest
 
 from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.multihost.store import wire
+from tenplex_jax._src.wsp import ps as wsp_ps
 from tenplex_jax.multihost.store import StoreClient, parse_address
 from tenplex_jax.wsp import ParameterServer, VirtualWorker, weights_of
 from tenplex_jax_models import build_state
@@ -456,10 +457,11 @@ def test_no_acknowledged_wave_is_lost_when_stores_are_sigkilled_and_restarted(tm
             expected = replay(initial_weights(), ledger.log)
             assert_bitwise_equal(run.weights, expected, "the weights pulled last")
             stored = {path: np.empty(shape, np.float32) for path, shape in ps.shapes.items()}
-            for piece in ps.pieces:
+            for piece in ps.layout:
                 with StoreClient(procs[piece.store].address) as client:
                     stored_piece, info = client.get("wsp/w/" + piece.key, with_info=True)
-                stored[piece.leaf].reshape(-1)[piece.start : piece.stop] = stored_piece
+                flat = {path: a.reshape(-1) for path, a in stored.items()}
+                wsp_ps._scatter(piece, stored_piece, flat)
                 # the weights hold every acknowledged wave, each once
                 assert dict(info.clocks) == {VW: ledger.committed[VW]}, (piece, info.clocks)
                 assert ledger.committed[VW] == len(run.acked) == max(run.acked) + 1

@@ -8,7 +8,10 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from tenplex_jax._src.wsp import ps
 from tenplex_jax._src.wsp.ledger import PATH
 from tenplex_jax._src.wsp.pieces import cut
 from tenplex_jax._src.wsp.records import BEATS, LOG_KEPT
@@ -123,9 +126,18 @@ def test_leaves_are_cut_by_bytes_over_the_stores_and_placed_where_asked(stores):
             ps.create(weights, total=None, piece_bytes=64 << 10, stores={"stage1": [3]})
         assert bad.value.reason == "invalid" and not ps.coordinator.list_json()  # nothing written
         ps.create(weights, total=None, piece_bytes=64 << 10, stores={"stage1": [2]})
-        big = ps.layout["big"]
-        assert [(p.start, p.stop) for p in big] == [(k * 16384, (k + 1) * 16384) for k in range(4)]
-        assert {p.store for p in ps.layout["stage1"]} == {2}
+        # big and small end to end (65,543 elements): 5 pieces of 64 KiB at most, made 6, 2 a
+        # store, equal; stage1 alone on store 2; small shares the last of big's pieces
+        spans = [[(s.leaf, s.start, s.stop) for s in p.spans] for p in ps.layout]
+        assert spans[:6] == [
+            [("big", 0, 10923)],
+            [("big", 10923, 21847)],
+            [("big", 21847, 32771)],
+            [("big", 32771, 43695)],
+            [("big", 43695, 54619)],
+            [("big", 54619, 65536), ("small", 0, 7)],
+        ]
+        assert spans[6:] == [[("stage1", 0, 300)]] and ps.layout[6].store == 2
         held = [
             sum(i.nbytes for i in StoreClient(a).list("wsp/w/")) for a in addresses
         ]  # about equal bytes
@@ -144,12 +156,55 @@ def test_leaves_are_cut_by_bytes_over_the_stores_and_placed_where_asked(stores):
             np.testing.assert_array_equal(pulled[path], w + update[path])
 
 
-def test_cut_spreads_the_largest_leaves_first_and_refuses_a_piece_below_one_element():
+def test_cut_packs_small_leaves_into_equal_pieces_and_refuses_a_piece_below_one_element():
     layout = cut({"a": (10,), "b": (30,), "c": (20,)}, stores=2, piece_bytes=1 << 20)
-    assert [p.store for leaf in ("b", "c", "a") for p in layout[leaf]] == [0, 1, 1]
-    assert list(layout) == ["a", "b", "c"]  # the weights' order
+    assert [(p.key, p.store, p.size) for p in layout] == [("p0", 0, 30), ("p1", 1, 30)]
+    assert [[(s.leaf, s.start, s.stop) for s in p.spans] for p in layout] == [
+        [("a", 0, 10), ("b", 0, 20)],  # the weights' order, end to end
+        [("b", 20, 30), ("c", 0, 20)],
+    ]
+    few = cut({"a": (3,), "empty": (0, 4)}, stores=4, piece_bytes=4)
+    assert [(p.store, p.size) for p in few] == [(0, 1), (1, 1), (2, 1)]  # no empty piece
+    assert cut({"empty": (0,)}, stores=2) == ()
     with pytest.raises(WSPError, match="piece_bytes is at least"):
         cut({"a": (10,)}, stores=1, piece_bytes=2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=8),
+    stores=st.integers(1, 4),
+    piece=st.integers(1, 64),
+)
+def test_cut_covers_every_leaf_once_in_equal_pieces_balanced_over_the_stores(sizes, stores, piece):
+    shapes = {f"l{i}": (n,) for i, n in enumerate(sizes)}
+    layout = cut(shapes, stores, piece_bytes=4 * piece)
+    ps._check_cover(layout, shapes, stores)  # every element in exactly one piece
+    sizes = [p.size for p in layout]
+    assert all(0 < n <= piece for n in sizes)
+    assert not sizes or max(sizes) - min(sizes) <= 1  # equal pieces
+    counts = [sum(p.store == i for p in layout) for i in range(stores)]
+    assert max(counts) - min(counts) <= 1  # as many on each store
+    assert len(layout) % stores == 0 or len(layout) == sum(sizes)  # fewer: one element each
+
+
+def test_a_layout_of_another_format_or_that_misses_elements_is_refused_on_open(stores):
+    with _tiny(stores, count=2, piece_bytes=8) as ps:
+        good = ps.coordinator.get_json("wsp/layout")
+        bad = {
+            "format 1": {k: v for k, v in good.items() if k != "format"},
+            "a gap": {**good, "pieces": [[0, [["w", 0, 1]]], [1, [["w", 2, 4]]]]},
+            "no store 5": {**good, "pieces": [[5, [["w", 0, 4]]]]},
+        }
+        for name, record in bad.items():
+            ps.coordinator.put_json("wsp/layout", record)
+            with ParameterServer(ps.addresses) as reader:
+                with pytest.raises(WSPError, match=r"format 1|covers? leaf 'w'|store 5") as no:
+                    reader.open()
+                assert no.value.reason == "corrupt" and reader.layout == (), name
+        ps.coordinator.put_json("wsp/layout", good)
+        with ParameterServer(ps.addresses) as reader:
+            assert reader.open() == ps.layout
 
 
 def test_a_read_into_an_array_that_does_not_fit_is_refused_at_once(stores):

@@ -1,10 +1,12 @@
 """The parameter server: global weights sharded over tensor stores, updated by atomic accumulates.
 
-The global weights (float32) are cut into *pieces* by bytes: each leaf into contiguous ranges of
-its flattened elements of at most ``piece_bytes``, each piece kept in one store, the pieces
-spread over the stores by size (``LAYOUT``), so the stores carry about equal bytes and a push or
-pull talks to every store at once (a thread per store). A leaf may be confined to some stores
-(those of the nodes that run its stage). The ledger (:mod:`tenplex_jax._src.wsp.ledger`) lives
+The global weights (float32) are cut into *pieces* by bytes (:mod:`~tenplex_jax._src.wsp.pieces`):
+the leaves laid end to end and cut into equal pieces of at most ``piece_bytes``, so that small
+leaves share a piece (a request per piece is what a push of many small leaves cost) and a large
+one spreads over the stores; each piece is kept in one store, the pieces spread over the stores
+by size (``LAYOUT``), so the stores carry about equal bytes and a push or pull talks to every
+store at once (a thread per store). A leaf may be confined to some stores (those of the nodes
+that run its stage). The ledger (:mod:`tenplex_jax._src.wsp.ledger`) lives
 in the first store. A push of a virtual worker's wave is:
 
 1. **stage**: every piece's update is put under ``wsp/stage/<vw>/<wave>/<piece>`` in the piece's
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -44,10 +47,11 @@ import numpy as np
 from tenplex_jax._src.errors import StoreError, WSPError
 from tenplex_jax._src.multihost.store.client import StoreClient
 from tenplex_jax._src.wsp.ledger import PATH, Ledger
-from tenplex_jax._src.wsp.pieces import PIECE_BYTES, Piece, cut
+from tenplex_jax._src.wsp.pieces import PIECE_BYTES, Piece, Span, cut
 from tenplex_jax._src.wsp.records import Records
 
 LAYOUT = "wsp/layout"  # JSON in the first store: the leaves' shapes and pieces
+LAYOUT_FORMAT = 2  # 1: a piece was a range of one leaf
 WEIGHTS = "wsp/w/"  # the global weights' pieces
 PREVIOUS = "wsp/previous/"  # each piece's version before its last update
 STAGE = "wsp/stage/"
@@ -73,7 +77,7 @@ class ParameterServer(Records):
         unreachable (a store restarting on the same address and directory).
 
     Attributes:
-      layout: leaf path -> its :class:`Piece` s (after :meth:`create` or :meth:`open`).
+      layout: every :class:`Piece` of the weights (after :meth:`create` or :meth:`open`).
       shapes: leaf path -> its shape.
       push_seconds: the phases of the last :meth:`push`, seconds: ``stage`` (the puts),
         ``flush`` (seeing them on disk), ``check`` (finite), ``commit``, ``apply``.
@@ -97,7 +101,7 @@ class ParameterServer(Records):
             StoreClient(a, token=token, timeout=timeout, retry_seconds=retry_seconds)
             for a in self.addresses
         ]
-        self.layout: dict[str, tuple[Piece, ...]] = {}
+        self.layout: tuple[Piece, ...] = ()
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.push_seconds: dict[str, float] = {}
         self._seen = threading.local()  # per thread: the version of the last ledger it saw
@@ -122,17 +126,12 @@ class ParameterServer(Records):
         """The client of the first store, which holds the ledger and the layout."""
         return self.clients[0]
 
-    @property
-    def pieces(self) -> list[Piece]:
-        """Every piece of the weights, leaf by leaf."""
-        return [piece for pieces in self.layout.values() for piece in pieces]
-
     def _each_store(self, work: Callable[[StoreClient, list[Piece]], object]) -> dict:
         """``work(client, pieces)`` for each store's pieces, the stores at once (a thread each);
         store index -> its result. The first error raised is raised, after every store's work
         has ended."""
         by_store: dict[int, list[Piece]] = {}
-        for piece in self.pieces:
+        for piece in self.layout:
             by_store.setdefault(piece.store, []).append(piece)
         if len(by_store) == 1:
             ((store, pieces),) = by_store.items()
@@ -179,40 +178,47 @@ class ParameterServer(Records):
         self.layout, self.shapes = layout, shapes
         flat = {path: a.reshape(-1) for path, a in arrays.items()}
         self._each_store(
-            lambda client, pieces: [
-                client.put(WEIGHTS + p.key, flat[p.leaf][p.start : p.stop]) for p in pieces
-            ]
+            lambda client, pieces: [client.put(WEIGHTS + p.key, _gather(p, flat)) for p in pieces]
         )
         self.coordinator.put_json(
             LAYOUT,
             {
+                "format": LAYOUT_FORMAT,
                 "shapes": {path: list(shape) for path, shape in shapes.items()},
-                "pieces": [[p.leaf, p.store, p.start, p.stop] for p in self.pieces],
+                "pieces": [[p.store, [[s.leaf, s.start, s.stop] for s in p.spans]] for p in layout],
             },
         )
 
-    def open(self) -> dict[str, tuple[Piece, ...]]:
+    def open(self) -> tuple[Piece, ...]:
         """Read where each piece lives, for a client of a job another client created.
 
         Returns:
-          :attr:`layout`: leaf path -> its pieces.
+          :attr:`layout`: every piece.
 
         Raises:
           StoreError: the job's layout is not in the first store (``"not_found"``: no job was
             created, or ``create`` has not finished), or a store failed the request.
-          WSPError: the layout is malformed (``"corrupt"``).
+          WSPError: the layout is malformed, or its pieces do not cover each leaf exactly once,
+            or it is of another format (an earlier tenplex_jax's job) (``"corrupt"``).
         """
         record = self.coordinator.get_json(LAYOUT)
+        version = record.get("format", 1) if isinstance(record, dict) else None
+        if version != LAYOUT_FORMAT:
+            raise WSPError(
+                f"the layout record {LAYOUT!r} is of format {version}, this "
+                f"tenplex_jax reads {LAYOUT_FORMAT}: the job was created by another version",
+                "corrupt",
+            )
         try:
             shapes = {str(k): tuple(int(d) for d in v) for k, v in record["shapes"].items()}
-            layout: dict[str, list[Piece]] = {path: [] for path in shapes}
-            for leaf, store, start, stop in record["pieces"]:
-                pieces = layout[leaf]
-                pieces.append(Piece(leaf, len(pieces), int(store), int(start), int(stop)))
+            layout = tuple(
+                Piece(i, int(store), tuple(Span(str(a), int(b), int(c)) for a, b, c in spans))
+                for i, (store, spans) in enumerate(record["pieces"])
+            )
+            _check_cover(layout, shapes, len(self.clients))
         except (KeyError, TypeError, ValueError) as error:
             raise WSPError(f"the layout record is malformed: {error!r:.200}", "corrupt") from None
-        self.layout = {path: tuple(pieces) for path, pieces in layout.items()}
-        self.shapes = shapes
+        self.layout, self.shapes = layout, shapes
         return self.layout
 
     # -- push and pull ---------------------------------------------------------------------------
@@ -238,7 +244,7 @@ class ParameterServer(Records):
             another update (``"refused"``: another client pushes under this VW's name).
           StoreError: a store failed a request for longer than ``retry_seconds``.
         """
-        missing = set(self.layout) - set(updates)
+        missing = set(self.shapes) - set(updates)
         if missing:
             raise WSPError(
                 f"a push updates every leaf of the weights; {vw!r} wave {wave} lacks "
@@ -296,14 +302,13 @@ class ParameterServer(Records):
         since a put lost what it held in memory only: a stage listed after the flush is on disk,
         and one missing is put again."""
         sources: dict[str, str] = {}
-        missing = {p.key for p in self.pieces}
+        missing = {p.key for p in self.layout}
         for _ in range(STAGE_TRIES):
 
             def put(client: StoreClient, pieces: list[Piece], missing=missing) -> None:
                 for p in pieces:
                     if p.key in missing:
-                        update = flat[p.leaf][p.start : p.stop]
-                        sources[p.key] = client.put(stage + p.key, update).checksum
+                        sources[p.key] = client.put(stage + p.key, _gather(p, flat)).checksum
 
             def listed(client: StoreClient, pieces: list[Piece]) -> dict[str, str]:
                 client.flush()
@@ -313,7 +318,7 @@ class ParameterServer(Records):
             phase("stage")
             there = {k: v for found in self._each_store(listed).values() for k, v in found.items()}
             phase("flush")
-            missing = {p.key for p in self.pieces if there.get(p.key) != sources[p.key]}
+            missing = {p.key for p in self.layout if there.get(p.key) != sources[p.key]}
             if not missing:
                 return sources
         raise WSPError(
@@ -347,7 +352,7 @@ class ParameterServer(Records):
           StoreError: a store refused an accumulate out of turn (``"refused"``), a stage is
             missing (``"not_found"``), or a store failed a request.
         """
-        stage, todo = f"{STAGE}{vw}/{wave}/", {p.key for p in self.pieces}
+        stage, todo = f"{STAGE}{vw}/{wave}/", {p.key for p in self.layout}
 
         def add(client: StoreClient, pieces: list[Piece]) -> tuple[list[str], list[str]]:
             behind, other = [], []  # out of turn; holding this push from another update
@@ -429,7 +434,7 @@ class ParameterServer(Records):
         vw, wave, _ = ledger.log[-1]
         push = wave - ledger.starts[vw]
         for check in (True, False):  # every piece can be put back, then put back
-            for p in self.pieces:
+            for p in self.layout:
                 try:
                     self.clients[p.store].revert(
                         WEIGHTS + p.key, PREVIOUS + p.key, name=vw, clock=push, check=check
@@ -478,8 +483,13 @@ class ParameterServer(Records):
             def read(client: StoreClient, pieces: list[Piece], ledger=ledger) -> tuple:
                 behind, lacking = set(), []
                 for p in pieces:
-                    view = flat[p.leaf][p.start : p.stop]
-                    _, info = client.get(WEIGHTS + p.key, with_info=True, out=view)
+                    (span,) = p.spans if len(p.spans) == 1 else (None,)
+                    if span is not None:  # received straight into its place in its leaf
+                        view = flat[span.leaf][span.start : span.stop]
+                        _, info = client.get(WEIGHTS + p.key, with_info=True, out=view)
+                    else:
+                        data, info = client.get(WEIGHTS + p.key, with_info=True)
+                        _scatter(p, data, flat)
                     behind |= _behind(info.clocks, ledger)
                     if pending is not None and not _holds(info.clocks, ledger, *pending[:2]):
                         lacking.append(p)
@@ -488,9 +498,11 @@ class ParameterServer(Records):
             reads = self._each_store(read).values()
             behind = set().union(*(b for b, _ in reads))
             if not behind:
+                updates = pending[2] if pending is not None else {}
                 for p in (p for _, lacking in reads for p in lacking):
-                    update = np.asarray(pending[2][p.leaf], np.float32).reshape(-1)
-                    flat[p.leaf][p.start : p.stop] += update[p.start : p.stop]
+                    for span in p.spans:
+                        update = np.asarray(updates[span.leaf], np.float32).reshape(-1)
+                        flat[span.leaf][span.start : span.stop] += update[span.start : span.stop]
                 return out
             for vw, push in sorted(behind, key=lambda t: (t[1], t[0])):
                 with contextlib.suppress(StoreError):  # applied meanwhile: the clocks say so
@@ -529,6 +541,39 @@ class ParameterServer(Records):
                 if never or int(wave) < start + applied.get(vw, 0):
                     deleted += client.delete(f"{STAGE}{vw}/{wave}/")
         return deleted
+
+
+def _gather(piece: Piece, flat: Mapping[str, np.ndarray]) -> np.ndarray:
+    """``piece``'s elements of the flattened leaves ``flat``: a view when it is one span."""
+    parts = [flat[s.leaf][s.start : s.stop] for s in piece.spans]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _scatter(piece: Piece, data: np.ndarray, flat: Mapping[str, np.ndarray]) -> None:
+    """Copy ``piece``'s object ``data`` into its spans' places in the flattened leaves."""
+    data, offset = np.asarray(data).reshape(-1), 0
+    for s in piece.spans:
+        flat[s.leaf][s.start : s.stop] = data[offset : offset + s.size]
+        offset += s.size
+
+
+def _check_cover(layout: Sequence[Piece], shapes: Mapping[str, tuple[int, ...]], stores: int):
+    """ValueError unless every piece is on a store and the pieces' spans cover each leaf's
+    elements exactly once (a pull would leave the rest of its arrays unwritten)."""
+    covered: dict[str, list[tuple[int, int]]] = {path: [] for path in shapes}
+    for p in layout:
+        if not 0 <= p.store < stores:
+            raise ValueError(f"piece {p.key} is on store {p.store}; there are {stores}")
+        for s in p.spans:
+            covered[s.leaf].append((s.start, s.stop))
+    for path, ranges in covered.items():
+        size, at = math.prod(shapes[path]), 0
+        for start, stop in sorted(ranges):
+            if start != at or stop <= start:
+                break
+            at = stop
+        if at != size:
+            raise ValueError(f"the pieces cover leaf {path!r} of {size} elements as {ranges}")
 
 
 def _behind(clocks: Iterable[tuple[str, int]], ledger: Ledger) -> set[tuple[str, int]]:
