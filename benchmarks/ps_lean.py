@@ -6,8 +6,10 @@ subprocesses per version for the transfers):
 
 - **transfers**: one VW pushing and pulling 64 MiB of float32 weights over two stores, as 8
   leaves of 8 MiB and as one leaf of 64 MiB (a leaf kept whole lives in one store; cut by bytes
-  it spreads over both); the median over ``--repeats`` waves (the first not counted) against a
-  memcpy (``np.copyto``) of the same bytes measured in the same process. Beside them, the
+  it spreads over both), and GPT small's weights (14 leaves, 0.5 MiB: a push's time is its
+  requests' there, not its bytes'); the median over ``--repeats`` waves (4x for GPT small; the
+  first not counted) against a memcpy (``np.copyto``) of the same bytes measured in the same
+  process. Beside them, the
   floors any store on this machine sits on, each against a memcpy measured beside it: the same
   bytes sent once over a loopback TCP socket to another process (a push or a pull crosses one
   at least), written to a file and fsynced (a durable push's stage reaches disk before its
@@ -42,10 +44,10 @@ import numpy as np
 from tenplex_jax.multihost import store
 from tenplex_jax.wsp import ParameterServer
 
-def run(leaves, repeats):
-    n = 64 * 2**20 // 4 // leaves
-    weights = {{f"w{{i}}": np.zeros(n, np.float32) for i in range(leaves)}}
-    update = {{p: np.full(n, 1e-3, np.float32) for p in weights}}
+def run(shapes, repeats):
+    weights = {{p: np.zeros(s, np.float32) for p, s in shapes.items()}}
+    update = {{p: np.full(s, 1e-3, np.float32) for p, s in shapes.items()}}
+    n = sum(w.size for w in weights.values())
     root = pathlib.Path(tempfile.mkdtemp(prefix="tenplex-ps-"))
     procs = [store.StoreProcess.start(root / f"s{{i}}") for i in range(2)]
     try:
@@ -53,7 +55,7 @@ def run(leaves, repeats):
             ps.create(weights, total=None)
             ps.update(lambda led, *now: (led.join("b", *now), None))
             push, pull, copy = [], [], []
-            src, dst = np.ones(n * leaves, np.float32), np.empty(n * leaves, np.float32)
+            src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
             for wave in range(repeats + 1):
                 ps.update(lambda led, *now, wave=wave: led.claim("b", wave, 1))
                 tic = time.perf_counter()
@@ -71,7 +73,20 @@ def run(leaves, repeats):
     medians = {{"push": push, "pull": pull, "memcpy": copy}}
     return {{k: statistics.median(v[1:]) for k, v in medians.items()}}
 
-print(json.dumps({{"8 leaves": run(8, {repeats}), "1 leaf": run(1, {repeats})}}))
+def even(leaves):
+    return {{f"w{{i}}": (64 * 2**20 // 4 // leaves,) for i in range(leaves)}}
+
+def gpt_small():
+    from tenplex_jax._src import tree
+    from tenplex_jax_models import build_state
+    paths, leaves, _ = tree.arrays(build_state("small", 3e-3, abstract=True)[1])
+    return {{p: tuple(x.shape) for p, x in zip(paths, leaves) if p.startswith("model/")}}
+
+print(json.dumps({{
+    "8 leaves": run(even(8), {repeats}),
+    "1 leaf": run(even(1), {repeats}),
+    "GPT small's weights": run(gpt_small(), 4 * {repeats}),
+}}))
 """
 
 LEDGER = """
@@ -219,10 +234,18 @@ def run_ps_lean(before: str, rounds: int = 3, repeats: int = 5, total: int = 161
         f"  floors ÷ memcpy: one loopback TCP crossing {floor['socket']:.2f}, a write and fsync "
         f"{floor['fsync']:.2f}, crc32 {floor['crc32']:.2f}"
     )
+    seconds: dict = {}
+    for version, runs in transfers.items():
+        for shape in runs[0]:
+            for op in ("push", "pull"):
+                seconds.setdefault(version, {})[f"{op}, {shape}"] = statistics.median(
+                    r[shape][op] for r in runs
+                )
     for key in ratios["after"]:
         log(
             f"  {key} ÷ memcpy: before {ratios['before'][key]:.3f}, "
-            f"after {ratios['after'][key]:.3f}"
+            f"after {ratios['after'][key]:.3f}; ms: before {seconds['before'][key] * 1e3:.1f}, "
+            f"after {seconds['after'][key] * 1e3:.1f}"
         )
     for key in per_wave["after"]:
         log(f"  {key}: before {per_wave['before'][key]:.1f}, after {per_wave['after'][key]:.1f}")
@@ -232,6 +255,7 @@ def run_ps_lean(before: str, rounds: int = 3, repeats: int = 5, total: int = 161
         "rounds": rounds,
         "floors_over_memcpy": floor,
         "over_memcpy": ratios,
+        "seconds": seconds,
         "transfers": transfers,
         "floor_runs": floors,
         "ledger_per_wave": per_wave,

@@ -456,12 +456,11 @@ def test_no_acknowledged_wave_is_lost_when_stores_are_sigkilled_and_restarted(tm
             assert ps.open() and ps.layout
             expected = replay(initial_weights(), ledger.log)
             assert_bitwise_equal(run.weights, expected, "the weights pulled last")
-            stored = {path: np.empty(shape, np.float32) for path, shape in ps.shapes.items()}
+            stored, places = wsp_ps._one_buffer(ps.layout, ps.shapes)
             for piece in ps.layout:
                 with StoreClient(procs[piece.store].address) as client:
-                    stored_piece, info = client.get("wsp/w/" + piece.key, with_info=True)
-                flat = {path: a.reshape(-1) for path, a in stored.items()}
-                wsp_ps._scatter(piece, stored_piece, flat)
+                    out = places[piece.index]
+                    _, info = client.get("wsp/w/" + piece.key, with_info=True, out=out)
                 # the weights hold every acknowledged wave, each once
                 assert dict(info.clocks) == {VW: ledger.committed[VW]}, (piece, info.clocks)
                 assert ledger.committed[VW] == len(run.acked) == max(run.acked) + 1

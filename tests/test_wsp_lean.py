@@ -195,11 +195,14 @@ def test_a_layout_of_another_format_or_that_misses_elements_is_refused_on_open(s
             "format 1": {k: v for k, v in good.items() if k != "format"},
             "a gap": {**good, "pieces": [[0, [["w", 0, 1]]], [1, [["w", 2, 4]]]]},
             "no store 5": {**good, "pieces": [[5, [["w", 0, 4]]]]},
+            "spans apart": {**good, "pieces": [[0, [["w", 0, 1], ["w", 1, 4]]]]},
         }
         for name, record in bad.items():
             ps.coordinator.put_json("wsp/layout", record)
             with ParameterServer(ps.addresses) as reader:
-                with pytest.raises(WSPError, match=r"format 1|covers? leaf 'w'|store 5") as no:
+                with pytest.raises(
+                    WSPError, match=r"format 1|covers? leaf 'w'|store 5|not consecutive"
+                ) as no:
                     reader.open()
                 assert no.value.reason == "corrupt" and reader.layout == (), name
         ps.coordinator.put_json("wsp/layout", good)

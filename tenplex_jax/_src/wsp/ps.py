@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import math
 import threading
 import time
@@ -475,21 +476,15 @@ class ParameterServer(Records):
           StoreError: a store failed a request.
         """
         deadline = time.monotonic() + timeout
-        out = {path: np.empty(shape, np.float32) for path, shape in self.shapes.items()}
+        out, places = _one_buffer(self.layout, self.shapes)
         flat = {path: a.reshape(-1) for path, a in out.items()}
         while True:
             ledger = ledger or self.ledger()
 
             def read(client: StoreClient, pieces: list[Piece], ledger=ledger) -> tuple:
                 behind, lacking = set(), []
-                for p in pieces:
-                    (span,) = p.spans if len(p.spans) == 1 else (None,)
-                    if span is not None:  # received straight into its place in its leaf
-                        view = flat[span.leaf][span.start : span.stop]
-                        _, info = client.get(WEIGHTS + p.key, with_info=True, out=view)
-                    else:
-                        data, info = client.get(WEIGHTS + p.key, with_info=True)
-                        _scatter(p, data, flat)
+                for p in pieces:  # received straight into its place in its leaves
+                    _, info = client.get(WEIGHTS + p.key, with_info=True, out=places[p.index])
                     behind |= _behind(info.clocks, ledger)
                     if pending is not None and not _holds(info.clocks, ledger, *pending[:2]):
                         lacking.append(p)
@@ -549,21 +544,39 @@ def _gather(piece: Piece, flat: Mapping[str, np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _scatter(piece: Piece, data: np.ndarray, flat: Mapping[str, np.ndarray]) -> None:
-    """Copy ``piece``'s object ``data`` into its spans' places in the flattened leaves."""
-    data, offset = np.asarray(data).reshape(-1), 0
-    for s in piece.spans:
-        flat[s.leaf][s.start : s.stop] = data[offset : offset + s.size]
-        offset += s.size
+def _one_buffer(
+    layout: Sequence[Piece], shapes: Mapping[str, tuple[int, ...]]
+) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+    """The arrays of a pull, views of one buffer in which the leaves lie in the pieces' order
+    (a piece's spans are consecutive leaves, each leaf's spans consecutive pieces): leaf path
+    -> its array, and each piece's place in the buffer, so that every piece is received where
+    it belongs, whatever leaves it holds."""
+    order = list(dict.fromkeys(s.leaf for p in layout for s in p.spans))
+    order += [path for path in shapes if path not in set(order)]  # empty leaves
+    buffer = np.empty(sum(math.prod(shapes[path]) for path in order), np.float32)
+    out, offsets, at = {}, {}, 0
+    for path in order:
+        size = math.prod(shapes[path])
+        out[path], offsets[path] = buffer[at : at + size].reshape(shapes[path]), at
+        at += size
+    places = []
+    for p in layout:
+        start = offsets[p.spans[0].leaf] + p.spans[0].start
+        places.append(buffer[start : start + p.size])
+    return {path: out[path] for path in shapes}, places
 
 
 def _check_cover(layout: Sequence[Piece], shapes: Mapping[str, tuple[int, ...]], stores: int):
-    """ValueError unless every piece is on a store and the pieces' spans cover each leaf's
-    elements exactly once (a pull would leave the rest of its arrays unwritten)."""
+    """ValueError unless every piece is on a store, holds consecutive spans (a leaf's end, then
+    the next leaf's start) and the pieces' spans cover each leaf's elements exactly once (a pull
+    would leave the rest of its arrays unwritten)."""
     covered: dict[str, list[tuple[int, int]]] = {path: [] for path in shapes}
     for p in layout:
         if not 0 <= p.store < stores:
             raise ValueError(f"piece {p.key} is on store {p.store}; there are {stores}")
+        for s, t in itertools.pairwise(p.spans):  # one run of the leaves laid end to end
+            if s.stop != math.prod(shapes[s.leaf]) or t.start != 0 or s.leaf == t.leaf:
+                raise ValueError(f"piece {p.key}'s spans {s} and {t} are not consecutive")
         for s in p.spans:
             covered[s.leaf].append((s.start, s.stop))
     for path, ranges in covered.items():
