@@ -13,6 +13,7 @@ import pytest
 
 import tenplex_jax as tj
 from tenplex_jax._src.elastic.events import Event
+from tenplex_jax._src.elastic.steps import _Turns
 from tenplex_jax._src.elastic.trace import upcoming
 from tenplex_jax_models import LOGICAL_RULES
 from tests.helpers import host_copy, tiny_init, tiny_samples, tiny_step
@@ -259,3 +260,53 @@ def test_which_events_wait_for_their_step():
         assert not quiet._waits(quiet._pending[0])
     with pytest.raises(tj.errors.LayoutError, match=r"JobOptions.notice_seconds is seconds >= 0"):
         dataclasses.replace(quiet.options, notice_seconds=-1)
+
+
+# -- background lowerings take turns ------------------------------------------------------------
+
+
+def _lower_in_threads(turns: _Turns, tickets: list[int], order: list[int]) -> list:
+    """A thread per ticket, started in the order given, each recording its turn."""
+
+    def lower(ticket):
+        with turns.turn(ticket):
+            order.append(ticket)
+
+    threads = [threading.Thread(target=lower, args=(t,)) for t in tickets]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _started(turns: _Turns, *tickets: int) -> bool:
+    with turns._changed:
+        return turns._changed.wait_for(lambda: set(tickets) <= turns._started, timeout=30)
+
+
+def test_background_lowerings_take_turns_in_the_order_they_were_asked_for():
+    turns, order = _Turns(grace=60.0), []
+    first, second, third = (turns.ticket() for _ in range(3))
+    threads = _lower_in_threads(turns, [third, second], order)
+    assert _started(turns, third, second) and order == []  # both wait for the first
+    threads += _lower_in_threads(turns, [first], order)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert order == [first, second, third]
+    with turns.turn(None):  # a compile on the caller's thread never waits
+        order.append("now")
+    assert turns._open == set() and not turns._busy
+
+
+def test_a_dropped_ticket_or_one_that_never_starts_holds_no_one_up():
+    turns, order = _Turns(grace=60.0), []
+    cancelled, waiting = turns.ticket(), turns.ticket()
+    (thread,) = _lower_in_threads(turns, [waiting], order)
+    assert _started(turns, waiting) and order == []
+    turns.drop(cancelled)  # its compile was cancelled before it started
+    thread.join(timeout=30)
+    assert order == [waiting]
+    impatient, order = _Turns(grace=0.01), []
+    queued, ready = impatient.ticket(), impatient.ticket()  # queued: behind a busy thread
+    (thread,) = _lower_in_threads(impatient, [ready], order)
+    thread.join(timeout=30)
+    assert order == [ready] and impatient._open == {queued}

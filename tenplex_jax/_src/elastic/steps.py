@@ -98,6 +98,7 @@ class StepCache:
             True: concurrent.futures.ThreadPoolExecutor(1, "tenplex-compile-guess"),
         }
         self._queued: set[concurrent.futures.Future] = set()  # submitted by compile-ahead
+        self._turns = _Turns()  # background lowerings, one at a time, in the order asked
 
     @staticmethod
     def key(ptc: PTC, layout: BatchLayout) -> tuple:
@@ -134,15 +135,16 @@ class StepCache:
             elif not ahead and self.status(key) == "queued" and future.cancel():
                 future = None  # queued behind other guesses: compile it now instead of waiting
             now = future is None and not ahead
-            if future is None:
-                future = (
-                    self._pools[guess].submit(self._background, self.compile, ptc, layout, True)
-                    if ahead
-                    else concurrent.futures.Future()
+            if future is None and ahead:
+                ticket = self._turns.ticket()
+                future = self._pools[guess].submit(
+                    self._background, self.compile, ptc, layout, True, ticket
                 )
+                future.add_done_callback(lambda _, ticket=ticket: self._turns.drop(ticket))
+                self._queued.add(future)
                 self._futures[key] = future
-                if ahead:
-                    self._queued.add(future)
+            elif future is None:
+                future = self._futures[key] = concurrent.futures.Future()
         if now:
             try:
                 future.set_result(self.compile(ptc, layout))
@@ -154,13 +156,20 @@ class StepCache:
         return future
 
     def compile(
-        self, ptc: PTC, layout: BatchLayout, ahead: bool = False, *, load: bool = True
+        self,
+        ptc: PTC,
+        layout: BatchLayout,
+        ahead: bool = False,
+        ticket: int | None = None,
+        *,
+        load: bool = True,
     ) -> Compiled:
         """``fn`` for ``ptc`` and ``layout``, lowered from abstract values afresh (whatever
         steps this cache holds): loaded from ``executables`` when stored there and ``load`` is
         True, else compiled by XLA (and then stored there). A program this process lowered
         before for the layout (:mod:`programs`: a survivor running its script again) is loaded
-        without tracing it again."""
+        without tracing it again. ``ticket``: a background compile's turn to lower (see
+        :class:`_Turns`)."""
         mesh, state, batch = self._abstract(ptc, layout)
         known = self._program(ptc, layout, state)
         lowering = programs.recall(known) if known is not None and load else None
@@ -172,10 +181,12 @@ class StepCache:
                 with self._lock:
                     self.loads += 1
                 return Compiled(executable, time.perf_counter() - tic, ahead, True, traced=False)
-        lowered = self._lower(mesh, ptc, state, batch)
+        with self._turns.turn(ticket):  # Python under the GIL: one at a time, in order
+            lowered = self._lower(mesh, ptc, state, batch)
+            if self.executables is not None:
+                digest = self._remember_lowered(known, lowered)
         if self.executables is None:
             return self._compile(lowered, mesh, ahead, None)
-        digest = self._remember_lowered(known, lowered)
         if load and lowering is None:  # (a remembered program's miss was this key's miss)
             tic = time.perf_counter()
             trees = (digest, lowered.in_tree, lowered.out_tree)
@@ -354,6 +365,64 @@ def _outputs_fit(lowered: jax.stages.Lowered) -> bool:
         return lowered.out_tree.children()[0] == lowered.in_tree.children()[0].children()[0]
     except (AttributeError, IndexError):
         return False
+
+
+class _Turns:
+    """Background lowerings one at a time, in the order their compiles were asked for (the
+    order the job needs their layouts: its own first, then the announced ones in order).
+
+    Tracing and lowering are Python, under the GIL: three lowered at once (a job's first layout
+    and the two announced beside it) each took three times as long, so the layout needed first
+    was ready last. XLA's compiles, after the lowering, still run side by side. A ticket whose
+    compile was cancelled or ended is dropped; one asked for earlier that has not started within
+    ``grace`` seconds (queued behind a busy thread of another pool) holds no one up; a compile
+    on the caller's thread (no ticket) never waits.
+    """
+
+    def __init__(self, grace: float = 0.05):
+        self.grace = grace  # seconds: a thread about to take an earlier ticket, not one queued
+        self._changed = threading.Condition()
+        self._issued = 0
+        self._open: set[int] = set()  # issued, not yet lowered or dropped
+        self._started: set[int] = set()  # of those, the ones whose thread waits for its turn
+        self._busy = False
+
+    def ticket(self) -> int:
+        with self._changed:
+            self._issued += 1
+            self._open.add(self._issued)
+            return self._issued
+
+    def drop(self, ticket: int) -> None:
+        with self._changed:
+            self._open.discard(ticket)
+            self._started.discard(ticket)
+            self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def turn(self, ticket: int | None):
+        if ticket is None:
+            yield
+            return
+        with self._changed:
+            self._started.add(ticket)
+            self._changed.notify_all()
+            patient_until = time.monotonic() + self.grace
+
+            def mine() -> bool:
+                waiting = self._started if time.monotonic() > patient_until else self._open
+                return not self._busy and not any(t < ticket for t in waiting)
+
+            while not mine():
+                self._changed.wait(self.grace)
+            self._busy = True
+        try:
+            yield
+        finally:
+            self.drop(ticket)
+            with self._changed:
+                self._busy = False
+                self._changed.notify_all()
 
 
 def enable_compilation_cache(directory: str | pathlib.Path) -> None:
