@@ -447,11 +447,11 @@ def test_a_compile_ahead_that_failed_is_compiled_again_when_its_layout_is_needed
     cache, target = job.steps_cache, job._target(tuple(range(6)))
     layout, real, calls = job._layout(target.config), type(cache).compile, []
 
-    def flaky(self, ptc, layout, ahead=False):  # the background compile fails, once
+    def flaky(self, ptc, layout, ahead=False, ticket=None):  # the compile ahead fails, once
         calls.append(ahead)
         if ahead:
             raise RuntimeError("injected: the compile ahead failed")
-        return real(self, ptc, layout, ahead)
+        return real(self, ptc, layout, ahead, ticket)
 
     monkeypatch.setattr(type(cache), "compile", flaky)
     with pytest.raises(RuntimeError, match="injected"):
