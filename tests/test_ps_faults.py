@@ -29,7 +29,7 @@ import pytest
 
 from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.multihost.store import wire
-from tenplex_jax._src.wsp import ps as wsp_ps
+from tenplex_jax._src.wsp import pieces
 from tenplex_jax.multihost.store import StoreClient, parse_address
 from tenplex_jax.wsp import ParameterServer, VirtualWorker, weights_of
 from tenplex_jax_models import build_state
@@ -456,7 +456,7 @@ def test_no_acknowledged_wave_is_lost_when_stores_are_sigkilled_and_restarted(tm
             assert ps.open() and ps.layout
             expected = replay(initial_weights(), ledger.log)
             assert_bitwise_equal(run.weights, expected, "the weights pulled last")
-            stored, places = wsp_ps._one_buffer(ps.layout, ps.shapes)
+            stored, places = pieces.pull_buffer(ps.layout, ps.shapes)
             for piece in ps.layout:
                 with StoreClient(procs[piece.store].address) as client:
                     out = places[piece.index]

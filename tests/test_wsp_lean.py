@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tenplex_jax._src.wsp import ps
+from tenplex_jax._src.wsp import pieces
 from tenplex_jax._src.wsp.ledger import PATH
 from tenplex_jax._src.wsp.pieces import cut
 from tenplex_jax._src.wsp.records import BEATS, LOG_KEPT
@@ -179,7 +179,7 @@ def test_cut_packs_small_leaves_into_equal_pieces_and_refuses_a_piece_below_one_
 def test_cut_covers_every_leaf_once_in_equal_pieces_balanced_over_the_stores(sizes, stores, piece):
     shapes = {f"l{i}": (n,) for i, n in enumerate(sizes)}
     layout = cut(shapes, stores, piece_bytes=4 * piece)
-    ps._check_cover(layout, shapes, stores)  # every element in exactly one piece
+    pieces.check_layout(layout, shapes, stores)  # every element in exactly one piece
     sizes = [p.size for p in layout]
     assert all(0 < n <= piece for n in sizes)
     assert not sizes or max(sizes) - min(sizes) <= 1  # equal pieces
@@ -195,7 +195,11 @@ def test_a_layout_of_another_format_or_that_misses_elements_is_refused_on_open(s
             "format 1": {k: v for k, v in good.items() if k != "format"},
             "a gap": {**good, "pieces": [[0, [["w", 0, 1]]], [1, [["w", 2, 4]]]]},
             "no store 5": {**good, "pieces": [[5, [["w", 0, 4]]]]},
-            "spans apart": {**good, "pieces": [[0, [["w", 0, 1], ["w", 1, 4]]]]},
+            "spans apart": {  # v's end first, then a piece of w and v's start: not one run
+                "format": good["format"],
+                "shapes": {"w": [4], "v": [4]},
+                "pieces": [[0, [["v", 2, 4]]], [1, [["w", 0, 4], ["v", 0, 2]]]],
+            },
         }
         for name, record in bad.items():
             ps.coordinator.put_json("wsp/layout", record)

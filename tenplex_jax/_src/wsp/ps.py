@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import itertools
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,7 +46,15 @@ import numpy as np
 from tenplex_jax._src.errors import StoreError, WSPError
 from tenplex_jax._src.multihost.store.client import StoreClient
 from tenplex_jax._src.wsp.ledger import PATH, Ledger
-from tenplex_jax._src.wsp.pieces import PIECE_BYTES, Piece, Span, cut
+from tenplex_jax._src.wsp.pieces import (
+    PIECE_BYTES,
+    Piece,
+    Span,
+    check_layout,
+    cut,
+    gather_piece,
+    pull_buffer,
+)
 from tenplex_jax._src.wsp.records import Records
 
 LAYOUT = "wsp/layout"  # JSON in the first store: the leaves' shapes and pieces
@@ -179,7 +185,9 @@ class ParameterServer(Records):
         self.layout, self.shapes = layout, shapes
         flat = {path: a.reshape(-1) for path, a in arrays.items()}
         self._each_store(
-            lambda client, pieces: [client.put(WEIGHTS + p.key, _gather(p, flat)) for p in pieces]
+            lambda client, pieces: [
+                client.put(WEIGHTS + p.key, gather_piece(p, flat)) for p in pieces
+            ]
         )
         self.coordinator.put_json(
             LAYOUT,
@@ -216,7 +224,7 @@ class ParameterServer(Records):
                 Piece(i, int(store), tuple(Span(str(a), int(b), int(c)) for a, b, c in spans))
                 for i, (store, spans) in enumerate(record["pieces"])
             )
-            _check_cover(layout, shapes, len(self.clients))
+            check_layout(layout, shapes, len(self.clients))
         except (KeyError, TypeError, ValueError) as error:
             raise WSPError(f"the layout record is malformed: {error!r:.200}", "corrupt") from None
         self.layout, self.shapes = layout, shapes
@@ -309,7 +317,7 @@ class ParameterServer(Records):
             def put(client: StoreClient, pieces: list[Piece], missing=missing) -> None:
                 for p in pieces:
                     if p.key in missing:
-                        sources[p.key] = client.put(stage + p.key, _gather(p, flat)).checksum
+                        sources[p.key] = client.put(stage + p.key, gather_piece(p, flat)).checksum
 
             def listed(client: StoreClient, pieces: list[Piece]) -> dict[str, str]:
                 client.flush()
@@ -476,7 +484,7 @@ class ParameterServer(Records):
           StoreError: a store failed a request.
         """
         deadline = time.monotonic() + timeout
-        out, places = _one_buffer(self.layout, self.shapes)
+        out, places = pull_buffer(self.layout, self.shapes)
         flat = {path: a.reshape(-1) for path, a in out.items()}
         while True:
             ledger = ledger or self.ledger()
@@ -536,57 +544,6 @@ class ParameterServer(Records):
                 if never or int(wave) < start + applied.get(vw, 0):
                     deleted += client.delete(f"{STAGE}{vw}/{wave}/")
         return deleted
-
-
-def _gather(piece: Piece, flat: Mapping[str, np.ndarray]) -> np.ndarray:
-    """``piece``'s elements of the flattened leaves ``flat``: a view when it is one span."""
-    parts = [flat[s.leaf][s.start : s.stop] for s in piece.spans]
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-
-def _one_buffer(
-    layout: Sequence[Piece], shapes: Mapping[str, tuple[int, ...]]
-) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
-    """The arrays of a pull, views of one buffer in which the leaves lie in the pieces' order
-    (a piece's spans are consecutive leaves, each leaf's spans consecutive pieces): leaf path
-    -> its array, and each piece's place in the buffer, so that every piece is received where
-    it belongs, whatever leaves it holds."""
-    order = list(dict.fromkeys(s.leaf for p in layout for s in p.spans))
-    order += [path for path in shapes if path not in set(order)]  # empty leaves
-    buffer = np.empty(sum(math.prod(shapes[path]) for path in order), np.float32)
-    out, offsets, at = {}, {}, 0
-    for path in order:
-        size = math.prod(shapes[path])
-        out[path], offsets[path] = buffer[at : at + size].reshape(shapes[path]), at
-        at += size
-    places = []
-    for p in layout:
-        start = offsets[p.spans[0].leaf] + p.spans[0].start
-        places.append(buffer[start : start + p.size])
-    return {path: out[path] for path in shapes}, places
-
-
-def _check_cover(layout: Sequence[Piece], shapes: Mapping[str, tuple[int, ...]], stores: int):
-    """ValueError unless every piece is on a store, holds consecutive spans (a leaf's end, then
-    the next leaf's start) and the pieces' spans cover each leaf's elements exactly once (a pull
-    would leave the rest of its arrays unwritten)."""
-    covered: dict[str, list[tuple[int, int]]] = {path: [] for path in shapes}
-    for p in layout:
-        if not 0 <= p.store < stores:
-            raise ValueError(f"piece {p.key} is on store {p.store}; there are {stores}")
-        for s, t in itertools.pairwise(p.spans):  # one run of the leaves laid end to end
-            if s.stop != math.prod(shapes[s.leaf]) or t.start != 0 or s.leaf == t.leaf:
-                raise ValueError(f"piece {p.key}'s spans {s} and {t} are not consecutive")
-        for s in p.spans:
-            covered[s.leaf].append((s.start, s.stop))
-    for path, ranges in covered.items():
-        size, at = math.prod(shapes[path]), 0
-        for start, stop in sorted(ranges):
-            if start != at or stop <= start:
-                break
-            at = stop
-        if at != size:
-            raise ValueError(f"the pieces cover leaf {path!r} of {size} elements as {ranges}")
 
 
 def _behind(clocks: Iterable[tuple[str, int]], ledger: Ledger) -> set[tuple[str, int]]:
