@@ -419,9 +419,10 @@ class _Turns:
         try:
             yield
         finally:
-            self.drop(ticket)
             with self._changed:
                 self._busy = False
+                self._open.discard(ticket)
+                self._started.discard(ticket)
                 self._changed.notify_all()
 
 

@@ -2,12 +2,12 @@
 
 Every piece is one float32 object in one store, and every push and pull costs a request per
 piece: a model's many small leaves (biases, norms), each a piece of its own, made a push of GPT
-small (44 leaves, 1.6 MB) take 102 ms over 2 stores, against 11.5 ms for the same bytes as one
-leaf (2 cores, one run). A leaf kept whole, on the other hand, makes its store carry most of
-the bytes and serve a push or a pull alone. So the leaves that may go to the same stores are
-laid end to end, flattened, in the weights' order, and that run of elements is cut into equal
-pieces of at most ``piece_bytes``, as many on each of those stores: a small leaf shares a
-piece with its neighbours, a large one spreads over the stores. Each piece is a list of
+small's 14 weight leaves (0.5 MiB) over 2 stores take 28.6 ms, against 6.0 ms with the pieces
+shared as below (2 cores, ``ps_lean``). A leaf kept whole, on the other hand, makes its store
+carry most of the bytes and serve a push or a pull alone. So the leaves that may go to the same
+stores are laid end to end, flattened, in the weights' order, and that run of elements is cut
+into equal pieces of at most ``piece_bytes``, as many on each of those stores: a small leaf
+shares a piece with its neighbours, a large one spreads over the stores. Each piece is a list of
 *spans*, ranges of a leaf's flattened elements.
 """
 

@@ -485,7 +485,6 @@ class ParameterServer(Records):
         """
         deadline = time.monotonic() + timeout
         out, places = pull_buffer(self.layout, self.shapes)
-        flat = {path: a.reshape(-1) for path, a in out.items()}
         while True:
             ledger = ledger or self.ledger()
 
@@ -501,11 +500,14 @@ class ParameterServer(Records):
             reads = self._each_store(read).values()
             behind = set().union(*(b for b, _ in reads))
             if not behind:
-                updates = pending[2] if pending is not None else {}
-                for p in (p for _, lacking in reads for p in lacking):
-                    for span in p.spans:
-                        update = np.asarray(updates[span.leaf], np.float32).reshape(-1)
-                        flat[span.leaf][span.start : span.stop] += update[span.start : span.stop]
+                lacking = [p for _, missed in reads for p in missed]
+                if lacking:  # the push in flight, gathered per piece as the push put it
+                    updates = {
+                        path: np.asarray(u, np.float32).reshape(-1)
+                        for path, u in pending[2].items()
+                    }
+                    for p in lacking:
+                        places[p.index] += gather_piece(p, updates)
                 return out
             for vw, push in sorted(behind, key=lambda t: (t[1], t[0])):
                 with contextlib.suppress(StoreError):  # applied meanwhile: the clocks say so
