@@ -46,6 +46,7 @@ SLOWEST_FILES = (
     "test_elastic.py",
     "test_pipeline.py",
     "test_ps_faults.py",
+    "test_wsp_group.py",
     "test_device_independence.py",
     "test_store_hostile.py",
     "test_cli.py",

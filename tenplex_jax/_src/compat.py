@@ -67,12 +67,22 @@ def reached_preemption_sync_point(step: int) -> bool:
     return multihost_utils.reached_preemption_sync_point(step)
 
 
-def broadcast_one_to_all(value):
-    """Process 0's ``value`` on every process of a ``jax.distributed`` job
+def broadcast_one_to_all(value, is_source: bool | None = None):
+    """Process 0's ``value`` (or the source's) on every process of a ``jax.distributed`` job
     (``jax.experimental.multihost_utils``)."""
     from jax.experimental import multihost_utils
 
-    return multihost_utils.broadcast_one_to_all(value)
+    return multihost_utils.broadcast_one_to_all(value, is_source=is_source)
+
+
+def distributed_client():
+    """This process's ``jax.distributed`` client: its key-value store (``key_value_set_bytes``,
+    ``blocking_key_value_get_bytes``, ``key_value_delete``); JAX keeps it in a private module."""
+    from jax._src import distributed
+
+    if distributed.global_state.client is None:
+        raise RuntimeError("jax.distributed is not initialized in this process")
+    return distributed.global_state.client
 
 
 def coordination_service(address: str, processes: int, *, heartbeat_seconds: int):

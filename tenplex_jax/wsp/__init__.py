@@ -12,10 +12,13 @@ the others train (Hydrozoa)::
 The ``Ledger`` is the job's record in the stores (data cursor, leases, clocks, commits); a
 ``Coordinator`` starts and ends virtual workers as ``Threads`` or ``Processes``;
 ``plan_workers`` groups a cluster's devices into virtual workers; a ``Scaler`` runs Hydrozoa's
-``ScalingPolicy`` (grow while the throughput per dollar holds) on a coordinator.
+``ScalingPolicy`` (grow while the throughput per dollar holds) on a coordinator. A VW whose
+devices span processes runs in each of them; its ``Group`` (``Group.of_jax()``) lets its leader
+decide for all.
 """
 
 from tenplex_jax._src.wsp.coordinator import Coordinator, Processes, Threads
+from tenplex_jax._src.wsp.group import Group
 from tenplex_jax._src.wsp.ledger import Ledger
 from tenplex_jax._src.wsp.planner import WorkerPlan, WSPChoice, plan_workers
 from tenplex_jax._src.wsp.policy import Decision, Measured, Scaler, ScalingPolicy
@@ -26,6 +29,7 @@ from tenplex_jax._src.wsp.worker import VirtualWorker, weights_of
 __all__ = [
     "Coordinator",
     "Decision",
+    "Group",
     "Ledger",
     "Measured",
     "ParameterServer",

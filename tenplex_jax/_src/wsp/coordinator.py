@@ -140,9 +140,15 @@ class Processes:
     """VWs as processes: ``python -m tenplex_jax.wsp --job JOB --name N --devices K ...``, each
     with ``K`` devices of its own; records come back as JSON lines in ``run_dir``.
 
-    A :class:`Coordinator`'s runner, with :class:`Threads`' methods; a handle is the VW's
-    ``subprocess.Popen``. One VW can die or start without touching the others (no shared
-    ``jax.distributed`` job).
+    With ``node_devices=n``, device ``d`` is on node ``d // n`` and a VW whose devices are on
+    several nodes (HetPipe's equal grouping) runs a process per node, each with its devices there
+    (as many on each), joined in a ``jax.distributed`` job of the VW's own
+    (:mod:`tenplex_jax._src.wsp.group`): when one of them fails, the others are killed, so
+    the VW dies whole, as a VW, and the others drop it.
+
+    A :class:`Coordinator`'s runner, with :class:`Threads`' methods; a handle is the tuple of
+    the VW's ``subprocess.Popen`` (its leader first). One VW can die or start without touching
+    the others (no ``jax.distributed`` job shared with another VW).
 
     Args:
       job: ``"MODULE:FUNCTION"``: ``FUNCTION(devices, **options)`` returns the job's parts
@@ -154,6 +160,7 @@ class Processes:
         ``--option KEY=VALUE``).
       token_file: a file holding the stores' secret, if any.
       python: the interpreter the VWs run in.
+      node_devices: devices per node (None: every VW in one process).
     """
 
     def __init__(
@@ -165,21 +172,56 @@ class Processes:
         options: Sequence[str] = (),
         token_file: str | None = None,
         python: str = sys.executable,
+        node_devices: int | None = None,
     ):
+        self.node_devices = node_devices
         self.job, self.stores, self.run_dir = job, list(stores), pathlib.Path(run_dir)
         self.options, self.token_file, self.python = list(options), token_file, python
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, devices: tuple[int, ...]):
-        """Start a VW's process; it joins the job once its step is compiled.
+        """Start a VW's processes; it joins the job once its step is compiled.
 
         Args:
           name: the VW's name.
-          devices: its device ids; the process uses ``len(devices)`` devices of its own.
+          devices: its device ids; a process per node they are on, each using as many devices
+            of its own as the VW has there.
 
         Returns:
-          The handle: the process's ``subprocess.Popen``.
+          The handle: the processes' ``subprocess.Popen``, the leader's first.
+
+        Raises:
+          WSPError: the VW has unequal numbers of devices on its nodes (``"invalid"``).
         """
+        from tenplex_jax._src.multihost.processes import free_port
+
+        nodes: dict[int, int] = {}
+        for d in devices:
+            node = 0 if self.node_devices is None else d // self.node_devices
+            nodes[node] = nodes.get(node, 0) + 1
+        if len(set(nodes.values())) != 1:
+            raise WSPError(
+                f"VW {name!r} on devices {list(devices)} has unequal numbers of devices on its "
+                f"nodes ({self.node_devices} devices each): {nodes}; a VW's processes run one "
+                f"program, on as many devices each",
+                "invalid",
+            )
+        count, local = len(nodes), len(devices) // len(nodes)
+        group = [] if count == 1 else ["--processes", str(count), "--coordinator"]
+        if group:
+            group.append(f"127.0.0.1:{free_port()}")
+        procs = tuple(
+            self._spawn(name, local, group + (["--process", str(i)] if group else []), i)
+            for i in range(count)
+        )
+        if count > 1:  # one process's failure ends its VW
+            for proc in procs:
+                threading.Thread(
+                    target=_end_with, args=(proc, procs), daemon=True, name=f"wsp-watch-{name}"
+                ).start()
+        return procs
+
+    def _spawn(self, name: str, local: int, group: list[str], index: int) -> subprocess.Popen:
         command = [
             self.python,
             "-m",
@@ -189,18 +231,20 @@ class Processes:
             "--name",
             name,
             "--devices",
-            str(len(devices)),
+            str(local),
             "--stores",
             ",".join(self.stores),
             "--records",
             str(self.run_dir / f"{name}.jsonl"),
             *self.options,
+            *group,
         ]
         if self.token_file:
             command += ["--token-file", self.token_file]
         # no preexec_fn: this process runs JAX's threads, so the child must exec at once (its own
         # session keeps a Ctrl-C at the terminal to the coordinator, which ends it by PID)
-        with open(self.run_dir / f"{name}.log", "wb") as log:
+        log_name = f"{name}.log" if index == 0 else f"{name}.{index}.log"
+        with open(self.run_dir / log_name, "wb") as log:
             return subprocess.Popen(
                 command,
                 stdout=log,
@@ -218,48 +262,52 @@ class Processes:
         pass  # a process joins the job as soon as its step is compiled
 
     def stop(self, handle) -> None:
-        """SIGTERM: the VW leaves at its next wave boundary.
+        """SIGTERM: the VW leaves at its next wave boundary (its leader decides when).
 
         Args:
           handle: what :meth:`start` returned.
         """
-        if handle.poll() is None:
-            handle.send_signal(signal.SIGTERM)  # the worker leaves at its next wave boundary
+        for proc in handle:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
 
     def kill(self, handle) -> None:
-        """SIGKILL the VW's process and reap it.
+        """SIGKILL the VW's processes and reap them.
 
         Args:
           handle: what :meth:`start` returned.
         """
         from tenplex_jax._src.multihost.processes import kill as kill_process
 
-        kill_process(handle)
+        for proc in handle:
+            kill_process(proc)
 
     def alive(self, handle) -> bool:
-        """Whether the VW's process runs.
+        """Whether the VW's leader runs.
 
         Args:
           handle: what :meth:`start` returned.
 
         Returns:
-          ``handle.poll() is None``.
+          ``handle[0].poll() is None``.
         """
-        return handle.poll() is None
+        return handle[0].poll() is None
 
     def wait(self, handle, timeout: float) -> None:
-        """Wait for the VW's process to exit; SIGKILL it after ``timeout``.
+        """Wait for the VW's processes to exit; SIGKILL them after ``timeout``.
 
         Args:
           handle: what :meth:`start` returned.
           timeout: seconds to wait.
         """
-        try:
-            handle.wait(timeout)
-        except subprocess.TimeoutExpired:
-            from tenplex_jax._src.multihost.processes import kill as kill_process
+        from tenplex_jax._src.multihost.processes import kill as kill_process
 
-            kill_process(handle)
+        deadline = time.monotonic() + timeout
+        for proc in handle:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                kill_process(proc)
 
     def records(self, handle) -> list:
         """The VW's wave records so far, read from ``run_dir/<name>.jsonl``.
@@ -270,11 +318,22 @@ class Processes:
         Returns:
           Each record as a dict (none when the file does not exist yet).
         """
-        name = handle.args[handle.args.index("--name") + 1]
+        args = handle[0].args
+        name = args[args.index("--name") + 1]
         path = self.run_dir / f"{name}.jsonl"
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _end_with(proc: subprocess.Popen, group: Sequence[subprocess.Popen]) -> None:
+    """Wait for ``proc``; if it failed (neither 0 nor 3, a dropped VW's status), kill the rest of
+    its VW's ``group``: they would wait in a collective for it for ever."""
+    from tenplex_jax._src.multihost.processes import kill as kill_process
+
+    if proc.wait() not in (0, 3):
+        for other in group:
+            kill_process(other)
 
 
 class Coordinator:

@@ -8,6 +8,12 @@ returns the job's parts: ``rules``, ``dataset``, ``init``, ``train_step``, ``con
 devices of its own (fake CPU devices with ``--platform cpu``), joins the job's ledger, trains until
 the run is done and appends each pushed wave to ``--records`` as a JSON line. SIGTERM: leave at the
 next wave boundary.
+
+A VW whose devices span processes (nodes) runs one such process per node, each with
+``--processes P --process I --coordinator HOST:PORT``: they form the VW's own ``jax.distributed``
+job (its coordination service in process 0, bound to ``HOST:PORT``), ``K`` is each process's
+devices and the VW has ``P K``; process 0, the VW's leader, talks to the parameter server and
+writes the records (:mod:`tenplex_jax._src.wsp.group`).
 """
 
 from __future__ import annotations
@@ -36,23 +42,42 @@ def main(argv=None) -> int:
     parser.add_argument("--platform", default="cpu")
     parser.add_argument("--records", type=pathlib.Path, default=None)
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--processes", type=int, default=1, help="the VW's processes")
+    parser.add_argument("--process", type=int, default=0, help="this one's index among them")
+    parser.add_argument("--coordinator", default=None, help="HOST:PORT of the VW's service")
     args = parser.parse_args(argv)
+    if args.processes > 1 and (args.coordinator is None or not 0 <= args.process < args.processes):
+        parser.error("a VW of --processes P > 1 needs --coordinator and 0 <= --process < P")
 
     import jax
 
     if args.platform == "cpu":  # before any backend starts
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.processes > 1:  # the VW's own job; its service listens where it was told only
+        jax.distributed.initialize(
+            args.coordinator,
+            num_processes=args.processes,
+            process_id=args.process,
+            initialization_timeout=int(max(args.timeout, 60)),
+            coordinator_bind_address=args.coordinator if args.process == 0 else None,
+        )
+    from tenplex_jax._src.wsp.group import Group
     from tenplex_jax._src.wsp.ps import ParameterServer
     from tenplex_jax._src.wsp.worker import VirtualWorker
 
+    # the VW's, over all of its processes
+    devices = jax.devices() if args.processes > 1 else jax.devices()[: args.devices]
     module, _, function = args.job.partition(":")
     options = dict(_option(o) for o in args.option)
-    parts = getattr(importlib.import_module(module), function)(args.devices, **options)
+    parts = getattr(importlib.import_module(module), function)(len(devices), **options)
     token = None if args.token_file is None else pathlib.Path(args.token_file).read_text().strip()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    records = None if args.records is None else open(args.records, "a")  # noqa: SIM115
+    group = Group.of_jax()
+    written = args.records is not None and group.leader
+    records = open(args.records, "a") if written else None  # noqa: SIM115
 
     def write(record) -> None:
         if records is not None:
@@ -67,7 +92,7 @@ def main(argv=None) -> int:
             parts["dataset"],
             parts["init"],
             parts["train_step"],
-            devices=jax.devices()[: args.devices],
+            devices=devices,
             config=parts["config"],
             minibatches=args.minibatches,
             distance=args.distance,
@@ -77,6 +102,7 @@ def main(argv=None) -> int:
             on_record=write,
             stages=parts.get("stages"),
             wave_step=parts.get("wave_step"),
+            group=group,
         )
         worker.run(stop)
     if records is not None:

@@ -81,6 +81,7 @@ from tenplex_jax._src.executor import place
 from tenplex_jax._src.pipelining import Stages
 from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
 from tenplex_jax._src.wsp import optimizer, waves
+from tenplex_jax._src.wsp.group import Group
 from tenplex_jax._src.wsp.ledger import Beats, Ledger
 from tenplex_jax._src.wsp.ps import ParameterServer
 from tenplex_jax._src.wsp.waves import Read, Wave, WaveRecord, delta, landed, replaced
@@ -167,6 +168,9 @@ class VirtualWorker:
         ``layers`` padded for them (:meth:`tenplex_jax.pipelining.Stages.pad`), and the
         ``train_step`` must run its pipeline with them. What it pushes, pulls and shares is
         unpadded, so VWs of different stages train one job. None: the stacked leaves as they are.
+      group: the VW's processes, when its ``devices`` span processes (its own
+        ``jax.distributed`` job; :meth:`Group.of_jax`): every process makes the VW, and its leader
+        alone talks to the parameter server (:mod:`tenplex_jax._src.wsp.group`). Default: one.
 
     Attributes:
       records: the :class:`WaveRecord` of every wave pushed (each added when its push is done).
@@ -207,6 +211,7 @@ class VirtualWorker:
         optimizer_every: int = 4,
         stages: Stages | None = None,
         wave_step: Callable | None = None,
+        group: Group | None = None,
     ):
         if minibatches < 1 or distance < 0 or slowdown < 1.0 or optimizer_every < 0:
             raise WSPError(
@@ -220,6 +225,7 @@ class VirtualWorker:
         self._sharing: threading.Thread | None = None
         self._shared: int | None = None  # the clock of the last share written
         self.name, self.ps, self.dataset = name, ps, dataset
+        self.group = group or Group()
         self.nm, self.distance, self.slowdown = minibatches, distance, slowdown
         self.timeout, self.on_wave, self.on_record = timeout, on_wave, on_record
         self.devices = list(devices)
@@ -343,11 +349,16 @@ class VirtualWorker:
           StoreError: a store failed a request.
         """
         stop = stop or threading.Event()
-        self.ps.open()
-        self.ps.beat(self.name, 0)  # before it is a member: a member always has a heartbeat
-        ledger, _ = self.ps.update(lambda led: (led.join(self.name), None))
-        self.clock = ledger.clocks[self.name]
-        self.set_weights(self.ps.pull(ledger))
+
+        def join() -> tuple[Ledger, dict[str, np.ndarray]]:
+            self.ps.open()
+            self.ps.beat(self.name, 0)  # before it is a member: a member always has a heartbeat
+            ledger, _ = self.ps.update(lambda led: (led.join(self.name), None))
+            return ledger, self.ps.pull(ledger)
+
+        ledger, weights = self.group.agree(join)
+        self.clock = joined = ledger.clocks[self.name]
+        self.set_weights(weights)
         self.fresh, self.members = ledger.min_clock or 0, frozenset(ledger.clocks)
         if self.others:
             self._take_optimizer()
@@ -355,7 +366,8 @@ class VirtualWorker:
         heart = threading.Thread(
             target=self._heartbeat, args=(beating,), daemon=True, name=f"wsp-heartbeat-{self.name}"
         )
-        heart.start()
+        if self.group.leader:  # a VW beats while its leader lives
+            heart.start()
         try:
             try:
                 self._loop(stop, waves)
@@ -365,17 +377,18 @@ class VirtualWorker:
             if not self.crashed.is_set():
                 self._settle()  # raises what it raised
             if not (self.crashed.is_set() or self.dropped):
-                if self.records and self.optimizer_every:
+                if self.clock > joined and self.optimizer_every:
                     self._share_optimizer(wait=True)  # its last clock's, whatever was skipped
-                self.ps.update(lambda led: (led.leave(self.name), None))
+                self.group.agree(lambda: self.ps.update(lambda led: (led.leave(self.name), None)))
         except WSPError as error:
             if error.reason != "dropped":
                 raise
             self.dropped = True
         finally:
             beating.set()
-            heart.join(timeout=self.timeout)
-        if not self.crashed.is_set():  # a member no more: its heartbeat object goes
+            if heart.is_alive():
+                heart.join(timeout=self.timeout)
+        if self.group.leader and not self.crashed.is_set():  # its heartbeat object goes
             with contextlib.suppress(StoreError):
                 self.ps.forget(self.name)
         return self.records
@@ -384,7 +397,7 @@ class VirtualWorker:
         held: Wave | None = None  # the claimed wave whose updates have not all landed
         claimed = 0
         while not (self.crashed.is_set() or self.dropped):
-            leaving = stop.is_set() or (waves is not None and claimed >= waves)
+            leaving = self.group.agree(stop.is_set) or (waves is not None and claimed >= waves)
             if held is None and leaving:
                 return
             # wave k's first Nm - 1 minibatches read their weights as wave k - 1's updates land
@@ -407,11 +420,15 @@ class VirtualWorker:
             ledger, pulled = self._wait(self.clock, self.fresh)
             if ledger is None:
                 return
-            led, minibatches = self.ps.update(lambda led: led.claim(self.name, self.clock, self.nm))
+            led, minibatches = self.group.agree(
+                lambda: self.ps.update(lambda now: now.claim(self.name, self.clock, self.nm))
+            )
             if not minibatches:
                 if led.done:
                     return
-                self._idle(led)  # others hold the last: they may die
+                self.group.agree(
+                    lambda led=led: self._idle(led)
+                )  # others hold the last: they may die
                 continue
             if self.on_wave is not None:
                 self.on_wave(self.name, self.clock, minibatches)
@@ -522,11 +539,12 @@ class VirtualWorker:
             return False  # died mid-wave: nothing pushed, the minibatches go back
         self._settle()
         waited, self._waited = self.push_waits - self._waited, self.push_waits
-        change = delta(list(self._weights()), list(wave.start))
+        change = self.group.replicated(delta(list(self._weights()), list(wave.start)), self.mesh)
         self.clock = wave.wave + 1
-        self._copied = concurrent.futures.Future()  # (wave, the update on the host)
-        args = (wave, change, self._copied, tuple(losses), compute, slow, waited)
-        self._pushing = _Thread(self._send, args, f"wsp-push-{self.name}-{wave.wave}")
+        if self.group.leader:  # the leader pushes; the others' change was for its all-gather
+            self._copied = concurrent.futures.Future()  # (wave, the update on the host)
+            args = (wave, change, self._copied, tuple(losses), compute, slow, waited)
+            self._pushing = _Thread(self._send, args, f"wsp-push-{self.name}-{wave.wave}")
         if self.others and self.optimizer_every and self.clock % self.optimizer_every == 0:
             self._share_optimizer()
         return True
@@ -571,7 +589,12 @@ class VirtualWorker:
             self.on_record(record)
 
     def _settle(self) -> None:
-        """Wait for the push in flight (counted in :attr:`push_waits`); raise what it raised."""
+        """Wait for the push in flight (counted in :attr:`push_waits`); raise what it raised
+        (every process of the VW raises it)."""
+        self.group.agree(self._end_push)
+
+    def _end_push(self) -> None:
+        """The leader's :meth:`_settle`."""
         pushing, self._pushing = self._pushing, None
         if pushing is not None:
             tic = time.perf_counter()
@@ -589,14 +612,19 @@ class VirtualWorker:
         on (Hydrozoa's communication beside compute); skipped while the last share is still
         being written, unless ``wait`` (then this clock's share is written before it returns,
         raising its errors)."""
-        if self._sharing is not None and self._sharing.is_alive():
-            if not wait:
-                return
-            self._sharing.join()
-        if wait and self._shared == self.clock:
-            return  # the thread wrote this clock's
+
+        def skip() -> bool:  # the leader's: a share in flight, or this clock's written
+            if self._sharing is not None and self._sharing.is_alive():
+                if not wait:
+                    return True
+                self._sharing.join()
+            return wait and self._shared == self.clock
+
+        if self.group.agree(skip):
+            return
         _, leaves, _ = tree.arrays(self.state)
-        arrays = [leaves[i] for i in self.others]  # immutable: copied off on the thread
+        # immutable: copied off on the thread
+        arrays = self.group.replicated([leaves[i] for i in self.others], self.mesh)
 
         def write(clock=self.clock):
             host = jax.device_get(arrays)
@@ -605,7 +633,9 @@ class VirtualWorker:
             self._shared = clock
 
         if wait:
-            write()
+            self.group.agree(write)
+            return
+        if not self.group.leader:
             return
 
         def write_or_note():
@@ -625,44 +655,64 @@ class VirtualWorker:
         Raises:
           WSPError: a shared leaf's shape differs from this VW's (``"invalid"``).
         """
-        shared = optimizer.freshest(self.ps)
+
+        def fetch() -> tuple[str, int, dict[str, np.ndarray]] | None:
+            shared = optimizer.freshest(self.ps)
+            if shared is None:
+                return None
+            vw, wave, arrays = shared
+            for i in self.others:
+                path, shape = self.paths[i], self._shape(i)
+                if path not in arrays or arrays[path].shape != shape:
+                    got = arrays[path].shape if path in arrays else "no such leaf"
+                    raise WSPError(
+                        f"the optimizer state {vw!r} shared at wave {wave} does not fit "
+                        f"{self.name!r}: {path} is {got}, here {shape}",
+                        "invalid",
+                    )
+            return vw, wave, {self.paths[i]: arrays[self.paths[i]] for i in self.others}
+
+        shared = self.group.agree(fetch)
         if shared is None:
             return
         vw, wave, arrays = shared
-        for i in self.others:
-            path, shape = self.paths[i], self._shape(i)
-            if path not in arrays or arrays[path].shape != shape:
-                got = arrays[path].shape if path in arrays else "no such leaf"
-                raise WSPError(
-                    f"the optimizer state {vw!r} shared at wave {wave} does not fit "
-                    f"{self.name!r}: {path} is {got}, here {shape}",
-                    "invalid",
-                )
         self._place(self.others, [arrays[self.paths[i]] for i in self.others])
         self.optimizer_from = (vw, wave)
 
     def _wait(self, wave: int, fresh: int) -> tuple[Ledger | None, bool]:
         """WSP before wave ``wave``: (the ledger, whether the weights were pulled, and then
         :attr:`fresh` set); no ledger when the VW must stop."""
+        ledger, pulled = self.group.agree(lambda: self._until(wave, fresh))
+        if ledger is None:
+            return None, False
+        if self.name not in ledger.clocks:
+            self.dropped = True
+            return None, False
+        if pulled is None:
+            return ledger, False
+        self.set_weights(pulled)
+        # the weights hold every other VW's commits and all of its own waves
+        others = [c for vw, c in ledger.clocks.items() if vw != self.name]
+        self.fresh, self.members = min([*others, self.clock]), frozenset(ledger.clocks)
+        return ledger, True
+
+    def _until(self, wave: int, fresh: int) -> tuple[Ledger | None, dict | None]:
+        """The leader's WSP wait: (the ledger once the VW may go on or was dropped, and the
+        weights it pulled, if it had to); no ledger when it died."""
         ledger = self.ps.ledger()
         while True:
             if self.name not in ledger.clocks:
-                self.dropped = True
-                return None, False
+                return ledger, None
             decision = ledger.decide(self.name, wave, fresh, self.distance, self.members)
             if decision == "go":
-                return ledger, False
+                return ledger, None
             if decision == "pull":  # its push in flight is added where the stores lack it
                 pending = None if self._pushing is None else (self.name, *self._copied.result())
-                self.set_weights(self.ps.pull(ledger, pending=pending))
-                # the weights hold every other VW's commits and all of its own waves
-                others = [c for vw, c in ledger.clocks.items() if vw != self.name]
-                self.fresh, self.members = min([*others, self.clock]), frozenset(ledger.clocks)
-                return ledger, True
+                return ledger, self.ps.pull(ledger, pending=pending)
             if self.crashed.is_set():
-                return None, False
+                return None, None
             if self._pushing is not None and self._pushing.done:
-                self._settle()  # its push failed: WSP would wait for its commit for ever
+                self._end_push()  # its push failed: WSP would wait for its commit for ever
             ledger = self._idle(ledger)  # the slowest member's next commit
 
     def _idle(self, ledger: Ledger) -> Ledger:

@@ -1,0 +1,169 @@
+"""The processes of one virtual worker: a VW whose devices span processes (nodes).
+
+HetPipe's equal grouping puts one device of every node into each VW, so a VW spans nodes: its
+processes form a ``jax.distributed`` job of their own (one per VW: no collective, and no
+coordination service, is shared with any other VW) and run the VW's programs SPMD over its
+mesh. JAX requires every process of a job to run the same programs in the same order, and the
+VW's program depends on what the parameter server says (which minibatches it claimed, whether it
+pulled and what, whether it was dropped). So one process, the VW's **leader** (its process 0),
+alone talks to the parameter server and decides; :meth:`Group.agree` hands each decision, with
+the exception it raised if it raised one, to the others (the **followers**) in the order the
+decisions are made: small values through the group's key-value store (the coordination
+service's), the numpy arrays within them (pulled weights, an optimizer state) by a broadcast
+over the VW's devices. A follower runs the same code with the leader's decisions: the same
+programs, in the same order.
+
+A VW in one process is a group of one: :meth:`Group.agree` calls its function and returns what
+it returns, and nothing is sent.
+
+Only the leader heartbeats, so a VW is alive to the others while its leader is: the runner that
+starts a VW's processes ends all of them when one dies (``tj.wsp.Processes``), and a follower
+waits for a decision at most ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from tenplex_jax._src import compat
+from tenplex_jax._src.errors import WSPError
+
+T = TypeVar("T")
+PREFIX = "tenplex_jax/wsp/decision/"
+KEPT = 64  # decisions the key-value store keeps: followers lag the leader by a wave's few
+
+
+@dataclasses.dataclass
+class Group:
+    """The processes of one VW (see the module's docstring).
+
+    Args:
+      index: this process's index in the VW (0: the leader).
+      count: the VW's processes.
+      client: the VW's ``jax.distributed`` client (its key-value store); None for a group of one.
+      timeout: seconds a follower waits for the leader's next decision.
+
+    Attributes:
+      decisions: how many decisions were agreed.
+    """
+
+    index: int = 0
+    count: int = 1
+    client: Any = None
+    timeout: float = 600.0
+    decisions: int = 0
+
+    @classmethod
+    def of_jax(cls, timeout: float = 600.0) -> Group:
+        """This process's group: the processes of its ``jax.distributed`` job (one process, and
+        no client, when there is none)."""
+        if jax.process_count() == 1:
+            return cls(timeout=timeout)
+        return cls(jax.process_index(), jax.process_count(), compat.distributed_client(), timeout)
+
+    @property
+    def leader(self) -> bool:
+        """Whether this process decides (talks to the parameter server)."""
+        return self.index == 0
+
+    def agree(self, decide: Callable[[], T]) -> T:
+        """``decide()``, called by the leader alone; every process returns its value, or raises
+        what it raised.
+
+        Args:
+          decide: what the leader does (a request to the parameter server) and returns: any
+            picklable value; its numpy arrays are broadcast over the VW's devices.
+
+        Raises:
+          WSPError: a follower waited ``timeout`` seconds for the leader (``"unavailable"``);
+            or whatever ``decide`` raised.
+        """
+        if self.count == 1:
+            return decide()
+        key = f"{PREFIX}{self.decisions}"
+        self.decisions += 1
+        if self.leader:
+            try:
+                value, error = decide(), None
+            except Exception as raised:
+                value, error = None, raised
+            arrays: list[np.ndarray] = []
+            payload = _dumps((value, error), arrays)
+            meta = [(a.shape, a.dtype.str) for a in arrays]
+            self.client.key_value_set_bytes(key, pickle.dumps((meta, payload)))
+            if self.decisions > KEPT:
+                self.client.key_value_delete(f"{PREFIX}{self.decisions - 1 - KEPT}")
+        else:
+            try:
+                got = self.client.blocking_key_value_get_bytes(key, int(self.timeout * 1000))
+            except Exception as lost:
+                raise WSPError(
+                    f"process {self.index} of a virtual worker waited {self.timeout:.0f} s for "
+                    f"its leader's decision {self.decisions - 1} ({lost})",
+                    "unavailable",
+                ) from lost
+            meta, payload = pickle.loads(got)
+            arrays = [np.zeros(shape, np.dtype(dtype)) for shape, dtype in meta]
+        if arrays:
+            arrays = list(compat.broadcast_one_to_all(arrays, is_source=self.leader))
+        value, error = _loads(payload, arrays)
+        if error is not None:
+            raise error
+        return value
+
+    def replicated(self, arrays: Sequence[jax.Array], mesh) -> list[jax.Array]:
+        """``arrays`` (on the VW's ``mesh``) whole on every device, so that the leader can copy
+        them to its host: an all-gather every process runs (at the same point of its program).
+        A group of one returns them as they are."""
+        if self.count == 1:
+            return list(arrays)
+        whole = NamedSharding(mesh, PartitionSpec())
+        return list(_gather(tuple(whole for _ in arrays))(*arrays))
+
+
+@functools.lru_cache(maxsize=16)
+def _gather(shardings: tuple):
+    """The identity, laid out as ``shardings``: compiled once per layout."""
+    return jax.jit(lambda *xs: xs, out_shardings=shardings)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles numpy arrays by reference: each goes to ``arrays`` (for the broadcast)."""
+
+    def __init__(self, file, arrays: list):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.arrays = arrays
+
+    def persistent_id(self, obj):
+        if isinstance(obj, np.ndarray) and obj.dtype != object:
+            self.arrays.append(np.ascontiguousarray(obj))
+            return len(self.arrays) - 1
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, arrays: list):
+        super().__init__(file)
+        self.arrays = arrays
+
+    def persistent_load(self, pid):
+        return self.arrays[pid]
+
+
+def _dumps(value, arrays: list) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, arrays).dump(value)
+    return out.getvalue()
+
+
+def _loads(payload: bytes, arrays: list):
+    return _Unpickler(io.BytesIO(payload), [np.asarray(a) for a in arrays]).load()
