@@ -25,7 +25,7 @@ from tenplex_jax.multihost import store
 from tenplex_jax.wsp import Coordinator, ParameterServer, Processes, weights_of
 
 
-def run_once(model: str, minibatches: int, node_devices: int | None, root: pathlib.Path) -> dict:
+def run_once(model: str, minibatches: int, nodes: list | None, root: pathlib.Path) -> dict:
     from tenplex_jax_models import wsp as job_parts
 
     procs = [store.StoreProcess.start(root / f"s{i}") for i in range(2)]
@@ -38,7 +38,7 @@ def run_once(model: str, minibatches: int, node_devices: int | None, root: pathl
                 addresses,
                 root / "run",
                 options=["--minibatches", "2", "--distance", "0", "--option", f"model={model}"],
-                node_devices=node_devices,
+                nodes=nodes,
             )
             with Coordinator(ps, runner) as coordinator:
                 coordinator.add([0, 1, 2, 3])
@@ -50,7 +50,7 @@ def run_once(model: str, minibatches: int, node_devices: int | None, root: pathl
     later = records[1:]
     seconds = later[-1]["ended"] - records[0]["ended"]
     return {
-        "processes": 1 if node_devices is None else 2,
+        "processes": 1 if nodes is None else len(set(nodes)),
         "waves": len(records),
         "samples_per_second": sum(len(r["samples"]) for r in later) / seconds,
         "compute_seconds": statistics.median(r["compute_seconds"] for r in later),
@@ -61,9 +61,9 @@ def run_once(model: str, minibatches: int, node_devices: int | None, root: pathl
 def run_wsp_group(rounds: int = 3, minibatches: int = 40, model: str = "tiny", log=print) -> dict:
     runs: dict[str, list] = {"one process": [], "two processes": []}
     for i in range(rounds):
-        for name, node_devices in (("one process", None), ("two processes", 2)):
+        for name, nodes in (("one process", None), ("two processes", [0, 0, 1, 1])):
             with tempfile.TemporaryDirectory(prefix="tenplex-wsp-group-") as root:
-                row = run_once(model, minibatches, node_devices, pathlib.Path(root))
+                row = run_once(model, minibatches, nodes, pathlib.Path(root))
             runs[name].append(row)
             log(f"  round {i}, {name}: {row}")
     ratio = statistics.median(

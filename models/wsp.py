@@ -39,12 +39,16 @@ def job(
     seed: int = 0,
     num_samples: int = 4096,
     layers: int | None = None,
-    stages: tj.pipelining.Stages | None = None,
+    stages: tj.pipelining.Stages | Sequence[int] | None = None,
+    config: str | None = None,
 ) -> dict:
     """A VW's parts for the GPT ``model`` (with ``layers`` layers instead of its own, if given)
     trained with ``optimizer`` on minibatches of ``minibatch`` sequences of the standard library's
     bytes (the same order in every VW); its step runs the pipeline over ``stages`` if given (the
-    VW's ``stages=``: the planner's uneven stages)."""
+    VW's ``stages=``: the planner's uneven stages, or their layer counts), laid out as ``config``
+    (``ParallelConfig.parse``'s text; default :func:`config_for` the devices)."""
+    if stages is not None and not isinstance(stages, tj.pipelining.Stages):
+        stages = tj.pipelining.Stages(tuple(stages))
     cfg = GPTConfig.by_name(model)
     if layers is not None:
         cfg = dataclasses.replace(cfg, n_layers=layers)
@@ -56,7 +60,8 @@ def job(
         "init": lambda: build_state(cfg, lr, seed, optimizer=optimizer)[1],
         "train_step": train_step(graphdef, stages),
         "wave_step": None if cfg.n_experts else wave_step(graphdef, stages),
-        "config": config_for(devices),
+        "config": config_for(devices) if config is None else tj.ParallelConfig.parse(config),
+        "stages": stages,
     }
 
 

@@ -60,6 +60,9 @@ examples:
   tenplex-jax demo --wsp --cluster meshes/hetpipe.toml --out out/wsp-hetpipe
       the planner builds the virtual workers for a cluster (grouping, uneven stages, Nm, D) and
       the demo trains them on fake CPU devices slowed by their speed
+  tenplex-jax demo --wsp --cluster meshes/hetpipe.toml --processes --out out/wsp-nodes
+      the same with every VW in processes of its own, one per node it spans (HetPipe's equal
+      grouping: a VW over two nodes runs in two processes, SPMD, its leader deciding for both)
   tenplex-jax demo --trace meshes/philly.toml --out out/trace
       replay a Philly-shaped resource trace (preemptions, a failure, offers) with the elastic
       loop; per-event table, goodput against checkpoint-restart, DIR/summary.json
@@ -309,6 +312,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="with --wsp: let the planner build the virtual workers for this cluster (TOML, see "
         "meshes/; at most 8 devices, each a fake CPU device slowed by its speed)",
+    )
+    demo.add_argument(
+        "--processes",
+        action="store_true",
+        help="with --wsp: run each virtual worker in processes of its own, one per node it "
+        "spans (with --cluster: the file's nodes; else one process per VW)",
     )
     demo.add_argument(
         "--plan-model",
@@ -656,6 +665,7 @@ def _demo(args) -> int:
                 seed=args.seed,
                 cluster=pathlib.Path(args.cluster) if args.cluster else None,
                 plan_model=args.plan_model,
+                processes=args.processes,
             )
         )
         return 0

@@ -140,11 +140,11 @@ class Processes:
     """VWs as processes: ``python -m tenplex_jax.wsp --job JOB --name N --devices K ...``, each
     with ``K`` devices of its own; records come back as JSON lines in ``run_dir``.
 
-    With ``node_devices=n``, device ``d`` is on node ``d // n`` and a VW whose devices are on
-    several nodes (HetPipe's equal grouping) runs a process per node, each with its devices there
-    (as many on each), joined in a ``jax.distributed`` job of the VW's own
-    (:mod:`tenplex_jax._src.wsp.group`): when one of them fails, the others are killed, so
-    the VW dies whole, as a VW, and the others drop it.
+    With ``nodes`` (device ``d`` is on node ``nodes[d]``: a cluster file's ``Cluster.nodes``), a
+    VW whose devices are on several nodes (HetPipe's equal grouping) runs a process per node,
+    each with its devices there (as many on each), joined in a ``jax.distributed`` job of the
+    VW's own (:mod:`tenplex_jax._src.wsp.group`): when one of them fails, the others are killed,
+    so the VW dies whole, as a VW, and the others drop it.
 
     A :class:`Coordinator`'s runner, with :class:`Threads`' methods; a handle is the tuple of
     the VW's ``subprocess.Popen`` (its leader first). One VW can die or start without touching
@@ -160,7 +160,9 @@ class Processes:
         ``--option KEY=VALUE``).
       token_file: a file holding the stores' secret, if any.
       python: the interpreter the VWs run in.
-      node_devices: devices per node (None: every VW in one process).
+      nodes: each device's node (None: every VW in one process).
+      options_for: ``options_for(name, devices)``: more command-line options for one VW (its
+        ``--minibatches``, ``--slowdown``, ``--option config=...``), after ``options``.
     """
 
     def __init__(
@@ -172,9 +174,12 @@ class Processes:
         options: Sequence[str] = (),
         token_file: str | None = None,
         python: str = sys.executable,
-        node_devices: int | None = None,
+        nodes: Sequence[int] | None = None,
+        options_for: Callable[[str, tuple[int, ...]], Sequence[str]] | None = None,
     ):
-        self.node_devices = node_devices
+        self.nodes, self.options_for = nodes, options_for
+        self.started: dict[str, tuple[subprocess.Popen, ...]] = {}
+        self.ended: set[int] = set()  # the PIDs this runner killed
         self.job, self.stores, self.run_dir = job, list(stores), pathlib.Path(run_dir)
         self.options, self.token_file, self.python = list(options), token_file, python
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -197,31 +202,53 @@ class Processes:
 
         nodes: dict[int, int] = {}
         for d in devices:
-            node = 0 if self.node_devices is None else d // self.node_devices
+            node = 0 if self.nodes is None else self.nodes[d]
             nodes[node] = nodes.get(node, 0) + 1
         if len(set(nodes.values())) != 1:
             raise WSPError(
                 f"VW {name!r} on devices {list(devices)} has unequal numbers of devices on its "
-                f"nodes ({self.node_devices} devices each): {nodes}; a VW's processes run one "
-                f"program, on as many devices each",
+                f"nodes (node: devices there): {nodes}; a VW's processes run one program, on "
+                f"as many devices each",
                 "invalid",
             )
         count, local = len(nodes), len(devices) // len(nodes)
-        group = [] if count == 1 else ["--processes", str(count), "--coordinator"]
-        if group:
-            group.append(f"127.0.0.1:{free_port()}")
+        options = [
+            *self.options,
+            *(self.options_for(name, tuple(devices)) if self.options_for else ()),
+        ]
+        if count > 1:
+            options += ["--processes", str(count), "--coordinator", f"127.0.0.1:{free_port()}"]
         procs = tuple(
-            self._spawn(name, local, group + (["--process", str(i)] if group else []), i)
+            self._spawn(name, local, options + (["--process", str(i)] if count > 1 else []), i)
             for i in range(count)
         )
+        self.started[name] = procs
         if count > 1:  # one process's failure ends its VW
             for proc in procs:
                 threading.Thread(
-                    target=_end_with, args=(proc, procs), daemon=True, name=f"wsp-watch-{name}"
+                    target=self._end_with, args=(proc, procs), daemon=True, name=f"wsp-watch-{name}"
                 ).start()
         return procs
 
-    def _spawn(self, name: str, local: int, group: list[str], index: int) -> subprocess.Popen:
+    def _end_with(self, proc: subprocess.Popen, group: Sequence[subprocess.Popen]) -> None:
+        """Wait for ``proc``; if it failed (neither 0 nor 3, a dropped VW's status), kill the
+        rest of its VW's ``group``: they would wait in a collective for it for ever."""
+        if proc.wait() not in (0, 3):
+            self.kill(group)
+
+    @property
+    def errors(self) -> list[tuple[str, str]]:
+        """``(name, what)`` of every VW process that failed (not killed by this runner)."""
+        from tenplex_jax._src.multihost.processes import status
+
+        return [
+            (name, f"process {i} {status(proc.returncode)}")
+            for name, procs in self.started.items()
+            for i, proc in enumerate(procs)
+            if proc.returncode not in (None, 0, 3) and proc.pid not in self.ended
+        ]
+
+    def _spawn(self, name: str, local: int, options: list[str], index: int) -> subprocess.Popen:
         command = [
             self.python,
             "-m",
@@ -236,8 +263,7 @@ class Processes:
             ",".join(self.stores),
             "--records",
             str(self.run_dir / f"{name}.jsonl"),
-            *self.options,
-            *group,
+            *options,
         ]
         if self.token_file:
             command += ["--token-file", self.token_file]
@@ -280,6 +306,8 @@ class Processes:
         from tenplex_jax._src.multihost.processes import kill as kill_process
 
         for proc in handle:
+            if proc.poll() is None:
+                self.ended.add(proc.pid)
             kill_process(proc)
 
     def alive(self, handle) -> bool:
@@ -324,16 +352,6 @@ class Processes:
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _end_with(proc: subprocess.Popen, group: Sequence[subprocess.Popen]) -> None:
-    """Wait for ``proc``; if it failed (neither 0 nor 3, a dropped VW's status), kill the rest of
-    its VW's ``group``: they would wait in a collective for it for ever."""
-    from tenplex_jax._src.multihost.processes import kill as kill_process
-
-    if proc.wait() not in (0, 3):
-        for other in group:
-            kill_process(other)
 
 
 class Coordinator:

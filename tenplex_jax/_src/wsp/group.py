@@ -65,7 +65,11 @@ class Group:
     @classmethod
     def of_jax(cls, timeout: float = 600.0) -> Group:
         """This process's group: the processes of its ``jax.distributed`` job (one process, and
-        no client, when there is none)."""
+        no client, when there is none).
+
+        Args:
+          timeout: seconds a follower waits for the leader's next decision.
+        """
         if jax.process_count() == 1:
             return cls(timeout=timeout)
         return cls(jax.process_index(), jax.process_count(), compat.distributed_client(), timeout)
@@ -92,33 +96,49 @@ class Group:
         key = f"{PREFIX}{self.decisions}"
         self.decisions += 1
         if self.leader:
-            try:
-                value, error = decide(), None
-            except Exception as raised:
-                value, error = None, raised
-            arrays: list[np.ndarray] = []
-            payload = _dumps((value, error), arrays)
-            meta = [(a.shape, a.dtype.str) for a in arrays]
-            self.client.key_value_set_bytes(key, pickle.dumps((meta, payload)))
-            if self.decisions > KEPT:
-                self.client.key_value_delete(f"{PREFIX}{self.decisions - 1 - KEPT}")
+            value, error = self._send(key, decide)
         else:
-            try:
-                got = self.client.blocking_key_value_get_bytes(key, int(self.timeout * 1000))
-            except Exception as lost:
-                raise WSPError(
-                    f"process {self.index} of a virtual worker waited {self.timeout:.0f} s for "
-                    f"its leader's decision {self.decisions - 1} ({lost})",
-                    "unavailable",
-                ) from lost
-            meta, payload = pickle.loads(got)
-            arrays = [np.zeros(shape, np.dtype(dtype)) for shape, dtype in meta]
-        if arrays:
-            arrays = list(compat.broadcast_one_to_all(arrays, is_source=self.leader))
-        value, error = _loads(payload, arrays)
+            value, error = self._receive(key)
         if error is not None:
             raise error
         return value
+
+    def _send(self, key: str, decide: Callable[[], T]) -> tuple[T | None, Exception | None]:
+        """The leader's side: decide, then hand the value or the error to the followers."""
+        try:
+            value, error = decide(), None
+        except Exception as raised:
+            value, error = None, raised
+        arrays: list[np.ndarray] = []
+        try:
+            payload = _dumps((value, error), arrays)
+        except Exception as unpicklable:  # every process raises this instead
+            failed = error or unpicklable
+            value, error = None, WSPError(f"the leader's decision failed: {failed!r}", "failed")
+            arrays, payload = [], _dumps((None, error), [])
+        meta = [(a.shape, a.dtype.str) for a in arrays]
+        self.client.key_value_set_bytes(key, pickle.dumps((meta, payload)))
+        if self.decisions > KEPT:
+            self.client.key_value_delete(f"{PREFIX}{self.decisions - 1 - KEPT}")
+        if arrays:
+            compat.broadcast_one_to_all(arrays, is_source=True)
+        return value, error
+
+    def _receive(self, key: str) -> tuple[Any, Exception | None]:
+        """A follower's side: the leader's value or error, its arrays by the broadcast."""
+        try:
+            got = self.client.blocking_key_value_get_bytes(key, int(self.timeout * 1000))
+        except Exception as lost:
+            raise WSPError(
+                f"process {self.index} of a virtual worker waited {self.timeout:.0f} s for "
+                f"its leader's decision {self.decisions - 1} ({lost})",
+                "unavailable",
+            ) from lost
+        meta, payload = pickle.loads(got)
+        arrays = [np.zeros(shape, np.dtype(dtype)) for shape, dtype in meta]
+        if arrays:
+            arrays = list(compat.broadcast_one_to_all(arrays, is_source=False))
+        return _loads(payload, arrays)
 
     def replicated(self, arrays: Sequence[jax.Array], mesh) -> list[jax.Array]:
         """``arrays`` (on the VW's ``mesh``) whole on every device, so that the leader can copy
@@ -145,7 +165,8 @@ class _Pickler(pickle.Pickler):
 
     def persistent_id(self, obj):
         if isinstance(obj, np.ndarray) and obj.dtype != object:
-            self.arrays.append(np.ascontiguousarray(obj))
+            # not np.ascontiguousarray: it makes a scalar (a step count) an array of shape (1,)
+            self.arrays.append(np.require(obj, requirements="C"))
             return len(self.arrays) - 1
         return None
 

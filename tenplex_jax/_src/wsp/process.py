@@ -22,10 +22,12 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import pathlib
 import signal
 import sys
 import threading
+import traceback
 
 
 def main(argv=None) -> int:
@@ -84,27 +86,36 @@ def main(argv=None) -> int:
             records.write(json.dumps(dataclasses.asdict(record)) + "\n")
             records.flush()
 
-    with ParameterServer(args.stores.split(","), token=token) as ps:
-        worker = VirtualWorker(
-            args.name,
-            ps,
-            parts["rules"],
-            parts["dataset"],
-            parts["init"],
-            parts["train_step"],
-            devices=devices,
-            config=parts["config"],
-            minibatches=args.minibatches,
-            distance=args.distance,
-            slowdown=args.slowdown,
-            timeout=args.timeout,
-            workers=parts.get("workers"),
-            on_record=write,
-            stages=parts.get("stages"),
-            wave_step=parts.get("wave_step"),
-            group=group,
-        )
-        worker.run(stop)
+    try:
+        with ParameterServer(args.stores.split(","), token=token) as ps:
+            worker = VirtualWorker(
+                args.name,
+                ps,
+                parts["rules"],
+                parts["dataset"],
+                parts["init"],
+                parts["train_step"],
+                devices=devices,
+                config=parts["config"],
+                minibatches=args.minibatches,
+                distance=args.distance,
+                slowdown=args.slowdown,
+                timeout=args.timeout,
+                workers=parts.get("workers"),
+                on_record=write,
+                stages=parts.get("stages"),
+                wave_step=parts.get("wave_step"),
+                group=group,
+            )
+            worker.run(stop)
+    except BaseException:
+        if group.count == 1:
+            raise
+        # a process of a VW over several exits at once: JAX's exit would wait minutes at the
+        # job's shutdown barrier for the others, blocked in the program this one left
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     if records is not None:
         records.close()
     return 3 if worker.dropped else 0
