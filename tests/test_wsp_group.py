@@ -120,7 +120,7 @@ def test_a_vw_over_two_processes_takes_a_shared_optimizer_and_dies_whole_with_a_
             leader, follower = coordinator.members["vw1"].handle
             ledger = ps.ledger()
             while not (ledger.committed.get("vw1", 0) >= 1 and "vw1" in ledger.leases):
-                assert not ledger.done, f"vw1 never held a lease after a push: {ledger}"
+                assert not ledger.done, f"vw1 never held a lease after a push: {_logs(tmp_path)}"
                 ledger = ps.wait(1.0)
             leased = ledger.leases["vw1"].minibatches
             kill(follower)
@@ -131,14 +131,19 @@ def test_a_vw_over_two_processes_takes_a_shared_optimizer_and_dies_whole_with_a_
             assert status in (-9, 1)
             coordinator.wait(timeout=240)
             ledger = ps.history()
-            # the follower's death is a failure to the runner; a leader it killed is not
-            assert runner.errors == [("vw1", "process 0 exited with status 1")] * (status == 1) + [
-                ("vw1", "process 1 was killed by SIGKILL")
-            ]
+            # the follower's death is a failure to the runner (a leader that left by itself,
+            # racing the runner's kill, may be one too); no other VW's process failed
+            assert ("vw1", "process 1 was killed by SIGKILL") in runner.errors
+            assert {vw for vw, _ in runner.errors} == {"vw1"}
     assert ledger.done and "vw1" in ledger.dropped
     assert sorted(ledger.trained()) == list(range(total))  # exactly once, after the death
     by = {m: vw for vw, _, ms in ledger.log for m in ms}
     assert {by[m] for m in leased} == {"vw2"}  # the dead VW's lease, trained by the other
+
+
+def _logs(run_dir) -> str:
+    """The tails of a run's VW logs, for a failure's message."""
+    return "\n".join(f"{p.name}: {p.read_text()[-600:]}" for p in sorted(run_dir.glob("*.log")))
 
 
 HETPIPE_4 = """
