@@ -116,9 +116,13 @@ def test_a_vw_over_two_processes_takes_a_shared_optimizer_and_dies_whole_with_a_
             nodes=[0, 1, 2],
         )
         with Coordinator(ps, runner) as coordinator:
-            coordinator.add([0, 1], [2])  # vw1 over two processes (nodes 0 and 1), vw2 in one
+            coordinator.add([0, 1])  # vw1 over two processes (nodes 0 and 1)
             leader, follower = coordinator.members["vw1"].handle
             ledger = ps.ledger()
+            while "vw1" not in ledger.clocks:  # vw2, in one process, would start far sooner
+                assert leader.poll() is None, f"vw1 ended before it joined: {_logs(tmp_path)}"
+                ledger = ps.wait(1.0)
+            coordinator.add([2])  # vw2
             while not (ledger.committed.get("vw1", 0) >= 1 and "vw1" in ledger.leases):
                 assert not ledger.done, f"vw1 never held a lease after a push: {_logs(tmp_path)}"
                 ledger = ps.wait(1.0)
