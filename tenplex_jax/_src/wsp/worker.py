@@ -426,9 +426,8 @@ class VirtualWorker:
             if not minibatches:
                 if led.done:
                     return
-                self.group.agree(
-                    lambda led=led: self._idle(led)
-                )  # others hold the last: they may die
+                # others hold the last: they may die
+                self.group.agree(lambda led=led: self._idle(led))
                 continue
             if self.on_wave is not None:
                 self.on_wave(self.name, self.clock, minibatches)
