@@ -221,13 +221,15 @@ def run(options: WSPOptions, log=print) -> dict:
             tic = time.perf_counter()
             coordinator.follow(trace, group=len(plans[1].devices) if len(plans) > 1 else 1)
             coordinator.wait()
-            seconds = time.perf_counter() - tic
+            seconds, ended = time.perf_counter() - tic, time.time()
             errors = coordinator.runner.errors
             if errors:
                 raise WSPError(f"virtual workers failed: {errors}", "failed")
             ledger = ps.history()
             final = ps.pull(ledger)
         records = coordinator.records()
+        if records:  # from the first wave: VWs in processes build after they are added
+            seconds = ended - min(r["started"] for r in records)
         summary = summarize(options, ledger, records, coordinator.events, seconds, parts)
         summary["distance"], summary["nm"] = distance, [p.nm for p in plans]
         summary["cluster"] = str(options.cluster) if options.cluster else None
@@ -272,6 +274,7 @@ def processes(options, plans, common, distance, addresses, out, built):
         options=shared,
         nodes=nodes,
         options_for=options_for,
+        executables=out / "vws" / "executables",  # a joiner loads the dead VW's programs
     )
 
 

@@ -161,6 +161,8 @@ class Processes:
       token_file: a file holding the stores' secret, if any.
       python: the interpreter the VWs run in.
       nodes: each device's node (None: every VW in one process).
+      executables: a directory for the VWs' compiled programs (``--executables``): a VW
+        that replaces another on the same devices loads them instead of compiling.
       options_for: ``options_for(name, devices)``: more command-line options for one VW (its
         ``--minibatches``, ``--slowdown``, ``--option config=...``), after ``options``.
     """
@@ -176,12 +178,15 @@ class Processes:
         python: str = sys.executable,
         nodes: Sequence[int] | None = None,
         options_for: Callable[[str, tuple[int, ...]], Sequence[str]] | None = None,
+        executables: str | os.PathLike | None = None,
     ):
         self.nodes, self.options_for = nodes, options_for
         self.started: dict[str, tuple[subprocess.Popen, ...]] = {}
         self.ended: set[int] = set()  # the PIDs this runner killed
         self.job, self.stores, self.run_dir = job, list(stores), pathlib.Path(run_dir)
         self.options, self.token_file, self.python = list(options), token_file, python
+        if executables is not None:
+            self.options += ["--executables", str(executables)]
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, devices: tuple[int, ...]):

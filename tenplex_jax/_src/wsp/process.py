@@ -27,10 +27,12 @@ import pathlib
 import signal
 import sys
 import threading
+import time
 import traceback
 
 
 def main(argv=None) -> int:
+    started = time.perf_counter()
     parser = argparse.ArgumentParser(prog="python -m tenplex_jax.wsp", description=__doc__)
     parser.add_argument("--job", required=True, help="MODULE:FUNCTION giving the job's parts")
     parser.add_argument("--name", required=True)
@@ -44,6 +46,9 @@ def main(argv=None) -> int:
     parser.add_argument("--platform", default="cpu")
     parser.add_argument("--records", type=pathlib.Path, default=None)
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--executables", type=pathlib.Path, default=None, help="a directory of compiled programs"
+    )
     parser.add_argument("--processes", type=int, default=1, help="the VW's processes")
     parser.add_argument("--process", type=int, default=0, help="this one's index among them")
     parser.add_argument("--coordinator", default=None, help="HOST:PORT of the VW's service")
@@ -65,6 +70,7 @@ def main(argv=None) -> int:
             initialization_timeout=int(max(args.timeout, 60)),
             coordinator_bind_address=args.coordinator if args.process == 0 else None,
         )
+    from tenplex_jax._src.elastic.executables import ExecutableCache
     from tenplex_jax._src.wsp.group import Group
     from tenplex_jax._src.wsp.ps import ParameterServer
     from tenplex_jax._src.wsp.worker import VirtualWorker
@@ -78,6 +84,7 @@ def main(argv=None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     group = Group.of_jax()
+    executables = None if args.executables is None else ExecutableCache(args.executables)
     written = args.records is not None and group.leader
     records = open(args.records, "a") if written else None  # noqa: SIM115
 
@@ -105,9 +112,17 @@ def main(argv=None) -> int:
                 on_record=write,
                 stages=parts.get("stages"),
                 wave_step=parts.get("wave_step"),
+                executables=executables,
                 group=group,
             )
+            # JAX imported, the state built, the step compiled or loaded: what a join waits for
+            print(f"built in {time.perf_counter() - started:.1f} s", flush=True)
             worker.run(stop)
+        if executables is not None:
+            executables.close()
+            print(f"executables: {executables.hits} loaded, {executables.misses} compiled")
+            for problem in executables.problems:
+                print(f"executables: {problem}")
     except BaseException:
         if group.count == 1:
             raise

@@ -70,11 +70,12 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from tenplex_jax._src import tree
 from tenplex_jax._src.batch import BATCH_AXES, Batch, device_batch
 from tenplex_jax._src.data import BatchLayout, DatasetPTC
+from tenplex_jax._src.elastic.executables import ExecutableCache
 from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.errors import StoreError, WSPError
 from tenplex_jax._src.executor import place
@@ -168,6 +169,11 @@ class VirtualWorker:
         ``layers`` padded for them (:meth:`tenplex_jax.pipelining.Stages.pad`), and the
         ``train_step`` must run its pipeline with them. What it pushes, pulls and shares is
         unpadded, so VWs of different stages train one job. None: the stacked leaves as they are.
+      executables: an on-disk cache of compiled programs (``ExecutableCache``): the VW's train
+        step and wave program are loaded from it when a VW on such devices compiled them before
+        (a replacement on a dead VW's devices compiles nothing), else compiled and stored; the
+        wave program is then ready before the VW joins. None: compiled in memory, the wave
+        program at the first wave.
       group: the VW's processes, when its ``devices`` span processes (its own
         ``jax.distributed`` job; :meth:`Group.of_jax`): every process makes the VW, and its leader
         alone talks to the parameter server (:mod:`tenplex_jax._src.wsp.group`). Default: one.
@@ -211,6 +217,7 @@ class VirtualWorker:
         optimizer_every: int = 4,
         stages: Stages | None = None,
         wave_step: Callable | None = None,
+        executables: ExecutableCache | None = None,
         group: Group | None = None,
     ):
         if minibatches < 1 or distance < 0 or slowdown < 1.0 or optimizer_every < 0:
@@ -226,6 +233,8 @@ class VirtualWorker:
         self._shared: int | None = None  # the clock of the last share written
         self.name, self.ps, self.dataset = name, ps, dataset
         self.group = group or Group()
+        self.executables = executables
+        self._programs: dict[int, Callable] = {}  # a wave's minibatches -> its program, compiled
         self.nm, self.distance, self.slowdown = minibatches, distance, slowdown
         self.timeout, self.on_wave, self.on_record = timeout, on_wave, on_record
         self.devices = list(devices)
@@ -257,7 +266,9 @@ class VirtualWorker:
         )
         if steps is None:
             sample = jax.tree.map(np.asarray, dataset.load(np.zeros(1, np.int64)))
-            steps = StepCache(train_step, sample, self.devices, donate=False)
+            steps = StepCache(
+                train_step, sample, self.devices, donate=False, executables=executables
+            )
         self.steps = steps
         self.wave_step = wave_step if config.pipe > 1 else None  # nothing to overlap without
         self.step = None  # the train step, compiled only where it runs
@@ -265,6 +276,10 @@ class VirtualWorker:
             self.step = self.steps.get(self.ptc, self.layout, ahead=False).result().executable
         weights = list(self._weights())
         jax.block_until_ready((landed(weights, weights, weights), delta(weights, weights)))
+        if self.wave_step is not None and executables is not None:  # ready before it joins
+            data, batch_weights, _ = device_batch(dataset, 0, self.layout, self.mesh)
+            n = self.nm
+            self._program(n, (self.state, [tuple(weights)] * n, [data] * n, [batch_weights] * n))
         self.records: list[WaveRecord] = []
         self.clock = self.fresh = 0  # waves pushed (the ledger's clock); the last pull's min clock
         self.members: frozenset[str] = frozenset()  # the ledger's members at the last pull
@@ -501,15 +516,13 @@ class VirtualWorker:
             batches = [
                 device_batch(self.dataset, k, self.layout, self.mesh) for k in wave.minibatches
             ]
-            program = waves.program(
-                self.wave_step, n, self.ptc, self.layout, self.part, tuple(self.weights), self.mesh
-            )
-            after, landed, metrics = program(
+            args = (
                 self.state,
                 [r.weights for r in wave.reads],
                 [data for data, _, _ in batches],
                 [weights for _, weights, _ in batches],
             )
+            after, landed, metrics = self._program(n, args)(*args)
             wave.after, wave.landed = after, [tree.arrays(w)[1] for w in landed]
             wave.losses.extend(metrics["loss"][i] for i in range(n))
             for _, _, rows in batches:
@@ -523,6 +536,31 @@ class VirtualWorker:
         self.applied += 1
         self.changes += 1
         return True
+
+    def _program(self, n: int, args: tuple) -> Callable:
+        """The pipelined program of a wave of ``n`` minibatches for arguments like ``args``:
+        jitted (compiled at its first call, shared in this process), or, with
+        :attr:`executables`, loaded or compiled now and stored."""
+        program = waves.program(
+            self.wave_step, n, self.ptc, self.layout, self.part, tuple(self.weights), self.mesh
+        )
+        if self.executables is None:
+            return program
+        if n not in self._programs:
+            # a stored executable's outputs must all be laid out on the mesh: the landed weights
+            # as the weights, the metrics whole (left to the compiler, they are not)
+            _, landed, metrics = program.eval_shape(*args)
+            weights = [NamedSharding(self.mesh, self.ptc.leaves[i].spec) for i in self.weights]
+            whole = NamedSharding(self.mesh, PartitionSpec())
+            outs = (
+                self.ptc.shardings(self.mesh),
+                jax.tree.unflatten(jax.tree.structure(landed), weights * len(landed)),
+                jax.tree.map(lambda _: whole, metrics),
+            )
+            lowered = jax.jit(program, out_shardings=outs).lower(*args)
+            loaded = self.executables.load(lowered, self.mesh)
+            self._programs[n] = loaded or self.executables.compile(lowered, self.mesh)
+        return self._programs[n]
 
     def _push(self, wave: Wave) -> bool:
         """Push a wave whose updates have all landed, after the slowdown's sleep: its change of
