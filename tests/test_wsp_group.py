@@ -118,9 +118,9 @@ def test_a_vw_over_two_processes_takes_a_shared_optimizer_and_dies_whole_with_a_
             "tenplex_jax_models.wsp:job",
             store_addresses,
             tmp_path,
-            # slowdown 3: a wave holds its lease twice its compute longer, so the kill lands
-            # mid-wave
-            options=["--minibatches", "1", "--distance", "1", "--timeout", "3", "--slowdown", "3"],
+            # slowdown 5: a wave holds its lease four times its compute longer, so the kill
+            # mostly lands mid-wave
+            options=["--minibatches", "1", "--distance", "1", "--timeout", "3", "--slowdown", "5"],
             nodes=[0, 1, 2],
         )
         with Coordinator(ps, runner) as coordinator:
@@ -134,7 +134,7 @@ def test_a_vw_over_two_processes_takes_a_shared_optimizer_and_dies_whole_with_a_
             while not (ledger.committed.get("vw1", 0) >= 1 and "vw1" in ledger.leases):
                 assert not ledger.done, f"vw1 never held a lease after a push: {_logs(tmp_path)}"
                 ledger = ps.wait(1.0)
-            leased = ledger.leases["vw1"].minibatches
+            leased, committed = ledger.leases["vw1"].minibatches, ledger.committed["vw1"]
             kill(follower)
             # the VW ends whole: the runner kills its leader (which would wait in a collective
             # for the follower for ever, heartbeating), unless the leader's collective failed
@@ -148,8 +148,11 @@ def test_a_vw_over_two_processes_takes_a_shared_optimizer_and_dies_whole_with_a_
             assert {vw for vw, _ in runner.errors} == {"vw1"}
     assert ledger.done and "vw1" in ledger.dropped
     assert sorted(ledger.trained()) == list(range(total))  # exactly once, after the death
+    # the other VW trained on and finished the run, the dead VW's lease with it (what of it
+    # had not been committed when the kill landed: under load a push may beat the kill)
+    assert ledger.log[-1][0] == "vw2"
     by = {m: vw for vw, _, ms in ledger.log for m in ms}
-    assert {by[m] for m in leased} == {"vw2"}  # the dead VW's lease, trained by the other
+    assert {by[m] for m in leased} <= {"vw2"} or ledger.committed["vw1"] > committed
 
 
 def _logs(run_dir) -> str:
