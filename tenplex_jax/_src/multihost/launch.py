@@ -82,6 +82,7 @@ SPARE = -1  # the standby kept for a slot the job does not have yet (a growth)
 LEAVE_SECONDS = 10.0  # how long a survivor gets to leave its generation before it is killed
 # how long a planned growth waits for its stores and warm process before it is asked for anyway
 GROW_WAIT_SECONDS = 30.0
+SERVICE_SHUTDOWN_SECONDS = 15.0  # the most the launcher waits at its end for a service to shut down
 
 
 @dataclasses.dataclass
@@ -139,6 +140,7 @@ class Launcher:
         self.kept: dict[int, subprocess.Popen] = {}  # slot -> a survivor waiting for its rank
         self._terminate = False
         self.token_file: pathlib.Path | None = None
+        self._closing: list[threading.Thread] = []  # coordination services shutting down
 
     # -- the main loop -----------------------------------------------------------------------------
 
@@ -666,7 +668,9 @@ class Launcher:
             if w not in self.kept.values():
                 kill(w)
         if gen.service is not None:  # 5 s while a process still waits in a call: not waited for
-            threading.Thread(target=gen.service.shutdown, daemon=True).start()
+            closing = threading.Thread(target=gen.service.shutdown, daemon=True)
+            closing.start()
+            self._closing.append(closing)
         self.workers = []
 
     def _resized(self, slots: list[int], count: int) -> list[int]:
@@ -711,6 +715,11 @@ class Launcher:
             kill(proc, signal.SIGTERM, timeout=5.0)
         self._early = {}
         self.workers = []
+        # a service still shutting down when the interpreter exits aborts it ("terminate called
+        # ... exception not rethrown": its thread is torn down inside C++)
+        for closing in self._closing:
+            closing.join(timeout=SERVICE_SHUTDOWN_SECONDS)
+        self._closing = []
 
     def _event(self, kind: str, **fields) -> None:
         record = {"event": kind, "time": time.time(), **fields}
