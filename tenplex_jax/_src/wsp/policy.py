@@ -22,6 +22,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from tenplex_jax._src.errors import WSPError
+from tenplex_jax._src.wsp.ledger import Ledger
+
+RECORDS_SECONDS = 10.0  # the longest a measurement waits for its committed waves' records
 
 SECONDS_PER_HOUR = 3600.0
 
@@ -309,15 +312,31 @@ class Scaler:
         Raises:
           WSPError: the waves did not come within ``timeout`` (``"busy"``).
         """
-        self._waves(self.warmup)
+        before = self._waves(self.warmup)
         tic = time.time()
-        self._waves(self.window)
+        after = self._waves(self.window)
         toc = time.time()
         members = dict(self.coordinator.members)
+        # the waves committed in the window, each VW's: a wave's record is added after its
+        # commit (once its push is applied), so records are matched by wave, not by time
+        window = {
+            vw: range(
+                after.starts.get(vw, 0) + before.committed.get(vw, 0),
+                after.starts.get(vw, 0) + after.committed.get(vw, 0),
+            )
+            for vw in members
+        }
+        deadline = time.monotonic() + min(self.timeout, RECORDS_SECONDS)  # a killed VW's never come
+        while True:
+            records = [
+                r for r in self.coordinator.records() if r["wave"] in window.get(r["vw"], ())
+            ]
+            if len(records) >= sum(map(len, window.values())) or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)  # the records of committed waves: their pushes being applied
         samples = dict.fromkeys(members, 0)
-        for record in self.coordinator.records():
-            if record["vw"] in samples and tic < record["ended"] <= toc:
-                samples[record["vw"]] += len(record["samples"])
+        for record in records:
+            samples[record["vw"]] += len(record["samples"])
         return Measured(
             toc - tic,
             samples,
@@ -325,7 +344,8 @@ class Scaler:
             {vw: sum(self.price(d) for d in m.devices) for vw, m in members.items()},
         )
 
-    def _waves(self, count: int) -> None:
+    def _waves(self, count: int) -> Ledger:
+        """Wait for ``count`` more waves to be committed (or the run to end); the ledger then."""
         ps, deadline = self.coordinator.ps, time.monotonic() + self.timeout
         ledger = ps.ledger()
         target = sum(ledger.committed.values()) + count
@@ -335,6 +355,7 @@ class Scaler:
                     f"{count} waves were not committed within {self.timeout:.0f} s", "busy"
                 )
             ledger = ps.wait(1.0)
+        return ledger
 
     def offer(self, devices: Sequence[int]) -> Decision:
         """An offer of devices for one more VW: measured now, then added or declined.
