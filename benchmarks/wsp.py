@@ -18,7 +18,8 @@ as when one of its devices is that much slower):
 5. the loss after a VW joins with the optimizer state another shared, or with fresh moments,
    against a run without a join (``--only-join``: just this);
 6. ``--time-to-loss`` (alone): WSP's time to the synchronous job's final loss at ``D`` 0, 1, 4 and
-   every VW's ``Nm`` 1, 2, 4, against the synchronous job's.
+   every VW's ``Nm`` 1, 2, 4, against the synchronous job's (``--lr``, ``--wsp-lr``: AdamW's
+   learning rates; ``--budget``: WSP may train that many times the synchronous job's minibatches).
 
     python -m tenplex_jax_benchmarks.wsp [--model small] [--minibatches 160] [--out DIR]
 """
@@ -38,6 +39,7 @@ import numpy as np
 
 GROUPS = ((0, 1, 2, 3), (4, 5), (6, 7))
 NM = (4, 2, 1)
+LR = 3e-3  # AdamW's learning rate, of the VWs and the synchronous job alike
 
 
 def _stores(root: pathlib.Path, n: int = 2):
@@ -55,16 +57,17 @@ def run_wsp(
     kill: bool = False,
     log=print,
     nm: tuple[int, int, int] = NM,
+    lr: float = LR,
 ) -> dict:
     """One WSP run; its commits' times, losses by samples, and (with ``kill``) the stall; ``nm``:
-    each VW's ``Nm``."""
+    each VW's ``Nm``; ``lr``: AdamW's learning rate."""
     import jax
 
     from tenplex_jax._src.elastic.steps import StepCache
     from tenplex_jax.wsp import Coordinator, ParameterServer, Threads, weights_of
     from tenplex_jax_models import wsp as job_parts
 
-    parts = job_parts.job(1, model=model, minibatch=minibatch)
+    parts = job_parts.job(1, model=model, minibatch=minibatch, lr=lr)
     state = parts["init"]()
     sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
     steps = StepCache(parts["train_step"], sample, jax.devices(), donate=False)
@@ -73,7 +76,7 @@ def run_wsp(
         addresses = [s.address for s in stores]
 
         def make(name, devices):
-            p = job_parts.job(len(devices), model=model, minibatch=minibatch)
+            p = job_parts.job(len(devices), model=model, minibatch=minibatch, lr=lr)
             i = GROUPS.index(devices)
             return job_parts.virtual_worker(
                 p,
@@ -172,7 +175,9 @@ def _cpu_times() -> tuple[int, int]:
     return sum(ticks) - idle, sum(ticks)
 
 
-def run_sync(model: str, steps: int, slowdown: float, minibatch: int, log=print) -> dict:
+def run_sync(
+    model: str, steps: int, slowdown: float, minibatch: int, log=print, lr: float = LR
+) -> dict:
     """One SPMD job over the 8 devices, each step the wave's sum(NM) minibatches, slowed down."""
     import jax
 
@@ -181,7 +186,7 @@ def run_sync(model: str, steps: int, slowdown: float, minibatch: int, log=print)
     from tenplex_jax_models import wsp as job_parts
 
     per_step = sum(NM) * minibatch
-    graphdef, state, _ = build_state(model, 3e-3)
+    graphdef, state, _ = build_state(model, lr)
     dataset = job_parts.job(1, model=model, minibatch=per_step)["dataset"]
     ptc = tj.PTC.of(state, LOGICAL_RULES, tj.ParallelConfig(data=8), jax.devices())
     layout = tj.data.BatchLayout(per_step, ranks=8)
@@ -241,17 +246,31 @@ def time_to_loss(row: dict, target: float, window: int) -> float | None:
     return None
 
 
-def run_time_to_loss(model, total, slowdown, minibatch, log=print) -> dict:
+def run_time_to_loss(
+    model,
+    total,
+    slowdown,
+    minibatch,
+    log=print,
+    lr: float = LR,
+    wsp_lr: float | None = None,
+    budget: float = 1.0,
+) -> dict:
     """WSP at D in {0, 1, 4} and every VW's Nm in {1, 2, 4}: the time to reach the synchronous
     job's final loss (the mean of its last 3 steps' losses), against the synchronous job's time
-    to it (both from their first step after compiling; the slow device slows both the same)."""
-    sync = run_sync(model, total // sum(NM), slowdown, minibatch, log=log)
+    to it (both from their first step after compiling; the slow device slows both the same).
+    The synchronous job trains ``total`` minibatches of ``minibatch`` sequences with AdamW at
+    ``lr``; each WSP run at most ``budget`` times as many, at ``wsp_lr`` (default ``lr``): the
+    time to a loss need not be reached within the synchronous job's samples."""
+    wsp_lr = lr if wsp_lr is None else wsp_lr
+    sync = run_sync(model, total // sum(NM), slowdown, minibatch, log=log, lr=lr)
     sync_losses = [loss for _, loss in sync["losses"]]
     target = float(np.mean(sync_losses[-3:]))
     base = time_to_loss(sync, target, 3)
     rows = {}
     for d, n in itertools.product((0, 1, 4), (1, 2, 4)):
-        row = run_wsp(model, total, d, slowdown, minibatch, log=log, nm=(n, n, n))
+        most = round(total * budget)
+        row = run_wsp(model, most, d, slowdown, minibatch, log=log, nm=(n, n, n), lr=wsp_lr)
         t = time_to_loss(row, target, 3 * sum(NM))
         rows[f"D={d} Nm={n}"] = {
             "seconds_to_target": t,
@@ -263,7 +282,20 @@ def run_time_to_loss(model, total, slowdown, minibatch, log=print) -> dict:
             f"  D={d} Nm={n}: the synchronous job's loss {target:.3f} after "
             + ("never" if t is None else f"{t:.2f} s ({t / base:.2f}x its {base:.2f} s)")
         )
-    return {"target": target, "synchronous_seconds": base, "wsp": rows}
+    return {
+        "model": model,
+        "minibatch": minibatch,
+        "lr": lr,
+        "wsp_lr": wsp_lr,
+        "slowdown": slowdown,
+        "minibatches": total,
+        "wsp_minibatches": round(total * budget),
+        "load_average": os.getloadavg(),
+        "target": target,
+        "synchronous_seconds": base,
+        "synchronous_samples_per_second": sync["samples_per_second"],
+        "wsp": rows,
+    }
 
 
 def run_ps(megabytes: int = 64, repeats: int = 5, log=print) -> dict:
@@ -465,6 +497,18 @@ def main(argv=None) -> int:
     parser.add_argument("--minibatches", type=int, default=161)
     parser.add_argument("--minibatch", type=int, default=8)
     parser.add_argument("--slowdown", type=float, default=2.0)
+    parser.add_argument(
+        "--lr", type=float, default=LR, help="AdamW's learning rate (--time-to-loss)"
+    )
+    parser.add_argument(
+        "--wsp-lr", type=float, default=None, help="the VWs' learning rate (default: --lr)"
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=1.0,
+        help="each WSP run trains at most this many times the synchronous job's minibatches",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/wsp-bench"))
     parser.add_argument(
         "--only-join", action="store_true", help="only the join row (the joiner's optimizer)"
@@ -485,8 +529,20 @@ def main(argv=None) -> int:
     configure_jax()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.time_to_loss:
-        print(f"time to the synchronous job's loss, GPT {args.model}, vw3 {args.slowdown:g}x slow")
-        row = run_time_to_loss(args.model, args.minibatches, args.slowdown, args.minibatch)
+        print(
+            f"time to the synchronous job's loss, GPT {args.model}, minibatches of "
+            f"{args.minibatch}, lr {args.lr:g} (WSP {args.wsp_lr or args.lr:g}), vw3 "
+            f"{args.slowdown:g}x slow, WSP up to {args.budget:g}x the samples"
+        )
+        row = run_time_to_loss(
+            args.model,
+            args.minibatches,
+            args.slowdown,
+            args.minibatch,
+            lr=args.lr,
+            wsp_lr=args.wsp_lr,
+            budget=args.budget,
+        )
         (args.out / "wsp_time_to_loss.json").write_text(json.dumps(row, indent=1) + "\n")
         return 0
     if args.only_pipeline:

@@ -320,3 +320,24 @@ def reference_run(steps: int):
             samples.append(job.samples[job.samples >= 0])
             state, _ = step(state, batch)
     return host_copy(state), samples, abstract
+
+
+# two nodes (meshes/hetpipe.toml's shape, two devices each): 2 fast devices, and 2 too small to
+# hold a data-parallel replica of gpt100m
+TWO_BY_TWO = """name = "two-by-two"
+network_gbps = 7
+[types.fast]
+memory_gib = 24
+tflops = 16
+link_gbps = 12
+[types.slow]
+memory_gib = 6
+tflops = 6.5
+link_gbps = 12
+[[nodes]]
+type = "fast"
+count = 2
+[[nodes]]
+type = "slow"
+count = 2
+"""

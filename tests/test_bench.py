@@ -180,3 +180,20 @@ def test_bench_only_picks_rows_and_changes_whatever_quick_says(monkeypatch) -> N
     full = suite.BenchOptions(only=("reshard", "stall"))
     assert [r for r in suite.ROWS if full.wants(r)] == ["reshard", "stall"]
     assert full.changes() == reshard.MATRIX
+
+
+def test_the_parameter_server_floors_time_each_crossing_that_hands_over_the_bytes() -> None:
+    from tenplex_jax_benchmarks import ps_floor
+
+    # memory_floors raises if a crossing it times copies out other bytes than the piece's
+    row = ps_floor.run(megabytes=1, repeats=1, log=lambda *a: None)
+    crossings = (
+        "loopback TCP socket",
+        "read from shared memory",
+        "new shared mapping, copied out",
+        "kept shared mapping, copied out",
+    )
+    assert set(row["floors_over_memcpy"]) == {
+        f"{op}, {name}" for op in ("push", "pull") for name in crossings
+    }
+    assert all(s > 0 for s in row["seconds"].values())

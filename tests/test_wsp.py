@@ -27,7 +27,7 @@ from tenplex_jax.wsp import (
 )
 from tenplex_jax_models import build_state, example_losses
 from tenplex_jax_models import wsp as job_parts
-from tests.helpers import Stores
+from tests.helpers import TWO_BY_TWO, Stores
 
 
 @pytest.fixture
@@ -171,26 +171,6 @@ def test_the_demo_survives_a_death_and_a_join_exactly_once(tmp_path):
     assert vw1[:4] == [0, 1, 2, 3] and set(vw1[4:-4]) == {3}
     assert summary["last_losses"] and np.mean(summary["last_losses"]) < summary["first_loss"]
     assert (tmp_path / "loss.png").stat().st_size > 0
-
-
-# two nodes: 2 fast devices, and 2 too small to hold a data-parallel replica of gpt100m
-TWO_BY_TWO = """name = "two-by-two"
-network_gbps = 7
-[types.fast]
-memory_gib = 24
-tflops = 16
-link_gbps = 12
-[types.slow]
-memory_gib = 6
-tflops = 6.5
-link_gbps = 12
-[[nodes]]
-type = "fast"
-count = 2
-[[nodes]]
-type = "slow"
-count = 2
-"""
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from tenplex_jax._src.wsp import optimizer
 from tenplex_jax._src.wsp.group import _dumps, _loads
 from tenplex_jax.wsp import Coordinator, Group, ParameterServer, Processes, weights_of
 from tenplex_jax_models import wsp as job_parts
+from tests.helpers import TWO_BY_TWO
 
 
 def test_a_group_of_one_decides_alone_and_raises_what_it_raised():
@@ -160,36 +161,12 @@ def _logs(run_dir) -> str:
     return "\n".join(f"{p.name}: {p.read_text()[-600:]}" for p in sorted(run_dir.glob("*.log")))
 
 
-HETPIPE_4 = """
-name = "hetpipe-4"
-network_gbps = 7
-
-[types.titan-rtx]
-memory_gib = 24
-tflops = 16
-link_gbps = 12
-
-[types.rtx2060]
-memory_gib = 6
-tflops = 6.5
-link_gbps = 12
-
-[[nodes]]
-type = "titan-rtx"
-count = 2
-
-[[nodes]]
-type = "rtx2060"
-count = 2
-"""
-
-
 @pytest.mark.slow
 def test_the_planned_demo_runs_each_vw_of_its_equal_grouping_in_a_process_per_node(tmp_path):
     from tenplex_jax._src.cli import wsp_demo
 
-    cluster = tmp_path / "hetpipe-4.toml"  # hetpipe.toml's two nodes, two devices each
-    cluster.write_text(HETPIPE_4)
+    cluster = tmp_path / "two-by-two.toml"
+    cluster.write_text(TWO_BY_TWO)
     out = tmp_path / "out"
     options = wsp_demo.WSPOptions(out=out, total=24, cluster=cluster, processes=True)
     summary = wsp_demo.run(options, log=lambda *a: None)
