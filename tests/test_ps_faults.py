@@ -288,8 +288,9 @@ def test_the_parameter_server_survives_each_reply_dropped_delayed_or_duplicated(
     assert_bitwise_equal(clean.weights, replay(initial_weights(), clean.ledger.log), "clean")
     ops = [dict(p.ops) for p in proxies]
     # the ops a push, a pull and the ledger need; more are covered as the server starts using them
-    assert {"cas_json", "get_json", "put", "get", "accumulate"} <= set(ops[0]), ops
-    assert {"put", "get", "accumulate"} <= set(ops[1]), ops
+    # (a pull reads each piece through shared memory: get_shared, then the segment)
+    assert {"cas_json", "get_json", "put", "get_shared", "accumulate"} <= set(ops[0]), ops
+    assert {"put", "get_shared", "accumulate"} <= set(ops[1]), ops
     for proxy in proxies:
         assert all(RID.fullmatch(str(rid)) for _, rid in proxy.requests), proxy.requests[:3]
         assert not proxy.unechoed, proxy.unechoed[:5]  # every reply frame echoes its rid
@@ -372,7 +373,7 @@ def test_a_virtual_worker_finishes_exactly_once_through_mixed_faults(store_addre
         faults = [
             (0, "cas_json", "drop", 3, 0.0),  # the first claim's swap: done, its reply lost
             (1, "accumulate", "duplicate", 2, 0.0),
-            (0, "get", "delay", 2, 3 * TIMEOUT),  # past the client's timeout: retried
+            (0, "get_shared", "delay", 2, 3 * TIMEOUT),  # past the client's timeout: retried
         ]
         records, ledger, weights, fired = run(faults)
     finally:

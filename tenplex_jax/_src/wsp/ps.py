@@ -105,7 +105,7 @@ class ParameterServer(Records):
             raise WSPError("a parameter server needs at least one tensor store", "invalid")
         self.addresses = list(addresses)
         self.clients = [
-            StoreClient(a, token=token, timeout=timeout, retry_seconds=retry_seconds)
+            StoreClient(a, token=token, timeout=timeout, retry_seconds=retry_seconds, shared=True)
             for a in self.addresses
         ]
         self.layout: tuple[Piece, ...] = ()

@@ -15,12 +15,14 @@ import numpy as np
 from tenplex_jax._src import box as boxes
 from tenplex_jax._src.box import Box, Shape
 from tenplex_jax._src.errors import StoreError, StoreProtocolError
+from tenplex_jax._src.multihost.store import shared as segments
 from tenplex_jax._src.multihost.store import wire
 from tenplex_jax._src.multihost.store.wire import ObjectInfo
 
 _MISSING = object()
 _BROKEN = ("unavailable", "protocol")  # reasons after which a connection is not reused
 _RETRIED = (*_BROKEN, "busy")  # reasons a request is tried again within ``retry_seconds``
+SHARED_TRIES = 3  # a shared read whose version was replaced meanwhile asks again this often
 DISK_BYTES_PER_S = 50e6  # the slowest disk a durable put waits for, for its reply timeout
 
 
@@ -83,6 +85,13 @@ class StoreClient:
       retry_seconds: how long a request whose connection broke, or that the store was too busy
         to take, is tried again (backing off from 50 ms to 1 s); 0: once, and only on a broken
         pooled connection.
+      shared: read whole arrays (``get`` without a box) through shared memory when the store
+        is on this host (:mod:`~tenplex_jax._src.multihost.store.shared`): the record over the
+        connection, the bytes copied out of a mapping this client keeps; over the connection
+        when the store is elsewhere, or for anything the store will not share.
+
+    Attributes:
+      shared_reads: the reads served through shared memory so far.
 
     Raises:
       StoreError: the address is not ``host:port`` or ``unix:PATH``.
@@ -96,6 +105,7 @@ class StoreClient:
         timeout: float = 30.0,
         connect_timeout: float | None = None,
         retry_seconds: float = 0.0,
+        shared: bool = False,
     ):
         self.address = address
         self._retry = float(retry_seconds)
@@ -107,6 +117,9 @@ class StoreClient:
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._reader = segments.Reader() if shared else None
+        self._segment_of: dict[str, str] = {}  # path -> the segment file the store last named
+        self.shared_reads = 0
 
     def __repr__(self) -> str:
         return f"StoreClient({self.address!r})"
@@ -299,6 +312,8 @@ class StoreClient:
             idle, self._idle = self._idle, []
         for sock in idle:
             sock.close()
+        if self._reader is not None:
+            self._reader.close()
 
     # -- objects ----------------------------------------------------------------------------
 
@@ -393,6 +408,10 @@ class StoreClient:
         """
         path = wire.check_path(path)
         box = None if box is None else wire.as_box(box)
+        if self._reader is not None and box is None:  # through shared memory, if it can be
+            got = self._get_shared(path, out)
+            if got is not None:
+                return got if with_info else got[0]
         request = {
             "op": "get",
             "path": path,
@@ -421,16 +440,7 @@ class StoreClient:
                     f"get of {path!r}: {nreply} bytes announced for box {sent} of {dtype.name}",
                     "protocol",
                 )
-            if out is None:
-                return np.empty(boxes.shape(sent), dtype)
-            if out.shape != boxes.shape(sent) or out.dtype != dtype or not out.flags.c_contiguous:
-                raise StoreError(  # the caller's mistake: not tried again
-                    f"get of {path!r} box {sent}: out is a {out.dtype.name} array of shape "
-                    f"{out.shape}{'' if out.flags.c_contiguous else ', not C-contiguous'}; the "
-                    f"box is {boxes.shape(sent)} of {dtype.name}",
-                    "invalid",
-                )
-            return out
+            return _receiver(out, path, sent, dtype)
 
         header, out = self._call(request, into=into)
         digest = header["received"]  # computed as the bytes arrived
@@ -441,6 +451,41 @@ class StoreClient:
                 "corrupt",
             )
         return (out, ObjectInfo.from_json(header["info"])) if with_info else out
+
+    def _get_shared(
+        self, path: str, out: np.ndarray | None
+    ) -> tuple[np.ndarray, ObjectInfo] | None:
+        """The whole array at ``path`` read through its segment, or None: read it over the
+        connection (the store does not share it, or the segment cannot be read here)."""
+        reader = self._reader
+        for _ in range(SHARED_TRIES):
+            try:
+                header, _ = self._call({"op": "get_shared", "path": path})
+            except StoreError as error:
+                if error.reason in ("refused", "too_large"):  # not whole, full, an older store
+                    return None
+                raise
+            try:
+                info = ObjectInfo.from_json(header.get("info"))
+                file, seq = header.get("segment"), header.get("seq")
+                if info.path != path or not isinstance(file, str) or not wire._is_int(seq):
+                    raise StoreError(f"{file!r}, {seq!r}", "protocol")
+                dtype = wire.dtype_of(info.dtype)
+            except StoreError as error:
+                raise StoreError(f"get_shared of {path!r}: {error}", "protocol") from None
+            into = _receiver(out, path, info.box, dtype)
+            before = self._segment_of.get(path)
+            if before is not None and before != file:
+                reader.forget(before)
+            self._segment_of[path] = file
+            read = reader.read(file, seq, into)
+            if read is None:  # not on this host (or not readable by this user): never again
+                self._reader = None
+                return None
+            if read:
+                self.shared_reads += 1
+                return into, info
+        return None  # replaced under every try: over the connection
 
     def accumulate(
         self,
@@ -754,3 +799,18 @@ class StoreClient:
         except StoreError:
             return False
         return True
+
+
+def _receiver(out: np.ndarray | None, path: str, box: Box, dtype: np.dtype) -> np.ndarray:
+    """Where a get of ``box`` of ``path`` receives its bytes: ``out`` once checked, else a new
+    array."""
+    if out is None:
+        return np.empty(boxes.shape(box), dtype)
+    if out.shape != boxes.shape(box) or out.dtype != dtype or not out.flags.c_contiguous:
+        raise StoreError(  # the caller's mistake: not tried again
+            f"get of {path!r} box {box}: out is a {out.dtype.name} array of shape "
+            f"{out.shape}{'' if out.flags.c_contiguous else ', not C-contiguous'}; the "
+            f"box is {boxes.shape(box)} of {dtype.name}",
+            "invalid",
+        )
+    return out

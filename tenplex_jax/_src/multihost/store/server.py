@@ -337,6 +337,7 @@ class Handler(socketserver.BaseRequestHandler):
                 info = dataclasses.replace(info, checksum=digest)
                 store.put(info, data, durable=bool(header.get("durable")))
                 del data  # the store holds it now, or has written it through
+        store.reshare(path)
         self._send(sock, {"ok": True, "info": info.to_json()})
 
     def _get(self, sock: socket.socket, header: dict, nbody: int) -> None:
@@ -406,6 +407,7 @@ class Handler(socketserver.BaseRequestHandler):
                 in_memory=in_memory,
                 keep=None if header.get("keep") is None else wire.check_path(header["keep"]),
             )
+        store.reshare(path)
         self._send(sock, {"ok": True, "applied": applied, "info": info.to_json()})
 
     def _revert(self, sock: socket.socket, header: dict, nbody: int) -> None:
@@ -418,7 +420,20 @@ class Handler(socketserver.BaseRequestHandler):
         info, _ = store.info(store.find(kept, None))
         with self.server.budget.hold(info.nbytes, f"revert of {path!r}", peer=sock):
             info = store.revert(path, kept, name, int(clock), bool(header.get("check")))
+        store.reshare(path)
         self._send(sock, {"ok": True, "info": info.to_json()})
+
+    def _get_shared(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        """A whole array's record and the segment holding it for a reader on this host
+        (``Store.share``; see ``shared``)."""
+        store = self.server.store
+        path = wire.check_path(header.get("path"))
+        info, in_memory = store.info(store.find(path, None))
+        with self.server.budget.hold(
+            0 if in_memory else info.nbytes, f"get_shared of {path!r}", peer=sock
+        ):
+            info, file, seq = store.share(path)
+        self._send(sock, {"ok": True, "info": info.to_json(), "segment": file, "seq": seq})
 
     def _list(self, sock: socket.socket, header: dict, nbody: int) -> None:
         listing = [i.to_json() for i in self.server.store.list(str(header.get("prefix", "")))]
@@ -553,12 +568,14 @@ class Handler(socketserver.BaseRequestHandler):
                 "transfer_bytes": self.server.budget.used,
                 "transfers_waiting": self.server.budget.waiting,
                 "transfer_limit": self.server.budget.limit,
+                "shared_bytes": store.segments.used,
             }
         self._send(sock, {"ok": True, "stats": stats})
 
     OPS: typing.ClassVar[dict] = {
         "put": _put,
         "get": _get,
+        "get_shared": _get_shared,
         "accumulate": _accumulate,
         "revert": _revert,
         "list": _list,

@@ -9,6 +9,9 @@
   repeated after a lost reply, even across a restart of the store, is known as done. With
   ``consume``, the stage is removed once the new version is on disk (not before: after a crash
   the stage is the write-ahead record of an update the array's file lacks).
+- **Shared reads** (:mod:`~tenplex_jax._src.multihost.store.shared`): a whole array a client
+  on this host reads through shared memory has a segment, written under the path's lock with
+  each new version before the update that made it is answered.
 - **JSON objects** carry a version that only grows and the ids of their last writes (a
   request's ``rid``), both in their file: a compare-and-swap or put tried again after its reply
   was lost, even across a restart, answers with its first outcome instead of writing twice.
@@ -16,7 +19,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import pathlib
 import threading
 import zlib
 from collections.abc import Iterator
@@ -27,6 +32,7 @@ from tenplex_jax._src import box as boxes
 from tenplex_jax._src import checksums
 from tenplex_jax._src.errors import StoreError
 from tenplex_jax._src.multihost.store import wire
+from tenplex_jax._src.multihost.store.shared import Segments
 from tenplex_jax._src.multihost.store.tiers import Tiers
 from tenplex_jax._src.multihost.store.wire import ObjectInfo
 
@@ -42,6 +48,7 @@ class Store(Tiers):
         # stage a long run puts; two paths sharing one only take turns
         self.path_locks = [threading.Lock() for _ in range(PATH_LOCKS)]
         super().__init__(directory, memory_bytes)
+        self.segments = Segments(pathlib.Path(directory), memory_bytes)
 
     def _path_lock(self, kind: str, path: str) -> threading.Lock:
         return self.path_locks[hash((kind, path)) % PATH_LOCKS]
@@ -269,6 +276,46 @@ class Store(Tiers):
                 self.consumed.setdefault(key, []).append((entry.seq, stage))
                 return
         self.remove([stage])
+
+    # -- shared reads ------------------------------------------------------------------------
+
+    def share(self, path: str) -> tuple[ObjectInfo, str, int]:
+        """The whole array at ``path`` in its segment: (its record, the segment's file, the
+        version's sequence number), the segment holding that version when this returns.
+
+        Raises:
+          StoreError: no array at ``path``, or not a whole one (``"refused"``), or the segments
+            are full (``"too_large"``).
+        """
+        with self._path_lock("array", path):
+            key = self.find(path, None)
+            entry, data = self.read(key)
+            info = entry.info
+            if info.box != boxes.full(info.global_shape):
+                raise StoreError(
+                    f"{path!r} holds box {info.box} of an array {list(info.global_shape)}: only "
+                    f"a whole array is read through shared memory",
+                    "refused",
+                )
+            return info, self.segments.publish(path, entry.seq, data), entry.seq
+
+    def reshare(self, path: str) -> None:
+        """After an update of ``path``: its segment, if it has one, holds the new version (when
+        the version is in the memory tier; else the next :meth:`share` writes it)."""
+        if not self.segments.has(path):
+            return
+        with contextlib.suppress(StoreError):  # deleted meanwhile, or no longer whole
+            if self.info(self.find(path, None))[1]:
+                self.share(path)
+
+    def delete(self, prefix: str) -> int:
+        deleted = super().delete(prefix)
+        self.segments.drop(prefix)
+        return deleted
+
+    def close(self) -> None:
+        super().close()
+        self.segments.close()
 
     # -- JSON objects ------------------------------------------------------------------------
 

@@ -1,0 +1,216 @@
+"""Whole arrays read through shared memory by clients on the store's host.
+
+A reply over a socket hands the reader a new buffer, and on this project's machines no crossing
+that does reaches half a memcpy (``benchmarks/ps_floor.py``: 0.29–0.33); a mapping the reader
+keeps and copies out of does (0.95). So a store keeps, for each whole array a client asked to
+read this way (``StoreClient(..., shared=True)``: the parameter server's pulls), a *segment*:
+a file under ``DIR/segments`` holding the array's current version after a small header (magic,
+state, the version's sequence number, its bytes), which the store and its readers map. Its pages
+live in the page cache (on a tmpfs ``DIR``, in memory alone). The store writes a new version
+into it at once after an update of the array, and before it answers the update; a reader asks
+the store, over its connection, for the array's record and sequence number, then copies the
+bytes out of its own mapping of the segment, and uses them only if the segment then holds that
+same version, whole.
+
+**Safe under every interleaving.** The store writes a segment holding an exclusive ``flock`` on
+it, a reader copies holding a shared one: a reader never sees a version half written (the lock
+is also the memory barrier between the processes). A store killed while it writes leaves the
+segment in the *writing* state, which no reader uses. A version newer than the one the store
+named (written meanwhile) fails the reader's check; it asks again. A reader that cannot open the
+segment (another host, another user: files are 0600 in a 0700 directory), or finds anything
+amiss, reads over the socket as before: this is a faster path to the same bytes, never the only
+one. A segment's file never changes size (a new size is a new file), so no reader's mapping
+ever loses its pages. Segments are not the store's record: a restarted store serves from its
+objects and starts ``DIR/segments`` afresh.
+
+**Bounded.** Segments hold at most the store's memory tier's size in all (a request beyond it
+is refused and the reader reads over the socket); each lives until its array is deleted or the
+store stops.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import fcntl
+import hashlib
+import itertools
+import mmap
+import os
+import pathlib
+import shutil
+import struct
+import threading
+import uuid
+
+import numpy as np
+
+from tenplex_jax._src.errors import StoreError
+
+MAGIC = b"TPXS"
+HEADER = struct.Struct("!4sIQQ")  # magic, state, the version's sequence number, data bytes
+DATA_OFFSET = 4096  # the data starts on a page of its own
+WRITING, VALID = 1, 2
+DIRECTORY = "segments"  # in the store's DIR
+READER_MAPPINGS = 256  # segments a client keeps mapped, least recently used closed first
+
+
+class _Segment:
+    def __init__(self, file: pathlib.Path, nbytes: int):
+        self.file, self.nbytes, self.seq = file, nbytes, -1
+        fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, DATA_OFFSET + nbytes)
+            self.map = mmap.mmap(fd, DATA_OFFSET + nbytes)
+        except BaseException:
+            os.close(fd)
+            file.unlink(missing_ok=True)
+            raise
+        self.fd = fd
+
+    def write(self, seq: int, data: np.ndarray) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            HEADER.pack_into(self.map, 0, MAGIC, WRITING, 0, self.nbytes)
+            self.map[DATA_OFFSET : DATA_OFFSET + self.nbytes] = memoryview(data).cast("B")
+            HEADER.pack_into(self.map, 0, MAGIC, VALID, seq, self.nbytes)
+            self.seq = seq
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+        self.file.unlink(missing_ok=True)
+
+
+class Segments:
+    """A store's segments, by path (thread-safe; call :meth:`publish` under the path's lock)."""
+
+    def __init__(self, directory: pathlib.Path, limit: int):
+        root = directory / DIRECTORY
+        shutil.rmtree(root, ignore_errors=True)  # a killed store's: its readers ask again
+        root.mkdir(mode=0o700)
+        # a file name is never used twice, across restarts too: a reader's mapping of an
+        # earlier file (kept under its name) is never taken for a later one
+        self.dir = root / uuid.uuid4().hex
+        self.dir.mkdir(mode=0o700)
+        self._names = itertools.count()
+        self.limit, self.used = limit, 0
+        self._by_path: dict[str, _Segment] = {}
+        self._lock = threading.Lock()
+
+    def has(self, path: str) -> bool:
+        return path in self._by_path
+
+    def publish(self, path: str, seq: int, data: np.ndarray) -> str:
+        """The file of ``path``'s segment, holding version ``seq`` (``data``) once this returns.
+
+        Raises:
+          StoreError: ``"too_large"``: the segments would pass the store's memory tier's size.
+        """
+        nbytes = memoryview(data).nbytes
+        with self._lock:
+            segment = self._by_path.get(path)
+            if segment is not None and segment.nbytes != nbytes:  # a new size is a new file
+                self._drop(path)
+                segment = None
+            if segment is None:
+                if self.used + nbytes > self.limit:
+                    raise StoreError(
+                        f"a segment for {path!r} ({nbytes} bytes) would pass the "
+                        f"{self.limit} bytes segments may hold (the memory tier's size)",
+                        "too_large",
+                    )
+                name = f"{next(self._names)}-{hashlib.sha256(path.encode()).hexdigest()[:16]}"
+                segment = _Segment(self.dir / name, nbytes)
+                self._by_path[path] = segment
+                self.used += nbytes
+        if segment.seq != seq:
+            segment.write(seq, data)
+        return str(segment.file)
+
+    def drop(self, prefix: str) -> None:
+        """Remove the segments of the paths under ``prefix`` (their arrays were deleted)."""
+        with self._lock:
+            for path in [p for p in self._by_path if p.startswith(prefix)]:
+                self._drop(path)
+
+    def _drop(self, path: str) -> None:
+        segment = self._by_path.pop(path)
+        self.used -= segment.nbytes
+        segment.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for path in list(self._by_path):
+                self._drop(path)
+        shutil.rmtree(self.dir.parent, ignore_errors=True)
+
+
+class Reader:
+    """A client's mappings of its stores' segments (thread-safe)."""
+
+    def __init__(self):
+        self._maps: collections.OrderedDict[str, tuple[int, mmap.mmap]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def read(self, file: str, seq: int, out: np.ndarray) -> bool | None:
+        """Copy version ``seq`` out of the segment ``file`` into ``out`` (C-contiguous, of the
+        segment's bytes): True; False, with ``out`` unspecified, when the segment does not hold
+        that version whole; None when it cannot be opened here. One read at a time: a mapping
+        is never closed under a copy."""
+        with self._lock:
+            try:
+                fd, mapping = self._open(file)
+            except (OSError, ValueError):
+                return None
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                magic, state, held, nbytes = HEADER.unpack_from(mapping, 0)
+                if (magic, state, held, nbytes) != (MAGIC, VALID, seq, out.nbytes):
+                    return False
+                with memoryview(mapping) as whole:
+                    src = np.frombuffer(whole[DATA_OFFSET : DATA_OFFSET + nbytes], np.uint8)
+                    np.copyto(out.reshape(-1).view(np.uint8), src)
+                    del src  # the mapping's export ends with the view
+                return True
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _open(self, file: str) -> tuple[int, mmap.mmap]:
+        """The mapping of ``file``, opened now if it is not yet (call with the lock held)."""
+        if file in self._maps:
+            self._maps.move_to_end(file)
+            return self._maps[file]
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size < DATA_OFFSET:
+                raise OSError(f"{file}: {size} bytes, not a segment")
+            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._maps[file] = (fd, mapping)
+        while len(self._maps) > READER_MAPPINGS:
+            _close(*self._maps.popitem(last=False)[1])
+        return fd, mapping
+
+    def forget(self, file: str) -> None:
+        """Close the mapping of ``file`` (the store named another file for its array)."""
+        with self._lock:
+            entry = self._maps.pop(file, None)
+            if entry is not None:
+                _close(*entry)
+
+    def close(self) -> None:
+        with self._lock:
+            while self._maps:
+                _close(*self._maps.popitem()[1])
+
+
+def _close(fd: int, mapping: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # a view left by a failed copy: the mapping leaks
+        mapping.close()
+    os.close(fd)
