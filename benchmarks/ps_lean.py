@@ -4,7 +4,9 @@
 directory and run from there, the working tree's from here, taking turns (``--rounds``
 subprocesses per version for the transfers):
 
-- **transfers**: one VW pushing and pulling 64 MiB of float32 weights over two stores, as 8
+- **transfers**: one VW pushing and pulling 64 MiB of float32 weights over two stores (each
+  pull right after its push, while the stores write the push back to disk, and again once they
+  have: ``pull, stores idle``), as 8
   leaves of 8 MiB and as one leaf of 64 MiB (a leaf kept whole lives in one store; cut by bytes
   it spreads over both), and GPT small's weights (14 leaves, 0.5 MiB: a push's time is its
   requests' there, not its bytes'); the median over ``--repeats`` waves (4x for GPT small; the
@@ -54,7 +56,7 @@ def run(shapes, repeats):
         with ParameterServer([p.address for p in procs]) as ps:
             ps.create(weights, total=None)
             ps.update(lambda led, *now: (led.join("b", *now), None))
-            push, pull, copy = [], [], []
+            push, pull, idle, copy = [], [], [], []
             src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
             for wave in range(repeats + 1):
                 ps.update(lambda led, *now, wave=wave: led.claim("b", wave, 1))
@@ -64,13 +66,18 @@ def run(shapes, repeats):
                 tic = time.perf_counter()
                 ps.pull()
                 pull.append(time.perf_counter() - tic)
+                for client in ps.clients:  # the stores' write-back of the push done
+                    client.flush()
+                tic = time.perf_counter()
+                ps.pull()
+                idle.append(time.perf_counter() - tic)
                 tic = time.perf_counter()
                 np.copyto(dst, src)
                 copy.append(time.perf_counter() - tic)
     finally:
         for p in procs:
             p.kill()
-    medians = {{"push": push, "pull": pull, "memcpy": copy}}
+    medians = {{"push": push, "pull": pull, "pull, stores idle": idle, "memcpy": copy}}
     return {{k: statistics.median(v[1:]) for k, v in medians.items()}}
 
 def even(leaves):
@@ -208,7 +215,7 @@ def run_ps_lean(before: str, rounds: int = 3, repeats: int = 5, total: int = 161
     ratios: dict = {}
     for version, runs in transfers.items():
         for shape in runs[0]:
-            for op in ("push", "pull"):
+            for op in ("push", "pull", "pull, stores idle"):
                 # each run's bytes/s over its own memcpy's, then the median over the rounds
                 ratios.setdefault(version, {})[f"{op}, {shape}"] = statistics.median(
                     r[shape]["memcpy"] / r[shape][op] for r in runs
@@ -237,7 +244,7 @@ def run_ps_lean(before: str, rounds: int = 3, repeats: int = 5, total: int = 161
     seconds: dict = {}
     for version, runs in transfers.items():
         for shape in runs[0]:
-            for op in ("push", "pull"):
+            for op in ("push", "pull", "pull, stores idle"):
                 seconds.setdefault(version, {})[f"{op}, {shape}"] = statistics.median(
                     r[shape][op] for r in runs
                 )

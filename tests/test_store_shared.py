@@ -6,6 +6,7 @@ and any segment a client cannot use is read over the socket instead. Real server
 from __future__ import annotations
 
 import os
+import pathlib
 import struct
 import threading
 
@@ -18,7 +19,9 @@ MIB = 1 << 20
 
 
 def _segments(proc) -> list:
-    return sorted((proc.dir / shared.DIRECTORY).glob("*/*"))
+    """The files of the segments of the store ``proc``."""
+    files = pathlib.Path(shared.SHM).glob(f"{shared.PREFIX}{proc.pid}-*/*")
+    return sorted([*files, *(proc.dir / shared.PREFIX).glob("*")])
 
 
 def test_a_shared_read_is_a_socket_read_after_every_kind_of_update(stores):

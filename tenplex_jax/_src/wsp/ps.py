@@ -465,7 +465,8 @@ class ParameterServer(Records):
     ) -> dict[str, np.ndarray]:
         """The global weights holding every wave the ledger has committed, applying any that a
         dead pusher left staged; every store read at once, each piece received straight into
-        its place in its leaf.
+        its place in its leaf (copied out of shared memory from a store on this host:
+        ``StoreClient(shared=True)``).
 
         Args:
           ledger: the ledger whose commits the weights must hold (default: the current one).

@@ -4,13 +4,12 @@ A reply over a socket hands the reader a new buffer, and on this project's machi
 that does reaches half a memcpy (``benchmarks/ps_floor.py``: 0.29–0.33); a mapping the reader
 keeps and copies out of does (0.95). So a store keeps, for each whole array a client asked to
 read this way (``StoreClient(..., shared=True)``: the parameter server's pulls), a *segment*:
-a file under ``DIR/segments`` holding the array's current version after a small header (magic,
-state, the version's sequence number, its bytes), which the store and its readers map. Its pages
-live in the page cache (on a tmpfs ``DIR``, in memory alone). The store writes a new version
-into it at once after an update of the array, and before it answers the update; a reader asks
-the store, over its connection, for the array's record and sequence number, then copies the
-bytes out of its own mapping of the segment, and uses them only if the segment then holds that
-same version, whole.
+a file in shared memory (``/dev/shm``, else under ``DIR``) holding the array's current version
+after a small header (magic, state, the version's sequence number, its bytes), which the store
+and its readers map. The store writes a new version into it at once after an update of the
+array, and before it answers the update; a reader asks the store, over its connection, for the
+array's record and sequence number, then copies the bytes out of its own mapping of the
+segment, and uses them only if the segment then holds that same version, whole.
 
 **Safe under every interleaving.** The store writes a segment holding an exclusive ``flock`` on
 it, a reader copies holding a shared one: a reader never sees a version half written (the lock
@@ -21,11 +20,12 @@ segment (another host, another user: files are 0600 in a 0700 directory), or fin
 amiss, reads over the socket as before: this is a faster path to the same bytes, never the only
 one. A segment's file never changes size (a new size is a new file), so no reader's mapping
 ever loses its pages. Segments are not the store's record: a restarted store serves from its
-objects and starts ``DIR/segments`` afresh.
+objects and writes segments afresh, under new names.
 
 **Bounded.** Segments hold at most the store's memory tier's size in all (a request beyond it
 is refused and the reader reads over the socket); each lives until its array is deleted or the
-store stops.
+store stops. A store killed outright leaves its segments behind (a directory named with its
+pid); the next store started on the host removes those of dead processes.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ MAGIC = b"TPXS"
 HEADER = struct.Struct("!4sIQQ")  # magic, state, the version's sequence number, data bytes
 DATA_OFFSET = 4096  # the data starts on a page of its own
 WRITING, VALID = 1, 2
-DIRECTORY = "segments"  # in the store's DIR
+SHM = "/dev/shm"
+PREFIX = "tenplex-segments-"  # + the store's pid and a random part, in SHM (else DIR/PREFIX)
 READER_MAPPINGS = 256  # segments a client keeps mapped, least recently used closed first
 
 
@@ -88,12 +89,15 @@ class Segments:
     """A store's segments, by path (thread-safe; call :meth:`publish` under the path's lock)."""
 
     def __init__(self, directory: pathlib.Path, limit: int):
-        root = directory / DIRECTORY
-        shutil.rmtree(root, ignore_errors=True)  # a killed store's: its readers ask again
-        root.mkdir(mode=0o700)
-        # a file name is never used twice, across restarts too: a reader's mapping of an
-        # earlier file (kept under its name) is never taken for a later one
-        self.dir = root / uuid.uuid4().hex
+        shm = pathlib.Path(SHM)
+        if shm.is_dir() and os.access(shm, os.W_OK):  # memory alone: no write-back to a disk
+            _collect(shm)
+            self.dir = shm / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+        else:  # in the page cache of DIR's file system
+            shutil.rmtree(directory / PREFIX, ignore_errors=True)  # a killed store's
+            self.dir = directory / PREFIX
+        # a file name is never used twice (a counter, a directory per store process): a
+        # reader's mapping of an earlier file, kept under its name, is never taken for a later one
         self.dir.mkdir(mode=0o700)
         self._names = itertools.count()
         self.limit, self.used = limit, 0
@@ -145,7 +149,21 @@ class Segments:
         with self._lock:
             for path in list(self._by_path):
                 self._drop(path)
-        shutil.rmtree(self.dir.parent, ignore_errors=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _collect(shm: pathlib.Path) -> None:
+    """Remove the segments of store processes that died without removing them (SIGKILL)."""
+    for stale in shm.glob(f"{PREFIX}*-*"):
+        pid = stale.name[len(PREFIX) :].split("-")[0]
+        if not pid.isdigit() or not stale.is_dir() or stale.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True)
+        except OSError:  # alive (another user's), or not ours to ask about
+            continue
 
 
 class Reader:
