@@ -17,6 +17,7 @@ from flax import nnx
 import tenplex_jax as tj
 from tenplex_jax._src import tree
 from tenplex_jax._src.cli import main
+from tenplex_jax.errors import WSPError
 from tenplex_jax.wsp import (
     Coordinator,
     ParameterServer,
@@ -134,6 +135,44 @@ def test_a_sigkilled_vw_process_is_dropped_and_its_minibatches_trained_by_others
     assert {r["vw"] for r in records if r["started"] > killed} <= others
     assert [r for r in records if r["started"] > killed]  # the others went on
     assert not [r for r in records if r["vw"] == victim and set(r["minibatches"]) & set(leased)]
+
+
+class _Building(Threads):
+    """VWs as threads whose last one stays building (its thread never starts), as a VW in
+    processes does while it compiles."""
+
+    def launch(self, handle) -> None:
+        if handle[1].name != "vw3":
+            super().launch(handle)
+
+    def alive(self, handle) -> bool:
+        return handle[1].name == "vw3" or super().alive(handle)
+
+    def wait(self, handle, timeout: float) -> None:
+        if handle[1].name != "vw3":  # a thread never started cannot be joined
+            super().wait(handle, timeout)
+
+
+def test_wait_joined_returns_once_every_added_vw_is_a_member(store_addresses):
+    parts = job_parts.job(1)
+    state = parts["init"]()
+    with ParameterServer(store_addresses) as ps:
+        ps.create(weights_of(state), total=10_000)  # far from done while the test looks
+
+        def make(name, devices):
+            return job_parts.virtual_worker(parts, name, devices, store_addresses, state)
+
+        with Coordinator(ps, _Building(make)) as coordinator:
+            coordinator.add([0], [1])
+            coordinator.wait_joined(timeout=120)
+            assert {"vw1", "vw2"} <= set(ps.ledger().clocks)
+            coordinator.add([2])  # still building when the wait gives up
+            with pytest.raises(WSPError, match=r"\['vw3'\] did not join") as error:
+                coordinator.wait_joined(timeout=1.0)
+            assert error.value.reason == "busy"
+            coordinator.remove("vw3")  # no longer running: not waited for
+            coordinator.wait_joined(timeout=1.0)
+            coordinator.stop(timeout=120)
 
 
 @pytest.mark.slow

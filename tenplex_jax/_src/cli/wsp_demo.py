@@ -218,6 +218,7 @@ def run(options: WSPOptions, log=print) -> dict:
                 f"building and compiling {len(plans)} virtual workers"
             )
             coordinator.add(*(p.devices for p in plans))
+            coordinator.wait_joined()  # the trace's events find every VW training
             tic = time.perf_counter()
             coordinator.follow(trace, group=len(plans[1].devices) if len(plans) > 1 else 1)
             coordinator.wait()

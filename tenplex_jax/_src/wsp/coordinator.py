@@ -526,6 +526,33 @@ class Coordinator:
         for member in [m for m in held if set(m.devices) & gone]:
             (self.remove if event.kind == "preempt" else self.kill)(member.name)
 
+    def wait_joined(self, timeout: float = 600.0) -> None:
+        """Wait until every running VW has joined the ledger (built, its step compiled, its
+        first pull done), so that what comes next (a trace's events) finds each one training:
+        a VW in processes builds for seconds after :meth:`add`, and one killed before it joins
+        was never a member, so nothing drops it.
+
+        Args:
+          timeout: seconds to wait.
+
+        Raises:
+          WSPError: a VW still had not joined after ``timeout`` (``"busy"``). A VW that ended
+            meanwhile is not waited for (a failure is in the runner's ``errors``).
+        """
+        deadline, ledger = time.monotonic() + timeout, self.ps.ledger()
+        while True:
+            seen = {*ledger.clocks, *ledger.dropped, *ledger.left}
+            waiting = [
+                name
+                for name, member in self.members.items()
+                if name not in seen and self.runner.alive(member.handle)
+            ]
+            if not waiting or ledger.done:
+                return
+            if time.monotonic() > deadline:
+                raise WSPError(f"{waiting} did not join in {timeout:.0f} s", "busy")
+            ledger = self.ps.wait(WATCH_SECONDS)  # the next change (a join), or within this
+
     def wait(self, timeout: float = 600.0) -> None:
         """Wait for every VW to end (each ends when the run is done or it is told to).
 
