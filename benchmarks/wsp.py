@@ -267,9 +267,8 @@ def run_time_to_loss(
     sync_losses = [loss for _, loss in sync["losses"]]
     target = float(np.mean(sync_losses[-3:]))
     base = time_to_loss(sync, target, 3)
-    rows = {}
+    rows, most = {}, round(total * budget)
     for d, n in itertools.product((0, 1, 4), (1, 2, 4)):
-        most = round(total * budget)
         row = run_wsp(model, most, d, slowdown, minibatch, log=log, nm=(n, n, n), lr=wsp_lr)
         t = time_to_loss(row, target, 3 * sum(NM))
         rows[f"D={d} Nm={n}"] = {
@@ -289,7 +288,7 @@ def run_time_to_loss(
         "wsp_lr": wsp_lr,
         "slowdown": slowdown,
         "minibatches": total,
-        "wsp_minibatches": round(total * budget),
+        "wsp_minibatches": most,
         "load_average": os.getloadavg(),
         "target": target,
         "synchronous_seconds": base,

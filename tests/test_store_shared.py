@@ -11,8 +11,10 @@ import struct
 import threading
 
 import numpy as np
+import pytest
 
 from tenplex_jax._src.multihost.store import shared
+from tenplex_jax.errors import StoreError
 from tenplex_jax.multihost import store
 
 MIB = 1 << 20
@@ -186,3 +188,15 @@ def test_a_reader_never_copies_a_version_while_another_process_writes_it(tmp_pat
         writer.wait(timeout=30)
         reader.close()
     assert writes > 100 and copied > 100, (writes, copied, missed)
+
+
+def test_a_segment_removed_under_an_update_ends_that_write_with_a_store_error(tmp_path):
+    segments = shared.Segments(tmp_path, MIB)
+    segments.publish("w", 0, np.zeros(4, np.float32))
+    segment = segments._by_path["w"]  # as an update holds it while a delete removes the array
+    segments.drop("w")
+    with pytest.raises(StoreError) as error:
+        segment.write(1, np.ones(4, np.float32))
+    assert error.value.reason == "not_found"  # reshare passes over it; a reader asks again
+    assert segments.used == 0 and not segment.file.exists()
+    segments.close()

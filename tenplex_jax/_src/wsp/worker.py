@@ -540,26 +540,28 @@ class VirtualWorker:
     def _program(self, n: int, args: tuple) -> Callable:
         """The pipelined program of a wave of ``n`` minibatches for arguments like ``args``:
         jitted (compiled at its first call, shared in this process), or, with
-        :attr:`executables`, loaded or compiled now and stored."""
+        :attr:`executables`, loaded or compiled now and stored (once per ``n``: looked up
+        first, as it runs every wave)."""
+        if n in self._programs:
+            return self._programs[n]
         program = waves.program(
             self.wave_step, n, self.ptc, self.layout, self.part, tuple(self.weights), self.mesh
         )
         if self.executables is None:
             return program
-        if n not in self._programs:
-            # a stored executable's outputs must all be laid out on the mesh: the landed weights
-            # as the weights, the metrics whole (left to the compiler, they are not)
-            _, landed, metrics = program.eval_shape(*args)
-            weights = [NamedSharding(self.mesh, self.ptc.leaves[i].spec) for i in self.weights]
-            whole = NamedSharding(self.mesh, PartitionSpec())
-            outs = (
-                self.ptc.shardings(self.mesh),
-                jax.tree.unflatten(jax.tree.structure(landed), weights * len(landed)),
-                jax.tree.map(lambda _: whole, metrics),
-            )
-            lowered = jax.jit(program, out_shardings=outs).lower(*args)
-            loaded = self.executables.load(lowered, self.mesh)
-            self._programs[n] = loaded or self.executables.compile(lowered, self.mesh)
+        # a stored executable's outputs must all be laid out on the mesh: the landed weights
+        # as the weights, the metrics whole (left to the compiler, they are not)
+        _, landed, metrics = program.eval_shape(*args)
+        weights = [NamedSharding(self.mesh, self.ptc.leaves[i].spec) for i in self.weights]
+        whole = NamedSharding(self.mesh, PartitionSpec())
+        outs = (
+            self.ptc.shardings(self.mesh),
+            jax.tree.unflatten(jax.tree.structure(landed), weights * len(landed)),
+            jax.tree.map(lambda _: whole, metrics),
+        )
+        lowered = jax.jit(program, out_shardings=outs).lower(*args)
+        loaded = self.executables.load(lowered, self.mesh)
+        self._programs[n] = loaded or self.executables.compile(lowered, self.mesh)
         return self._programs[n]
 
     def _push(self, wave: Wave) -> bool:

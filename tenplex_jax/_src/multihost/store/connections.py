@@ -120,6 +120,9 @@ class _Limits:
         return len(self._pending)
 
     def handle_request(self) -> None:
+        """Refused, deliberately: ``socketserver``'s one-request loop would take a connection
+        past the handshakes' cap and deadline, the limits that keep authorized clients served
+        under a flood. Not a stub: ``serve_forever`` is the one way in."""
         raise NotImplementedError("the store server admits connections only in serve_forever")
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:

@@ -57,8 +57,12 @@ READER_MAPPINGS = 256  # segments a client keeps mapped, least recently used clo
 
 
 class _Segment:
+    """One segment's file and mapping. A write and the removal take turns (``lock``): a path
+    deleted while its update rewrites the segment ends that write, not the store's reply."""
+
     def __init__(self, file: pathlib.Path, nbytes: int):
         self.file, self.nbytes, self.seq = file, nbytes, -1
+        self.lock, self.closed = threading.Lock(), False
         fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, DATA_OFFSET + nbytes)
@@ -70,19 +74,24 @@ class _Segment:
         self.fd = fd
 
     def write(self, seq: int, data: np.ndarray) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        try:
-            HEADER.pack_into(self.map, 0, MAGIC, WRITING, 0, self.nbytes)
-            self.map[DATA_OFFSET : DATA_OFFSET + self.nbytes] = memoryview(data).cast("B")
-            HEADER.pack_into(self.map, 0, MAGIC, VALID, seq, self.nbytes)
-            self.seq = seq
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        with self.lock:
+            if self.closed:
+                raise StoreError(f"{self.file.name}: removed (its array was deleted)", "not_found")
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            try:
+                HEADER.pack_into(self.map, 0, MAGIC, WRITING, 0, self.nbytes)
+                self.map[DATA_OFFSET : DATA_OFFSET + self.nbytes] = memoryview(data).cast("B")
+                HEADER.pack_into(self.map, 0, MAGIC, VALID, seq, self.nbytes)
+                self.seq = seq
+            finally:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        self.map.close()
-        os.close(self.fd)
-        self.file.unlink(missing_ok=True)
+        with self.lock:
+            self.closed = True
+            self.map.close()
+            os.close(self.fd)
+            self.file.unlink(missing_ok=True)
 
 
 class Segments:
