@@ -22,7 +22,7 @@ from tenplex_jax.wsp import (
 from tenplex_jax_models import wsp as job_parts
 from tests.helpers import Stores
 
-TOTAL = 90  # minibatches of the live run
+TOTAL = 120  # minibatches of the live run: it outlasts a joining VW's build, under load too
 
 
 def _job(**rates) -> Measured:
@@ -99,6 +99,10 @@ def test_a_scaler_follows_a_trace_growing_reviewing_and_shrinking_a_live_job(tmp
                 distance=1,
                 timeout=3.0,
                 steps=steps,
+                # a wave sleeps twice its compute (a device 3x slower, every VW alike): the
+                # trace's events land mid-run even when a VW's build holds the scaler for
+                # seconds (at full speed the run could end first, its last measurements empty)
+                slowdown=3.0,
             )
 
         trace = ResourceTrace.from_dict(
