@@ -200,3 +200,25 @@ def test_a_segment_removed_under_an_update_ends_that_write_with_a_store_error(tm
     assert error.value.reason == "not_found"  # reshare passes over it; a reader asks again
     assert segments.used == 0 and not segment.file.exists()
     segments.close()
+
+
+def test_a_dead_store_s_segments_are_collected_and_a_vanished_one_is_passed_over(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(shared, "SHM", str(tmp_path))
+    dead = tmp_path / f"{shared.PREFIX}999999999-abc"  # no such pid
+    dead.mkdir()
+    live = tmp_path / f"{shared.PREFIX}{os.getpid()}-abc"
+    live.mkdir()
+    real = pathlib.Path.lstat
+
+    def vanishing(self):  # another store removes it between the listing and the look
+        if self.name.endswith("-gone"):
+            raise FileNotFoundError(self)
+        return real(self)
+
+    (tmp_path / f"{shared.PREFIX}1-gone").mkdir()
+    monkeypatch.setattr(pathlib.Path, "lstat", vanishing)
+    segments = shared.Segments(tmp_path / "store", MIB)
+    assert not dead.exists() and live.exists()
+    segments.close()

@@ -162,16 +162,18 @@ class Segments:
 
 
 def _collect(shm: pathlib.Path) -> None:
-    """Remove the segments of store processes that died without removing them (SIGKILL)."""
+    """Remove the segments of store processes that died without removing them (SIGKILL).
+    Stores starting at once collect side by side: a directory another removes first is
+    passed over, never an error (it failed a launched job's store start)."""
     for stale in shm.glob(f"{PREFIX}*-*"):
         pid = stale.name[len(PREFIX) :].split("-")[0]
-        if not pid.isdigit() or not stale.is_dir() or stale.stat().st_uid != os.getuid():
-            continue
         try:
+            if not pid.isdigit() or stale.lstat().st_uid != os.getuid() or not stale.is_dir():
+                continue
             os.kill(int(pid), 0)
-        except ProcessLookupError:
+        except ProcessLookupError:  # its store is dead
             shutil.rmtree(stale, ignore_errors=True)
-        except OSError:  # alive (another user's), or not ours to ask about
+        except OSError:  # removed meanwhile, alive (another user's), or not ours to ask about
             continue
 
 
