@@ -81,8 +81,17 @@ def run_recovery(
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(repeats):
         for variant in variants:
-            with tempfile.TemporaryDirectory(prefix="tenplex-recovery-") as run_dir:
-                result = recover_once(variant, pathlib.Path(run_dir), change=change, **setup)
+            for attempt in range(3):  # a process lost before the change: that run again
+                with tempfile.TemporaryDirectory(prefix="tenplex-recovery-") as run_dir:
+                    try:
+                        result = recover_once(
+                            variant, pathlib.Path(run_dir), change=change, **setup
+                        )
+                        break
+                    except UnplannedFailure as error:
+                        if attempt == 2:
+                            raise
+                        log(f"  {variant:6s} {change}: run again ({error})")
             runs[variant].append(result)
             phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases"].items())
             log(
@@ -91,7 +100,13 @@ def run_recovery(
                 f"{result['lost_steps']}, {result['from_processes']} -> "
                 f"{result['to_processes']} processes, {result['config']}; step loaded "
                 f"{result['step_loaded']}, traced {result['step_traced']}, warm "
-                f"{result['warm_processes']}; s: {phases})"
+                f"{result['warm_processes']}; s: {phases}"
+                + (
+                    ""
+                    if result["request_to_change"] is None
+                    else f"; request -> change {result['request_to_change']:.2f}"
+                )
+                + ")"
             )
     median = lambda key: {v: statistics.median(r[key] for r in runs[v]) for v in variants}
     total, restore = median("recovery_seconds"), median("restore_seconds")
@@ -257,6 +272,10 @@ def recover_once(
     return timings(run, killed, nprocs, planned=planned)
 
 
+class UnplannedFailure(RuntimeError):
+    """A planned change's run lost a process before the change (the machine, not the change)."""
+
+
 def _stepped(run: pathlib.Path, generation: int) -> int:
     """How many steps ``generation`` has logged."""
     path = run / "steps.jsonl"
@@ -276,6 +295,9 @@ def timings(run: pathlib.Path, killed: float, nprocs: int, planned: bool = False
     restore = json.loads((run / "restore-g1-p0.json").read_text())
     generation = [e for e in _events(run) if e["event"] == "generation"][1]
     failure = next(e for e in _events(run) if e["event"] in ("failure", "resize"))
+    if failure["event"] != ("resize" if planned else "failure"):  # not the change measured
+        raise UnplannedFailure(f"generation 0 ended with {failure}, not the change measured")
+    request = next((e for e in _events(run) if e["event"] == "request"), None)
     times = restore["times"]  # process 0 of the new generation, wall clock
     steps = [  # how each process of the new generation got its step: loaded or compiled
         json.loads(path.read_text()) for path in sorted(run.glob("step-g1-p*.json"))
@@ -311,6 +333,9 @@ def timings(run: pathlib.Path, killed: float, nprocs: int, planned: bool = False
         "lost_steps": generation["lost_steps"],
         "from_processes": nprocs,
         "to_processes": generation["processes"],
+        # a planned change: the launcher's request to the generation's end (the job trains on
+        # meanwhile, while the change's stores, standby and step get ready)
+        "request_to_change": failure["time"] - request["time"] if planned else None,
         "config": first["config"],
         "state_bytes": restore["state_bytes"],
     }

@@ -158,6 +158,8 @@ def main() -> int:
             result["seen"].append({"joined": node.node_id, "time": time.time()})
             asked = lambda: any(e["event"] == "request" for e in events(run))
             wait_for(asked, "the launcher's request to grow")
+            # asked of the workers once they have the grown step ready (they train on meanwhile)
+            wait_for(lambda: (run / "control.json").exists(), "the workers asked to grow")
             (run / "resume-7").write_text("")
             wait_for(
                 lambda: len(generations(run)) >= 3 and paused(10),

@@ -210,16 +210,15 @@ def step_records(run: pathlib.Path, generation: int) -> list[dict]:
 def test_no_process_compiles_a_layout_compiled_before(job):
     """After the loss of a process, every process of the new generation loads the step process
     0 compiled ahead (the first N - 1 processes' devices, whichever process died), and the
-    survivors, which lowered it beside process 0, load it without tracing it again; at the
-    growth, at most process 0 compiles the new layout (unless generation 1's compile-ahead
-    already did) and process 1 waits and loads it."""
+    survivors, which lowered it beside process 0, load it without tracing it again. At the
+    growth nobody compiles: process 0 compiled the grown layout ahead, for a compile-only
+    topology of two processes, and loads it untraced; the new process traces and loads it."""
     assert json.loads((job["run"] / "ahead-g0.json").read_text())["processes"] == 3
     after_loss = step_records(job["run"], 1)
     got = [(r["loaded"], r["compiles"], r["traced"]) for r in after_loss]
     assert got == [(True, 0, False)] * 3, after_loss
-    grown = step_records(job["run"], 3)
-    assert len(grown) == 2 and grown[1]["loaded"] and grown[1]["compiles"] == 0, grown
-    assert grown[0]["compiles"] == (0 if grown[0]["loaded"] else 1), grown
+    grown = [(r["loaded"], r["compiles"], r["traced"]) for r in step_records(job["run"], 3)]
+    assert grown == [(True, 0, False), (True, 0, True)], grown
 
 
 @pytest.mark.slow
@@ -245,6 +244,29 @@ def test_a_planned_shrink_trains_on_until_its_layout_is_compiled(tmp_path):
     request = next(e for e in events(tmp_path) if e["event"] == "request")
     assert request["action"] == "resize" and request["processes"] == 1
     assert gens[1]["step"] >= 3 and request["time"] < gens[1]["time"]
+
+
+@pytest.mark.slow
+def test_a_planned_growth_is_compiled_ahead_and_every_process_loads_it(tmp_path):
+    """A planned resize 1 -> 2 (the recovery benchmark's growth, on the tiny GPT): the grown
+    layout's devices do not exist before the change, so the launcher announces the growth when
+    it starts the new store, and the survivor, process 0 on CPU, compiles the grown step ahead
+    for a compile-only topology of 2 processes while the job trains on; the launcher asks for
+    the growth once it has. In the new generation the survivor loads it untraced, and the new
+    process, which traces its step, loads it too: nothing is compiled at the change."""
+    from tenplex_jax_benchmarks.recovery import recover_once
+
+    result = recover_once(
+        "store", tmp_path, model="tiny", nprocs=2, devices_per_proc=2, change="grow"
+    )
+    gens = [e for e in events(tmp_path) if e["event"] == "generation"]
+    assert [(g["processes"], g["lost_steps"]) for g in gens] == [(1, None), (2, 0)]
+    lowered = json.loads((tmp_path / "grown-g0-p0.json").read_text())
+    assert lowered == {"processes": 2, "remembered": True}
+    survivor, new = step_records(tmp_path, 1)
+    assert (survivor["traced"], survivor["loaded"], survivor["compiles"]) == (False, True, 0)
+    assert (new["traced"], new["loaded"], new["compiles"]) == (True, True, 0), new
+    assert result["step_traced"] == [False, True]
 
 
 @pytest.mark.slow

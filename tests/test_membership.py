@@ -17,10 +17,12 @@ import time
 import pytest
 
 from tenplex_jax._src.multihost import membership
+from tenplex_jax._src.multihost.processes import free_port
 
 SURVIVOR = """
 import json, os, socket, subprocess, sys, time
 from tenplex_jax._src.multihost import membership
+from tenplex_jax._src.multihost.processes import free_port
 
 def connected(listener, argv):
     port = str(listener.getsockname()[1])
@@ -95,6 +97,7 @@ class _Lines:
 PUBLISHED = """
 import json, socket, subprocess, sys
 from tenplex_jax._src.multihost import membership
+from tenplex_jax._src.multihost.processes import free_port
 
 def endpoint(sock):  # as /proc/net/tcp writes 127.0.0.1:port
     return "0100007F:%04X" % sock.getsockname()[1]
@@ -205,6 +208,36 @@ def test_a_disarmed_process_is_told_but_not_interrupted_and_takes_its_next_rank(
     control.close()
 
 
+def test_a_growth_announced_reaches_the_job_that_watches_once_and_ends_with_its_generation():
+    """The launcher announces a planned growth while the generation trains: a job watching
+    hears it on the control thread, and one that starts watching after it hears it at once;
+    a rank (the next generation) forgets it; a job that stopped watching hears nothing."""
+    lines = _Lines()
+    control = membership.Control(lines.reader)
+    heard: list[tuple[str, int]] = []
+    arrived = threading.Event()
+
+    def first(n):
+        heard.append(("first", n))
+        arrived.set()
+
+    control.watch_growth(first)
+    lines.send({"grow": 4})
+    assert arrived.wait(30)
+    control.watch_growth(None)
+    control.watch_growth(lambda n: heard.append(("late", n)))  # announced before it watched
+    assert heard == [("first", 4), ("late", 4)]
+    control.watch_growth(None)
+    lines.send({"grow": 5})  # nobody watches: kept for a job that starts watching
+    rank = {"env": {"TENPLEX_JOB": "{}"}, "log": None, "warm": True}
+    lines.send(rank)
+    assert control.rank(timeout=30) == rank  # the next generation: the announcement is gone
+    control.watch_growth(lambda n: heard.append(("next", n)))
+    assert heard == [("first", 4), ("late", 4)]
+    lines.send(None)
+    control.close()
+
+
 @pytest.mark.skipif(
     threading.current_thread() is not threading.main_thread(), reason="needs the main thread"
 )
@@ -233,6 +266,7 @@ def test_the_end_of_a_generation_interrupts_a_wait_on_a_future():
 JOINING = """
 import time
 from tenplex_jax._src.multihost import membership
+from tenplex_jax._src.multihost.processes import free_port
 
 control = membership.Control()
 with control.joining():
@@ -253,3 +287,39 @@ def test_a_process_still_joining_when_its_generation_ends_exits_for_its_standby(
     finally:
         proc.kill()
         proc.wait()
+
+
+LEAVING = """
+import sys, time
+from tenplex_jax._src.multihost import membership
+from tenplex_jax._src.multihost.processes import free_port
+
+process, port = int(sys.argv[1]), sys.argv[2]
+membership.join(f"127.0.0.1:{port}", 2, process, 1, hosted=False)
+if process == 1:
+    time.sleep(2)  # slow to leave: process 0, which hosts the service, has exited by then
+"""
+
+
+def test_where_process_0_hosts_the_service_a_process_slower_to_leave_exits_cleanly():
+    """``--no-keep``: every process leaves at a planned change and process 0 hosts the
+    coordination service. Its exit must not end the service under a slower process's
+    shutdown: with recoverable tasks (which skip the shutdown barrier) that process aborted,
+    and the launcher saw a failure instead of the change."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LEAVING, str(i), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        codes = [proc.wait(120) for proc in procs]
+        assert codes == [0, 0], [proc.stdout.read()[-2000:] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

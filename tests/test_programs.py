@@ -183,3 +183,72 @@ def test_a_fingerprint_is_equal_for_equal_programs_only():
         scaled(functools.partial(np.add, 1))
     )
     assert programs.fingerprint(jax.jit(lambda x: x)) is None  # not a plain function
+
+
+def test_a_layout_lowered_ahead_without_its_devices_compiles_untraced_with_the_bits(
+    compiled, tmp_path
+):
+    """A planned growth: the grown layout's devices do not exist before the change, so each
+    process lowers its step on the layout's AbstractMesh; once they do, the step compiles from
+    that lowering, nothing traced, to the executable a compile on the devices gives."""
+    job = compiled[0]
+    fn = step_of(lr=2e-3)  # a program this process has not lowered yet
+    reference = job.steps(fn, tmp_path / "reference")
+    _, want = job.run(reference)
+    reference.close()
+    programs.forget()  # as in a process that never lowered it
+    TRACES.clear()
+    before = StepCache(fn, job.sample, job.devices[:2], executables=ExecutableCache(tmp_path))
+    assert before.lower_ahead(job.ptc, job.layout, abstract=True).result()  # 2 of its 4 devices
+    before.close()
+    assert (TRACES, before.compiles) == (["step"], 0)
+    after = job.steps(fn, tmp_path)
+    step, got = job.run(after)
+    after.close()
+    assert (step.traced, step.loaded, after.compiles, TRACES) == (False, False, 1, ["step"])
+    assert_same(got, want)
+    assert after.executables.problems == []
+    assert len(list(tmp_path.glob("*.xla"))) == 1  # stored under the key the devices' lowering has
+    again = job.steps(step_of(lr=2e-3), tmp_path)
+    step, got = job.run(again)
+    again.close()
+    assert (step.loaded, again.compiles, TRACES) == (True, 0, ["step"])
+    assert_same(got, want)
+
+
+def test_a_layout_compiled_for_a_topology_of_devices_it_lacks_loads_untraced_with_the_bits(
+    compiled, tmp_path
+):
+    """A planned growth on CPU: process 0 compiles the grown step for a compile-only topology
+    of the devices the grown job will have (here 1 process x 4: this process's first 4 devices'
+    ids), and stores it. A process that has those devices then loads it: untraced where it was
+    compiled (the lowering is remembered), traced elsewhere; the bits of a normal compile."""
+    from tenplex_jax._src import compat
+
+    job = compiled[0]
+    fn = step_of(lr=4e-3)  # a program this process has not lowered yet
+    reference = job.steps(fn, tmp_path / "reference")
+    _, want = job.run(reference)
+    reference.close()
+    programs.forget()  # as in a process that never lowered it
+    TRACES.clear()
+    before = StepCache(fn, job.sample, job.devices[:1], executables=ExecutableCache(tmp_path))
+    with compat.cpu_topology(1, 4) as devices:
+        assert [(d.id, d.process_index) for d in devices] == [(i, 0) for i in range(4)]
+        assert all(d not in jax.devices() for d in devices)  # another client's
+        ptc = PTC.of(build_state("tiny", 3e-3, abstract=True)[1], LOGICAL_RULES, CONFIG, devices)
+        step = before.compile_for(ptc, job.layout, devices)
+    before.close()  # waits for the entry's write
+    assert (TRACES, before.compiles, step.seconds > 0) == (["step"], 1, True)
+    assert len(list(tmp_path.glob("*.xla"))) == 1
+    after = job.steps(fn, tmp_path)
+    step, got = job.run(after)
+    after.close()
+    assert (step.traced, step.loaded, after.compiles, TRACES) == (False, True, 0, ["step"])
+    assert_same(got, want)
+    programs.forget()  # a process that did not compile it: traces, then loads
+    elsewhere = job.steps(step_of(lr=4e-3), tmp_path)
+    step, got = job.run(elsewhere)
+    elsewhere.close()
+    assert (step.traced, step.loaded, elsewhere.compiles) == (True, True, 0)
+    assert_same(got, want)

@@ -9,7 +9,9 @@ or has behaved differently between releases; each function says which.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import socket
 import threading
 
 
@@ -25,22 +27,36 @@ def reset_compilation_cache() -> None:
     compilation_cache.reset_cache()
 
 
-def compile_noting_persistent_cache(lowered):
-    """``lowered.compile()``, and whether the executable is one JAX loaded from its persistent
-    compilation cache (now, or earlier in this process: JAX's in-memory cache then hands the same
-    executable back without another read). Serialized again, such an executable lacks its
-    kernels: on XLA CPU its copy loads and then fails when run ("Function ... not found"),
-    measured on jax 0.10.2 and 0.12. A hit is JAX's ``/jax/compilation_cache/cache_hits``
-    monitoring event (its name is not public API), recorded on the compiling thread."""
+def compile_noting_persistent_cache(lowered, devices=None):
+    """``lowered.compile()`` (with ``devices``: a program lowered on an ``AbstractMesh``,
+    compiled for those devices in mesh order, ``compile(device_assignment=)``), and whether the
+    executable is one JAX loaded from its persistent compilation cache (now, or earlier in this
+    process: JAX's in-memory cache then hands the same executable back without another read).
+    Serialized again, such an executable lacks its kernels: on XLA CPU its copy loads and then
+    fails when run ("Function ... not found"), measured on jax 0.10.2 and 0.12. A hit is JAX's
+    ``/jax/compilation_cache/cache_hits`` monitoring event (its name is not public API),
+    recorded on the compiling thread."""
     _listen_for_persistent_cache_hits()
     before = getattr(_PERSISTENT_HITS, "count", 0)
-    compiled = lowered.compile()
+    compiled = lowered.compile() if devices is None else _compile_for(lowered, list(devices))
     executable = id(compiled.runtime_executable())
     with _PERSISTENT_LOCK:
         if getattr(_PERSISTENT_HITS, "count", 0) > before:
             _FROM_PERSISTENT_CACHE.add(executable)
         # an id reused by a later executable only costs that one its stored copy
         return compiled, executable in _FROM_PERSISTENT_CACHE
+
+
+def _compile_for(lowered, devices):
+    """A program lowered on an ``AbstractMesh`` compiled for ``devices``, on their client. The
+    client the lowering recorded may be gone (lowered in a survivor's earlier generation, whose
+    backends were cleared since): the devices' takes its place in ``Lowered``'s compile
+    arguments (not public API; the same in jax 0.10.2 and 0.12: compiled on the old client, the
+    executable refuses the new client's buffers)."""
+    arguments = getattr(getattr(lowered, "_lowering", None), "compile_args", None)
+    if isinstance(arguments, dict) and "backend" in arguments:
+        arguments["backend"] = devices[0].client
+    return lowered.compile(device_assignment=tuple(devices))
 
 
 _PERSISTENT_HITS = threading.local()  # .count: JAX persistent cache hits on this thread
@@ -99,6 +115,65 @@ def coordination_service(address: str, processes: int, *, heartbeat_seconds: int
         shutdown_timeout=heartbeat_seconds,
         recoverable=True,
     )
+
+
+@contextlib.contextmanager
+def cpu_topology(processes: int, devices_per_process: int, *, timeout: int = 60):
+    """The devices of a ``processes`` x ``devices_per_process`` CPU job that does not exist, for
+    compiling only: what process 0 of such a job would see (ids ``p * 2048 + k``, each with its
+    ``process_index``), so that a program compiled for them loads, serialized, in the real job's
+    processes (measured on jax 0.10.2 and 0.12: equal results). In this process: a coordination
+    service on a loopback port and one CPU client per process, each with gloo collectives that
+    never connect (nothing runs). Private API (``_jax``'s runtime service and client,
+    ``xla_client.make_cpu_client``), the same in 0.10.2 and 0.12. On leaving, every client
+    leaves the service together (its shutdown is a barrier), then the service stops."""
+    from jax._src.lib import _jax, xla_client
+
+    with socket.socket() as probe:  # a free loopback port
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    service = _jax.get_distributed_runtime_service(address, processes)
+    runtime: list = [None] * processes
+    clients: list = [None] * processes
+    errors: list[BaseException] = []
+
+    def each(task, i: int) -> None:
+        try:
+            task(i)
+        except BaseException as error:  # raised below, on the caller's thread
+            errors.append(error)
+
+    def together(task) -> None:
+        threads = [threading.Thread(target=each, args=(task, i)) for i in range(processes)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def join(i: int) -> None:
+        runtime[i] = _jax.get_distributed_runtime_client(address, i, init_timeout=timeout)
+        runtime[i].connect()
+        clients[i] = xla_client.make_cpu_client(
+            distributed_client=runtime[i],
+            node_id=i,
+            num_nodes=processes,
+            collectives=_jax.make_gloo_tcp_collectives(distributed_client=runtime[i]),
+            num_devices=devices_per_process,
+        )
+
+    def leave(i: int) -> None:
+        if runtime[i] is not None:
+            runtime[i].shutdown()
+
+    try:
+        together(join)
+        if errors:
+            raise errors[0]
+        yield list(clients[0].devices())
+    finally:
+        clients.clear()
+        together(leave)
+        service.shutdown()
 
 
 def drop_backends(*, keep_alive: bool) -> None:

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from tenplex_jax._src import compat
 
@@ -193,8 +193,16 @@ class ExecutableCache:
         """``lowered.compile()``, its entry written in the background (:meth:`store`), unless
         JAX's persistent compilation cache served the executable: serialized again, such an
         executable lacks its kernels (its copy fails when run), so no entry is written and a
-        marker tells the mesh's other processes to compile their own, whose entries are whole."""
-        compiled, served = compat.compile_noting_persistent_cache(lowered)
+        marker tells the mesh's other processes to compile their own, whose entries are whole.
+        A program lowered on the mesh's ``AbstractMesh`` (ahead, before its devices existed) is
+        compiled for the mesh's devices."""
+        abstract = any(
+            isinstance(info.sharding, NamedSharding)
+            and isinstance(info.sharding.mesh, AbstractMesh)
+            for info in jax.tree.leaves(lowered.out_info)
+        )
+        devices = list(mesh.devices.flat) if abstract else None
+        compiled, served = compat.compile_noting_persistent_cache(lowered, devices)
         if served:
             self._decline(
                 lowered,
@@ -247,7 +255,13 @@ class ExecutableCache:
         not be the mesh's, and loading it onto the mesh's devices would abort the process."""
         for info in jax.tree.leaves(lowered.out_info):
             sharding = info.sharding
-            if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
+            if not isinstance(sharding, NamedSharding) or not (
+                sharding.mesh == mesh
+                or (  # lowered ahead on the mesh's shape, compiled for its devices
+                    isinstance(sharding.mesh, AbstractMesh)
+                    and _shape(sharding.mesh) == _shape(mesh.abstract_mesh)
+                )
+            ):
                 raise ValueError(
                     f"an output's sharding {sharding} is not a NamedSharding on {mesh}"
                 )
@@ -311,6 +325,11 @@ class ExecutableCache:
         with self._lock:
             self.problems.append(text)
         self.log(f"executable cache: {text}")
+
+
+def _shape(mesh: AbstractMesh) -> tuple:
+    """A mesh's axes, sizes and types (an ``AbstractMesh`` may also name a device kind)."""
+    return (tuple(mesh.axis_names), tuple(mesh.axis_sizes), tuple(mesh.axis_types))
 
 
 def _follows(mesh: Mesh) -> bool:

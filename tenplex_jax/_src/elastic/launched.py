@@ -12,13 +12,16 @@ holds, over the same core as :class:`ElasticJob`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import pathlib
+import threading
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
 
+from tenplex_jax._src import compat
 from tenplex_jax._src.data import DatasetPTC
 from tenplex_jax._src.elastic.core import JobOptions, _JobCore
 from tenplex_jax._src.errors import DataError, LayoutError
@@ -121,10 +124,15 @@ class LaunchedJob(_JobCore):
         )
         self._worker = Worker(spec, checkpoint_dir, checkpoint_every)
         self._reported = False  # the first step's compile record is written
+        self._growths: dict = {}  # processes -> the future lowering (or compile) of its step
+        self._growths_lock = threading.Lock()  # announced on the control thread
+        self._announcement: int | None = None  # a growth announced before jit
         if not spec.executables:  # the launcher's --no-executable-cache: a plain restart
             self.executable_cache = None
         elif self.executable_cache is None:  # later generations load the layouts compiled before
             self.executable_cache = self._worker.run_dir / "executables"
+        if Worker.control is not None:
+            Worker.control.watch_growth(self._announced)
 
     @property
     def process_index(self) -> int:
@@ -197,10 +205,22 @@ class LaunchedJob(_JobCore):
         Returns:
           ``step(state, batch) -> (state, metrics)``.
 
+        A planned growth is announced to the processes while the generation trains on (the
+        launcher starts the new stores meanwhile): each process that stays lowers the grown
+        layout's step on its abstract mesh and remembers it, and on CPU process 0 compiles it
+        for a compile-only topology of the grown job, so that in the next generation every
+        process loads it, the survivors untraced (elsewhere process 0 compiles that lowering
+        then, untraced); the launcher asks for the growth once they are done.
+
         Raises:
           LayoutError: called before ``job.start``.
         """
-        return super().jit(fn)
+        step = super().jit(fn)
+        with self._growths_lock:
+            announced, self._announcement = self._announcement, None
+        if announced is not None:
+            self._announced(announced)
+        return step
 
     @property
     def _compiles_ahead(self) -> bool:
@@ -246,14 +266,95 @@ class LaunchedJob(_JobCore):
         )
 
     def _ready_for(self, processes: int) -> bool:
-        """Whether a planned resize to ``processes`` may end the generation now: its step is
-        compiled ahead (process 0 asks for it here, and the generation trains on until it is),
-        or it cannot be (a growth: the new processes' devices do not exist yet)."""
+        """Whether a planned resize to ``processes`` may end the generation now: a shrink's step
+        is compiled ahead (process 0 asks for it here, and the generation trains on until it
+        is), or cannot be. A growth's step was announced and lowered or compiled ahead (its new
+        processes' devices do not exist yet): the boundary waits for the rest of that work, so
+        the generation ends at the first boundary after the launcher's request, as it would
+        without it."""
         spec = self._worker.spec
-        if not self._compiles_ahead or not 0 < processes < spec.num_processes:
+        if not self._compiles_ahead or processes <= 0 or processes == spec.num_processes:
+            return True
+        if processes > spec.num_processes:
+            with self._growths_lock:
+                future = self._growths.get(processes)
+            if future is not None:
+                concurrent.futures.wait([future])
             return True
         future = self._compile_ahead(processes, guess=False)
         return future is None or future.done()
+
+    def _announced(self, processes: int) -> None:
+        """A growth to ``processes`` announced (on the control thread, or at :meth:`jit` for one
+        announced before it): its step lowered ahead, or ``RUN_DIR/grown-g<gen>-p<id>.json``
+        says why not, so the launcher waits for nothing."""
+        with self._growths_lock:
+            if self.steps_cache is None and self.options.compile_ahead and self.executable_cache:
+                self._announcement = processes  # lowered at jit
+                return
+            if processes in self._growths:
+                return
+            self._growths[processes] = None
+        try:
+            future = self._lower_growth(processes)
+        except Exception as error:  # the growth then traces its step, as without the notice
+            self._record_growth(processes, f"{type(error).__name__}: {error}")
+            return
+        with self._growths_lock:
+            self._growths[processes] = future
+        if future is not None:
+            future.add_done_callback(lambda f, n=processes: self._record_growth(n, f))
+
+    def _lower_growth(self, processes: int):
+        """The future work, on the guesses' thread, for the step of a generation grown to
+        ``processes`` processes: on CPU in process 0, compiled (:meth:`_compile_grown`); else
+        lowered on its layout's abstract mesh (the devices' ids are the next generation's to
+        give: the lowering is remembered for the layout on any devices). None (and a record of
+        why) when there is none."""
+        if not self._compiles_ahead:
+            self._record_growth(processes, "no compile-ahead (options or --no-executable-cache)")
+            return None
+        per = self._worker.spec.devices_per_process
+        ids = list(range(processes * per))  # stand-ins
+        try:
+            config = self.config_for(len(ids))
+            target = PTC.of(self._abstract, self.rules, config, ids, hosts=[i // per for i in ids])
+        except (LayoutError, DataError) as error:
+            self._record_growth(processes, f"no layout: {error}")
+            return None
+        platform = next(iter(self.devices.values())).platform
+        if self.process_index == 0 and platform == "cpu":
+            return self.steps_cache.submit(self._compile_grown, processes, config)
+        return self.steps_cache.lower_ahead(target, self._layout(config), abstract=True)
+
+    def _compile_grown(self, processes: int, config: ParallelConfig) -> bool:
+        """Process 0 on CPU: the grown generation's step compiled for the devices that
+        generation's processes will have, on a compile-only topology of them (on CPU, process
+        ``p``'s devices are ``p * 2048 + k`` in any job of that shape), and stored in the
+        executable cache, where every process of that generation loads it; this process also
+        remembers its lowering, so it loads it untraced."""
+        per = self._worker.spec.devices_per_process
+        with compat.cpu_topology(processes, per) as devices:
+            target = PTC.of(self._abstract, self.rules, config, devices)
+            self.steps_cache.compile_for(target, self._layout(config), devices)
+        return True
+
+    def _record_growth(self, processes: int, outcome) -> None:
+        """``RUN_DIR/grown-g<gen>-p<id>.json``: whether the growth's step was lowered ahead and
+        remembered (``outcome``: its future), or why not (a string); the launcher waits for
+        every process's record before it asks for the growth."""
+        if isinstance(outcome, str):
+            remembered, why = False, outcome
+        else:
+            error = None if outcome.cancelled() else outcome.exception()
+            remembered = error is None and not outcome.cancelled() and bool(outcome.result())
+            why = None if error is None else f"{type(error).__name__}: {error}"
+        record = {"processes": processes, "remembered": remembered}
+        if why is not None:
+            record["why"] = why
+            self.log(f"the growth to {processes} processes is not lowered ahead: {why}")
+        name = f"grown-g{self.generation}-p{self._worker.spec.process_id}.json"
+        self._worker.write_record(name, record, every=True)
 
     def finish(self, state) -> None:
         """The end of training: the last step committed, a final orbax checkpoint (with a
@@ -272,6 +373,8 @@ class LaunchedJob(_JobCore):
         """Stop the compile and commit threads and close the store connections. A compile ahead
         under way is not waited for (it would hold every process of the next generation): it
         finishes on its thread and stores its executable."""
+        if Worker.control is not None:
+            Worker.control.watch_growth(None)
         if self.steps_cache is not None:
             self.steps_cache.close(wait=False)
         self._worker.close()

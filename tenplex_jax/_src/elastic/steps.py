@@ -36,7 +36,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tenplex_jax._src import compat
@@ -173,6 +173,8 @@ class StepCache:
         mesh, state, batch = self._abstract(ptc, layout)
         known = self._program(ptc, layout, state)
         lowering = programs.recall(known) if known is not None and load else None
+        if lowering is None and known is not None and load:  # lowered ahead on its shape
+            lowering = programs.recall(_anywhere(known))
         if lowering is not None:  # lowered before in this process: load it untraced
             tic = time.perf_counter()
             trees = (lowering.digest, jax.tree.structure(((state, batch), {})), lowering.out_tree)
@@ -181,6 +183,10 @@ class StepCache:
                 with self._lock:
                     self.loads += 1
                 return Compiled(executable, time.perf_counter() - tic, ahead, True, traced=False)
+            if lowering.lowered is not None:  # lowered ahead on the abstract mesh: compile it
+                step = self._compiled_ahead(lowering, mesh, trees, ahead)
+                if step is not None:
+                    return step
         with self._turns.turn(ticket):  # Python under the GIL: one at a time, in order
             lowered = self._lower(mesh, ptc, state, batch)
             if self.executables is not None:
@@ -197,31 +203,77 @@ class StepCache:
                 return Compiled(executable, time.perf_counter() - tic, ahead, loaded=True)
         return self._compile(lowered, mesh, ahead, digest)
 
-    def lower_ahead(self, ptc: PTC, layout: BatchLayout) -> concurrent.futures.Future:
+    def _compiled_ahead(self, lowering, mesh: Mesh, trees: tuple, ahead: bool) -> Compiled | None:
+        """The step lowered ahead on ``mesh``'s ``AbstractMesh``, compiled for its devices with
+        nothing traced; None if it cannot be (it is then traced as any step). Its arguments'
+        tree names the abstract mesh (a ``Batch`` carries its mesh), so the executable is loaded
+        again from its bytes under the tree of the arguments it will be called with."""
+        try:
+            step = self._compile(lowering.lowered, mesh, ahead, lowering.digest)
+            payload = compat.serialize_executable(step.executable)
+            executable = compat.deserialize_executable(
+                payload, trees[1], trees[2], mesh.devices.flat
+            )
+        except Exception as error:  # e.g. host callbacks: not serializable
+            if self.executables is not None:
+                self.executables.log(f"a step lowered ahead was traced again: {error!r}")
+            return None
+        return dataclasses.replace(step, executable=executable, traced=False)
+
+    def lower_ahead(
+        self, ptc: PTC, layout: BatchLayout, *, abstract: bool = False
+    ) -> concurrent.futures.Future:
         """Lower the step for ``ptc`` and ``layout`` on the guesses' thread and remember it
         (:mod:`programs`), compiling nothing: a process that another compiles a layout for, so
-        that it loads the executable untraced when the layout comes. The future's result is
-        whether it was remembered (False: no executable cache, or ``fn`` has no fingerprint)."""
-        return self._pools[True].submit(self._background, self._remember, ptc, layout)
+        that it loads the executable untraced when the layout comes. With ``abstract``, on the
+        layout's ``AbstractMesh``: ``ptc``'s devices need not exist in this process yet (a
+        planned growth); the lowering is kept, and compiles for them untraced once they do. The
+        future's result is whether it was remembered (False: no executable cache, or ``fn`` has
+        no fingerprint)."""
+        return self.submit(self._remember, ptc, layout, abstract)
+
+    def submit(self, work: Callable, *args) -> concurrent.futures.Future:
+        """``work(*args)`` on the guesses' thread, as a background compile runs."""
+        return self._pools[True].submit(self._background, work, *args)
+
+    def compile_for(self, ptc: PTC, layout: BatchLayout, devices) -> Compiled:
+        """The step for ``ptc`` over ``devices`` that belong to no backend of this process's
+        job (a compile-only topology: a planned growth's, whose processes do not exist yet;
+        ``ptc`` names them): lowered on the layout's ``AbstractMesh`` and remembered for the
+        layout on any devices (:func:`_anywhere`), compiled for ``devices`` and stored in the
+        executable cache under their key, which the grown job's processes compute for their
+        own devices: they load it, and this process does so untraced. Needs ``executables``."""
+        mesh, state, batch = self._abstract(ptc, layout, abstract=True)
+        known = self._program(ptc, layout, state)
+        lowered = self._lower(mesh, ptc, state, batch)
+        digest = self._remember_lowered(None if known is None else _anywhere(known), lowered)
+        return self._compile(lowered, ptc.mesh(devices), True, digest)
 
     def _background(self, work: Callable, *args):
         """``work(*args)`` on a compile thread, the switch interval lowered while it runs."""
         with SWITCH.at_most(self.switch_interval):
             return work(*args)
 
-    def _remember(self, ptc: PTC, layout: BatchLayout) -> bool:
-        mesh, state, batch = self._abstract(ptc, layout)
+    def _remember(self, ptc: PTC, layout: BatchLayout, abstract: bool = False) -> bool:
+        mesh, state, batch = self._abstract(ptc, layout, abstract=abstract)
         known = self._program(ptc, layout, state)
+        if known is not None and abstract:  # for the layout on any devices: they may differ
+            known = _anywhere(known)
         if known is not None and programs.recall(known) is None:
-            self._remember_lowered(known, self._lower(mesh, ptc, state, batch))
+            lowered = self._lower(mesh, ptc, state, batch)
+            self._remember_lowered(known, lowered, keep=abstract)
         return known is not None and programs.recall(known) is not None
 
-    def _remember_lowered(self, known: tuple | None, lowered: jax.stages.Lowered) -> bytes:
+    def _remember_lowered(
+        self, known: tuple | None, lowered: jax.stages.Lowered, *, keep: bool = False
+    ) -> bytes:
         """``lowered``'s digest, remembered under ``known`` when it has one and a load may pass
-        its output tree with fresh inputs."""
+        its output tree with fresh inputs; ``keep``: with ``lowered`` itself (lowered ahead on
+        an abstract mesh, to compile later)."""
         digest = self.executables.digest(lowered)
         if known is not None and _outputs_fit(lowered):
-            programs.remember(known, programs.Lowering(digest, lowered.out_tree))
+            kept = lowered if keep else None
+            programs.remember(known, programs.Lowering(digest, lowered.out_tree, kept))
         return digest
 
     def _program(self, ptc: PTC, layout: BatchLayout, state) -> tuple | None:
@@ -256,9 +308,12 @@ class StepCache:
             self.compiles += 1
         return Compiled(executable, seconds, ahead)
 
-    def _abstract(self, ptc: PTC, layout: BatchLayout) -> tuple[Mesh, Any, Batch]:
-        """The layout's mesh, abstract state and abstract batch (with their shardings)."""
-        mesh = ptc.mesh(self.devices)
+    def _abstract(
+        self, ptc: PTC, layout: BatchLayout, *, abstract: bool = False
+    ) -> tuple[Mesh, Any, Batch]:
+        """The layout's mesh (with ``abstract``, its ``AbstractMesh``: no devices), abstract
+        state and abstract batch (with their shardings)."""
+        mesh = ptc.config.abstract_mesh() if abstract else ptc.mesh(self.devices)
         rows = NamedSharding(mesh, P(self.batch_axes))
         abstract_batch = Batch(
             jax.tree.map(
@@ -285,6 +340,9 @@ class StepCache:
             out_shardings=(shardings, NamedSharding(mesh, P())),
             donate_argnums=0 if self.donate else (),
         )
+        if isinstance(mesh, AbstractMesh):  # no devices: lowered for their platform
+            platform = self.devices[0].platform
+            return jitted.trace(state, batch).lower(lowering_platforms=(platform,))
         return jitted.lower(state, batch)
 
     def cancel_queued(self) -> None:
@@ -310,6 +368,14 @@ class StepCache:
             pool.shutdown(wait=wait, cancel_futures=not wait)
         if self.executables is not None and wait:
             self.executables.close()
+
+
+def _anywhere(known: tuple) -> tuple:
+    """A program's key (:meth:`StepCache._program`) for its layout on whatever devices: a
+    lowering on the layout's ``AbstractMesh`` is the same text on any of them (checked on jax
+    0.10 and 0.12), so one lowered ahead, before the devices existed, serves the devices a
+    later generation numbers its own way (on CPU, process ``p``'s from ``p * 2048``)."""
+    return (*known[:2], None, *known[3:])
 
 
 class _SwitchInterval:

@@ -564,12 +564,13 @@ class Launcher:
                 if requested is not None:
                     deadline = time.monotonic() + opts.stop_timeout
                     growing = requested[0] == "resize" and requested[1] > len(gen.slots)
-                    if growing:  # asked once its stores and its warm process are ready
+                    if growing:  # asked once its stores, its warm process and its step are
                         self._prepare_stores(len(gen.slots), requested[1])
+                        self._announce(gen, requested[1])
                         ask_by = time.monotonic() + GROW_WAIT_SECONDS
                     else:
                         self._post_control(requested)
-            elif ask_by is not None and (self._ready_to_grow() or time.monotonic() > ask_by):
+            elif ask_by is not None and (self._ready_to_grow(gen) or time.monotonic() > ask_by):
                 self._post_control(requested)
                 ask_by = None
             elif time.monotonic() > deadline:
@@ -606,13 +607,34 @@ class Launcher:
         tmp.write_text(json.dumps({"action": action[0], "processes": action[1]}))
         os.replace(tmp, control)
 
-    def _ready_to_grow(self) -> bool:
-        """Whether a planned growth may end the generation: the new slots' stores listen and the
-        spare standby has imported what the job needs (the generation trains on meanwhile)."""
+    def _announce(self, gen: _Generation, count: int) -> None:
+        """Tell the generation's processes, which stay, of the growth to ``count`` processes: each
+        lowers the grown layout's step while it trains on (``LaunchedJob``), and says so in
+        ``RUN_DIR/grown-g<gen>-p<id>.json``. A process that is gone is the failure the watch
+        finds next."""
+        if gen.service is None:  # survivors do not stay: nothing they lower would serve
+            return
+        for proc in gen.workers:
+            with contextlib.suppress(OSError):
+                self._tell(proc, {"grow": count})
+
+    def _ready_to_grow(self, gen: _Generation) -> bool:
+        """Whether a planned growth may end the generation: the new slots' stores listen, the
+        spare standby has imported what the job needs, and every process that stays has
+        lowered the grown step or said why not (the generation trains on meanwhile)."""
         stores = all(_address(ready) for _, ready in self._early.values())
         spare = self.standbys.get(SPARE)  # (a dead one is replaced by a fresh process)
         warm = spare is None or spare.poll() is not None
-        return stores and (warm or (self.run_dir / f"warm-{spare.pid}").exists())
+        warm = warm or (self.run_dir / f"warm-{spare.pid}").exists()
+        return stores and warm and self._lowered_growth(gen)
+
+    def _lowered_growth(self, gen: _Generation) -> bool:
+        """Whether every process of ``gen`` that stays has lowered an announced growth's step,
+        or said why not (:meth:`_announce`)."""
+        return gen.service is None or all(
+            (self.run_dir / f"grown-g{gen.number}-p{i}.json").exists()
+            for i in range(len(gen.workers))
+        )
 
     def _left(self, gen: _Generation, i: int) -> bool:
         """Whether process ``i`` of ``gen`` has left it and waits for a rank (it stays)."""

@@ -38,6 +38,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 
 import jax
 
@@ -82,7 +83,11 @@ def join(
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_num_cpu_devices", devices_per_process)
-    jax.config.update("jax_enable_recoverability", True)
+    # recoverable where processes stay (the launcher hosts the service): a task may leave
+    # without the others. Where process 0 hosts it, every task leaves at once and process 0
+    # last: recoverable tasks skip the shutdown barrier, and process 0's exit would end the
+    # service under the others' shutdown (they abort: measured at a planned change, --no-keep)
+    jax.config.update("jax_enable_recoverability", hosted)
     bind = None
     if process_id == 0:  # initialize starts a service in process 0: the launcher's is the real one
         bind = f"127.0.0.1:{free_port()}" if hosted else coordinator
@@ -227,7 +232,8 @@ class Control:
     waits for every process of the generation to connect, and the backend's creation for every
     process's devices; neither can be interrupted, and stopping the service does not end them
     (measured: the connect waits out its timeout); the launcher gives its rank to its standby.
-    :meth:`rank` waits for the next rank.
+    :meth:`rank` waits for the next rank. A planned growth is announced while the generation
+    trains on (``{"grow": processes}``): :meth:`watch_growth` hands it to the running job.
     """
 
     def __init__(self, stream=None):
@@ -239,6 +245,8 @@ class Control:
         self._joining = False
         self._interrupt = False  # set by the control thread, consumed by the handler
         self._main = threading.main_thread().ident
+        self._growth: int | None = None  # the processes of a growth announced to this generation
+        self._on_growth: Callable[[int], None] | None = None
         self._previous = signal.signal(INTERRUPT, self._on_signal)  # from the main thread
         threading.Thread(target=self._read, name="tenplex-control", daemon=True).start()
 
@@ -258,7 +266,14 @@ class Control:
                             self._armed = False
                             self._interrupt = True
                             signal.pthread_kill(self._main, INTERRUPT)
+                elif "grow" in message:
+                    with self._lock:
+                        self._growth, notify = int(message["grow"]), self._on_growth
+                    if notify is not None:
+                        notify(self._growth)
                 else:
+                    with self._lock:
+                        self._growth = None  # announced to the generation that has ended
                     self._ranks.put(message)
         except (OSError, ValueError):
             pass
@@ -298,6 +313,15 @@ class Control:
             self._armed = False
         for _ in range(8):  # backward jumps: a signal sent just before is handled here
             pass
+
+    def watch_growth(self, notify: Callable[[int], None] | None) -> None:
+        """Call ``notify(processes)`` on the control thread when a growth is announced to this
+        generation, at once if one was already; None stops it. ``notify`` must not raise and
+        must return soon (it delays the launcher's next messages)."""
+        with self._lock:
+            self._on_growth, growth = notify, self._growth
+        if notify is not None and growth is not None:
+            notify(growth)
 
     def rank(self, timeout: float | None = None) -> dict | None:
         """The next rank the launcher gives (``{"env": ..., "log": ...}``); None at EOF (exit)

@@ -261,8 +261,9 @@ class RayLauncher(Launcher):
     def _prepare_stores(self, current: int, count: int) -> None:
         """(A growth's stores start on the nodes it takes, when it takes them.)"""
 
-    def _ready_to_grow(self) -> bool:
-        return True  # (its stores start with the growth; its standbys are on other nodes)
+    def _ready_to_grow(self, gen) -> bool:
+        # (its stores start with the growth; its standbys are on other nodes)
+        return self._lowered_growth(gen)
 
     def _start_stores(self, indices) -> None:
         import ray

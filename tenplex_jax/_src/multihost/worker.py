@@ -126,6 +126,7 @@ def _run(spec: JobSpec, argv: list[str], control: membership.Control | None) -> 
             with contextlib.nullcontext() if control is None else control.joining():
                 join(spec)
             Worker.joined = started, time.time()
+            Worker.control = control
             runpy.run_path(argv[0], run_name="__main__")
         finally:
             if control is not None:
@@ -244,6 +245,7 @@ class Worker:
     activated: float | None = None  # when a standby process got its rank
     kept = False  # this process ran an earlier generation and stayed for this one
     finished = False  # the job finished (every process knows it at ``finish``)
+    control: membership.Control | None = None  # the launcher's messages, when survivors stay
     # this generation's workers: closed when the process leaves it
     opened: ClassVar[list[Worker]] = []
 
