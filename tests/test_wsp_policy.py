@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tenplex_jax._src.elastic.steps import StepCache
+from tenplex_jax._src.wsp.policy import ENDED
 from tenplex_jax.elastic import ResourceTrace
 from tenplex_jax.errors import WSPError
 from tenplex_jax.wsp import (
@@ -124,7 +125,18 @@ def test_a_scaler_follows_a_trace_growing_reviewing_and_shrinking_a_live_job(tmp
                 scaler = Scaler(coordinator, policy, usd_per_device_hour=1.0, window=4, warmup=1)
                 coordinator.follow(trace, group=1, timeout=240, scaler=scaler)
                 coordinator.wait(timeout=120)
+                followed = len(scaler.decisions)
+                # the run is over: an offer is declined and a VW under review kept, saying why,
+                # never decided on the empty window's 0 samples/s
+                late = scaler.offer([3])
+                scaler.added = ("vw1", (0,), scaler.measure())
+                kept = scaler.review()
             assert not coordinator.runner.errors
+            late = (late.action, late.vw, late.devices, late.reason)
+            assert late == ("decline", None, (3,), ENDED)
+            assert (kept.action, kept.vw, kept.reason) == ("keep", "vw1", ENDED)
+            assert [d.action for d in scaler.decisions[followed:]] == ["decline", "keep"]
+            del scaler.decisions[followed:]
             ledger = ps.history()
         actions = [(d.action, d.vw, d.devices) for d in scaler.decisions]
         assert actions[0] == ("add", "vw2", (1,))
@@ -137,7 +149,8 @@ def test_a_scaler_follows_a_trace_growing_reviewing_and_shrinking_a_live_job(tmp
         added = [e["vw"] for e in coordinator.events if e["event"] == "add"]
         assert added == ["vw1", "vw2"]  # the declined offer started nothing
         decided = [e for e in coordinator.events if e["event"] == "decide"]
-        assert len(decided) == len(actions)
+        assert len(decided) == len(actions) + 2  # and the two after the run
+        decided = decided[: len(actions)]
         for event in decided:  # every decision logged with the numbers it was based on
             assert event["reason"] and event["samples_per_second"] > 0
             assert event["usd_per_hour"] >= 1.0 and event["samples_per_usd"] > 0

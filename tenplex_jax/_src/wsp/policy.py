@@ -38,12 +38,14 @@ class Measured:
       samples: VW name -> the samples it trained (waves ended) in the window.
       devices: VW name -> how many devices it holds.
       usd_per_hour: VW name -> the price of its devices, $/hour.
+      ended: the run ended before the window filled: its numbers are what there was.
     """
 
     seconds: float
     samples: Mapping[str, int]
     devices: Mapping[str, int]
     usd_per_hour: Mapping[str, float]
+    ended: bool = False
 
     @property
     def throughput(self) -> float:
@@ -265,6 +267,9 @@ class ScalingPolicy:
         )
 
 
+ENDED = "the run ended before a window could be measured"
+
+
 class Scaler:
     """Runs a :class:`ScalingPolicy` on a coordinator's live job (Hydrozoa's coordinator).
 
@@ -337,11 +342,13 @@ class Scaler:
         samples = dict.fromkeys(members, 0)
         for record in records:
             samples[record["vw"]] += len(record["samples"])
+        waves = sum(map(len, window.values()))
         return Measured(
             toc - tic,
             samples,
             {vw: len(m.devices) for vw, m in members.items()},
             {vw: sum(self.price(d) for d in m.devices) for vw, m in members.items()},
+            ended=after.done and waves < self.window,
         )
 
     def _waves(self, count: int) -> Ledger:
@@ -358,7 +365,8 @@ class Scaler:
         return ledger
 
     def offer(self, devices: Sequence[int]) -> Decision:
-        """An offer of devices for one more VW: measured now, then added or declined.
+        """An offer of devices for one more VW: measured now, then added or declined (declined
+        when the run ended before it could be measured).
 
         Args:
           devices: the device ids offered.
@@ -367,6 +375,9 @@ class Scaler:
           The decision (added: ``coordinator.members`` holds the new VW).
         """
         now = self.measure()
+        if now.ended:  # nothing to weigh, and no run left to add to
+            decision = Decision("decline", None, tuple(devices), ENDED, now.numbers())
+            return self._log(decision)
         decision = self.policy.offer(now, devices, sum(self.price(d) for d in devices))
         if decision.action == "add":
             (vw,) = self.coordinator.add(devices)
@@ -376,12 +387,16 @@ class Scaler:
 
     def review(self) -> Decision | None:
         """Measure the job with the VW last added and keep or remove it (None: nothing to
-        review)."""
+        review); kept when the run ended before it could be measured."""
         if self.added is None:
             return None
         vw, devices, before = self.added
         self.added = None
-        decision = self.policy.review(before, self.measure(), vw, devices)
+        after = self.measure()
+        if after.ended:  # not removed on a window the run's end cut short
+            numbers = {**before.numbers(), **after.numbers("_with")}
+            return self._log(Decision("keep", vw, tuple(devices), ENDED, numbers))
+        decision = self.policy.review(before, after, vw, devices)
         if decision.action == "remove":
             self.coordinator.remove(vw)
         return self._log(decision)
