@@ -119,20 +119,16 @@ def test_the_default_demo_changes_data_expert_tensor_and_pipe(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_the_bitwise_demo_end_to_end(tmp_path) -> None:
-    done, summary = _demo(
-        tmp_path,
-        "--bitwise",
-        "--model",
-        "tiny",
-        "--steps",
-        "8",
-        "--schedule",
-        "2:4,4:6,6:8",
-        "--batch",
-        "16",
-        "--samples",
-        "50",
-    )
+    """The data-parallel schedule: bitwise equal to the fixed run, each sample once per epoch;
+    run again with the first run's executable cache, it compiles nothing and gives the bits."""
+    args = ["--bitwise", "--model", "tiny", "--steps", "8", "--schedule", "2:4,4:6,6:8"]
+    args += ["--batch", "16", "--samples", "50", "--executable-cache", str(tmp_path / "cache")]
+    first = tmp_path / "first"
+    done, summary = _demo(first, *args)
+    assert summary["compiles"] > 0
+    _, rerun = _demo(tmp_path / "again", *args)
+    assert rerun["compiles"] == 0 and rerun["loads"] > 0
+    assert rerun["losses"] == summary["losses"] and rerun["params_vs_fixed_run"] == "bitwise"
     assert [(r["from"], r["to"]) for r in summary["resizes"]] == [(8, 4), (4, 6), (6, 8)]
     assert [r["step"] for r in summary["resizes"]] == [2, 4, 6]
     for record in summary["resizes"]:
@@ -140,7 +136,7 @@ def test_the_bitwise_demo_end_to_end(tmp_path) -> None:
         assert len(record["to_devices"]) == record["to"]
     assert len(summary["losses"]) == summary["steps"] == 8
     assert math.isfinite(summary["final_loss"])
-    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (first / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "step" in done.stdout and "->" in done.stdout  # the resize table
     # 8 steps of 16 over 50 samples: two full epochs and 28 samples, each seen once per epoch
     assert summary["exactly_once"] is True
@@ -175,3 +171,11 @@ def test_plan_with_a_cluster_prints_the_planner_table(capsys) -> None:
     assert "cannot read cluster description" in capsys.readouterr().err
     assert main(["plan", "--model", "tiny"]) == 2
     assert "--from and --to, or --cluster" in capsys.readouterr().err
+
+
+def test_the_demo_keeps_its_compiled_steps_in_its_output_folder_unless_told_otherwise():
+    from tenplex_jax._src.cli import _executable_cache
+
+    assert _executable_cache(None, "out/demo") == pathlib.Path("out/demo/executables")
+    assert _executable_cache("none", "out/demo") is None
+    assert _executable_cache("cache", "out/demo") == pathlib.Path("cache")

@@ -295,6 +295,13 @@ def _parser() -> argparse.ArgumentParser:
         "(JobOptions.notice_seconds; default: 0, the next step boundary)",
     )
     demo.add_argument(
+        "--executable-cache",
+        metavar="DIR",
+        help="keep every compiled step in DIR (JobOptions.executable_cache): a later run loads "
+        "each layout compiled before instead of compiling it; 'none' compiles every time "
+        "(default: OUT/executables)",
+    )
+    demo.add_argument(
         "--trace",
         metavar="FILE",
         help="replay a resource trace (TOML, see meshes/README.md) with the elastic loop: "
@@ -686,6 +693,7 @@ def _demo(args) -> int:
         workers=args.workers or None,
         samples=args.samples,
         notice_seconds=args.notice,
+        executable_cache=_executable_cache(args.executable_cache, args.out),
     )
     if trace is not None:
         from tenplex_jax._src.cli import trace_demo
@@ -703,6 +711,15 @@ def _demo(args) -> int:
     print(demo.consistency_line(summary))
     print(f"wrote {options.out / 'loss.png'} and {options.out / 'summary.json'}")
     return 0
+
+
+def _executable_cache(value: str | None, out: str):
+    """The demo's ``--executable-cache``: DIR, ``none``, or by default OUT/executables."""
+    import pathlib
+
+    if value is None:
+        return pathlib.Path(out) / "executables"
+    return None if value.lower() == "none" else pathlib.Path(value)
 
 
 def _bench(args) -> int:

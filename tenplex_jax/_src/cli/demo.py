@@ -70,6 +70,7 @@ class DemoOptions:
     samples: int = 1000  # dataset size: not a multiple of the batch, so an epoch ends mid-run
     bitwise: bool = False  # the data-parallel schedule (the default schedule's only)
     notice_seconds: float = 0.0  # JobOptions.notice_seconds: a change waits for its step
+    executable_cache: str | pathlib.Path | None = None  # JobOptions.executable_cache
 
     @property
     def plan(self) -> tuple[tuple[int, Layout], ...]:
@@ -269,6 +270,7 @@ def train(
             method=options.method,
             log=bar.write,
             notice_seconds=options.notice_seconds,
+            executable_cache=options.executable_cache,
             **job_options,
         ),
     ) as job:
@@ -368,6 +370,7 @@ def run(options: DemoOptions) -> dict:
         "fixed_run_losses": fixed.losses,
         "final_loss": resized.losses[-1],
         "compiles": job.compiles,
+        "loads": job.loads,  # steps loaded from the executable cache instead of compiled
         "resized_run_seconds": resized_seconds,
         "total_seconds": time.perf_counter() - started,
     }
