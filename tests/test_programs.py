@@ -185,6 +185,18 @@ def test_a_fingerprint_is_equal_for_equal_programs_only():
     assert programs.fingerprint(jax.jit(lambda x: x)) is None  # not a plain function
 
 
+def fresh_program(job: Job, lr: float, directory):
+    """A step this process has not lowered (``lr``), and its outputs compiled the usual way (in
+    ``directory``/reference); then forgotten, as in a process that never lowered it."""
+    fn = step_of(lr=lr)
+    reference = job.steps(fn, directory / "reference")
+    _, want = job.run(reference)
+    reference.close()
+    programs.forget()
+    TRACES.clear()
+    return fn, want
+
+
 def test_a_layout_lowered_ahead_without_its_devices_compiles_untraced_with_the_bits(
     compiled, tmp_path
 ):
@@ -192,12 +204,7 @@ def test_a_layout_lowered_ahead_without_its_devices_compiles_untraced_with_the_b
     process lowers its step on the layout's AbstractMesh; once they do, the step compiles from
     that lowering, nothing traced, to the executable a compile on the devices gives."""
     job = compiled[0]
-    fn = step_of(lr=2e-3)  # a program this process has not lowered yet
-    reference = job.steps(fn, tmp_path / "reference")
-    _, want = job.run(reference)
-    reference.close()
-    programs.forget()  # as in a process that never lowered it
-    TRACES.clear()
+    fn, want = fresh_program(job, 2e-3, tmp_path)
     before = StepCache(fn, job.sample, job.devices[:2], executables=ExecutableCache(tmp_path))
     assert before.lower_ahead(job.ptc, job.layout, abstract=True).result()  # 2 of its 4 devices
     before.close()
@@ -226,12 +233,7 @@ def test_a_layout_compiled_for_a_topology_of_devices_it_lacks_loads_untraced_wit
     from tenplex_jax._src import compat
 
     job = compiled[0]
-    fn = step_of(lr=4e-3)  # a program this process has not lowered yet
-    reference = job.steps(fn, tmp_path / "reference")
-    _, want = job.run(reference)
-    reference.close()
-    programs.forget()  # as in a process that never lowered it
-    TRACES.clear()
+    fn, want = fresh_program(job, 4e-3, tmp_path)
     before = StepCache(fn, job.sample, job.devices[:1], executables=ExecutableCache(tmp_path))
     with compat.cpu_topology(1, 4) as devices:
         assert [(d.id, d.process_index) for d in devices] == [(i, 0) for i in range(4)]
