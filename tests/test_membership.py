@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -168,6 +169,28 @@ def test_breaking_collectives_shuts_the_connections_of_published_endpoints_on_an
     assert not result["store"] and result["store_open"] and result["store_saw"] == 0, result
     assert result["trainer_saw"] == 5, result  # both of its ends saw the shutdown
     assert result["count"] == 2, result
+
+
+def test_breaking_collectives_spares_a_service_this_process_runs_for_itself():
+    """A connection within this process is broken (gloo connects a process's own devices), but
+    not one to or from a spared port: a compile-only topology's service, whose clients would
+    end the process."""
+    with (
+        socket.create_server(("127.0.0.1", 0)) as spared_server,
+        socket.create_server(("127.0.0.1", 0)) as other_server,
+    ):
+        port = spared_server.getsockname()[1]
+        kept = socket.create_connection(("127.0.0.1", port), timeout=10)
+        kept_end, _ = spared_server.accept()
+        broken = socket.create_connection(other_server.getsockname(), timeout=10)
+        broken_end, _ = other_server.accept()
+        with membership.spared(port):
+            assert membership.break_collectives([os.getpid()]) == 2
+        kept.sendall(b"x")
+        assert kept_end.recv(1) == b"x"  # still connected
+        assert broken.recv(1) == b"" and broken_end.recv(1) == b""  # shut at both ends
+        for sock in (kept, kept_end, broken, broken_end):
+            sock.close()
 
 
 @pytest.mark.skipif(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import socket
 import threading
 
 
@@ -118,20 +117,19 @@ def coordination_service(address: str, processes: int, *, heartbeat_seconds: int
 
 
 @contextlib.contextmanager
-def cpu_topology(processes: int, devices_per_process: int, *, timeout: int = 60):
+def cpu_topology(processes: int, devices_per_process: int, *, port: int, timeout: int = 60):
     """The devices of a ``processes`` x ``devices_per_process`` CPU job that does not exist, for
     compiling only: what process 0 of such a job would see (ids ``p * 2048 + k``, each with its
     ``process_index``), so that a program compiled for them loads, serialized, in the real job's
     processes (measured on jax 0.10.2 and 0.12: equal results). In this process: a coordination
     service on a loopback port and one CPU client per process, each with gloo collectives that
-    never connect (nothing runs). Private API (``_jax``'s runtime service and client,
-    ``xla_client.make_cpu_client``), the same in 0.10.2 and 0.12. On leaving, every client
-    leaves the service together (its shutdown is a barrier), then the service stops."""
+    never connect (nothing runs); the service listens on ``127.0.0.1:port`` (a client ends the
+    process when its connection to it breaks). Private API (``_jax``'s runtime service and
+    client, ``xla_client.make_cpu_client``), the same in 0.10.2 and 0.12. On leaving, every
+    client leaves the service together (its shutdown is a barrier), then the service stops."""
     from jax._src.lib import _jax, xla_client
 
-    with socket.socket() as probe:  # a free loopback port
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    address = f"127.0.0.1:{port}"
     service = _jax.get_distributed_runtime_service(address, processes)
     runtime: list = [None] * processes
     clients: list = [None] * processes

@@ -25,6 +25,8 @@ from tenplex_jax._src import compat
 from tenplex_jax._src.data import DatasetPTC
 from tenplex_jax._src.elastic.core import JobOptions, _JobCore
 from tenplex_jax._src.errors import DataError, LayoutError
+from tenplex_jax._src.multihost import membership
+from tenplex_jax._src.multihost.processes import free_port
 from tenplex_jax._src.multihost.spec import JobSpec
 from tenplex_jax._src.multihost.worker import Worker
 from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
@@ -333,8 +335,10 @@ class LaunchedJob(_JobCore):
         ``p``'s devices are ``p * 2048 + k`` in any job of that shape), and stored in the
         executable cache, where every process of that generation loads it; this process also
         remembers its lowering, so it loads it untraced."""
-        per = self._worker.spec.devices_per_process
-        with compat.cpu_topology(processes, per) as devices:
+        per, port = self._worker.spec.devices_per_process, free_port()
+        # spared: a failure meanwhile breaks the generation's connections, and a topology client
+        # whose connection broke would end this process
+        with membership.spared(port), compat.cpu_topology(processes, per, port=port) as devices:
             target = PTC.of(self._abstract, self.rules, config, devices)
             self.steps_cache.compile_for(target, self._layout(config), devices)
         return True

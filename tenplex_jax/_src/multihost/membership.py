@@ -149,6 +149,8 @@ def break_collectives(peers: list[int], endpoints: list[str] = ()) -> int:
         if inode not in table:
             continue
         _, mine, remote = table[inode]
+        if _loopback(remote) and {_port(mine), _port(remote)} & _SPARED:
+            continue  # a service of this process's own (:func:`spared`)
         trainers = remote in published or _port(remote) in anywhere or _port(mine) in own
         if trainers or remote in theirs or (remote not in local and _loopback(remote)):
             with contextlib.suppress(OSError):
@@ -159,6 +161,22 @@ def break_collectives(peers: list[int], endpoints: list[str] = ()) -> int:
                 finally:
                     sock.detach()  # the fd stays the collectives' own
     return shut
+
+
+_SPARED: set[str] = set()  # loopback ports (as /proc/net/tcp writes them) never broken
+
+
+@contextlib.contextmanager
+def spared(port: int):
+    """While inside, :func:`break_collectives` leaves this process's loopback connections to and
+    from ``port`` alone: a service the process runs for itself (a compile-only topology's
+    coordination service, whose clients end the process when their connection breaks)."""
+    key = f"{port:04X}"
+    _SPARED.add(key)
+    try:
+        yield
+    finally:
+        _SPARED.discard(key)
 
 
 LISTEN, CLOSE = "0A", "07"  # /proc/net/tcp's states
