@@ -5,6 +5,7 @@ share code through: no test file imports another."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -64,6 +65,18 @@ MATRIX = [
 
 
 @functools.cache
+@contextlib.contextmanager
+def reaped(proc):
+    """Inside: ``proc``, a launcher a test started; on the way out, killed if it still runs
+    (its own teardown reaps its children)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
 def tiny_step():
     """The elastic tests' user step for the tiny GPT: plain Flax NNX, no tenplex_jax inside but
     the batch's own gradient."""

@@ -36,7 +36,14 @@ import pytest
 import tenplex_jax as tj
 from tenplex_jax._src.multihost.commit import stored_objects
 from tenplex_jax.multihost import store
-from tests.helpers import LAUNCH_BATCH, LAUNCH_SAMPLES, LAUNCH_WORKERS, events, reference_run
+from tests.helpers import (
+    LAUNCH_BATCH,
+    LAUNCH_SAMPLES,
+    LAUNCH_WORKERS,
+    events,
+    reaped,
+    reference_run,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "elastic_gpt.py"
@@ -110,7 +117,7 @@ def job(tmp_path_factory):
     script = ["--log", str(run / "steps.jsonl"), "--pause-after", "3,6,7"]
     proc = launch_example(run, 4, STEPS, flags=flags, script=script)
     children: list[int] = []
-    try:
+    with reaped(proc):
         want = reference_run(STEPS)  # while the job starts: this process would wait idle otherwise
         stores = {int(k): v["pid"] for k, v in _wait_event(run, "stores", proc)["slots"].items()}
         children += stores.values()
@@ -147,10 +154,6 @@ def job(tmp_path_factory):
             pid for e in events(run) if e["event"] == "standby" for pid in e["pids"].values()
         ]
         proc.wait(TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
     log = (run / "launcher.log").read_text(errors="replace")
     return {
         "run": run,
@@ -278,7 +281,7 @@ def test_a_process_killed_while_a_growth_is_prepared_leaves_a_working_job(tmp_pa
     steps = 6
     proc = launch_example(tmp_path, 2, steps, script=["--pause-after", "3"])
     children: list[int] = []
-    try:
+    with reaped(proc):
         want, _, _ = reference_run(steps)
         paused = lambda: all((tmp_path / f"paused-3-p{i}").exists() for i in range(2))
         wait_for(paused, "the pause after step 3", proc)
@@ -290,10 +293,6 @@ def test_a_process_killed_while_a_growth_is_prepared_leaves_a_working_job(tmp_pa
         kill(workers[1])
         (tmp_path / "resume-3").write_text("")
         proc.wait(TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
     log = (tmp_path / "launcher.log").read_text(errors="replace")
     assert proc.returncode == 0, log[-3000:]
     kinds = [e["event"] for e in events(tmp_path)]
@@ -391,15 +390,11 @@ def test_launcher_replaces_a_failed_generation_and_stops_on_sigterm(tmp_path):
     ]
     with open(tmp_path / "launcher.log", "wb") as out:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    try:
+    with reaped(proc):
         stores = [v["pid"] for v in _wait_event(tmp_path, "stores", proc)["slots"].values()]
         wait_for(lambda: (tmp_path / "ready-g1-p0").exists(), "generation 1", proc, timeout=60)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, (tmp_path / "launcher.log").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
     found = events(tmp_path)
     gens = [e for e in found if e["event"] == "generation"]
     assert [(g["processes"], g["slots"], g["restore"]) for g in gens] == [

@@ -24,7 +24,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.helpers import events, reference_run
+from tests.helpers import events, reaped, reference_run
 from tests.test_launch import kill, last, launch_example, wait_for
 
 STEPS = 8
@@ -35,7 +35,7 @@ def test_survivors_stay_in_their_processes_through_two_failures(tmp_path):
     run = tmp_path
     proc = launch_example(run, 3, STEPS, script=["--pause-after", "3", "--pause-only", "0"])
     children: list[int] = []
-    try:
+    with reaped(proc):
         want, _, _ = reference_run(STEPS)  # while the job starts
         held = [run / "paused-3-p0", run / "passed-3-p1", run / "passed-3-p2"]
         wait_for(
@@ -57,10 +57,6 @@ def test_survivors_stay_in_their_processes_through_two_failures(tmp_path):
         second = last(run, "generation")["pids"]
         kill(second[1])  # the second failure, while generation 1 forms
         proc.wait(300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
     log = (run / "launcher.log").read_text(errors="replace")
     assert proc.returncode == 0, log[-3000:]
     gens = [e for e in events(run) if e["event"] == "generation"]
