@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -171,26 +170,38 @@ def test_breaking_collectives_shuts_the_connections_of_published_endpoints_on_an
     assert result["count"] == 2, result
 
 
+SPARING = """
+import json, os, socket
+from tenplex_jax._src.multihost import membership
+
+spared, other = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+port = spared.getsockname()[1]
+kept = socket.create_connection(("127.0.0.1", port), timeout=10)
+kept_end, _ = spared.accept()
+broken = socket.create_connection(other.getsockname(), timeout=10)
+broken_end, _ = other.accept()
+with membership.spared(port):
+    count = membership.break_collectives([os.getpid()])
+kept.sendall(b"x")
+result = {
+    "count": count,
+    "kept": kept_end.recv(1) == b"x",
+    "broken": broken.recv(1) == b"" and broken_end.recv(1) == b"",
+}
+print(json.dumps(result))
+"""
+
+
 def test_breaking_collectives_spares_a_service_this_process_runs_for_itself():
     """A connection within this process is broken (gloo connects a process's own devices), but
     not one to or from a spared port: a compile-only topology's service, whose clients would
-    end the process."""
-    with (
-        socket.create_server(("127.0.0.1", 0)) as spared_server,
-        socket.create_server(("127.0.0.1", 0)) as other_server,
-    ):
-        port = spared_server.getsockname()[1]
-        kept = socket.create_connection(("127.0.0.1", port), timeout=10)
-        kept_end, _ = spared_server.accept()
-        broken = socket.create_connection(other_server.getsockname(), timeout=10)
-        broken_end, _ = other_server.accept()
-        with membership.spared(port):
-            assert membership.break_collectives([os.getpid()]) == 2
-        kept.sendall(b"x")
-        assert kept_end.recv(1) == b"x"  # still connected
-        assert broken.recv(1) == b"" and broken_end.recv(1) == b""  # shut at both ends
-        for sock in (kept, kept_end, broken, broken_end):
-            sock.close()
+    end the process. (In a process of its own: it breaks every connection within it.)"""
+    done = subprocess.run(
+        [sys.executable, "-c", SPARING], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"count": 2, "kept": True, "broken": True}, result
 
 
 @pytest.mark.skipif(
