@@ -50,6 +50,7 @@ SLOWEST_FILES = (
     "test_device_independence.py",
     "test_store_hostile.py",
     "test_cli.py",
+    "test_growth.py",
 )
 
 
