@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import tenplex_jax as tj
+from tenplex_jax._src.elastic import core
 from tenplex_jax_models import LOGICAL_RULES, build_state
 from tests.helpers import host_copy, tiny_init, tiny_samples, tiny_step
 
@@ -400,6 +401,47 @@ def test_steps_run_asynchronously_but_the_first_on_each_layout(fixed):
     (record,) = job.records
     assert record.stall_seconds is not None  # the first step on data=7 was waited for
     assert_same_run(got, fixed)
+
+
+def test_a_waited_step_reads_the_next_batch_beside_it(fixed, monkeypatch):
+    """With exact step times the host reads the next global batch while the step it waits for
+    runs; a boundary hands it out only for the layout and the data position it was read for."""
+    job, state, step = make_job()
+    reads = []
+
+    def device_batch(dataset, i, layout, mesh, axes):
+        reads.append((i, mesh.devices.size))
+        return read(dataset, i, layout, mesh, axes)
+
+    read = core.device_batch
+    monkeypatch.setattr(core, "device_batch", device_batch)
+    seen = {}
+
+    def boundary(state):
+        state, batch = job.next(state)
+        seen.setdefault(job.step - 1, job.samples[job.samples >= 0])
+        return state, batch
+
+    state, batch = boundary(state)
+    state, _ = step(state, batch)
+    assert reads == [(0, 8), (1, 8)]  # step 1 was read while step 0 ran ...
+    state, batch = boundary(state)
+    assert reads == [(0, 8), (1, 8)]  # ... and is not read again
+    state, _ = step(state, batch)
+    job.preempt([7])
+    state, batch = boundary(state)  # onto 7 devices: step 2, read for 8, is read again
+    assert reads == [(0, 8), (1, 8), (2, 8), (2, 7)] and batch.mesh.devices.size == 7
+    state, _ = step(state, batch)
+    rewound = job.dataset.state()  # at step 3
+    state, batch = boundary(state)
+    state, _ = step(state, batch)
+    job.dataset.restore(rewound)  # as a checkpoint fallback rewinds it: step 4 was read
+    state, batch = boundary(state)
+    assert reads[-3:] == [(3, 7), (4, 7), (3, 7)]
+    np.testing.assert_array_equal(job.samples[job.samples >= 0], fixed[1][3])
+    job.close()
+    for i in range(4):
+        np.testing.assert_array_equal(seen[i], fixed[1][i], err_msg=f"samples of step {i}")
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import json
 import pathlib
 import time
@@ -252,8 +253,9 @@ def train(
         i = job.step - 1
         losses[i], samples[i] = float(metrics["loss"]), job.samples[job.samples >= 0]
         done.append(time.perf_counter())
-        bar.n = job.step
-        bar.set_postfix({"loss": f"{losses[i]:.3f}", "config": str(job.ptc.config)})
+        # redrawn at tqdm's own interval: a redraw per step would slow the timed loop
+        bar.set_postfix({"loss": f"{losses[i]:.3f}", "config": str(job.ptc.config)}, refresh=False)
+        bar.update(job.step - bar.n)
 
     dataset = DatasetPTC(source, options.batch, seed=options.seed)
     with ElasticJob(
@@ -276,7 +278,12 @@ def train(
     ) as job:
         tic = time.perf_counter()
         state = job.start(_init(options.model, options.lr, options.seed))
-        state = replay(job, state, job.jit(step_fn), trace, on_step=on_step)
+        step = job.jit(step_fn)
+        # what start-up made (modules, the model, JAX's caches) stays out of the collector's
+        # full passes: each would walk it all, tenths of a second between two timed steps
+        gc.collect()
+        gc.freeze()
+        state = replay(job, state, step, trace, on_step=on_step)
         host = [np.asarray(x) for x in jax.tree.leaves(state)]
     return Run(
         job,

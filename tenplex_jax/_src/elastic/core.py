@@ -70,7 +70,8 @@ class JobOptions:
         :func:`tenplex_jax.reshard`).
       batch_axes: the mesh axes the rows of each global batch are split over.
       exact_step_times: wait for every step and record its time in ``job.step_log``; by default
-        only the first step on each layout is waited for and the rest run asynchronously.
+        only the first step on each layout is waited for and the rest run asynchronously. With
+        it, the next global batch is read and placed while each step runs.
       profile: the model's :class:`tenplex_jax.planner.ModelProfile`. With ``device_type``, the
         planner picks each device count's config and growth weighs its step-time estimates.
       device_type: the devices' :class:`tenplex_jax.planner.DeviceType`; its ``link_bandwidth``
@@ -197,6 +198,10 @@ class _JobCore(abc.ABC):
         self._abstract = self._sample = None
         # (the event's record or None, when the stall began): the next step is timed
         self._stalled: tuple[object, float] | None = None
+        # ((step, layout, mesh), batch, samples): the next global batch, read while a timed
+        # step ran; used when the boundary leaves the job on that layout
+        self._prefetched: tuple | None = None
+        self._meshed: tuple | None = None  # ((ptc, devices), mesh): the current layout's mesh
 
     def __enter__(self):
         return self
@@ -305,6 +310,7 @@ class _JobCore(abc.ABC):
 
     def close(self) -> None:
         """Stop the compile threads (waits for a compile under way); ``with job:`` calls it."""
+        self._prefetched = None
         if self.steps_cache is not None:
             self.steps_cache.close()
 
@@ -340,15 +346,35 @@ class _JobCore(abc.ABC):
     def _batch(self) -> Batch:
         """The next global batch, laid out for the current mesh (``self.samples``: the sample
         index of each row, -1 for padding); the dataset moves on by one step."""
-        mesh, layout, axes = self._mesh(), self.layout, self.options.batch_axes
-        data, weights, self.samples = device_batch(self.dataset, self.step, layout, mesh, axes)
+        ready, self._prefetched = self._prefetched, None
+        if ready is not None and ready[0] == (self.step, self.layout, self._mesh()):
+            batch, self.samples = ready[1:]
+        else:
+            batch, self.samples = self._read(self.step)
         self.dataset.step += 1
-        return Batch(data, weights, layout, mesh, axes)
+        return batch
+
+    def _read(self, step: int) -> tuple[Batch, np.ndarray]:
+        mesh, layout, axes = self._mesh(), self.layout, self.options.batch_axes
+        data, weights, samples = device_batch(self.dataset, step, layout, mesh, axes)
+        return Batch(data, weights, layout, mesh, axes), samples
+
+    def _prefetch(self) -> None:
+        """While a timed step runs (``exact_step_times``): read and place the next global batch
+        for the current layout, which the boundary hands out unless it changes the layout (or
+        rewinds the dataset). A step that is not waited for needs none: the host reads the next
+        batch while the devices run it anyway."""
+        step = self.step
+        if self.steps is None or step < self.steps:
+            self._prefetched = ((step, self.layout, self._mesh()), *self._read(step))
 
     # -- compiled steps ---------------------------------------------------------------------------
 
     def _mesh(self):
-        return self.ptc.mesh(list(self.devices.values()))
+        key = (self.ptc, tuple(self.devices.values()))
+        if self._meshed is None or self._meshed[0][0] is not key[0] or self._meshed[0][1] != key[1]:
+            self._meshed = (key, self.ptc.mesh(key[1]))
+        return self._meshed[1]
 
     def _layout(self, config: ParallelConfig) -> BatchLayout:
         ranks = math.prod(config.size(axis) for axis in self.options.batch_axes)
@@ -373,6 +399,8 @@ class _JobCore(abc.ABC):
         tic = time.perf_counter()
         state, metrics = executable(state, batch)
         if self.options.exact_step_times or self._stalled is not None:
+            if self.options.exact_step_times:  # beside the step, not after it (a stall's own
+                self._prefetch()  # first step reads nothing more: its time is the stall's)
             jax.block_until_ready((state, metrics))
             done = time.perf_counter()
             self.step_log.append((self.step - 1, done - tic, str(self.ptc.config)))

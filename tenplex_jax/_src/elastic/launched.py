@@ -377,6 +377,7 @@ class LaunchedJob(_JobCore):
         """Stop the compile and commit threads and close the store connections. A compile ahead
         under way is not waited for (it would hold every process of the next generation): it
         finishes on its thread and stores its executable."""
+        self._prefetched = None  # a batch on this generation's devices
         if Worker.control is not None:
             Worker.control.watch_growth(None)
         if self.steps_cache is not None:
