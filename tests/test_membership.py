@@ -31,6 +31,11 @@ def connected(listener, argv):
     assert conn.recv(1) == b"x"
     return proc, conn
 
+def within(listener):  # a connection of this process with itself: both ends
+    near = socket.create_connection(listener.getsockname())
+    far, _ = listener.accept()
+    return near, far
+
 def shut(conn):  # whether this end was shut down: a receive returns at once, with nothing
     conn.settimeout(0.2)
     try:
@@ -38,17 +43,25 @@ def shut(conn):  # whether this end was shut down: a receive returns at once, wi
     except TimeoutError:
         return False
 
-with socket.create_server(("127.0.0.1", 0)) as listener:
+with (
+    socket.create_server(("127.0.0.1", 0)) as listener,
+    socket.create_server(("127.0.0.1", 0)) as collectives,  # its published endpoint
+    socket.create_server(("127.0.0.1", 0)) as service,  # a service of its own: not published
+):
     peer, to_peer = connected(listener, ["wait"])  # a trainer of the generation
     other, to_other = connected(listener, ["wait"])  # a process that is not one (a store)
     dead, to_dead = connected(listener, ["exit"])  # a trainer that died: its end is gone
     dead.wait()
-    mine = socket.create_connection(listener.getsockname())  # one of this process's own
-    own, _ = listener.accept()
-    count = membership.break_collectives([peer.pid, dead.pid])
+    mine, own = within(collectives)  # gloo's between this process's own devices
+    client, served = within(service)  # e.g. a compile-only topology's client and service
+    endpoints = ["0100007F:%04X" % collectives.getsockname()[1]]
+    count = membership.break_collectives([peer.pid, dead.pid, os.getpid()], endpoints)
     result = {"count": count, "peer": shut(to_peer), "other": shut(to_other),
-              "dead": shut(to_dead), "own": shut(mine) and shut(own)}
+              "dead": shut(to_dead), "own": shut(mine) and shut(own),
+              "service": shut(client) or shut(served)}
     to_other.sendall(b"y")  # still open both ways
+    client.sendall(b"z")
+    result["service_saw"] = served.recv(1).decode()
     result["peer_saw"] = peer.wait(30)
     result["other_saw"] = other.wait(30)
     print(json.dumps(result))
@@ -66,15 +79,17 @@ sys.exit(4 if data == b"" else 3)
 
 
 def test_breaking_collectives_shuts_the_trainers_connections_only():
-    """In a process of its own (it shuts its own loopback connections too): its connections
-    with a peer, with itself and with a dead peer are shut; one with another process stays."""
+    """In a process of its own (it shuts connections within itself too): its connections with a
+    peer, with a dead peer and within itself through its published endpoint are shut; one with
+    another process, and one within itself to a service of its own, stay."""
     done = subprocess.run(
         [sys.executable, "-c", SURVIVOR, PEER], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["peer"] and result["own"] and result["dead"], result
-    assert not result["other"], result
+    assert not result["other"] and not result["service"], result
+    assert result["service_saw"] == "z", result  # it received the byte sent after the break
     assert result["peer_saw"] == 4  # its receive returned: the connection was shut down
     assert result["other_saw"] == 3  # it received the byte sent after the break
     assert result["count"] == 4, result  # the peer's, the dead peer's, both ends of its own
@@ -168,40 +183,6 @@ def test_breaking_collectives_shuts_the_connections_of_published_endpoints_on_an
     assert not result["store"] and result["store_open"] and result["store_saw"] == 0, result
     assert result["trainer_saw"] == 5, result  # both of its ends saw the shutdown
     assert result["count"] == 2, result
-
-
-SPARING = """
-import json, os, socket
-from tenplex_jax._src.multihost import membership
-
-spared, other = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
-port = spared.getsockname()[1]
-kept = socket.create_connection(("127.0.0.1", port), timeout=10)
-kept_end, _ = spared.accept()
-broken = socket.create_connection(other.getsockname(), timeout=10)
-broken_end, _ = other.accept()
-with membership.spared(port):
-    count = membership.break_collectives([os.getpid()])
-kept.sendall(b"x")
-result = {
-    "count": count,
-    "kept": kept_end.recv(1) == b"x",
-    "broken": broken.recv(1) == b"" and broken_end.recv(1) == b"",
-}
-print(json.dumps(result))
-"""
-
-
-def test_breaking_collectives_spares_a_service_this_process_runs_for_itself():
-    """A connection within this process is broken (gloo connects a process's own devices), but
-    not one to or from a spared port: a compile-only topology's service, whose clients would
-    end the process. (In a process of its own: it breaks every connection within it.)"""
-    done = subprocess.run(
-        [sys.executable, "-c", SPARING], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result == {"count": 2, "kept": True, "broken": True}, result
 
 
 @pytest.mark.skipif(

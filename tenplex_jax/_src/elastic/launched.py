@@ -25,7 +25,6 @@ from tenplex_jax._src import compat
 from tenplex_jax._src.data import DatasetPTC
 from tenplex_jax._src.elastic.core import JobOptions, _JobCore
 from tenplex_jax._src.errors import DataError, LayoutError
-from tenplex_jax._src.multihost import membership
 from tenplex_jax._src.multihost.processes import free_port
 from tenplex_jax._src.multihost.spec import JobSpec
 from tenplex_jax._src.multihost.worker import Worker
@@ -336,9 +335,9 @@ class LaunchedJob(_JobCore):
         executable cache, where every process of that generation loads it; this process also
         remembers its lowering, so it loads it untraced."""
         per, port = self._worker.spec.devices_per_process, free_port()
-        # spared: a failure meanwhile breaks the generation's connections, and a topology client
-        # whose connection broke would end this process
-        with membership.spared(port), compat.cpu_topology(processes, per, port=port) as devices:
+        # a failure meanwhile breaks the generation's connections, not the topology's: a
+        # topology client whose connection broke would end this process
+        with compat.cpu_topology(processes, per, port=port) as devices:
             target = PTC.of(self._abstract, self.rules, config, devices)
             self.steps_cache.compile_for(target, self._layout(config), devices)
         return True

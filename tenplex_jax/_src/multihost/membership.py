@@ -15,7 +15,7 @@ of JAX make that work (checked on jax 0.10.2 and 0.12, CPU with gloo collectives
 - A survivor of a failure is blocked in a collective with the dead peer (gloo never times out).
   :func:`break_collectives` shuts down this process's TCP connections with the generation's
   trainers, itself included (by the endpoints each published when it joined, on any host; on
-  this host also through ``/proc``, a dead peer's too): each blocked
+  this host also through ``/proc``, a dead peer's too), and no other: each blocked
   collective then fails at once (measured: within 0.25 s), the step's arrays hold the error, and
   the script unwinds (:class:`Control` interrupts it) to
   :func:`tenplex_jax._src.multihost.worker.main`.
@@ -129,28 +129,29 @@ def leave(*, broken: bool) -> None:
 
 def break_collectives(peers: list[int], endpoints: list[str] = ()) -> int:
     """Shut down this process's TCP connections with the generation's trainers, itself included
-    (gloo connects a process's own devices over TCP too), so that the collectives blocked on
-    them fail instead of waiting forever. A connection is the trainers' when one of its ends is
-    a trainer's collectives endpoint (``endpoints``, as each published it at :func:`join`: on
-    any host), or, on this host, an endpoint of ``peers`` (their pids) or a loopback endpoint
-    that is gone (a dead peer's, which may not have published its own). Connections to anything
-    else (the stores, the coordination service, a script's own) stay. Returns how many were
-    shut."""
+    (gloo connects a process's own devices over TCP too, through its published endpoint), so
+    that the collectives blocked on them fail instead of waiting forever. A connection is the
+    trainers' when one of its ends is a trainer's collectives endpoint (``endpoints``, as each
+    published it at :func:`join`: on any host), or, on this host, an endpoint of another
+    trainer (``peers``: their pids) or a loopback endpoint that is gone (a dead peer's, which
+    may not have published its own). Connections to anything else stay: the stores, the
+    coordination service, and this process's own services (a compile-only topology's, whose
+    clients would end the process if their connections broke). Gloo's connections all go
+    through the endpoints published at :func:`join`, this process's own too (checked on jax
+    0.10.2 and 0.12). Returns how many were shut."""
     table = _tcp_table()
     local = {ends[1] for ends in table.values()}
     published = set(endpoints)
     own = {_port(e) for e in set(listening()) & published}  # this process's own listeners
     anywhere = {_port(e) for e in published if _wildcard(e)}  # listening on every address
     theirs = set()
-    for pid in {*peers, os.getpid()}:
+    for pid in set(peers) - {os.getpid()}:
         theirs |= {table[i][1] for i in _socket_inodes(pid) if i in table}
     shut = 0
     for fd, inode in _socket_fds(os.getpid()):
         if inode not in table:
             continue
         _, mine, remote = table[inode]
-        if _loopback(remote) and {_port(mine), _port(remote)} & _SPARED:
-            continue  # a service of this process's own (:func:`spared`)
         trainers = remote in published or _port(remote) in anywhere or _port(mine) in own
         if trainers or remote in theirs or (remote not in local and _loopback(remote)):
             with contextlib.suppress(OSError):
@@ -161,22 +162,6 @@ def break_collectives(peers: list[int], endpoints: list[str] = ()) -> int:
                 finally:
                     sock.detach()  # the fd stays the collectives' own
     return shut
-
-
-_SPARED: set[str] = set()  # loopback ports (as /proc/net/tcp writes them) never broken
-
-
-@contextlib.contextmanager
-def spared(port: int):
-    """While inside, :func:`break_collectives` leaves this process's loopback connections to and
-    from ``port`` alone: a service the process runs for itself (a compile-only topology's
-    coordination service, whose clients end the process when their connection breaks)."""
-    key = f"{port:04X}"
-    _SPARED.add(key)
-    try:
-        yield
-    finally:
-        _SPARED.discard(key)
 
 
 LISTEN, CLOSE = "0A", "07"  # /proc/net/tcp's states
