@@ -201,7 +201,7 @@ class _JobCore(abc.ABC):
         # ((step, layout, mesh), batch, samples): the next global batch, read while a timed
         # step ran; used when the boundary leaves the job on that layout
         self._prefetched: tuple | None = None
-        self._meshed: tuple | None = None  # ((ptc, devices), mesh): the current layout's mesh
+        self._meshed: tuple | None = None  # (ptc, devices, mesh): the current layout's mesh
 
     def __enter__(self):
         return self
@@ -371,10 +371,10 @@ class _JobCore(abc.ABC):
     # -- compiled steps ---------------------------------------------------------------------------
 
     def _mesh(self):
-        key = (self.ptc, tuple(self.devices.values()))
-        if self._meshed is None or self._meshed[0][0] is not key[0] or self._meshed[0][1] != key[1]:
-            self._meshed = (key, self.ptc.mesh(key[1]))
-        return self._meshed[1]
+        devices = tuple(self.devices.values())
+        if self._meshed is None or self._meshed[0] is not self.ptc or self._meshed[1] != devices:
+            self._meshed = (self.ptc, devices, self.ptc.mesh(devices))
+        return self._meshed[2]
 
     def _layout(self, config: ParallelConfig) -> BatchLayout:
         ranks = math.prod(config.size(axis) for axis in self.options.batch_axes)
@@ -399,8 +399,10 @@ class _JobCore(abc.ABC):
         tic = time.perf_counter()
         state, metrics = executable(state, batch)
         if self.options.exact_step_times or self._stalled is not None:
-            if self.options.exact_step_times:  # beside the step, not after it (a stall's own
-                self._prefetch()  # first step reads nothing more: its time is the stall's)
+            # the next batch is read beside a timed step, not after it; a stall's own first
+            # step reads nothing more: its time is the stall's
+            if self.options.exact_step_times:
+                self._prefetch()
             jax.block_until_ready((state, metrics))
             done = time.perf_counter()
             self.step_log.append((self.step - 1, done - tic, str(self.ptc.config)))

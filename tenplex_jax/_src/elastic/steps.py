@@ -244,9 +244,9 @@ class StepCache:
         executable cache under their key, which the grown job's processes compute for their
         own devices: they load it, and this process does so untraced. Needs ``executables``."""
         mesh, state, batch = self._abstract(ptc, layout, abstract=True)
-        known = self._program(ptc, layout, state)
+        known = self._program(ptc, layout, state, anywhere=True)
         lowered = self._lower(mesh, ptc, state, batch)
-        digest = self._remember_lowered(None if known is None else _anywhere(known), lowered)
+        digest = self._remember_lowered(known, lowered)
         return self._compile(lowered, ptc.mesh(devices), True, digest)
 
     def _background(self, work: Callable, *args):
@@ -256,9 +256,7 @@ class StepCache:
 
     def _remember(self, ptc: PTC, layout: BatchLayout, abstract: bool = False) -> bool:
         mesh, state, batch = self._abstract(ptc, layout, abstract=abstract)
-        known = self._program(ptc, layout, state)
-        if known is not None and abstract:  # for the layout on any devices: they may differ
-            known = _anywhere(known)
+        known = self._program(ptc, layout, state, anywhere=abstract)  # devices may differ then
         if known is not None and programs.recall(known) is None:
             lowered = self._lower(mesh, ptc, state, batch)
             self._remember_lowered(known, lowered, keep=abstract)
@@ -276,15 +274,17 @@ class StepCache:
             programs.remember(known, programs.Lowering(digest, lowered.out_tree, kept))
         return digest
 
-    def _program(self, ptc: PTC, layout: BatchLayout, state) -> tuple | None:
+    def _program(
+        self, ptc: PTC, layout: BatchLayout, state, *, anywhere: bool = False
+    ) -> tuple | None:
         """The key this step's lowering for ``ptc`` and ``layout`` is remembered under (see
-        :mod:`programs`), or None: no executable cache to load from, or ``fn`` has no
-        fingerprint."""
+        :mod:`programs`; with ``anywhere``, for the layout on any devices: :func:`_anywhere`),
+        or None: no executable cache to load from, or ``fn`` has no fingerprint."""
         fn = programs.fingerprint(self.fn) if self.executables is not None else None
         if fn is None:
             return None
         sample = programs.signature(self.sample)
-        return (
+        key = (
             fn,
             ptc.config,
             ptc.device_ids,
@@ -294,6 +294,7 @@ class StepCache:
             sample,
             programs.signature(state),
         )
+        return _anywhere(key) if anywhere else key
 
     def _compile(
         self, lowered: jax.stages.Lowered, mesh: Mesh, ahead: bool, digest: bytes | None
