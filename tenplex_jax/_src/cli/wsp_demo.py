@@ -300,11 +300,13 @@ def summarize(options, ledger, records, events, seconds, parts) -> dict:
     expected = np.concatenate([dataset.indices(k)[0] for k in range(options.total)])
     pushed = sorted(m for r in records for m in r["minibatches"])
     # a VW process SIGKILLed after its commit but before its record was written leaves a wave
-    # the ledger holds and no record does: only a dropped VW's
+    # the ledger holds and no record does: only a killed VW's (dropped, or not, when the run
+    # ended before any member waited for it)
+    killed = {*ledger.dropped, *(e["vw"] for e in events if e["event"] == "kill")}
     committed_by = {m: vw for vw, _, ms in ledger.log for m in ms}
     unrecorded = set(trained) - set(pushed)
     recorded = len(set(pushed)) == len(pushed) and set(pushed) <= set(trained)
-    recorded = recorded and all(committed_by.get(m) in ledger.dropped for m in unrecorded)
+    recorded = recorded and all(committed_by.get(m) in killed for m in unrecorded)
     per_vw = {}
     for r in records:
         v = per_vw.setdefault(

@@ -15,6 +15,7 @@ their own (:class:`Processes`: ``python -m tenplex_jax.wsp``, with its own JAX a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -79,13 +80,14 @@ class Threads:
 
         return threading.Thread(target=run, name=f"wsp-{name}", daemon=True), worker, stop
 
-    def launch(self, handle) -> None:
-        """Start the VW's thread: it joins the job.
+    def launch(self, *handles) -> None:
+        """Start the VWs' threads: they join the job.
 
         Args:
-          handle: what :meth:`start` returned.
+          *handles: what :meth:`start` returned, for VWs added together.
         """
-        handle[0].start()
+        for handle in handles:
+            handle[0].start()
 
     def stop(self, handle) -> None:
         """Tell the VW to leave at its next wave boundary.
@@ -148,7 +150,9 @@ class Processes:
 
     A :class:`Coordinator`'s runner, with :class:`Threads`' methods; a handle is the tuple of
     the VW's ``subprocess.Popen`` (its leader first). One VW can die or start without touching
-    the others (no ``jax.distributed`` job shared with another VW).
+    the others (no ``jax.distributed`` job shared with another VW). A process builds (compiles
+    or loads its step) on its own, then waits (``--hold``) until every VW added with it is built
+    too: VWs added together join together, as threads do, whatever their builds take.
 
     Args:
       job: ``"MODULE:FUNCTION"``: ``FUNCTION(devices, **options)`` returns the job's parts
@@ -183,6 +187,7 @@ class Processes:
         self.nodes, self.options_for = nodes, options_for
         self.started: dict[str, tuple[subprocess.Popen, ...]] = {}
         self.ended: set[int] = set()  # the PIDs this runner killed
+        self._built: dict[int, int] = {}  # PID -> the read end of its "built" pipe, till launch
         self.job, self.stores, self.run_dir = job, list(stores), pathlib.Path(run_dir)
         self.options, self.token_file, self.python = list(options), token_file, python
         if executables is not None:
@@ -275,22 +280,48 @@ class Processes:
         # no preexec_fn: this process runs JAX's threads, so the child must exec at once (its own
         # session keeps a Ctrl-C at the terminal to the coordinator, which ends it by PID)
         log_name = f"{name}.log" if index == 0 else f"{name}.{index}.log"
-        with open(self.run_dir / log_name, "wb") as log:
-            return subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-                env=os.environ | {"PYTHONUNBUFFERED": "1"},
-            )
+        read, write = os.pipe()  # "built" comes back on it; go goes to its stdin (launch)
+        try:
+            with open(self.run_dir / log_name, "wb") as log:
+                proc = subprocess.Popen(
+                    [*command, "--hold", str(write)],
+                    stdin=subprocess.PIPE,
+                    stdout=log,
+                    stderr=log,
+                    pass_fds=(write,),
+                    start_new_session=True,
+                    env=os.environ | {"PYTHONUNBUFFERED": "1"},
+                )
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        self._built[proc.pid] = read
+        return proc
 
-    def launch(self, handle) -> None:
-        """Nothing: a process joins the job as soon as its step is compiled.
+    def launch(self, *handles) -> None:
+        """Let the VWs' processes join the job together, once every one of them is built (its
+        step compiled or loaded) or has ended; a thread waits for them, not the caller.
 
         Args:
-          handle: what :meth:`start` returned.
+          *handles: what :meth:`start` returned, for VWs added together.
         """
-        pass  # a process joins the job as soon as its step is compiled
+        procs = [proc for handle in handles for proc in handle]
+        pipes = [self._built.pop(proc.pid) for proc in procs]
+        threading.Thread(
+            target=self._release, args=(procs, pipes), daemon=True, name="wsp-release"
+        ).start()
+
+    def _release(self, procs: Sequence[subprocess.Popen], pipes: Sequence[int]) -> None:
+        for pipe in pipes:  # each process says "built" on its pipe, or ends (the pipe's end)
+            with os.fdopen(pipe, "rb") as built:
+                built.readline()
+        for proc in procs:  # go; a process that ended has no reader
+            with contextlib.suppress(OSError):
+                proc.stdin.write(b"go\n")
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
 
     def stop(self, handle) -> None:
         """SIGTERM: the VW leaves at its next wave boundary (its leader decides when).
@@ -314,6 +345,8 @@ class Processes:
             if proc.poll() is None:
                 self.ended.add(proc.pid)
             kill_process(proc)
+            if proc.pid in self._built:  # killed before it was launched
+                os.close(self._built.pop(proc.pid))
 
     def alive(self, handle) -> bool:
         """Whether the VW's leader runs.
@@ -403,17 +436,26 @@ class Coordinator:
 
         Returns:
           Their names: ``vw1, vw2, ...``, numbered in the order added over the job.
+
+        Raises:
+          WSPError: the runner refused a group (``"invalid"``): the VWs of this call already
+            started are killed, none of them joins.
         """
         added = []
-        for devices in groups:
-            self._count += 1
-            name, devices = f"vw{self._count}", tuple(devices)
-            self.members[name] = Member(
-                name, devices, self.runner.start(name, devices), time.time()
-            )
-            added.append(name)
+        try:
+            for devices in groups:
+                self._count += 1
+                name, devices = f"vw{self._count}", tuple(devices)
+                self.members[name] = Member(
+                    name, devices, self.runner.start(name, devices), time.time()
+                )
+                added.append(name)
+        except BaseException:
+            for name in added:
+                self.runner.kill(self.members.pop(name).handle)
+            raise
+        self.runner.launch(*(self.members[name].handle for name in added))
         for name in added:
-            self.runner.launch(self.members[name].handle)
             self._event("add", vw=name, devices=list(self.members[name].devices))
         return added
 

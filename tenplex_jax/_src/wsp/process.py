@@ -7,7 +7,9 @@ returns the job's parts: ``rules``, ``dataset``, ``init``, ``train_step``, ``con
 (the VW's arguments of those names). The process runs on ``K``
 devices of its own (fake CPU devices with ``--platform cpu``), joins the job's ledger, trains until
 the run is done and appends each pushed wave to ``--records`` as a JSON line. SIGTERM: leave at the
-next wave boundary.
+next wave boundary. With ``--hold FD`` it writes a line to the file descriptor ``FD`` once built and
+joins only when a line (or the end) comes on its standard input: how a runner starts the VWs it
+added together at once (:class:`tenplex_jax._src.wsp.coordinator.Processes`).
 
 A VW whose devices span processes (nodes) runs one such process per node, each with
 ``--processes P --process I --coordinator HOST:PORT``: they form the VW's own ``jax.distributed``
@@ -19,6 +21,7 @@ writes the records (:mod:`tenplex_jax._src.wsp.group`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -52,6 +55,9 @@ def main(argv=None) -> int:
     parser.add_argument("--processes", type=int, default=1, help="the VW's processes")
     parser.add_argument("--process", type=int, default=0, help="this one's index among them")
     parser.add_argument("--coordinator", default=None, help="HOST:PORT of the VW's service")
+    parser.add_argument(
+        "--hold", type=int, default=None, metavar="FD", help="say 'built' on FD, join on stdin's go"
+    )
     args = parser.parse_args(argv)
     if args.processes > 1 and (args.coordinator is None or not 0 <= args.process < args.processes):
         parser.error("a VW of --processes P > 1 needs --coordinator and 0 <= --process < P")
@@ -117,6 +123,10 @@ def main(argv=None) -> int:
             )
             # JAX imported, the state built, the step compiled or loaded: what a join waits for
             print(f"built in {time.perf_counter() - started:.1f} s", flush=True)
+            if args.hold is not None:
+                with contextlib.suppress(OSError), os.fdopen(args.hold, "w") as built:
+                    built.write("built\n")  # (a runner gone meanwhile: the go below is its end)
+                sys.stdin.readline()  # the runner's go; its end (the runner is gone) is one too
             worker.run(stop)
         if executables is not None:
             executables.close()
