@@ -239,6 +239,45 @@ def test_concurrent_writers_of_one_key_leave_a_whole_entry_for_every_reader(tmp_
     assert [p.name for p in tmp_path.iterdir()] == [cache.path(key).name]  # no temp file left
 
 
+class _Compiled:
+    """What ``lowered.compile()`` returns, as far as the persistent cache's bookkeeping reads it;
+    its runtime executable a fresh object (JAX's cannot be weakly referenced either)."""
+
+    def __init__(self):
+        self.executable = object()
+
+    def runtime_executable(self):
+        return self.executable
+
+
+class _Lowered:
+    """A program whose compile JAX's persistent cache serves (``hit``) or not."""
+
+    def __init__(self, hit: bool):
+        self.hit = hit
+
+    def compile(self):
+        if self.hit:  # the event JAX records on the compiling thread when its cache serves
+            jax.monitoring.record_event("/jax/compilation_cache/cache_hits")
+        return _Compiled()
+
+
+def test_a_freed_served_executables_id_never_marks_a_new_one_as_served():
+    # an executable's id is its address: freed, it goes to the next object made, which then
+    # counted as served and was never stored (two tests' failures in a full run)
+    compiled, served = compat.compile_noting_persistent_cache(_Lowered(hit=True))
+    assert served
+    gone = id(compiled.runtime_executable())
+    del compiled
+    fresh = []
+    for _ in range(50):
+        compiled, served = compat.compile_noting_persistent_cache(_Lowered(hit=False))
+        fresh.append((id(compiled.runtime_executable()), served))
+        del compiled
+    assert not any(served for _, served in fresh)
+    assert gone not in {i for i, _ in fresh}  # (held, the served one's id stays its own)
+
+
 # -- the job's option ---------------------------------------------------------------------------
 
 

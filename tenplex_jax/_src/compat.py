@@ -38,12 +38,11 @@ def compile_noting_persistent_cache(lowered, devices=None):
     _listen_for_persistent_cache_hits()
     before = getattr(_PERSISTENT_HITS, "count", 0)
     compiled = lowered.compile() if devices is None else _compile_for(lowered, list(devices))
-    executable = id(compiled.runtime_executable())
+    executable = compiled.runtime_executable()
     with _PERSISTENT_LOCK:
         if getattr(_PERSISTENT_HITS, "count", 0) > before:
-            _FROM_PERSISTENT_CACHE.add(executable)
-        # an id reused by a later executable only costs that one its stored copy
-        return compiled, executable in _FROM_PERSISTENT_CACHE
+            _FROM_PERSISTENT_CACHE[id(executable)] = executable
+        return compiled, _FROM_PERSISTENT_CACHE.get(id(executable)) is executable
 
 
 def _compile_for(lowered, devices):
@@ -60,7 +59,9 @@ def _compile_for(lowered, devices):
 
 _PERSISTENT_HITS = threading.local()  # .count: JAX persistent cache hits on this thread
 _PERSISTENT_LOCK = threading.Lock()
-_FROM_PERSISTENT_CACHE: set[int] = set()  # ids of the executables JAX read from it
+# the executables JAX read from it, by id; held, since they cannot be weakly referenced: one
+# freed would hand its id to the next executable made, which would then never be stored
+_FROM_PERSISTENT_CACHE: dict[int, object] = {}
 
 
 @functools.cache
