@@ -195,7 +195,8 @@ class Processes:
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, devices: tuple[int, ...]):
-        """Start a VW's processes; it joins the job once its step is compiled.
+        """Start a VW's processes; they build (compile or load its step), then join the job
+        when :meth:`launch` lets them.
 
         Args:
           name: the VW's name.
