@@ -477,6 +477,26 @@ def test_a_generation_ending_on_a_checkpoint_step_saves_its_checkpoint(job):
     assert 8 in saved_steps(job["run"] / "ckpt")
 
 
+def test_a_resize_file_is_read_once_written_and_a_bad_count_is_ignored(tmp_path):
+    # a writer creates the file empty, then writes: read in between, it was ignored, and the
+    # growth it asked for never came (a fresh-ci failure of test_growth.py)
+    from tenplex_jax._src.multihost.launch import Launcher
+    from tenplex_jax._src.multihost.spec import LaunchOptions
+
+    launcher = Launcher(LaunchOptions("train.py", nprocs=2, run_dir=str(tmp_path)), log=print)
+    resize = tmp_path / "resize"
+    resize.write_text("")
+    assert launcher._request(2) is None and resize.exists()  # left for its writer
+    resize.write_text("3\n")
+    assert launcher._request(2) == ("resize", 3) and not resize.exists()
+    resize.write_text("three")
+    assert launcher._request(2) is None and not resize.exists()
+    assert [(e["event"], e.get("processes")) for e in events(tmp_path)] == [
+        ("request", 3),
+        ("ignored", None),
+    ]
+
+
 def test_a_planned_growths_stores_start_before_the_change_and_are_reaped(tmp_path):
     """A growth 2 -> 3 asked for: the new slot's store starts at once (the generation trains on
     to the change meanwhile), and the change takes that store; one started for a growth that

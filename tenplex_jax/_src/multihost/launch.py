@@ -588,7 +588,10 @@ class Launcher:
             action = ("stop", current)
         resize = self.run_dir / "resize"
         if action is None and resize.exists():
-            text = resize.read_text().strip()
+            text = resize.read_text()
+            if not text:  # created, not yet written (a shell's > or write_text): look again
+                return None
+            text = text.strip()
             resize.unlink(missing_ok=True)
             if not text.isdigit() or int(text) < 1:
                 self._event("ignored", detail=f"RUN_DIR/resize holds {text!r}, not a count >= 1")
