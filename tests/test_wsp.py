@@ -161,7 +161,8 @@ def test_vws_added_together_in_processes_join_together_whatever_their_builds_tak
 ):
     # vw2 builds 3 s longer than vw1 and vw3 fails while it builds: vw1 is held until vw2 is
     # built (it does not train alone meanwhile), and vw3's failure holds nobody
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    paths = [str(ROOT), os.environ.get("PYTHONPATH")]  # (as tests/test_cli.py's _demo)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
     own = {"vw2": ["--option", "build_seconds=3"], "vw3": ["--option", "fail=true"]}
     parts = job_parts.job(1)
     with ParameterServer(store_addresses) as ps:
