@@ -32,28 +32,17 @@ def stores(tmp_path):
         started.reap()
 
 
-# The files that take longest on 2 cores, longest first (a full run's durations, 2026-11-27:
-# 77, 72, 66, 52, 51, 47, 42, 36, 34 and 32 s of the suite's 792). xdist hands each file to one
-# worker in collection order (``--no-loadscope-reorder``), so these start first and the short files
-# fill in beside them. xdist's own order, most tests first, left a one-test file of 20 s and the Ray
-# cluster's fixture for last (the whole suite: 453 s in that order, 412 s in this one, under loads
-# of 2-5 and 1-3).
-SLOWEST_FILES = (
-    "test_launch.py",
-    "test_ray.py",
-    "test_wsp.py",
-    "test_wsp_worker.py",
-    "test_elastic.py",
-    "test_pipeline.py",
-    "test_ps_faults.py",
-    "test_wsp_group.py",
-    "test_device_independence.py",
-    "test_store_hostile.py",
-    "test_cli.py",
-    "test_growth.py",
-)
+# The folders are the seams, each a marker (``pytest -m core``): the one-process library, and the
+# wings that stand on it. xdist hands each file to one worker in collection order
+# (``--no-loadscope-reorder``): the wings' files, which start processes and servers and take
+# longest, go first, and the core's many short files fill in beside them.
+FOLDERS = ("multihost", "wsp", "tools", "simulator", "core")
 
 
 def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FILES)))
+    for item in items:
+        folder = item.path.parent.name
+        if folder not in FOLDERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test lives in one of tests/{FOLDERS}")
+        item.add_marker(folder)
+    items.sort(key=lambda item: FOLDERS.index(item.path.parent.name))

@@ -223,6 +223,7 @@ def linen_state(seed: int = 0, layers: int = 2):
 
 # -- the simulator's small cluster and state ---------------------------------------------------
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository
 GB = 1e9
 
 

@@ -122,7 +122,6 @@ def test_experts_are_sharded_over_the_expert_axis_in_every_layout():
         assert len(per_device) == config.size("expert")  # each expert rank holds other experts
 
 
-@pytest.mark.slow
 def test_every_expert_resize_is_shard_by_shard_equal_and_moves_the_minimum(runs):
     (_, _, reshards), _ = runs
     assert [str(plan.dst.config) for plan, _ in reshards] == [
@@ -135,7 +134,6 @@ def test_every_expert_resize_is_shard_by_shard_equal_and_moves_the_minimum(runs)
         assert plan.bytes_moved > 0  # the experts really changed devices
 
 
-@pytest.mark.slow
 def test_training_through_expert_resizes_matches_a_fixed_run_within_tolerance(runs):
     (losses, state, _), (fixed_losses, fixed_state, _) = runs
     np.testing.assert_allclose(losses, fixed_losses, rtol=LOSS_RTOL)

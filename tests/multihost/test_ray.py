@@ -5,8 +5,9 @@ death of the coordinator's node, a node that joins, and a node dying with its re
 The cluster and the job run in a network namespace of their own (``unshare -rn``: a user and
 network namespace, no privilege needed) whose only interfaces are loopback and a decoy: Ray's own
 node-address lookup finds no route out and answers 127.0.0.1, so every Ray socket is on loopback,
-and anything bound to every interface would show on the decoy's address. ``tests/ray_job.py`` is
-the side inside; this side checks what it wrote, against the same script run uninterrupted here.
+and anything bound to every interface would show on the decoy's address.
+``tests/multihost/ray_job.py`` is the side inside; this side checks what it wrote, against the
+same script run uninterrupted here.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ import pytest
 
 from tests.helpers import events, reference_run
 
-pytestmark = pytest.mark.ray
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 12
 
 
@@ -38,7 +37,7 @@ def job(tmp_path_factory):
         unshare,
         "-rn",
         sys.executable,
-        str(ROOT / "tests" / "ray_job.py"),
+        str(ROOT / "tests" / "multihost" / "ray_job.py"),
         str(out),
         str(STEPS),
     ]

@@ -161,7 +161,6 @@ def _fixed(steps: int) -> list[float]:
     return _train({0: (C(data=2), range(2), 1)}, steps)[0]
 
 
-@pytest.mark.slow
 def test_pipe_degree_resizes_2_4_1_mid_training_through_the_core_plan():
     steps = 5
     fixed = _fixed(steps)
@@ -186,7 +185,6 @@ def test_pipe_degree_resizes_2_4_1_mid_training_through_the_core_plan():
     assert {d // 2 for d in senders} == {0, 1, 2, 3}
 
 
-@pytest.mark.slow
 def test_uneven_stage_boundaries_change_mid_training_by_restage_then_the_core_plan():
     steps = 5
     fixed = _fixed(steps)

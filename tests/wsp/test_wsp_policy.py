@@ -80,7 +80,6 @@ def test_a_shrink_removes_the_vw_training_the_fewest_samples_per_dollar():
         ScalingPolicy(tolerance=1.5)
 
 
-@pytest.mark.slow
 def test_a_scaler_follows_a_trace_growing_reviewing_and_shrinking_a_live_job(tmp_path):
     started = Stores(tmp_path)
     try:

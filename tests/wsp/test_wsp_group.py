@@ -72,7 +72,6 @@ def _run(addresses, tmp_path, devices, nodes, executables=None, total=8):
         return ps.pull(), ps.history(), handle, records
 
 
-@pytest.mark.slow
 def test_a_vw_over_two_processes_trains_the_weights_it_trains_in_one(stores, tmp_path):
     devices = [0, 1, 2, 3]  # pipe=2 over data=2: its stages' collectives cross the processes
     addresses = [stores.start(f"two{i}").address for i in range(2)]
@@ -100,7 +99,6 @@ def test_a_vw_over_two_processes_trains_the_weights_it_trains_in_one(stores, tmp
         np.testing.assert_allclose(split[path], whole[path], rtol=1e-6, atol=1e-7, err_msg=path)
 
 
-@pytest.mark.slow
 def test_a_vw_over_two_processes_takes_a_shared_optimizer_and_dies_whole_with_a_follower(
     stores, tmp_path
 ):
@@ -161,7 +159,6 @@ def _logs(run_dir) -> str:
     return "\n".join(f"{p.name}: {p.read_text()[-600:]}" for p in sorted(run_dir.glob("*.log")))
 
 
-@pytest.mark.slow
 def test_the_planned_demo_runs_each_vw_of_its_equal_grouping_in_a_process_per_node(tmp_path):
     from tenplex_jax._src.cli import wsp_demo
 

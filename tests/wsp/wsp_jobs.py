@@ -1,4 +1,4 @@
-"""A VW job for the tests' processes (``tests.wsp_jobs:job``): the models' GPT job, whose build
+"""A VW job for the tests' processes (``tests.wsp.wsp_jobs:job``): the models' GPT job, whose build
 takes ``build_seconds`` longer, or fails."""
 
 from __future__ import annotations

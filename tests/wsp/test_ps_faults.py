@@ -1,6 +1,6 @@
 """The parameter server under faults, on real store processes on 127.0.0.1.
 
-A proxy in front of each store (``tests/store_proxy.py``) drops a reply (the store did the
+A proxy in front of each store (``tests/wsp/store_proxy.py``) drops a reply (the store did the
 request), delays one past the client's timeout, or delivers one twice; and stores are SIGKILLed
 mid-run and restarted on the same directory and port. The contract: every request carries an id
 (``rid``) that its replies echo and its retries repeat, the store answers a repeated id with the
@@ -35,7 +35,7 @@ from tenplex_jax.wsp import ParameterServer, VirtualWorker, weights_of
 from tenplex_jax_models import build_state
 from tenplex_jax_models import wsp as job_parts
 from tests.helpers import Stores, raw_socket, recv_frame
-from tests.store_proxy import KINDS, FaultProxy
+from tests.wsp.store_proxy import KINDS, FaultProxy
 
 VW = "vw1"
 NM = 2  # minibatches a wave
@@ -278,7 +278,6 @@ def _clean_run(store_addresses) -> tuple[Run, list]:
     return run, proxies
 
 
-@pytest.mark.slow
 def test_the_parameter_server_survives_each_reply_dropped_delayed_or_duplicated(store_addresses):
     """A clean run through the proxies records the ops the parameter server uses on each store;
     then one run per store x op x fault, the fault on the middle request of that op (a delay of
@@ -328,7 +327,6 @@ def _faulty_run(
 # -- b. a real virtual worker through mixed faults -------------------------------------------------
 
 
-@pytest.mark.slow
 def test_a_virtual_worker_finishes_exactly_once_through_mixed_faults(store_addresses):
     total, lr = 6, 0.05
     parts = job_parts.job(1, optimizer="sgd", lr=lr)
@@ -392,7 +390,6 @@ KILLS = 12
 KILL_TOTAL = 240  # 120 waves: the kills need about 30, so every kill lands mid-run
 
 
-@pytest.mark.slow
 def test_no_acknowledged_wave_is_lost_when_stores_are_sigkilled_and_restarted(tmp_path):
     started = Stores(tmp_path)
     procs = [started.start(f"s{i}") for i in range(2)]

@@ -318,7 +318,6 @@ def test_a_commit_marker_on_disk_implies_its_objects_are(stores) -> None:
             np.testing.assert_array_equal(client.get(f"c/{i}"), array)
 
 
-@pytest.mark.slow
 def test_kill_while_a_large_put_streams_serves_the_old_version(stores) -> None:
     proc = stores.start()
     old = np.arange(STREAMED // 4, dtype=np.float32)
@@ -356,7 +355,6 @@ def test_kill_after_a_memory_acknowledged_put_serves_one_whole_version(stores) -
         assert client.list("a/")[0].checksum == wire.checksum(wire.as_bytes(got))
 
 
-@pytest.mark.slow
 def test_kill_during_the_disk_write_never_serves_a_partial_object(stores) -> None:
     proc = stores.start()
     old = np.arange(BIG // 4, dtype=np.float32)

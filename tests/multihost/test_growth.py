@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 
 from tests.helpers import events, reaped, reference_run
-from tests.test_launch import TIMEOUT, kill, last, launch_example, step_records, wait_for
+from tests.multihost.launching import TIMEOUT, kill, last, launch_example, step_records, wait_for
 
 
-@pytest.mark.slow
 def test_a_planned_growth_is_compiled_ahead_and_every_process_loads_it(tmp_path):
     """A planned resize 1 -> 2 (the recovery benchmark's growth, on the tiny GPT): the grown
     layout's devices do not exist before the change, so the launcher announces the growth when
@@ -37,7 +36,6 @@ def test_a_planned_growth_is_compiled_ahead_and_every_process_loads_it(tmp_path)
     assert result["step_traced"] == [False, True]
 
 
-@pytest.mark.slow
 def test_a_process_killed_while_a_growth_is_prepared_leaves_a_working_job(tmp_path):
     """A kill while a growth is prepared: the processes were told of it and compile or lower
     its step while the job waits at a step boundary, and one of them is SIGKILLed once it has

@@ -25,12 +25,11 @@ import numpy as np
 import pytest
 
 from tests.helpers import events, reaped, reference_run
-from tests.test_launch import kill, last, launch_example, wait_for
+from tests.multihost.launching import kill, last, launch_example, wait_for
 
 STEPS = 8
 
 
-@pytest.mark.slow
 def test_survivors_stay_in_their_processes_through_two_failures(tmp_path):
     run = tmp_path
     proc = launch_example(run, 3, STEPS, script=["--pause-after", "3", "--pause-only", "0"])

@@ -193,7 +193,6 @@ def test_checkpoint_restart_pays_save_restore_compile_and_reruns_after_a_failure
 # -- events in a training loop ------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_sigterm_shrinks_at_the_next_step_boundary_data_exactly_once(fixed):
     job, state, step = make_job()
     previous = signal.getsignal(signal.SIGTERM)
@@ -220,7 +219,6 @@ def test_sigterm_shrinks_at_the_next_step_boundary_data_exactly_once(fixed):
     assert_same_run(got, fixed)
 
 
-@pytest.mark.slow
 def test_failed_device_rebuilt_from_replicas_continues_bitwise(fixed):
     job, state, step = make_job({8: C(data=2, fsdp=4), 7: C(data=7)}, compile_ahead=True)
 
@@ -236,7 +234,6 @@ def test_failed_device_rebuilt_from_replicas_continues_bitwise(fixed):
     assert_same_run(got, fixed)
 
 
-@pytest.mark.slow
 def test_no_replica_falls_back_to_the_last_checkpoint(fixed, tmp_path):
     # fsdp=4, not 8: on jax >= 0.11 XLA's CPU erf_inv (jax.random.normal) rounds differently on
     # shards 4 elements wide, so an init jitted into fsdp=8 of the tiny GPT is not bitwise the
@@ -257,7 +254,6 @@ def test_no_replica_falls_back_to_the_last_checkpoint(fixed, tmp_path):
     assert_same_run(got, fixed)  # the rerun steps saw the same samples: the cursor rewound
 
 
-@pytest.mark.slow
 def test_no_replica_and_no_checkpoint_raises_the_clear_error():
     # the layout of the test above, whose init is compiled already; the failure comes at a
     # step boundary, so no step need compile
@@ -269,7 +265,6 @@ def test_no_replica_and_no_checkpoint_raises_the_clear_error():
     job.close()
 
 
-@pytest.mark.slow
 def test_returning_to_a_config_hits_the_compile_cache():
     backend = []  # XLA backend compiles, counted by JAX itself
 
@@ -296,7 +291,6 @@ def test_returning_to_a_config_hits_the_compile_cache():
     assert len(backend) == before_grow[0]  # going back to data=8 compiled nothing
 
 
-@pytest.mark.slow
 def test_trace_replays_end_to_end_through_the_cli(tmp_path):
     trace = tmp_path / "trace.toml"
     trace.write_text(
@@ -312,7 +306,7 @@ def test_trace_replays_end_to_end_through_the_cli(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "goodput: elastic" in run.stdout
@@ -393,7 +387,6 @@ def test_leaving_the_job_stops_its_compile_threads_and_changes_no_jax_setting():
     assert {n: getattr(jax.config, n) for n in names} == before
 
 
-@pytest.mark.slow
 def test_steps_run_asynchronously_but_the_first_on_each_layout(fixed):
     job, state, step = make_job(exact_step_times=False)
     got = train(job, state, step, {3: lambda job, s: job.preempt([7])})
@@ -444,7 +437,6 @@ def test_a_waited_step_reads_the_next_batch_beside_it(fixed, monkeypatch):
         np.testing.assert_array_equal(seen[i], fixed[1][i], err_msg=f"samples of step {i}")
 
 
-@pytest.mark.slow
 def test_redeploy_moves_onto_exactly_the_given_devices(fixed):
     job, state, step = make_job()
     events = {
@@ -462,7 +454,6 @@ def test_redeploy_moves_onto_exactly_the_given_devices(fixed):
         job.devices_after("redeploy", [0, 9])
 
 
-@pytest.mark.slow
 def test_start_resumes_from_the_latest_checkpoint_with_the_data_cursor(fixed, tmp_path):
     job, state, step = make_job(checkpoint_dir=tmp_path, checkpoint_every=2)
     train(job, state, step, steps=3)  # saves steps 0 and 2

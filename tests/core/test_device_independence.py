@@ -97,7 +97,6 @@ def fixed_run():
     return train({0: (C(data=8), range(8))}, 8)
 
 
-@pytest.mark.slow
 def test_dp_and_fsdp_resizes_train_bitwise_equal_to_a_fixed_run(fixed_run):
     losses, state, seen = train(
         {
@@ -128,7 +127,6 @@ def max_relative_difference(got, want) -> float:
     )
 
 
-@pytest.mark.slow
 def test_tensor_parallel_resizes_stay_within_fp32_rounding(fixed_run):
     losses, state, _ = train(
         {
@@ -195,7 +193,6 @@ def test_a_layout_for_another_rank_count_than_the_mesh_is_refused():
         )
 
 
-@pytest.mark.slow
 def test_virtual_workers_train_a_pipelined_model(fixed_run):
     """The pipeline's shard_map over ``pipe`` runs inside the workers' shard_map over the batch."""
     schedule = {0: (C(data=8), range(8)), 2: (C(data=4, pipe=2), range(8))}

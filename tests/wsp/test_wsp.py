@@ -32,7 +32,7 @@ from tenplex_jax_models import build_state, example_losses
 from tenplex_jax_models import wsp as job_parts
 from tests.helpers import TWO_BY_TWO, Stores
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -44,7 +44,6 @@ def store_addresses(tmp_path):
         started.reap()
 
 
-@pytest.mark.slow
 def test_d0_with_one_minibatch_and_sgd_is_synchronous_sgd_on_the_summed_gradients(store_addresses):
     lr, waves = 0.05, 3
     parts = job_parts.job(1, optimizer="sgd", lr=lr)
@@ -92,7 +91,6 @@ def _flat(state) -> dict:
     return dict(zip(paths, leaves))
 
 
-@pytest.mark.slow
 def test_a_sigkilled_vw_process_is_dropped_and_its_minibatches_trained_by_others(
     store_addresses, tmp_path
 ):
@@ -155,20 +153,19 @@ class _Building(Threads):
             super().wait(handle, timeout)
 
 
-@pytest.mark.slow
 def test_vws_added_together_in_processes_join_together_whatever_their_builds_take(
     store_addresses, tmp_path, monkeypatch
 ):
     # vw2 builds 3 s longer than vw1 and vw3 fails while it builds: vw1 is held until vw2 is
     # built (it does not train alone meanwhile), and vw3's failure holds nobody
-    paths = [str(ROOT), os.environ.get("PYTHONPATH")]  # (as tests/test_cli.py's _demo)
+    paths = [str(ROOT), os.environ.get("PYTHONPATH")]  # (as tests/tools/test_cli.py's _demo)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
     own = {"vw2": ["--option", "build_seconds=3"], "vw3": ["--option", "fail=true"]}
     parts = job_parts.job(1)
     with ParameterServer(store_addresses) as ps:
         ps.create(weights_of(parts["init"]()), total=4)
         runner = Processes(
-            "tests.wsp_jobs:job",
+            "tests.wsp.wsp_jobs:job",
             store_addresses,
             tmp_path / "run",
             options=["--distance", "1", "--timeout", "5"],
@@ -257,7 +254,6 @@ def test_wait_joined_returns_once_every_added_vw_is_a_member(store_addresses):
             coordinator.stop(timeout=120)
 
 
-@pytest.mark.slow
 def test_the_demo_survives_a_death_and_a_join_exactly_once(tmp_path):
     assert main(["demo", "--wsp", "--steps", "96", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -294,7 +290,6 @@ def test_the_demo_survives_a_death_and_a_join_exactly_once(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 
-@pytest.mark.slow
 def test_the_planner_builds_the_demo_s_vws_with_uneven_stages_and_nm_in_flight(tmp_path):
     cluster = tmp_path / "two-by-two.toml"
     cluster.write_text(TWO_BY_TWO)

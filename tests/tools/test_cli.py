@@ -15,11 +15,10 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from tenplex_jax._src.cli import main
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _total(out: str) -> re.Match:
@@ -84,7 +83,6 @@ def _demo(tmp_path, *args) -> tuple[subprocess.CompletedProcess, dict]:
     return done, json.loads((tmp_path / "summary.json").read_text())
 
 
-@pytest.mark.slow
 def test_the_default_demo_changes_data_expert_tensor_and_pipe(tmp_path) -> None:
     """The default schedule's layouts on the MoE GPT, shortened: every dimension changes, every
     sample is trained once, and the params agree with the fixed run to float32 rounding."""
@@ -117,7 +115,6 @@ def test_the_default_demo_changes_data_expert_tensor_and_pipe(tmp_path) -> None:
     assert "max rel diff" in done.stdout
 
 
-@pytest.mark.slow
 def test_the_bitwise_demo_end_to_end(tmp_path) -> None:
     """The data-parallel schedule: bitwise equal to the fixed run, each sample once per epoch;
     run again with the first run's executable cache, it compiles nothing and gives the bits."""

@@ -32,7 +32,7 @@ def state():
     return nnx.state(train_state())
 
 
-@pytest.mark.slow  # a benchmark row end to end: four strategies, orbax's among them
+# a benchmark row end to end: four strategies, orbax's among them
 @pytest.mark.parametrize("change", ROWS, ids=[c.name for c in ROWS])
 def test_a_reshard_row_copies_the_plan_minimum_and_frees_the_old_buffers(change, state):
     row = reshard.run_change(change, state, RULES, repeats=1, memcpy=1e9, log=lambda *_: None)

@@ -1,6 +1,6 @@
-"""Run by tests/test_ray.py in a network namespace of its own (``unshare -rn``): a Ray cluster of
-simulated nodes on 127.0.0.1, and ``examples/elastic_gpt.py`` launched on it by the Ray launcher
-through node deaths and joins. Writes OUT/result.json for the test to check.
+"""Run by tests/multihost/test_ray.py in a network namespace of its own (``unshare -rn``): a Ray
+cluster of simulated nodes on 127.0.0.1, and ``examples/elastic_gpt.py`` launched on it by the
+Ray launcher through node deaths and joins. Writes OUT/result.json for the test to check.
 
 The namespace has loopback and one more interface, ``decoy0`` (10.255.0.1, one end of a veth
 pair): Ray and everything
@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "elastic_gpt.py"
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 

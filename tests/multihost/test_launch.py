@@ -21,14 +21,11 @@ and the steps that count must have trained each global batch of the dataset orde
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -40,74 +37,14 @@ from tests.helpers import (
     LAUNCH_BATCH,
     LAUNCH_SAMPLES,
     LAUNCH_WORKERS,
+    ROOT,
     events,
     reaped,
     reference_run,
 )
+from tests.multihost.launching import TIMEOUT, kill, last, launch_example, step_records, wait_for
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "elastic_gpt.py"
 STEPS = 10
-TIMEOUT = 300  # the whole job, seconds
-
-
-def wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 150.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"the launcher exited ({proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def launch_example(run: pathlib.Path, nprocs: int, steps: int, *, flags=(), script=()):
-    """``tenplex-jax launch`` of the example job as the launch tests run it (2 devices per
-    process, replicas=1, a commit every 2 steps, the final state to RUN_DIR/final.npz), started
-    with its output in RUN_DIR/launcher.log: ``flags`` go to the launcher, ``script`` to the
-    script."""
-    command = [
-        sys.executable,
-        "-m",
-        "tenplex_jax",
-        "launch",
-        "--nprocs",
-        str(nprocs),
-        "--devices-per-proc",
-        "2",
-        "--replicas",
-        "1",
-        "--commit-every",
-        "2",
-        *flags,
-        "--run-dir",
-        str(run),
-        str(EXAMPLE),
-        "--steps",
-        str(steps),
-        "--batch",
-        str(LAUNCH_BATCH),
-        "--workers",
-        str(LAUNCH_WORKERS),
-        "--samples",
-        str(LAUNCH_SAMPLES),
-        "--out",
-        str(run / "final.npz"),
-        *script,
-    ]
-    env = os.environ | {"JAX_PLATFORMS": "cpu"}
-    with open(run / "launcher.log", "wb") as out:
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-
-def last(run: pathlib.Path, kind: str) -> dict | None:
-    found = [e for e in events(run) if e["event"] == kind]
-    return found[-1] if found else None
-
-
-def kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +111,6 @@ def reference(job):
     return job["reference"]
 
 
-@pytest.mark.slow
 def test_job_survives_two_failures_and_finishes(job):
     assert job["returncode"] == 0, job["log"][-3000:]
     gens = [e for e in events(job["run"]) if e["event"] == "generation"]
@@ -203,13 +139,6 @@ def test_job_survives_two_failures_and_finishes(job):
             os.kill(pid, 0)
 
 
-def step_records(run: pathlib.Path, generation: int) -> list[dict]:
-    """How each process of ``generation`` got its step: loaded or compiled."""
-    paths = sorted(run.glob(f"step-g{generation}-p*.json"))
-    return [json.loads(path.read_text()) for path in paths]
-
-
-@pytest.mark.slow
 def test_no_process_compiles_a_layout_compiled_before(job):
     """After the loss of a process, every process of the new generation loads the step process
     0 compiled ahead (the first N - 1 processes' devices, whichever process died), and the
@@ -224,7 +153,6 @@ def test_no_process_compiles_a_layout_compiled_before(job):
     assert grown == [(True, 0, False), (True, 0, True)], grown
 
 
-@pytest.mark.slow
 def test_a_planned_shrink_trains_on_until_its_layout_is_compiled(tmp_path):
     """A planned resize 2 -> 1 (the recovery benchmark's shrink, on the tiny GPT): process 0
     compiles the one-process layout ahead while the job trains on, and the generation ends only
@@ -249,7 +177,6 @@ def test_a_planned_shrink_trains_on_until_its_layout_is_compiled(tmp_path):
     assert gens[1]["step"] >= 3 and request["time"] < gens[1]["time"]
 
 
-@pytest.mark.slow
 def test_params_equal_an_uninterrupted_run_bitwise(job, reference):
     want, _, _ = reference
     with np.load(job["run"] / "final.npz") as final:
@@ -259,7 +186,6 @@ def test_params_equal_an_uninterrupted_run_bitwise(job, reference):
         np.testing.assert_array_equal(a, b, err_msg=f"leaf {i}")
 
 
-@pytest.mark.slow
 def test_every_global_batch_trained_exactly_once(job, reference):
     _, want, _ = reference
     records = [json.loads(line) for line in (job["run"] / "steps.jsonl").read_text().splitlines()]
@@ -281,7 +207,6 @@ def test_every_global_batch_trained_exactly_once(job, reference):
     assert len(set(stream[2 * LAUNCH_SAMPLES :])) == 40
 
 
-@pytest.mark.slow
 def test_dead_workers_shards_come_from_their_replicas(job, reference):
     _, _, abstract = reference
     from tenplex_jax_models import LOGICAL_RULES
@@ -297,7 +222,6 @@ def test_dead_workers_shards_come_from_their_replicas(job, reference):
     assert all("3" not in r["pull"]["by_slot"] for r in reports)  # store 3 served nothing
 
 
-@pytest.mark.slow
 def test_no_surviving_replica_names_the_leaves_and_falls_back_to_orbax(job):
     lost = last(job["run"], "replicas_lost")
     assert lost is not None and lost["step"] == 6
@@ -309,7 +233,6 @@ def test_no_surviving_replica_names_the_leaves_and_falls_back_to_orbax(job):
     assert report["source"] == "checkpoint" and report["step"] == 4
 
 
-@pytest.mark.slow
 def test_launcher_replaces_a_failed_generation_and_stops_on_sigterm(tmp_path):
     """Process management alone (a stub worker, no JAX): a worker exits 3 while its peer hangs;
     the peer is killed after the grace period, the next generation runs on the slot left, and
@@ -325,7 +248,7 @@ def test_launcher_replaces_a_failed_generation_and_stops_on_sigterm(tmp_path):
         "0.5",
         "--run-dir",
         str(tmp_path),
-        str(ROOT / "tests" / "launch_stub.py"),
+        str(ROOT / "tests" / "multihost" / "launch_stub.py"),
     ]
     with open(tmp_path / "launcher.log", "wb") as out:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -395,7 +318,6 @@ def test_a_stored_version_of_another_state_is_refused_naming_the_leaf():
         tj.PTC.from_json(small.to_json(), tiny)
 
 
-@pytest.mark.slow
 def test_a_complete_version_deletes_the_older_ones(job):
     """Slot 1's store lived through every generation; restarted on its directory (the disk tier),
     it holds the last version only: each complete commit deleted the versions before it."""
@@ -412,7 +334,6 @@ def test_a_complete_version_deletes_the_older_ones(job):
     assert arrays == markers == {STEPS}
 
 
-@pytest.mark.slow
 def test_a_launched_job_refuses_in_process_device_changes_and_finishes(tmp_path):
     """The same ElasticJob API in a launched process (1 process, real jax.distributed): devices
     are the launcher's, device events refuse, the script's own checkpoint dir reaches the
@@ -429,7 +350,7 @@ def test_a_launched_job_refuses_in_process_device_changes_and_finishes(tmp_path)
         "--no-standby",
         "--run-dir",
         str(tmp_path),
-        str(ROOT / "tests" / "launched_checks.py"),
+        str(ROOT / "tests" / "multihost" / "launched_checks.py"),
         str(tmp_path),
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
@@ -463,7 +384,6 @@ def test_a_job_description_without_the_launchers_entry_point_is_refused(monkeypa
         tj.ElasticJob((), dataset)
 
 
-@pytest.mark.slow
 def test_a_generation_ending_on_a_checkpoint_step_saves_its_checkpoint(job):
     """The planned resize lands at step 8, a multiple of --checkpoint-every 4: its synchronous
     commit saves the orbax checkpoint the step is due (the next generation starts there and

@@ -22,7 +22,7 @@ import unicodedata
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_LINES = 250
 # what CI and users copy from the top of the README
@@ -129,15 +129,7 @@ def _id(path: pathlib.Path) -> str:
     return str(path.relative_to(ROOT))
 
 
-# the guides whose blocks train models for several steps run with the slow tests
-TRAINING_GUIDES = {"elastic.md", "pipelining.md", "wsp.md"}
-RUN = [
-    pytest.param(path, marks=pytest.mark.slow) if path.name in TRAINING_GUIDES else path
-    for path in DOCS
-]
-
-
-@pytest.mark.parametrize("path", RUN, ids=_id)
+@pytest.mark.parametrize("path", DOCS, ids=_id)
 def test_every_python_block_runs(path, tmp_path, monkeypatch):
     blocks = python_blocks(path)
     found = undefined_names(_id(path), blocks)

@@ -225,7 +225,7 @@ def _shipped():
     import tomllib
 
     clusters, traces = [], []
-    for path in sorted((pathlib.Path(__file__).parent.parent / "meshes").glob("*.toml")):
+    for path in sorted((pathlib.Path(__file__).parents[2] / "meshes").glob("*.toml")):
         (traces if "steps" in tomllib.loads(path.read_text()) else clusters).append(path)
     return clusters, traces
 
@@ -381,7 +381,6 @@ def test_any_small_cluster_and_trace_simulates_or_refuses_in_one_line(cluster, t
             assert row["devices_after"] <= cluster.num_devices
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "path",
     # the clusters of 1,024 and 4,096 devices take 1 and 2 minutes on one core: their matrix is

@@ -1,5 +1,5 @@
-"""Run by tests/test_launch.py under ``tenplex-jax launch --nprocs 1``: the paths an ElasticJob
-takes only in a launched process. Writes what it saw to RUN_DIR/checks.json."""
+"""Run by tests/multihost/test_launch.py under ``tenplex-jax launch --nprocs 1``: the paths an
+ElasticJob takes only in a launched process. Writes what it saw to RUN_DIR/checks.json."""
 
 import json
 import pathlib

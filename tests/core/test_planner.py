@@ -14,7 +14,7 @@ import tenplex_jax as tj
 from tenplex_jax._src.planner.search import _configs, _divisors
 from tenplex_jax_models import GPTConfig, profile
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 GIB = 2**30
 C = tj.ParallelConfig
 

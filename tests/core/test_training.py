@@ -7,7 +7,6 @@ import functools
 
 import jax
 import numpy as np
-import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -67,7 +66,6 @@ def run(schedule: dict[int, tuple[C, range]], steps: int) -> tuple[list[float], 
     return losses, [np.asarray(x) for x in jax.tree.leaves(nnx.state(state, nnx.Param))]
 
 
-@pytest.mark.slow
 def test_training_continues_after_resizes_with_the_losses_of_a_fixed_run():
     steps = 9
     fixed, fixed_params = run({0: (C(data=2, fsdp=2, tensor=2), range(8))}, steps)

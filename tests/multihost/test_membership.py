@@ -2,7 +2,7 @@
 TCP connections to real processes on 127.0.0.1) and the launcher's messages on its stdin.
 
 The whole path — a launched job whose survivors stay in their processes when process 0 dies with
-the others blocked in a collective — is in ``tests/test_survivors.py``.
+the others blocked in a collective — is in ``tests/multihost/test_survivors.py``.
 """
 
 from __future__ import annotations
