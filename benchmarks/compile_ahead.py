@@ -50,7 +50,7 @@ def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, rep
             LOGICAL_RULES,
             tj.DatasetPTC(source, batch, seed=0),
             devices=jax.devices()[:8],
-            workers=8,
+            grad_units=8,
             options=tj.elastic.JobOptions(
                 compile_ahead=ahead,
                 exact_step_times=True,

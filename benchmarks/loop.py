@@ -4,8 +4,8 @@ The tenplex_jax loop is the elastic loop between resizes: ``tj.ElasticJob`` owns
 state placed by its PTC), the dataset PTC and the step compiled for the layout; each step is
 ``job.next`` (pending events, then the global batch placed per device with padding weights) and
 the job's step (the gradient from ``batch.value_and_grad``). It runs in plain data-parallel mode
-(``workers=None``) and without compile-ahead, so that no background compile competes with the
-timed steps; virtual workers, which buy bitwise device independence with extra compute, are
+(``grad_units=None``) and without compile-ahead, so that no background compile competes with the
+timed steps; gradient units, which buy bitwise device independence with extra compute, are
 measured in their own section of RESULTS.md. The plain loop is what a JAX user writes on the same
 mesh: shardings from ``nnx.get_partition_spec`` under the same logical-axis rules, one ``jax.jit``
 of ``nnx.value_and_grad`` of the mean loss, the same global batches put with ``jax.device_put``.

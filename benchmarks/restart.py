@@ -20,7 +20,7 @@ deterministic ops (``--xla_gpu_deterministic_ops``, added to ``XLA_FLAGS`` here)
 runs of one program differ from the third step on (measured on an H200: 1e-6 relative, between
 two cold runs as much as between a cold and a cached one).
 
-    python -m tenplex_jax_benchmarks.restart [--model gpt100m] [--workers 2] [--out FILE]
+    python -m tenplex_jax_benchmarks.restart [--model gpt100m] [--grad-units 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ STARTED = time.perf_counter()
 
 
 def child(
-    model: str, cache: str, steps: int, batch: int, workers: int | None, twice: bool = False
+    model: str, cache: str, steps: int, batch: int, grad_units: int | None, twice: bool = False
 ) -> dict:
     """One process's run (in this process): its timings, counts and losses; ``twice``: the
     second of two runs in this process."""
@@ -61,13 +61,13 @@ def child(
         compile_ahead=False, exact_step_times=True, executable_cache=cache
     )
     if twice:
-        child(model, cache, steps, batch, workers)
+        child(model, cache, steps, batch, grad_units)
     losses, times = [], []
     with tj.ElasticJob(
         LOGICAL_RULES,
         tj.DatasetPTC(samples, batch, seed=0),
         devices=devices,
-        workers=workers,
+        grad_units=grad_units,
         options=options,
     ) as job:
         tic = time.perf_counter()
@@ -102,7 +102,7 @@ def child(
     }
 
 
-def run_restart(model: str, steps: int = 4, batch: int = 24, workers: int | None = None) -> dict:
+def run_restart(model: str, steps: int = 4, batch: int = 24, grad_units: int | None = None) -> dict:
     """The three processes' reports and the ratios cold ÷ cached."""
     runs = {}
     flags = os.environ.get("XLA_FLAGS", "")
@@ -114,8 +114,8 @@ def run_restart(model: str, steps: int = 4, batch: int = 24, workers: int | None
             command += ["--twice"] if name == "same process" else []
             command += ["--steps", str(steps), "--batch", str(batch)]
             command += ["--cache", os.path.join(tmp, cache)]
-            if workers is not None:
-                command += ["--workers", str(workers)]
+            if grad_units is not None:
+                command += ["--grad-units", str(grad_units)]
             tic = time.perf_counter()
             done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
             if done.returncode != 0:
@@ -169,17 +169,17 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="small", help="GPT preset (tiny, small, gpt100m)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=24)
-    parser.add_argument("--workers", type=int, help="virtual workers (default: none)")
+    parser.add_argument("--grad-units", type=int, help="gradient units (default: none)")
     parser.add_argument("--out", help="write the row as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
     parser.add_argument("--twice", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        row = child(args.model, args.cache, args.steps, args.batch, args.workers, args.twice)
+        row = child(args.model, args.cache, args.steps, args.batch, args.grad_units, args.twice)
         print(json.dumps(row))
         return 0
-    row = run_restart(args.model, args.steps, args.batch, args.workers)
+    row = run_restart(args.model, args.steps, args.batch, args.grad_units)
     print(table(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:

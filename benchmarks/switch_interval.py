@@ -44,7 +44,7 @@ def run(rounds: int = 2, iterations: int = 60) -> dict:
             LOGICAL_RULES,
             tj.DatasetPTC(source, batch, seed=0),
             devices=jax.devices()[:8],
-            workers=8,
+            grad_units=8,
             options=tj.elastic.JobOptions(compile_ahead=False),
         )
         return job, job.start(lambda: build_state(model, 1e-3)[1]), graphdef

@@ -10,7 +10,7 @@ between steps. Launched, every process runs this script; ``job.start`` lays the 
 this generation's devices: built on the first start, else pulled from the tensor stores (each
 process reads only its own shards) or, when no copy of some shard survived, from the orbax
 checkpoint; ``job.next`` commits to the stores in the background. The dataset PTC resumes at the
-restored step, and virtual workers make the gradients bitwise independent of the data-parallel
+restored step, and gradient units make the gradients bitwise independent of the data-parallel
 size, so a job that loses a process trains the same bits as one that never did.
 
 Kill a worker (``kill -9 PID``, the PIDs are in the launcher's "generation" line) and the launcher
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         "is weighed (default: --steps)",
     )
     parser.add_argument("--batch", type=int, default=24, help="global batch (fixed across resizes)")
-    parser.add_argument("--workers", type=int, default=8, help="virtual data-parallel workers")
+    parser.add_argument("--grad-units", type=int, default=8, help="gradient units")
     parser.add_argument("--samples", type=int, default=100, help="dataset size in samples")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     with tj.ElasticJob(
         LOGICAL_RULES,
         dataset,
-        workers=args.workers,
+        grad_units=args.grad_units,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         steps=args.planned_steps or args.steps,  # what growing onto offered devices is weighed over

@@ -146,12 +146,12 @@ def _set_params(model, pure: dict) -> None:
 def pipelined(losses, mesh, layout: tj.data.BatchLayout, stages=None):
     """``losses`` (a per-example loss of the GPT) with its layers pipelined over the mesh's
     ``pipe`` axis (over ``stages``, uneven ones, if given): in as many microbatches as divide the
-    rows of one pass (a virtual worker's unit, or a rank's microbatch) up to twice the stages;
+    rows of one pass (a gradient unit, or a rank's microbatch) up to twice the stages;
     ``losses`` itself without a pipe axis."""
     pipe = mesh.shape.get("pipe", 1)
     if pipe == 1:
         return losses
-    rows = layout.unit if layout.virtual else layout.rows // layout.accumulate
+    rows = layout.unit if layout.grad_units is not None else layout.rows // layout.accumulate
     micro = max(m for m in range(1, min(rows, 2 * pipe) + 1) if rows % m == 0)
     return functools.partial(losses, mesh=mesh, microbatches=micro, stages=stages)
 
@@ -161,7 +161,7 @@ def make_train_step(graphdef, ptc: tj.PTC, layout: tj.data.BatchLayout, batch_ax
 
     Pinned to the PTC's shardings, so each step keeps the layout the next plan starts from. The
     gradient comes from ``tj.data.batch_value_and_grad`` over ``batch_axes`` (default
-    ``("data", "fsdp")``): with virtual workers it has the same bits on any data-parallel size.
+    ``("data", "fsdp")``): with gradient units it has the same bits on any data-parallel size.
     The layers run as a pipeline when the mesh has a ``pipe`` axis larger than 1.
     """
     from tenplex_jax._src.batch import BATCH_AXES

@@ -304,7 +304,7 @@ def recv_frame(sock: socket.socket) -> tuple[dict, bytes]:
 
 # -- the launched example job (examples/elastic_gpt.py), as the launch and Ray tests run it --------
 
-LAUNCH_BATCH, LAUNCH_WORKERS, LAUNCH_SAMPLES = 24, 8, 100
+LAUNCH_BATCH, LAUNCH_GRAD_UNITS, LAUNCH_SAMPLES = 24, 8, 100
 
 
 def events(run: pathlib.Path) -> list[dict]:
@@ -326,7 +326,9 @@ def reference_run(steps: int):
     )
     samples = []
     options = tj.elastic.JobOptions(compile_ahead=False)
-    with tj.ElasticJob(LOGICAL_RULES, dataset, workers=LAUNCH_WORKERS, options=options) as job:
+    with tj.ElasticJob(
+        LOGICAL_RULES, dataset, grad_units=LAUNCH_GRAD_UNITS, options=options
+    ) as job:
         state = job.start(lambda: build_state("tiny", 3e-3, 0)[1])
         step = job.jit(train_step(graphdef))
         while job.step < steps:

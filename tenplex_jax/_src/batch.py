@@ -8,12 +8,12 @@ axes (each device reads only its rows); :class:`Batch` carries it with its layou
 *per-example* loss, so that padding rows (weight 0) drop out, and returns the mean loss over the
 real samples of the global batch and its gradient. Two ways to compute them:
 
-- **plain** (``layout.workers is None``): one SPMD computation over the padded global batch,
+- **plain** (``layout.grad_units is None``): one SPMD computation over the padded global batch,
   sharded over the batch axes; XLA chooses how partial gradients are reduced, so the result
   depends on the data-parallel size in the last bits. ``layout.accumulate = k`` runs every rank's
   rows as ``k`` sequential microbatches (gradient accumulation), for when memory caps the rows
   a device can hold at once.
-- **virtual workers** (``layout.workers = V``): inside a ``shard_map`` over the batch axes, each
+- **gradient units** (``layout.grad_units = V``): inside a ``shard_map`` over the batch axes, each
   rank runs its units one at a time (``lax.map``: the same shapes, the same program whatever the
   rank count) and gets one gradient per unit; the unit gradients are all-gathered and summed in
   unit order ``((g0 + g1) + g2) + ...``. The sum therefore has the same bits on 1, 2, 3, ... or
@@ -61,11 +61,11 @@ def batch_value_and_grad(
 ) -> Callable[[Any, Any, jax.Array], tuple[jax.Array, nnx.State]]:
     """``nnx.value_and_grad`` for a global batch laid out by ``layout``, padding rows left out.
 
-    Use it inside the jitted train step. With virtual workers (``layout.workers``) the gradient
+    Use it inside the jitted train step. With gradient units (``layout.grad_units``) the gradient
     is one per unit, summed in unit order, so it has the same bits on any number of ranks.
     Example::
 
-        grad_fn = batch_value_and_grad(example_losses, BatchLayout(24, ranks=4, workers=8), mesh)
+        grad_fn = batch_value_and_grad(example_losses, BatchLayout(24, ranks=4, grad_units=8), mesh)
 
         def step(state, batch, weights):
             model, optimizer = nnx.merge(graphdef, state)
@@ -98,7 +98,7 @@ def batch_value_and_grad(
             f"the batch layout is for {layout.ranks} data-parallel ranks, but the mesh "
             f"{show_mesh(mesh, devices=False)} has {ranks} over the batch axes {batch_axes}"
         )
-    compute = _virtual if layout.virtual else _plain
+    compute = _by_units if layout.grad_units is not None else _plain
     return functools.partial(compute, per_example_loss, layout, mesh, batch_axes, wrt)
 
 
@@ -198,7 +198,7 @@ def _plain(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, 
     return _normalize(total, grads, weights)
 
 
-def _virtual(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, batch, weights):
+def _by_units(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, batch, weights):
     graphdef, params, rest = nnx.split(model, wrt, ...)
     order = [int(i) for i in layout.unit_rows()]  # unit v's row in the gathered [ranks*slots] stack
 

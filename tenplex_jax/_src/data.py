@@ -8,14 +8,15 @@ Tenplex treats the dataset as one more partitioned collection. Here it has two h
   resizes sees exactly the batches of a job that does not. The position is a small record,
   :class:`DataState`, counted in consumed samples.
 - :class:`BatchLayout` fixes the *partitioning* of one global batch over ``ranks`` data-parallel
-  ranks (the product of the ``data`` and ``fsdp`` axes). The batch is cut into ``workers`` equal
-  units; rank ``r`` gets a contiguous run of units, the runs differ in length by at most one, and
-  every rank's run is padded to the longest with rows of weight 0. So any rank count works,
-  including one that does not divide the global batch (3 ranks, 64 samples: 22, 21, 21 real rows,
-  each padded to 22), and the loss is the weighted sum over rows divided by the real sample count.
+  ranks (the product of the ``data`` and ``fsdp`` axes). The batch is cut into ``grad_units``
+  equal units; rank ``r`` gets a contiguous run of units, the runs differ in length by at most
+  one, and every rank's run is padded to the longest with rows of weight 0. So any rank count
+  works, including one that does not divide the global batch (3 ranks, 64 samples: 22, 21, 21 real
+  rows, each padded to 22), and the loss is the weighted sum over rows divided by the real sample
+  count.
 
-  With ``workers=global_batch`` (the default) a unit is one sample: ordinary data parallelism with
-  padding. With ``workers=V`` *virtual workers* (``V`` divides the global batch) a unit is a
+  With ``grad_units=global_batch`` (the default) a unit is one sample: ordinary data parallelism
+  with padding. With ``grad_units=V`` *gradient units* (``V`` divides the global batch) a unit is a
   ``global_batch / V`` slice, and :func:`tenplex_jax.data.batch_value_and_grad` computes one
   gradient per unit and sums them in unit order, the same order on any number of ranks: that is
   what makes training bitwise independent of the data-parallel size.
@@ -54,31 +55,31 @@ class BatchLayout:
     >>> layout = BatchLayout(global_batch=64, ranks=3)
     >>> layout.counts, layout.rows                     # real samples per rank; padded rows in all
     ((22, 21, 21), 66)
-    >>> BatchLayout(24, ranks=6, workers=8).counts     # 8 virtual workers of 3 samples over 6 ranks
+    >>> BatchLayout(24, ranks=6, grad_units=8).counts  # 8 gradient units of 3 samples, 6 ranks
     (6, 6, 3, 3, 3, 3)
 
-    The batch is cut into ``units`` equal units (one sample each, or ``workers`` virtual
-    workers); rank ``r`` gets a contiguous run of units, the runs differ by at most one, and
+    The batch is cut into ``units`` equal units (one sample each, or ``grad_units`` gradient
+    units); rank ``r`` gets a contiguous run of units, the runs differ by at most one, and
     every run is padded to the longest with rows of weight 0, so any rank count works.
 
     Attributes:
       global_batch: samples in a global batch, fixed whatever the rank count.
       ranks: data-parallel ranks (``data * fsdp`` of the mesh).
-      workers: virtual workers: the batch is cut into that many units, each a
-        ``global_batch / workers`` slice whose gradient is computed alone, which makes training
+      grad_units: gradient units: the batch is cut into that many units, each a
+        ``global_batch / grad_units`` slice whose gradient is computed alone, which makes training
         bitwise independent of ``ranks``; ``None``: one sample per unit (plain data parallelism).
       accumulate: pad every rank's rows to a multiple of ``k`` so a step can run them as ``k``
-        sequential microbatches (gradient accumulation for plain data parallelism; virtual
-        workers already run one unit at a time).
+        sequential microbatches (gradient accumulation for plain data parallelism; gradient
+        units already run one unit at a time).
 
     Raises:
-      DataError: a count is < 1, ``workers`` does not divide the global batch or comes with
+      DataError: a count is < 1, ``grad_units`` does not divide the global batch or comes with
         ``accumulate``, or there are more ranks than units.
     """
 
     global_batch: int
     ranks: int
-    workers: int | None = None  # units per global batch; None: one sample per unit
+    grad_units: int | None = None  # units per global batch; None: one sample per unit
     accumulate: int = 1
 
     def __post_init__(self):
@@ -86,34 +87,35 @@ class BatchLayout:
             raise DataError(
                 f"a batch layout needs global_batch, ranks and accumulate >= 1, got {self}"
             )
-        if self.workers is not None and self.accumulate != 1:
+        if self.grad_units is not None and self.accumulate != 1:
             raise DataError(
-                f"accumulate={self.accumulate} with {self.workers} virtual workers: virtual "
-                "workers already run one unit at a time; for less memory use more workers"
+                f"accumulate={self.accumulate} with {self.grad_units} gradient units: gradient "
+                "units already run one unit at a time; for less memory use more gradient units"
             )
         units = self.units
         if units < 1 or self.global_batch % units:
             raise DataError(
-                f"{units} virtual workers must divide the global batch {self.global_batch}; "
+                f"{units} gradient units must divide the global batch {self.global_batch}; "
                 f"choose a divisor of {self.global_batch}"
             )
         if self.ranks > units:
-            what = "virtual workers" if self.workers is not None else "samples in a global batch"
+            by_units = self.grad_units is not None
+            what = "gradient units" if by_units else "samples in a global batch"
             raise DataError(
                 f"{self.ranks} data-parallel ranks but only {units} {what}: every rank needs at "
                 f"least one; use at most {units} ranks (data * fsdp), or "
-                + ("more virtual workers" if self.workers is not None else "a larger global batch")
+                + ("more gradient units" if by_units else "a larger global batch")
             )
 
     @classmethod
     def fit(
-        cls, global_batch: int, ranks: int, *, max_rows: int, workers: int | None = None
+        cls, global_batch: int, ranks: int, *, max_rows: int, grad_units: int | None = None
     ) -> BatchLayout:
         """The layout whose forward passes hold at most ``max_rows`` rows per device.
 
         The global batch stays ``global_batch`` whatever the rank count: plain data parallelism
-        accumulates gradients over as many microbatches as the cap needs; virtual workers run one
-        unit per pass, so their unit must fit.
+        accumulates gradients over as many microbatches as the cap needs; gradient units run one
+        unit per pass, so a unit must fit.
 
         >>> BatchLayout.fit(64, ranks=2, max_rows=10).accumulate     # 32 rows per rank, 4 passes
         4
@@ -122,24 +124,24 @@ class BatchLayout:
           global_batch: samples in a global batch.
           ranks: data-parallel ranks.
           max_rows: the most rows a device may hold in one forward pass.
-          workers: virtual workers, or ``None`` for plain data parallelism.
+          grad_units: gradient units, or ``None`` for plain data parallelism.
 
         Returns:
-          The layout with the least accumulation (plain) or the given workers (virtual) whose
+          The layout with the least accumulation (plain) or the given gradient units whose
           :attr:`microbatch` is at most ``max_rows``.
 
         Raises:
-          DataError: ``max_rows < 1``, or a virtual worker's unit alone exceeds ``max_rows``.
+          DataError: ``max_rows < 1``, or a gradient unit alone exceeds ``max_rows``.
         """
         if max_rows < 1:
             raise DataError(f"max_rows must be >= 1, got {max_rows}")
-        if workers is not None:
-            layout = cls(global_batch, ranks, workers)
+        if grad_units is not None:
+            layout = cls(global_batch, ranks, grad_units)
             if layout.unit > max_rows:
                 raise DataError(
-                    f"a virtual worker's unit of {layout.unit} samples exceeds "
+                    f"a gradient unit of {layout.unit} samples exceeds "
                     f"max_rows={max_rows}; "
-                    f"use at least {math.ceil(global_batch / max_rows)} workers that divide "
+                    f"use at least {math.ceil(global_batch / max_rows)} gradient units that divide "
                     f"{global_batch}"
                 )
             return layout
@@ -149,22 +151,17 @@ class BatchLayout:
     @property
     def microbatch(self) -> int:
         """Rows a device holds in one forward pass."""
-        return self.unit if self.virtual else self.slots // self.accumulate
+        return self.unit if self.grad_units is not None else self.slots // self.accumulate
 
     @property
     def units(self) -> int:
-        """Units per global batch: ``workers``, or ``global_batch`` (one sample each)."""
-        return self.global_batch if self.workers is None else self.workers
+        """Units per global batch: ``grad_units``, or ``global_batch`` (one sample each)."""
+        return self.global_batch if self.grad_units is None else self.grad_units
 
     @property
     def unit(self) -> int:
-        """Samples per unit (per virtual worker)."""
+        """Samples per unit."""
         return self.global_batch // self.units
-
-    @property
-    def virtual(self) -> bool:
-        """Whether the batch is cut into virtual workers (``workers`` is set)."""
-        return self.workers is not None
 
     @property
     def unit_counts(self) -> tuple[int, ...]:

@@ -288,8 +288,8 @@ def pipeline(
 
 
 def _context_mesh(mesh: Mesh):
-    """The mesh to map over. Inside another ``shard_map`` (virtual data-parallel workers are
-    manual over ``data`` and ``fsdp``) it is the context's abstract mesh, whose axis types say
+    """The mesh to map over. Inside another ``shard_map`` (the gradient units' is manual
+    over ``data`` and ``fsdp``) it is the context's abstract mesh, whose axis types say
     which axes are manual already; ``shard_map`` refuses a mesh that differs from its context's."""
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.shape_tuple == mesh.shape_tuple:
@@ -303,7 +303,7 @@ def _manual_axes(mesh, axis: str) -> frozenset[str]:
 
     XLA aborts the process compiling a ``shard_map`` nested in one manual over a later mesh axis
     while some axis stays automatic ("Manual axes must be sorted by mesh axis index", jax 0.11 and
-    0.12, CPU and GPU): the virtual workers' ``shard_map`` over ``data``/``fsdp`` around a pipeline
+    0.12, CPU and GPU): the gradient units' ``shard_map`` over ``data``/``fsdp`` around a pipeline
     over ``pipe`` on the (pipe, data, fsdp, tensor) mesh. Making the free axes manual too leaves no
     automatic axis; a stage then holds its layers whole over them and computes them redundantly
     (no cost where they have size 1)."""

@@ -1,24 +1,25 @@
-"""The elastic loop's parts beside :class:`tenplex_jax.ElasticJob`: its options, the launched
-job, event records, resource traces and their replay, and JAX's persistent compilation cache.
+"""The elastic loop's parts beside :class:`tenplex_jax.ElasticJob`: its options, event records,
+resource traces and their replay, JAX's persistent compilation cache, and what a runtime uses.
 
 ``JobOptions`` holds how a job runs (compile-ahead, reshard method, step timing, ...);
-``LaunchedJob`` is what ``tj.ElasticJob(...)`` builds in a process of ``tenplex-jax launch``;
+``use_job_class(cls)`` is how a runtime (``tenplex-jax launch``) makes the script's
+``tj.ElasticJob(...)`` build its own job (``tj.multihost.LaunchedJob``);
 ``ResourceTrace.load(path)`` reads a trace of device changes; ``replay(job, state, step, trace)``
 drives a job through it; ``EventRecord`` is what ``job.records`` holds for every event.
 """
 
 from tenplex_jax._src.elastic.core import JobOptions
 from tenplex_jax._src.elastic.events import EventRecord
-from tenplex_jax._src.elastic.launched import LaunchedJob
+from tenplex_jax._src.elastic.job import use_job_class
 from tenplex_jax._src.elastic.steps import enable_compilation_cache
 from tenplex_jax._src.elastic.trace import ResourceTrace, TraceEvent, replay
 
 __all__ = [
     "EventRecord",
     "JobOptions",
-    "LaunchedJob",
     "ResourceTrace",
     "TraceEvent",
     "enable_compilation_cache",
     "replay",
+    "use_job_class",
 ]

@@ -3,10 +3,19 @@
 JAX cannot change the process set of a running job, so a change of processes is a new generation
 of them; the state that must outlive a generation lives in the tensor stores
 (``tenplex_jax.multihost.store``), one per host slot. A script written for ``tj.ElasticJob`` runs
-unchanged as a launched process. Importing this needs no JAX.
+unchanged as a launched process: there its ``tj.ElasticJob(...)`` builds a :class:`LaunchedJob`
+(``tj.elastic.use_job_class``). Importing this needs no JAX (``LaunchedJob`` loads on first use).
 """
 
 from tenplex_jax._src.multihost.launch import Launcher, launch
 from tenplex_jax._src.multihost.spec import JobSpec, LaunchOptions
 
-__all__ = ["JobSpec", "LaunchOptions", "Launcher", "launch"]
+__all__ = ["JobSpec", "LaunchOptions", "LaunchedJob", "Launcher", "launch"]
+
+
+def __getattr__(name: str):
+    if name == "LaunchedJob":  # needs JAX, which the launcher does not import
+        from tenplex_jax._src.multihost.launched import LaunchedJob
+
+        return LaunchedJob
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -51,7 +51,7 @@ def test_replayed_changes_find_the_exact_layout_compiled_ahead_and_no_guess():
     job = tj.ElasticJob(
         LOGICAL_RULES,
         tj.DatasetPTC(tiny_samples(), 24, seed=1),
-        workers=8,
+        grad_units=8,
         config=CONFIGS.__getitem__,
         options=tj.elastic.JobOptions(compile_ahead=True, exact_step_times=True),
     )
@@ -140,7 +140,7 @@ def test_a_background_compile_lowers_the_switch_interval_and_puts_it_back(option
 
     options = tj.elastic.JobOptions(compile_ahead=True, switch_interval=option)
     job = tj.ElasticJob(
-        LOGICAL_RULES, tj.DatasetPTC(tiny_samples(), 24, seed=1), workers=8, options=options
+        LOGICAL_RULES, tj.DatasetPTC(tiny_samples(), 24, seed=1), grad_units=8, options=options
     )
 
     def ahead(ids) -> None:  # compile the layout of ``ids`` on a compile thread; wait for it
@@ -168,7 +168,7 @@ def _notice_job(step, notice: float = 60.0):
     job = tj.ElasticJob(
         LOGICAL_RULES,
         tj.DatasetPTC(tiny_samples(), 24, seed=1),
-        workers=8,
+        grad_units=8,
         options=tj.elastic.JobOptions(notice_seconds=notice, exact_step_times=True),
     )
     return job, job.start(tiny_init), job.jit(step)
@@ -178,7 +178,7 @@ def test_a_notice_trains_on_its_devices_until_the_new_layout_is_compiled():
     """With ``notice_seconds``, a preemption notice whose layout is not compiled yet queues it
     ahead and the job trains on all its devices; the first boundary after the compile is ready
     moves the job, with nothing to wait for. The run's params equal, bit for bit, a run that
-    never changed devices (data parallelism over virtual workers), and every batch is the same."""
+    never changed devices (data parallelism over gradient units), and every batch is the same."""
     gate = threading.Event()  # holds the six-device step's trace until the test lets it go
 
     def step(state, batch):

@@ -23,8 +23,8 @@ def test_layout_splits_a_batch_unevenly_and_pads_every_rank_to_the_longest():
     assert [int((pos[layout.rank_rows(r)] < 0).sum()) for r in range(3)] == [0, 1, 1]
 
 
-def test_virtual_workers_are_whole_units_spread_over_ranks():
-    layout = tj.data.BatchLayout(24, ranks=6, workers=8)
+def test_grad_units_are_whole_units_spread_over_ranks():
+    layout = tj.data.BatchLayout(24, ranks=6, grad_units=8)
     assert (layout.unit, layout.slots, layout.rows) == (3, 2, 36)
     assert layout.counts == (6, 6, 3, 3, 3, 3)
     assert list(layout.unit_rows()) == [0, 1, 2, 3, 4, 6, 8, 10]
@@ -47,19 +47,22 @@ def test_a_memory_cap_keeps_the_global_batch_by_accumulating(ranks, max_rows):
     assert sum(layout.counts) == 24
     if max_rows >= -(-24 // ranks):
         assert layout.accumulate == 1
-    virtual = tj.data.BatchLayout.fit(24, min(ranks, 6), max_rows=max(max_rows, 4), workers=6)
-    assert virtual.microbatch == 4
-    with pytest.raises(tj.errors.DataError, match="exceeds max_rows=3; use at least 8 workers"):
-        tj.data.BatchLayout.fit(24, 2, max_rows=3, workers=6)
+    by_units = tj.data.BatchLayout.fit(24, min(ranks, 6), max_rows=max(max_rows, 4), grad_units=6)
+    assert by_units.microbatch == 4
+    with pytest.raises(tj.errors.DataError, match="max_rows=3; use at least 8 gradient units"):
+        tj.data.BatchLayout.fit(24, 2, max_rows=3, grad_units=6)
 
 
 @pytest.mark.parametrize(
     "kwargs, rule",
     [
         ({"global_batch": 4, "ranks": 5}, "only 4 samples in a global batch"),
-        ({"global_batch": 24, "ranks": 9, "workers": 8}, "only 8 virtual workers"),
-        ({"global_batch": 24, "ranks": 2, "workers": 5}, "must divide the global batch 24"),
-        ({"global_batch": 24, "ranks": 2, "workers": 8, "accumulate": 2}, "already run one unit"),
+        ({"global_batch": 24, "ranks": 9, "grad_units": 8}, "only 8 gradient units"),
+        ({"global_batch": 24, "ranks": 2, "grad_units": 5}, "must divide the global batch 24"),
+        (
+            {"global_batch": 24, "ranks": 2, "grad_units": 8, "accumulate": 2},
+            "already run one unit",
+        ),
         ({"global_batch": 0, "ranks": 1}, ">= 1"),
     ],
 )
@@ -124,11 +127,11 @@ def resize_runs(draw):
     divisors = [d for d in range(1, batch + 1) if batch % d == 0]
     sequence = {}
     for p in points:
-        workers = draw(st.sampled_from([None, *divisors]))
-        units = batch if workers is None else workers
+        grad_units = draw(st.sampled_from([None, *divisors]))
+        units = batch if grad_units is None else grad_units
         ranks = draw(st.integers(1, min(8, units)))
-        accumulate = draw(st.integers(1, 3)) if workers is None else 1
-        sequence[p] = {"ranks": ranks, "workers": workers, "accumulate": accumulate}
+        accumulate = draw(st.integers(1, 3)) if grad_units is None else 1
+        sequence[p] = {"ranks": ranks, "grad_units": grad_units, "accumulate": accumulate}
     return (np.arange(n) * 3, batch, draw(st.integers(0, 2**16)), remainder), sequence, steps
 
 
@@ -230,7 +233,7 @@ def test_memmaps_dicts_and_grain_datasets_serve_the_same_batches(tmp_path):
         "dict": {"x": data},
         "grain": grain.MapDataset.source(list(data)).map(lambda x: {"x": x}),
     }
-    layout = tj.data.BatchLayout(16, ranks=3, workers=4)
+    layout = tj.data.BatchLayout(16, ranks=3, grad_units=4)
     served = {}
     for name, source in sources.items():
         ds = tj.DatasetPTC(source, 16, seed=2, fingerprint="samples-v1")

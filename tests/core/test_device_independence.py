@@ -18,7 +18,7 @@ from tests.helpers import RULES, host_copy, tiny_samples
 
 C = tj.ParallelConfig
 BATCH = 24
-WORKERS = 8
+GRAD_UNITS = 8
 
 
 def build(seed: int = 0):
@@ -64,7 +64,7 @@ def _compiled_step(graphdef, ptc: tj.PTC, layout: tj.data.BatchLayout, microbatc
     )
 
 
-def train(schedule: dict, steps: int, workers: int | None = WORKERS, microbatches: int = 0):
+def train(schedule: dict, steps: int, grad_units: int | None = GRAD_UNITS, microbatches: int = 0):
     """Train ``steps`` steps, changing layout at the schedule's steps; (losses, state, samples)."""
     graphdef, state = build()
     dataset = tj.DatasetPTC(tiny_samples(), BATCH, seed=3)  # 100 samples: epochs end mid-batch
@@ -82,7 +82,9 @@ def train(schedule: dict, steps: int, workers: int | None = WORKERS, microbatche
                 new = tj.allocate(ptc, new)
                 state, _ = tj.reshard(state, tj.make_plan(ptc, new))
             ptc = new
-            layout = tj.data.BatchLayout(BATCH, ranks=config.data * config.fsdp, workers=workers)
+            layout = tj.data.BatchLayout(
+                BATCH, ranks=config.data * config.fsdp, grad_units=grad_units
+            )
             step = compiled_step(graphdef, ptc, layout, microbatches if config.pipe > 1 else 0)
         batch, weights, samples = tj.data.device_batch(dataset, dataset.step, layout, ptc.mesh())
         dataset.step += 1
@@ -102,7 +104,7 @@ def test_dp_and_fsdp_resizes_train_bitwise_equal_to_a_fixed_run(fixed_run):
         {
             0: (C(data=8), range(8)),
             2: (C(data=4), range(4)),  # shrink
-            4: (C(data=3, fsdp=2), range(2, 8)),  # 3 ranks do not divide 8 virtual workers
+            4: (C(data=3, fsdp=2), range(2, 8)),  # 3 ranks do not divide 8 gradient units
             6: (C(data=2, fsdp=4), range(8)),  # back to 8 devices, sharded optimizer state
         },
         8,
@@ -154,8 +156,8 @@ def unpadded_reference(rows: tuple[int, ...]):
     return nnx.value_and_grad(lambda m: example_losses(m, unpadded).mean())(model)
 
 
-@pytest.mark.parametrize("workers, accumulate", [(None, 1), (None, 2), (4, 1)])
-def test_padded_uneven_ranks_give_the_gradient_of_the_unpadded_batch(workers, accumulate):
+@pytest.mark.parametrize("grad_units, accumulate", [(None, 1), (None, 2), (4, 1)])
+def test_padded_uneven_ranks_give_the_gradient_of_the_unpadded_batch(grad_units, accumulate):
     """3 ranks, global batch 16: 6, 5, 5 real rows; the padding must not count."""
     graphdef, state = build()
     config = C(data=3)
@@ -163,7 +165,7 @@ def test_padded_uneven_ranks_give_the_gradient_of_the_unpadded_batch(workers, ac
     state = tj.place(state, ptc)
     mesh = ptc.mesh()
     dataset = tj.DatasetPTC(tiny_samples(), 16, seed=1)
-    layout = tj.data.BatchLayout(16, ranks=3, workers=workers, accumulate=accumulate)
+    layout = tj.data.BatchLayout(16, ranks=3, grad_units=grad_units, accumulate=accumulate)
     grad_fn = tj.data.batch_value_and_grad(example_losses, layout, mesh)
 
     @jax.jit
@@ -193,8 +195,9 @@ def test_a_layout_for_another_rank_count_than_the_mesh_is_refused():
         )
 
 
-def test_virtual_workers_train_a_pipelined_model(fixed_run):
-    """The pipeline's shard_map over ``pipe`` runs inside the workers' shard_map over the batch."""
+def test_grad_units_train_a_pipelined_model(fixed_run):
+    """The pipeline's shard_map over ``pipe`` runs inside the gradient units' shard_map over the
+    batch."""
     schedule = {0: (C(data=8), range(8)), 2: (C(data=4, pipe=2), range(8))}
     losses, state, seen = train(schedule, 4, microbatches=3)
     fixed_losses, _, fixed_seen = fixed_run

@@ -1,6 +1,6 @@
 """Elastic training in one process: preemption, device failure, growth, compile cache, traces.
 
-Every run trains the tiny GPT with virtual workers on (data, fsdp) layouts, so the params after a
+Every run trains the tiny GPT with gradient units on (data, fsdp) layouts, so the params after a
 run with events must equal those of a run without any, bit for bit, and every step must see the
 samples the fixed run saw.
 """
@@ -48,7 +48,7 @@ def make_job(
     job = tj.ElasticJob(
         LOGICAL_RULES,
         dataset,
-        workers=8,
+        grad_units=8,
         config=None if configs is None else config,
         options=options,
         **kwargs,
@@ -354,7 +354,7 @@ def test_job_options_refuse_a_bad_field_naming_it(fields, match):
         tj.elastic.JobOptions(**fields)
 
 
-def test_one_process_builds_an_elastic_job_and_a_launched_job_needs_the_launcher():
+def test_one_process_builds_an_elastic_job_unless_a_runtime_says_what_it_builds():
     dataset = tj.DatasetPTC(np.zeros((8, 2), np.float32), global_batch=8)
     options = tj.elastic.JobOptions(batch_axes=["fsdp"])
     assert options.batch_axes == ("fsdp",)  # frozen and hashable, as the record
@@ -363,8 +363,23 @@ def test_one_process_builds_an_elastic_job_and_a_launched_job_needs_the_launcher
         assert (job.process_index, job.generation, job.run_dir, job.restored) == (0, 0, None, None)
     with pytest.raises(tj.errors.LayoutError, match=r"options= is a tj.elastic.JobOptions"):
         tj.ElasticJob((), dataset, options={"compile_ahead": False})
-    with pytest.raises(tj.errors.LayoutError, match=r"no job description from the launcher"):
-        tj.elastic.LaunchedJob((), dataset)
+
+    class Outer:
+        def __init__(self, *args, **kwargs):
+            self.args = args, kwargs
+
+    class Inner(Outer):
+        pass
+
+    with tj.elastic.use_job_class(Outer):
+        outer = tj.ElasticJob((), dataset, grad_units=4)
+        with tj.elastic.use_job_class(Inner):  # the innermost wins, until it is left
+            inner = tj.ElasticJob((), dataset)
+        again = tj.ElasticJob((), dataset)
+    assert (type(outer), type(inner), type(again)) == (Outer, Inner, Outer)
+    assert outer.args == (((), dataset), {"grad_units": 4})  # the same arguments
+    with tj.ElasticJob((), dataset) as job:  # after the block: the one-process job again
+        assert type(job) is tj.ElasticJob
 
 
 def test_leaving_the_job_stops_its_compile_threads_and_changes_no_jax_setting():
@@ -377,7 +392,7 @@ def test_leaving_the_job_stops_its_compile_threads_and_changes_no_jax_setting():
     ]
     before = {n: getattr(jax.config, n) for n in names}
     assert not _compile_threads()
-    with tj.ElasticJob(LOGICAL_RULES, tj.DatasetPTC(tiny_samples(), BATCH), workers=8) as job:
+    with tj.ElasticJob(LOGICAL_RULES, tj.DatasetPTC(tiny_samples(), BATCH), grad_units=8) as job:
         state = job.start(tiny_init)
         step = job.jit(STEP)  # compile-ahead on: the guess of one device fewer compiles
         state, batch = job.next(state)

@@ -42,7 +42,7 @@ class Layout:
         self.sample = jax.tree.map(np.asarray, self.dataset.load(np.zeros(1, np.int64)))
         abstract = build_state("tiny", 3e-3, abstract=True)[1]
         self.ptc = PTC.of(abstract, LOGICAL_RULES, CONFIG, jax.devices())
-        self.layout = BatchLayout(BATCH, ranks=8, workers=8)
+        self.layout = BatchLayout(BATCH, ranks=8, grad_units=8)
         self.mesh = self.ptc.mesh(jax.devices())
 
     def steps(self, directory, **kwargs) -> StepCache:
@@ -286,7 +286,7 @@ def make_job(directory, log=None):
         compile_ahead=False, exact_step_times=True, executable_cache=directory, log=log
     )
     job = tj.ElasticJob(
-        LOGICAL_RULES, tj.DatasetPTC(tiny_samples(), BATCH, seed=1), workers=8, options=options
+        LOGICAL_RULES, tj.DatasetPTC(tiny_samples(), BATCH, seed=1), grad_units=8, options=options
     )
     state = job.start(tiny_init)
     return job, state, job.jit(STEP)

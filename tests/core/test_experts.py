@@ -1,7 +1,7 @@
 """Expert parallelism: the mixture-of-experts GPT trains through resizes that change the
 expert-parallel degree together with the data, FSDP and tensor degrees.
 
-The step is the one ``ElasticJob`` runs: virtual workers over the batch axes ``data`` and ``fsdp``
+The step is the one ``ElasticJob`` runs: gradient units over the batch axes ``data`` and ``fsdp``
 (data-parallel changes are bitwise), while ``expert`` and ``tensor`` stay model axes, so each device
 computes its own experts and XLA sums their outputs over the expert ranks. A change of the expert or
 tensor degree regroups those sums, so the resized run agrees with a fixed one to float32 rounding,
@@ -44,7 +44,7 @@ SCHEDULE = {
     4: (E(expert=4, fsdp=2), range(8)),
 }
 STEPS = 6
-WORKERS = 8
+GRAD_UNITS = 8
 
 
 @functools.cache
@@ -89,7 +89,7 @@ def train(schedule: dict, steps: int):
                 reshards.append((plan, report))
                 ptc = new
             ranks = np.prod([config.size(a) for a in BATCH_AXES])
-            layout = tj.data.BatchLayout(BATCH, ranks=int(ranks), workers=WORKERS)
+            layout = tj.data.BatchLayout(BATCH, ranks=int(ranks), grad_units=GRAD_UNITS)
             step = compiled(graphdef, ptc, layout)
         batch, weights, _ = tj.data.device_batch(
             dataset, dataset.step, layout, ptc.mesh(), BATCH_AXES

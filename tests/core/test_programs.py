@@ -53,7 +53,7 @@ class Job:
         self.ptc = PTC.of(
             build_state("tiny", 3e-3, abstract=True)[1], LOGICAL_RULES, CONFIG, self.devices
         )
-        self.layout = BatchLayout(BATCH, ranks=4, workers=4)
+        self.layout = BatchLayout(BATCH, ranks=4, grad_units=4)
         self.mesh = self.ptc.mesh(self.devices)
 
     def steps(self, fn, directory) -> StepCache:
@@ -230,13 +230,13 @@ def test_a_layout_compiled_for_a_topology_of_devices_it_lacks_loads_untraced_wit
     of the devices the grown job will have (here 1 process x 4: this process's first 4 devices'
     ids), and stores it. A process that has those devices then loads it: untraced where it was
     compiled (the lowering is remembered), traced elsewhere; the bits of a normal compile."""
-    from tenplex_jax._src import compat
+    from tenplex_jax._src.multihost import distributed
     from tenplex_jax._src.multihost.processes import free_port
 
     job = compiled[0]
     fn, want = fresh_program(job, 4e-3, tmp_path)
     before = StepCache(fn, job.sample, job.devices[:1], executables=ExecutableCache(tmp_path))
-    with compat.cpu_topology(1, 4, port=free_port()) as devices:
+    with distributed.cpu_topology(1, 4, port=free_port()) as devices:
         assert [(d.id, d.process_index) for d in devices] == [(i, 0) for i in range(4)]
         assert all(d not in jax.devices() for d in devices)  # another client's
         ptc = PTC.of(build_state("tiny", 3e-3, abstract=True)[1], LOGICAL_RULES, CONFIG, devices)

@@ -309,6 +309,39 @@ def test_src_never_imports_a_face():
     assert src and not wrong, "tenplex_jax._src imports only itself:\n" + "\n".join(wrong)
 
 
+# the layers, lowest first: each imports only its own and the ones below. The core is what a
+# one-process user needs; the wings stand on it; the command line stands on them all.
+LAYERS = ("core", "multihost", "wsp|simulator", "cli")
+WINGS = {"multihost": "multihost", "wsp": "wsp|simulator", "simulator": "wsp|simulator"}
+# what opens sockets or starts processes: the wings' business, never the core's
+NOT_IN_CORE = ("socket", "socketserver", "subprocess", "multiprocessing", "http", "runpy")
+
+
+def _layer(module: str) -> str | None:
+    """The layer of a tenplex_jax module (a face's or ``_src``'s), None outside tenplex_jax."""
+    parts = module.split(".") + [""]
+    if parts[0] != "tenplex_jax":
+        return None
+    area = parts[2] if parts[1] == "_src" else parts[1]
+    return "cli" if area in ("cli", "__main__") else WINGS.get(area, "core")
+
+
+def test_each_layer_imports_only_its_own_and_the_layers_below():
+    """The core (layout, plan, reshard, data, checkpoint, the one-process loop, the planner)
+    imports no wing and opens no socket; multihost stands on the core; wsp and the simulator
+    on both; the command line on all. No import of the repository's benchmarks anywhere."""
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        mine = _layer(".".join(path.relative_to(ROOT.parent).with_suffix("").parts))
+        for line, imported in _imports(path):
+            top, theirs = imported.split(".")[0], _layer(imported)
+            up = theirs is not None and LAYERS.index(theirs) > LAYERS.index(mine)
+            forbidden = top == "tenplex_jax_benchmarks" or (mine == "core" and top in NOT_IN_CORE)
+            if up or forbidden:
+                wrong.append(f"{path.relative_to(ROOT.parent)}:{line}: {mine} imports {imported}")
+    assert not wrong, "an import up the layers:\n" + "\n".join(wrong)
+
+
 @pytest.mark.parametrize("face", LIGHT)
 def test_light_faces_do_not_import_jax(face):
     code = f"import {face}, sys; assert 'jax' not in sys.modules, sorted(sys.modules)"

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from tests.helpers import LAUNCH_BATCH, LAUNCH_SAMPLES, LAUNCH_WORKERS, ROOT, events
+from tests.helpers import LAUNCH_BATCH, LAUNCH_GRAD_UNITS, LAUNCH_SAMPLES, ROOT, events
 
 EXAMPLE = ROOT / "examples" / "elastic_gpt.py"
 TIMEOUT = 300  # the whole job, seconds
@@ -54,8 +54,8 @@ def launch_example(run: pathlib.Path, nprocs: int, steps: int, *, flags=(), scri
         str(steps),
         "--batch",
         str(LAUNCH_BATCH),
-        "--workers",
-        str(LAUNCH_WORKERS),
+        "--grad-units",
+        str(LAUNCH_GRAD_UNITS),
         "--samples",
         str(LAUNCH_SAMPLES),
         "--out",

@@ -106,7 +106,7 @@ def main() -> int:
             "100000",
             "--batch",
             "24",
-            "--workers",
+            "--grad-units",
             "8",
             "--samples",
             "100",

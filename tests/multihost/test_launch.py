@@ -35,8 +35,8 @@ from tenplex_jax._src.multihost.commit import stored_objects
 from tenplex_jax.multihost import store
 from tests.helpers import (
     LAUNCH_BATCH,
+    LAUNCH_GRAD_UNITS,
     LAUNCH_SAMPLES,
-    LAUNCH_WORKERS,
     ROOT,
     events,
     reaped,
@@ -214,7 +214,7 @@ def test_dead_workers_shards_come_from_their_replicas(job, reference):
     reports = [json.loads((job["run"] / f"restore-g1-p{i}.json").read_text()) for i in range(3)]
     assert all(r["source"] == "store" and r["step"] == 2 for r in reports)
     # the job's config
-    config = tj.planner.choose_config(8, abstract, LOGICAL_RULES, LAUNCH_BATCH, LAUNCH_WORKERS)
+    config = tj.planner.choose_config(8, abstract, LOGICAL_RULES, LAUNCH_BATCH, LAUNCH_GRAD_UNITS)
     gen0 = tj.PTC.of(abstract, LOGICAL_RULES, config, range(8), hosts=[0, 0, 1, 1, 2, 2, 3, 3])
     lost = sum(o.nbytes for o in stored_objects(gen0, [0, 1, 2, 3], 1) if o.process == 3)
     assert lost > 0
@@ -374,14 +374,21 @@ def test_a_launched_job_refuses_in_process_device_changes_and_finishes(tmp_path)
     assert not record["loaded"] and record["compiles"] == 1
 
 
-def test_a_job_description_without_the_launchers_entry_point_is_refused(monkeypatch):
+def test_a_launched_job_needs_the_launchers_description_and_entry_point(monkeypatch):
+    """Outside the launcher's entry point a LaunchedJob is refused, with or without the job's
+    description in the environment, and the environment never switches what
+    ``tj.ElasticJob(...)`` builds (only ``tj.elastic.use_job_class`` does)."""
+    dataset = tj.DatasetPTC(np.zeros((8, 2), np.float32), global_batch=8)
+    with pytest.raises(tj.errors.LayoutError, match=r"no job description from the launcher"):
+        tj.multihost.LaunchedJob((), dataset)
     spec = tj.multihost.JobSpec(
         "127.0.0.1:1", 0, 1, 2, 0, (0,), {0: "127.0.0.1:2"}, 0, 1, "init", "/nonexistent"
     )
     monkeypatch.setenv(*next(iter(spec.to_env().items())))
-    dataset = tj.DatasetPTC(np.zeros((8, 2), np.float32), global_batch=8)
     with pytest.raises(tj.errors.LayoutError, match=r"python -m tenplex_jax.multihost SCRIPT"):
-        tj.ElasticJob((), dataset)
+        tj.multihost.LaunchedJob((), dataset)
+    with tj.ElasticJob((), dataset) as job:
+        assert type(job) is tj.ElasticJob
 
 
 def test_a_generation_ending_on_a_checkpoint_step_saves_its_checkpoint(job):

@@ -143,11 +143,11 @@ def test_the_bitwise_demo_end_to_end(tmp_path) -> None:
     assert len(summary["fixed_run_losses"]) == 8
 
 
-def test_demo_rejects_a_batch_the_virtual_workers_do_not_divide(tmp_path, capsys) -> None:
+def test_demo_rejects_a_batch_the_grad_units_do_not_divide(tmp_path, capsys) -> None:
     argv = ["demo", "--model", "tiny", "--batch", "12", "--out", str(tmp_path)]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "8 virtual workers must divide the global batch 12" in err
+    assert "8 gradient units must divide the global batch 12" in err
     assert not (tmp_path / "summary.json").exists()
 
 

@@ -277,11 +277,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=0, help="init and data seed (default: 0)")
     demo.add_argument(
-        "--workers",
+        "--grad-units",
         type=_count,
         default=8,
         metavar="V",
-        help="virtual data-parallel workers; the global batch is always cut into V units whose "
+        help="gradient units; the global batch is always cut into V units whose "
         "gradients are summed in a fixed order, so results are bitwise equal on any data-parallel "
         "size; 0 for plain data parallelism (default: 8)",
     )
@@ -690,7 +690,7 @@ def _demo(args) -> int:
         method=args.method,
         devices=args.devices,
         seed=args.seed,
-        workers=args.workers or None,
+        grad_units=args.grad_units or None,
         samples=args.samples,
         notice_seconds=args.notice,
         executable_cache=_executable_cache(args.executable_cache, args.out),

@@ -15,7 +15,7 @@ Two schedules:
   agree with the fixed run to rounding (``params_vs_fixed_run`` gives the max relative difference;
   a rounding difference that flips a token's top-k choice makes the runs drift further apart);
 - ``--bitwise`` changes the data-parallel degree only (8 → 4 → 6 → 8, the planner choosing data and
-  FSDP sizes for each count): with virtual workers the params equal the fixed run bit for bit.
+  FSDP sizes for each count): with gradient units the params equal the fixed run bit for bit.
 
 Every global batch is trained exactly once in both. :func:`choose_devices` stands in for a
 scheduler. ``train`` is shared with the trace replay (``trace_demo.py``). The reference model is the
@@ -67,7 +67,7 @@ class DemoOptions:
     method: str = "plan"
     devices: int = 8
     seed: int = 0
-    workers: int | None = 8  # virtual data-parallel workers; None: plain data parallelism
+    grad_units: int | None = 8  # gradient units; None: plain data parallelism
     samples: int = 1000  # dataset size: not a multiple of the batch, so an epoch ends mid-run
     bitwise: bool = False  # the data-parallel schedule (the default schedule's only)
     notice_seconds: float = 0.0  # JobOptions.notice_seconds: a change waits for its step
@@ -263,7 +263,7 @@ def train(
         dataset,
         devices=jax.devices()[: trace.devices],
         initial=initial,
-        workers=options.workers,
+        grad_units=options.grad_units,
         config=config,
         steps=trace.steps,
         checkpoint_dir=checkpoint_dir,
@@ -326,7 +326,7 @@ def run(options: DemoOptions) -> dict:
     trace, layouts, initial = schedule_trace(options)
     if len(jax.devices()) < options.devices:
         raise LayoutError(f"the demo needs {options.devices} devices, found {len(jax.devices())}")
-    BatchLayout(options.batch, 1, options.workers)  # a bad batch fails before any training
+    BatchLayout(options.batch, 1, options.grad_units)  # a bad batch fails before any training
     _, abstract, cfg = build_state(options.model, options.lr, options.seed, abstract=True)
     source = corpus_samples(stdlib_corpus(), cfg.seq_len, options.samples)
     with tqdm(total=options.steps, desc=f"{options.model} resized", unit="step") as bar:
@@ -351,7 +351,7 @@ def run(options: DemoOptions) -> dict:
         "param_count": param_count(abstract),
         "state_bytes": job.ptc.nbytes,
         "global_batch": options.batch,
-        "virtual_workers": options.workers,
+        "grad_units": options.grad_units,
         "dataset_samples": options.samples,
         "seq_len": cfg.seq_len,
         "steps": options.steps,

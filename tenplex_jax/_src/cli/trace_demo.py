@@ -98,7 +98,7 @@ def run(options: DemoOptions, trace: ResourceTrace, *, compile_ahead: bool = Tru
         "param_count": param_count(abstract),
         "state_bytes": job.ptc.nbytes,
         "global_batch": options.batch,
-        "virtual_workers": options.workers,
+        "grad_units": options.grad_units,
         "dataset_samples": options.samples,
         "seq_len": cfg.seq_len,
         "lr": options.lr,

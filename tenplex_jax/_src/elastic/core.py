@@ -8,8 +8,9 @@ stall. Two roles fill its hooks:
 
 - :class:`tenplex_jax.ElasticJob` (``job.py``), one process: events change its devices between
   steps; checkpoints under ``checkpoint_dir``;
-- :class:`tenplex_jax.elastic.LaunchedJob` (``launched.py``), a process of ``tenplex-jax launch``:
-  restores where the launcher says, commits to the tensor stores, ends its generation on request.
+- a runtime's job, such as :class:`tenplex_jax.multihost.LaunchedJob` (the multihost wing), a
+  process of ``tenplex-jax launch``: restores where the launcher says, commits to the tensor
+  stores, ends its generation on request.
 
 The hooks: ``_restore_or_build(build)`` is the state ``start`` begins from, ``next(state)`` the
 step boundary (each role's own, then the shared ``_batch()``), ``_after_step()`` what follows
@@ -46,8 +47,6 @@ from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
 
 __all__ = ["JobOptions"]
 
-FOLLOW_SECONDS = 600.0  # how long a launched process waits for the leader's compile of a layout
-
 
 @dataclasses.dataclass(frozen=True)
 class JobOptions:
@@ -57,7 +56,7 @@ class JobOptions:
     ``dataclasses.replace``::
 
         options = tj.elastic.JobOptions(compile_ahead=False, exact_step_times=True)
-        job = tj.ElasticJob(rules, dataset, workers=8, options=options)
+        job = tj.ElasticJob(rules, dataset, grad_units=8, options=options)
         verbose = dataclasses.replace(options, log=print)
 
     Attributes:
@@ -156,10 +155,13 @@ class JobOptions:
 
 
 class _JobCore(abc.ABC):
-    """The shared core of :class:`ElasticJob` and :class:`LaunchedJob` (see the module
-    docstring); the roles document the constructor's arguments."""
+    """The shared core of the job's roles (see the module docstring): the constructor, whose
+    arguments :class:`tenplex_jax.ElasticJob` documents, is written here once."""
 
     launched: bool  # whether this process is a worker of `tenplex-jax launch`: False or True
+    # how long a process waits for another process's compile of a layout before compiling it
+    # itself: 0 in one process, where no other process compiles
+    _follow_seconds = 0.0
 
     def __init__(
         self,
@@ -168,7 +170,7 @@ class _JobCore(abc.ABC):
         *,
         devices: Sequence[jax.Device] | None = None,
         initial: Iterable[int] | None = None,
-        workers: int | None = None,
+        grad_units: int | None = None,
         config: Callable[[int], ParallelConfig] | None = None,
         steps: int | None = None,
         checkpoint_dir: str | pathlib.Path | None = None,
@@ -181,7 +183,7 @@ class _JobCore(abc.ABC):
                 f"batch_axes, exact_step_times, profile, device_type, log, executable_cache), "
                 f"got {options!r}"
             )
-        self.rules, self.dataset, self.workers, self.steps = rules, dataset, workers, steps
+        self.rules, self.dataset, self.grad_units, self.steps = rules, dataset, grad_units, steps
         self.devices = {d.id: d for d in (jax.devices() if devices is None else devices)}
         self.initial = tuple(sorted(self.devices) if initial is None else initial)
         self.checkpoint_dir = None if checkpoint_dir is None else pathlib.Path(checkpoint_dir)
@@ -228,7 +230,7 @@ class _JobCore(abc.ABC):
 
     @property
     def layout(self) -> BatchLayout:
-        """How the current layout splits a global batch: rows per rank, virtual workers."""
+        """How the current layout splits a global batch: rows per rank, gradient units."""
         return self._layout(self.ptc.config)
 
     def start(self, init):
@@ -280,10 +282,9 @@ class _JobCore(abc.ABC):
             raise LayoutError("call job.start(init) before job.jit(step): the step needs a layout")
         executables = None
         if self.executable_cache is not None:
-            # in a launched job one process compiles each layout and the others load it: on CPU
-            # they would otherwise compile the same program side by side on shared cores
-            follow = FOLLOW_SECONDS if self.launched else 0.0
-            executables = ExecutableCache(self.executable_cache, log=self.log, follow=follow)
+            executables = ExecutableCache(
+                self.executable_cache, log=self.log, follow=self._follow_seconds
+            )
         self.steps_cache = StepCache(
             fn,
             self._sample,
@@ -327,7 +328,7 @@ class _JobCore(abc.ABC):
                     self._abstract,
                     self.rules,
                     self.dataset.global_batch,
-                    self.workers,
+                    self.grad_units,
                     profile=self.options.profile,
                     device_type=self.options.device_type,
                 )
@@ -378,7 +379,7 @@ class _JobCore(abc.ABC):
 
     def _layout(self, config: ParallelConfig) -> BatchLayout:
         ranks = math.prod(config.size(axis) for axis in self.options.batch_axes)
-        return BatchLayout(self.dataset.global_batch, ranks=ranks, workers=self.workers)
+        return BatchLayout(self.dataset.global_batch, ranks=ranks, grad_units=self.grad_units)
 
     def _key(self, ptc: PTC) -> tuple:
         return StepCache.key(ptc, self._layout(ptc.config))

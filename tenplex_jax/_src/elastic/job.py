@@ -9,8 +9,8 @@ comes from the step cache, compiled ahead where the next layout can be foreseen,
 whose shards no replica holds falls back to the latest checkpoint. Each event becomes an
 ``EventRecord`` in ``job.records``.
 
-In a process of ``tenplex-jax launch``, ``ElasticJob(...)`` builds a :class:`LaunchedJob`
-(``launched.py``) instead: the same script runs in both settings.
+A runtime that runs the user's script unchanged in processes of its own (``tenplex-jax launch``)
+says what ``ElasticJob(...)`` builds there with :func:`use_job_class`; nothing else switches it.
 """
 
 from __future__ import annotations
@@ -18,30 +18,29 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import os
+import functools
 import pathlib
 import signal
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
-import jax
 import numpy as np
 
-from tenplex_jax._src.data import DatasetPTC
 from tenplex_jax._src.elastic import events
-from tenplex_jax._src.elastic.core import JobOptions, _JobCore
+from tenplex_jax._src.elastic.core import _JobCore
 from tenplex_jax._src.elastic.events import DECISIONS, KINDS, Event, EventRecord
-from tenplex_jax._src.elastic.launched import LaunchedJob
 from tenplex_jax._src.errors import DataError, LayoutError, LostShardsError
 from tenplex_jax._src.executor import reshard
-from tenplex_jax._src.multihost.spec import JobSpec
 from tenplex_jax._src.plan import allocate, make_plan
 from tenplex_jax._src.planner.cluster import Cluster
 from tenplex_jax._src.planner.growth import growth
 from tenplex_jax._src.planner.search import choose
-from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
+from tenplex_jax._src.ptc import PTC, ParallelConfig
 
-__all__ = ["KINDS", "ElasticJob", "EventRecord"]
+__all__ = ["KINDS", "ElasticJob", "EventRecord", "use_job_class"]
+
+# what ElasticJob(...) builds in this process, when a runtime said (use_job_class); None: itself
+_job_class: type | None = None
 
 
 class ElasticJob(_JobCore):
@@ -51,7 +50,7 @@ class ElasticJob(_JobCore):
     batch laid out for the current devices, and applies the events posted since the last step
     at the next step boundary::
 
-        with tj.ElasticJob(rules, tj.DatasetPTC(samples, global_batch=24), workers=8) as job:
+        with tj.ElasticJob(rules, tj.DatasetPTC(samples, global_batch=24), grad_units=8) as job:
             state = job.start(init)              # init() -> nnx.state({"model": .., ...})
             step = job.jit(train_step)           # train_step(state, batch) -> (state, metrics)
             with job.handle_sigterm():           # SIGTERM: a preemption notice
@@ -65,10 +64,11 @@ class ElasticJob(_JobCore):
     the step time growth weighs). Compiled steps are cached per (config, device order, batch
     layout), so returning to an earlier layout does not recompile.
 
-    **Launched.** In a process started by ``tenplex-jax launch`` (its environment holds the
-    launcher's ``JobSpec``), ``ElasticJob(...)`` returns a fully built
-    :class:`tenplex_jax.elastic.LaunchedJob` from the same arguments, as ``pathlib.Path()``
-    returns a ``PosixPath``; it is not an instance of ``ElasticJob``. Test ``job.launched``.
+    **Launched.** Inside :func:`use_job_class` (a runtime's entry point: ``tenplex-jax
+    launch`` runs the script inside ``use_job_class(tj.multihost.LaunchedJob)``),
+    ``ElasticJob(...)`` returns that class's job, fully built from the same arguments, as
+    ``pathlib.Path()`` returns a ``PosixPath``; it is not an instance of ``ElasticJob``. Test
+    ``job.launched``.
 
     Args:
       rules: the logical-axis rules of the state (``tj.typing.Rules``).
@@ -76,8 +76,10 @@ class ElasticJob(_JobCore):
         the job's step.
       devices: every device the job may ever use (default ``jax.devices()``).
       initial: the ids of the devices it starts on (default all of ``devices``).
-      workers: virtual workers, which make the params bitwise equal across data-parallel and
-        FSDP sizes (default None: plain data parallelism, one sample per unit).
+      grad_units: gradient units: the global batch is cut into that many equal units whose
+        gradients are computed alone and summed in a fixed order, which makes the params
+        bitwise equal across data-parallel and FSDP sizes (default None: plain data
+        parallelism, one sample per unit).
       config: ``config(n) -> ParallelConfig`` for ``n`` devices, raising
         ``tj.errors.LayoutError`` when it has none (default ``tj.planner.choose_config``).
       steps: the run's length in steps: growth weighs its gain over the remaining steps.
@@ -88,7 +90,7 @@ class ElasticJob(_JobCore):
         reshard method, batch axes, step timing, planner profile, log).
 
     Raises:
-      LayoutError: launched with ``devices`` or ``initial`` (the launcher owns the devices).
+      LayoutError: ``options`` is not a ``JobOptions``.
     """
 
     launched = False
@@ -100,36 +102,13 @@ class ElasticJob(_JobCore):
     restored: dict | None = None
 
     def __new__(cls, *args, **kwargs):
-        if JobSpec.from_env(os.environ) is not None:  # a process of `tenplex-jax launch`
-            return LaunchedJob(*args, **kwargs)  # not an ElasticJob: Python skips __init__
+        if cls is ElasticJob and _job_class is not None:  # a runtime's process (use_job_class)
+            return _job_class(*args, **kwargs)  # not an ElasticJob: Python skips __init__
         return super().__new__(cls)
 
-    def __init__(
-        self,
-        rules: Rules,
-        dataset: DatasetPTC,
-        *,
-        devices: Sequence[jax.Device] | None = None,
-        initial: Iterable[int] | None = None,
-        workers: int | None = None,
-        config: Callable[[int], ParallelConfig] | None = None,
-        steps: int | None = None,
-        checkpoint_dir: str | pathlib.Path | None = None,
-        checkpoint_every: int | None = None,
-        options: JobOptions = JobOptions(),
-    ):
-        super().__init__(
-            rules,
-            dataset,
-            devices=devices,
-            initial=initial,
-            workers=workers,
-            config=config,
-            steps=steps,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-            options=options,
-        )
+    @functools.wraps(_JobCore.__init__)  # the one signature, which inspect shows
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.failed: set[int] = set()
         self.records: list[EventRecord] = []
         self.cache_hits = 0  # reconfigurations whose step was already compiled
@@ -143,7 +122,7 @@ class ElasticJob(_JobCore):
         self._hints: list[tuple[int, ...]] = []  # announced device sets, in the order of use
         self._outstanding: tuple[tuple[int, ...], ...] = ()  # those compiled ahead, not reached
         self._guessed: tuple[int, ...] | None = None  # the devices the last guess was made on
-        device_type = options.device_type
+        device_type = self.options.device_type
         self._bandwidth = device_type.link_bandwidth if device_type is not None else 1e9
 
     # -- the user's side --------------------------------------------------------------------------
@@ -606,3 +585,29 @@ class ElasticJob(_JobCore):
             self.log(f"compile-ahead for devices {list(ids)} skipped: {error}")
             return
         self.steps_cache.get(target, self._layout(target.config), ahead=True, guess=True)
+
+
+@contextlib.contextmanager
+def use_job_class(job_class: type):
+    """Within the block, ``tj.ElasticJob(...)`` builds ``job_class(...)`` from the same arguments.
+
+    How a runtime runs a script written for one process, unchanged, in processes of its own:
+    ``tenplex-jax launch`` (locally or on Ray) runs each process's script inside
+    ``use_job_class(tj.multihost.LaunchedJob)``. Outside such a block ``ElasticJob(...)`` is the
+    one-process job; nothing else (no environment variable) switches it::
+
+        with tj.elastic.use_job_class(MyRuntimeJob):
+            runpy.run_path("train.py", run_name="__main__")   # its ElasticJob(...) is MyRuntimeJob
+
+    Args:
+      job_class: a class taking ``ElasticJob``'s arguments (``rules, dataset, **kwargs``).
+
+    The setting is the process's (the script's threads see it too); blocks nest, the innermost
+    winning, and leaving one puts back what was there before.
+    """
+    global _job_class
+    before, _job_class = _job_class, job_class
+    try:
+        yield job_class
+    finally:
+        _job_class = before

@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import jax
 
-from tenplex_jax._src import compat
+from tenplex_jax._src.multihost import distributed
 from tenplex_jax._src.multihost.processes import free_port
 
 INTERRUPT = signal.SIGUSR1  # how the control thread interrupts the main thread
@@ -56,7 +56,7 @@ def host_service(address: str, processes: int, *, heartbeat_seconds: int = 10):
     Returns:
       The service; ``shutdown()`` stops it.
     """
-    return compat.coordination_service(address, processes, heartbeat_seconds=heartbeat_seconds)
+    return distributed.coordination_service(address, processes, heartbeat_seconds=heartbeat_seconds)
 
 
 def join(
@@ -124,7 +124,7 @@ def leave(*, broken: bool) -> None:
         backends stay referenced, never destroyed, since a destructor would wait for
         computations whose peers are gone.
     """
-    compat.drop_backends(keep_alive=broken)
+    distributed.drop_backends(keep_alive=broken)
 
 
 def break_collectives(peers: list[int], endpoints: list[str] = ()) -> int:

@@ -4,9 +4,9 @@
 :func:`join` configures JAX from the launcher's :class:`JobSpec` (CPU devices per process, gloo
 collectives) and initializes ``jax.distributed`` with the coordinator on 127.0.0.1, then
 :func:`main` runs the script as ``__main__``. A standby process (:func:`stand_by`) does the
-imports first and waits for its rank on stdin. The script's ``ElasticJob(...)`` finds the spec and
-builds a ``LaunchedJob`` (``tenplex_jax._src.elastic.launched``), which drives a :class:`Worker`,
-an implementation detail of the job:
+imports first and waits for its rank on stdin. :func:`main` runs the script inside
+``tj.elastic.use_job_class(LaunchedJob)``: its ``ElasticJob(...)`` builds a ``LaunchedJob``
+(``launched.py``), which drives a :class:`Worker`, an implementation detail of the job:
 
 - ``restore``: the state laid out over this generation's devices, from where the launcher says —
   the latest complete version in the stores (each process pulls only its own shards: its own
@@ -36,10 +36,9 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from tenplex_jax._src import compat
 from tenplex_jax._src.data import DatasetPTC, DataState
 from tenplex_jax._src.errors import DataError, StoreError
-from tenplex_jax._src.multihost import membership
+from tenplex_jax._src.multihost import distributed, membership
 from tenplex_jax._src.multihost.spec import ACTIONS, CHECKPOINT, CONTROL, ENV, STANDBY, JobSpec
 from tenplex_jax._src.ptc import PTC
 
@@ -127,7 +126,12 @@ def _run(spec: JobSpec, argv: list[str], control: membership.Control | None) -> 
                 join(spec)
             Worker.joined = started, time.time()
             Worker.control = control
-            runpy.run_path(argv[0], run_name="__main__")
+            # the script's tj.ElasticJob(...) is this process's LaunchedJob
+            from tenplex_jax._src.elastic.job import use_job_class
+            from tenplex_jax._src.multihost.launched import LaunchedJob
+
+            with use_job_class(LaunchedJob):
+                runpy.run_path(argv[0], run_name="__main__")
         finally:
             if control is not None:
                 control.disarm()
@@ -196,7 +200,7 @@ WARM_MODULES = (
     "flax.nnx",
     "optax",
     "orbax.checkpoint",
-    "tenplex_jax._src.elastic.launched",
+    "tenplex_jax._src.multihost.launched",
     "tenplex_jax._src.multihost.commit",
     "tenplex_jax._src.multihost.store.client",
     "tenplex_jax._src.checkpoint",
@@ -403,7 +407,7 @@ class Worker:
                 return action
             if step % self.spec.commit_every == 0:
                 self.commit(state, ptc, step, dataset)
-        if compat.reached_preemption_sync_point(step):
+        if distributed.reached_preemption_sync_point(step):
             self.commit(state, ptc, step, dataset, wait=True, checkpoint=True)
             return "preempted"
         return None
@@ -443,7 +447,7 @@ class Worker:
                     code = 0  # its layout is still compiling: train on meanwhile
             except FileNotFoundError:
                 code = 0  # no request
-        code = int(compat.broadcast_one_to_all(np.int32(code)))
+        code = int(distributed.broadcast_one_to_all(np.int32(code)))
         return ACTIONS[code - 1] if code else None
 
     def commit(

@@ -20,7 +20,7 @@ def choose_config(
     abstract_state,
     rules: Rules,
     global_batch: int,
-    workers: int | None = None,
+    grad_units: int | None = None,
     *,
     profile: ModelProfile | None = None,
     device_type: DeviceType | None = None,
@@ -28,16 +28,16 @@ def choose_config(
     """The ``(data, fsdp)`` config of ``n`` devices for a state and global batch.
 
     Candidates lay the state out without replicating an indivisible dim, and give every
-    data-parallel rank (``data * fsdp``) at least one unit of the batch (``workers`` virtual
-    workers, or one sample each). With a ``profile`` and a ``device_type``, the planner
+    data-parallel rank (``data * fsdp``) at least one unit of the batch (one of ``grad_units``
+    gradient units, or one sample each). With a ``profile`` and a ``device_type``, the planner
     (:func:`tenplex_jax.planner.choose`) picks the fastest under its cost model and the devices'
     memory; without them, the least FSDP, which communicates least (pure data parallelism when the
-    state divides). Tensor and pipeline degrees stay 1: virtual workers keep the params bitwise
+    state divides). Tensor and pipeline degrees stay 1: gradient units keep the params bitwise
     equal across data-parallel and FSDP sizes only.
 
     >>> from flax import linen as nn
     >>> w = nn.LogicallyPartitioned(jax.ShapeDtypeStruct((6, 4), jnp.float32), ("embed", "mlp"))
-    >>> choose_config(6, {"w": w}, [("embed", "fsdp")], global_batch=24, workers=8)
+    >>> choose_config(6, {"w": w}, [("embed", "fsdp")], global_batch=24, grad_units=8)
     ParallelConfig(data=6, fsdp=1, tensor=1, pipe=1)
 
     Args:
@@ -45,7 +45,7 @@ def choose_config(
       abstract_state: the train state, abstract or live (what ``PTC.of`` takes).
       rules: its logical-axis rules.
       global_batch: samples per step.
-      workers: virtual workers of the batch layout (``None``: one sample per unit).
+      grad_units: gradient units of the batch layout (``None``: one sample per unit).
       profile: the model's :class:`ModelProfile`; with ``device_type``, the planner chooses.
       device_type: the devices' :class:`DeviceType`.
 
@@ -61,7 +61,7 @@ def choose_config(
         config = ParallelConfig(data=n // fsdp, fsdp=fsdp)
         try:
             PTC.of(abstract_state, rules, config, range(n))
-            BatchLayout(global_batch, ranks=n, workers=workers)
+            BatchLayout(global_batch, ranks=n, grad_units=grad_units)
         except (LayoutError, DataError) as error:
             refused.append(f"{config}: {str(error).split(';')[0]}")  # the rule, not the advice
             continue

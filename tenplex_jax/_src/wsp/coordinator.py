@@ -156,7 +156,7 @@ class Processes:
 
     Args:
       job: ``"MODULE:FUNCTION"``: ``FUNCTION(devices, **options)`` returns the job's parts
-        (``rules``, ``dataset``, ``init``, ``train_step``, ``config``, optionally ``workers``).
+        (``rules``, ``dataset``, ``init``, ``train_step``, ``config``, optionally ``grad_units``).
       stores: the parameter server's store addresses.
       run_dir: where each VW's log (``<name>.log``) and records (``<name>.jsonl``) go.
       options: more command-line options of ``python -m tenplex_jax.wsp`` (``--minibatches``,

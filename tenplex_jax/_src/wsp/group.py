@@ -34,8 +34,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tenplex_jax._src import compat
 from tenplex_jax._src.errors import WSPError
+from tenplex_jax._src.multihost import distributed
 
 T = TypeVar("T")
 PREFIX = "tenplex_jax/wsp/decision/"
@@ -72,7 +72,9 @@ class Group:
         """
         if jax.process_count() == 1:
             return cls(timeout=timeout)
-        return cls(jax.process_index(), jax.process_count(), compat.distributed_client(), timeout)
+        return cls(
+            jax.process_index(), jax.process_count(), distributed.distributed_client(), timeout
+        )
 
     @property
     def leader(self) -> bool:
@@ -121,7 +123,7 @@ class Group:
         if self.decisions > KEPT:
             self.client.key_value_delete(f"{PREFIX}{self.decisions - 1 - KEPT}")
         if arrays:
-            compat.broadcast_one_to_all(arrays, is_source=True)
+            distributed.broadcast_one_to_all(arrays, is_source=True)
         return value, error
 
     def _receive(self, key: str) -> tuple[Any, Exception | None]:
@@ -137,7 +139,7 @@ class Group:
         meta, payload = pickle.loads(got)
         arrays = [np.zeros(shape, np.dtype(dtype)) for shape, dtype in meta]
         if arrays:
-            arrays = list(compat.broadcast_one_to_all(arrays, is_source=False))
+            arrays = list(distributed.broadcast_one_to_all(arrays, is_source=False))
         return _loads(payload, arrays)
 
     def replicated(self, arrays: Sequence[jax.Array], mesh) -> list[jax.Array]:

@@ -3,8 +3,8 @@
 
 ``FUNCTION(devices, **options)`` (``--option key=value``, values read as JSON when they parse)
 returns the job's parts: ``rules``, ``dataset``, ``init``, ``train_step``, ``config`` (a
-``tj.ParallelConfig`` for ``K`` devices) and optionally ``workers``, ``stages`` and ``wave_step``
-(the VW's arguments of those names). The process runs on ``K``
+``tj.ParallelConfig`` for ``K`` devices) and optionally ``grad_units``, ``stages`` and
+``wave_step`` (the VW's arguments of those names). The process runs on ``K``
 devices of its own (fake CPU devices with ``--platform cpu``), joins the job's ledger, trains until
 the run is done and appends each pushed wave to ``--records`` as a JSON line. SIGTERM: leave at the
 next wave boundary. With ``--hold FD`` it writes a line to the file descriptor ``FD`` once built and
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
                 distance=args.distance,
                 slowdown=args.slowdown,
                 timeout=args.timeout,
-                workers=parts.get("workers"),
+                grad_units=parts.get("grad_units"),
                 on_record=write,
                 stages=parts.get("stages"),
                 wave_step=parts.get("wave_step"),

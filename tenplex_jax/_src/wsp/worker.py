@@ -135,7 +135,7 @@ class VirtualWorker:
       config: the :class:`tenplex_jax.ParallelConfig` laid out over them.
       minibatches: ``Nm``, the minibatches of a wave.
       distance: WSP's ``D``: the waves it may run ahead of the slowest member.
-      workers: the batch layout's virtual worker count (None: one per sample).
+      grad_units: the batch layout's gradient units (None: one per sample).
       slowdown: ``s >= 1``: after each wave, sleep ``s - 1`` times its compute time, as a device
         ``s`` times slower would take (heterogeneity on one machine).
       timeout: seconds of unchanged heartbeats after which a waiting VW drops a member (this
@@ -207,7 +207,7 @@ class VirtualWorker:
         config: ParallelConfig,
         minibatches: int = 1,
         distance: int = 0,
-        workers: int | None = None,
+        grad_units: int | None = None,
         slowdown: float = 1.0,
         timeout: float = 10.0,
         part: str = "model",
@@ -262,7 +262,7 @@ class VirtualWorker:
                 "invalid",
             )
         self.layout = BatchLayout(
-            dataset.global_batch, ranks=config.data * config.fsdp, workers=workers
+            dataset.global_batch, ranks=config.data * config.fsdp, grad_units=grad_units
         )
         if steps is None:
             sample = jax.tree.map(np.asarray, dataset.load(np.zeros(1, np.int64)))

@@ -1,13 +1,13 @@
-"""Step time with virtual data-parallel workers vs plain data parallelism, in one process run.
+"""Step time with gradient units vs plain data parallelism, in one process run.
 
 Both train the same GPT + AdamW on the same global batches from a dataset PTC, on the same
-layouts; only the gradient differs: plain SPMD over the padded batch, or ``--workers`` virtual
-workers (one gradient per unit, run one at a time, summed in a fixed order; bitwise equal on any
+layouts; only the gradient differs: plain SPMD over the padded batch, or ``--grad-units`` gradient
+units (one gradient per unit, run one at a time, summed in a fixed order; bitwise equal on any
 data-parallel size). Per layout: the median step time of ``--steps`` steps after compiling, and the
-ratio virtual ÷ plain (> 1: virtual workers cost that much more). The two are stepped in turn, so
+ratio units ÷ plain (> 1: gradient units cost that much more). The two are stepped in turn, so
 the machine's noise hits both alike.
 
-    python benchmarks/virtual_workers.py [--model small] [--batch 24] [--workers 8] [--out FILE]
+    python benchmarks/grad_units.py [--model small] [--batch 24] [--grad-units 8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ LAYOUTS = [
 ]
 
 
-def stepper(model: str, config, batch: int, workers):
+def stepper(model: str, config, batch: int, grad_units):
     """A zero-argument function that runs one training step of ``model`` on ``config``."""
     graphdef, state, cfg = build_state(model, 1e-3)
     ptc = tj.PTC.of(state, LOGICAL_RULES, config, jax.devices()[: config.num_devices])
     holder = {"state": tj.place(state, ptc)}
-    layout = tj.data.BatchLayout(batch, ranks=config.data * config.fsdp, workers=workers)
+    layout = tj.data.BatchLayout(batch, ranks=config.data * config.fsdp, grad_units=grad_units)
     step = make_train_step(graphdef, ptc, layout)
     dataset = tj.DatasetPTC(corpus_samples(stdlib_corpus(2**22), cfg.seq_len), batch)
     batches = [tj.data.device_batch(dataset, i, layout, ptc.mesh())[:2] for i in range(4)]
@@ -66,12 +66,12 @@ def stepper(model: str, config, batch: int, workers):
     return run
 
 
-def time_pair(model: str, config, batch: int, workers: int, steps: int) -> tuple[float, float]:
-    """Median step times (plain, virtual), the two stepped in turn so noise hits both alike."""
-    plain, virtual = stepper(model, config, batch, None), stepper(model, config, batch, workers)
+def time_pair(model: str, config, batch: int, grad_units: int, steps: int) -> tuple[float, float]:
+    """Median step times (plain, by units), the two stepped in turn so noise hits both alike."""
+    plain, by_units = stepper(model, config, batch, None), stepper(model, config, batch, grad_units)
     for _ in range(2):  # compile, warm up
-        plain(), virtual()
-    times = [(plain(), virtual()) for _ in range(steps)]
+        plain(), by_units()
+    times = [(plain(), by_units()) for _ in range(steps)]
     return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
@@ -79,27 +79,27 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", choices=("tiny", "small", "gpt100m"))
     parser.add_argument("--batch", type=int, default=24)
-    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--grad-units", type=int, default=8)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
     rows = []
-    print(f"GPT {args.model}, global batch {args.batch}, {args.workers} virtual workers")
-    print(f"{'layout':>22} {'plain ms':>9} {'virtual ms':>11} {'virtual/plain':>14}")
+    print(f"GPT {args.model}, global batch {args.batch}, {args.grad_units} gradient units")
+    print(f"{'layout':>22} {'plain ms':>9} {'units ms':>11} {'units/plain':>14}")
     for name, config in LAYOUTS:
-        plain, virtual = time_pair(args.model, config, args.batch, args.workers, args.steps)
+        plain, by_units = time_pair(args.model, config, args.batch, args.grad_units, args.steps)
         rows.append(
             {
                 "layout": name,
                 "config": str(config),
                 "plain_s": plain,
-                "virtual_s": virtual,
-                "ratio": virtual / plain,
+                "units_s": by_units,
+                "ratio": by_units / plain,
             }
         )
-        print(f"{name:>22} {plain * 1e3:9.1f} {virtual * 1e3:11.1f} {virtual / plain:14.2f}")
+        print(f"{name:>22} {plain * 1e3:9.1f} {by_units * 1e3:11.1f} {by_units / plain:14.2f}")
     geo = float(np.exp(np.mean(np.log([r["ratio"] for r in rows]))))
-    print(f"geometric mean virtual/plain: {geo:.2f}")
+    print(f"geometric mean units/plain: {geo:.2f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"rows": rows, "geomean_ratio": geo, "args": vars(args)}, f, indent=2)

@@ -17,14 +17,14 @@ import contextlib
 import os
 import pathlib
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import jax
 
-from tenplex_jax._src import compat
 from tenplex_jax._src.data import DatasetPTC
-from tenplex_jax._src.elastic.core import JobOptions, _JobCore
+from tenplex_jax._src.elastic.core import _JobCore
 from tenplex_jax._src.errors import DataError, LayoutError
+from tenplex_jax._src.multihost import distributed
 from tenplex_jax._src.multihost.processes import free_port
 from tenplex_jax._src.multihost.spec import JobSpec
 from tenplex_jax._src.multihost.worker import Worker
@@ -36,10 +36,11 @@ __all__ = ["LaunchedJob"]
 class LaunchedJob(_JobCore):
     """The elastic job of one process of ``tenplex-jax launch``, over every process's devices.
 
-    Scripts write ``tj.ElasticJob(...)``: in a launched process that builds a ``LaunchedJob``
-    from the same arguments, so one script runs alone and launched::
+    Scripts write ``tj.ElasticJob(...)``: the launcher's entry point runs the script inside
+    ``tj.elastic.use_job_class(LaunchedJob)``, so there it builds a ``LaunchedJob`` from the
+    same arguments, and one script runs alone and launched::
 
-        with tj.ElasticJob(rules, dataset, workers=8, checkpoint_dir="ckpt") as job:
+        with tj.ElasticJob(rules, dataset, grad_units=8, checkpoint_dir="ckpt") as job:
             state = job.start(init)          # from the stores, the checkpoint, or init()
             step = job.jit(train_step)
             while job.step < 1000:
@@ -51,18 +52,11 @@ class LaunchedJob(_JobCore):
     connections.
 
     Args:
-      rules: the logical-axis rules of the state (``tj.typing.Rules``), as for
-        :class:`tenplex_jax.ElasticJob`.
-      dataset: the :class:`tenplex_jax.DatasetPTC` serving the global batches; its ``step`` is
-        the job's step, and its state is committed and restored with the model's.
+      rules: the logical-axis rules of the state, as for :class:`tenplex_jax.ElasticJob`.
+      dataset: the :class:`tenplex_jax.DatasetPTC`, as for ``ElasticJob``; its state is
+        committed and restored with the model's.
       devices: must be None: the job runs on every device of its processes (``jax.devices()``).
       initial: must be None: the launcher, not the script, decides the devices of a generation.
-      workers: virtual workers, as for :class:`tenplex_jax.ElasticJob` (default None: plain data
-        parallelism).
-      config: ``config(n) -> ParallelConfig`` for ``n`` devices (default
-        ``tj.planner.choose_config``), as for :class:`tenplex_jax.ElasticJob`.
-      steps: the run's length in steps; each step's progress record carries it to the launcher,
-        which weighs growth over the remaining steps.
       checkpoint_dir: the orbax tier (a restore source, checkpoints at commits and at ``finish``),
         used when the launcher sets none: the launcher's ``--checkpoint-dir`` wins; else this one
         reaches the launcher as its fallback.
@@ -79,24 +73,16 @@ class LaunchedJob(_JobCore):
       LayoutError: ``devices`` or ``initial`` given; or this process has the launcher's job
         description but has not joined the job (it was not started as
         ``python -m tenplex_jax.multihost SCRIPT``), or has no description at all.
+
+    The other arguments (``grad_units``, ``config``, ``steps``) are ``ElasticJob``'s; ``steps``
+    reaches the launcher in each step's progress record (it weighs growth over the remaining
+    steps).
     """
 
     launched = True
+    _follow_seconds = 600.0  # one process compiles each layout, the others load it
 
-    def __init__(
-        self,
-        rules: Rules,
-        dataset: DatasetPTC,
-        *,
-        devices: Sequence[jax.Device] | None = None,
-        initial: Iterable[int] | None = None,
-        workers: int | None = None,
-        config: Callable[[int], ParallelConfig] | None = None,
-        steps: int | None = None,
-        checkpoint_dir: str | pathlib.Path | None = None,
-        checkpoint_every: int | None = None,
-        options: JobOptions = JobOptions(),
-    ):
+    def __init__(self, rules: Rules, dataset: DatasetPTC, *, devices=None, initial=None, **kwargs):
         spec = JobSpec.from_env(os.environ)
         if spec is None:
             raise LayoutError(
@@ -113,17 +99,8 @@ class LaunchedJob(_JobCore):
                 "a launched job runs on every device of its processes; devices= and "
                 "initial= are for one process (the launcher sets the process count)"
             )
-        super().__init__(
-            rules,
-            dataset,
-            workers=workers,
-            config=config,
-            steps=steps,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-            options=options,
-        )
-        self._worker = Worker(spec, checkpoint_dir, checkpoint_every)
+        super().__init__(rules, dataset, **kwargs)
+        self._worker = Worker(spec, self.checkpoint_dir, self.checkpoint_every)
         self._reported = False  # the first step's compile record is written
         self._growths: dict = {}  # processes -> the future lowering (or compile) of its step
         self._growths_lock = threading.Lock()  # announced on the control thread
@@ -337,7 +314,7 @@ class LaunchedJob(_JobCore):
         per, port = self._worker.spec.devices_per_process, free_port()
         # a failure meanwhile breaks the generation's connections, not the topology's: a
         # topology client whose connection broke would end this process
-        with compat.cpu_topology(processes, per, port=port) as devices:
+        with distributed.cpu_topology(processes, per, port=port) as devices:
             target = PTC.of(self._abstract, self.rules, config, devices)
             self.steps_cache.compile_for(target, self._layout(config), devices)
         return True
