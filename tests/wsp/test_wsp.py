@@ -207,7 +207,7 @@ def test_the_demo_s_proof_takes_a_killed_vw_s_commit_without_its_record():
     # vw2 is SIGKILLed after its commit, before its record is written, and the run ends before
     # anyone waits for it (so it is never dropped): its commit has no record, rightly; vw1's
     # would be a lost record
-    from tenplex_jax._src.cli import wsp_demo
+    from tenplex_jax._src.cli import wsp as wsp_demo
     from tenplex_jax._src.wsp.ledger import Ledger
 
     ledger = Ledger(total=2).join("vw1").join("vw2")

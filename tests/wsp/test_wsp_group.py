@@ -160,7 +160,7 @@ def _logs(run_dir) -> str:
 
 
 def test_the_planned_demo_runs_each_vw_of_its_equal_grouping_in_a_process_per_node(tmp_path):
-    from tenplex_jax._src.cli import wsp_demo
+    from tenplex_jax._src.cli import wsp as wsp_demo
 
     cluster = tmp_path / "two-by-two.toml"
     cluster.write_text(TWO_BY_TWO)

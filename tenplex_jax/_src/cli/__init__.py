@@ -18,6 +18,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from tenplex_jax._src.cli import parsing
+
 MODELS = ("tiny", "small", "gpt100m")
 MIB = 2**20
 
@@ -150,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
         plan.add_argument(
             f"--{side}",
             dest=f"{side}_config",
-            type=_config,
+            type=parsing.config,
             metavar="CONFIG",
             help=f"{what} parallel config as axis=size pairs over data, fsdp, tensor, pipe; "
             f"e.g. data=2,tensor=4 (axes left out have size 1)",
@@ -158,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
         plan.add_argument(
             f"--{side}-devices",
             dest=f"{side}_devices",
-            type=_device_ids,
+            type=parsing.device_ids,
             metavar="IDS",
             help=f"{what} device ids in mesh order: 0-7, 2,3,4,5 or 2-7 (default: 0..n-1 for the "
             f"config's device count n)",
@@ -185,12 +187,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     planner.add_argument(
         "--devices",
-        type=_positive,
+        type=parsing.positive,
         metavar="N",
         help="use the first N devices of the cluster (default: all of them)",
     )
     planner.add_argument(
-        "--batch", type=_positive, default=64, help="global batch in samples (default: 64)"
+        "--batch", type=parsing.positive, default=64, help="global batch in samples (default: 64)"
     )
     planner.add_argument(
         "--objective",
@@ -213,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
         "two, or all); --objective cost always does",
     )
     planner.add_argument(
-        "--top", type=_positive, default=8, help="candidates shown in the table (default: 8)"
+        "--top", type=parsing.positive, default=8, help="candidates shown in the table (default: 8)"
     )
 
     demo = sub.add_parser(
@@ -236,7 +238,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--steps",
-        type=_positive,
+        type=parsing.positive,
         default=None,
         help="training steps (default: 60; with --wsp, the run's minibatches, default 240)",
     )
@@ -258,7 +260,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--batch",
-        type=_positive,
+        type=parsing.positive,
         default=24,
         help="global batch, the same on any device set (default: 24)",
     )
@@ -271,14 +273,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--devices",
-        type=_positive,
+        type=parsing.positive,
         default=8,
         help="fake CPU devices; the run starts on all of them (default: 8)",
     )
     demo.add_argument("--seed", type=int, default=0, help="init and data seed (default: 0)")
     demo.add_argument(
         "--grad-units",
-        type=_count,
+        type=parsing.count,
         default=8,
         metavar="V",
         help="gradient units; the global batch is always cut into V units whose "
@@ -334,7 +336,10 @@ def _parser() -> argparse.ArgumentParser:
         "--model's width with its depth (default: gpt100m)",
     )
     demo.add_argument(
-        "--distance", type=_count, default=1, help="with --wsp: the clock distance D (default: 1)"
+        "--distance",
+        type=parsing.count,
+        default=1,
+        help="with --wsp: the clock distance D (default: 1)",
     )
     demo.add_argument(
         "--slowdown",
@@ -349,7 +354,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--samples",
-        type=_positive,
+        type=parsing.positive,
         default=1000,
         help="dataset size, in samples of seq_len + 1 bytes of the corpus (default: 1000)",
     )
@@ -377,7 +382,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--repeats",
-        type=_positive,
+        type=parsing.positive,
         default=None,
         help="timed runs per strategy after a warm-up (default: 5, or 3 with --quick)",
     )
@@ -414,24 +419,32 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=form,
     )
     launch.set_defaults(command=_launch, name="launch")
-    launch.add_argument("--nprocs", type=_positive, default=2, help="worker processes (default: 2)")
     launch.add_argument(
-        "--devices-per-proc", type=_positive, default=2, help="CPU devices per process (default: 2)"
+        "--nprocs", type=parsing.positive, default=2, help="worker processes (default: 2)"
+    )
+    launch.add_argument(
+        "--devices-per-proc",
+        type=parsing.positive,
+        default=2,
+        help="CPU devices per process (default: 2)",
     )
     launch.add_argument(
         "--replicas",
-        type=_count,
+        type=parsing.count,
         default=1,
         help="copies of each shard on the next hosts' stores besides the writer's (default: 1)",
     )
     launch.add_argument(
-        "--commit-every", type=_positive, default=10, help="steps between commits (default: 10)"
+        "--commit-every",
+        type=parsing.positive,
+        default=10,
+        help="steps between commits (default: 10)",
     )
     launch.add_argument(
-        "--max-restarts", type=_count, default=3, help="failures survived (default: 3)"
+        "--max-restarts", type=parsing.count, default=3, help="failures survived (default: 3)"
     )
     launch.add_argument(
-        "--min-procs", type=_positive, default=1, help="give up below this many (default: 1)"
+        "--min-procs", type=parsing.positive, default=1, help="give up below this many (default: 1)"
     )
     launch.add_argument(
         "--run-dir", metavar="DIR", help="logs, events, control files (default: a temp folder)"
@@ -441,7 +454,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     launch.add_argument(
         "--checkpoint-every",
-        type=_positive,
+        type=parsing.positive,
         default=None,
         help="steps between orbax checkpoints (default: only at a stop and at the end)",
     )
@@ -659,13 +672,13 @@ def _demo(args) -> int:
             )
             return 2
     if args.wsp:
-        from tenplex_jax._src.cli import wsp_demo
+        from tenplex_jax._src.cli import wsp
 
-        wsp_demo.run(
-            wsp_demo.WSPOptions(
+        wsp.run(
+            wsp.WSPOptions(
                 out=pathlib.Path(args.out),
                 model=args.model or "tiny",
-                total=args.steps or wsp_demo.WSPOptions.total,
+                total=args.steps or wsp.WSPOptions.total,
                 distance=args.distance,
                 slowdown=args.slowdown,
                 lr=args.lr,
@@ -696,12 +709,12 @@ def _demo(args) -> int:
         executable_cache=_executable_cache(args.executable_cache, args.out),
     )
     if trace is not None:
-        from tenplex_jax._src.cli import trace_demo
+        from tenplex_jax._src.cli import replay
 
         options = dataclasses.replace(options, steps=trace.steps, schedule=())
-        summary = trace_demo.run(options, trace, compile_ahead=not args.no_compile_ahead)
+        summary = replay.run(options, trace, compile_ahead=not args.no_compile_ahead)
         print()
-        print(trace_demo.event_table(summary))
+        print(replay.event_table(summary))
         print(demo.consistency_line(summary | {"epochs": summary["samples_seen"] / args.samples}))
         print(f"wrote {options.out / 'summary.json'}")
         return 0
@@ -759,31 +772,6 @@ def _bench_rows(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _config(text: str):
-    from tenplex_jax._src.ptc import ParallelConfig
-
-    try:
-        return ParallelConfig.parse(text)
-    except ValueError as error:  # argparse would hide a ValueError's message
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _device_ids(text: str) -> tuple[int, ...]:
-    """``"0-3,6,7"`` → ``(0, 1, 2, 3, 6, 7)``."""
-    ids = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
-            raise argparse.ArgumentTypeError(
-                f"device ids are 'a-b' ranges or ids separated by commas, such as 0-7 or 2,3,4,5; "
-                f"got {text!r}"
-            )
-        ids.extend(range(int(lo), int(hi if sep else lo) + 1))
-    if not ids:
-        raise argparse.ArgumentTypeError(f"no device ids in {text!r}")
-    return tuple(ids)
-
-
 def _ids_text(ids: Sequence[int]) -> str:
     return ",".join(map(str, ids))
 
@@ -795,18 +783,6 @@ def _schedule(text: str) -> tuple[tuple[int, int], ...]:
         return parse_schedule(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _positive(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
-
-
-def _count(text: str) -> int:
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return int(text)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import json
 import pathlib
 import sys
 
-from tenplex_jax._src.cli import _count, _positive
+from tenplex_jax._src.cli.parsing import count, positive
 
 EXAMPLES = """\
 examples:
@@ -77,15 +77,15 @@ def add_parser(sub) -> None:
         "d_model 2048, 16 heads / 32, 2560, 32 / 32, 4096, 32), vocabulary 50257 padded to "
         "50304, 2048 tokens, global batch 128 (assumed)",
     )
-    m.add_argument("--layers", type=_positive, help="a GPT's layers (with --d-model, --heads)")
-    m.add_argument("--d-model", type=_positive, help="a GPT's width")
-    m.add_argument("--heads", type=_positive, help="a GPT's attention heads")
-    m.add_argument("--vocab", type=_positive, default=50304, help="default: 50304")
-    m.add_argument("--seq-len", type=_positive, default=2048, help="tokens (default: 2048)")
-    m.add_argument("--d-ff", type=_positive, help="MLP width (default: 4 x d_model)")
+    m.add_argument("--layers", type=positive, help="a GPT's layers (with --d-model, --heads)")
+    m.add_argument("--d-model", type=positive, help="a GPT's width")
+    m.add_argument("--heads", type=positive, help="a GPT's attention heads")
+    m.add_argument("--vocab", type=positive, default=50304, help="default: 50304")
+    m.add_argument("--seq-len", type=positive, default=2048, help="tokens (default: 2048)")
+    m.add_argument("--d-ff", type=positive, help="MLP width (default: 4 x d_model)")
     p.add_argument(
         "--batch",
-        type=_positive,
+        type=positive,
         default=None,
         help="global batch in sequences (default: 1024 for llm-70b, 128 for the GPT-3 sizes "
         "and --layers models, else 64)",
@@ -177,7 +177,7 @@ def add_parser(sub) -> None:
         )
     c.add_argument(
         "--commit-every",
-        type=_positive,
+        type=positive,
         default=defaults.commit_every,
         help=f"steps between commits to the stores (default: {defaults.commit_every})",
     )
@@ -196,7 +196,7 @@ def add_parser(sub) -> None:
     )
     c.add_argument(
         "--replicas",
-        type=_count,
+        type=count,
         default=defaults.replicas,
         help=f"store copies beyond the writer's (default: {defaults.replicas})",
     )
@@ -209,7 +209,7 @@ def add_parser(sub) -> None:
     )
     g.add_argument(
         "--mttf-devices",
-        type=_positive,
+        type=positive,
         default=1024,
         help="the device count of --mttf-hours; failures scale as 1/N (default: 1024)",
     )
