@@ -1,4 +1,5 @@
-"""Tests for the ``tenplex-jax`` command line: plan output, bad input, and both demos end to end.
+"""Tests for the ``tenplex-jax`` command line: its commands' table and the ones packages add, plan
+output, bad input, and both demo schedules end to end.
 
 ``plan`` runs in-process (it touches no device, so the shared 8-device backend is fine); the demo
 runs in a subprocess because it configures JAX's platform and device count before JAX starts.
@@ -16,9 +17,63 @@ import sys
 
 import numpy as np
 
+from tenplex_jax._src import cli
 from tenplex_jax._src.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# children import this worktree's tenplex_jax, not another installed copy
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+}
+
+
+def test_help_lists_the_commands_in_order_without_importing_jax() -> None:
+    code = (
+        "import sys; from tenplex_jax._src.cli import COMMANDS, main\n"
+        "assert all(main([c, '--help']) == 0 for c in COMMANDS)\n"
+        "assert main(['--help']) == 0 and 'jax' not in sys.modules, sorted(sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    listed = done.stdout[done.stdout.rindex("commands:") :]
+    places = [listed.find(f"\n    {name} ") for name in cli.COMMANDS]
+    assert -1 not in places and places == sorted(places), listed
+
+
+def test_a_package_adds_a_command_through_the_entry_point_group(monkeypatch, capsys) -> None:
+    """An entry point in ``tenplex_jax.commands`` names an ``add_parser``: here ``plan``'s, taken
+    out of the library's table; a package whose entry point does not load costs a warning."""
+    from importlib import metadata
+
+    points = [
+        metadata.EntryPoint("plan", "tenplex_jax._src.cli.plan:add_parser", cli.GROUP),
+        metadata.EntryPoint("broken", "no_such_package.cli:add_parser", cli.GROUP),
+    ]
+    monkeypatch.setattr(
+        metadata, "entry_points", lambda group: points if group == cli.GROUP else []
+    )
+    monkeypatch.setattr(cli, "COMMANDS", tuple(c for c in cli.COMMANDS if c != "plan"))
+    assert main(["plan", "--model", "tiny", "--from", "data=2", "--to", "data=1"]) == 0
+    captured = capsys.readouterr()
+    assert "totals: moved" in captured.out
+    assert "warning: command broken (no_such_package.cli:add_parser)" in captured.err
+
+
+def test_each_command_has_only_its_own_flags(capsys) -> None:
+    """The demo's old modes are commands of their own: ``demo`` takes no trace, ``replay`` no
+    schedule or step count (the trace gives them)."""
+    for argv in (
+        ["demo", "--trace", "meshes/philly.toml"],
+        ["demo", "--wsp"],
+        ["replay", "meshes/philly.toml", "--steps", "4"],
+        ["replay", "meshes/philly.toml", "--schedule", "2:4"],
+        ["replay"],
+    ):
+        assert main(argv) == 2, argv
+        assert "usage: tenplex-jax" in capsys.readouterr().err
 
 
 def _total(out: str) -> re.Match:
@@ -72,12 +127,8 @@ def test_bad_input_exits_2_with_the_reason(capsys) -> None:
 def _demo(tmp_path, *args) -> tuple[subprocess.CompletedProcess, dict]:
     """Run ``tenplex-jax demo ARGS --out tmp_path`` in a fresh process; (process, summary)."""
     cmd = [sys.executable, "-m", "tenplex_jax", "demo", *args, "--out", str(tmp_path)]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
     done = subprocess.run(
-        cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        cmd, check=False, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return done, json.loads((tmp_path / "summary.json").read_text())
@@ -171,8 +222,8 @@ def test_plan_with_a_cluster_prints_the_planner_table(capsys) -> None:
 
 
 def test_the_demo_keeps_its_compiled_steps_in_its_output_folder_unless_told_otherwise():
-    from tenplex_jax._src.cli import _executable_cache
+    from tenplex_jax._src.cli.demo import executable_cache
 
-    assert _executable_cache(None, "out/demo") == pathlib.Path("out/demo/executables")
-    assert _executable_cache("none", "out/demo") is None
-    assert _executable_cache("cache", "out/demo") == pathlib.Path("cache")
+    assert executable_cache(None, "out/demo") == pathlib.Path("out/demo/executables")
+    assert executable_cache("none", "out/demo") is None
+    assert executable_cache("cache", "out/demo") == pathlib.Path("cache")

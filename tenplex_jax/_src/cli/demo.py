@@ -18,31 +18,165 @@ Two schedules:
   FSDP sizes for each count): with gradient units the params equal the fixed run bit for bit.
 
 Every global batch is trained exactly once in both. :func:`choose_devices` stands in for a
-scheduler. ``train`` is shared with the trace replay (``trace_demo.py``). The reference model is the
-repository's ``models/``, installed as ``tenplex_jax_models``; it is imported inside functions only.
+scheduler. ``train`` is shared with the trace replay (``replay.py``). JAX and the reference model
+(the repository's ``models/``, installed as ``tenplex_jax_models``) are imported inside functions
+only: the command must set JAX's platform and device count before a backend starts.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import gc
 import json
 import pathlib
+import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import jax
-import numpy as np
-
-from tenplex_jax._src.data import BatchLayout, DatasetPTC
-from tenplex_jax._src.elastic.core import JobOptions
-from tenplex_jax._src.elastic.job import ElasticJob
-from tenplex_jax._src.elastic.trace import ResourceTrace, TraceEvent, replay
+from tenplex_jax._src.cli import parsing
 from tenplex_jax._src.errors import LayoutError
-from tenplex_jax._src.mesh import ParallelConfig
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from tenplex_jax._src.elastic.job import ElasticJob
+    from tenplex_jax._src.elastic.trace import ResourceTrace
+    from tenplex_jax._src.mesh import ParallelConfig
 
 MIB = 2**20
+
+EXAMPLES = """\
+examples:
+  tenplex-jax demo --out out/demo
+      the mixture-of-experts GPT, 60 steps on 8 fake CPU devices, through every dimension:
+      data=2,expert=4 on 8 -> expert=2,tensor=2 on 4 -> pipe=2,data=3 on 6 -> data=2,expert=4 on 8
+  tenplex-jax demo --bitwise --out out/bitwise
+      the small dense GPT resized 8 -> 4 -> 6 -> 8 (data and FSDP sizes the planner picks):
+      params bit-identical to a run without resizes
+  tenplex-jax demo --model small --schedule "0:data=8; 20:tensor=4; 40:pipe=2,fsdp=2"
+      a schedule of your own: at each step, a layout over the model's axes
+  tenplex-jax demo --bitwise --model tiny --steps 8 --schedule 2:4,4:6,6:8 --batch 12
+      a quick run; batch 12 does not split over 8 devices, so the first layout adds tensor=2
+  tenplex-jax demo --method device_put
+      move the state with one jax.device_put instead of the per-shard plan executor
+
+Device sets: the run starts on devices 0..N-1; a shrink keeps the lowest-numbered current devices; a
+grow takes the highest-numbered devices (4 on 0..3 grown to 6 runs on 2..7). Each resize prints its
+plan; the end prints a table of resizes and writes DIR/loss.png and DIR/summary.json.
+"""
+
+
+def add_parser(sub) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="train the GPT on fake CPU devices, resharding as the device count changes",
+        description="Train the reference GPT on fake CPU devices and reshard the whole train\n"
+        "state at the steps of a schedule; write a loss plot and a JSON summary.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.set_defaults(command=command, name="demo")
+    parsing.add_training_flags(demo, out="out/demo", model="moe-small; small with --bitwise")
+    demo.add_argument(
+        "--steps", type=parsing.positive, default=60, help="training steps (default: 60)"
+    )
+    demo.add_argument(
+        "--bitwise",
+        action="store_true",
+        help="the data-parallel schedule 15:4,30:6,45:8 on the small GPT: params bit-identical to "
+        "a run without resizes",
+    )
+    demo.add_argument(
+        "--schedule",
+        type=_schedule,
+        default=(),
+        metavar="SCHEDULE",
+        help="'STEP:N,...' moves the job onto N devices at each STEP (the planner picks the "
+        "layout); 'STEP:axis=size,...; ...' onto that layout over the model's axes, a step-0 "
+        "entry being the first (default: 0:data=2,expert=4; 15:expert=2,tensor=2; "
+        "30:pipe=2,data=3; 45:data=2,expert=4 for the MoE GPT, 15:4,30:6,45:8 with --bitwise)",
+    )
+    demo.add_argument(
+        "--devices",
+        type=parsing.positive,
+        default=8,
+        help="fake CPU devices; the run starts on all of them (default: 8)",
+    )
+    parsing.add_job_flags(demo)
+
+
+def command(args) -> int:
+    """Configure JAX for fake CPU devices first, then run the demo and print its resize table."""
+    if not use_cpu_devices(args.devices, "demo"):
+        return 2
+    model = args.model or ("small" if args.bitwise else "moe-small")
+    options = options_from(
+        args,
+        model=model,
+        steps=args.steps,
+        schedule=args.schedule,
+        bitwise=args.bitwise,
+        devices=args.devices,
+    )
+    summary = run(options)
+    print()
+    print(resize_table(summary))
+    print(consistency_line(summary))
+    print(f"wrote {options.out / 'loss.png'} and {options.out / 'summary.json'}")
+    return 0
+
+
+def use_cpu_devices(count: int, name: str) -> bool:
+    """Ask JAX for ``count`` fake CPU devices before its backend starts; False, the reason
+    printed, when a backend already runs (a command called in-process) with fewer."""
+    import jax
+
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # a backend already runs; use it if big enough
+        if len(jax.devices()) < count:
+            print(
+                f"tenplex-jax {name}: error: JAX already started with {len(jax.devices())} "
+                f"devices; the {name} needs {count} (run it in a fresh process)",
+                file=sys.stderr,
+            )
+            return False
+    return True
+
+
+def options_from(args, **fields) -> DemoOptions:
+    """The options of the flags ``demo`` and ``replay`` share (``parsing.add_training_flags``
+    and ``add_job_flags``), with ``fields``."""
+    return DemoOptions(
+        out=pathlib.Path(args.out),
+        batch=args.batch,
+        lr=args.lr,
+        method=args.method,
+        seed=args.seed,
+        grad_units=args.grad_units or None,
+        samples=args.samples,
+        notice_seconds=args.notice,
+        executable_cache=executable_cache(args.executable_cache, args.out),
+        **fields,
+    )
+
+
+def executable_cache(value: str | None, out: str) -> pathlib.Path | None:
+    """``--executable-cache``: DIR, ``none``, or by default OUT/executables."""
+    if value is None:
+        return pathlib.Path(out) / "executables"
+    return None if value.lower() == "none" else pathlib.Path(value)
+
+
+def _schedule(text: str) -> tuple[tuple[int, Layout], ...]:
+    try:
+        return parse_schedule(text)
+    except ValueError as error:  # argparse would hide a ValueError's message
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 # (step, layout) entries: a layout is a device count (the planner picks data and FSDP sizes) or
@@ -123,6 +257,7 @@ def parse_schedule(text: str) -> tuple[tuple[int, Layout], ...]:
 def layout_config(model: str, sizes: tuple[tuple[str, int], ...]):
     """The parallel config of axis sizes over the model's mesh (the MoE GPT has an ``expert``
     axis)."""
+    from tenplex_jax._src.mesh import ParallelConfig
     from tenplex_jax_models import moe_config
 
     try:
@@ -155,6 +290,8 @@ def choose_devices(n: int, current: Sequence[int], total: int) -> tuple[int, ...
 def schedule_trace(options: DemoOptions) -> tuple[ResourceTrace, dict | None, tuple[int, ...]]:
     """The schedule as a resource trace of ``redeploy`` events, checked before any training: (the
     trace, the layout of each device count or None for the planner's, the initial devices)."""
+    from tenplex_jax._src.elastic.trace import ResourceTrace, TraceEvent
+
     schedule = list(options.plan)
     layouts: dict[int, ParallelConfig] = {}
 
@@ -234,17 +371,10 @@ def train(
     PTC serves every step's global batch, so an event changes how the batch is split over ranks,
     never which samples it holds.
     """
-    from tenplex_jax_models import CPU, LOGICAL_RULES, MOE_RULES, profile_of
+    import jax
+    import numpy as np
 
-    if layouts is None:  # the planner picks data and FSDP sizes with the model's profile
-        job_options |= {"profile": profile_of(options.model), "device_type": CPU}
-        config = None
-    else:
-
-        def config(n: int) -> ParallelConfig:
-            if n not in layouts:
-                raise LayoutError(f"the schedule gives no layout for {n} devices")
-            return layouts[n]
+    from tenplex_jax._src.elastic.trace import replay
 
     step_fn = _train_step(options.model, options.lr, options.seed)
     losses, samples, done = {}, {}, []
@@ -257,25 +387,9 @@ def train(
         bar.set_postfix({"loss": f"{losses[i]:.3f}", "config": str(job.ptc.config)}, refresh=False)
         bar.update(job.step - bar.n)
 
-    dataset = DatasetPTC(source, options.batch, seed=options.seed)
-    with ElasticJob(
-        MOE_RULES if is_moe(options.model) else LOGICAL_RULES,
-        dataset,
-        devices=jax.devices()[: trace.devices],
-        initial=initial,
-        grad_units=options.grad_units,
-        config=config,
-        steps=trace.steps,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every,
-        options=JobOptions(
-            method=options.method,
-            log=bar.write,
-            notice_seconds=options.notice_seconds,
-            executable_cache=options.executable_cache,
-            **job_options,
-        ),
-    ) as job:
+    job_options["log"] = bar.write
+    checkpoints = {"checkpoint_dir": checkpoint_dir, "checkpoint_every": checkpoint_every}
+    with _job(options, trace, source, layouts, initial, job_options, **checkpoints) as job:
         tic = time.perf_counter()
         state = job.start(_init(options.model, options.lr, options.seed))
         step = job.jit(step_fn)
@@ -286,12 +400,50 @@ def train(
         state = replay(job, state, step, trace, on_step=on_step)
         host = [np.asarray(x) for x in jax.tree.leaves(state)]
     return Run(
-        job,
-        host,
-        [losses[i] for i in range(trace.steps)],
-        [samples[i] for i in range(trace.steps)],
-        done[-1] - done[0],
-        done[0] - tic,
+        job=job,
+        state=host,
+        losses=[losses[i] for i in range(trace.steps)],
+        samples=[samples[i] for i in range(trace.steps)],
+        wall=done[-1] - done[0],
+        start_up=done[0] - tic,
+    )
+
+
+def _job(options, trace, source, layouts, initial, job_options: dict, **checkpoints) -> ElasticJob:
+    """The job ``train`` runs: on the first ``trace.devices`` devices, each device count's layout
+    from ``layouts`` or the planner's, the dataset PTC of ``source``."""
+    import jax
+
+    from tenplex_jax._src.data import DatasetPTC
+    from tenplex_jax._src.elastic.core import JobOptions
+    from tenplex_jax._src.elastic.job import ElasticJob
+    from tenplex_jax_models import CPU, LOGICAL_RULES, MOE_RULES, profile_of
+
+    if layouts is None:  # the planner picks data and FSDP sizes with the model's profile
+        job_options |= {"profile": profile_of(options.model), "device_type": CPU}
+        config = None
+    else:
+
+        def config(n: int) -> ParallelConfig:
+            if n not in layouts:
+                raise LayoutError(f"the schedule gives no layout for {n} devices")
+            return layouts[n]
+
+    return ElasticJob(
+        MOE_RULES if is_moe(options.model) else LOGICAL_RULES,
+        DatasetPTC(source, options.batch, seed=options.seed),
+        devices=jax.devices()[: trace.devices],
+        initial=initial,
+        grad_units=options.grad_units,
+        config=config,
+        steps=trace.steps,
+        options=JobOptions(
+            method=options.method,
+            notice_seconds=options.notice_seconds,
+            executable_cache=options.executable_cache,
+            **job_options,
+        ),
+        **checkpoints,
     )
 
 
@@ -318,9 +470,11 @@ def _train_step(model: str, lr: float, seed: int):
 
 def run(options: DemoOptions) -> dict:
     """Train with resizes and once more without, write ``loss.png`` and ``summary.json``."""
+    import jax
     from tqdm import tqdm
 
-    from tenplex_jax_models import build_state, corpus_samples, param_count, stdlib_corpus
+    from tenplex_jax._src.data import BatchLayout
+    from tenplex_jax_models import build_state, corpus_samples, stdlib_corpus
 
     started = time.perf_counter()
     trace, layouts, initial = schedule_trace(options)
@@ -343,10 +497,23 @@ def run(options: DemoOptions) -> dict:
             initial,
             compile_ahead=False,
         )
+    summary = _summary(options, abstract, cfg, initial, resized, fixed)
+    summary["resized_run_seconds"] = resized_seconds
+    summary["total_seconds"] = time.perf_counter() - started
+    _write(options, summary, resized, fixed, len(initial))
+    return summary
+
+
+def _summary(options: DemoOptions, abstract, cfg, initial, resized: Run, fixed: Run) -> dict:
+    """What ``summary.json`` says of the two runs (less their seconds)."""
+    import numpy as np
+
+    from tenplex_jax_models import param_count
+
     job = resized.job
     seen = np.concatenate(resized.samples)
     first = job.step_log[0] if job.step_log else (0, float("nan"), "")
-    summary = {
+    return {
         "model": options.model,
         "param_count": param_count(abstract),
         "state_bytes": job.ptc.nbytes,
@@ -378,30 +545,33 @@ def run(options: DemoOptions) -> dict:
         "final_loss": resized.losses[-1],
         "compiles": job.compiles,
         "loads": job.loads,  # steps loaded from the executable cache instead of compiled
-        "resized_run_seconds": resized_seconds,
-        "total_seconds": time.perf_counter() - started,
     }
+
+
+def _write(options: DemoOptions, summary: dict, resized: Run, fixed: Run, devices: int) -> None:
+    """``loss.png`` and ``summary.json`` in the output folder."""
     out = pathlib.Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     title = (
         f"GPT {options.model}, global batch {options.batch}, from "
-        f"{summary['initial']['config']} on {len(initial)} devices"
+        f"{summary['initial']['config']} on {devices} devices"
     )
     ylabel = "loss (next-byte cross entropy" + (
         " + balance loss)" if is_moe(options.model) else ")"
     )
     write_plot(out / "loss.png", resized.losses, fixed.losses, summary["resizes"], title, ylabel)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
 
 
 def _resize_record(r, step_log) -> dict:
     """One event of the schedule, as the summary and the table show it. ``stall_bound_seconds``
     is what the stall may take when the new layout's step was compiled ahead: 1.5 x (reshard +
     one step of the new layout, the median of its later steps) + 0.1 s."""
+    import statistics
+
     first = next((s for i, s, _ in step_log if i == r.step), float("nan"))
     later = [s for i, s, c in step_log if c == r.config_after and i != r.step]
-    step = float(np.median(later)) if later else first
+    step = statistics.median(later) if later else first
     return {
         "step": r.step,
         "from": len(r.devices_before),
@@ -426,6 +596,8 @@ def _resize_record(r, step_log) -> dict:
 
 def exactly_once(samples: list[np.ndarray], fixed: list[np.ndarray], num_samples: int) -> bool:
     """True if every step saw the fixed run's samples, and each epoch saw each sample once."""
+    import numpy as np
+
     if len(samples) != len(fixed) or any(not np.array_equal(a, b) for a, b in zip(samples, fixed)):
         return False
     stream = np.concatenate(samples)
@@ -443,6 +615,8 @@ def compare_states(got: list[np.ndarray], want: list[np.ndarray]) -> str | dict:
 
     The relative difference of a leaf is its max abs difference over its max abs value.
     """
+    import numpy as np
+
     if all(np.array_equal(a, b) for a, b in zip(got, want)):
         return "bitwise"
     diffs = [

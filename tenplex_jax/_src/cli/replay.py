@@ -1,4 +1,4 @@
-"""``tenplex-jax demo --trace FILE``: replay a resource trace on the reference GPT.
+"""``tenplex-jax replay TRACE``: replay a resource trace on the reference GPT.
 
 The job trains through the trace's preemptions, failures and offers with :class:`ElasticJob`
 (compile-ahead on, periodic orbax checkpoints as the trace says), then trains the same steps on all
@@ -9,39 +9,90 @@ to that of the checkpoint-restart policy replayed on the same events with its co
 restore onto each new layout, a fresh compile) measured in this run; and whether the data was seen
 exactly once and the params equal the fixed run's bit for bit.
 
-Like ``demo.py``, this is the CLI front end: it imports the reference model lazily.
+Like ``demo.py``, whose training it shares, it imports JAX and the reference model lazily.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import pathlib
 import shutil
-import statistics
 import time
 
-import jax
-import numpy as np
-
-from tenplex_jax._src.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
-from tenplex_jax._src.cli.demo import MIB, DemoOptions, compare_states, exactly_once, train
-from tenplex_jax._src.elastic.job import ElasticJob
-from tenplex_jax._src.elastic.trace import (
-    ResourceTrace,
-    RestartCosts,
-    checkpoint_restart,
-    elastic_overhead,
+from tenplex_jax._src.cli import parsing
+from tenplex_jax._src.cli.demo import (
+    MIB,
+    DemoOptions,
+    Run,
+    compare_states,
+    consistency_line,
+    exactly_once,
+    options_from,
+    train,
+    use_cpu_devices,
 )
-from tenplex_jax._src.executor import place
-from tenplex_jax._src.ptc import PTC, ParallelConfig
+
+EXAMPLES = """\
+examples:
+  tenplex-jax replay meshes/philly.toml --out out/trace
+      a Philly-shaped resource trace (preemptions, a failure, offers) on the small GPT: per-event
+      table, goodput against checkpoint-restart, DIR/summary.json
+  tenplex-jax replay meshes/philly.toml --notice 30
+      a preemption notice leaves the job its devices up to 30 s: the change waits for its
+      layout's step to compile, training on meanwhile
+
+The trace (TOML, see meshes/README.md) gives the devices, the steps and the events.
+"""
 
 
-def run(options: DemoOptions, trace: ResourceTrace, *, compile_ahead: bool = True) -> dict:
+def add_parser(sub) -> None:
+    replay = sub.add_parser(
+        "replay",
+        help="replay a resource trace (preemptions, failures, offers) with the elastic loop",
+        description="Train the reference GPT on fake CPU devices through a resource trace's\n"
+        "events, then without them; per event what the job did and what it cost, and\n"
+        "the goodput next to that of checkpoint-restart.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    replay.set_defaults(command=command, name="replay")
+    replay.add_argument(
+        "trace", metavar="TRACE", help="the resource trace (TOML, see meshes/README.md)"
+    )
+    parsing.add_training_flags(replay, out="out/replay", model="small")
+    parsing.add_job_flags(replay)
+    replay.add_argument(
+        "--no-compile-ahead",
+        action="store_true",
+        help="compile each layout's step only when the job moves onto it",
+    )
+
+
+def command(args) -> int:
+    """Configure JAX for the trace's fake CPU devices first, then replay it; print its table."""
+    from tenplex_jax._src.elastic.trace import ResourceTrace
+
+    trace = ResourceTrace.load(args.trace)
+    if not use_cpu_devices(trace.devices, "replay"):
+        return 2
+    options = options_from(
+        args, model=args.model or "small", steps=trace.steps, devices=trace.devices
+    )
+    summary = run(options, trace, compile_ahead=not args.no_compile_ahead)
+    print()
+    print(event_table(summary))
+    print(consistency_line(summary | {"epochs": summary["samples_seen"] / args.samples}))
+    print(f"wrote {options.out / 'summary.json'}")
+    return 0
+
+
+def run(options: DemoOptions, trace, *, compile_ahead: bool = True) -> dict:
     """Replay ``trace``, train a fixed run, measure the restart costs; write ``summary.json``."""
     from tqdm import tqdm
 
-    from tenplex_jax_models import build_state, corpus_samples, param_count, stdlib_corpus
+    from tenplex_jax_models import build_state, corpus_samples, stdlib_corpus
 
     started = time.perf_counter()
     out = pathlib.Path(options.out)
@@ -71,6 +122,57 @@ def run(options: DemoOptions, trace: ResourceTrace, *, compile_ahead: bool = Tru
             exact_step_times=True,
         )
         costs = restart_costs(elastic.job, checkpoints, options, bar.write)
+    summary = _summary(options, trace, elastic, fixed, costs, abstract, cfg, compile_ahead)
+    summary["total_seconds"] = time.perf_counter() - started
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def _summary(
+    options: DemoOptions, trace, elastic: Run, fixed: Run, costs, abstract, cfg, compile_ahead
+) -> dict:
+    """What ``summary.json`` says of the replay, the fixed run and the restart costs (of the
+    abstract state, the model config ``cfg``), but the seconds in all."""
+    import numpy as np
+
+    from tenplex_jax_models import param_count
+
+    job = elastic.job
+    events, step_seconds, goodput = _goodput(trace, elastic, costs)
+    seen = np.concatenate(elastic.samples)
+    return {
+        "model": options.model,
+        "param_count": param_count(abstract),
+        "state_bytes": job.ptc.nbytes,
+        "global_batch": options.batch,
+        "grad_units": options.grad_units,
+        "dataset_samples": options.samples,
+        "seq_len": cfg.seq_len,
+        "lr": options.lr,
+        "seed": options.seed,
+        "compile_ahead": compile_ahead,
+        "trace": dataclasses.asdict(trace),
+        "events": events,
+        "compiles": job.compiles,
+        "compile_cache_hits": job.cache_hits,
+        "checkpoints": [{"step": s, "seconds": t} for s, t in job.checkpoints],
+        "step_seconds_by_config": step_seconds,
+        "goodput": goodput,
+        "exactly_once": exactly_once(elastic.samples, fixed.samples, options.samples),
+        "samples_seen": int(seen.size),
+        "samples_expected": trace.steps * options.batch,
+        "params_vs_fixed_run": compare_states(elastic.state, fixed.state),
+        "losses": elastic.losses,
+        "fixed_run_losses": fixed.losses,
+    }
+
+
+def _goodput(trace, elastic: Run, costs) -> tuple[list[dict], dict, dict]:
+    """(each event with what checkpoint-restart paid for it, the median step seconds of each
+    layout, the goodput of both policies and its parts)."""
+    import statistics
+
+    from tenplex_jax._src.elastic.trace import checkpoint_restart, elastic_overhead
 
     job, wall = elastic.job, elastic.wall
     useful = sum(s for i, s, _ in job.step_log if i > 0)  # steps after the first
@@ -92,25 +194,10 @@ def run(options: DemoOptions, trace: ResourceTrace, *, compile_ahead: bool = Tru
         dataclasses.asdict(r) | {"checkpoint_restart": c}
         for r, c in zip(job.records, baseline.pop("events"))
     ]
-    seen = np.concatenate(elastic.samples)
-    summary = {
-        "model": options.model,
-        "param_count": param_count(abstract),
-        "state_bytes": job.ptc.nbytes,
-        "global_batch": options.batch,
-        "grad_units": options.grad_units,
-        "dataset_samples": options.samples,
-        "seq_len": cfg.seq_len,
-        "lr": options.lr,
-        "seed": options.seed,
-        "compile_ahead": compile_ahead,
-        "trace": dataclasses.asdict(trace),
-        "events": events,
-        "compiles": job.compiles,
-        "compile_cache_hits": job.cache_hits,
-        "checkpoints": [{"step": s, "seconds": t} for s, t in job.checkpoints],
-        "step_seconds_by_config": step_seconds,
-        "goodput": {
+    return (
+        events,
+        step_seconds,
+        {
             "elastic": useful / wall,
             "checkpoint_restart": baseline["goodput"],
             "useful_seconds": useful,
@@ -123,21 +210,21 @@ def run(options: DemoOptions, trace: ResourceTrace, *, compile_ahead: bool = Tru
             "checkpoint_restart_periodic_saves": baseline["periodic_saves"],
             "restart_costs": dataclasses.asdict(costs),
         },
-        "exactly_once": exactly_once(elastic.samples, fixed.samples, options.samples),
-        "samples_seen": int(seen.size),
-        "samples_expected": trace.steps * options.batch,
-        "params_vs_fixed_run": compare_states(elastic.state, fixed.state),
-        "losses": elastic.losses,
-        "fixed_run_losses": fixed.losses,
-        "total_seconds": time.perf_counter() - started,
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    return summary
+    )
 
 
-def restart_costs(job: ElasticJob, checkpoints, options, log) -> RestartCosts:
+def restart_costs(job, checkpoints, options, log):
     """A save (the run's median, or one timed now), a restore onto each layout the run moved to,
-    and a fresh compile of each, measured now on the run's final state and checkpoints."""
+    and a fresh compile of each, measured now on the run's final state and checkpoints
+    (``RestartCosts``)."""
+    import statistics
+
+    import jax
+
+    from tenplex_jax._src.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
+    from tenplex_jax._src.elastic.trace import RestartCosts
+    from tenplex_jax._src.executor import place
+    from tenplex_jax._src.ptc import PTC, ParallelConfig
     from tenplex_jax_models import LOGICAL_RULES, build_state
 
     saves = [s for _, s in job.checkpoints]
@@ -161,7 +248,9 @@ def restart_costs(job: ElasticJob, checkpoints, options, log) -> RestartCosts:
             f"restart onto {config}: restore {restore[config]:.2f} s, compile "
             f"{compile_s[config]:.2f} s"
         )
-    return RestartCosts(statistics.median(saves), restore, compile_s)
+    return RestartCosts(
+        save_seconds=statistics.median(saves), restore_seconds=restore, compile_seconds=compile_s
+    )
 
 
 def event_table(summary: dict) -> str:
