@@ -30,7 +30,6 @@ def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: 
     """Median step seconds of both loops over ``blocks`` alternating blocks of ``steps`` steps."""
     import optax
 
-    from tenplex_jax._src.batch import BATCH_AXES
     from tenplex_jax_models import (
         GPT,
         LOGICAL_RULES,
@@ -86,7 +85,7 @@ def run_loop_overhead(model_cfg, config: tj.ParallelConfig, batch: int, blocks: 
         specs = nnx.get_partition_spec(plain_state)
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
     plain_state = jax.device_put(plain_state, shardings)
-    batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
+    batch_sharding = NamedSharding(mesh, P(tj.data.BATCH_AXES))
 
     def plain_train_step(state, batch):
         nodes = nnx.merge(plain_graphdef, state)

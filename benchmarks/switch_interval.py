@@ -28,7 +28,6 @@ INTERVALS = {"interpreter": 5e-3, "job": None}  # None: the job's default (JobOp
 
 def run(rounds: int = 2, iterations: int = 60) -> dict:
     import tenplex_jax as tj
-    from tenplex_jax._src.elastic.steps import SWITCH_INTERVAL
     from tenplex_jax_models import (
         LOGICAL_RULES,
         build_state,
@@ -93,7 +92,8 @@ def run(rounds: int = 2, iterations: int = 60) -> dict:
     for r in range(rounds):
         for mode in ("lower", "compile"):
             for name, seconds in INTERVALS.items():
-                cache.switch_interval = seconds if seconds is not None else SWITCH_INTERVAL
+                default = tj.elastic.JobOptions().switch_interval
+                cache.switch_interval = seconds if seconds is not None else default
                 alone = iterations_ms(iterations)
                 stop, done, failed = threading.Event(), [], []
                 thread = threading.Thread(target=background, args=(mode, stop, done, failed))

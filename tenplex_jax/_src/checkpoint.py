@@ -152,39 +152,45 @@ def save_checkpoint(
     """
     paths, arrays, _ = tree.arrays(state)
     check_tree(paths, arrays, ptc)
-    directory = pathlib.Path(directory).absolute()
+    directory, step = pathlib.Path(directory).absolute(), int(step)
     record = {
         "format": FORMAT,
-        "step": int(step),
+        "step": step,
         "ptc": ptc.to_json(),
         "data_state": None if data_state is None else dataclasses.asdict(data_state),
     }
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=not wait)
-    manager = ocp.CheckpointManager(
-        directory,
-        options=options,
-        item_handlers={  # a directory per leaf (no OCDBT): a damaged file names its leaf
-            STATE: ocp.PyTreeCheckpointHandler(use_ocdbt=False, type_handler_registry=_handlers()),
-            RECORD: ocp.JsonCheckpointHandler(),
-        },
-    )
-    if int(step) in manager.all_steps():
+    manager = _manager(directory, keep, wait)
+    if step in manager.all_steps():
         manager.close()
         raise CheckpointError(
             f"step {step} already exists under {directory}; steps are written once"
         )
-    manager.save(
-        int(step),
-        args=ocp.args.Composite(
-            **{
-                STATE: ocp.args.PyTreeSave(_nested(paths, arrays)),
-                RECORD: ocp.args.JsonSave(record),
-            }
-        ),
-    )
-    step_dir, outcome = directory / str(int(step)), []
+    items = {STATE: ocp.args.PyTreeSave(_nested(paths, arrays)), RECORD: ocp.args.JsonSave(record)}
+    manager.save(step, args=ocp.args.Composite(**items))
+    saved = _finishing(manager, step, directory / str(step))
+    return saved.wait() if wait else saved
 
-    def finish():  # the file list goes last: a step without it is unfinished
+
+def _manager(directory: pathlib.Path, keep: int | None, wait: bool) -> ocp.CheckpointManager:
+    """An orbax manager of steps that stores a directory per leaf (no OCDBT: a damaged file
+    names its leaf) beside the tenplex record."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=not wait)
+    return ocp.CheckpointManager(
+        directory,
+        options=options,
+        item_handlers={
+            STATE: ocp.PyTreeCheckpointHandler(use_ocdbt=False, type_handler_registry=_handlers()),
+            RECORD: ocp.JsonCheckpointHandler(),
+        },
+    )
+
+
+def _finishing(manager: ocp.CheckpointManager, step: int, step_dir: pathlib.Path) -> Saved:
+    """The save, finished on a thread: orbax's writes, then (process 0) the step's file list,
+    last, since a step without it is unfinished; then the manager is closed."""
+    outcome: list = []
+
+    def finish():
         try:
             manager.wait_until_finished()
             if jax.process_index() == 0:
@@ -197,8 +203,7 @@ def save_checkpoint(
 
     finisher = threading.Thread(target=finish, name=f"tenplex-checkpoint-{step}")
     finisher.start()
-    saved = Saved(int(step), step_dir, finisher, outcome)
-    return saved.wait() if wait else saved
+    return Saved(step=step, path=step_dir, finisher=finisher, outcome=outcome)
 
 
 @functools.cache
@@ -293,6 +298,24 @@ def restore_checkpoint(
       LayoutError: the target names devices this process does not have.
     """
     item, step_dir = _locate(pathlib.Path(directory).absolute(), step)
+    step, record, checked = _opened(step_dir, verify)
+    stored = _orbax(lambda: _stored_leaves(item), item, step)
+    keys, targets = _targets(target, stored, prefix, item)
+    restored = _read(item, step_dir, step, keys, targets, checked)
+    state = jax.tree_util.tree_unflatten(target.treedef, [_get(restored, k) for k in keys])
+    data = None if record is None else record.get("data_state")
+    return Restored(
+        state=state,
+        step=step if record is None else record["step"],
+        data_state=None if data is None else DataState.from_dict(data),
+        source=None if record is None else record["ptc"],
+        path=item,
+    )
+
+
+def _opened(step_dir: pathlib.Path | None, verify: bool) -> tuple[int | None, dict | None, bool]:
+    """(the step, its tenplex record or None, whether its files are checked as they are read),
+    once the step's metadata and record match its file list (with ``verify``)."""
     step = _plain_step(step_dir)
     checked = verify and step_dir is not None and (step_dir / RECORD).is_dir()
     if checked:  # the metadata and the record, before either is read
@@ -300,55 +323,45 @@ def restore_checkpoint(
     record = _read_record(step_dir / RECORD) if step_dir is not None else None
     if record is not None and record["format"] == FORMATS[0]:
         checked = False  # written before the file lists: read unchecked
-    stored = _orbax(lambda: _stored_leaves(item), item, step)
+    return step, record, checked
+
+
+def _targets(target: PTC, stored: dict, prefix: str, item) -> tuple[list[str], list]:
+    """(the checkpoint's key of every target leaf, its ``ShapeDtypeStruct`` with the target's
+    sharding); ``CheckpointError`` unless every target leaf is stored with its shape and dtype."""
     mesh = target.mesh()
-    restore_paths, targets, found = [], [], []
+    keys, targets, found = [], [], []
     for leaf in target.leaves:
         key = _lookup(stored, prefix, leaf.path)
         if key is None:
             continue
         shape, dtype = stored[key]
         found.append(tree.Leaf(leaf.path, None if shape is None else tuple(shape), dtype))
-        restore_paths.append(key)
+        keys.append(key)
         sharding = NamedSharding(mesh, leaf.spec)
         targets.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
     diff = tree.difference(target.leaves, found, ("the target", "the checkpoint"), subset=True)
     if diff:
         raise CheckpointError(_mismatch_message(diff, target, found, stored, prefix, item))
-    nested = _nested(restore_paths, targets)
+    return keys, targets
 
-    def read():
-        return _orbax(
-            lambda: ocp.PyTreeCheckpointer().restore(
-                item,
-                args=ocp.args.PyTreeRestore(
-                    item=nested,
-                    restore_args=ocp.checkpoint_utils.construct_restore_args(nested),
-                    partial_restore=True,
-                ),
-            ),
-            item,
-            step,
-        )
 
-    if checked:  # the leaves' files: their sizes first, their bytes while orbax reads them
-        leaves = {_orbax_name(key): key for key in restore_paths}
-        _check_files(step_dir, step, leaves=leaves, contents=False)
-        restored = _while_checked(read, lambda: _check_files(step_dir, step, leaves=leaves))
-    else:
-        restored = read()
-    arrays = [_get(restored, key) for key in restore_paths]
-    state = jax.tree_util.tree_unflatten(target.treedef, arrays)
-    if record is None:
-        return Restored(state, step, None, None, item)
-    data = record.get("data_state")
-    return Restored(
-        state,
-        record["step"],
-        None if data is None else DataState.from_dict(data),
-        record["ptc"],
-        item,
-    )
+def _read(item, step_dir, step, keys: list[str], targets: list, checked: bool) -> dict:
+    """orbax's restore of ``keys`` into ``targets``; when ``checked``, the leaves' files are
+    checked (their sizes first, their bytes while orbax reads them)."""
+    nested = _nested(keys, targets)
+
+    def restore():
+        restore_args = ocp.checkpoint_utils.construct_restore_args(nested)
+        args = ocp.args.PyTreeRestore(item=nested, restore_args=restore_args, partial_restore=True)
+        return ocp.PyTreeCheckpointer().restore(item, args=args)
+
+    read = lambda: _orbax(restore, item, step)
+    if not checked:
+        return read()
+    leaves = {_orbax_name(key): key for key in keys}
+    _check_files(step_dir, step, leaves=leaves, contents=False)
+    return _while_checked(read, lambda: _check_files(step_dir, step, leaves=leaves))
 
 
 # -- the file list of a step ----------------------------------------------------------------------
@@ -620,10 +633,3 @@ def _plain_step(step_dir: pathlib.Path | None) -> int | None:
         return int(step_dir.name)
     except ValueError:
         return None
-
-
-def read_record(directory, step: int | None = None) -> dict | None:
-    """The tenplex JSON record of a checkpoint step (``None`` for plain orbax), without its
-    arrays."""
-    _, step_dir = _locate(pathlib.Path(directory).absolute(), step)
-    return None if step_dir is None else _read_record(step_dir / RECORD)

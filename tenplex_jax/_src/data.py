@@ -21,7 +21,8 @@ Tenplex treats the dataset as one more partitioned collection. Here it has two h
   gradient per unit and sums them in unit order, the same order on any number of ranks: that is
   what makes training bitwise independent of the data-parallel size.
 
-Epochs. ``remainder`` says what happens when ``N`` is not a multiple of the global batch:
+Epochs. ``remainder`` (a :class:`Remainder`) says what happens when ``N`` is not a multiple of the
+global batch:
 
 - ``"carry"`` (default): the epochs' permutations are concatenated into one stream and cut into
   full batches, so a batch may straddle an epoch boundary; every sample is seen exactly once per
@@ -35,6 +36,7 @@ Epochs. ``remainder`` says what happens when ``N`` is not a multiple of the glob
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import math
@@ -43,9 +45,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from tenplex_jax._src.errors import DataError
+from tenplex_jax._src.errors import DataError, one_of
 
-REMAINDERS = ("carry", "drop", "pad")
+
+class Remainder(enum.StrEnum):
+    """What ends an epoch when the global batch does not divide the dataset (the module
+    docstring): ``"carry"``, ``"drop"`` or ``"pad"``."""
+
+    CARRY = "carry"
+    DROP = "drop"
+    PAD = "pad"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +239,7 @@ class DataState:
       num_samples: samples in the dataset.
       global_batch: samples per global batch.
       seed: the seed of the epochs' permutations.
-      remainder: ``"carry"``, ``"drop"`` or ``"pad"``: what ends an epoch (see ``DatasetPTC``).
+      remainder: the :class:`Remainder`: what ends an epoch (see ``DatasetPTC``).
       consumed: real samples delivered since the start of epoch 0.
 
     Raises:
@@ -243,7 +252,7 @@ class DataState:
     num_samples: int
     global_batch: int
     seed: int
-    remainder: str
+    remainder: Remainder
     consumed: int = 0
 
     def __post_init__(self):
@@ -257,12 +266,14 @@ class DataState:
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not 0 <= v < MAX_COUNT
         }
         bad |= {k: v for k in ("num_samples", "global_batch") if (v := counts[k]) == 0}
-        if bad or not isinstance(self.fingerprint, str) or self.remainder not in REMAINDERS:
+        remainders = tuple(r.value for r in Remainder)
+        if bad or not isinstance(self.fingerprint, str) or self.remainder not in remainders:
             raise DataError(
                 f"a data state has a string fingerprint, integer counts below 2**62 (num_samples "
-                f"and global_batch >= 1, seed and consumed >= 0) and a remainder in {REMAINDERS}; "
+                f"and global_batch >= 1, seed and consumed >= 0) and a remainder in {remainders}; "
                 f"got {self!r}" + (f" (bad: {bad})" if bad else "")
             )
+        object.__setattr__(self, "remainder", Remainder(self.remainder))
         for name, value in counts.items():  # NumPy integers are kept as Python ints
             object.__setattr__(self, name, int(value))
 
@@ -335,10 +346,10 @@ class DatasetPTC:
         dict of equally long arrays, or a ``grain.MapDataset`` (indexed item by item).
       global_batch: samples per global batch.
       seed: the seed of every epoch's permutation.
-      remainder: what ends an epoch when the global batch does not divide the dataset:
-        ``"carry"`` (the epochs form one stream; a batch may straddle two), ``"drop"`` (each
-        epoch skips its last ``N % global_batch`` samples) or ``"pad"`` (each epoch ends with a
-        short batch, padded with weight-0 rows).
+      remainder: what ends an epoch when the global batch does not divide the dataset, a
+        :class:`tenplex_jax.data.Remainder`: ``"carry"`` (the epochs form one stream; a batch
+        may straddle two), ``"drop"`` (each epoch skips its last ``N % global_batch`` samples)
+        or ``"pad"`` (each epoch ends with a short batch, padded with weight-0 rows).
       fingerprint: identifies the dataset in saved states (default: a hash of the length and of
         up to 16 items spread over the dataset).
 
@@ -357,12 +368,11 @@ class DatasetPTC:
         global_batch: int,
         *,
         seed: int = 0,
-        remainder: str = "carry",
+        remainder: Remainder | str = "carry",
         fingerprint: str | None = None,
     ):
         n = _length(source)
-        if remainder not in REMAINDERS:
-            raise DataError(f"remainder must be one of {REMAINDERS}, got {remainder!r}")
+        remainder = one_of(Remainder, remainder, "remainder", DataError)
         if global_batch < 1:
             raise DataError(f"global_batch must be >= 1, got {global_batch}")
         if n < global_batch:
@@ -386,7 +396,12 @@ class DatasetPTC:
     def steps_per_epoch(self) -> float:
         """Global batches per epoch (fractional with ``remainder="carry"``)."""
         n, b = self.num_samples, self.global_batch
-        return {"carry": n / b, "drop": n // b, "pad": math.ceil(n / b)}[self.remainder]
+        per_epoch = {
+            Remainder.CARRY: n / b,
+            Remainder.DROP: n // b,
+            Remainder.PAD: math.ceil(n / b),
+        }
+        return per_epoch[self.remainder]
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The order of the samples in one epoch.
@@ -418,7 +433,7 @@ class DatasetPTC:
         if step < 0:
             raise DataError(f"step must be >= 0, got {step}")
         n, b = self.num_samples, self.global_batch
-        if self.remainder == "carry":
+        if self.remainder == Remainder.CARRY:
             start = step * b
             pos = np.arange(start, start + b)
             epochs, offsets = np.divmod(pos, n)
@@ -443,11 +458,11 @@ class DatasetPTC:
           The sample count (what :class:`DataState` records as ``consumed``).
         """
         n, b = self.num_samples, self.global_batch
-        if self.remainder == "carry":
+        if self.remainder == Remainder.CARRY:
             return step * b
         spe = int(self.steps_per_epoch)
         epoch, k = divmod(step, spe)
-        per_epoch = n if self.remainder == "pad" else spe * b
+        per_epoch = n if self.remainder == Remainder.PAD else spe * b
         return epoch * per_epoch + min(k * b, n)
 
     # -- the position ---------------------------------------------------------------------------
@@ -455,12 +470,12 @@ class DatasetPTC:
     def state(self) -> DataState:
         """The position as a :class:`DataState`, to save beside the train state."""
         return DataState(
-            self.fingerprint,
-            self.num_samples,
-            self.global_batch,
-            self.seed,
-            self.remainder,
-            self.consumed_after(self.step),
+            fingerprint=self.fingerprint,
+            num_samples=self.num_samples,
+            global_batch=self.global_batch,
+            seed=self.seed,
+            remainder=self.remainder,
+            consumed=self.consumed_after(self.step),
         )
 
     def restore(self, state: DataState) -> None:
@@ -474,28 +489,27 @@ class DatasetPTC:
           DataError: the state was made for another order (fingerprint, sample count, global
             batch, seed or remainder differ), or its ``consumed`` is not a global-batch boundary.
         """
-        mine = self.state()
+        saved, mine = json.loads(state.to_json()), json.loads(self.state().to_json())
         for name in ("fingerprint", "num_samples", "global_batch", "seed", "remainder"):
-            if getattr(state, name) != getattr(mine, name):
+            if saved[name] != mine[name]:
                 raise DataError(
-                    f"cannot restore a data state saved with {name}={getattr(state, name)!r} onto "
-                    "a "
-                    f"dataset with {name}={getattr(mine, name)!r}: it counts samples in another "
-                    "order; restore it onto the dataset and global batch size it was saved with"
+                    f"cannot restore a data state saved with {name}={saved[name]!r} onto a "
+                    f"dataset with {name}={mine[name]!r}: it counts samples in another order; "
+                    "restore it onto the dataset and global batch size it was saved with"
                 )
         step = self._step_of(state.consumed)
         if step is None:
             raise DataError(
                 f"consumed={state.consumed} is not a global-batch boundary of this order "
                 f"(global batch {self.global_batch}, {self.num_samples} samples, "
-                f"remainder={self.remainder!r})"
+                f"remainder={str(self.remainder)!r})"
             )
         self.step = step
 
     def _step_of(self, consumed: int) -> int | None:
         if consumed < 0:
             return None
-        if self.remainder == "carry":
+        if self.remainder == Remainder.CARRY:
             step, r = divmod(consumed, self.global_batch)
             return None if r else step
         spe = int(self.steps_per_epoch)

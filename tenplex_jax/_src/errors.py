@@ -159,3 +159,13 @@ def where(path: str, shape: tuple[int, ...], spec, mesh: str) -> str:
     """The standard tail of an error message: which leaf, its shape, its spec, the mesh (as
     ``ParallelConfig.describe`` or ``mesh.show_mesh`` writes it: with its axis types)."""
     return f"leaf {path!r} (shape={tuple(shape)}, spec={spec}, mesh={mesh})"
+
+
+def one_of(kinds, value, what: str, error: type[TenplexError]):
+    """``kinds(value)``: the member of the ``enum.StrEnum`` ``kinds`` that ``value`` names, or
+    ``error`` stating the rule: ``"<what> must be one of (...), got <value>"``."""
+    try:
+        return kinds(value)
+    except ValueError:
+        names = tuple(kind.value for kind in kinds)
+        raise error(f"{what} must be one of {names}, got {value!r}") from None

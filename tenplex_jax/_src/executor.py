@@ -38,6 +38,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import enum
 import itertools
 import os
 import time
@@ -51,18 +52,33 @@ from jax.sharding import NamedSharding
 from tenplex_jax._src import box as boxes
 from tenplex_jax._src import libc, tree
 from tenplex_jax._src.box import Box
-from tenplex_jax._src.errors import LayoutError, PlanError, where
+from tenplex_jax._src.errors import LayoutError, PlanError, one_of, where
 from tenplex_jax._src.mesh import show_mesh
-from tenplex_jax._src.plan import LeafPlan, Plan
+from tenplex_jax._src.plan import LeafPlan, Plan, ShardKind
 from tenplex_jax._src.ptc import PTC
 
-METHODS = ("plan", "device_put")
-EXECUTORS = ("auto", "host", "device")
 CHUNK_BYTES = 4 * 2**20  # the host path's copy task: large pieces are cut, so threads share them
 # a task with fewer bytes is copied by the calling thread: handing it to the pool costs more (the
 # GIL passes to a worker and back) than copying it
 INLINE_BYTES = 256 * 2**10
 AHEAD = 1  # leaves whose host copies run while the one before is finished
+
+
+class ReshardMethod(enum.StrEnum):
+    """How :func:`reshard` moves a state: ``"plan"``, the per-shard executor, or
+    ``"device_put"``, the whole tree handed to ``jax.device_put`` (a baseline)."""
+
+    PLAN = "plan"
+    DEVICE_PUT = "device_put"
+
+
+class Executor(enum.StrEnum):
+    """How the per-shard executor copies bytes: ``"auto"`` (``"host"`` for CPU leaves,
+    ``"device"`` for the rest), ``"host"`` (through host memory) or ``"device"`` (JAX ops)."""
+
+    AUTO = "auto"
+    HOST = "host"
+    DEVICE = "device"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +88,7 @@ class ReshardReport:
     The second value :func:`reshard` returns; ``str(report)`` is one line.
 
     Attributes:
-      method: ``"plan"`` or ``"device_put"``, as :func:`reshard` was called.
+      method: the :class:`ReshardMethod` :func:`reshard` was called with.
       bytes_moved: bytes copied from one device to another (the plan's count for
         ``"device_put"``, which does not say what it copied).
       bytes_kept: bytes of target shards that came from the same device.
@@ -82,13 +98,12 @@ class ReshardReport:
         ``"device_put"``.
     """
 
-    method: str
-    bytes_moved: int  # bytes copied from one device to another
-    bytes_kept: int  # bytes of target shards that came from the same device
+    method: ReshardMethod
+    bytes_moved: int
+    bytes_kept: int
     seconds: float
     leaves: int
-    # executor path ("host", "device") -> shard kind -> shards it built; empty for "device_put"
-    kinds: dict[str, collections.Counter] = dataclasses.field(default_factory=dict)
+    kinds: dict[Executor, collections.Counter] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         return (
@@ -102,8 +117,8 @@ def reshard(
     plan: Plan,
     *,
     donate: bool = True,
-    method: str = "plan",
-    executor: str = "auto",
+    method: ReshardMethod | str = "plan",
+    executor: Executor | str = "auto",
     devices: Sequence[jax.Device] | None = None,
 ):
     """Apply ``plan`` to ``state``: the same values, bit for bit, laid out as ``plan.dst``.
@@ -125,10 +140,10 @@ def reshard(
       donate: delete each old leaf once its new one is built, so the peak stays near the state
         plus one leaf (a leaf whose buffers live on as kept shards is freed when the caller
         drops the old state).
-      method: ``"plan"`` runs the per-shard executor; ``"device_put"`` hands the whole tree to
-        ``jax.device_put`` (a baseline).
-      executor: with ``"plan"``, how bytes are copied: ``"auto"`` (host memory for CPU leaves,
-        device ops for the rest), ``"host"`` or ``"device"``.
+      method: a :class:`tenplex_jax.typing.ReshardMethod`: ``"plan"`` (the per-shard executor)
+        or ``"device_put"`` (a baseline).
+      executor: with ``"plan"``, how bytes are copied (:class:`tenplex_jax.typing.Executor`):
+        ``"auto"``, ``"host"`` or ``"device"``.
       devices: where the target PTC's device ids are looked up (default ``jax.devices()``).
 
     Returns:
@@ -141,80 +156,117 @@ def reshard(
         ``executor`` is unknown; nothing was moved.
       LayoutError: the target names devices this process does not have; nothing was moved.
     """
-    if method not in METHODS:
-        raise PlanError(f"reshard's method must be one of {METHODS}, got {method!r}")
-    if executor not in EXECUTORS:
-        raise PlanError(f"reshard's executor must be one of {EXECUTORS}, got {executor!r}")
+    method = one_of(ReshardMethod, method, "reshard's method", PlanError)
+    executor = one_of(Executor, executor, "reshard's executor", PlanError)
     paths, arrays, treedef = tree.arrays(state)
+    mesh, paths_of = _checked(paths, arrays, plan, devices, executor)
+    if isinstance(plan.dst.treedef, jax.tree_util.PyTreeDef):
+        treedef = plan.dst.treedef  # the target's containers (an orbax target's dicts, boxes, ...)
+    run = _device_put if method == ReshardMethod.DEVICE_PUT else _execute
+    out, report = run(arrays, plan, mesh, paths_of, donate)
+    return jax.tree_util.tree_unflatten(treedef, out), report
+
+
+def _checked(paths, arrays, plan: Plan, devices, executor: Executor):
+    """Everything checked before anything moves: the state against ``plan.src``, the target's
+    devices, each leaf's path. Returns (the target mesh, each leaf's path)."""
     check_tree(paths, arrays, plan.src)
     check_state(arrays, plan)
     mesh = _target_mesh(plan, devices)
-    if isinstance(plan.dst.treedef, jax.tree_util.PyTreeDef):
-        treedef = plan.dst.treedef  # the target's containers (an orbax target's dicts, boxes, ...)
-    choose = {"auto": _path_of, "host": _host_only, "device": lambda array, leaf: _device_leaf}
-    paths_of = [choose[executor](array, leaf) for array, leaf in zip(arrays, plan.leaves)]
+    choose = {
+        Executor.AUTO: _path_of,
+        Executor.HOST: _host_only,
+        Executor.DEVICE: lambda array, leaf: _device_leaf,
+    }
+    return mesh, [choose[executor](array, leaf) for array, leaf in zip(arrays, plan.leaves)]
+
+
+def _device_put(arrays, plan: Plan, mesh, paths_of, donate: bool):
+    """The baseline: the whole tree to ``jax.device_put``; the report counts the plan's bytes."""
     start = time.perf_counter()
-    if method == "device_put":
-        shardings = [NamedSharding(mesh, leaf.dst.spec) for leaf in plan.leaves]
-        out = jax.device_put(arrays, shardings, donate=donate)
-        jax.block_until_ready(out)
-        report = ReshardReport(
-            method, plan.bytes_moved, plan.bytes_kept, time.perf_counter() - start, len(out)
-        )
-        return jax.tree_util.tree_unflatten(treedef, out), report
-    by_id = {d.id: d for d in mesh.devices.flat}
-    out, moved, kept = [], 0, 0
-    kinds: dict[str, collections.Counter] = {}
-    with contextlib.ExitStack() as stack:
-        pool = None
-        if _host_leaf in paths_of and (os.cpu_count() or 1) > 1:
-            pool = stack.enter_context(
-                concurrent.futures.ThreadPoolExecutor(os.cpu_count(), "tenplex-copy")
-            )
-        # the host path's copies of the next leaf run while a leaf is finished, so both cores
-        # stay busy; at most AHEAD leaves are started ahead, and only while their new buffers
-        # stay within an eighth of the state's (or one leaf's): the peak stays near state + leaf;
-        # with donation, the memory of deleted leaves goes back to the system each time they
-        # add up to as much
-        started: collections.deque = collections.deque()
-        new_bytes = [_new_bytes(leaf) for leaf in plan.leaves]
-        window = max([plan.dst.nbytes // 8] + new_bytes)
-        freed = 0  # bytes of old leaves deleted since host memory was last given back
-
-        def finish():
-            array, leaf, execute, work, _ = started.popleft()
-            nonlocal moved, kept, freed
-            shards, leaf_moved, leaf_kept = execute(array, leaf, by_id, work)
-            new = jax.make_array_from_single_device_arrays(
-                leaf.dst.shape, NamedSharding(mesh, leaf.dst.spec), shards
-            )
-            out.append(new)
-            moved, kept = moved + leaf_moved, kept + leaf_kept
-            built = kinds.setdefault(
-                "host" if execute is _host_leaf else "device", collections.Counter()
-            )
-            built.update(shard.kind for shard in leaf.shards)
-            if donate and not any(s.kind == "keep" for s in leaf.shards):
-                jax.block_until_ready(new)  # the copies read the old buffers; they must finish
-                freed += sum(shard.data.nbytes for shard in array.addressable_shards)
-                array.delete()
-                if execute is _host_leaf and freed >= window:
-                    libc.release_host_memory()  # else freed shards stay in the heap
-                    freed = 0
-
-        ahead = 0  # new bytes of the leaves started and not finished
-        for array, leaf, execute, nbytes in zip(arrays, plan.leaves, paths_of, new_bytes):
-            while started and (len(started) > AHEAD or ahead + nbytes > window):
-                ahead -= started[0][-1]
-                finish()
-            work = _HostCopies(array, leaf, pool) if execute is _host_leaf else None
-            started.append((array, leaf, execute, work, nbytes))
-            ahead += nbytes
-        while started:
-            finish()
+    shardings = [NamedSharding(mesh, leaf.dst.spec) for leaf in plan.leaves]
+    out = jax.device_put(arrays, shardings, donate=donate)
     jax.block_until_ready(out)
-    report = ReshardReport(method, moved, kept, time.perf_counter() - start, len(out), kinds)
-    return jax.tree_util.tree_unflatten(treedef, out), report
+    report = ReshardReport(
+        method=ReshardMethod.DEVICE_PUT,
+        bytes_moved=plan.bytes_moved,
+        bytes_kept=plan.bytes_kept,
+        seconds=time.perf_counter() - start,
+        leaves=len(out),
+    )
+    return out, report
+
+
+def _execute(arrays, plan: Plan, mesh, paths_of, donate: bool):
+    """The per-shard executor: every leaf built as the plan says, in a window (:class:`_Window`);
+    the host path's copies on a thread per core."""
+    start = time.perf_counter()
+    pool = contextlib.nullcontext()  # no pool on one core, nor without host copies
+    if _host_leaf in paths_of and (os.cpu_count() or 1) > 1:
+        pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count(), "tenplex-copy")
+    with pool as pool:
+        window = _Window(plan, mesh, donate, pool)
+        for array, leaf, execute, nbytes in zip(arrays, plan.leaves, paths_of, window.new_bytes):
+            window.start(array, leaf, execute, nbytes)
+        while window.started:
+            window.finish()
+    jax.block_until_ready(window.out)
+    report = ReshardReport(
+        method=ReshardMethod.PLAN,
+        bytes_moved=window.moved,
+        bytes_kept=window.kept,
+        seconds=time.perf_counter() - start,
+        leaves=len(window.out),
+        kinds=window.kinds,
+    )
+    return window.out, report
+
+
+class _Window:
+    """The per-shard executor's schedule, leaf by leaf: the host copies of at most ``AHEAD``
+    leaves run while one is finished, while their new buffers stay within ``limit`` (an eighth of
+    the state, or one leaf), which is also what deleted leaves free before memory goes back."""
+
+    def __init__(self, plan: Plan, mesh, donate: bool, pool):
+        self.mesh, self.donate, self.pool = mesh, donate, pool
+        self.by_id = {d.id: d for d in mesh.devices.flat}
+        self.new_bytes = [_new_bytes(leaf) for leaf in plan.leaves]
+        self.limit = max([plan.dst.nbytes // 8] + self.new_bytes)
+        self.started: collections.deque = collections.deque()  # (array, leaf, path, work, bytes)
+        self.ahead = 0  # new bytes of the leaves started and not finished
+        self.freed = 0  # bytes of old leaves deleted since host memory was last given back
+        self.out: list[jax.Array] = []
+        self.moved = self.kept = 0
+        self.kinds: dict[Executor, collections.Counter] = {}
+
+    def start(self, array: jax.Array, leaf: LeafPlan, execute, nbytes: int) -> None:
+        """Start a leaf (its host copies, on the pool), first finishing the leaves it must
+        wait for."""
+        while self.started and (len(self.started) > AHEAD or self.ahead + nbytes > self.limit):
+            self.finish()
+        work = _HostCopies(array, leaf, self.pool) if execute is _host_leaf else None
+        self.started.append((array, leaf, execute, work, nbytes))
+        self.ahead += nbytes
+
+    def finish(self) -> None:
+        """Finish the oldest leaf started: its new array, its counts, its old buffers freed."""
+        array, leaf, execute, work, nbytes = self.started.popleft()
+        self.ahead -= nbytes
+        shards, moved, kept = execute(array, leaf, self.by_id, work)
+        new = jax.make_array_from_single_device_arrays(
+            leaf.dst.shape, NamedSharding(self.mesh, leaf.dst.spec), shards
+        )
+        self.out.append(new)
+        self.moved, self.kept = self.moved + moved, self.kept + kept
+        path = Executor.HOST if execute is _host_leaf else Executor.DEVICE
+        self.kinds.setdefault(path, collections.Counter()).update(s.kind for s in leaf.shards)
+        if self.donate and not any(s.kind == ShardKind.KEEP for s in leaf.shards):
+            jax.block_until_ready(new)  # the copies read the old buffers; they must finish
+            self.freed += sum(shard.data.nbytes for shard in array.addressable_shards)
+            array.delete()
+            if execute is _host_leaf and self.freed >= self.limit:
+                libc.release_host_memory()  # else freed shards stay in the heap
+                self.freed = 0
 
 
 def place(state, ptc):
@@ -409,7 +461,7 @@ def _device_leaf(array: jax.Array, leaf: LeafPlan, by_id, work=None):
     moved = kept = 0
     pieces, targets = [], []  # every piece, sliced at its source, and the device it goes to
     for shard in leaf.shards:
-        if shard.kind == "keep":
+        if shard.kind == ShardKind.KEEP:
             continue
         for piece in shard.pieces:
             data = local[piece.src_device]
@@ -424,7 +476,7 @@ def _device_leaf(array: jax.Array, leaf: LeafPlan, by_id, work=None):
     arrived = iter(jax.device_put(pieces, targets) if pieces else ())
     shards = []
     for shard in leaf.shards:
-        if shard.kind == "keep":
+        if shard.kind == ShardKind.KEEP:
             shards.append(local[shard.device])
             kept += local[shard.device].nbytes
             continue
@@ -471,7 +523,7 @@ class _HostCopies:
         tasks: list[_Task] = []
         task = _Task()
         for i, shard in enumerate(leaf.shards):
-            if shard.kind == "keep":
+            if shard.kind == ShardKind.KEEP:
                 continue
             dtype = views[shard.pieces[0].src_device].dtype
             out = self.blocks[i] = _aligned_empty(boxes.shape(shard.box), dtype)
@@ -557,7 +609,7 @@ def _host_leaf(array: jax.Array, leaf: LeafPlan, by_id, work: _HostCopies | None
     moved, kept = work.result()
     shards: list = [None] * len(leaf.shards)
     for i, shard in enumerate(leaf.shards):
-        if shard.kind == "keep":
+        if shard.kind == ShardKind.KEEP:
             shards[i] = work.local[shard.device]
             kept += work.views[shard.device].nbytes  # NumPy's count: a jax.Array's is slower
     built = sorted(work.blocks)

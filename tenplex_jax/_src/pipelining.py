@@ -189,11 +189,9 @@ def pipeline(
     remat: bool = True,
     versions: bool = False,
 ) -> jax.Array:
-    """Apply stacked layers to ``x`` as a GPipe pipeline over the ``axis`` mesh axis.
-
-    Stage ``s`` holds its rows of the stacked params; the batch is cut into ``microbatches`` that
-    flow from stage to stage with ``lax.ppermute``. Only ``axis`` is manual inside: the other mesh
-    axes stay automatic, so a stage is data- and tensor-parallel as without pipelining.
+    """Apply stacked layers to ``x`` as a GPipe pipeline over the ``axis`` mesh axis (the module
+    docstring): stage ``s`` holds its rows of the stacked params; microbatches flow from stage
+    to stage with ``lax.ppermute``.
 
     >>> from jax.sharding import AxisType
     >>> devices = jax.devices()[:2]
@@ -209,8 +207,7 @@ def pipeline(
       x: the activations, ``[batch, ...]``, or a pytree of such arrays that ``layer_fn`` maps to
         one of the same structure (e.g. the activations and a per-example loss every layer adds
         to); the batch dim must divide into ``microbatches``.
-      mesh: the mesh, its axes ``Auto`` or ``Explicit`` (without ``axis`` the layers run as one
-        scan).
+      mesh: the mesh, its axes ``Auto`` or ``Explicit`` (without ``axis``: one scan).
       microbatches: how many microbatches the batch is cut into (GPipe's ``m``).
       stages: the layers per stage (default: even stages over ``mesh.shape[axis]``).
       axis: the mesh axis the stages are laid out over.
@@ -218,11 +215,10 @@ def pipeline(
         stage keeps only every layer's input for each microbatch in flight.
       versions: HetPipe's (and PipeDream's) weight stashing: every param leaf has a leading dim
         of ``microbatches`` weight versions before its layers dim (the layers dim sharded over
-        ``axis``, the versions not), ``x`` a leading dim of
-        ``microbatches`` (one microbatch each: HetPipe's minibatches in flight, not cut from one
-        batch), and microbatch ``j`` runs on version ``j`` on every stage. The gradient with
-        respect to the versions is each microbatch's own. The pipeline fills and drains once for
-        all of them: ``microbatches + stages - 1`` ticks, each stage idle ``stages - 1`` of them.
+        ``axis``, the versions not), ``x`` a leading dim of ``microbatches`` (one microbatch
+        each: HetPipe's minibatches in flight, not cut from one batch), and microbatch ``j`` runs
+        on version ``j`` on every stage, its gradient each microbatch's own. The pipeline fills
+        and drains once for all of them: ``microbatches + stages - 1`` ticks.
 
     Returns:
       What ``lax.scan(lambda h, p: (layer_fn(h, p), None), x, layer_params)[0]`` returns on the
@@ -236,30 +232,39 @@ def pipeline(
         ``microbatches``.
     """
     n_stages = mesh.shape[axis] if axis in mesh.axis_names else 1
-    leaves = jax.tree.leaves(layer_params)
-    if not leaves:
+    stages = _stages(layer_params, x, stages, n_stages, microbatches, axis, mesh, versions)
+    layer_fn = jax.checkpoint(layer_fn) if remat else layer_fn
+    if n_stages == 1:
+        return _scanned(layer_fn, layer_params, x, stages, versions)
+    return _pipelined(layer_fn, layer_params, x, mesh, microbatches, stages, axis, versions)
+
+
+def _stages(layer_params, x, stages, n_stages, microbatches, axis, mesh, versions) -> Stages:
+    """The stages (default: even over the axis), once the params, the activations and the
+    microbatches are checked against them (a version each, with ``versions``)."""
+    if not jax.tree.leaves(layer_params):
         raise LayoutError("pipeline needs at least one stacked layer parameter, got none")
     if versions:
         _check_versions(layer_params, x, microbatches)
         one = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # a version, as checked below
-        layer_params_shape, x_shape = jax.tree.map(one, layer_params), jax.tree.map(one, x)
-    else:
-        layer_params_shape, x_shape = layer_params, x
-    rows = jax.tree.leaves(layer_params_shape)[0].shape[0]
+        layer_params, x, microbatches = jax.tree.map(one, layer_params), jax.tree.map(one, x), 1
     if stages is None:
-        stages = Stages.even(rows, n_stages)
-    _check(
-        layer_params_shape, x_shape, stages, n_stages, 1 if versions else microbatches, axis, mesh
-    )
-    if remat:
-        layer_fn = jax.checkpoint(layer_fn)
-    uneven = not stages.is_even
-    if n_stages == 1:
-        mask = jnp.asarray(stages.mask)
-        if versions:  # one microbatch after another, each on its own version
-            return jax.vmap(lambda p, h: _layers(layer_fn, p, mask, h, uneven))(layer_params, x)
-        return _layers(layer_fn, layer_params, mask, x, uneven)
+        stages = Stages.even(jax.tree.leaves(layer_params)[0].shape[0], n_stages)
+    _check(layer_params, x, stages, n_stages, microbatches, axis, mesh)
+    return stages
 
+
+def _scanned(layer_fn: LayerFn, layer_params, x, stages: Stages, versions: bool):
+    """One stage: the layers as one scan (one after another per version, with ``versions``)."""
+    mask, uneven = jnp.asarray(stages.mask), not stages.is_even
+    if versions:
+        return jax.vmap(lambda p, h: _layers(layer_fn, p, mask, h, uneven))(layer_params, x)
+    return _layers(layer_fn, layer_params, mask, x, uneven)
+
+
+def _pipelined(layer_fn, layer_params, x, mesh, microbatches, stages, axis, versions):
+    """The GPipe schedule (:func:`_gpipe`) in a ``shard_map`` manual over ``axis``."""
+    n_stages, uneven = stages.num_stages, not stages.is_even
     # Microbatch j takes rows j, j + m, j + 2m, ...: a reshape that keeps the batch sharding.
     split = lambda a: jnp.swapaxes(
         a.reshape((a.shape[0] // microbatches, microbatches) + a.shape[1:]), 0, 1

@@ -8,11 +8,9 @@ For every leaf and every target shard the plan says where the shard's bytes come
 - ``merge`` — several pieces (local or remote) concatenated into the shard.
 
 Among replicas of a source box the closest copy is chosen: the target device itself, then a device
-on
-the same host, then the least loaded device (bytes already assigned to it as a sender by this leaf,
-ties broken by the bytes assigned by the leaves planned before), so replicated state is read from
-all
-its copies in parallel rather than from one.
+on the same host, then the least loaded device (bytes already assigned to it as a sender by this
+leaf, ties broken by the bytes assigned by the leaves planned before), so replicated state is read
+from all its copies in parallel rather than from one.
 
 Many leaves share a layout (the same shape, itemsize and source and target specs: the moments mirror
 their params, layers repeat), and a leaf's shard plans depend only on its layout. ``make_plan``
@@ -37,8 +35,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import heapq
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +48,14 @@ from tenplex_jax._src.box import Box
 from tenplex_jax._src.errors import LostShardsError, PlanError
 from tenplex_jax._src.ptc import PTC, LeafLayout
 
-KINDS = ("keep", "split", "move", "merge")
+
+class ShardKind(enum.StrEnum):
+    """Where a target shard's bytes come from (:attr:`ShardPlan.kind`; the module docstring)."""
+
+    KEEP = "keep"
+    SPLIT = "split"
+    MOVE = "move"
+    MERGE = "merge"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,15 +84,15 @@ class ShardPlan:
     Attributes:
       device: the target device's id.
       box: the box of the leaf the target shard covers.
-      kind: ``"keep"`` (the device holds exactly this box already), ``"split"`` (a slice of a
-        larger box it holds), ``"move"`` (one piece from another device) or ``"merge"`` (several
-        pieces, local or remote, concatenated).
+      kind: a :class:`ShardKind`: ``"keep"`` (the device holds exactly this box already),
+        ``"split"`` (a slice of a larger box it holds), ``"move"`` (one piece from another
+        device) or ``"merge"`` (several pieces, local or remote, concatenated).
       pieces: the :class:`Piece` s that tile ``box``.
     """
 
     device: int
     box: Box
-    kind: str
+    kind: ShardKind
     pieces: tuple[Piece, ...]
 
     @property
@@ -235,13 +242,13 @@ class Plan:
                 f"{mib(sum(leaf.dst.nbytes for leaf in leaves))} "
                 f"{mib(sum(leaf.bytes_kept for leaf in leaves))} "
                 f"{mib(sum(leaf.bytes_moved for leaf in leaves))}  "
-                + "/".join(str(kinds[k]) for k in KINDS)
+                + "/".join(str(kinds[k]) for k in ShardKind)
                 + ("  " + "; ".join(notes) if notes else "")
             )
         kinds = self.kinds
         lines.append(
             f"  {'total':40s} {len(self.leaves):6d} {mib(self.dst.nbytes)} {mib(self.bytes_kept)} "
-            f"{mib(self.bytes_moved)}  " + "/".join(str(kinds[k]) for k in KINDS)
+            f"{mib(self.bytes_moved)}  " + "/".join(str(kinds[k]) for k in ShardKind)
         )
         return "\n".join(lines)
 
@@ -267,10 +274,10 @@ def make_plan(src: PTC, dst: PTC, *, failed: Iterable[int] = ()) -> Plan:
     >>> w = nn.LogicallyPartitioned(jax.ShapeDtypeStruct((8, 16), jnp.float32), ("embed", "mlp"))
     >>> src = PTC.of({"w": w}, [("mlp", "tensor")], ParallelConfig(data=2, tensor=2), range(4))
     >>> plan = make_plan(src, src.relayout(ParallelConfig(tensor=4), range(4)))
-    >>> plan.bytes_moved, plan.bytes_kept, dict(plan.kinds)    # devices 0, 1 split; 2, 3 receive
-    (256, 256, {'split': 2, 'move': 2})
-    >>> make_plan(src, src.relayout(ParallelConfig(tensor=2), [2, 3]), failed=[0, 1]).kinds
-    Counter({'keep': 2})
+    >>> plan.bytes_moved, plan.bytes_kept, plan.kinds == {"split": 2, "move": 2}  # 0, 1 split
+    (256, 256, True)
+    >>> make_plan(src, src.relayout(ParallelConfig(tensor=2), [2, 3]), failed=[0, 1]).kinds["keep"]
+    2
 
     Args:
       src: the layout the state has (a :class:`PTC`).
@@ -296,40 +303,54 @@ def make_plan(src: PTC, dst: PTC, *, failed: Iterable[int] = ()) -> Plan:
             f"target the devices that remain"
         )
     check_same_state(src, dst)
-    host = dict(zip(src.device_ids, src.hosts)) | dict(zip(dst.device_ids, dst.hosts))
-    # layout → (shards, bytes each sender sends, totals): one computation serves all its leaves
-    by_layout: dict[tuple, tuple[tuple[ShardPlan, ...], dict[int, int], tuple]] = {}
-    uses: collections.Counter = collections.Counter()  # layout → leaves planned with it so far
-    leaves = []
-    lost: list[tuple[str, tuple]] = []  # (path, boxes held only by failed devices)
+    layouts = _ByLayout(src, dst, failed)
+    leaves, lost = [], []  # lost: (path, boxes held only by failed devices)
     for s, d in zip(src.leaves, dst.leaves):
-        key = (s.shape, s.itemsize, s.spec, d.spec)
-        if key not in by_layout:
-            load: dict[int, int] = collections.Counter()  # bytes each sender sends so far
-            for k, count in uses.items():
-                for device, n in by_layout[k][1].items():
-                    load[device] += count * n
-            held = src.boxes(s)
-            if failed:
-                alive = {dev: box for dev, box in held.items() if dev not in failed}
-                gone = sorted(set(held.values()) - set(alive.values()))
-                if gone:
-                    by_layout[key] = ((), {}, gone)
-                    lost.append((s.path, tuple(gone)))
-                    uses[key] += 1
-                    continue
-                held = alive
-            shards, sends = _plan_leaf(s, held, dst.boxes(d), host, load)
-            by_layout[key] = (shards, sends, _totals(shards))
-        uses[key] += 1
-        shards, _, totals = by_layout[key]
-        if not shards:  # a layout already found lost for an earlier leaf
+        shards, totals = layouts.plan(s, d)
+        if shards:
+            leaves.append(LeafPlan(s, d, shards, totals))
+        else:
             lost.append((s.path, tuple(totals)))
-            continue
-        leaves.append(LeafPlan(s, d, shards, totals))
     if lost:
         raise LostShardsError(src, failed, tuple(lost))
     return Plan(src, dst, tuple(leaves))
+
+
+class _ByLayout:
+    """The shard plans of each leaf layout (shape, itemsize, source and target specs), computed
+    once for all the leaves laid out so; a layout with boxes only failed devices hold has no
+    shards, and its lost boxes in place of the totals."""
+
+    def __init__(self, src: PTC, dst: PTC, failed: frozenset[int]):
+        self.src, self.dst, self.failed = src, dst, failed
+        self.host = dict(zip(src.device_ids, src.hosts)) | dict(zip(dst.device_ids, dst.hosts))
+        # layout -> (shards, bytes each sender sends, totals or lost boxes)
+        self.by_layout: dict[tuple, tuple[tuple[ShardPlan, ...], dict[int, int], Any]] = {}
+        self.uses: collections.Counter = collections.Counter()  # layout -> leaves planned so far
+
+    def plan(self, s: LeafLayout, d: LeafLayout) -> tuple[tuple[ShardPlan, ...], Any]:
+        """(the leaf's shard plans, their totals); ``((), lost boxes)`` for a lost leaf."""
+        key = (s.shape, s.itemsize, s.spec, d.spec)
+        if key not in self.by_layout:
+            self.by_layout[key] = self._planned(s, d)
+        self.uses[key] += 1
+        shards, _, totals = self.by_layout[key]
+        return shards, totals
+
+    def _planned(self, s: LeafLayout, d: LeafLayout):
+        load: dict[int, int] = collections.Counter()  # bytes each sender sends so far
+        for key, count in self.uses.items():
+            for device, n in self.by_layout[key][1].items():
+                load[device] += count * n
+        held = self.src.boxes(s)
+        if self.failed:
+            alive = {dev: box for dev, box in held.items() if dev not in self.failed}
+            gone = sorted(set(held.values()) - set(alive.values()))
+            if gone:
+                return (), {}, gone
+            held = alive
+        shards, sends = _plan_leaf(s, held, self.dst.boxes(d), self.host, load)
+        return shards, sends, _totals(shards)
 
 
 def check_same_state(src: PTC, dst: PTC) -> None:
@@ -397,15 +418,7 @@ def allocate(src: PTC, dst: PTC) -> PTC:
         return dst
     src_class, src_boxes = _classes(src)  # [src devices] -> class; class -> boxes per layout
     dst_class, dst_boxes = _classes(dst)
-    # bytes a device of source class i holds of the boxes of a position of target class j
-    weight = np.zeros((len(src_boxes[0]), len(dst_boxes[0])), dtype=np.float64)
-    for (s_key, d_key), itemsize in _layout_pairs(src, dst).items():
-        a = src_boxes[1][s_key]  # [dims, source classes, 2]
-        b = dst_boxes[1][d_key]  # [dims, target classes, 2]
-        lo = np.maximum(a[:, :, None, 0], b[:, None, :, 0])
-        hi = np.minimum(a[:, :, None, 1], b[:, None, :, 1])
-        # a scalar has no dims: the empty product is 1 element, held in full by every replica
-        weight += np.prod(np.clip(hi - lo, 0, None), axis=0) * itemsize
+    weight = _weights(src, dst, src_boxes, dst_boxes)
     device_class = np.array([src_class[r] if r >= 0 else -1 for r in rows])
     flow = _transport(weight, device_class, dst_class)
     given = sum(weight[c, j] for c, j in zip(device_class, dst_class) if c >= 0)
@@ -417,6 +430,20 @@ def allocate(src: PTC, dst: PTC) -> PTC:
         device_ids=tuple(dst.device_ids[i] for i in order),
         hosts=tuple(dst.hosts[i] for i in order),
     )
+
+
+def _weights(src: PTC, dst: PTC, src_boxes: tuple, dst_boxes: tuple) -> np.ndarray:
+    """The bytes a device of source class i holds of the boxes of a position of target class j,
+    ``[source classes, target classes]``, summed over the leaves (:func:`_classes`' boxes)."""
+    weight = np.zeros((len(src_boxes[0]), len(dst_boxes[0])), dtype=np.float64)
+    for (s_key, d_key), itemsize in _layout_pairs(src, dst).items():
+        a = src_boxes[1][s_key]  # [dims, source classes, 2]
+        b = dst_boxes[1][d_key]  # [dims, target classes, 2]
+        lo = np.maximum(a[:, :, None, 0], b[:, None, :, 0])
+        hi = np.minimum(a[:, :, None, 1], b[:, None, :, 1])
+        # a scalar has no dims: the empty product is 1 element, held in full by every replica
+        weight += np.prod(np.clip(hi - lo, 0, None), axis=0) * itemsize
+    return weight
 
 
 def _classes(ptc: PTC) -> tuple[np.ndarray, tuple[list, dict]]:
@@ -531,19 +558,10 @@ def _plan_leaf(
     shards = []
     for dev, box in dst_boxes.items():
         own = src_boxes.get(dev)
-        if own == box:
-            shards.append(
-                ShardPlan(
-                    dev, box, "keep", (Piece(dev, own, box, boxes.nbytes(box, itemsize), True),)
-                )
-            )
-            continue
-        if own is not None and boxes.contains(own, box):
-            shards.append(
-                ShardPlan(
-                    dev, box, "split", (Piece(dev, own, box, boxes.nbytes(box, itemsize), True),)
-                )
-            )
+        if own is not None and boxes.contains(own, box):  # the same box (keep) or a larger one
+            kind = ShardKind.KEEP if own == box else ShardKind.SPLIT
+            pieces = (Piece(dev, own, box, boxes.nbytes(box, itemsize), True),)
+            shards.append(ShardPlan(device=dev, box=box, kind=kind, pieces=pieces))
             continue
         if box not in geometry:  # replicas of a target box read the same source blocks
             ranges = [
@@ -562,8 +580,8 @@ def _plan_leaf(
                 pieces.append(Piece(dev, src_box, part, n, True))
             else:
                 pieces.append(Piece(senders[coord].take(host.get(dev), n), src_box, part, n, False))
-        kind = "merge" if len(pieces) > 1 else "move"
-        shards.append(ShardPlan(dev, box, kind, tuple(pieces)))
+        kind = ShardKind.MERGE if len(pieces) > 1 else ShardKind.MOVE
+        shards.append(ShardPlan(device=dev, box=box, kind=kind, pieces=tuple(pieces)))
     sends = {c: n for group in senders.values() for c, n in group.sent.items()}
     return tuple(shards), sends
 
@@ -572,9 +590,8 @@ class _Senders:
     """The replicas of one source block, handing out the closest sender for each piece read.
 
     Same host first, then the least bytes sent for this leaf, then the least sent ``before`` it,
-    then
-    the lowest id (for determinism). One heap per host, and a heap of the hosts' best (stale entries
-    skipped), keep each choice logarithmic in the replicas and hosts.
+    then the lowest id (for determinism). One heap per host, and a heap of the hosts' best (stale
+    entries skipped), keep each choice logarithmic in the replicas and hosts.
     """
 
     def __init__(self, devices: list[int], host: dict[int, int], before: dict[int, int]):

@@ -282,42 +282,15 @@ class PTC:
             given = [getattr(value, "sharding", None) for value in values]
         else:
             given = tree.per_leaf(shardings, state, treedef, len(values))
-        mesh, first = None, None
-        for path, value, sharding in zip(paths, values, given):
-            if not isinstance(sharding, NamedSharding):
-                raise LayoutError(
-                    f"a PTC from shardings needs a NamedSharding at every leaf, but leaf {path!r} "
-                    f"(shape={tuple(value.shape)}) has {sharding!r}: place it on the mesh with "
-                    f"jax.device_put(x, NamedSharding(mesh, P())) (P() replicates it), or give "
-                    f"shardings="
-                )
-            if mesh is None:
-                mesh, first = sharding.mesh, path
-            elif sharding.mesh != mesh:
-                raise LayoutError(
-                    f"a PTC lays every leaf out on one mesh, but leaf {first!r} is on "
-                    f"{show_mesh(mesh)} and leaf {path!r} (shape={tuple(value.shape)}, "
-                    f"spec={sharding.spec}) on {show_mesh(sharding.mesh)}"
-                )
-        if mesh is None:
-            raise LayoutError("a PTC needs at least one leaf; the state has none")
+        mesh = _one_mesh(paths, values, given)
         if isinstance(mesh, Mesh):
             config, devices = resolve(mesh, devices)
         else:
             config, devices = resolve(ParallelConfig.of(mesh), devices)
-        shown, sizes = config.describe(), config.shape
-        layouts = []
-        for path, value, sharding in zip(paths, values, given):
-            shape = tuple(value.shape)
-            entries = logical_rules.spec_entries(sharding.spec, len(shape))
-            if len(entries) != len(shape) or any(a not in sizes for e in entries for a in e):
-                raise LayoutError(
-                    f"a sharding's spec names one mesh axis or None per dim of its array, got "
-                    f"{sharding.spec} for {len(shape)} dims: "
-                    + where(path, shape, sharding.spec, shown)
-                )
-            spec, _ = logical_rules.fit(tuple(entries), sizes, path, shape, mesh=shown)
-            layouts.append(LeafLayout(path, shape, value.dtype, spec))
+        layouts = [
+            _sharded_layout(path, value, sharding, config)
+            for path, value, sharding in zip(paths, values, given)
+        ]
         ids, hosts = ids_and_hosts(devices, hosts)
         return cls(config, ids, hosts, tuple(layouts), treedef)
 
@@ -703,3 +676,42 @@ def _spec(entries: list) -> PartitionSpec:
 
 def _entries(spec: PartitionSpec, leaf: LeafLayout) -> list[tuple[str, ...]]:
     return logical_rules.spec_entries(spec, len(leaf.shape))
+
+
+def _one_mesh(paths, values, shardings):
+    """The one mesh every leaf's ``NamedSharding`` is on; ``LayoutError`` naming the leaf
+    without one, or two leaves on different meshes, or a state without leaves."""
+    mesh, first = None, None
+    for path, value, sharding in zip(paths, values, shardings):
+        if not isinstance(sharding, NamedSharding):
+            raise LayoutError(
+                f"a PTC from shardings needs a NamedSharding at every leaf, but leaf {path!r} "
+                f"(shape={tuple(value.shape)}) has {sharding!r}: place it on the mesh with "
+                f"jax.device_put(x, NamedSharding(mesh, P())) (P() replicates it), or give "
+                f"shardings="
+            )
+        if mesh is None:
+            mesh, first = sharding.mesh, path
+        elif sharding.mesh != mesh:
+            raise LayoutError(
+                f"a PTC lays every leaf out on one mesh, but leaf {first!r} is on "
+                f"{show_mesh(mesh)} and leaf {path!r} (shape={tuple(value.shape)}, "
+                f"spec={sharding.spec}) on {show_mesh(sharding.mesh)}"
+            )
+    if mesh is None:
+        raise LayoutError("a PTC needs at least one leaf; the state has none")
+    return mesh
+
+
+def _sharded_layout(path: str, value, sharding: NamedSharding, config) -> LeafLayout:
+    """A leaf's layout as its sharding lays it out on ``config``'s mesh; ``LayoutError`` unless
+    the spec names one mesh axis or None per dim and fits the array."""
+    shape, shown, sizes = tuple(value.shape), config.describe(), config.shape
+    entries = logical_rules.spec_entries(sharding.spec, len(shape))
+    if len(entries) != len(shape) or any(a not in sizes for e in entries for a in e):
+        raise LayoutError(
+            f"a sharding's spec names one mesh axis or None per dim of its array, got "
+            f"{sharding.spec} for {len(shape)} dims: " + where(path, shape, sharding.spec, shown)
+        )
+    spec, _ = logical_rules.fit(tuple(entries), sizes, path, shape, mesh=shown)
+    return LeafLayout(path, shape, value.dtype, spec)

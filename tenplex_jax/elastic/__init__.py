@@ -5,16 +5,20 @@ resource traces and their replay, JAX's persistent compilation cache, and what a
 ``use_job_class(cls)`` is how a runtime (``tenplex-jax launch``) makes the script's
 ``tj.ElasticJob(...)`` build its own job (``tj.multihost.LaunchedJob``);
 ``ResourceTrace.load(path)`` reads a trace of device changes; ``replay(job, state, step, trace)``
-drives a job through it; ``EventRecord`` is what ``job.records`` holds for every event.
+drives a job through it; ``EventRecord`` is what ``job.records`` holds for every event (its
+``EventKind``, ``Decision`` and ``Compilation``).
 """
 
 from tenplex_jax._src.elastic.core import JobOptions
-from tenplex_jax._src.elastic.events import EventRecord
+from tenplex_jax._src.elastic.events import Compilation, Decision, EventKind, EventRecord
 from tenplex_jax._src.elastic.job import use_job_class
 from tenplex_jax._src.elastic.steps import enable_compilation_cache
 from tenplex_jax._src.elastic.trace import ResourceTrace, TraceEvent, replay
 
 __all__ = [
+    "Compilation",
+    "Decision",
+    "EventKind",
     "EventRecord",
     "JobOptions",
     "ResourceTrace",

@@ -136,7 +136,7 @@ def test_a_background_compile_lowers_the_switch_interval_and_puts_it_back(option
             raise ValueError("a step that fails to trace")
         if len(seen) == 3:
             sys.setswitchinterval(0.002)  # the user's own change, during a compile
-        return STEP(state, batch)
+        return state, {}  # no work: what is tested happens while it traces
 
     options = tj.elastic.JobOptions(compile_ahead=True, switch_interval=option)
     job = tj.ElasticJob(
@@ -164,12 +164,14 @@ def test_a_background_compile_lowers_the_switch_interval_and_puts_it_back(option
     assert seen == pytest.approx([want] * 3)
 
 
-def _notice_job(step, notice: float = 60.0):
+def _notice_job(step, notice: float = 60.0, compile_ahead: bool = True):
+    """A job whose notices wait ``notice`` seconds; without ``compile_ahead`` it compiles no
+    guess (a notice still queues its own layout's step)."""
+    options = tj.elastic.JobOptions(
+        notice_seconds=notice, exact_step_times=True, compile_ahead=compile_ahead
+    )
     job = tj.ElasticJob(
-        LOGICAL_RULES,
-        tj.DatasetPTC(tiny_samples(), 24, seed=1),
-        grad_units=8,
-        options=tj.elastic.JobOptions(notice_seconds=notice, exact_step_times=True),
+        LOGICAL_RULES, tj.DatasetPTC(tiny_samples(), 24, seed=1), grad_units=8, options=options
     )
     return job, job.start(tiny_init), job.jit(step)
 
@@ -204,10 +206,10 @@ def test_a_notice_trains_on_its_devices_until_the_new_layout_is_compiled():
         [record] = job.records
         got = host_copy(state)
     assert (record.step, record.decision, record.notice_steps) == (5, "shrink", 3)
-    assert record.compile == "cached" and record.compile_wait_seconds < 0.05
+    assert record.compile == "cached"  # ready at the boundary: nothing was waited for
     assert record.devices_after == list(range(6))
 
-    fixed, state, run = _notice_job(STEP)
+    fixed, state, run = _notice_job(STEP, compile_ahead=False)  # the bits of a fixed run
     with fixed:
         for i in range(8):
             state, batch = fixed.next(state)
@@ -224,10 +226,10 @@ def test_which_events_wait_for_their_step():
     a notice applies at the next boundary, as does one whose step is compiled."""
     gate = threading.Event()
 
-    def step(state, batch):
+    def step(state, batch):  # no work: only whether an event waits for it is tested
         if batch.mesh.devices.size == 4:
             assert gate.wait(120)
-        return STEP(state, batch)
+        return state, {}
 
     job, _, _ = _notice_job(step)
     with job:
@@ -254,7 +256,7 @@ def test_which_events_wait_for_their_step():
         job._pending.append(Event("preempt", (4, 5, 6, 7)))
         assert not job._waits(job._pending[0]), "compiled"
         job._pending.clear()
-    quiet, _, _ = _notice_job(STEP, notice=0.0)
+    quiet, _, _ = _notice_job(step, notice=0.0, compile_ahead=False)
     with quiet:
         quiet._pending.append(Event("preempt", (4, 5, 6, 7)))
         assert not quiet._waits(quiet._pending[0])

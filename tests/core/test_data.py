@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tenplex_jax as tj
-from tenplex_jax._src.data import REMAINDERS
+from tenplex_jax.data import Remainder
 
 
 def test_layout_splits_a_batch_unevenly_and_pads_every_rank_to_the_longest():
@@ -121,7 +121,7 @@ def run(ds_args, sequence, steps, save_at_resize):
 def resize_runs(draw):
     batch = draw(st.integers(1, 16))
     n = draw(st.integers(batch, 5 * batch).filter(lambda n: n % batch or n == batch))
-    remainder = draw(st.sampled_from(REMAINDERS))
+    remainder = draw(st.sampled_from(Remainder))
     steps = draw(st.integers(1, 3 * -(-n // batch)))
     points = sorted(draw(st.sets(st.integers(1, max(1, steps - 1)), max_size=4)) | {0})
     divisors = [d for d in range(1, batch + 1) if batch % d == 0]

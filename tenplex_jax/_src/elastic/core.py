@@ -37,8 +37,8 @@ from tenplex_jax._src.batch import BATCH_AXES, Batch, device_batch
 from tenplex_jax._src.data import BatchLayout, DatasetPTC
 from tenplex_jax._src.elastic.executables import ExecutableCache
 from tenplex_jax._src.elastic.steps import SWITCH_INTERVAL, StepCache
-from tenplex_jax._src.errors import LayoutError
-from tenplex_jax._src.executor import METHODS, place
+from tenplex_jax._src.errors import LayoutError, one_of
+from tenplex_jax._src.executor import ReshardMethod, place
 from tenplex_jax._src.mesh import MESH_AXES, show_mesh
 from tenplex_jax._src.planner.cluster import DeviceType
 from tenplex_jax._src.planner.policy import choose_config
@@ -65,8 +65,8 @@ class JobOptions:
         any one process, and a planned shrink's before the switch).
       preempt_devices: how many devices a preemption notice without names takes (SIGTERM under
         ``job.handle_sigterm()``, ``job.preempt()``); compile-ahead guesses that many fewer.
-      method: how a reconfiguration moves the state, ``"plan"`` or ``"device_put"`` (see
-        :func:`tenplex_jax.reshard`).
+      method: how a reconfiguration moves the state, a ``tj.typing.ReshardMethod``: ``"plan"``
+        or ``"device_put"`` (see :func:`tenplex_jax.reshard`).
       batch_axes: the mesh axes the rows of each global batch are split over.
       exact_step_times: wait for every step and record its time in ``job.step_log``; by default
         only the first step on each layout is waited for and the rest run asynchronously. With
@@ -99,7 +99,7 @@ class JobOptions:
 
     compile_ahead: bool = True
     preempt_devices: int = 1
-    method: str = "plan"
+    method: ReshardMethod = ReshardMethod.PLAN
     batch_axes: Sequence[str] = BATCH_AXES
     exact_step_times: bool = False
     profile: ModelProfile | None = None
@@ -116,8 +116,9 @@ class JobOptions:
         count = self.preempt_devices
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise LayoutError(f"JobOptions.preempt_devices is an int >= 1, got {count!r}")
-        if self.method not in METHODS:
-            raise LayoutError(f"JobOptions.method is one of {METHODS}, got {self.method!r}")
+        object.__setattr__(
+            self, "method", one_of(ReshardMethod, self.method, "JobOptions.method", LayoutError)
+        )
         axes = self.batch_axes
         if isinstance(axes, str):  # "data" would otherwise be read as the axes d, a, t, a
             raise LayoutError(f"JobOptions.batch_axes is a sequence of axis names, got {axes!r}")

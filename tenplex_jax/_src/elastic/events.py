@@ -1,6 +1,7 @@
 """Events of an elastic job: what changes its devices, what each change did, and the rules.
 
-An :class:`Event` is posted at any time and applied at the next step boundary:
+An :class:`Event` is posted at any time and applied at the next step boundary; its
+:class:`EventKind` is one of:
 
 - ``preempt``: a preemption notice; the devices go, the job shrinks onto the rest;
 - ``fail``: the devices' buffers are gone; their shards are rebuilt from surviving replicas;
@@ -13,40 +14,67 @@ Each one becomes an :class:`EventRecord`. These are pure values and functions: n
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 from collections.abc import Iterable
 
-from tenplex_jax._src.errors import LayoutError
+from tenplex_jax._src.errors import LayoutError, one_of
+from tenplex_jax._src.planner.growth import Growth
 
-KINDS = ("preempt", "fail", "offer", "redeploy")
+
+class EventKind(enum.StrEnum):
+    """What changes a job's devices (the module docstring says what each one does)."""
+
+    PREEMPT = "preempt"
+    FAIL = "fail"
+    OFFER = "offer"
+    REDEPLOY = "redeploy"
+
+
+class Decision(enum.StrEnum):
+    """What a job did about an event: ``shrink`` (a preemption), ``rebuild`` (a failure whose
+    shards survive on replicas), ``restore`` (a failure that fell back to the latest checkpoint),
+    ``grow`` (an offer taken), ``move`` (a redeploy) and ``stay`` (an offer declined, or an event
+    that leaves the job's devices as they were)."""
+
+    SHRINK = "shrink"
+    REBUILD = "rebuild"
+    RESTORE = "restore"
+    GROW = "grow"
+    MOVE = "move"
+    STAY = "stay"
+
+
+class Compilation(enum.StrEnum):
+    """How the new layout's step was had at an event (:attr:`EventRecord.compile`)."""
+
+    CACHED = "cached"
+    WAITED = "waited"
+    COMPILED = "compiled"
 
 
 @dataclasses.dataclass(frozen=True)
 class Event:
     """A change of the job's devices, applied at the next step boundary."""
 
-    kind: str  # one of KINDS
+    kind: EventKind
     devices: tuple[int, ...] | None  # None: by the rule (the job's last `count` / lowest free)
     count: int | None = None
     source: str = "api"
     posted: float = dataclasses.field(default_factory=time.perf_counter)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class EventRecord:
     """What one event did at a step boundary; ``dataclasses.asdict`` gives its JSON.
 
     :class:`tenplex_jax.ElasticJob` appends one to ``job.records`` per event it applies, in order.
-    The decisions: ``shrink`` (a preemption), ``rebuild`` (a failure whose shards survive on
-    replicas), ``restore`` (a failure that fell back to the latest checkpoint), ``grow`` (an offer
-    taken), ``move`` (a redeploy) and ``stay`` (an offer declined, or an event that leaves the
-    job's devices as they were). A ``stay`` record leaves the reshard, compile, commit and stall
-    fields at their defaults.
+    A ``stay`` record leaves the reshard, compile, commit and stall fields at their defaults.
 
     Attributes:
       step: ``job.step`` at the boundary the event was applied at (the index of the step that
         boundary precedes; a ``restore`` then rewinds the job by ``lost_steps``).
-      kind: the event, one of ``preempt``, ``fail``, ``offer``, ``redeploy``.
+      kind: the event's :class:`EventKind`.
       source: who posted it: ``"api"`` (``job.preempt`` and the other methods) or ``"SIGTERM"``
         (under ``job.handle_sigterm()``).
       devices_before: the job's device ids before the event, in mesh order.
@@ -55,16 +83,15 @@ class EventRecord:
       config_before: the parallel config before the event (``str(ParallelConfig)``, e.g.
         ``data=4,fsdp=2``).
       config_after: the parallel config after it (the one before on a ``stay``).
-      decision: what the job did: ``shrink``, ``rebuild``, ``restore``, ``grow``, ``move`` or
-        ``stay``.
+      decision: what the job did, a :class:`Decision`.
       bytes_moved: bytes the reshard copied from one device to another (0 on a ``restore``).
       bytes_kept: bytes of the new shards that stayed on their device.
       plan_seconds: the time to allocate the new layout and make the plan (0 on a ``restore``,
         whose plan failed).
       reshard_seconds: the wall time of the reshard's copies.
-      compile: how the new layout's step was had: ``"cached"`` (compiled before or ahead),
-        ``"waited"`` (compile-ahead was compiling it), ``"compiled"`` (compiled at the boundary);
-        empty on a ``stay``.
+      compile: how the new layout's step was had, a :class:`Compilation`: ``"cached"``
+        (compiled before or ahead), ``"waited"`` (compile-ahead was compiling it), ``"compiled"``
+        (compiled at the boundary); None on a ``stay``.
       compile_seconds: what XLA took to compile the new layout's step, wherever and whenever it
         ran.
       compile_wait_seconds: how long the boundary waited for that step (the whole compile when
@@ -79,27 +106,26 @@ class EventRecord:
       stall_seconds: from the event's posting to the end of the first step on the new layout
         (that step is waited for); None on a ``stay``, until that step has run, and for an event
         another one follows at the same boundary (the stall is the last one's).
-      estimate: an offer's growth decision and the numbers behind it, as the growth rule returns
-        them (step times now and after and their ``source``, remaining steps, gain, bytes moved,
-        bandwidth, transfer and compile seconds, cost, ``grow``); None for the other kinds and
-        for an offer that adds no device.
+      estimate: an offer's growth decision and the numbers behind it
+        (:class:`tenplex_jax.planner.Growth`); None for the other kinds and for an offer that
+        adds no device.
       error: the ``LostShardsError`` message that made a failure fall back to the checkpoint;
         None otherwise.
     """
 
     step: int
-    kind: str
+    kind: EventKind
     source: str
     devices_before: list[int]
     devices_after: list[int]
     config_before: str
     config_after: str
-    decision: str  # shrink, rebuild, restore, grow, move, stay
+    decision: Decision
     bytes_moved: int = 0
     bytes_kept: int = 0
     plan_seconds: float = 0.0
     reshard_seconds: float = 0.0
-    compile: str = ""  # cached (compiled before), waited (compile-ahead was running), compiled
+    compile: Compilation | None = None
     compile_seconds: float = 0.0  # what XLA took for the new layout's step, wherever it ran
     compile_wait_seconds: float = 0.0  # how long the boundary waited for it
     commit_seconds: float = 0.0
@@ -107,11 +133,16 @@ class EventRecord:
     lost_steps: int = 0
     notice_steps: int = 0  # steps trained on the old devices while the new layout compiled
     stall_seconds: float | None = None  # event posted -> first step done on the new layout
-    estimate: dict | None = None  # growth: the numbers behind the decision
+    estimate: Growth | None = None
     error: str | None = None
 
 
-DECISIONS = {"preempt": "shrink", "fail": "rebuild", "offer": "grow", "redeploy": "move"}
+DECISIONS = {
+    EventKind.PREEMPT: Decision.SHRINK,
+    EventKind.FAIL: Decision.REBUILD,
+    EventKind.OFFER: Decision.GROW,
+    EventKind.REDEPLOY: Decision.MOVE,
+}
 
 
 def devices_after(
@@ -131,9 +162,8 @@ def devices_after(
     offer without ids gives the ``count`` lowest-numbered ``usable`` devices the job does not use.
     """
     current, failed, usable = set(current), set(failed), set(usable)
-    if kind not in KINDS:
-        raise LayoutError(f"an event kind is one of {KINDS}, got {kind!r}")
-    if kind == "redeploy":
+    kind = one_of(EventKind, kind, "an event kind", LayoutError)
+    if kind == EventKind.REDEPLOY:
         wanted = set(devices or ())
         bad = sorted(wanted - usable | wanted & failed)
         if not wanted or bad:
@@ -142,7 +172,7 @@ def devices_after(
                 f"{sorted(usable - failed)}; got {sorted(wanted)} (unusable: {bad})"
             )
         return tuple(sorted(wanted))
-    if kind == "offer":
+    if kind == EventKind.OFFER:
         free = sorted(usable - current - failed)
         offered = set(free[: count or 0] if devices is None else devices) - failed
         return tuple(sorted(current | offered))

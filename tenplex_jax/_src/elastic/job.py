@@ -1,16 +1,9 @@
 """``ElasticJob``: the user's Flax loop keeps training while its devices change.
 
-The user keeps their own train step and loop; the job owns the state's layout (its PTC), the
-dataset PTC and the step's shardings (the shared core, ``core.py``), and in one process applies
-reconfigurations between steps. Events (``preempt``, ``fail``, ``offer``, ``redeploy``; the rules
-in ``events.py``) are posted at any time and applied at the next ``job.next``: a plan
-(``make_plan``) and ``reshard`` move the state onto the new devices, the step of the new layout
-comes from the step cache, compiled ahead where the next layout can be foreseen, and a failure
-whose shards no replica holds falls back to the latest checkpoint. Each event becomes an
-``EventRecord`` in ``job.records``.
-
-A runtime that runs the user's script unchanged in processes of its own (``tenplex-jax launch``)
-says what ``ElasticJob(...)`` builds there with :func:`use_job_class`; nothing else switches it.
+The job (the shared core in ``core.py``) applies the events posted since the last step (the rules
+in ``events.py``) at the next ``job.next``: a plan and a reshard onto the new devices, or the
+latest checkpoint when some shard is lost; the new layout's step comes from the step cache. What
+``ElasticJob(...)`` builds in a runtime's processes is set with :func:`use_job_class` alone.
 """
 
 from __future__ import annotations
@@ -28,16 +21,24 @@ import numpy as np
 
 from tenplex_jax._src.elastic import events
 from tenplex_jax._src.elastic.core import _JobCore
-from tenplex_jax._src.elastic.events import DECISIONS, KINDS, Event, EventRecord
+from tenplex_jax._src.elastic.events import (
+    DECISIONS,
+    Compilation,
+    Decision,
+    Event,
+    EventKind,
+    EventRecord,
+)
+from tenplex_jax._src.elastic.steps import Status
 from tenplex_jax._src.errors import DataError, LayoutError, LostShardsError
 from tenplex_jax._src.executor import reshard
 from tenplex_jax._src.plan import allocate, make_plan
 from tenplex_jax._src.planner.cluster import Cluster
-from tenplex_jax._src.planner.growth import growth
+from tenplex_jax._src.planner.growth import Growth, growth
 from tenplex_jax._src.planner.search import choose
 from tenplex_jax._src.ptc import PTC, ParallelConfig
 
-__all__ = ["KINDS", "ElasticJob", "EventRecord", "use_job_class"]
+__all__ = ["ElasticJob", "EventRecord", "use_job_class"]
 
 # what ElasticJob(...) builds in this process, when a runtime said (use_job_class); None: itself
 _job_class: type | None = None
@@ -227,7 +228,7 @@ class ElasticJob(_JobCore):
             job.preempt([6, 7])       # devices 6 and 7 go
             job.preempt(count=2)      # the job's two highest-numbered devices go
         """
-        self._post("preempt", devices, count)
+        self._post(EventKind.PREEMPT, devices, count)
 
     def fail(self, devices: Iterable[int] | None = None, *, count: int | None = None) -> None:
         """Post a failure: the devices' buffers are gone. At the next boundary the plan rebuilds
@@ -240,7 +241,7 @@ class ElasticJob(_JobCore):
           devices: the failed ids (default: the job's last ``count`` devices).
           count: how many failed when ``devices`` is None (default ``options.preempt_devices``).
         """
-        self._post("fail", devices, count)
+        self._post(EventKind.FAIL, devices, count)
 
     def offer(self, devices: Iterable[int] | None = None, *, count: int | None = None) -> None:
         """Offer devices: at the next boundary the job grows onto them when the estimated gain
@@ -253,11 +254,11 @@ class ElasticJob(_JobCore):
           devices: the offered ids (default: the ``count`` lowest-numbered unused devices).
           count: how many are offered when ``devices`` is None.
         """
-        self._post("offer", devices, count)
+        self._post(EventKind.OFFER, devices, count)
 
     def redeploy(self, devices: Iterable[int]) -> None:
         """Move onto exactly ``devices`` (ids) at the next step boundary: a scheduler's order."""
-        self._post("redeploy", devices, None)
+        self._post(EventKind.REDEPLOY, devices, None)
 
     def expect(self, devices: Iterable[int]) -> None:
         """An announcement: the job will run on ``devices`` (ids) next, so the step of the layout
@@ -280,7 +281,7 @@ class ElasticJob(_JobCore):
         ``options.preempt_devices`` devices go). Main thread only; the previous handler is
         restored on exit. Yields the job."""
         previous = signal.signal(
-            signal.SIGTERM, lambda *_: self._post("preempt", None, None, "SIGTERM")
+            signal.SIGTERM, lambda *_: self._post(EventKind.PREEMPT, None, None, "SIGTERM")
         )
         try:
             yield self
@@ -288,7 +289,7 @@ class ElasticJob(_JobCore):
             signal.signal(signal.SIGTERM, previous)
 
     def devices_after(
-        self, kind: str, devices=None, count: int | None = None, *, current=None
+        self, kind: EventKind | str, devices=None, count: int | None = None, *, current=None
     ) -> tuple[int, ...]:
         """The device ids the job would ask for after an event of ``kind`` (before a growth
         decision), from its current devices or from ``current``::
@@ -341,16 +342,17 @@ class ElasticJob(_JobCore):
 
     # -- events -----------------------------------------------------------------------------------
 
-    def _post(self, kind, devices, count, source="api"):
+    def _post(self, kind: EventKind, devices, count, source="api"):
         ids = None if devices is None else tuple(int(d) for d in devices)
-        self._pending.append(Event(kind, ids, count, source))  # deque.append: signal-safe
+        event = Event(kind=kind, devices=ids, count=count, source=source)
+        self._pending.append(event)  # deque.append: signal-safe
 
     def _waits(self, event: Event) -> bool:
         """Whether ``event`` waits at this boundary for its layout's step (``notice_seconds``):
         a notice or a redeploy, the only event posted, within its time, whose step is not ready.
         The first time it waits, its step is queued ahead unless something compiles it."""
         if (
-            event.kind not in ("preempt", "redeploy")
+            event.kind not in (EventKind.PREEMPT, EventKind.REDEPLOY)
             or len(self._pending) > 1
             or self.steps_cache is None
             or time.perf_counter() - event.posted >= self.options.notice_seconds
@@ -369,79 +371,92 @@ class ElasticJob(_JobCore):
         key = self._key(target)
         if self.steps_cache.ready(key):
             return False
-        if self.steps_cache.status(key) in (None, "failed"):  # never submitted, or cancelled
+        if self.steps_cache.status(key) in (None, Status.FAILED):  # never submitted, or cancelled
             self.steps_cache.get(target, self._layout(target.config), ahead=True)
         return True
 
     def _apply(self, state, event: Event, notice_steps: int = 0):
+        """One event at this boundary: the job moves onto the devices it leaves (a reshard, or a
+        checkpoint restore) or stays; its record is appended to ``job.records``."""
         before = self.ptc
         ids = self.devices_after(event.kind, event.devices, event.count)
         record = EventRecord(
-            self.step,
-            event.kind,
-            event.source,
-            list(before.device_ids),
-            list(ids),
-            str(before.config),
-            "",
-            "",
+            step=self.step,
+            kind=event.kind,
+            source=event.source,
+            devices_before=list(before.device_ids),
+            devices_after=list(ids),
+            config_before=str(before.config),
+            config_after=str(before.config),
+            decision=Decision.STAY,
             notice_steps=notice_steps,
         )
         failed = ()
-        if event.kind == "fail":
+        if event.kind == EventKind.FAIL:
             failed = tuple(sorted(set(before.device_ids) - set(ids)))
             self.failed |= set(event.devices or failed)
-        if set(ids) == set(before.device_ids):  # nothing the job runs on changes
-            record.decision, record.config_after = "stay", str(before.config)
+        moved = set(ids) != set(before.device_ids)  # else nothing the job runs on changes
+        if moved:
+            tic = time.perf_counter()
+            target = self._target(ids)
+            state, moved = self._move(state, event, target, failed, record, tic)
+        if moved:
+            self._arrive(state, event, target, record)
+        else:
             self.records.append(record)
-            return state
-        tic = time.perf_counter()
-        target = self._target(ids)
+        return state
+
+    def _move(self, state, event: Event, target: PTC, failed, record: EventRecord, tic: float):
+        """The state onto ``target``: a plan and a reshard, or the latest checkpoint when some
+        shard is lost; ``(state, False)`` for an offer whose growth does not pay."""
         try:
-            plan = make_plan(before, target, failed=failed)
+            plan = make_plan(self.ptc, target, failed=failed)
         except LostShardsError as error:
             record.error = str(error)
-            state = self._fall_back(state, target, error, record)
-        else:
-            record.plan_seconds = time.perf_counter() - tic
-            if event.kind == "offer":
-                record.estimate = self._estimate(target, plan)
-                if not record.estimate["grow"]:
-                    record.decision, record.devices_after = "stay", list(before.device_ids)
-                    record.config_after = str(before.config)
-                    self.records.append(record)
-                    return state
-            # after a failure the old arrays are not donated: deleting them would touch the failed
-            # devices' buffers; they are freed when the caller rebinds the state
-            state, report = reshard(state, plan, method=self.options.method, donate=not failed)
-            record.bytes_moved, record.bytes_kept = report.bytes_moved, report.bytes_kept
-            record.reshard_seconds = report.seconds
-            if report.seconds > 0 and report.bytes_moved:
-                self._bandwidth = report.bytes_moved / report.seconds
-            record.decision = DECISIONS[event.kind]
+            return self._fall_back(state, target, error, record), True
+        record.plan_seconds = time.perf_counter() - tic
+        if event.kind == EventKind.OFFER:
+            record.estimate = self._estimate(target, plan)
+            if not record.estimate.grow:
+                record.devices_after = list(self.ptc.device_ids)
+                return state, False
+        # after a failure the old arrays are not donated: deleting them would touch the failed
+        # devices' buffers; they are freed when the caller rebinds the state
+        state, report = reshard(state, plan, method=self.options.method, donate=not failed)
+        record.bytes_moved, record.bytes_kept = report.bytes_moved, report.bytes_kept
+        record.reshard_seconds = report.seconds
+        if report.seconds > 0 and report.bytes_moved:
+            self._bandwidth = report.bytes_moved / report.seconds
+        record.decision = DECISIONS[event.kind]
+        return state, True
+
+    def _arrive(self, state, event: Event, target: PTC, record: EventRecord) -> None:
+        """The job on ``target``: its step (cached, waited for or compiled now), a preemption's
+        checkpoint, the record, and compile-ahead from the new layout."""
         self.ptc = target
-        reached = tuple(sorted(ids))
+        reached = tuple(sorted(target.device_ids))
         if reached in self._hints:  # announced: it and those announced before it are done
             self._hints = self._hints[self._hints.index(reached) + 1 :]
         record.devices_after, record.config_after = list(target.device_ids), str(target.config)
         status = self.steps_cache.status(self._key(target))
-        record.compile = {"ready": "cached", "running": "waited"}.get(status, "compiled")
-        self.cache_hits += record.compile != "compiled"
+        record.compile = {Status.READY: Compilation.CACHED, Status.RUNNING: Compilation.WAITED}.get(
+            status, Compilation.COMPILED
+        )
+        self.cache_hits += record.compile != Compilation.COMPILED
         tic = time.perf_counter()
         compiled = self._compiled(target, ahead=False).result()
         record.compile_wait_seconds = time.perf_counter() - tic
         record.compile_seconds = compiled.seconds
-        if event.kind == "preempt" and self.checkpoint_dir is not None:
+        if event.kind == EventKind.PREEMPT and self.checkpoint_dir is not None:
             record.commit_seconds = self._save(state)
         self.log(
             f"step {record.step}: {event.kind} ({event.source}) {record.config_before} on "
-            f"{len(record.devices_before)} -> {record.config_after} on {len(ids)}: "
+            f"{len(record.devices_before)} -> {record.config_after} on {len(reached)}: "
             f"{record.decision}, moved {record.bytes_moved / 2**20:.3f} MiB, step {record.compile}"
         )
         self.records.append(record)
         self._stalled = (record, event.posted)
         self._ahead()
-        return state
 
     def _target(self, ids: tuple[int, ...], before: PTC | None = None) -> PTC:
         """The layout the job moves to on ``ids`` from ``before`` (default its current one): the
@@ -466,13 +481,13 @@ class ElasticJob(_JobCore):
         lost = self.step - restored.step
         self.dataset.restore(restored.data_state)
         record.restore_seconds = time.perf_counter() - tic
-        record.lost_steps, record.decision = lost, "restore"
+        record.lost_steps, record.decision = lost, Decision.RESTORE
         self.lost_seconds += sum(s for i, s, _ in self.step_log if i >= self.step)
         self.checkpoints = [c for c in self.checkpoints if c[0] <= self.step]
         self.step_log = [entry for entry in self.step_log if entry[0] < self.step]
         return restored.state
 
-    def _estimate(self, target: PTC, plan) -> dict:
+    def _estimate(self, target: PTC, plan) -> Growth:
         """Grow now? The estimated gain over the remaining steps against the reconfiguration."""
         old, new = self.ptc.config, target.config
         profile, device_type = self.options.profile, self.options.device_type
@@ -578,7 +593,7 @@ class ElasticJob(_JobCore):
         ):
             return
         self._guessed = current
-        ids = self.devices_after("preempt")
+        ids = self.devices_after(EventKind.PREEMPT)
         try:
             target = self._target(ids)
         except (LayoutError, DataError) as error:  # no layout for these devices

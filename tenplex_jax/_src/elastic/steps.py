@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import enum
 import pathlib
 import sys
 import threading
@@ -47,6 +48,15 @@ from tenplex_jax._src.elastic.executables import ExecutableCache
 from tenplex_jax._src.ptc import PTC
 
 SWITCH_INTERVAL = 5e-4  # seconds, while a step compiles in the background (the interpreter's: 5e-3)
+
+
+class Status(enum.StrEnum):
+    """Where a layout's step is in :class:`StepCache` (``queued``: ahead, not started)."""
+
+    READY = "ready"
+    RUNNING = "running"
+    QUEUED = "queued"
+    FAILED = "failed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +117,14 @@ class StepCache:
     def __contains__(self, key) -> bool:
         return key in self._futures
 
-    def status(self, key) -> str | None:
-        """``"ready"``, ``"running"``, ``"queued"`` (ahead, not started), ``"failed"`` or None."""
+    def status(self, key) -> Status | None:
+        """The step's :class:`Status`, or None: never asked for."""
         future = self._futures.get(key)
         if future is None:
             return None
         if future.done():
-            return "failed" if future.cancelled() or future.exception() else "ready"
-        return "queued" if future in self._queued and not future.running() else "running"
+            return Status.FAILED if future.cancelled() or future.exception() else Status.READY
+        return Status.QUEUED if future in self._queued and not future.running() else Status.RUNNING
 
     def ready(self, key) -> bool:
         future = self._futures.get(key)
@@ -129,10 +139,10 @@ class StepCache:
         key = self.key(ptc, layout)
         with self._lock:
             future = self._futures.get(key)
-            if self.status(key) == "failed":  # a compile that failed, ahead: compile it again
+            if self.status(key) == Status.FAILED:  # a compile that failed, ahead: compile it again
                 self._queued.discard(future)
                 future = None
-            elif not ahead and self.status(key) == "queued" and future.cancel():
+            elif not ahead and self.status(key) == Status.QUEUED and future.cancel():
                 future = None  # queued behind other guesses: compile it now instead of waiting
             now = future is None and not ahead
             if future is None and ahead:

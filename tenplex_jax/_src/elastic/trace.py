@@ -31,9 +31,9 @@ import pathlib
 import tomllib
 from collections.abc import Callable, Mapping
 
-from tenplex_jax._src.elastic.events import KINDS, EventRecord
+from tenplex_jax._src.elastic.events import Decision, EventKind, EventRecord
 from tenplex_jax._src.elastic.job import ElasticJob
-from tenplex_jax._src.errors import LayoutError
+from tenplex_jax._src.errors import LayoutError, one_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +45,9 @@ class TraceEvent:
     Attributes:
       step: the step it comes before: :func:`replay` posts it then and the job applies it at that
         step boundary; in ``1..steps-1``, never less than the event before's.
-      kind: ``"preempt"`` (a notice), ``"fail"`` (the buffers are gone), ``"offer"`` (devices
-        come, the job grows when that pays) or ``"redeploy"`` (move onto exactly ``devices``).
+      kind: an :class:`EventKind` (or its string): ``"preempt"`` (a notice), ``"fail"`` (the
+        buffers are gone), ``"offer"`` (devices come, the job grows when that pays) or
+        ``"redeploy"`` (move onto exactly ``devices``).
       devices: the device ids, in ``0..devices-1`` of the trace, or None to go by ``count``.
       count: how many devices when ``devices`` is None: the job's last ``count`` (highest ids)
         for a preemption or failure, the ``count`` lowest-numbered free ones for an offer; at
@@ -54,7 +55,7 @@ class TraceEvent:
     """
 
     step: int
-    kind: str
+    kind: EventKind
     devices: tuple[int, ...] | None = None
     count: int | None = None
 
@@ -103,15 +104,14 @@ class ResourceTrace:
         last = 0
         for e in self.events:
             where = f"trace {self.name!r}, event at step {e.step}"
-            if e.kind not in KINDS:
-                raise LayoutError(f"{where}: kind must be one of {KINDS}, got {e.kind!r}")
+            one_of(EventKind, e.kind, f"{where}: kind", LayoutError)
             if not last <= e.step < self.steps or e.step < 1:
                 raise LayoutError(
                     f"{where}: event steps must not decrease and lie in 1..{self.steps - 1}"
                 )
             if (e.devices is None) == (e.count is None):
                 raise LayoutError(f"{where}: give exactly one of devices (ids) or count")
-            if e.kind == "redeploy" and e.devices is None:
+            if e.kind == EventKind.REDEPLOY and e.devices is None:
                 raise LayoutError(f"{where}: a redeploy names its devices (ids), not a count")
             ids = e.devices or ()
             if any(not 0 <= d < self.devices for d in ids) or (e.count is not None and e.count < 1):
@@ -167,20 +167,20 @@ class ResourceTrace:
             devices = raw.get("devices")
             events.append(
                 TraceEvent(
-                    int(raw["step"]),
-                    raw["kind"],
-                    None if devices is None else tuple(int(d) for d in devices),
-                    raw.get("count"),
+                    step=int(raw["step"]),
+                    kind=raw["kind"],
+                    devices=None if devices is None else tuple(int(d) for d in devices),
+                    count=raw.get("count"),
                 )
             )
         return cls(
-            data.get("name", default_name),
-            int(data["devices"]),
-            int(data["steps"]),
-            tuple(events),
-            data.get("checkpoint_every"),
-            data.get("description", ""),
-            None if data.get("minutes") is None else float(data["minutes"]),
+            name=data.get("name", default_name),
+            devices=int(data["devices"]),
+            steps=int(data["steps"]),
+            events=tuple(events),
+            checkpoint_every=data.get("checkpoint_every"),
+            description=data.get("description", ""),
+            minutes=None if data.get("minutes") is None else float(data["minutes"]),
         )
 
 
@@ -229,7 +229,7 @@ def replay(
             announce = False
         while events and events[0].step <= job.step:
             e = events.pop(0)
-            if e.kind == "redeploy":
+            if e.kind == EventKind.REDEPLOY:
                 job.redeploy(e.devices)
             else:
                 getattr(job, e.kind)(e.devices, count=e.count)
@@ -307,11 +307,11 @@ def checkpoint_restart(
     every = checkpoint_every or math.inf
     for r in records:
         cost = {"save": 0.0, "restore": 0.0, "compile": 0.0, "lost_steps": 0, "rerun": 0.0}
-        if r.decision != "stay":
+        if r.decision != Decision.STAY:
             last = 0 if every == math.inf else r.step // every * every
-            lost = r.step - last if r.kind == "fail" else 0
+            lost = r.step - last if r.kind == EventKind.FAIL else 0
             cost = {
-                "save": costs.save_seconds if r.kind != "fail" else 0.0,
+                "save": costs.save_seconds if r.kind != EventKind.FAIL else 0.0,
                 "restore": costs.restore_seconds[r.config_after],
                 "compile": costs.compile_seconds[r.config_after],
                 "lost_steps": lost,

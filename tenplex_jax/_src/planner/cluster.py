@@ -297,70 +297,77 @@ class Cluster:
                 f"cluster {name!r} has unknown fields {sorted(unknown)}; known: "
                 f"{sorted(_CLUSTER_FIELDS)}"
             )
-        types_in = data.get("types")
-        if not isinstance(types_in, Mapping) or not types_in:
-            raise PlanError(f"cluster {name!r}: a [types.NAME] table per device type is needed")
-        types, index = [], {}
-        for type_name, spec in types_in.items():
-            unknown = set(spec) - _TYPE_FIELDS
-            if unknown:
-                raise PlanError(
-                    f"cluster {name!r}: device type {type_name!r} has unknown fields "
-                    f"{sorted(unknown)}; known: {sorted(_TYPE_FIELDS)}"
-                )
-            missing = {"memory_gib", "tflops", "link_gbps"} - set(spec)
-            if missing:
-                raise PlanError(
-                    f"cluster {name!r}: device type {type_name!r} lacks {sorted(missing)}"
-                )
-            index[type_name] = len(types)
-            types.append(
-                DeviceType(
-                    type_name,
-                    int(float(spec["memory_gib"]) * GIB),
-                    float(spec["tflops"]) * 1e12,
-                    float(spec["link_gbps"]) * 1e9,
-                    float(spec.get("usd_per_hour", 0.0)),
-                    float(spec.get("host_link_gbps", 25)) * 1e9,
-                    float(spec.get("memory_gbps", 1000)) * 1e9,
-                    bool(spec.get("host_memory", False)),
-                )
-            )
-        kinds, nodes = [], []
-        for number, node in enumerate(data.get("nodes", ())):
-            kind = node.get("type")
-            if kind not in index:
-                raise PlanError(
-                    f"cluster {name!r}: node {number} has unknown device type {kind!r}; the "
-                    f"[types] table defines {sorted(index)}"
-                )
-            count, repeat = node.get("count", 0), node.get("repeat", 1)
-            if not (
-                isinstance(count, int) and count >= 1 and isinstance(repeat, int) and repeat >= 1
-            ):
-                raise PlanError(
-                    f"cluster {name!r}: node {number} needs integer count >= 1 and repeat >= 1, "
-                    f"got count={count!r}, repeat={repeat!r}"
-                )
-            for _ in range(repeat):
-                node_id = (nodes[-1] + 1) if nodes else 0
-                kinds += [index[kind]] * count
-                nodes += [node_id] * count
-        if not kinds:
-            raise PlanError(f"cluster {name!r}: no [[nodes]] with devices")
+        types = _types_from(name, data.get("types"))
+        kinds, nodes = _nodes_from(name, data.get("nodes", ()), [t.name for t in types])
         gbps = lambda key: None if key not in data else float(data[key]) * 1e9
         return cls(
-            name,
-            tuple(types),
-            tuple(kinds),
-            tuple(nodes),
-            float(data.get("network_gbps", 25)) * 1e9,
-            gbps("node_network_gbps"),
-            gbps("host_memory_gbps"),
-            float(data.get("storage_gbps", 2)) * 1e9,
-            gbps("storage_total_gbps"),
+            name=name,
+            types=types,
+            kinds=kinds,
+            nodes=nodes,
+            network_bandwidth=float(data.get("network_gbps", 25)) * 1e9,
+            node_network_bandwidth=gbps("node_network_gbps"),
+            host_memory_bandwidth=gbps("host_memory_gbps"),
+            storage_bandwidth=float(data.get("storage_gbps", 2)) * 1e9,
+            storage_total_bandwidth=gbps("storage_total_gbps"),
         )
 
     def __str__(self) -> str:
         parts = ", ".join(f"{n}x{t}" for t, n in self.counts().items())
         return f"{self.name} ({parts}; {len(set(self.nodes))} nodes)"
+
+
+def _types_from(name: str, types_in) -> tuple[DeviceType, ...]:
+    """The device types of a cluster description's ``[types.NAME]`` tables, in SI units."""
+    if not isinstance(types_in, Mapping) or not types_in:
+        raise PlanError(f"cluster {name!r}: a [types.NAME] table per device type is needed")
+    types = []
+    for type_name, spec in types_in.items():
+        unknown = set(spec) - _TYPE_FIELDS
+        if unknown:
+            raise PlanError(
+                f"cluster {name!r}: device type {type_name!r} has unknown fields "
+                f"{sorted(unknown)}; known: {sorted(_TYPE_FIELDS)}"
+            )
+        missing = {"memory_gib", "tflops", "link_gbps"} - set(spec)
+        if missing:
+            raise PlanError(f"cluster {name!r}: device type {type_name!r} lacks {sorted(missing)}")
+        types.append(
+            DeviceType(
+                name=type_name,
+                memory=int(float(spec["memory_gib"]) * GIB),
+                flops=float(spec["tflops"]) * 1e12,
+                link_bandwidth=float(spec["link_gbps"]) * 1e9,
+                usd_per_hour=float(spec.get("usd_per_hour", 0.0)),
+                host_bandwidth=float(spec.get("host_link_gbps", 25)) * 1e9,
+                memory_bandwidth=float(spec.get("memory_gbps", 1000)) * 1e9,
+                host_memory=bool(spec.get("host_memory", False)),
+            )
+        )
+    return tuple(types)
+
+
+def _nodes_from(name: str, nodes_in, type_names: list[str]) -> tuple[tuple, tuple]:
+    """(each device's type index, each device's node) from the ``[[nodes]]`` tables."""
+    index = {type_name: i for i, type_name in enumerate(type_names)}
+    kinds, nodes = [], []
+    for number, node in enumerate(nodes_in):
+        kind = node.get("type")
+        if kind not in index:
+            raise PlanError(
+                f"cluster {name!r}: node {number} has unknown device type {kind!r}; the "
+                f"[types] table defines {sorted(index)}"
+            )
+        count, repeat = node.get("count", 0), node.get("repeat", 1)
+        if not (isinstance(count, int) and count >= 1 and isinstance(repeat, int) and repeat >= 1):
+            raise PlanError(
+                f"cluster {name!r}: node {number} needs integer count >= 1 and repeat >= 1, "
+                f"got count={count!r}, repeat={repeat!r}"
+            )
+        for _ in range(repeat):
+            node_id = (nodes[-1] + 1) if nodes else 0
+            kinds += [index[kind]] * count
+            nodes += [node_id] * count
+    if not kinds:
+        raise PlanError(f"cluster {name!r}: no [[nodes]] with devices")
+    return tuple(kinds), tuple(nodes)

@@ -56,6 +56,22 @@ def choose_config(
       LayoutError: no ``(data, fsdp)`` config lays the state and the batch out on ``n``
         devices, or the planner finds none that fits; the message names each config's refusal.
     """
+    valid, refused = _configs(n, abstract_state, rules, global_batch, grad_units)
+    if profile is None or device_type is None:
+        return valid[0]
+    try:
+        cluster = Cluster.uniform(n, device_type, per_node=n)
+        return choose(cluster, profile, global_batch, configs=valid).best.config
+    except PlanError as error:
+        raise LayoutError(
+            f"the planner finds no (data, fsdp) config for {n} devices of {device_type.name} with "
+            f"global batch {global_batch}: {error}; refused by the layout: " + "; ".join(refused)
+        ) from None
+
+
+def _configs(n: int, abstract_state, rules, global_batch: int, grad_units):
+    """(the ``(data, fsdp)`` configs of ``n`` devices that lay the state and the batch out,
+    least FSDP first; the others' refusals); ``LayoutError`` naming each refusal when none does."""
     valid, refused = [], []
     for fsdp in (d for d in range(1, n + 1) if n % d == 0):
         config = ParallelConfig(data=n // fsdp, fsdp=fsdp)
@@ -71,13 +87,4 @@ def choose_config(
             f"no (data, fsdp) config lays the state out on {n} devices with global batch "
             f"{global_batch}: " + "; ".join(refused)
         )
-    if profile is None or device_type is None:
-        return valid[0]
-    try:
-        cluster = Cluster.uniform(n, device_type, per_node=n)
-        return choose(cluster, profile, global_batch, configs=valid).best.config
-    except PlanError as error:
-        raise LayoutError(
-            f"the planner finds no (data, fsdp) config for {n} devices of {device_type.name} with "
-            f"global batch {global_batch}: {error}; refused by the layout: " + "; ".join(refused)
-        ) from None
+    return valid, refused

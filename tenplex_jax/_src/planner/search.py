@@ -21,28 +21,27 @@ replica, a stage's tick (forward + backward of one microbatch) is::
 
 and the step is ``(microbatches + pipe - 1) * slowest tick`` (the GPipe schedule of
 ``tenplex_jax._src.pipelining`` runs every stage in lockstep at every tick) plus the gradient
-all-reduce
-over ``data`` and the part outside the pipeline (embedding, head), which every stage runs. Links
-inside a node run at the device type's ``link_bandwidth``, others at the cluster's network
-bandwidth. Memory per device: ``state_factor`` × (the stage's stacked rows + the outside params) /
-(tensor × fsdp), plus every layer's input for every tick of the schedule (layers are
-rematerialised, as in GPipe), plus one layer's activations while it is recomputed, plus the outside
-part's activations. Uneven stages are stored padded to ``slots = max(layers per stage)`` rows,
-which the memory and communication terms count.
+all-reduce over ``data`` and the part outside the pipeline (embedding, head), which every stage
+runs. Links inside a node run at the device type's ``link_bandwidth``, others at the cluster's
+network bandwidth. Memory per device: ``state_factor`` × (the stage's stacked rows + the outside
+params) / (tensor × fsdp), plus every layer's input for every tick of the schedule (layers are
+rematerialised, as in GPipe), plus one layer's activations while it is recomputed, plus the
+outside part's activations. Uneven stages are stored padded to ``slots = max(layers per stage)``
+rows, which the memory and communication terms count.
 
 **Search.** Every ``(pipe, data, fsdp, tensor)`` whose product is the device count and whose
 ``data * fsdp`` replicas get at least one sample each (an uneven split is padded, as
 ``BatchLayout`` does, and the padded rows are counted), every microbatch count dividing the
-per-replica rows (1 without pipelining); for each, the stage
-boundaries by dynamic programming: for each slot count ``K``, the split into stages of at most ``K``
-layers that minimises the slowest tick (``O(pipe * layers * K)``). With identical stage groups and
-identical layers the most even split is optimal and no DP runs, which keeps 4096 devices under a
-second.
+per-replica rows (1 without pipelining); for each, the stage boundaries by dynamic programming:
+for each slot count ``K``, the split into stages of at most ``K`` layers that minimises the
+slowest tick (``O(pipe * layers * K)``). With identical stage groups and identical layers the most
+even split is optimal and no DP runs, which keeps 4096 devices under a second.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import math
 import time
@@ -50,13 +49,19 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from tenplex_jax._src.errors import PlanError
+from tenplex_jax._src.errors import PlanError, one_of
 from tenplex_jax._src.pipelining import Stages
 from tenplex_jax._src.planner.cluster import GIB, Cluster
 from tenplex_jax._src.planner.profile import ModelProfile
 from tenplex_jax._src.ptc import ParallelConfig
 
-OBJECTIVES = ("time", "cost")
+
+class Objective(enum.StrEnum):
+    """What :func:`choose` optimizes: ``"time"`` (the shortest step) or ``"cost"`` (the most
+    samples per dollar)."""
+
+    TIME = "time"
+    COST = "cost"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +116,7 @@ class Candidate:
         Returns:
           The score.
         """
-        return self.step_time if objective == "time" else -self.samples_per_usd
+        return self.step_time if objective == Objective.TIME else -self.samples_per_usd
 
     def label(self) -> str:
         """``"pipe=2,data=4 mb=8 stages=3/5"``: the config, microbatches and stages, for a table."""
@@ -131,7 +136,7 @@ class Choice:
       best: the chosen :class:`Candidate`.
       top: the best candidates, best first (``best`` among them).
       rejected: ``(rule, how many configs, one example)`` for every rule that rejected a config.
-      objective: ``"time"`` or ``"cost"``.
+      objective: the :class:`Objective`.
       cluster: the cluster, as ``str(cluster)`` shows it.
       evaluated: how many layouts were evaluated.
       seconds: how long the search took.
@@ -140,7 +145,7 @@ class Choice:
     best: Candidate
     top: tuple[Candidate, ...]
     rejected: tuple[tuple[str, int, str], ...]  # (rule, how many configs, one example)
-    objective: str
+    objective: Objective
     cluster: str
     evaluated: int
     seconds: float
@@ -148,7 +153,8 @@ class Choice:
     def table(self) -> str:
         """The answer as a table: the top candidates with their step time, throughput, peak
         memory, price and distance to the best, then the rejections."""
-        goal = "minimum step time" if self.objective == "time" else "maximum samples per dollar"
+        time_ = self.objective == Objective.TIME
+        goal = "minimum step time" if time_ else "maximum samples per dollar"
         head = (
             f"{'#':>2}  {'config':<44} {'step ms':>9} {'samples/s':>10} {'peak GiB':>9} "
             f"{'limit GiB':>9} {'$/h':>7} {'samples/$':>10}  vs best"
@@ -164,7 +170,7 @@ class Choice:
         for rank, c in enumerate(self.top, 1):
             if rank == 1:
                 why = "chosen"
-            elif self.objective == "time":
+            elif time_:
                 why = f"{c.step_time / self.best.step_time - 1:+.1%} time"
             else:
                 why = f"{c.samples_per_usd / self.best.samples_per_usd - 1:+.1%} samples/$"
@@ -189,7 +195,7 @@ def choose(
     model: ModelProfile,
     global_batch: int,
     *,
-    objective: str = "time",
+    objective: Objective | str = "time",
     even_stages: bool = False,
     max_microbatches: int = 64,
     min_throughput: float = 0.0,
@@ -197,11 +203,10 @@ def choose(
     configs: Iterable[ParallelConfig] | None = None,
     top: int = 8,
 ) -> Choice:
-    """The best layout of ``model`` on ``cluster`` for ``global_batch`` (see the module docstring).
-
-    Every ``(pipe, data, fsdp, tensor)`` config of the device count, every microbatch count and
-    the best stage boundaries for each, under the cost model of :func:`estimate` and every
-    device's memory.
+    """The best layout of ``model`` on ``cluster`` for ``global_batch``: every
+    ``(pipe, data, fsdp, tensor)`` config of the device count, every microbatch count and the best
+    stage boundaries for each, under the cost model of :func:`estimate` and every device's memory
+    (the module docstring).
 
     >>> h100 = DeviceType("h100", memory=80 * GIB, flops=400e12, link_bandwidth=450e9)
     >>> layer = LayerProfile(flops=2e9, param_bytes=50_000_000, act_bytes=10**6, out_bytes=10**5)
@@ -214,8 +219,8 @@ def choose(
       cluster: the :class:`Cluster` of devices.
       model: the :class:`ModelProfile`.
       global_batch: samples per step, split over ``data * fsdp`` replicas (padded when uneven).
-      objective: ``"time"`` (the shortest step) or ``"cost"`` (the most samples per dollar,
-        also choosing how many devices of each type to use: 0, a power of two, or all).
+      objective: an :class:`Objective` (``"cost"`` also chooses how many devices of a type to
+        use: 0, a power of two, or all).
       even_stages: keep only equal pipeline stages (no padded layout).
       max_microbatches: the most GPipe microbatches tried.
       min_throughput: with ``"cost"``, the fewest samples/s a layout must reach (without a floor
@@ -234,40 +239,27 @@ def choose(
         example.
     """
     tic = time.perf_counter()
-    if objective not in OBJECTIVES:
-        raise PlanError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    objective = _checked_objective(cluster, global_batch, objective)
+    search = _Search(model, global_batch, objective, even_stages, max_microbatches, min_throughput)
+    subsets = objective == Objective.COST if subsets is None else subsets
+    only = None if configs is None else set(configs)
+    for devices in _subsets(cluster) if subsets else [tuple(range(cluster.num_devices))]:
+        search.run(cluster, devices, only)
+    return search.choice(cluster, top, tic)
+
+
+def _checked_objective(cluster: Cluster, global_batch, objective) -> Objective:
+    """The objective, once it and the global batch are valid for ``cluster``."""
+    objective = one_of(Objective, objective, "objective", PlanError)
     if not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
         raise PlanError(f"the global batch must be an integer >= 1, got {global_batch!r}")
-    if objective == "cost":
-        free = [t.name for t in cluster.types if t.usd_per_hour <= 0]
-        if free:
-            raise PlanError(
-                f"the cost objective needs a price per device type; cluster {cluster.name!r} has "
-                f"no usd_per_hour for {free}"
-            )
-    only = None if configs is None else set(configs)
-    search = _Search(model, global_batch, objective, even_stages, max_microbatches, min_throughput)
-    if subsets is None:
-        subsets = objective == "cost"
-    device_sets = _subsets(cluster) if subsets else [tuple(range(cluster.num_devices))]
-    for devices in device_sets:
-        search.run(cluster, devices, only)
-    if not search.found:
+    free = [t.name for t in cluster.types if t.usd_per_hour <= 0]
+    if objective == Objective.COST and free:
         raise PlanError(
-            f"no parallel config of {model.name!r} fits {cluster} with global batch "
-            f"{global_batch}: "
-            + "; ".join(f"{n} x {rule} (e.g. {ex})" for rule, n, ex in search.why())
+            f"the cost objective needs a price per device type; cluster {cluster.name!r} has "
+            f"no usd_per_hour for {free}"
         )
-    ranked = sorted(search.found, key=lambda c: (c.score(objective), max(c.memory)))
-    return Choice(
-        ranked[0],
-        tuple(ranked[:top]),
-        search.why(),
-        objective,
-        str(cluster),
-        search.evaluated,
-        time.perf_counter() - tic,
-    )
+    return objective
 
 
 def estimate(
@@ -507,6 +499,25 @@ class _Search:
 
     def why(self) -> tuple[tuple[str, int, str], ...]:
         return tuple((rule, n, ex) for rule, (n, ex) in self.rejected.items())
+
+    def choice(self, cluster: Cluster, top: int, tic: float) -> Choice:
+        """The candidates found, ranked; ``PlanError`` naming every rejection when none fits."""
+        if not self.found:
+            raise PlanError(
+                f"no parallel config of {self.model.name!r} fits {cluster} with global batch "
+                f"{self.global_batch}: "
+                + "; ".join(f"{n} x {rule} (e.g. {ex})" for rule, n, ex in self.why())
+            )
+        ranked = sorted(self.found, key=lambda c: (c.score(self.objective), max(c.memory)))
+        return Choice(
+            best=ranked[0],
+            top=tuple(ranked[:top]),
+            rejected=self.why(),
+            objective=self.objective,
+            cluster=str(cluster),
+            evaluated=self.evaluated,
+            seconds=time.perf_counter() - tic,
+        )
 
     def run(self, cluster: Cluster, devices: tuple[int, ...], only) -> None:
         model, batch = self.model, self.global_batch
