@@ -8,8 +8,8 @@ devices, a commit and a pause after step 2) loses its last process three ways:
   worker and store); the next generation restores from the surviving stores' replicas;
 - **local store**: ``tenplex-jax launch`` on this host; the last worker and its store are
   SIGKILLed; restore from the stores;
-- **local orbax**: the same with ``--recover-from checkpoint``: a restart from the orbax
-  checkpoint, as a JAX job restarts today.
+- **local orbax**: the same as a plain restart from the orbax checkpoint, as a JAX job restarts
+  today (``--replicas 0 --no-standby --no-keep --no-executable-cache``: see ``recovery``).
 
 Kill → first step on the new config, the restore alone, and the phases between (``start`` is
 where Ray's actor creation and scheduling show; the tenplex variants kill once process 0 has
@@ -43,33 +43,17 @@ NPROCS, DEVICES, KILL_AFTER, STEPS = 3, 2, 2, 5  # 3 steps after the kill: a ste
 def ray_once(run: pathlib.Path, model: str) -> dict:
     """One job on a fresh 3-node Ray cluster; the last slot's node dies after step 2."""
     import psutil
-    from ray.cluster_utils import Cluster
 
     from tenplex_jax._src.multihost.ray import RayLauncher
-    from tenplex_jax._src.multihost.spec import LaunchOptions
+    from tenplex_jax.multihost import LaunchOptions, RunDir
 
     tic = time.monotonic()
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
-    nodes = {}
-    for _ in range(NPROCS):
-        node = cluster.add_node(num_cpus=1, resources={"tenplex": 1})
-        nodes[node.node_id] = node
-    cluster.wait_for_nodes()
+    cluster, nodes = _cluster()
     cluster_seconds = time.monotonic() - tic
+    script = ("--model", model, "--steps", str(STEPS), "--log", str(run / "steps.jsonl"))
     options = LaunchOptions(
-        str(EXAMPLE),
-        (
-            "--model",
-            model,
-            "--steps",
-            str(STEPS),
-            "--log",
-            str(run / "steps.jsonl"),
-            "--pause-after",
-            str(KILL_AFTER),
-        ),
+        script=str(EXAMPLE),
+        args=(*script, "--pause-after", str(KILL_AFTER)),
         nprocs=NPROCS,
         devices_per_proc=DEVICES,
         commit_every=KILL_AFTER,
@@ -91,19 +75,13 @@ def ray_once(run: pathlib.Path, model: str) -> dict:
     thread.start()
     sampler.start()
     try:
-        paused = [run / f"paused-{KILL_AFTER}-p{i}" for i in range(NPROCS)]
         deadline = time.monotonic() + 600
-        while not all(p.exists() for p in paused):
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError("the Ray job did not reach its pause")
-            time.sleep(0.05)
+        paused = [run / f"paused-{KILL_AFTER}-p{i}" for i in range(NPROCS)]
+        _until(lambda: all(p.exists() for p in paused), thread, deadline, "reach its pause")
         # a failure comes after the job's first seconds: process 0 compiled the next layout
         # ahead, the others lowered it
-        ahead = [run / "ahead-g0.json"] + [run / f"lowered-g0-p{i}.json" for i in range(1, NPROCS)]
-        while not all(p.exists() for p in ahead):
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError("the Ray job did not compile ahead for a loss")
-            time.sleep(0.05)
+        ready = lambda: RunDir(run).ahead(0, processes=NPROCS)
+        _until(ready, thread, deadline, "compile ahead for a loss")
         killed = time.time()
         cluster.remove_node(nodes[launcher.nodes[NPROCS - 1]], allow_graceful=False)
         thread.join(timeout=600)
@@ -115,6 +93,28 @@ def ray_once(run: pathlib.Path, model: str) -> dict:
     result["cluster_seconds"] = cluster_seconds
     result["memory_mib"] = {role: statistics.median(v) / 2**20 for role, v in memory.items() if v}
     return result
+
+
+def _cluster():
+    """A fresh Ray cluster of ``NPROCS`` nodes with the ``tenplex`` resource, and its nodes."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    nodes = {}
+    for _ in range(NPROCS):
+        node = cluster.add_node(num_cpus=1, resources={"tenplex": 1})
+        nodes[node.node_id] = node
+    cluster.wait_for_nodes()
+    return cluster, nodes
+
+
+def _until(predicate, thread, deadline: float, what: str) -> None:
+    while not predicate():
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"the Ray job did not {what}")
+        time.sleep(0.05)
 
 
 def _role(cmdline: list[str]) -> str | None:

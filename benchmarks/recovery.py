@@ -8,8 +8,12 @@ left, which restores
 
 - **store**: the latest complete version from the tensor stores, each process pulling only its
   shards (the dead host's from their replicas);
-- **orbax**: the orbax checkpoint of the same step on disk (``--recover-from checkpoint``), the way
-  a JAX job restarts today.
+- **orbax**: the orbax checkpoint of the same step on disk, the way a JAX job restarts today:
+  launched with no replicas (``--replicas 0``: the lost host's shards survive nowhere, so the
+  launcher restores the checkpoint) and as a plain restart (``--no-standby --no-keep
+  --no-executable-cache``: new processes, cold, each compiling the new layout). A planned change
+  stops that job (SIGTERM: a checkpoint at the next step boundary) and launches it again on the
+  new count, from the checkpoint.
 
 Recovery time = from the kill to the end of the first train step on the new config; it also holds
 what both variants share (failure detection, the survivors' grace period, process start-up,
@@ -39,6 +43,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from tenplex_jax.multihost import Event, RunDir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "elastic_gpt.py"
@@ -81,33 +87,7 @@ def run_recovery(
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(repeats):
         for variant in variants:
-            for attempt in range(3):  # a process lost before the change: that run again
-                with tempfile.TemporaryDirectory(prefix="tenplex-recovery-") as run_dir:
-                    try:
-                        result = recover_once(
-                            variant, pathlib.Path(run_dir), change=change, **setup
-                        )
-                        break
-                    except UnplannedFailure as error:
-                        if attempt == 2:
-                            raise
-                        log(f"  {variant:6s} {change}: run again ({error})")
-            runs[variant].append(result)
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases"].items())
-            log(
-                f"  {variant:6s} {change} -> first step {result['recovery_seconds']:.2f} s "
-                f"(restore {result['restore_seconds'] * 1e3:.0f} ms, lost steps "
-                f"{result['lost_steps']}, {result['from_processes']} -> "
-                f"{result['to_processes']} processes, {result['config']}; step loaded "
-                f"{result['step_loaded']}, traced {result['step_traced']}, warm "
-                f"{result['warm_processes']}; s: {phases}"
-                + (
-                    ""
-                    if result["request_to_change"] is None
-                    else f"; request -> change {result['request_to_change']:.2f}"
-                )
-                + ")"
-            )
+            runs[variant].append(_measured(variant, change, setup, log))
     median = lambda key: {v: statistics.median(r[key] for r in runs[v]) for v in variants}
     total, restore = median("recovery_seconds"), median("restore_seconds")
     step = median("step_seconds")
@@ -139,6 +119,33 @@ def run_recovery(
     }
 
 
+def _measured(variant: str, change: str, setup: dict, log) -> dict:
+    """One :func:`recover_once` of ``variant`` (again when a process was lost before a planned
+    change: the machine, not the change), logged."""
+    for attempt in range(3):
+        with tempfile.TemporaryDirectory(prefix="tenplex-recovery-") as run_dir:
+            try:
+                result = recover_once(variant, pathlib.Path(run_dir), change=change, **setup)
+                break
+            except UnplannedFailure as error:
+                if attempt == 2:
+                    raise
+                log(f"  {variant:6s} {change}: run again ({error})")
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases"].items())
+    request = result["request_to_change"]
+    log(
+        f"  {variant:6s} {change} -> first step {result['recovery_seconds']:.2f} s "
+        f"(restore {result['restore_seconds'] * 1e3:.0f} ms, lost steps "
+        f"{result['lost_steps']}, {result['from_processes']} -> "
+        f"{result['to_processes']} processes, {result['config']}; step loaded "
+        f"{result['step_loaded']}, traced {result['step_traced']}, warm "
+        f"{result['warm_processes']}; s: {phases}"
+        + ("" if request is None else f"; request -> change {request:.2f}")
+        + ")"
+    )
+    return result
+
+
 def recover_once(
     variant: str,
     run: pathlib.Path,
@@ -156,120 +163,141 @@ def recover_once(
 
     ``change``: ``"kill"`` SIGKILLs the last worker and its store (``nprocs`` -> ``nprocs - 1``);
     ``"shrink"`` and ``"grow"`` ask for a planned resize (``nprocs`` -> ``nprocs - 1``, and
-    ``nprocs - 1`` -> ``nprocs``), and the job is stopped (SIGTERM) after the first step of the
-    new generation.
+    ``nprocs - 1`` -> ``nprocs``), and the job is stopped (SIGTERM) after ``after`` steps of the
+    new generation. The orbax variants restart plainly: after a kill the launcher finds no copy
+    of the lost host's shards (``--replicas 0``) and restores the orbax checkpoint; a planned
+    change stops the job (SIGTERM: a checkpoint) and launches it anew on the new count.
     """
     planned = change != "kill"
     if change == "grow":
         nprocs -= 1
+    if variant in CACHED:
+        _warm_cache(run, model, nprocs - 1, devices_per_proc, timeout)
     # planned: runs on until stopped (a shrink trains on while its layout compiles ahead)
     steps = 1000 if planned else kill_after + after
-    command = [
-        sys.executable,
-        "-m",
-        "tenplex_jax",
-        "launch",
-        "--nprocs",
-        str(nprocs),
-        "--devices-per-proc",
-        str(devices_per_proc),
-        "--commit-every",
-        str(kill_after),
-        "--run-dir",
-        str(run),
-    ]
-    if variant in CACHED:  # warm the cache: one step on the processes left after the kill
-        command += ["--compile-cache", str(run / "jax-cache")]
-        warm = [
-            *command,
-            "--nprocs",
-            str(nprocs - 1),
-            str(EXAMPLE),
-            "--model",
-            model,
-            "--steps",
-            "1",
-        ]
-        warm[warm.index("--run-dir") + 1] = str(run / "warm")
-        with open(run / "warm.log", "wb") as out:
-            done = subprocess.run(
-                warm,
-                check=False,
-                cwd=ROOT,
-                stdout=out,
-                stderr=out,
-                env=os.environ | {"JAX_PLATFORMS": "cpu"},
-                timeout=timeout,
-            )
-        if done.returncode != 0:
-            raise RuntimeError((run / "warm.log").read_text(errors="replace")[-3000:])
-    if variant == "store, no keep":
-        command += ["--no-keep"]
-    if variant.startswith("orbax"):
-        command += [
-            "--checkpoint-dir",
-            str(run / "ckpt"),
-            "--checkpoint-every",
-            str(1 if planned else kill_after),  # planned: the resize's step is saved too
-            "--recover-from",
-            "checkpoint",
-            # a plain restart: new processes, cold, every process compiling the new layout
-            "--no-standby",
-            "--no-keep",
-            "--no-executable-cache",
-        ]
-    command += [
-        str(EXAMPLE),
-        "--model",
-        model,
-        "--steps",
-        str(steps),
-        "--log",
-        str(run / "steps.jsonl"),
-        "--pause-after",
-        str(kill_after),
-    ]
-    env = os.environ | {"JAX_PLATFORMS": "cpu"}
-    with open(run / "launcher.log", "wb") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    script = ["--model", model, "--steps", str(steps)]
+    flags = _flags(variant, nprocs, devices_per_proc, kill_after, run, run)
+    log = ["--log", str(run / "steps.jsonl"), "--pause-after", str(kill_after)]
+    proc = _launch(flags, [*script, *log], run / "launcher.log")
+    relaunch, restart = False, None
     try:
         deadline = time.monotonic() + timeout
-        paused = [run / f"paused-{kill_after}-p{i}" for i in range(nprocs)]
-        _wait(lambda: all(p.exists() for p in paused), proc, deadline, "the pause")
+        dir = RunDir(run)
+        _wait(lambda: _paused(run, kill_after, nprocs), proc, deadline, "the pause")
         if variant.startswith("store"):  # its warm processes, started after the first step
-            standbys = lambda: any(e["event"] == "standby" for e in _events(run))
-            _wait(standbys, proc, deadline, "the standby processes")
-        stores = _event(run, "stores")["slots"]
-        workers = _event(run, "generation")["pids"]
+            _wait(lambda: dir.events(Event.STANDBY), proc, deadline, "the standby processes")
         killed = time.time()
         if planned:
-            (run / "resize").write_text(str(nprocs - 1 if change == "shrink" else nprocs + 1))
-            _wait(lambda: (run / "control.json").exists(), proc, deadline, "the request")
-            (run / f"resume-{kill_after}").write_text("")
-            stepped = lambda: _stepped(run, generation=1) >= after
-            _wait(stepped, proc, deadline, "the new generation's steps")
-            proc.send_signal(signal.SIGTERM)  # a graceful stop: commit, exit 0
+            count = nprocs - 1 if change == "shrink" else nprocs + 1
+            relaunch = _planned(variant, run, proc, deadline, count, kill_after, after)
         else:
-            if variant.startswith("store"):  # a failure comes after the job's first seconds
+            if variant.startswith("store"):  # a failure comes after the job's first seconds:
                 # process 0 compiled the next generation's step, the others lowered it
-                ahead = [run / "ahead-g0.json"]
-                ahead += [run / f"lowered-g0-p{i}.json" for i in range(1, nprocs)]
-                ready = lambda: all(p.exists() for p in ahead)
+                ready = lambda: dir.ahead(0, processes=nprocs)
                 _wait(ready, proc, deadline, "the compile-ahead after a loss")
                 killed = time.time()
+            stores = dir.events(Event.STORES)[-1]["slots"]
+            workers = dir.events(Event.GENERATION)[-1]["pids"]
             for pid in (workers[-1], stores[str(nprocs - 1)]["pid"]):
                 os.kill(pid, signal.SIGKILL)
-        _wait(lambda: proc.poll() is not None, proc, deadline, "the job to finish", done_ok=True)
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"the {variant} job failed ({proc.returncode}):\n"
-                + (run / "launcher.log").read_text(errors="replace")[-3000:]
-            )
+        _finish(proc, deadline, variant, run / "launcher.log")
+        if relaunch:
+            restart = _restart(variant, run, flags, count, script, deadline, after)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-    return timings(run, killed, nprocs, planned=planned)
+        _reap(proc)
+    return timings(run, killed, nprocs, planned=planned, restart=restart)
+
+
+def _flags(variant: str, nprocs: int, devices: int, every: int, run, home) -> list[str]:
+    """The launcher's flags of ``variant`` (its run dir ``run``; the compilation cache and the
+    checkpoints in ``home``): a commit every ``every`` steps; the orbax variants' a plain
+    restart's (new processes, cold, each compiling the new layout) from an orbax checkpoint
+    every ``every`` steps, no replicas (a lost host's shards come from orbax)."""
+    flags = ["--nprocs", str(nprocs), "--devices-per-proc", str(devices)]
+    flags += ["--commit-every", str(every), "--run-dir", str(run)]
+    if variant in CACHED:
+        flags += ["--compile-cache", str(home / "jax-cache")]
+    if variant == "store, no keep":
+        flags += ["--no-keep"]
+    if variant.startswith("orbax"):
+        flags += ["--checkpoint-dir", str(home / "ckpt"), "--checkpoint-every", str(every)]
+        flags += ["--replicas", "0", "--no-standby", "--no-keep", "--no-executable-cache"]
+    return flags
+
+
+def _planned(variant, run, proc, deadline, count: int, at: int, after: int) -> bool:
+    """A planned change to ``count`` processes asked at the pause after step ``at``: the store
+    variants resize, and the job stops after ``after`` steps on them; the orbax ones stop the
+    job (a checkpoint at the next step boundary). Whether the job must be launched again."""
+    orbax = variant.startswith("orbax")
+    if orbax:
+        proc.send_signal(signal.SIGTERM)
+    else:
+        (run / "resize").write_text(str(count))
+    _wait(lambda: (run / "control.json").exists(), proc, deadline, "the request")
+    (run / f"resume-{at}").write_text("")
+    if not orbax:
+        _wait(lambda: _stepped(run, generation=1) >= after, proc, deadline, "the new steps")
+        proc.send_signal(signal.SIGTERM)  # a graceful stop: commit, exit 0
+    return orbax
+
+
+def _restart(variant, run, flags, count: int, script, deadline: float, after: int):
+    """The stopped job launched again on ``count`` processes (from its orbax checkpoint), run
+    for ``after`` steps, then stopped; its run dir."""
+    restart = run / "restart"
+    restart.mkdir()
+    flags = [*flags]
+    flags[flags.index("--nprocs") + 1] = str(count)
+    flags[flags.index("--run-dir") + 1] = str(restart)
+    script = [*script, "--log", str(restart / "steps.jsonl")]
+    again = _launch(flags, script, restart / "launcher.log")
+    try:
+        _wait(lambda: _stepped(restart, generation=0) >= after, again, deadline, "the restart")
+        again.send_signal(signal.SIGTERM)
+        _finish(again, deadline, variant, restart / "launcher.log")
+    finally:
+        _reap(again)
+    return restart
+
+
+def _launch(flags: list[str], script: list[str], log: pathlib.Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "tenplex_jax", "launch", *flags, str(EXAMPLE), *script]
+    env = os.environ | {"JAX_PLATFORMS": "cpu"}
+    with open(log, "wb") as out:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _warm_cache(run, model: str, nprocs: int, devices_per_proc: int, timeout: float) -> None:
+    """JAX's compilation cache warmed by one step on ``nprocs`` processes (the cached
+    variants: the processes left after the change load the new layout's step)."""
+    warm = run / "warm"
+    warm.mkdir()
+    flags = _flags("store, cached compile", nprocs, devices_per_proc, 1, warm, run)
+    proc = _launch(flags, ["--model", model, "--steps", "1"], warm / "launcher.log")
+    try:
+        _finish(proc, time.monotonic() + timeout, "warm-up", warm / "launcher.log")
+    finally:
+        _reap(proc)
+
+
+def _finish(proc, deadline: float, variant: str, log: pathlib.Path) -> None:
+    _wait(lambda: proc.poll() is not None, proc, deadline, "the job to finish", done_ok=True)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"the {variant} job failed ({proc.returncode}):\n"
+            + log.read_text(errors="replace")[-3000:]
+        )
+
+
+def _reap(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(30)
+
+
+def _paused(run: pathlib.Path, step: int, processes: int) -> bool:
+    return all((run / f"paused-{step}-p{i}").exists() for i in range(processes))
 
 
 class UnplannedFailure(RuntimeError):
@@ -278,66 +306,86 @@ class UnplannedFailure(RuntimeError):
 
 def _stepped(run: pathlib.Path, generation: int) -> int:
     """How many steps ``generation`` has logged."""
+    return sum(r["generation"] == generation for r in _steps(run))
+
+
+def _steps(run: pathlib.Path) -> list[dict]:
     path = run / "steps.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
-    return sum(json.loads(line)["generation"] == generation for line in lines if line.strip())
+    return [json.loads(line) for line in lines if line.strip()]
 
 
-def timings(run: pathlib.Path, killed: float, nprocs: int, planned: bool = False) -> dict:
+def timings(
+    run: pathlib.Path,
+    killed: float,
+    nprocs: int,
+    planned: bool = False,
+    restart: pathlib.Path | None = None,
+) -> dict:
     """A launched job's recovery from a change at wall-clock time ``killed``, read from its run
-    dir: the seconds to the first step of generation 1, and where they went. A planned change
-    counts from the last step of generation 0 (it trains on until then): the stall."""
-    records = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
-    new = sorted((r for r in records if r["generation"] == 1), key=lambda r: r["step"])
-    first = new[0]
+    dir (``tj.multihost.RunDir``): the seconds to the first step of generation 1 (or, for a
+    ``restart``, of that launch's generation 0), and where they went. A planned change counts
+    from the last step of generation 0 (it trains on until then): the stall."""
+    records = _steps(run)
     if planned:
         killed = max(r["time"] for r in records if r["generation"] == 0)
-    restore = json.loads((run / "restore-g1-p0.json").read_text())
-    generation = [e for e in _events(run) if e["event"] == "generation"][1]
-    failure = next(e for e in _events(run) if e["event"] in ("failure", "resize"))
-    if failure["event"] != ("resize" if planned else "failure"):  # not the change measured
-        raise UnplannedFailure(f"generation 0 ended with {failure}, not the change measured")
-    request = next((e for e in _events(run) if e["event"] == "request"), None)
-    times = restore["times"]  # process 0 of the new generation, wall clock
-    steps = [  # how each process of the new generation got its step: loaded or compiled
-        json.loads(path.read_text()) for path in sorted(run.glob("step-g1-p*.json"))
-    ]
+    after = RunDir(restart or run)
+    number = 0 if restart else 1
+    new = sorted(
+        (r for r in _steps(after.path) if r["generation"] == number), key=lambda r: r["step"]
+    )
+    first, restored = new[0], after.restored(number)
+    generation = after.events(Event.GENERATION)[number]
+    events = RunDir(run).events()
+    ended = next(e for e in events if e["event"] in (Event.FAILURE, Event.RESIZE, Event.STOP))
+    if ended["event"] != (
+        Event.FAILURE if not planned else Event.STOP if restart else Event.RESIZE
+    ):
+        raise UnplannedFailure(f"generation 0 ended with {ended}, not the change measured")
+    request = next((e for e in events if e["event"] == Event.REQUEST), None)
+    steps = after.first_steps(number)  # how each process got its step: loaded or compiled
     return {
         "recovery_seconds": first["time"] - killed,
-        # where the time goes, from the kill: the launcher notices it and ends the generation
-        # (grace included), the new processes start (python, imports, jax.distributed), prepare
-        # (abstract state, dataset), restore, then compile and run the first step
-        "phases": {
-            "end_generation": failure["time"] - killed,
-            # the next generation's processes: started (or a standby activated), jax.distributed
-            "start": times["joined"] - failure["time"],
-            "prepare": times["restore"] - times["joined"],
-            "restore": times["restored"] - times["restore"],
-            # loading the step (or compiling it: what XLA took), then the rest of the first step
-            # (tracing and lowering, the batch, running it)
-            "compile_or_load": steps[0]["seconds"],
-            "first_step": first["time"] - times["restored"] - steps[0]["seconds"],
-        },
+        "phases": _phases(killed, ended["time"], restored, steps[0], first["time"]),
         # a steady step of the new configuration: the first step's own share of the recovery,
         # which no way of recovering removes
         "step_seconds": statistics.median(b["time"] - a["time"] for a, b in itertools.pairwise(new))
         if len(new) > 1
         else None,
-        "step_loaded": [s["loaded"] for s in steps],
+        "step_loaded": [s.loaded for s in steps],
         # False: loaded as a program the process had lowered before (a survivor), nothing traced
-        "step_traced": [s.get("traced", True) for s in steps],
+        "step_traced": [s.traced for s in steps],
         "warm_processes": generation.get("warm"),
         "kept_processes": generation.get("kept"),  # survivors that stayed in their process
-        "restore_seconds": restore["seconds"],
-        "restore_source": generation["restore"],
-        "lost_steps": generation["lost_steps"],
+        "restore_seconds": restored.seconds,
+        "restore_source": f"{generation['restore']}:{generation['step']}",
+        # a restart knows nothing of the job before: the steps since its checkpoint
+        "lost_steps": max(r["step"] for r in records) - restored.step
+        if restart
+        else generation["lost_steps"],
         "from_processes": nprocs,
         "to_processes": generation["processes"],
         # a planned change: the launcher's request to the generation's end (the job trains on
         # meanwhile, while the change's stores, standby and step get ready)
-        "request_to_change": failure["time"] - request["time"] if planned else None,
+        "request_to_change": ended["time"] - request["time"] if planned else None,
         "config": first["config"],
-        "state_bytes": restore["state_bytes"],
+        "state_bytes": restored.state_bytes,
+    }
+
+
+def _phases(killed: float, ended: float, restored, step, first: float) -> dict[str, float]:
+    """Where the time goes, from the kill (wall clock): the launcher notices it and ends the
+    generation (at ``ended``; grace included), the new processes start (python, imports,
+    jax.distributed; a restart's launcher and stores too), prepare (abstract state, dataset),
+    restore, then load the step (or compile it: what XLA took), and the rest of the first step
+    (tracing and lowering, the batch, running it), which ends at ``first``."""
+    return {
+        "end_generation": ended - killed,
+        "start": restored.joined - ended,
+        "prepare": restored.restoring - restored.joined,
+        "restore": restored.restored - restored.restoring,
+        "compile_or_load": step.seconds,
+        "first_step": first - restored.restored - step.seconds,
     }
 
 
@@ -400,16 +448,6 @@ def run_commit_overhead(
         "median_step_seconds": medians,
         "overhead": {k: medians[k] / medians["none"] - 1 for k in medians if k != "none"},
     }
-
-
-def _events(run: pathlib.Path) -> list[dict]:
-    path = run / "events.jsonl"
-    text = path.read_text() if path.exists() else ""
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def _event(run: pathlib.Path, kind: str) -> dict:
-    return [e for e in _events(run) if e["event"] == kind][-1]
 
 
 def _wait(predicate, proc, deadline: float, what: str, done_ok: bool = False) -> None:

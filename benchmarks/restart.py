@@ -81,23 +81,31 @@ def child(
             state, metrics = step(state, b)
             losses.append(float(metrics["loss"]))  # waits for the step
             times.append(time.perf_counter() - tic)
-        compiles, loads = job.steps_cache.compiles, job.steps_cache.loads
-        traced = [c.traced for c in job.steps_cache.done()]
-        config = str(job.ptc.config)
+        cache = job.steps_cache
+        counts = {
+            "config": str(job.ptc.config),
+            "compiles": cache.compiles,
+            "loads": cache.loads,
+            "traced": [c.traced for c in cache.done()],
+        }
+    return _report(devices, ready, started, times, counts, losses)
+
+
+def _report(devices, ready: float, started: float, times, counts: dict, losses) -> dict:
+    import jax
+
     later = statistics.median(times[1:])
     return {
         "devices": f"{len(devices)} x {devices[0].device_kind}",
         "platform": devices[0].platform,
         "jax": jax.__version__,
-        "config": config,
+        "config": counts["config"],
         "to_devices_seconds": ready,
         "start_seconds": started,
         "first_step_seconds": times[0],
         "step_seconds": later,
         "compile_or_load_seconds": times[0] - later,
-        "compiles": compiles,
-        "loads": loads,
-        "traced": traced,
+        **{k: counts[k] for k in ("compiles", "loads", "traced")},
         "losses": losses,
     }
 

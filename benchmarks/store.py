@@ -46,6 +46,48 @@ def _interleaved_runs(ops: dict, repeats: int) -> dict[str, list[float]]:
     return runs
 
 
+def _measure(root: str, array: np.ndarray, half, nbytes: int, repeats: int) -> dict:
+    """Each store operation's seconds, ``repeats`` rounds taking turns, on servers in ``root``."""
+    dst = np.empty_like(array)
+    procs = []
+    try:
+        procs = [
+            store.StoreProcess.start(
+                f"{root}/s{i}", memory_bytes=4 * nbytes, unix_socket=f"{root}/s{i}.sock"
+            )
+            for i in (0, 1)
+        ]
+        procs.append(store.StoreProcess.start(f"{root}/disk", memory_bytes=0))
+        with (
+            store.StoreClient(procs[0].address) as client,
+            store.StoreClient(procs[1].unix_address) as unix,
+            store.StoreClient(procs[2].address) as disk,
+            store.ReplicatedStore([p.address for p in procs[:2]], replicas=1) as replicated,
+        ):
+            disk.put("b/w", array, durable=True)
+            # a put is timed with the disk writer idle (the previous put flushed, untimed):
+            # the time to acknowledge; back-to-back puts are bound by the disk instead
+            ops = {
+                "memcpy": (lambda: np.copyto(dst, array), None),
+                "memcpy_fresh": (lambda: np.copyto(np.empty_like(array), array), None),
+                "put": (lambda: client.put("b/w", array), client.flush),
+                "put_durable": (lambda: client.put("b/w", array, durable=True), None),
+                "get": (lambda: client.get("b/w"), None),
+                "get_sub": (lambda: client.get("b/w", half), None),
+                "put_unix": (lambda: unix.put("b/w", array), unix.flush),
+                "get_unix": (lambda: unix.get("b/w"), None),
+                "get_disk": (lambda: disk.get("b/w"), None),
+                "replicated_put": (lambda: replicated.put(0, "b/r", array), replicated.flush),
+            }
+            runs = _interleaved_runs(ops, repeats)
+            if not np.array_equal(client.get("b/w", half), array[: half[0][1]]):
+                raise AssertionError("the store returned other bytes than were put")
+    finally:
+        for proc in procs:
+            proc.stop()
+    return runs
+
+
 def run(quick: bool = False, repeats: int | None = None, log=print) -> dict:
     """One row: bytes per second per store operation and its ratio to memcpy."""
     nbytes = (32 if quick else 256) << 20
@@ -54,47 +96,8 @@ def run(quick: bool = False, repeats: int | None = None, log=print) -> dict:
     array = np.random.default_rng(0).standard_normal((rows, 1024), dtype=np.float32)
     half = ((0, rows // 2), (0, 1024))
 
-    dst = np.empty_like(array)
     with tempfile.TemporaryDirectory(prefix="tenplex-store-bench-") as root:
-        procs = []
-        try:
-            procs = [
-                store.StoreProcess.start(
-                    f"{root}/s{i}", memory_bytes=4 * nbytes, unix_socket=f"{root}/s{i}.sock"
-                )
-                for i in (0, 1)
-            ]
-            procs.append(store.StoreProcess.start(f"{root}/disk", memory_bytes=0))
-            with (
-                store.StoreClient(procs[0].address) as client,
-                store.StoreClient(procs[1].unix_address) as unix,
-                store.StoreClient(procs[2].address) as disk,
-                store.ReplicatedStore([p.address for p in procs[:2]], replicas=1) as replicated,
-            ):
-                disk.put("b/w", array, durable=True)
-                # a put is timed with the disk writer idle (the previous put flushed, untimed):
-                # the time to acknowledge; back-to-back puts are bound by the disk instead
-                ops = {
-                    "memcpy": (lambda: np.copyto(dst, array), None),
-                    "memcpy_fresh": (lambda: np.copyto(np.empty_like(array), array), None),
-                    "put": (lambda: client.put("b/w", array), client.flush),
-                    "put_durable": (lambda: client.put("b/w", array, durable=True), None),
-                    "get": (lambda: client.get("b/w"), None),
-                    "get_sub": (lambda: client.get("b/w", half), None),
-                    "put_unix": (lambda: unix.put("b/w", array), unix.flush),
-                    "get_unix": (lambda: unix.get("b/w"), None),
-                    "get_disk": (lambda: disk.get("b/w"), None),
-                    "replicated_put": (
-                        lambda: replicated.put(0, "b/r", array),
-                        replicated.flush,
-                    ),
-                }
-                runs = _interleaved_runs(ops, repeats)
-                if not np.array_equal(client.get("b/w", half), array[: rows // 2]):
-                    raise AssertionError("the store returned other bytes than were put")
-        finally:
-            for proc in procs:
-                proc.stop()
+        runs = _measure(root, array, half, nbytes, repeats)
 
     seconds = {name: statistics.median(r) for name, r in runs.items()}
     moved = dict.fromkeys(seconds, nbytes)

@@ -51,6 +51,62 @@ from tenplex_jax_models import (
 
 
 def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    model = gpt_config(args.model)
+    graphdef, _, cfg = build_state(model, args.lr, args.seed, abstract=True)
+    samples = corpus_samples(stdlib_corpus(2**20), cfg.seq_len, args.samples)
+    dataset = tj.DatasetPTC(samples, args.batch, seed=args.seed)
+
+    def init():  # the initial state, jitted by job.start straight into its layout
+        return build_state(model, args.lr, args.seed)[1]
+
+    with tj.ElasticJob(
+        LOGICAL_RULES,
+        dataset,
+        grad_units=args.grad_units,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        steps=args.planned_steps or args.steps,  # what growing onto offered devices is weighed over
+    ) as job:
+        state = job.start(init)
+        step = job.jit(train_step(graphdef))
+        say = print if job.process_index == 0 else (lambda *a, **k: None)
+        restored = job.restored  # launched: where the state came from, and how fast
+        say(
+            f"generation {job.generation}: {jax.process_count()} processes, {job.ptc.config}, "
+            f"from step {job.step}"
+            + ("" if restored is None else f" ({restored.source}, {restored.seconds:.2f} s)"),
+            flush=True,
+        )
+        pauses = {int(s) for s in args.pause_after.split(",") if s}
+        while job.step < args.steps:
+            boundary = job.step
+            state, batch = job.next(state)  # launched: commits here, or ends the generation
+            held = boundary in pauses and job.run_dir is not None
+            if held and args.pause_only in (None, job.process_index):
+                pause(job, boundary)
+            state, metrics = step(state, batch)
+            if held and args.pause_only not in (None, job.process_index):
+                # dispatched: its collectives wait for the process held
+                (job.run_dir / f"passed-{boundary}-p{job.process_index}").write_text("")
+            loss = float(metrics["loss"])
+            say(f"step {job.step:4d}  loss {loss:.4f}  {job.ptc.config}", flush=True)
+            if args.log and job.process_index == 0:
+                log_step(job, loss, args.log)
+        job.finish(state)
+        if args.out:
+            from jax.experimental import multihost_utils
+
+            host = [
+                np.asarray(multihost_utils.process_allgather(x, tiled=True))
+                for x in jax.tree.leaves(state)
+            ]
+            if job.process_index == 0:
+                np.savez(args.out, *host)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--model",
@@ -76,67 +132,21 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write the final params and optimizer state here (.npz)")
     parser.add_argument("--pause-after", default="", metavar="STEPS", help="e.g. 3,6")
     parser.add_argument("--pause-only", type=int, metavar="P", help="hold only process P")
-    args = parser.parse_args(argv)
+    return parser
 
-    model = gpt_config(args.model)
-    graphdef, _, cfg = build_state(model, args.lr, args.seed, abstract=True)
-    samples = corpus_samples(stdlib_corpus(2**20), cfg.seq_len, args.samples)
-    dataset = tj.DatasetPTC(samples, args.batch, seed=args.seed)
 
-    def init():  # the initial state, jitted by job.start straight into its layout
-        return build_state(model, args.lr, args.seed)[1]
-
-    with tj.ElasticJob(
-        LOGICAL_RULES,
-        dataset,
-        grad_units=args.grad_units,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        steps=args.planned_steps or args.steps,  # what growing onto offered devices is weighed over
-    ) as job:
-        state = job.start(init)
-        step = job.jit(train_step(graphdef))
-        say = print if job.process_index == 0 else (lambda *a, **k: None)
-        say(
-            f"generation {job.generation}: {jax.process_count()} processes, {job.ptc.config}, "
-            f"from step {job.step}; restored {json.dumps(job.restored)}",
-            flush=True,
-        )
-        pauses = {int(s) for s in args.pause_after.split(",") if s}
-        while job.step < args.steps:
-            boundary = job.step
-            state, batch = job.next(state)  # launched: commits here, or ends the generation
-            held = boundary in pauses and job.run_dir is not None
-            if held and args.pause_only in (None, job.process_index):
-                pause(job, boundary)
-            state, metrics = step(state, batch)
-            if held and args.pause_only not in (None, job.process_index):
-                # dispatched: its collectives wait for the process held
-                (job.run_dir / f"passed-{boundary}-p{job.process_index}").write_text("")
-            loss = float(metrics["loss"])
-            say(f"step {job.step:4d}  loss {loss:.4f}  {job.ptc.config}", flush=True)
-            if args.log and job.process_index == 0:
-                record = {
-                    "generation": job.generation,
-                    "step": job.step,
-                    "loss": loss,
-                    "samples": job.samples.tolist(),
-                    "config": str(job.ptc.config),
-                    "time": time.time(),
-                }
-                with open(args.log, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-        job.finish(state)
-        if args.out:
-            from jax.experimental import multihost_utils
-
-            host = [
-                np.asarray(multihost_utils.process_allgather(x, tiled=True))
-                for x in jax.tree.leaves(state)
-            ]
-            if job.process_index == 0:
-                np.savez(args.out, *host)
-    return 0
+def log_step(job, loss: float, path: str) -> None:
+    """Append the step's record to ``path``: its generation, step, loss, samples and config."""
+    record = {
+        "generation": job.generation,
+        "step": job.step,
+        "loss": loss,
+        "samples": job.samples.tolist(),
+        "config": str(job.ptc.config),
+        "time": time.time(),
+    }
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def gpt_config(text: str) -> GPTConfig:

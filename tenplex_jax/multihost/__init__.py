@@ -4,13 +4,27 @@ JAX cannot change the process set of a running job, so a change of processes is 
 of them; the state that must outlive a generation lives in the tensor stores
 (``tenplex_jax.multihost.store``), one per host slot. A script written for ``tj.ElasticJob`` runs
 unchanged as a launched process: there its ``tj.ElasticJob(...)`` builds a :class:`LaunchedJob`
-(``tj.elastic.use_job_class``). Importing this needs no JAX (``LaunchedJob`` loads on first use).
+(``tj.elastic.use_job_class``). :class:`RunDir` reads what a run directory holds. Importing this
+needs no JAX (``LaunchedJob`` loads on first use).
 """
 
 from tenplex_jax._src.multihost.launch import Launcher, launch
-from tenplex_jax._src.multihost.spec import JobSpec, LaunchOptions
+from tenplex_jax._src.multihost.rundir import Event, FirstStep, RestoreReport, RunDir, Source
+from tenplex_jax._src.multihost.spec import JobSpec, LaunchOptions, Restore
 
-__all__ = ["JobSpec", "LaunchOptions", "LaunchedJob", "Launcher", "launch"]
+__all__ = [
+    "Event",
+    "FirstStep",
+    "JobSpec",
+    "LaunchOptions",
+    "LaunchedJob",
+    "Launcher",
+    "Restore",
+    "RestoreReport",
+    "RunDir",
+    "Source",
+    "launch",
+]
 
 
 def __getattr__(name: str):

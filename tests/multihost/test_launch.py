@@ -14,6 +14,7 @@ boundary (``--pause-after``, commits finished):
 3. after step 7: a planned resize to 2 processes (``RUN_DIR/resize``): the process finds the
    request at the next step boundary (step 8), commits synchronously and stays; a new slot gets a
    new store, and a fresh process (the spare standby is killed before it is used); lost steps = 0.
+   The grown layout's step is compiled ahead, so nobody compiles at the change.
 
 The final params must equal, bit for bit, a single-process run of 10 steps fed the same batches,
 and the steps that count must have trained each global batch of the dataset order exactly once.
@@ -22,27 +23,35 @@ and the steps that count must have trained each global batch of the dataset orde
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import tenplex_jax as tj
 from tenplex_jax._src.multihost.commit import stored_objects
-from tenplex_jax.multihost import store
+from tenplex_jax._src.multihost.rundir import Ahead, Grown
+from tenplex_jax._src.multihost.spec import Action, Request, Restore
+from tenplex_jax.multihost import RunDir, Source, store
 from tests.helpers import (
     LAUNCH_BATCH,
     LAUNCH_GRAD_UNITS,
     LAUNCH_SAMPLES,
     ROOT,
-    events,
     reaped,
     reference_run,
 )
-from tests.multihost.launching import TIMEOUT, kill, last, launch_example, step_records, wait_for
+from tests.multihost.launching import (
+    TIMEOUT,
+    alive,
+    kill,
+    last,
+    launch,
+    launch_example,
+    log_tail,
+    paused,
+    wait_for,
+)
 
 STEPS = 10
 
@@ -56,22 +65,22 @@ def job(tmp_path_factory):
     children: list[int] = []
     with reaped(proc):
         want = reference_run(STEPS)  # while the job starts: this process would wait idle otherwise
-        stores = {int(k): v["pid"] for k, v in _wait_event(run, "stores", proc)["slots"].items()}
+        wait_for(lambda: last(run, "stores") is not None, "the stores", proc)
+        stores = {int(k): v["pid"] for k, v in last(run, "stores")["slots"].items()}
         children += stores.values()
         # failure 1: worker 3 and its store, once all four processes paused after step 3
-        paused = lambda step, n: all((run / f"paused-{step}-p{i}").exists() for i in range(n))
-        wait_for(lambda: paused(3, 4), "generation 0 to pause after step 3", proc)
+        wait_for(lambda: paused(run, 3, 4), "generation 0 to pause after step 3", proc)
         # a failure comes after the first seconds: process 0 has compiled the next layout ahead,
         # and processes 1 and 2, which stay, have lowered it
-        ahead = [run / "ahead-g0.json", run / "lowered-g0-p1.json", run / "lowered-g0-p2.json"]
-        wait_for(lambda: all(p.exists() for p in ahead), "the compile-ahead after a loss", proc)
+        ready = lambda: RunDir(run).ahead(0, processes=3)
+        wait_for(ready, "the compile-ahead after a loss", proc)
         workers, standbys = last(run, "generation")["pids"], last(run, "standby")["pids"]
         children += workers + list(standbys.values())
         kill(standbys["1"])  # slot 1's warm process dies before it is used: the spare takes it
         kill(stores[3])
         kill(workers[3])
         # failure 2: worker 2 and both stores holding its shards (its own, 2, and its replica, 0)
-        wait_for(lambda: paused(6, 3), "generation 1 to pause after step 6", proc)
+        wait_for(lambda: paused(run, 6, 3), "generation 1 to pause after step 6", proc)
         workers = last(run, "generation")["pids"]
         children += workers + list(last(run, "standby")["pids"].values())
         assert len(workers) == 3
@@ -79,31 +88,25 @@ def job(tmp_path_factory):
         kill(stores[0])
         kill(workers[2])
         # a planned resize to 2 processes (one new slot, with a new store), asked after step 7
-        wait_for(lambda: paused(7, 1), "generation 2 to pause after step 7", proc)
-        spare = [e["pids"]["-1"] for e in events(run) if e["event"] == "standby"][-1]
+        wait_for(lambda: paused(run, 7, 1), "generation 2 to pause after step 7", proc)
+        spare = [e["pids"]["-1"] for e in RunDir(run).events("standby")][-1]
         children.append(spare)
         kill(spare)  # the spare dies before the growth needs it: the new slot starts fresh
         (run / "resize").write_text("2")
         wait_for(lambda: (run / "control.json").exists(), "the launcher's request", proc)
         (run / "resume-7").write_text("")
         children += last(run, "generation")["pids"]
-        children += [
-            pid for e in events(run) if e["event"] == "standby" for pid in e["pids"].values()
-        ]
+        children += [pid for e in RunDir(run).events("standby") for pid in e["pids"].values()]
         proc.wait(TIMEOUT)
     log = (run / "launcher.log").read_text(errors="replace")
     return {
         "run": run,
+        "dir": RunDir(run),
         "returncode": proc.returncode,
         "log": log,
         "children": children,
         "reference": want,
     }
-
-
-def _wait_event(run, kind, proc):
-    wait_for(lambda: last(run, kind) is not None, f"the {kind!r} event", proc, timeout=60)
-    return last(run, kind)
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +116,13 @@ def reference(job):
 
 def test_job_survives_two_failures_and_finishes(job):
     assert job["returncode"] == 0, job["log"][-3000:]
-    gens = [e for e in events(job["run"]) if e["event"] == "generation"]
+    gens = job["dir"].events("generation")
     assert [g["processes"] for g in gens] == [4, 3, 1, 2], job["log"][-3000:]
     assert [g["slots"] for g in gens] == [[0, 1, 2, 3], [0, 1, 2], [1], [1, 4]]
-    assert [g["restore"] for g in gens] == ["init", "store:2", "checkpoint:4", "store:8"]
+    restores = [(g["restore"], g["step"]) for g in gens]
+    assert restores == [("init", 0), ("store", 2), ("checkpoint", 4), ("store", 8)]
     assert [g["lost_steps"] for g in gens] == [None, 1, 2, 0]  # 0: the resize was planned
-    kinds = [e["event"] for e in events(job["run"])]
+    kinds = [e["event"] for e in job["dir"].events()]
     assert kinds.count("failure") == 2 and kinds.count("resize") == 1
     # every survivor stayed in its process: slot 1's process ran all four generations; the new
     # slot 4 started fresh, its spare standby killed before it was used
@@ -127,16 +131,14 @@ def test_job_survives_two_failures_and_finishes(job):
     assert [g["warm"] for g in gens] == kept
     pids = [g["pids"] for g in gens]
     assert pids[1] == pids[0][:3] and pids[2] == [pids[0][1]] and pids[3][0] == pids[0][1]
-    lost = [e for e in events(job["run"]) if e["event"] == "standby_lost"]
+    lost = job["dir"].events("standby_lost")
     assert [e["slot"] for e in lost] == [-1], lost
     # the growth's store for slot 4 started when the growth was asked for, before the change
-    ordered = [e for e in events(job["run"]) if e["event"] in ("request", "growing", "resize")]
+    ordered = [e for e in job["dir"].events() if e["event"] in ("request", "growing", "resize")]
     assert [e["event"] for e in ordered] == ["request", "growing", "resize"], ordered
-    stores = [e for e in events(job["run"]) if e["event"] == "stores"]
+    stores = job["dir"].events("stores")
     assert stores[-1]["slots"]["4"]["pid"] == ordered[1]["slots"]["4"]
-    for pid in job["children"]:  # every worker and store was reaped
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert alive(job["children"]) == []  # every worker and store was reaped
 
 
 def test_no_process_compiles_a_layout_compiled_before(job):
@@ -144,37 +146,15 @@ def test_no_process_compiles_a_layout_compiled_before(job):
     0 compiled ahead (the first N - 1 processes' devices, whichever process died), and the
     survivors, which lowered it beside process 0, load it without tracing it again. At the
     growth nobody compiles: process 0 compiled the grown layout ahead, for a compile-only
-    topology of two processes, and loads it untraced; the new process traces and loads it."""
-    assert json.loads((job["run"] / "ahead-g0.json").read_text())["processes"] == 3
-    after_loss = step_records(job["run"], 1)
-    got = [(r["loaded"], r["compiles"], r["traced"]) for r in after_loss]
-    assert got == [(True, 0, False)] * 3, after_loss
-    grown = [(r["loaded"], r["compiles"], r["traced"]) for r in step_records(job["run"], 3)]
+    topology of two processes (it said so before the change), and loads it untraced; the new
+    process traces and loads it."""
+    run = job["dir"]
+    assert run.read(Ahead, 0, 0) == Ahead(processes=3, compiled=True)
+    got = [(r.loaded, r.compiles, r.traced) for r in run.first_steps(1)]
+    assert got == [(True, 0, False)] * 3, got
+    assert run.read(Grown, 2, 0) == Grown(processes=2, remembered=True)
+    grown = [(r.loaded, r.compiles, r.traced) for r in run.first_steps(3)]
     assert grown == [(True, 0, False), (True, 0, True)], grown
-
-
-def test_a_planned_shrink_trains_on_until_its_layout_is_compiled(tmp_path):
-    """A planned resize 2 -> 1 (the recovery benchmark's shrink, on the tiny GPT): process 0
-    compiles the one-process layout ahead while the job trains on, and the generation ends only
-    then, so the new generation loads its step (no compile) in a warm standby process, and no
-    step is lost."""
-    from tenplex_jax_benchmarks.recovery import recover_once
-
-    result = recover_once(
-        "store", tmp_path, model="tiny", nprocs=2, devices_per_proc=2, change="shrink"
-    )
-    gens = [e for e in events(tmp_path) if e["event"] == "generation"]
-    assert [(g["processes"], g["warm"], g["lost_steps"]) for g in gens] == [
-        (2, [False, False], None),
-        (1, [True], 0),
-    ]
-    assert result["step_loaded"] == [True]
-    [record] = step_records(tmp_path, 1)
-    assert record["loaded"] and record["compiles"] == 0, record
-    # the request came at the boundary after step 3; the switch waited for the compile
-    request = next(e for e in events(tmp_path) if e["event"] == "request")
-    assert request["action"] == "resize" and request["processes"] == 1
-    assert gens[1]["step"] >= 3 and request["time"] < gens[1]["time"]
 
 
 def test_params_equal_an_uninterrupted_run_bitwise(job, reference):
@@ -189,7 +169,7 @@ def test_params_equal_an_uninterrupted_run_bitwise(job, reference):
 def test_every_global_batch_trained_exactly_once(job, reference):
     _, want, _ = reference
     records = [json.loads(line) for line in (job["run"] / "steps.jsonl").read_text().splitlines()]
-    gens = [e for e in events(job["run"]) if e["event"] == "generation"]
+    gens = job["dir"].events("generation")
     # a generation's steps count up to where the next one restored from
     ends = [g["step"] for g in gens[1:]] + [STEPS]
     counted = [r for r in records if r["step"] <= ends[r["generation"]]]
@@ -211,15 +191,15 @@ def test_dead_workers_shards_come_from_their_replicas(job, reference):
     _, _, abstract = reference
     from tenplex_jax_models import LOGICAL_RULES
 
-    reports = [json.loads((job["run"] / f"restore-g1-p{i}.json").read_text()) for i in range(3)]
-    assert all(r["source"] == "store" and r["step"] == 2 for r in reports)
+    reports = [job["dir"].restored(1, i) for i in range(3)]
+    assert all(r.source == Source.STORE and r.step == 2 for r in reports), reports
     # the job's config
     config = tj.planner.choose_config(8, abstract, LOGICAL_RULES, LAUNCH_BATCH, LAUNCH_GRAD_UNITS)
     gen0 = tj.PTC.of(abstract, LOGICAL_RULES, config, range(8), hosts=[0, 0, 1, 1, 2, 2, 3, 3])
     lost = sum(o.nbytes for o in stored_objects(gen0, [0, 1, 2, 3], 1) if o.process == 3)
     assert lost > 0
-    assert sum(r["pull"]["replica_for_lost_writer"] for r in reports) >= lost
-    assert all("3" not in r["pull"]["by_slot"] for r in reports)  # store 3 served nothing
+    assert sum(r.pull.replica_for_lost_writer for r in reports) >= lost
+    assert all(3 not in r.pull.by_slot for r in reports)  # store 3 served nothing
 
 
 def test_no_surviving_replica_names_the_leaves_and_falls_back_to_orbax(job):
@@ -229,35 +209,22 @@ def test_no_surviving_replica_names_the_leaves_and_falls_back_to_orbax(job):
     assert "model/" in " ".join(lost["leaves"]) and "no copy of" in lost["detail"]
     fallback = last(job["run"], "fallback")
     assert fallback is not None and fallback["step"] == 4
-    report = json.loads((job["run"] / "restore-g2-p0.json").read_text())
-    assert report["source"] == "checkpoint" and report["step"] == 4
+    report = job["dir"].restored(2)
+    assert report.source == Source.CHECKPOINT and report.step == 4 and report.kept
 
 
 def test_launcher_replaces_a_failed_generation_and_stops_on_sigterm(tmp_path):
     """Process management alone (a stub worker, no JAX): a worker exits 3 while its peer hangs;
     the peer is killed after the grace period, the next generation runs on the slot left, and
     SIGTERM ends the job through the control file; every worker and store is reaped."""
-    command = [
-        sys.executable,
-        "-m",
-        "tenplex_jax",
-        "launch",
-        "--nprocs",
-        "2",
-        "--grace",
-        "0.5",
-        "--run-dir",
-        str(tmp_path),
-        str(ROOT / "tests" / "multihost" / "launch_stub.py"),
-    ]
-    with open(tmp_path / "launcher.log", "wb") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    flags = ["--nprocs", "2", "--grace", "0.5"]
+    proc = launch(tmp_path, ROOT / "tests" / "multihost" / "launch_stub.py", flags)
     with reaped(proc):
-        stores = [v["pid"] for v in _wait_event(tmp_path, "stores", proc)["slots"].values()]
-        wait_for(lambda: (tmp_path / "ready-g1-p0").exists(), "generation 1", proc, timeout=60)
+        wait_for(lambda: (tmp_path / "ready-g1-p0").exists(), "generation 1", proc)
+        stores = [v["pid"] for v in last(tmp_path, "stores")["slots"].values()]
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, (tmp_path / "launcher.log").read_text()
-    found = events(tmp_path)
+        assert proc.wait(TIMEOUT) == 0, (tmp_path / "launcher.log").read_text()
+    found = RunDir(tmp_path).events()
     gens = [e for e in found if e["event"] == "generation"]
     assert [(g["processes"], g["slots"], g["restore"]) for g in gens] == [
         (2, [0, 1], "init"),
@@ -266,9 +233,7 @@ def test_launcher_replaces_a_failed_generation_and_stops_on_sigterm(tmp_path):
     failure = next(e for e in found if e["event"] == "failure")
     assert failure["lost_slots"] == [1] and "exited with status 3" in failure["detail"]
     assert [e["event"] for e in found][-2:] == ["request", "stop"]
-    for pid in stores + gens[0]["pids"] + gens[1]["pids"]:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert alive(stores + gens[0]["pids"] + gens[1]["pids"]) == []
 
 
 @pytest.mark.parametrize(
@@ -339,22 +304,11 @@ def test_a_launched_job_refuses_in_process_device_changes_and_finishes(tmp_path)
     are the launcher's, device events refuse, the script's own checkpoint dir reaches the
     launcher (its fallback), and finish ends the job. As a plain restart would
     (``--no-executable-cache --no-standby``): no executable is stored, no standby started."""
-    command = [
-        sys.executable,
-        "-m",
-        "tenplex_jax",
-        "launch",
-        "--nprocs",
-        "1",
-        "--no-executable-cache",
-        "--no-standby",
-        "--run-dir",
-        str(tmp_path),
-        str(ROOT / "tests" / "multihost" / "launched_checks.py"),
-        str(tmp_path),
-    ]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    flags = ["--nprocs", "1", "--no-executable-cache", "--no-standby"]
+    script = ROOT / "tests" / "multihost" / "launched_checks.py"
+    proc = launch(tmp_path, script, flags, [str(tmp_path)])
+    with reaped(proc):
+        assert proc.wait(TIMEOUT) == 0, log_tail(proc)
     seen = json.loads((tmp_path / "checks.json").read_text())
     assert seen["launched"] is True and seen["processes"] == 1 and seen["step"] == 2
     assert seen["kind"] == "LaunchedJob"  # tj.ElasticJob(...) built the launched role
@@ -367,11 +321,20 @@ def test_a_launched_job_refuses_in_process_device_changes_and_finishes(tmp_path)
     checkpoint = json.loads((tmp_path / "checkpoint.json").read_text())
     assert checkpoint["directory"] == str(tmp_path / "ckpt")
     assert tj.latest_checkpoint(tmp_path / "ckpt") == 2  # finish saved the last step
-    assert [e["event"] for e in events(tmp_path)][-1] == "finished"
+    run = RunDir(tmp_path)
+    assert [e["event"] for e in run.events()][-1] == "finished"
     assert not (tmp_path / "executables").exists()
-    assert "standby" not in [e["event"] for e in events(tmp_path)]
-    [record] = [json.loads(p.read_text()) for p in tmp_path.glob("step-g0-p*.json")]
-    assert not record["loaded"] and record["compiles"] == 1
+    assert run.events("standby") == []
+    [record] = run.first_steps(0)
+    assert not record.loaded and record.compiles == 1
+    restored = run.restored(0)
+    assert (restored.source, restored.step, restored.warm, restored.kept) == (
+        "init",
+        0,
+        False,
+        False,
+    )
+    assert restored.started <= restored.joined <= restored.restoring <= restored.restored
 
 
 def test_a_launched_job_needs_the_launchers_description_and_entry_point(monkeypatch):
@@ -382,8 +345,19 @@ def test_a_launched_job_needs_the_launchers_description_and_entry_point(monkeypa
     with pytest.raises(tj.errors.LayoutError, match=r"no job description from the launcher"):
         tj.multihost.LaunchedJob((), dataset)
     spec = tj.multihost.JobSpec(
-        "127.0.0.1:1", 0, 1, 2, 0, (0,), {0: "127.0.0.1:2"}, 0, 1, "init", "/nonexistent"
+        coordinator="127.0.0.1:1",
+        process_id=0,
+        num_processes=1,
+        devices_per_process=2,
+        generation=0,
+        slots=(0,),
+        stores={0: "127.0.0.1:2"},
+        replicas=0,
+        commit_every=1,
+        restore=Restore(source=Source.INIT),
+        run_dir="/nonexistent",
     )
+    assert tj.multihost.JobSpec.from_env(spec.to_env()) == spec
     monkeypatch.setenv(*next(iter(spec.to_env().items())))
     with pytest.raises(tj.errors.LayoutError, match=r"python -m tenplex_jax.multihost SCRIPT"):
         tj.multihost.LaunchedJob((), dataset)
@@ -397,9 +371,7 @@ def test_a_generation_ending_on_a_checkpoint_step_saves_its_checkpoint(job):
     commits nothing at it), so a later fallback finds step 8, not 4."""
     from tenplex_jax._src.checkpoint import saved_steps
 
-    resize = next(
-        e for e in events(job["run"]) if e["event"] == "generation" and e["lost_steps"] == 0
-    )
+    resize = next(e for e in job["dir"].events("generation") if e["lost_steps"] == 0)
     assert resize["step"] == 8
     assert 8 in saved_steps(job["run"] / "ckpt")
 
@@ -415,10 +387,12 @@ def test_a_resize_file_is_read_once_written_and_a_bad_count_is_ignored(tmp_path)
     resize.write_text("")
     assert launcher._request(2) is None and resize.exists()  # left for its writer
     resize.write_text("3\n")
-    assert launcher._request(2) == ("resize", 3) and not resize.exists()
+    assert (
+        launcher._request(2) == Request(action=Action.RESIZE, processes=3) and not resize.exists()
+    )
     resize.write_text("three")
     assert launcher._request(2) is None and not resize.exists()
-    assert [(e["event"], e.get("processes")) for e in events(tmp_path)] == [
+    assert [(e["event"], e.get("processes")) for e in RunDir(tmp_path).events()] == [
         ("request", 3),
         ("ignored", None),
     ]
@@ -437,7 +411,7 @@ def test_a_planned_growths_stores_start_before_the_change_and_are_reaped(tmp_pat
     try:
         launcher._start_stores([0, 1])
         launcher._prepare_stores(2, 3)
-        [growing] = [e for e in events(tmp_path) if e["event"] == "growing"]
+        [growing] = RunDir(tmp_path).events("growing")
         early = growing["slots"]["2"]
         pids += [early, *(s.store.pid for s in launcher.slots.values())]
         assert launcher._resized([0, 1], 3) == [0, 1, 2]
@@ -448,6 +422,4 @@ def test_a_planned_growths_stores_start_before_the_change_and_are_reaped(tmp_pat
         pids.append(launcher._early[3][0].pid)
     finally:
         launcher._teardown()
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert alive(pids) == []

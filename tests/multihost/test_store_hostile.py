@@ -645,6 +645,53 @@ def test_pending_handshakes_stay_within_their_cap_and_leave_at_the_deadline(
     assert max(seen) <= 4, seen
 
 
+def _requests_during(proc, pooled, server, seconds: float):
+    """An authorized client's requests for ``seconds``, each on a new connection, and beside
+    them on the ``pooled`` one: (new connections' (reason or None, seconds), pooled ones'
+    reasons or None, handshakes pending, the server's descriptors)."""
+    fresh, reused, pending, fds = [], [], [], []
+    end = time.monotonic() + seconds
+
+    def request(client, i: int) -> None:
+        if i % 2:
+            pending.append(client.stats()["handshakes"])
+        else:
+            assert client.list_json("flood/") == ["flood/marker"]
+
+    def on_new_connections() -> None:
+        i = 0
+        while time.monotonic() < end:
+            start = time.monotonic()
+            try:
+                with store.StoreClient(proc.address, token=TOKEN, timeout=5) as client:
+                    request(client, i)
+                fresh.append((None, time.monotonic() - start))
+            except tj.errors.StoreError as error:
+                fresh.append((error.reason, time.monotonic() - start))
+            i += 1
+
+    def on_the_pooled_connection() -> None:
+        i = 0
+        while time.monotonic() < end:
+            try:
+                request(pooled, i)
+                reused.append(None)
+            except tj.errors.StoreError as error:
+                reused.append(error.reason)
+            fds.append(server.num_fds())
+            i += 1
+
+    threads = [
+        threading.Thread(target=on_new_connections),
+        threading.Thread(target=on_the_pooled_connection),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return fresh, reused, pending, fds
+
+
 def test_authorized_clients_are_served_through_a_flood_of_unauthenticated_connections(
     stores, tmp_path
 ) -> None:
@@ -676,48 +723,9 @@ def test_authorized_clients_are_served_through_a_flood_of_unauthenticated_connec
             stdout=subprocess.PIPE,
             env=env,
         )
-        fresh, reused, pending, fds = [], [], [], []
         try:
             assert flood.stdout.readline() == b"flooding\n"
-            end = time.monotonic() + 5.0
-
-            def request(client, i: int) -> None:
-                if i % 2:
-                    pending.append(client.stats()["handshakes"])
-                else:
-                    assert client.list_json("flood/") == ["flood/marker"]
-
-            def on_new_connections() -> None:
-                i = 0
-                while time.monotonic() < end:
-                    start = time.monotonic()
-                    try:
-                        with store.StoreClient(proc.address, token=TOKEN, timeout=5) as client:
-                            request(client, i)
-                        fresh.append((None, time.monotonic() - start))
-                    except tj.errors.StoreError as error:
-                        fresh.append((error.reason, time.monotonic() - start))
-                    i += 1
-
-            def on_the_pooled_connection() -> None:
-                i = 0
-                while time.monotonic() < end:
-                    try:
-                        request(pooled, i)
-                        reused.append(None)
-                    except tj.errors.StoreError as error:
-                        reused.append(error.reason)
-                    fds.append(server.num_fds())
-                    i += 1
-
-            threads = [
-                threading.Thread(target=on_new_connections),
-                threading.Thread(target=on_the_pooled_connection),
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+            fresh, reused, pending, fds = _requests_during(proc, pooled, server, seconds=5.0)
             out, _ = flood.communicate(timeout=30)
             opened = json.loads(out)
         finally:

@@ -18,20 +18,25 @@ step).
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
-import pytest
 
-from tests.helpers import events, reaped, reference_run
-from tests.multihost.launching import kill, last, launch_example, wait_for
+from tenplex_jax.multihost import RunDir
+from tests.helpers import reaped, reference_run
+from tests.multihost.launching import (
+    TIMEOUT,
+    alive,
+    kill,
+    last,
+    launch_example,
+    log_tail,
+    wait_for,
+)
 
 STEPS = 8
 
 
 def test_survivors_stay_in_their_processes_through_two_failures(tmp_path):
-    run = tmp_path
+    run, rundir = tmp_path, RunDir(tmp_path)
     proc = launch_example(run, 3, STEPS, script=["--pause-after", "3", "--pause-only", "0"])
     children: list[int] = []
     with reaped(proc):
@@ -42,41 +47,33 @@ def test_survivors_stay_in_their_processes_through_two_failures(tmp_path):
             "process 0 held after step 3, the others in step 4",
             proc,
         )
-        ahead = [run / "ahead-g0.json", run / "lowered-g0-p1.json", run / "lowered-g0-p2.json"]
-        wait_for(lambda: all(p.exists() for p in ahead), "the compile-ahead after a loss", proc)
+        ready = lambda: rundir.ahead(0, processes=3)
+        wait_for(ready, "the compile-ahead after a loss", proc)
         stores = {int(k): v["pid"] for k, v in last(run, "stores")["slots"].items()}
         first = last(run, "generation")["pids"]
         children += [*stores.values(), *first]
-        children += [
-            pid for e in events(run) if e["event"] == "standby" for pid in e["pids"].values()
-        ]
+        children += [pid for e in rundir.events("standby") for pid in e["pids"].values()]
         kill(first[0])
         kill(stores[0])
         wait_for(lambda: last(run, "generation")["generation"] == 1, "generation 1", proc)
         second = last(run, "generation")["pids"]
         kill(second[1])  # the second failure, while generation 1 forms
-        proc.wait(300)
-    log = (run / "launcher.log").read_text(errors="replace")
-    assert proc.returncode == 0, log[-3000:]
-    gens = [e for e in events(run) if e["event"] == "generation"]
-    assert [g["processes"] for g in gens] == [3, 2, 1], log[-3000:]
+        proc.wait(TIMEOUT)
+    assert proc.returncode == 0, log_tail(proc)
+    gens = rundir.events("generation")
+    assert [g["processes"] for g in gens] == [3, 2, 1], log_tail(proc)
     assert [g["kept"] for g in gens[:2]] == [[False] * 3, [True, True]]
     assert gens[1]["pids"] == first[1:]
     assert gens[2]["slots"] == [1] and gens[2]["warm"] == [True]
-    failures = [e for e in events(run) if e["event"] == "failure"]
-    assert len(failures) == 2
+    assert len(rundir.events("failure")) == 2
     # generation 1's processes loaded the step process 0 compiled ahead, without tracing it
     # (they had lowered it beside process 0); generation 1 ended before its own compile-ahead
     # (for one process) could run, so generation 2 may compile
-    records = [json.loads(path.read_text()) for path in run.glob("step-g1-p*.json")]
-    for record in records:
-        assert record["loaded"] and record["compiles"] == 0, record
-        assert not record["traced"], record
+    for record in rundir.first_steps(1):
+        assert record.loaded and record.compiles == 0 and not record.traced, record
     with np.load(run / "final.npz") as final:
         got = [final[f"arr_{i}"] for i in range(len(final.files))]
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         np.testing.assert_array_equal(a, b, err_msg=f"leaf {i}")
-    for pid in children:  # every worker, standby and store was reaped
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert alive(children) == []  # every worker, standby and store was reaped

@@ -49,6 +49,7 @@ from tenplex_jax._src import tree
 from tenplex_jax._src.box import Box
 from tenplex_jax._src.data import DataState
 from tenplex_jax._src.errors import PlanError, StoreError
+from tenplex_jax._src.multihost.rundir import PullReport
 from tenplex_jax._src.plan import make_plan
 from tenplex_jax._src.ptc import PTC
 
@@ -79,26 +80,10 @@ class StoredObject:
     slots: tuple[int, ...]
     nbytes: int
 
-    def to_json(self) -> dict:
-        return {
-            "path": self.path,
-            "box": boxes.to_json(self.box),
-            "process": self.process,
-            "device": self.device,
-            "slots": list(self.slots),
-            "nbytes": self.nbytes,
-        }
-
     @classmethod
     def from_json(cls, record: dict) -> StoredObject:
-        return cls(
-            record["path"],
-            boxes.parse(record["box"]),
-            int(record["process"]),
-            int(record["device"]),
-            tuple(int(s) for s in record["slots"]),
-            int(record["nbytes"]),
-        )
+        """The object from its JSON (``dataclasses.asdict``, as the manifest holds it)."""
+        return cls(**record | {"box": boxes.parse(record["box"]), "slots": tuple(record["slots"])})
 
 
 def stored_objects(ptc: PTC, slots: Sequence[int], replicas: int) -> list[StoredObject]:
@@ -122,7 +107,11 @@ def stored_objects(ptc: PTC, slots: Sequence[int], replicas: int) -> list[Stored
             device = min(d for d in devices if process_of[d] == writer)
             held = tuple(slots[(writer + r) % n] for r in range(k + 1))
             size = boxes.nbytes(box, leaf.itemsize)
-            out.append(StoredObject(leaf.path, box, writer, device, held, size))
+            out.append(
+                StoredObject(
+                    path=leaf.path, box=box, process=writer, device=device, slots=held, nbytes=size
+                )
+            )
     return out
 
 
@@ -156,28 +145,18 @@ class Manifest:
         return len(self.slots)
 
     def to_json(self) -> dict:
-        return {
-            "format": FORMAT,
-            "step": self.step,
-            "slots": list(self.slots),
-            "replicas": self.replicas,
-            "ptc": self.ptc,
-            "objects": [o.to_json() for o in self.objects],
-            "data_state": None if self.data_state is None else dataclasses.asdict(self.data_state),
-        }
+        return {"format": FORMAT, **dataclasses.asdict(self)}
 
     @classmethod
     def from_json(cls, record: dict) -> Manifest:
         if record.get("format") != FORMAT:
             raise StoreError(f"manifest format {record.get('format')!r}, expected {FORMAT}")
         data = record.get("data_state")
+        objects = tuple(StoredObject.from_json(o) for o in record["objects"])
+        data = None if data is None else DataState.from_dict(data)
+        fields = {k: v for k, v in record.items() if k != "format"}
         return cls(
-            int(record["step"]),
-            tuple(int(s) for s in record["slots"]),
-            int(record["replicas"]),
-            record["ptc"],
-            tuple(StoredObject.from_json(o) for o in record["objects"]),
-            None if data is None else DataState.from_dict(data),
+            **fields | {"slots": tuple(record["slots"]), "objects": objects, "data_state": data}
         )
 
 
@@ -321,7 +300,12 @@ class Committer:
         manifest = None
         if self.process == 0:
             manifest = Manifest(
-                step, self.slots, self.replicas, ptc.to_json(), tuple(objects), data_state
+                step=step,
+                slots=self.slots,
+                replicas=self.replicas,
+                ptc=ptc.to_json(),
+                objects=tuple(objects),
+                data_state=data_state,
             )
         shapes = {leaf.path: leaf.shape for leaf in ptc.leaves}
         args = (step, mine, copies, shapes, manifest, copy_seconds)
@@ -395,7 +379,12 @@ class Committer:
                 )
                 self._gc.start()
             report = CommitReport(
-                step, len(mine), marker["nbytes"], copy_seconds, time.perf_counter() - tic, complete
+                step=step,
+                objects=len(mine),
+                nbytes=marker["nbytes"],
+                copy_seconds=copy_seconds,
+                write_seconds=time.perf_counter() - tic,
+                complete=complete,
             )
             self.reports.append(report)
             self._result = report
@@ -425,18 +414,6 @@ def _host_shard(array: jax.Array, o: StoredObject) -> np.ndarray:
 
 
 # -- restore ---------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PullReport:
-    """Bytes one process read for its shards, by where they came from."""
-
-    step: int
-    nbytes: dict[str, int]  # "local" / "remote" slot; "writer" / "replica" copy
-    by_slot: dict[int, int]
-    skipped: tuple[str, ...]  # stores that could not serve a piece, and why
-    replica_for_lost_writer: int  # bytes read from a replica because the writer's store failed
-    seconds: float
 
 
 def pull(
@@ -489,12 +466,12 @@ def pull(
         sharding = NamedSharding(mesh, leaf.spec)
         arrays.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards))
     report = PullReport(
-        manifest.step,
-        dict(reader.nbytes),
-        dict(reader.by_slot),
-        tuple(reader.skipped),
-        reader.rescued,
-        time.perf_counter() - tic,
+        step=manifest.step,
+        nbytes=dict(reader.nbytes),
+        by_slot=dict(reader.by_slot),
+        skipped=tuple(reader.skipped),
+        replica_for_lost_writer=reader.rescued,
+        seconds=time.perf_counter() - tic,
     )
     return arrays, report
 

@@ -37,9 +37,15 @@ def distributed_client():
     return distributed.global_state.client
 
 
-def coordination_service(address: str, processes: int, *, heartbeat_seconds: int):
-    """A ``jax.distributed`` coordination service for ``processes`` tasks, run in this process,
-    recoverable (tasks may leave without the others waiting for them). What
+# seconds without a heartbeat after which the service fails a task, the same in the service
+# and in its clients (JAX's default): a client heartbeats at a fraction of its own timeout, so
+# a service with a shorter one failed every idle task about 50 s after it joined (measured)
+HEARTBEAT_SECONDS = 100
+
+
+def coordination_service(address: str, processes: int, *, shutdown_seconds: int = 10):
+    """A ``jax.distributed`` coordination service for ``processes`` tasks, run in this process
+    (the launcher), recoverable (tasks may leave without the others waiting for them). What
     ``jax.distributed.initialize`` starts in process 0: ``_jax.get_distributed_runtime_service``,
     private, the same in 0.10.2 and 0.12. ``shutdown()`` stops it."""
     from jax._src.lib import _jax
@@ -47,8 +53,8 @@ def coordination_service(address: str, processes: int, *, heartbeat_seconds: int
     return _jax.get_distributed_runtime_service(
         address,
         processes,
-        heartbeat_timeout=heartbeat_seconds,
-        shutdown_timeout=heartbeat_seconds,
+        heartbeat_timeout=HEARTBEAT_SECONDS,
+        shutdown_timeout=shutdown_seconds,
         recoverable=True,
     )
 

@@ -2,53 +2,19 @@
 
 JAX cannot change the process set of a running job, so — as in Tenplex — the state lives in tensor
 stores outside the workers, and a change of workers is a new *generation* of processes that pull
-exactly the shards they need. The script is the one that runs alone: an ordinary loop over
-``tj.ElasticJob``, which uses the stores and generations underneath when it finds itself launched.
-The launcher:
-
-1. starts one tensor store per host slot (``python -m tenplex_jax.multihost.store``; they outlive
-   the workers);
-2. starts generation 0: ``--nprocs`` processes ``python -m tenplex_jax.multihost SCRIPT ARGS``,
-   each told in one JSON environment variable (:class:`JobSpec`) the coordinator
-   ``127.0.0.1:<free port>``, its process id, the process count, its slot, the store addresses,
-   the generation, the replica count, the commit interval and where to restore from; that entry
-   point joins ``jax.distributed`` and runs the script as ``__main__``;
-3. watches the workers and the stores. A generation ends when
-   - a worker exits nonzero or by a signal, or a store dies: a *failure*. The survivors hang in
-     collectives with the dead peer (which never time out on CPU): the launcher tells them on
-     their stdin, and each breaks its collectives and leaves (``membership``). The failed slots
-     are dropped and the next generation runs on the slots left, restoring the latest complete
-     version from the stores, where the dead worker's shards come from their replicas. Lost steps
-     = the last step reached minus the restored step. If no copy of some shard survives, the
-     launcher names the leaves and falls back to the latest orbax checkpoint (``--checkpoint-dir``,
-     or the script's ``ElasticJob(checkpoint_dir=...)``).
-   - a resize is requested: ``echo N > RUN_DIR/resize``. The workers agree on a step, commit
-     synchronously (0 lost steps) and leave; the next generation runs N processes (new slots get
-     new stores).
-   - SIGTERM: the same planned end, then the launcher stops (with a checkpoint dir the last
-     commit is also an orbax checkpoint, which the next launch resumes from). Ctrl-C (SIGINT)
-     stops at once: every child is killed and reaped.
-4. stops when the workers finish (exit 0 after ``job.finish``), after ``--max-restarts`` failures,
-   or when fewer than ``--min-procs`` slots are left.
-
-The processes that stay keep running: the launcher runs each generation's ``jax.distributed``
-coordination service, so a survivor leaves one generation's job and joins the next in its own
-process, given its next rank on stdin (``--no-keep``: every process ends with its generation, and
-the survivors get ``--grace`` seconds, then SIGKILL; every child is reaped by PID).
-A new process costs no process start, import or compile: once a generation has stepped, the launcher
-keeps a warm *standby* process per slot (and a spare for a new slot) that has imported what the job
-needs and waits for a rank on stdin; and the processes share their compiled steps through
-``RUN_DIR/executables`` (one compiles each layout, the others and later generations load it;
-process 0 compiles ahead the layout after the loss of any one process, and a planned shrink's).
-
-The stores' disk tier is ``RUN_DIR/stores`` (``--store-dir``); ``--compile-cache DIR`` shares
-JAX's persistent compilation cache between generations.
-
-Each generation's config is chosen by the workers from their device count (every process computes
-the same, with ``tenplex_jax.planner.choose_config`` or the script's rule); the launcher chooses
-the count. Process 0 writes to the launcher's stdout; the others to
-``RUN_DIR/logs/g<gen>-p<id>.log`` (the tail is printed when one fails). Events go to stdout and
-``RUN_DIR/events.jsonl``.
+exactly the shards they need. The :class:`Launcher` starts one store per host slot
+(``python -m tenplex_jax.multihost.store``), then generations of workers (``python -m
+tenplex_jax.multihost SCRIPT ARGS``, each told its :class:`JobSpec` in one environment variable);
+a generation ends at a failure (a worker or a store dies: the survivors are told on their stdin,
+break their collectives with the dead peer and leave), a planned resize (``echo N >
+RUN_DIR/resize``) or SIGTERM (both at a step boundary, after a synchronous commit). The next
+generation restores the latest complete version from the stores, the orbax checkpoint when no
+copy of some shard survives, or ``init``. The processes that stay keep running into the next
+generation (the launcher hosts each generation's ``jax.distributed`` coordination service), warm
+standby processes take the new ranks, and the processes share their compiled steps through
+``RUN_DIR/executables``. docs/multihost.md describes the protocol; ``rundir`` what the run
+directory holds. Process 0 writes to the launcher's stdout, the others to
+``RUN_DIR/logs/g<gen>-p<id>.log`` (the tail is printed when one fails).
 """
 
 from __future__ import annotations
@@ -66,6 +32,7 @@ import threading
 import time
 
 from tenplex_jax._src.errors import LaunchError, StoreError
+from tenplex_jax._src.multihost import distributed
 from tenplex_jax._src.multihost.processes import (
     free_port,
     kill,
@@ -74,7 +41,17 @@ from tenplex_jax._src.multihost.processes import (
     status,
     write_token,
 )
-from tenplex_jax._src.multihost.spec import CHECKPOINT, CONTROL, STANDBY, JobSpec, LaunchOptions
+from tenplex_jax._src.multihost.rundir import Event, Progress, RunDir, Source, write
+from tenplex_jax._src.multihost.spec import (
+    CHECKPOINT,
+    CONTROL,
+    STANDBY,
+    Action,
+    JobSpec,
+    LaunchOptions,
+    Request,
+    Restore,
+)
 
 __all__ = ["Launcher", "launch"]
 
@@ -98,7 +75,7 @@ class _Generation:
     slots: list[int]
     workers: list[subprocess.Popen]
     logs: list[pathlib.Path | None]
-    restore: str
+    restore: Restore
     warm: list[bool]  # per process: a standby or a survivor took the rank
     kept: list[bool]  # per process: a process of the last generation took the rank
     service: object = None  # the coordination service the launcher runs, if it does
@@ -106,7 +83,7 @@ class _Generation:
 
 @dataclasses.dataclass(frozen=True)
 class _Outcome:
-    kind: str  # "finished", "failure", "resize", "stop"
+    kind: Event  # FINISHED, FAILURE, RESIZE or STOP
     lost_slots: tuple[int, ...] = ()
     count: int | None = None
     detail: str = ""
@@ -152,71 +129,81 @@ class Launcher:
           launcher gave up (too many restarts, too few slots, no copy of the state: a
           ``LaunchError``, logged as an ``error`` event), 130 on Ctrl-C.
         """
-        opts = self.options
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        for name in (CONTROL, "resize", "progress.json", "finished.json", "stopped.json"):
+        for name in (CONTROL, "resize", "progress.json", "finished.json"):
             (self.run_dir / name).unlink(missing_ok=True)
         for left in self.run_dir.glob("left-g*.json"):  # an earlier run's
             left.unlink(missing_ok=True)
-        if opts.token:
+        if self.options.token:
             self.token_file = write_token(self.run_dir / "token")
         previous = self._install_signals()
         try:
-            self._start_stores(range(opts.nprocs))
-            slots = list(range(opts.nprocs))
-            restarts, number, reached = 0, 0, None
-            while True:
-                source, step = self._choose_source(number, reached)
-                lost = None if reached is None else max(reached - step, 0)
-                gen = self._start_generation(number, slots, source)
-                self._event(
-                    "generation",
-                    generation=number,
-                    processes=len(slots),
-                    slots=slots,
-                    pids=[w.pid for w in gen.workers],
-                    warm=gen.warm,
-                    kept=gen.kept,
-                    restore=source,
-                    step=step,
-                    lost_steps=lost,
-                )
-                outcome = self._watch(gen)
-                reached = self._progress(number, default=step)
-                self._end_generation(gen, outcome)
-                self._event(
-                    outcome.kind,
-                    generation=number,
-                    step=reached,
-                    lost_slots=list(outcome.lost_slots),
-                    detail=outcome.detail,
-                )
-                if outcome.kind in ("finished", "stop"):
-                    return 0
-                if outcome.kind == "failure":
-                    restarts += 1
-                    if restarts > opts.max_restarts:
-                        raise LaunchError(
-                            f"{restarts} failures, more than --max-restarts {opts.max_restarts}"
-                        )
-                    slots = self._survivors(slots, outcome)
-                else:
-                    slots = self._resized(slots, outcome.count)
-                if len(slots) < opts.min_procs:
-                    raise LaunchError(
-                        f"{len(slots)} slots left, fewer than --min-procs {opts.min_procs}"
-                    )
-                number += 1
+            self._start_stores(range(self.options.nprocs))
+            self._generations(list(range(self.options.nprocs)))
+            return 0
         except LaunchError as error:
-            self._event("error", detail=str(error))
+            self._event(Event.ERROR, detail=str(error))
             return 1
         except KeyboardInterrupt:
-            self._event("interrupted", detail="Ctrl-C: killing every process")
+            self._event(Event.INTERRUPTED, detail="Ctrl-C: killing every process")
             return 130
         finally:
             self._teardown()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _generations(self, slots: list[int]) -> None:
+        """Generations on ``slots``, then on what each leaves, until the job finishes or stops;
+        ``LaunchError`` when the launcher gives up."""
+        opts = self.options
+        restarts, number, reached = 0, 0, None
+        while True:
+            outcome, reached = self._generation(number, slots, reached)
+            if outcome.kind in (Event.FINISHED, Event.STOP):
+                return
+            if outcome.kind == Event.FAILURE:
+                restarts += 1
+                if restarts > opts.max_restarts:
+                    raise LaunchError(
+                        f"{restarts} failures, more than --max-restarts {opts.max_restarts}"
+                    )
+                slots = self._survivors(slots, outcome)
+            else:
+                slots = self._resized(slots, outcome.count)
+            if len(slots) < opts.min_procs:
+                raise LaunchError(
+                    f"{len(slots)} slots left, fewer than --min-procs {opts.min_procs}"
+                )
+            number += 1
+
+    def _generation(self, number: int, slots: list[int], reached: int | None):
+        """Run generation ``number`` on ``slots`` to its end; (how it ended, the step reached).
+        ``reached``: the last generation's, for its lost steps."""
+        restore = self._choose_source()
+        gen = self._start_generation(number, slots, restore)
+        self._event(
+            Event.GENERATION,
+            generation=number,
+            processes=len(slots),
+            slots=slots,
+            pids=[w.pid for w in gen.workers],
+            warm=gen.warm,
+            kept=gen.kept,
+            restore=restore.source,
+            step=restore.step,
+            lost_steps=None if reached is None else max(reached - restore.step, 0),
+        )
+        outcome = self._watch(gen)
+        reached = self._progress(number, default=restore.step)
+        self._end_generation(gen, outcome)
+        self._event(
+            outcome.kind,
+            generation=number,
+            step=reached,
+            lost_slots=list(outcome.lost_slots),
+            detail=outcome.detail,
+        )
+        return outcome, reached
 
     # -- stores
     # --------------------------------------------------------------------------------------
@@ -230,13 +217,15 @@ class Launcher:
             if i not in self._early:
                 self._early[i] = self._spawn_store(i)
         pids = {i: self._early[i][0].pid for i in new}
-        self._event("growing", slots=pids, detail=f"stores of slots {new} started for the growth")
+        self._event(
+            Event.GROWING, slots=pids, detail=f"stores of slots {new} started for the growth"
+        )
 
     def _start_stores(self, indices) -> None:
         started = {}
         for i in indices:  # those started early (a planned growth) are waited for here
             started[i] = self._early.pop(i) if i in self._early else self._spawn_store(i)
-            self.slots[i] = _Slot(i, started[i][0], "")
+            self.slots[i] = _Slot(index=i, store=started[i][0], address="")
         deadline = time.monotonic() + self.options.start_timeout
         for i, (proc, ready) in started.items():
             while not (address := _address(ready)):
@@ -253,7 +242,7 @@ class Launcher:
                 time.sleep(0.05)
             self.slots[i].address = address
         self._event(
-            "stores",
+            Event.STORES,
             slots={
                 i: {"pid": s.store.pid, "address": s.address}
                 for i, s in self.slots.items()
@@ -267,16 +256,12 @@ class Launcher:
         """Start slot ``i``'s store; (its process, the file it writes its address to)."""
         ready = self.run_dir / f"store-{i}.addr"
         ready.unlink(missing_ok=True)
-        command = [
-            self.options.python,
-            "-m",
-            "tenplex_jax.multihost.store",
-            "--dir",
-            str(self.store_dir / str(i)),
-            "--host",
-            "127.0.0.1",
+        command = [self.options.python, "-m", "tenplex_jax.multihost.store", "--host", "127.0.0.1"]
+        command += [
             "--port",
             "0",
+            "--dir",
+            str(self.store_dir / str(i)),
             "--ready-file",
             str(ready),
         ]
@@ -305,57 +290,61 @@ class Launcher:
 
     # -- where the next generation's state comes from ------------------------------------------
 
-    def _choose_source(self, number: int, reached: int | None) -> tuple[str, int]:
-        from tenplex_jax._src.multihost.commit import (
-            delete_versions,
-            latest_complete,
-            missing_objects,
-        )
+    def _choose_source(self) -> Restore:
+        """Where the next generation restores from: the newer of the latest complete version
+        in the stores whose every shard has a live copy and the latest orbax checkpoint (the
+        stores at a tie); ``init`` when nothing was committed. Newer, incomplete or unreadable
+        versions are deleted: they would mix with the next commits of a step."""
+        from tenplex_jax._src.multihost.commit import delete_versions, latest_complete
 
-        opts = self.options
         clients = self._clients()
         try:
-            manifest = latest_complete(clients) if opts.recover_from == "store" else None
+            manifest = latest_complete(clients)
             candidates = []
-            if manifest is not None:
-                missing = missing_objects(clients, manifest)
-                if not missing:
-                    candidates.append((manifest.step, 1, "store"))
-                else:
-                    leaves = sorted({o.path for o in missing})
-                    held = sorted({s for o in missing for s in o.slots})
-                    self._event(
-                        "replicas_lost",
-                        step=manifest.step,
-                        leaves=leaves,
-                        detail=f"no copy of {len(missing)} shards of version {manifest.step} "
-                        f"survives (held by slots {held}, now down): leaves {leaves}",
-                    )
-            checkpoint = self._latest_checkpoint()
-            if checkpoint is not None:
-                candidates.append((checkpoint, 0, "checkpoint"))
+            if manifest is not None and self._every_shard_lives(clients, manifest):
+                candidates.append((manifest.step, 1, Source.STORE))
+            if (checkpoint := self._latest_checkpoint()) is not None:
+                candidates.append((checkpoint, 0, Source.CHECKPOINT))
             if candidates:
-                step, _, kind = max(candidates)
-                if kind == "checkpoint" and manifest is not None and opts.recover_from == "store":
+                step, _, source = max(candidates)
+                if source == Source.CHECKPOINT and manifest is not None:
                     self._event(
-                        "fallback",
+                        Event.FALLBACK,
                         step=step,
                         detail=f"restoring the orbax checkpoint "
                         f"of step {step} from {self._checkpoint_dir()}",
                     )
             elif manifest is None:  # nothing was committed yet: start over
-                kind, step = "init", 0
+                source, step = Source.INIT, 0
             else:
                 raise LaunchError(
                     "cannot recover the state: no complete version in the stores has every shard "
-                    f"and there is no orbax checkpoint (--checkpoint-dir {opts.checkpoint_dir})"
+                    f"and there is no orbax checkpoint (--checkpoint-dir "
+                    f"{self.options.checkpoint_dir})"
                 )
-            # newer, incomplete or unreadable versions would mix with the next commits of a step
-            delete_versions(clients, lambda s: kind == "store" and s <= step)
-            return f"{kind}:{step}" if kind != "init" else "init", step
+            delete_versions(clients, lambda s: source == Source.STORE and s <= step)
+            return Restore(source=source, step=step)
         finally:
             for client in clients.values():
                 client.close()
+
+    def _every_shard_lives(self, clients: dict, manifest) -> bool:
+        """Whether every object of ``manifest`` has a copy on a live store; else an event names
+        the leaves of those that have none."""
+        from tenplex_jax._src.multihost.commit import missing_objects
+
+        missing = missing_objects(clients, manifest)
+        if missing:
+            leaves = sorted({o.path for o in missing})
+            held = sorted({s for o in missing for s in o.slots})
+            self._event(
+                Event.REPLICAS_LOST,
+                step=manifest.step,
+                leaves=leaves,
+                detail=f"no copy of {len(missing)} shards of version {manifest.step} "
+                f"survives (held by slots {held}, now down): leaves {leaves}",
+            )
+        return not missing
 
     def _checkpoint_dir(self) -> pathlib.Path | None:
         """``--checkpoint-dir``, else the one the script's job uses (it says so in the run dir)."""
@@ -376,7 +365,7 @@ class Launcher:
 
     # -- generations -----------------------------------------------------------------------------
 
-    def _start_generation(self, number: int, slots: list[int], source: str) -> _Generation:
+    def _start_generation(self, number: int, slots: list[int], restore: Restore) -> _Generation:
         opts = self.options
         (self.run_dir / CONTROL).unlink(missing_ok=True)
         # a survivor the next generation has no slot for: told to exit now, reaped once the
@@ -388,38 +377,30 @@ class Launcher:
         coordinator = self._coordinator(slots[0])
         service = None
         if self._keeps:  # here, so that no trainer's death takes the others with it
-            from tenplex_jax._src.multihost.membership import host_service
-
-            service = host_service(coordinator, len(slots))
+            service = distributed.coordination_service(coordinator, len(slots))
         stores = {i: s.address for i, s in self.slots.items() if self._up(i)}
         workers, logs, warms, kept = [], [], [], []
         for pid in range(len(slots)):
             spec = JobSpec(
-                coordinator,
-                pid,
-                len(slots),
-                opts.devices_per_proc,
-                number,
-                tuple(slots),
-                stores,
-                opts.replicas,
-                opts.commit_every,
-                source,
-                str(self.run_dir),
-                None if opts.checkpoint_dir is None else str(opts.checkpoint_dir),
-                opts.checkpoint_every,
-                None if self.token_file is None else str(self.token_file),
-                opts.executables,
+                coordinator=coordinator,
+                process_id=pid,
+                num_processes=len(slots),
+                devices_per_process=opts.devices_per_proc,
+                generation=number,
+                slots=tuple(slots),
+                stores=stores,
+                replicas=opts.replicas,
+                commit_every=opts.commit_every,
+                restore=restore,
+                run_dir=str(self.run_dir),
+                checkpoint_dir=None if opts.checkpoint_dir is None else str(opts.checkpoint_dir),
+                checkpoint_every=opts.checkpoint_every,
+                token_file=None if self.token_file is None else str(self.token_file),
+                executables=opts.executables,
                 hosted=service is not None,
             )
             path = None if pid == 0 else self.run_dir / "logs" / f"g{number}-p{pid}.log"
-            proc, how = self._activate(slots[pid], spec.to_env(), path)
-            if proc is None and self._keeps:  # a fresh process, ranked on its stdin as the others
-                proc = self._spawn_standbys([slots[pid]])[slots[pid]]
-                self._give_rank(proc, spec.to_env(), path, warm=False)
-            elif proc is None:
-                env = spec.to_env() | self._worker_env()
-                proc = self._spawn_worker(slots[pid], self._command(), env, path)
+            proc, how = self._start_process(slots[pid], spec, path)
             workers.append(proc)
             warms.append(how is not None)
             kept.append(how == "kept")
@@ -429,7 +410,28 @@ class Launcher:
             kill(self.standbys.pop(slot))
         for proc in leaving:
             release(proc)
-        return _Generation(number, list(slots), workers, logs, source, warms, kept, service)
+        return _Generation(
+            number=number,
+            slots=list(slots),
+            workers=workers,
+            logs=logs,
+            restore=restore,
+            warm=warms,
+            kept=kept,
+            service=service,
+        )
+
+    def _start_process(self, slot: int, spec: JobSpec, log: pathlib.Path | None):
+        """The process of ``spec``'s rank on ``slot`` (its output to ``log``; None: ours): a
+        waiting one (:meth:`_activate`), else a fresh one; (it, how it was waiting or None)."""
+        proc, how = self._activate(slot, spec.to_env(), log)
+        if proc is None and self._keeps:  # a fresh process, ranked on its stdin as the others
+            proc = self._spawn_standbys([slot])[slot]
+            self._give_rank(proc, spec.to_env(), log, warm=False)
+        elif proc is None:
+            env = spec.to_env() | self._worker_env()
+            proc = self._spawn_worker(slot, self._command(), env, log)
+        return proc, how
 
     def _refill_standbys(self, gen: _Generation) -> None:
         """A warm process for each of the generation's slots and a spare for a new slot, started
@@ -441,7 +443,7 @@ class Launcher:
         self.standbys |= started
         if started:
             self._event(
-                "standby",
+                Event.STANDBY,
                 generation=gen.number,
                 pids={s: w.pid for s, w in started.items()},
                 detail=f"warm standby processes for slots {sorted(started)}"
@@ -507,7 +509,9 @@ class Launcher:
                 self._give_rank(proc, env, log)
             except OSError as error:  # BrokenPipeError: it died since the last poll
                 self._event(
-                    "standby_lost", slot=owner, detail=f"the {how} process of slot {owner} {error}"
+                    Event.STANDBY_LOST,
+                    slot=owner,
+                    detail=f"the {how} process of slot {owner} {error}",
                 )
                 kill(proc)
                 continue
@@ -531,6 +535,9 @@ class Launcher:
             return spawn(command, env=os.environ | env, stdout=out, stderr=out)
 
     def _watch(self, gen: _Generation) -> _Outcome:
+        """Poll ``gen`` until it ends: a failure, the workers done, or a planned end asked for
+        (a growth is asked of the workers once its stores, its warm process and its step are
+        ready, at most ``GROW_WAIT_SECONDS`` later)."""
         opts = self.options
         requested, deadline, stepped, ask_by = None, None, False, None
         while True:
@@ -538,35 +545,21 @@ class Launcher:
                 stepped = True
                 self._refill_standbys(gen)
             codes = [w.poll() for w in gen.workers]
-            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-            stores_down = [s for s in gen.slots if not self._up(s)]
-            if failed or stores_down:
-                detail = "; ".join(
-                    [
-                        f"process {i} (slot {gen.slots[i]}, pid {gen.workers[i].pid}) "
-                        f"{status(codes[i])}"
-                        for i in failed
-                    ]
-                    + [f"the store of slot {s} died" for s in stores_down]
-                )
-                for i in failed:
-                    self._tail(gen, i)
-                lost = tuple(sorted({gen.slots[i] for i in failed} | set(stores_down)))
-                return _Outcome("failure", lost, detail=detail)
+            if (failure := self._failure(gen, codes)) is not None:
+                return failure
             if all(c == 0 or self._left(gen, i) for i, c in enumerate(codes)):
                 if (self.run_dir / "finished.json").exists():
-                    return _Outcome("finished")
+                    return _Outcome(kind=Event.FINISHED)
                 if requested is not None:
-                    return _Outcome(requested[0], count=requested[1])
-                return _Outcome("failure", detail="every worker exited 0 before finishing")
+                    return _Outcome(kind=Event(requested.action), count=requested.processes)
+                return _Outcome(kind=Event.FAILURE, detail="every worker exited 0 before finishing")
             if requested is None:
                 requested = self._request(len(gen.slots))
                 if requested is not None:
                     deadline = time.monotonic() + opts.stop_timeout
-                    growing = requested[0] == "resize" and requested[1] > len(gen.slots)
-                    if growing:  # asked once its stores, its warm process and its step are
-                        self._prepare_stores(len(gen.slots), requested[1])
-                        self._announce(gen, requested[1])
+                    if requested.action == Action.RESIZE and requested.processes > len(gen.slots):
+                        self._prepare_stores(len(gen.slots), requested.processes)
+                        self._announce(gen, requested.processes)
                         ask_by = time.monotonic() + GROW_WAIT_SECONDS
                     else:
                         self._post_control(requested)
@@ -575,40 +568,58 @@ class Launcher:
                 ask_by = None
             elif time.monotonic() > deadline:
                 return _Outcome(
-                    "failure",
-                    detail=f"the planned {requested[0]} took longer than "
+                    kind=Event.FAILURE,
+                    detail=f"the planned {requested.action} took longer than "
                     f"--stop-timeout {opts.stop_timeout:.0f} s",
                 )
             time.sleep(0.05)
 
-    def _request(self, current: int) -> tuple[str, int] | None:
+    def _failure(self, gen: _Generation, codes: list[int | None]) -> _Outcome | None:
+        """The failure of ``gen``'s workers whose exit ``codes`` are not 0 (their logs' tails
+        printed), or of its stores; None when there is none."""
+        failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+        stores_down = [s for s in gen.slots if not self._up(s)]
+        if not failed and not stores_down:
+            return None
+        detail = "; ".join(
+            [
+                f"process {i} (slot {gen.slots[i]}, pid {gen.workers[i].pid}) {status(codes[i])}"
+                for i in failed
+            ]
+            + [f"the store of slot {s} died" for s in stores_down]
+        )
+        for i in failed:
+            self._tail(gen, i)
+        lost = tuple(sorted({gen.slots[i] for i in failed} | set(stores_down)))
+        return _Outcome(kind=Event.FAILURE, lost_slots=lost, detail=detail)
+
+    def _request(self, current: int) -> Request | None:
         """A planned end of the generation: SIGTERM, or a process count in RUN_DIR/resize."""
-        action = None
+        request = None
         if self._terminate:
-            action = ("stop", current)
+            request = Request(action=Action.STOP, processes=current)
         resize = self.run_dir / "resize"
-        if action is None and resize.exists():
+        if request is None and resize.exists():
             text = resize.read_text()
             if not text:  # created, not yet written (a shell's > or write_text): look again
                 return None
             text = text.strip()
             resize.unlink(missing_ok=True)
             if not text.isdigit() or int(text) < 1:
-                self._event("ignored", detail=f"RUN_DIR/resize holds {text!r}, not a count >= 1")
+                self._event(
+                    Event.IGNORED, detail=f"RUN_DIR/resize holds {text!r}, not a count >= 1"
+                )
                 return None
             if int(text) == current:
                 return None
-            action = ("resize", int(text))
-        if action is not None:
-            self._event("request", action=action[0], processes=action[1])
-        return action
+            request = Request(action=Action.RESIZE, processes=int(text))
+        if request is not None:
+            self._event(Event.REQUEST, action=request.action, processes=request.processes)
+        return request
 
-    def _post_control(self, action: tuple[str, int]) -> None:
+    def _post_control(self, request: Request) -> None:
         """Ask the workers to end the generation at a step they agree on (``RUN_DIR/control``)."""
-        control = self.run_dir / CONTROL
-        tmp = control.with_name(".control.tmp")
-        tmp.write_text(json.dumps({"action": action[0], "processes": action[1]}))
-        os.replace(tmp, control)
+        write(self.run_dir / CONTROL, request)
 
     def _announce(self, gen: _Generation, count: int) -> None:
         """Tell the generation's processes, which stay, of the growth to ``count`` processes: each
@@ -660,13 +671,13 @@ class Launcher:
         with the others (they block on the dead peer) and leaves. A survivor that has not left
         within ``LEAVE_SECONDS``, or whose slot the job loses, is killed: a standby takes its
         rank (one that was joining the generation exits at once: see ``membership.Control``)."""
-        if gen.service is not None and outcome.kind in ("failure", "resize"):
+        if gen.service is not None and outcome.kind in (Event.FAILURE, Event.RESIZE):
             alive = [
                 i
                 for i, w in enumerate(gen.workers)
                 if w.poll() is None and gen.slots[i] not in outcome.lost_slots
             ]
-            if outcome.kind == "failure":
+            if outcome.kind == Event.FAILURE:
                 message = {
                     "end": outcome.kind,
                     "peers": [w.pid for w in gen.workers],
@@ -706,11 +717,9 @@ class Launcher:
         return sorted(slots) + new
 
     def _progress(self, number: int, default: int) -> int:
-        try:
-            record = json.loads((self.run_dir / "progress.json").read_text())
-        except (OSError, ValueError):
-            return default
-        return int(record["step"]) if record.get("generation") == number else default
+        """The step generation ``number`` has reached, or ``default`` before its first."""
+        progress = RunDir(self.run_dir).read(Progress)
+        return progress.step if progress is not None and progress.generation == number else default
 
     def _tail(self, gen: _Generation, i: int, lines: int = 15) -> None:
         if gen.logs[i] is None:
@@ -746,7 +755,7 @@ class Launcher:
             closing.join(timeout=SERVICE_SHUTDOWN_SECONDS)
         self._closing = []
 
-    def _event(self, kind: str, **fields) -> None:
+    def _event(self, kind: Event, **fields) -> None:
         record = {"event": kind, "time": time.time(), **fields}
         with open(self.run_dir / "events.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")

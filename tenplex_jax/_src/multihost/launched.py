@@ -1,14 +1,6 @@
-"""``LaunchedJob``: the elastic job in a process of ``tenplex-jax launch``.
-
-The launcher runs the user's script in every process of a *generation*; the job runs on all
-their devices. ``start`` restores from where the launcher says (the tensor stores, the orbax
-tier, or ``init``); ``next`` commits to the stores every ``--commit-every`` steps and, when the
-launcher ends the generation (a planned resize or stop, or JAX's preemption sync point), commits
-synchronously and raises ``SystemExit(0)``: the next generation resumes at that step. Devices
-change only by generation, so the in-process events refuse. The process's side of the protocol
-(stores, commits, the run directory) is the :class:`Worker`'s; this class is the job the script
-holds, over the same core as :class:`ElasticJob`.
-"""
+"""``LaunchedJob``: the elastic job in a process of ``tenplex-jax launch``, over the same core
+as ``ElasticJob``; the process's side of the protocol (stores, commits, the run directory) is
+the :class:`Worker`'s."""
 
 from __future__ import annotations
 
@@ -26,6 +18,7 @@ from tenplex_jax._src.elastic.core import _JobCore
 from tenplex_jax._src.errors import DataError, LayoutError
 from tenplex_jax._src.multihost import distributed
 from tenplex_jax._src.multihost.processes import free_port
+from tenplex_jax._src.multihost.rundir import Ahead, FirstStep, Grown, RestoreReport
 from tenplex_jax._src.multihost.spec import JobSpec
 from tenplex_jax._src.multihost.worker import Worker
 from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
@@ -48,35 +41,30 @@ class LaunchedJob(_JobCore):
                 state, metrics = step(state, batch)
             job.finish(state)                # the last commit, a checkpoint; the launcher told
 
-    A context manager: leaving it stops the compile and commit threads and closes the store
-    connections.
+    ``start`` restores from where the launcher says; ``next`` commits every ``--commit-every``
+    steps and raises ``SystemExit(0)`` once the generation has committed for its end; devices
+    change only by generation, so the in-process events refuse. A context manager: leaving it
+    stops the compile and commit threads and closes the store connections.
 
     Args:
       rules: the logical-axis rules of the state, as for :class:`tenplex_jax.ElasticJob`.
-      dataset: the :class:`tenplex_jax.DatasetPTC`, as for ``ElasticJob``; its state is
-        committed and restored with the model's.
+      dataset: the :class:`tenplex_jax.DatasetPTC`, committed and restored with the model.
       devices: must be None: the job runs on every device of its processes (``jax.devices()``).
       initial: must be None: the launcher, not the script, decides the devices of a generation.
-      checkpoint_dir: the orbax tier (a restore source, checkpoints at commits and at ``finish``),
-        used when the launcher sets none: the launcher's ``--checkpoint-dir`` wins; else this one
-        reaches the launcher as its fallback.
-      checkpoint_every: save an orbax checkpoint at the commits on multiples of this many steps
-        (a stop, a preemption and ``finish`` always save one); the launcher's
-        ``--checkpoint-every`` wins.
-      options: a :class:`tenplex_jax.elastic.JobOptions`; ``batch_axes``, ``exact_step_times``,
-        ``profile``, ``device_type``, ``log``, ``executable_cache`` (default
-        ``RUN_DIR/executables``) and ``compile_ahead`` (process 0 compiles the next
-        generation's step: after a loss, or a planned shrink) apply, while ``preempt_devices``
-        and ``method`` do not (the layout changes only by generation).
+      checkpoint_dir: the orbax tier, when the launcher sets none (then this one reaches the
+        launcher as its fallback).
+      checkpoint_every: orbax checkpoints at the commits on multiples of this many steps (a
+        stop, a preemption and ``finish`` always save one), when the launcher sets none.
+      options: a :class:`tenplex_jax.elastic.JobOptions`, but ``preempt_devices`` and
+        ``method`` (the layout changes by generation); ``executable_cache`` defaults to
+        ``RUN_DIR/executables``, where the next generations load the steps compiled.
+
+    The other arguments are ``ElasticJob``'s; ``steps`` reaches the launcher, which weighs a
+    growth over the steps left.
 
     Raises:
-      LayoutError: ``devices`` or ``initial`` given; or this process has the launcher's job
-        description but has not joined the job (it was not started as
-        ``python -m tenplex_jax.multihost SCRIPT``), or has no description at all.
-
-    The other arguments (``grad_units``, ``config``, ``steps``) are ``ElasticJob``'s; ``steps``
-    reaches the launcher in each step's progress record (it weighs growth over the remaining
-    steps).
+      LayoutError: ``devices`` or ``initial`` given; or this process has no job description
+        from the launcher, or has not joined the job (``python -m tenplex_jax.multihost``).
     """
 
     launched = True
@@ -128,20 +116,15 @@ class LaunchedJob(_JobCore):
         return self._worker.run_dir
 
     @property
-    def restored(self) -> dict | None:
-        """Where ``start`` took the state from (``"source"``: init, store or checkpoint), its
-        step, config, bytes and seconds; None before ``start``."""
+    def restored(self) -> RestoreReport | None:
+        """How ``start`` got the state: from where (a ``Source``: init, store or checkpoint),
+        its step, config, bytes and seconds (a ``tj.multihost.RestoreReport``); None before it."""
         return self._worker.restored
 
     def next(self, state):
-        """The step boundary, then the next global batch.
-
-        At the boundary the state is committed to the tensor stores every ``--commit-every``
-        steps (in the background); when the launcher ends the generation (a planned resize or
-        stop, or JAX's preemption sync point) the generation commits synchronously and this
-        process exits, so the next generation resumes at this step. A planned shrink first
-        trains on while process 0 compiles the smaller generation's step ahead, so that the
-        next generation loads it instead of compiling.
+        """The step boundary (a commit every ``--commit-every`` steps, in the background; at the
+        generation's end, planned or JAX's preemption sync point, a synchronous commit, then
+        ``SystemExit(0)``: the next generation resumes at this step), then the next global batch.
 
         Args:
           state: the state the last step returned (or ``start``'s).
@@ -165,30 +148,19 @@ class LaunchedJob(_JobCore):
 
     def jit(self, fn: Callable) -> Callable:
         """Compile the user's step for this generation's layout, as
-        :meth:`tenplex_jax.ElasticJob.jit` does; the executables go to ``RUN_DIR/executables``
-        (or ``options.executable_cache``), where the next generations load them.
-
-        With ``options.compile_ahead``, process 0 then compiles (after the first step, on a
-        background thread, so that it never delays a recovery's first step) the step of the
-        generation that follows the loss of any one process: the processes left
-        are renumbered in order, so that generation's devices are the first ``N - 1``
-        processes' devices of this one, whichever process dies, and its processes load the
-        executable instead of compiling it. The other processes lower that step beside it
-        and remember it: in the next generation, where they keep their process, they load
-        process 0's executable without tracing the step again (``elastic/programs.py``).
+        :meth:`tenplex_jax.ElasticJob.jit` does, through ``RUN_DIR/executables``, where the next
+        generations load it. With ``options.compile_ahead``, after the first step process 0
+        compiles the step of the generation after the loss of any one process (the first ``N -
+        1`` processes' devices, whichever dies) and the others lower and remember it; an
+        announced growth's step is lowered by every process and compiled by process 0 (on CPU,
+        for a compile-only topology of the grown job) before the launcher asks for it
+        (docs/multihost.md, "Compiles").
 
         Args:
           fn: ``fn(state, batch) -> (state, metrics)``, as for ``ElasticJob.jit``.
 
         Returns:
           ``step(state, batch) -> (state, metrics)``.
-
-        A planned growth is announced to the processes while the generation trains on (the
-        launcher starts the new stores meanwhile): each process that stays lowers the grown
-        layout's step on its abstract mesh and remembers it, and on CPU process 0 compiles it
-        for a compile-only topology of the grown job, so that in the next generation every
-        process loads it, the survivors untraced (elsewhere process 0 compiles that lowering
-        then, untraced); the launcher asks for the growth once they are done.
 
         Raises:
           LayoutError: called before ``job.start``.
@@ -227,21 +199,13 @@ class LaunchedJob(_JobCore):
         return self.steps_cache.get(target, self._layout(config), ahead=True, guess=guess)
 
     def _record_ahead(self, future) -> None:
-        """``RUN_DIR/ahead-g<gen>.json``: the step after a loss is ready; the other processes'
-        ``lowered-g<gen>-p<id>.json``: they remembered it (for the benchmarks and tests)."""
-        if future.cancelled() or future.exception() is not None:
+        """``RUN_DIR/ahead-g<gen>-p<id>.json`` once the step after a loss is ready here: compiled
+        (process 0) or lowered and remembered (the others)."""
+        if future.cancelled() or future.exception() is not None or not future.result():
             return
-        step, spec = future.result(), self._worker.spec
-        record = {"processes": spec.num_processes - 1}
-        if spec.process_id != 0:
-            if step:  # remembered
-                name = f"lowered-g{self.generation}-p{spec.process_id}.json"
-                self._worker.write_record(name, record, every=True)
-            return
-        record["loaded"] = step.loaded
-        self._worker.write_record(
-            f"ahead-g{self.generation}.json", record | {"seconds": step.seconds}
-        )
+        spec = self._worker.spec
+        ahead = Ahead(processes=spec.num_processes - 1, compiled=spec.process_id == 0)
+        self._worker.write_record(ahead)
 
     def _ready_for(self, processes: int) -> bool:
         """Whether a planned resize to ``processes`` may end the generation now: a shrink's step
@@ -329,12 +293,9 @@ class LaunchedJob(_JobCore):
             error = None if outcome.cancelled() else outcome.exception()
             remembered = error is None and not outcome.cancelled() and bool(outcome.result())
             why = None if error is None else f"{type(error).__name__}: {error}"
-        record = {"processes": processes, "remembered": remembered}
         if why is not None:
-            record["why"] = why
             self.log(f"the growth to {processes} processes is not lowered ahead: {why}")
-        name = f"grown-g{self.generation}-p{self._worker.spec.process_id}.json"
-        self._worker.write_record(name, record, every=True)
+        self._worker.write_record(Grown(processes=processes, remembered=remembered, why=why))
 
     def finish(self, state) -> None:
         """The end of training: the last step committed, a final orbax checkpoint (with a
@@ -363,23 +324,20 @@ class LaunchedJob(_JobCore):
     # -- what changes devices within a process: refused, or left to the launcher -------------------
 
     def preempt(self, devices: Iterable[int] | None = None, *, count: int | None = None) -> None:
-        """Refused: raises ``LayoutError`` (devices change by generation here), whatever
-        ``devices`` or ``count`` say; SIGTERM to the launcher preempts a launched job."""
+        """Refused (``LayoutError``) whatever ``devices`` or ``count``: SIGTERM the launcher."""
         self._refuse("preempt")
 
     def fail(self, devices: Iterable[int] | None = None, *, count: int | None = None) -> None:
-        """Refused: raises ``LayoutError`` whatever ``devices`` or ``count`` say (a lost process
-        ends the generation here)."""
+        """Refused (``LayoutError``) whatever ``devices`` or ``count``: a lost process ends the
+        generation."""
         self._refuse("fail")
 
     def offer(self, devices: Iterable[int] | None = None, *, count: int | None = None) -> None:
-        """Refused: raises ``LayoutError`` whatever ``devices`` or ``count`` say (the launcher
-        grows the job by generation)."""
+        """Refused (``LayoutError``) whatever ``devices`` or ``count``: RUN_DIR/resize grows."""
         self._refuse("offer")
 
     def redeploy(self, devices: Iterable[int]) -> None:
-        """Refused: raises ``LayoutError`` whatever ``devices`` say (``RUN_DIR/resize`` asks the
-        launcher instead)."""
+        """Refused (``LayoutError``) whatever ``devices``: RUN_DIR/resize asks the launcher."""
         self._refuse("redeploy")
 
     def expect(self, devices: Iterable[int]) -> None:
@@ -409,12 +367,14 @@ class LaunchedJob(_JobCore):
         if not self._reported:  # how this process got its generation's step: compiled or loaded
             self._reported = True
             step = self._compiled(self.ptc, ahead=False).result()
-            self._worker.record_step(
-                loaded=step.loaded,
-                traced=step.traced,
-                seconds=step.seconds,
-                compiles=self.compiles,
-                loads=self.loads,
+            self._worker.write_record(
+                FirstStep(
+                    loaded=step.loaded,
+                    traced=step.traced,
+                    seconds=step.seconds,
+                    compiles=self.compiles,
+                    loads=self.loads,
+                )
             )
             spec = self._worker.spec
             if self._compiles_ahead and spec.num_processes > 1:

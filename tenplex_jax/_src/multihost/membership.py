@@ -4,8 +4,9 @@ A process that survives a change keeps running: it leaves the generation's ``jax
 job and joins the next one, with its interpreter, imports and run directory intact. Three facts
 of JAX make that work (checked on jax 0.10.2 and 0.12, CPU with gloo collectives):
 
-- The *coordination service* runs in the launcher (:func:`host_service`), not in a trainer, so
-  the death of any trainer — process 0 included — takes no other with it. It is recoverable:
+- The *coordination service* runs in the launcher (``distributed.coordination_service``), not
+  in a trainer, so the death of any trainer — process 0 included — takes no other with it. It
+  is recoverable:
   a task that leaves is not waited for at shutdown. ``jax.distributed.initialize`` starts a
   service in process 0 whatever it is told, so process 0 starts one on a port nobody connects
   to (loopback), and connects to the launcher's like every other process.
@@ -15,10 +16,9 @@ of JAX make that work (checked on jax 0.10.2 and 0.12, CPU with gloo collectives
 - A survivor of a failure is blocked in a collective with the dead peer (gloo never times out).
   :func:`break_collectives` shuts down this process's TCP connections with the generation's
   trainers, itself included (by the endpoints each published when it joined, on any host; on
-  this host also through ``/proc``, a dead peer's too), and no other: each blocked
-  collective then fails at once (measured: within 0.25 s), the step's arrays hold the error, and
-  the script unwinds (:class:`Control` interrupts it) to
-  :func:`tenplex_jax._src.multihost.worker.main`.
+  this host also through ``/proc``, a dead peer's too), and no other: each blocked collective
+  then fails at once, the step's arrays hold the error, and the script unwinds
+  (:class:`Control` interrupts it) to :func:`tenplex_jax._src.multihost.worker.main`.
 
 The launcher talks to a process on its stdin, one JSON object per line (:class:`Control`):
 ``{"env": {...}, "log": path}`` gives it a rank in a generation (the environment holding its
@@ -49,16 +49,6 @@ INTERRUPT = signal.SIGUSR1  # how the control thread interrupts the main thread
 REJOIN = 75  # the exit status of a process whose generation ended while it joined it
 
 
-def host_service(address: str, processes: int, *, heartbeat_seconds: int = 10):
-    """Run a generation's ``jax.distributed`` coordination service in this process (the
-    launcher): recoverable, so tasks may leave without the others waiting for them.
-
-    Returns:
-      The service; ``shutdown()`` stops it.
-    """
-    return distributed.coordination_service(address, processes, heartbeat_seconds=heartbeat_seconds)
-
-
 def join(
     coordinator: str,
     processes: int,
@@ -77,8 +67,8 @@ def join(
       processes: the generation's process count.
       process_id: this process's index in it.
       devices_per_process: CPU devices per process (``jax_num_cpu_devices``).
-      hosted: the launcher runs the service (:func:`host_service`); else process 0 does, bound
-        to the coordinator's address only.
+      hosted: the launcher runs the service; else process 0 does, bound to the coordinator's
+        address only.
       timeout: seconds to wait for every process to connect.
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -96,6 +86,7 @@ def join(
         num_processes=processes,
         process_id=process_id,
         initialization_timeout=int(timeout),
+        heartbeat_timeout_seconds=distributed.HEARTBEAT_SECONDS,
         coordinator_bind_address=bind,
     )
     # the backend: its creation exchanges every process's devices through the service, a wait

@@ -1,41 +1,17 @@
 """``tenplex-jax launch --ray ADDRESS SCRIPT``: the elastic job on a Ray cluster.
 
-The same launcher as on one host (:class:`tenplex_jax._src.multihost.launch.Launcher`: generations,
-commits to the tensor stores, recovery from replicas or the orbax tier, events) with its processes
-on Ray nodes instead of this host. A slot is a Ray node:
-
-- **a tensor store per node**, started by a Ray actor pinned to the node
-  (``NodeAffinitySchedulingStrategy``, not soft), bound to the node's address with the job's
-  token; it outlives worker generations (it is not one of their actors);
-- **a worker per node**: an actor pinned to the node starts ``python -m tenplex_jax.multihost
-  SCRIPT`` there, writes the launcher's messages to its stdin and reports its exit. The
-  ``jax.distributed`` coordination service runs in the launcher (the driver's node address and a
-  free port; with ``--no-keep``, in process 0, on its node), so a worker whose node survives a
-  change stays for the next generation; once a generation has stepped, another actor per node
-  starts a warm standby process there (imports loaded, waiting for its rank on stdin), for a
-  worker that could not stay. A survivor frees itself from collectives blocked on a dead peer by
-  shutting down its connections with the trainers it finds through ``/proc``, so on nodes of one
-  machine (the tests' clusters); on separate machines a survivor blocked on a remote peer is
-  killed after ``LEAVE_SECONDS`` and its standby takes its rank;
-- **deaths**: Ray reports an actor whose node died (the ``wait`` call fails); for the launcher
-  that worker or store is gone, the generation ends, and the next runs on the surviving nodes,
-  every shard from the surviving stores' replicas (or the orbax tier, the leaves named);
-- **joins**: a new node (with the job's resource, if one is named) is an offer; the launcher
-  grows onto it when the rule of ``ElasticJob.offer`` (``tenplex_jax._src.planner.growth``)
-  says
-  it pays, from the step time it measured, the steps left, the state's bytes over the bandwidth the
-  last restore reached, the last generation's compile and start-up; the decision and its numbers
-  are an event in ``RUN_DIR/events.jsonl``.
-
-Every store needs the job's token, a fresh secret in ``RUN_DIR/token`` (mode 0600); processes
-are given the file's path, never the secret, so no log, event or command line shows it. ``RUN_DIR``
-holds the job's control files and must be on a file system every node sees (on one machine it is).
-
-Ray Train's ``JaxTrainer`` was the first candidate; it is not used: in ray 2.60 its backend sets up
-``jax.distributed`` only for TPUs and GPUs (``on_start`` returns at once on CPU), it owns the worker
-group's processes and lifetime (a store beside them would be ours to place and keep alive anyway),
-and it needs the ``ray[train]`` extra. Ray Core actors give the placement and the death reports
-this needs, nothing more.
+The same launcher as on one host (:class:`tenplex_jax._src.multihost.launch.Launcher`) with a
+slot per Ray node: each node's tensor store and worker are processes started by Ray actors
+pinned to the node (``NodeAffinitySchedulingStrategy``, not soft), driven as the launcher drives
+its children (:class:`Remote`); the store outlives the worker generations, whose actors are
+others. The ``jax.distributed`` coordination service runs in the launcher, on the driver's node
+address (with ``--no-keep``, in process 0, on its node). A node's death reaches the launcher as
+its actors' calls failing: its worker and store are gone. A node that joins (with the job's
+resource, if one is named) is an offer, grown onto when the rule of ``ElasticJob.offer`` says it
+pays on the launcher's measurements (an ``offer`` event). Every store needs the job's token
+(``RUN_DIR/token``, mode 0600, passed by path); ``RUN_DIR`` must be on a file system every node
+sees. docs/multihost.md ("On a Ray cluster") says why Ray Core and not Ray Train's
+``JaxTrainer``.
 """
 
 from __future__ import annotations
@@ -43,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import pathlib
 import signal
@@ -53,7 +28,9 @@ import time
 
 from tenplex_jax._src.errors import LaunchError
 from tenplex_jax._src.multihost.launch import Launcher, _Slot
-from tenplex_jax._src.multihost.spec import STANDBY, LaunchOptions
+from tenplex_jax._src.multihost.rundir import Event, Progress, RunDir
+from tenplex_jax._src.multihost.spec import STANDBY, Action, LaunchOptions, Request
+from tenplex_jax._src.planner.growth import Growth, growth
 
 POLL_NODES_SECONDS = 1.0  # how often the launcher looks for new nodes
 ANSWER_SECONDS = 10.0  # how long a node whose worker failed has to show it is alive
@@ -63,70 +40,71 @@ ANSWER_SECONDS = 10.0  # how long a node whose worker failed has to show it is a
 def _host_class():
     import ray
 
-    @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)  # wait() blocks one thread
-    class Host:
-        """A process on this actor's node: started, signalled, waited for (reaped by PID)."""
+    # wait() blocks one thread of the actor
+    return ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(_Host)
 
-        def __init__(self):
-            self.proc: subprocess.Popen | None = None
 
-        def where(self) -> tuple[str, str]:
-            import ray
+class _Host:
+    """A process on this actor's node: started, signalled, waited for (reaped by PID)."""
 
-            return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
 
-        def free_port(self, host: str) -> int:
-            import socket
+    def where(self) -> tuple[str, str]:
+        import ray
 
-            with socket.socket() as s:
-                s.bind((host, 0))
-                return s.getsockname()[1]
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
-        def start(self, command: list[str], env: dict, log: str | None) -> int:
-            from tenplex_jax._src.multihost.processes import spawn
+    def free_port(self, host: str) -> int:
+        import socket
 
-            out = open(log, "ab") if log else None  # noqa: SIM115 (closed when it exits)
-            self.proc = spawn(command, env=os.environ | env, stdout=out, stderr=out)
-            return self.proc.pid
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
 
-        def stand_by(self, command: list[str], env: dict) -> int:
-            """A standby process (see ``worker.stand_by``), its rank to come on its stdin."""
-            from tenplex_jax._src.multihost.processes import spawn
+    def start(self, command: list[str], env: dict, log: str | None) -> int:
+        from tenplex_jax._src.multihost.processes import spawn
 
-            self.proc = spawn(command, env=os.environ | env, stdin=subprocess.PIPE)
-            return self.proc.pid
+        out = open(log, "ab") if log else None  # noqa: SIM115 (closed when it exits)
+        self.proc = spawn(command, env=os.environ | env, stdout=out, stderr=out)
+        return self.proc.pid
 
-        def tell(self, data: bytes) -> str | None:
-            """Write the launcher's message (a rank, an end) to the process's stdin; why not,
-            when it is gone."""
-            try:
-                if self.proc.poll() is not None:
-                    return f"exited with {self.proc.returncode}"
-                self.proc.stdin.write(data)
-                self.proc.stdin.flush()
-            except OSError as error:
-                return str(error)
-            return None
+    def stand_by(self, command: list[str], env: dict) -> int:
+        """A standby process (see ``worker.stand_by``), its rank to come on its stdin."""
+        from tenplex_jax._src.multihost.processes import spawn
 
-        def close_stdin(self) -> None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
+        self.proc = spawn(command, env=os.environ | env, stdin=subprocess.PIPE)
+        return self.proc.pid
 
-        def start_store(self, directory: str, host: str, token_file: str, python: str) -> tuple:
-            from tenplex_jax._src.multihost.store.process import StoreProcess
+    def tell(self, data: bytes) -> str | None:
+        """Write the launcher's message (a rank, an end) to the process's stdin; why not,
+        when it is gone."""
+        try:
+            if self.proc.poll() is not None:
+                return f"exited with {self.proc.returncode}"
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except OSError as error:
+            return str(error)
+        return None
 
-            store = StoreProcess.start(directory, host=host, token_file=token_file)
-            self.proc = store.popen
-            return store.address, store.pid
+    def close_stdin(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
 
-        def wait(self) -> int:
-            return self.proc.wait()
+    def start_store(self, directory: str, host: str, token_file: str, python: str) -> tuple:
+        from tenplex_jax._src.multihost.store.process import StoreProcess
 
-        def signal(self, sig: int) -> None:
-            if self.proc is not None and self.proc.poll() is None:
-                self.proc.send_signal(sig)
+        store = StoreProcess.start(directory, host=host, token_file=token_file)
+        self.proc = store.popen
+        return store.address, store.pid
 
-    return Host
+    def wait(self) -> int:
+        return self.proc.wait()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
 
 
 class Remote:
@@ -221,7 +199,7 @@ class RayLauncher(Launcher):
         self.hosts: dict[int, object] = {}  # slot -> its store's actor
         self._looked = 0.0
         self._declined: set[str] = set()  # nodes whose offer did not pay: not weighed again
-        self._progress_seen: list[tuple[float, int]] = []  # (time, step): the step time
+        self._running = 0  # the generation running (its progress times its step)
 
     # -- Ray's nodes -----------------------------------------------------------------------------
 
@@ -291,9 +269,10 @@ class RayLauncher(Launcher):
                 raise LaunchError(
                     f"the store of slot {i} (node {self.nodes[i]}) did not start: {error}"
                 ) from None
-            self.slots[i] = _Slot(i, Remote(self.hosts[i], pid, self.nodes[i]), address)
+            remote = Remote(self.hosts[i], pid, self.nodes[i])
+            self.slots[i] = _Slot(index=i, store=remote, address=address)
         self._event(
-            "stores",
+            Event.STORES,
             slots={
                 i: {
                     "pid": self.slots[i].store.pid,
@@ -354,9 +333,9 @@ class RayLauncher(Launcher):
                 started[slot] = Remote(actors[slot], pid, self.nodes[slot])
         return started
 
-    def _start_generation(self, number: int, slots: list[int], source: str):
-        self._progress_seen, self._generation = [], number  # step times are this generation's
-        return super()._start_generation(number, slots, source)
+    def _start_generation(self, number: int, slots: list[int], restore):
+        self._running = number
+        return super()._start_generation(number, slots, restore)
 
     def _survivors(self, slots: list[int], outcome) -> list[int]:
         """On Ray the unit of failure is the node: a slot survives while its node (and store)
@@ -382,96 +361,59 @@ class RayLauncher(Launcher):
 
     # -- joins ------------------------------------------------------------------------------------
 
-    def _request(self, current: int) -> tuple[str, int] | None:
+    def _request(self, current: int) -> Request | None:
         """A planned end (SIGTERM, RUN_DIR/resize), or growth onto nodes that joined."""
         asked = super()._request(current)
         if asked is not None:
             return asked
-        self._note_progress()
         if time.monotonic() - self._looked < POLL_NODES_SECONDS:
             return None
         self._looked = time.monotonic()
         offered = [
             n for n in self.alive() if n not in self.nodes.values() and n not in self._declined
         ]
-        if not offered:
-            return None
-        rule = self._growth(current, current + len(offered))
+        rule = self._growth(current, current + len(offered)) if offered else None
         if rule is None:
             return None
         self._event(
-            "offer",
+            Event.OFFER,
             nodes=offered,
             processes=current + len(offered),
-            **rule,
-            detail=f"{len(offered)} node(s) joined; grow: {rule['grow']} (gain "
-            f"{rule['gain_seconds']:.1f} s against a cost of {rule['cost_seconds']:.1f} s)",
+            **dataclasses.asdict(rule),
+            detail=f"{len(offered)} node(s) joined; grow: {rule.grow} (gain "
+            f"{rule.gain_seconds:.1f} s against a cost of {rule.cost_seconds:.1f} s)",
         )
-        if not rule["grow"]:
+        if not rule.grow:
             self._declined = set(offered)
             return None
-        self._event("request", action="resize", processes=current + len(offered))
-        return "resize", current + len(offered)  # the launcher asks the workers for it
+        request = Request(action=Action.RESIZE, processes=current + len(offered))
+        self._event(Event.REQUEST, action=request.action, processes=request.processes)
+        return request  # the launcher asks the workers for it
 
-    def _note_progress(self) -> None:
-        try:
-            record = json.loads((self.run_dir / "progress.json").read_text())
-        except (OSError, ValueError):
-            return
-        if record.get("generation") != getattr(self, "_generation", None):
-            return  # the last generation's last step
-        point = (float(record["time"]), int(record["step"]))
-        if "first" in record:  # the generation's first step and this one: whatever polls missed
-            first = (float(record["first"][0]), int(record["first"][1]))
-            self._progress_seen = [first, point] if first[1] != point[1] else [first]
-        elif not self._progress_seen or point[1] != self._progress_seen[-1][1]:
-            self._progress_seen = (self._progress_seen + [point])[-20:]
-        self._total_steps = record.get("steps")
-
-    def _growth(self, now: int, then: int) -> dict | None:
-        """``ElasticJob.offer``'s rule on the launcher's measurements; None before any exist."""
-        from tenplex_jax._src.planner.growth import growth
-
-        seen = self._progress_seen
-        if len(seen) < 2 or seen[-1][1] - seen[0][1] < 2:
-            # no step time of this generation yet (timed from the end of its first step, which
-            # includes the compile): look again at the next poll
+    def _growth(self, now: int, then: int) -> Growth | None:
+        """``ElasticJob.offer``'s rule on the launcher's measurements: the step time and steps
+        left from process 0's progress, the state's bytes, the bandwidth of the generation's
+        restore, its start-up and its first step's compile (process 0's
+        :class:`~tenplex_jax._src.multihost.rundir.RestoreReport`); None before a step time of this
+        generation exists (timed from the end of its first step, which includes the compile)."""
+        run = RunDir(self.run_dir)
+        seen = run.read(Progress)
+        if seen is None or seen.generation != self._running or seen.step - seen.first_step < 2:
             return None
-        (t0, s0), (t1, s1) = seen[0], seen[-1]
-        step_now = (t1 - t0) / max(s1 - s0, 1)
-        total = getattr(self, "_total_steps", None)
-        restore = self._last_restore()
+        step_now = (seen.time - seen.first_time) / (seen.step - seen.first_step)
+        restored = run.restored(self._running)
+        known = restored is not None and restored.seconds > 0
         return growth(
             step_seconds_now=step_now,
             step_seconds_new=step_now * now / then,
-            remaining_steps=None if total is None else max(int(total) - s1, 0),
-            bytes_moved=restore.get("state_bytes", 0),
-            bandwidth=restore.get("bandwidth", 1e9),
-            compile_seconds=restore.get("compile_seconds", 0.0),
+            remaining_steps=None if seen.steps is None else max(seen.steps - seen.step, 0),
+            bytes_moved=restored.state_bytes if known else 0,
+            bandwidth=max(restored.state_bytes / restored.seconds, 1.0) if known else 1e9,
+            compile_seconds=max(seen.first_time - restored.restored, 0.0) if known else 0.0,
             compiled_ahead=False,
             source="launcher",
-            restart_seconds=restore.get("restart_seconds", 0.0),
+            restart_seconds=restored.restored - restored.started if known else 0.0,
         )
-
-    def _last_restore(self) -> dict:
-        """The newest generation's restore, as process 0 recorded it: its state's bytes, the
-        bandwidth it pulled them at, and its start-up and first step's seconds."""
-        records = sorted(
-            self.run_dir.glob("restore-g*-p0.json"),
-            key=lambda p: int(p.stem.split("-g")[1].split("-")[0]),
-        )
-        if not records:
-            return {}
-        record = json.loads(records[-1].read_text())
-        times, out = record.get("times", {}), {"state_bytes": record.get("state_bytes", 0)}
-        if record.get("seconds"):
-            out["bandwidth"] = max(record["state_bytes"] / record["seconds"], 1.0)
-        if "started" in times and "restored" in times:
-            out["restart_seconds"] = times["restored"] - times["started"]
-        first = self._progress_seen[0][0] if self._progress_seen else None
-        if first is not None and "restored" in times and first > times["restored"]:
-            out["compile_seconds"] = first - times["restored"]
-        return out
 
 
 class _Dead:
@@ -486,19 +428,9 @@ class _Dead:
     def write(self, data: bytes) -> None:
         raise BrokenPipeError(f"node {self.node} is gone")
 
-    flush = close = lambda self: None
-
-    def poll(self) -> int:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        pass
-
-    def kill(self) -> None:
-        pass
+    flush = close = kill = lambda self: None
+    send_signal = lambda self, sig: None
+    poll = wait = lambda self, timeout=None: self.returncode
 
 
 def launch_on_ray(

@@ -8,19 +8,53 @@ the run directory's control files and the environment variables both sides read.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import pathlib
 import sys
 from collections.abc import Mapping
 
 from tenplex_jax._src.errors import LaunchError
+from tenplex_jax._src.multihost.rundir import Source
 
 __all__ = ["JobSpec", "LaunchOptions"]
 
 ENV = "TENPLEX_JOB"  # the launcher passes the whole job description as one JSON variable
-CONTROL = "control.json"  # in the run dir: the launcher's request to end the generation
+CONTROL = "control.json"  # in the run dir: the launcher's Request to end the generation
 CHECKPOINT = "checkpoint.json"  # in the run dir: the script's own checkpoint dir, for fallbacks
-ACTIONS = ("resize", "stop")
+
+
+class Action(enum.StrEnum):
+    """Why a generation ends at a step boundary: the launcher asked (``RESIZE``, ``STOP``), or
+    JAX's preemption notice reached its sync point (``PREEMPTED``)."""
+
+    RESIZE = "resize"
+    STOP = "stop"
+    PREEMPTED = "preempted"
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """The launcher's request to end a generation (``RUN_DIR/control.json``, or from
+    ``RUN_DIR/resize`` and SIGTERM): ``action`` at a step boundary, for ``processes`` next."""
+
+    action: Action
+    processes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Restore:
+    """Where a generation restores from (``JobSpec.restore``).
+
+    Attributes:
+      source: the stores, the orbax checkpoint or the script's ``init``.
+      step: the version's or the checkpoint's step (0 for ``init``).
+    """
+
+    source: Source
+    step: int = 0
+
+
 # set for a standby process: it imports, then waits for its rank; the launcher's run dir, where
 # it says when it has imported (``warm-<pid>``), or "1"
 STANDBY = "TENPLEX_STANDBY"
@@ -44,8 +78,7 @@ class JobSpec:
       stores: slot -> address, for every store that is up.
       replicas: store copies of every shard beyond the writer's.
       commit_every: steps between commits to the stores.
-      restore: where the state comes from: ``"init"``, ``"store:<step>"`` or
-        ``"checkpoint:<step>"``.
+      restore: where the state comes from (a :class:`Restore`).
       run_dir: the launcher's run directory (control files, progress, logs).
       checkpoint_dir: the orbax checkpoint directory, if any.
       checkpoint_every: steps between orbax checkpoints, if any.
@@ -58,22 +91,22 @@ class JobSpec:
         generation stays for the next one (see ``LaunchOptions.keep``); else process 0 runs it.
     """
 
-    coordinator: str  # "host:port" of the jax.distributed coordination service
+    coordinator: str
     process_id: int
     num_processes: int
     devices_per_process: int
     generation: int
-    slots: tuple[int, ...]  # process -> host slot (its tensor store)
-    stores: dict[int, str]  # slot -> address, for every store that is up
+    slots: tuple[int, ...]
+    stores: dict[int, str]
     replicas: int
     commit_every: int
-    restore: str  # "init", "store:<step>" or "checkpoint:<step>"
+    restore: Restore
     run_dir: str
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
-    token_file: str | None = None  # the stores' secret, in a file only this job's user reads
-    executables: bool = True  # share compiled steps through RUN_DIR/executables
-    hosted: bool = False  # the launcher runs the coordination service; survivors stay
+    token_file: str | None = None
+    executables: bool = True
+    hosted: bool = False
 
     def to_env(self) -> dict[str, str]:
         """The environment a worker is started with: ``{"TENPLEX_JOB": <this record as JSON>}``."""
@@ -101,6 +134,8 @@ class JobSpec:
         record = json.loads(text)
         record["slots"] = tuple(record["slots"])
         record["stores"] = {int(k): v for k, v in record["stores"].items()}
+        restore = record["restore"]
+        record["restore"] = Restore(source=Source(restore["source"]), step=restore["step"])
         return cls(**record)
 
     @property
@@ -125,7 +160,7 @@ class LaunchOptions:
 
     Example::
 
-        options = LaunchOptions("train.py", args=("--steps", "1000"), nprocs=4, replicas=1)
+        options = LaunchOptions(script="train.py", args=("--steps", "1000"), nprocs=4)
         status = tj.multihost.launch(options)      # 0: done or stopped
 
     Attributes:
@@ -142,7 +177,6 @@ class LaunchOptions:
       checkpoint_every: steps between orbax checkpoints (with ``checkpoint_dir``).
       store_dir: the stores' disk tier (default ``RUN_DIR/stores``).
       compile_cache: JAX's persistent compilation cache directory, shared by the generations.
-      recover_from: ``"store"``, or ``"checkpoint"`` to ignore the stores (a baseline).
       token: the stores refuse clients without the job's secret (always on Ray).
       executables: share compiled steps through ``RUN_DIR/executables`` (see
         :class:`JobSpec`); False compiles every layout in every process, as a plain restart.
@@ -154,14 +188,14 @@ class LaunchOptions:
         one in the same process (the coordination service runs in the launcher, so no
         process's death takes another with it). False ends every process with its generation,
         as a plain restart does.
-      grace: seconds the survivors of a failure get before SIGKILL (without ``keep``).
+      grace: seconds the survivors of a failure get before SIGKILL (without ``keep``; on CPU
+        they hang in gloo collectives with the dead peer, which never time out).
       stop_timeout: seconds the workers get to commit and exit on a planned end.
       start_timeout: seconds a store gets to listen.
       python: the interpreter of the stores and workers.
 
     Raises:
-      LaunchError: a count is out of range, ``recover_from`` is unknown, or ``"checkpoint"``
-        comes without ``checkpoint_dir``.
+      LaunchError: a count or ``grace`` is out of range (the message names the field).
     """
 
     script: str
@@ -172,32 +206,24 @@ class LaunchOptions:
     commit_every: int = 10
     max_restarts: int = 3
     min_procs: int = 1
-    run_dir: pathlib.Path | None = None  # default: a fresh temporary folder
-    checkpoint_dir: pathlib.Path | None = None  # the orbax tier
+    run_dir: pathlib.Path | None = None
+    checkpoint_dir: pathlib.Path | None = None
     checkpoint_every: int | None = None
-    store_dir: pathlib.Path | None = None  # the stores' disk tier; default RUN_DIR/stores
-    compile_cache: pathlib.Path | None = None  # JAX's persistent compilation cache, shared
-    recover_from: str = "store"  # "checkpoint": ignore the stores (the benchmark's baseline)
-    token: bool = False  # stores refuse clients without the job's secret (always on Ray)
-    executables: bool = True  # compiled steps shared by processes and generations
-    standby: bool = True  # a warm process per slot for the next generation
-    keep: bool = True  # survivors stay in their process for the next generation
-    # survivors of a failure on CPU hang in gloo collectives with the dead peer (no timeout:
-    # measured > 50 s), so by default they are killed at once
+    store_dir: pathlib.Path | None = None
+    compile_cache: pathlib.Path | None = None
+    token: bool = False
+    executables: bool = True
+    standby: bool = True
+    keep: bool = True
     grace: float = 0.0
-    stop_timeout: float = 300.0  # seconds workers get to commit and exit on a planned end
-    start_timeout: float = 60.0  # seconds a store gets to listen
+    stop_timeout: float = 300.0
+    start_timeout: float = 60.0
     python: str = sys.executable
 
     def __post_init__(self):
-        for name in ("nprocs", "devices_per_proc", "commit_every", "min_procs"):
-            if getattr(self, name) < 1:
-                raise LaunchError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
-        if self.replicas < 0 or self.max_restarts < 0:
-            raise LaunchError(f"--replicas and --max-restarts must be >= 0, got {self}")
-        if self.recover_from not in ("store", "checkpoint"):
-            raise LaunchError(f"recover_from is 'store' or 'checkpoint', got {self.recover_from!r}")
-        if self.recover_from == "checkpoint" and self.checkpoint_dir is None:
-            raise LaunchError("recovering from checkpoints needs --checkpoint-dir")
+        least = dict.fromkeys(("nprocs", "devices_per_proc", "commit_every", "min_procs"), 1)
+        least |= dict.fromkeys(("replicas", "max_restarts", "grace"), 0)
+        for name, low in least.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low:
+                raise LaunchError(f"LaunchOptions.{name} is a number >= {low:g}, got {value!r}")

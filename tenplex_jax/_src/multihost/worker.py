@@ -1,29 +1,19 @@
 """A launched process's side of the job: what ``LaunchedJob`` does underneath.
 
-``tenplex-jax launch`` starts every worker as ``python -m tenplex_jax.multihost SCRIPT ARGS``:
-:func:`join` configures JAX from the launcher's :class:`JobSpec` (CPU devices per process, gloo
-collectives) and initializes ``jax.distributed`` with the coordinator on 127.0.0.1, then
-:func:`main` runs the script as ``__main__``. A standby process (:func:`stand_by`) does the
-imports first and waits for its rank on stdin. :func:`main` runs the script inside
-``tj.elastic.use_job_class(LaunchedJob)``: its ``ElasticJob(...)`` builds a ``LaunchedJob``
-(``launched.py``), which drives a :class:`Worker`, an implementation detail of the job:
-
-- ``restore``: the state laid out over this generation's devices, from where the launcher says —
-  the latest complete version in the stores (each process pulls only its own shards: its own
-  store first, then the writer's, then replicas), the orbax checkpoint, or the user's ``init``
-  jitted straight into the layout on the first start;
-- ``boundary``: at every step boundary, end the generation at the launcher's request or at JAX's
-  preemption sync point (a synchronous commit: no step lost), else commit every
-  ``--commit-every`` steps in the background; ``reached`` records progress after every step;
-- ``finish``: wait for the commits, save a final orbax checkpoint, tell the launcher.
+``tenplex-jax launch`` starts every worker as ``python -m tenplex_jax.multihost SCRIPT ARGS``
+(:func:`main`): a standby process first imports what the job needs (:func:`_warm`) and waits
+for its rank on stdin; then :func:`join` configures JAX from the launcher's :class:`JobSpec` and
+joins ``jax.distributed``, and the script runs as ``__main__`` inside
+``tj.elastic.use_job_class(LaunchedJob)``. Its ``LaunchedJob`` drives a :class:`Worker`:
+``restore`` (from the stores, the orbax checkpoint or ``init``), ``boundary`` (the generation's
+end at a step boundary, or a commit in the background), ``reached`` (progress after every step)
+and ``finish``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import math
 import os
 import pathlib
 import runpy
@@ -39,7 +29,8 @@ import numpy as np
 from tenplex_jax._src.data import DatasetPTC, DataState
 from tenplex_jax._src.errors import DataError, StoreError
 from tenplex_jax._src.multihost import distributed, membership
-from tenplex_jax._src.multihost.spec import ACTIONS, CHECKPOINT, CONTROL, ENV, STANDBY, JobSpec
+from tenplex_jax._src.multihost.rundir import Progress, RestoreReport, Source, record_path, write
+from tenplex_jax._src.multihost.spec import CHECKPOINT, CONTROL, ENV, STANDBY, Action, JobSpec
 from tenplex_jax._src.ptc import PTC
 
 
@@ -47,16 +38,10 @@ def join(spec: JobSpec, *, timeout: float = 120.0) -> None:
     """Configure JAX for the launched job and join it; before anything starts JAX's backend.
     The endpoints its collectives listen on go to ``RUN_DIR/endpoints-g<gen>-p<id>.json``: the
     launcher hands them to the survivors of a failure (``membership.break_collectives``)."""
-    endpoints = membership.join(
-        spec.coordinator,
-        spec.num_processes,
-        spec.process_id,
-        spec.devices_per_process,
-        hosted=spec.hosted,
-        timeout=timeout,
-    )
+    args = spec.coordinator, spec.num_processes, spec.process_id, spec.devices_per_process
+    endpoints = membership.join(*args, hosted=spec.hosted, timeout=timeout)
     name = f"endpoints-g{spec.generation}-p{spec.process_id}.json"
-    _write_json(pathlib.Path(spec.run_dir) / name, {"endpoints": endpoints})
+    write(pathlib.Path(spec.run_dir) / name, {"endpoints": endpoints})
 
 
 # seconds a process whose script failed waits for the launcher to say that the generation ended
@@ -121,10 +106,9 @@ def _run(spec: JobSpec, argv: list[str], control: membership.Control | None) -> 
         try:
             if control is not None:
                 control.arm()
-            started = time.time()
             with contextlib.nullcontext() if control is None else control.joining():
                 join(spec)
-            Worker.joined = started, time.time()
+            Worker.joined = time.time()
             Worker.control = control
             # the script's tj.ElasticJob(...) is this process's LaunchedJob
             from tenplex_jax._src.elastic.job import use_job_class
@@ -160,9 +144,7 @@ def _leave(spec: JobSpec, *, broken: bool) -> None:
     Worker.opened.clear()
     Worker.kept = True
     record = {"pid": os.getpid(), "broken": broken, "seconds": time.perf_counter() - tic}
-    _write_json(
-        pathlib.Path(spec.run_dir) / f"left-g{spec.generation}-p{spec.process_id}.json", record
-    )
+    write(pathlib.Path(spec.run_dir) / f"left-g{spec.generation}-p{spec.process_id}.json", record)
 
 
 _OUTPUT: tuple[int, int] | None = None  # the launcher's stdout and stderr, as this process got them
@@ -195,15 +177,9 @@ def _ranked(control: membership.Control) -> bool:
 
 
 # what every launched job imports, warmed by a standby process before it has a rank
-WARM_MODULES = (
-    "jax.numpy",
-    "flax.nnx",
-    "optax",
-    "orbax.checkpoint",
-    "tenplex_jax._src.multihost.launched",
-    "tenplex_jax._src.multihost.commit",
-    "tenplex_jax._src.multihost.store.client",
-    "tenplex_jax._src.checkpoint",
+WARM_MODULES = ("jax.numpy", "flax.nnx", "optax", "orbax.checkpoint", "tenplex_jax._src.checkpoint")
+WARM_MODULES += tuple(
+    f"tenplex_jax._src.multihost.{m}" for m in ("launched", "commit", "store.client")
 )
 
 
@@ -245,7 +221,7 @@ def _script_imports(script: str) -> list[str]:
 class Worker:
     """One process's handle on a launched job (see the module docstring)."""
 
-    joined: tuple[float, float] | None = None  # wall-clock times around jax.distributed.initialize
+    joined: float | None = None  # when this process had joined jax.distributed (wall clock)
     activated: float | None = None  # when a standby process got its rank
     kept = False  # this process ran an earlier generation and stayed for this one
     finished = False  # the job finished (every process knows it at ``finish``)
@@ -254,7 +230,8 @@ class Worker:
     opened: ClassVar[list[Worker]] = []
 
     def __init__(self, spec: JobSpec, checkpoint_dir=None, checkpoint_every: int | None = None):
-        self.spec = spec
+        self.spec, self.process_index, self.generation = spec, spec.process_id, spec.generation
+        self.run_dir = pathlib.Path(spec.run_dir)
         Worker.opened.append(self)
         # the launcher's flags win; else the script's own, which the launcher then learns
         self.checkpoint_dir = spec.checkpoint_dir or checkpoint_dir
@@ -262,73 +239,51 @@ class Worker:
         self.committer = None
         self.clients: dict[int, Any] = {}
         self.last_commit: int | None = None
-        self.restored: dict | None = None  # what restore did: source, step, seconds, bytes
+        self.restored: RestoreReport | None = None
         self._checkpointed: int | None = None  # the newest orbax step, as this process knows
         self._first_progress: tuple[float, int] | None = None  # this generation's first step
-        # wall-clock times of this process's start-up, for the recovery benchmark's breakdown
-        started = _process_start() if Worker.activated is None else Worker.activated
-        self.times: dict[str, float] = {"started": started}
-        if Worker.joined is not None:
-            self.times["join"], self.times["joined"] = Worker.joined
         if spec.checkpoint_dir is None and checkpoint_dir is not None:
-            self._write(
-                CHECKPOINT,
-                {
-                    "directory": str(pathlib.Path(checkpoint_dir).absolute()),
-                    "every": checkpoint_every,
-                },
-            )
-
-    @property
-    def process_index(self) -> int:
-        return self.spec.process_id
-
-    @property
-    def generation(self) -> int:
-        return self.spec.generation
-
-    @property
-    def run_dir(self) -> pathlib.Path:
-        return pathlib.Path(self.spec.run_dir)
+            directory = str(pathlib.Path(checkpoint_dir).absolute())
+            self._write(CHECKPOINT, {"directory": directory, "every": checkpoint_every})
 
     # -- restore ---------------------------------------------------------------------------------
 
     def restore(self, ptc: PTC, init: Callable[[], Any], dataset: DatasetPTC) -> Any:
         """The job's state laid out as ``ptc``, from where the launcher says; the dataset resumes
-        at the restored step."""
-        tic = time.perf_counter()
-        self.times["restore"] = time.time()
-        kind, _, at = self.spec.restore.partition(":")
-        record: dict[str, Any] = {
-            "source": kind,
-            "config": str(ptc.config),
-            "process": self.process_index,
-            "warm": Worker.activated is not None,  # a standby process took this rank
-            "kept": Worker.kept,  # ... a process of an earlier generation took it
-        }
-        if kind == "init":
+        at the restored step. How is ``self.restored``, also in ``RUN_DIR/restore-g<gen>-p<id>``."""
+        tic, restoring = time.perf_counter(), time.time()
+        source, pulled = self.spec.restore.source, None
+        if source == Source.INIT:
             state, step, data_state = init(), 0, None
-        elif kind == "store":
-            state, step, data_state, pulled = self._pull(ptc, int(at))
-            record["pull"] = dataclasses.asdict(pulled)
-        elif kind == "checkpoint":
+        elif source == Source.STORE:
+            state, step, data_state, pulled = self._pull(ptc, self.spec.restore.step)
+        else:
             from tenplex_jax._src.checkpoint import restore_checkpoint
 
-            restored = restore_checkpoint(self.checkpoint_dir, ptc, step=int(at))
+            restored = restore_checkpoint(self.checkpoint_dir, ptc, step=self.spec.restore.step)
             state, step, data_state = restored.state, restored.step, restored.data_state
-        else:
-            raise StoreError(f"unknown restore source {self.spec.restore!r} from the launcher")
         if data_state is not None:
             dataset.restore(data_state)
         else:
             dataset.step = step
         jax.block_until_ready(state)
-        record |= {"step": step, "state_bytes": ptc.nbytes, "seconds": time.perf_counter() - tic}
-        self.times["restored"] = time.time()
-        record["times"] = dict(self.times)
-        self.restored = record
+        self.restored = RestoreReport(
+            source=source,
+            step=step,
+            config=str(ptc.config),
+            process=self.process_index,
+            warm=Worker.activated is not None,
+            kept=Worker.kept,
+            state_bytes=ptc.nbytes,
+            seconds=time.perf_counter() - tic,
+            started=_process_start() if Worker.activated is None else Worker.activated,
+            joined=Worker.joined,
+            restoring=restoring,
+            restored=time.time(),
+            pull=pulled,
+        )
         self.last_commit = step
-        self._write(f"restore-g{self.generation}-p{self.process_index}.json", record, every=True)
+        self.write_record(self.restored)
         self._start_committer()
         if self.checkpoint_dir is not None:  # read before any process of this generation saves
             from tenplex_jax._src.checkpoint import saved_steps
@@ -367,12 +322,11 @@ class Worker:
         if missing:
             raise StoreError(f"the stores of slots {missing} of this generation are not reachable")
         replicas = min(spec.replicas, len(spec.slots) - 1)
-        replicated = ReplicatedStore(  # a loaded host's store may take seconds to answer (a
-            # dead one refuses at once, and the launcher ends the generation of a lost host)
-            [spec.stores[s] for s in spec.slots],
-            replicas=replicas,
-            token=spec.token(),
-            connect_timeout=STORE_CONNECT_SECONDS,
+        # a loaded host's store may take seconds to answer (a dead one refuses at once, and the
+        # launcher ends the generation of a lost host)
+        addresses, timeout = [spec.stores[s] for s in spec.slots], STORE_CONNECT_SECONDS
+        replicated = ReplicatedStore(
+            addresses, replicas=replicas, token=spec.token(), connect_timeout=timeout
         )
         stores = [self.clients[s] for s in spec.slots]
         self.committer = Committer(spec.process_id, spec.slots, stores, replicated, replicas)
@@ -386,9 +340,9 @@ class Worker:
         step: int,
         dataset: DatasetPTC,
         ready: Callable[[int], bool] | None = None,
-    ) -> str | None:
-        """At the boundary before step ``step`` (``step`` steps done): ``"resize"`` or ``"stop"``
-        once the generation has committed for the launcher's request, ``"preempted"`` once it
+    ) -> Action | None:
+        """At the boundary before step ``step`` (``step`` steps done): ``RESIZE`` or ``STOP``
+        once the generation has committed for the launcher's request, ``PREEMPTED`` once it
         has committed at JAX's preemption sync point, else None (after a due background commit).
 
         Every process calls it at the same step: the request is process 0's, broadcast.
@@ -399,56 +353,55 @@ class Worker:
             action = self.stop_requested(ready)
             if action is not None:
                 # a stop always saves; a resize saves when the step is due, as any commit would
-                checkpoint = True if action == "stop" else None
+                checkpoint = True if action == Action.STOP else None
                 self.commit(state, ptc, step, dataset, wait=True, checkpoint=checkpoint)
-                self._write(
-                    "stopped.json", {"generation": self.generation, "step": step, "action": action}
-                )
                 return action
             if step % self.spec.commit_every == 0:
                 self.commit(state, ptc, step, dataset)
         if distributed.reached_preemption_sync_point(step):
             self.commit(state, ptc, step, dataset, wait=True, checkpoint=True)
-            return "preempted"
+            return Action.PREEMPTED
         return None
 
     def reached(self, step: int, steps: int | None = None) -> None:
-        """Record for the launcher that ``step`` steps are done (its lost-steps accounting), of
-        the job's ``steps`` (its growth decisions), and since when: ``first`` is the time and
-        step of this generation's first record, so one read gives a step time, whatever
-        records the launcher's polls missed."""
+        """Record for the launcher that ``step`` steps are done, of the job's ``steps``
+        (:class:`~tenplex_jax._src.multihost.rundir.Progress`)."""
         now = time.time()
         if self._first_progress is None:
             self._first_progress = (now, step)
-        record = {"generation": self.generation, "step": step, "steps": steps, "time": now}
-        self._write("progress.json", record | {"first": list(self._first_progress)})
+        first_time, first_step = self._first_progress
+        progress = Progress(
+            generation=self.generation,
+            step=step,
+            steps=steps,
+            time=now,
+            first_time=first_time,
+            first_step=first_step,
+        )
+        self._write("progress.json", progress)
 
-    def record_step(self, **record) -> None:
-        """Record how this process got its generation's step (compiled or loaded, seconds,
-        counts), for the benchmarks: ``RUN_DIR/step-g<gen>-p<id>.json``."""
-        record["times"] = dict(self.times)
-        self._write(f"step-g{self.generation}-p{self.process_index}.json", record, every=True)
+    def write_record(self, record) -> None:
+        """Write this process's record of the run directory (``rundir``) for its generation."""
+        write(record_path(self.run_dir, type(record), self.generation, self.process_index), record)
 
-    def write_record(self, name: str, record: dict, *, every: bool = False) -> None:
-        """Write a JSON record into the run dir (process 0 only, unless ``every``), atomically."""
-        self._write(name, record, every=every)
-
-    def stop_requested(self, ready: Callable[[int], bool] | None = None) -> str | None:
-        """``"resize"`` or ``"stop"`` when the launcher asked this generation to end (a collective:
+    def stop_requested(self, ready: Callable[[int], bool] | None = None) -> Action | None:
+        """``RESIZE`` or ``STOP`` when the launcher asked this generation to end (a collective:
         every process gets process 0's answer, so all stop at the same step); a resize waits
         for ``ready(processes)``."""
+        actions = (Action.RESIZE, Action.STOP)
         code = 0
         if self.process_index == 0:
             try:
                 request = json.loads((self.run_dir / CONTROL).read_text())
                 action = request.get("action")
-                code = ACTIONS.index(action) + 1 if action in ACTIONS else 0
-                if action == "resize" and ready is not None and not ready(request["processes"]):
+                code = actions.index(action) + 1 if action in actions else 0
+                waits = action == Action.RESIZE and ready is not None
+                if waits and not ready(request["processes"]):
                     code = 0  # its layout is still compiling: train on meanwhile
             except FileNotFoundError:
                 code = 0  # no request
         code = int(distributed.broadcast_one_to_all(np.int32(code)))
-        return ACTIONS[code - 1] if code else None
+        return actions[code - 1] if code else None
 
     def commit(
         self,
@@ -511,29 +464,13 @@ class Worker:
             client.close()
         self.clients = {}
 
-    def _write(self, name: str, record: dict, *, every: bool = False) -> None:
-        """Atomically write a JSON record into the run dir (process 0 only unless ``every``)."""
-        if not (every or self.process_index == 0):
-            return
-        _write_json(self.run_dir / name, record)
-
-
-def _write_json(path: pathlib.Path, record: dict) -> None:
-    """Write ``record`` as JSON at ``path`` atomically: a reader sees all of it or none."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(record, default=_json_default))
-    os.replace(tmp, path)
+    def _write(self, name: str, record) -> None:
+        """Write process 0's record (a dataclass or a dict) into the run dir, atomically."""
+        if self.process_index == 0:
+            write(self.run_dir / name, record)
 
 
 def _process_start() -> float:
     import psutil
 
     return psutil.Process().create_time()
-
-
-def _json_default(value):
-    if isinstance(value, DataState):
-        return dataclasses.asdict(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return str(value)

@@ -239,6 +239,8 @@ class StoreClient:
             return result
 
     def _exchange(self, sock, request: dict, body, into) -> tuple[dict, Any]:
+        """Send ``request`` (and ``body`` once the store says continue) on ``sock``; the reply
+        header and body (see :meth:`_call`)."""
         nbody, rid = 0 if body is None else memoryview(body).nbytes, request["rid"]
         try:
             wire.send_header(sock, request, nbody)
@@ -270,7 +272,12 @@ class StoreClient:
             header, nreply = self._reply(sock, rid)
         finally:
             sock.settimeout(self._timeout)
-        # a reply's sizes are the server's claims: checked before a byte is allocated for them
+        return header, self._reply_body(sock, request, header, nreply, into)
+
+    def _reply_body(self, sock, request: dict, header: dict, nreply: int, into):
+        """The reply's body of ``nreply`` bytes: into the array ``into`` gives (its checksum as
+        received in ``header["received"]``), else new bytes. The sizes the server claims are
+        checked before a byte is allocated for them."""
         try:
             if into is not None:
                 out = into(header, nreply)
@@ -295,15 +302,13 @@ class StoreClient:
             raise
         try:
             if into is None:
-                data = wire.recv_exact(sock, nreply)
-            else:
-                header["received"] = wire.recv_into(sock, wire.as_bytes(out), digest=True)
-                data = out
-                if header.get("checksum") is None:  # streamed from the store's disk: a trailer
-                    header["checksum"] = self._reply(sock, rid)[0].get("checksum")
+                return wire.recv_exact(sock, nreply)
+            header["received"] = wire.recv_into(sock, wire.as_bytes(out), digest=True)
+            if header.get("checksum") is None:  # streamed from the store's disk: a trailer
+                header["checksum"] = self._reply(sock, request["rid"])[0].get("checksum")
+            return out
         except OSError as error:
             raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
-        return header, data
 
     def close(self) -> None:
         """Close the pooled connections; a later call raises ``StoreError`` (``"closed"``)."""
@@ -352,32 +357,9 @@ class StoreClient:
         array = np.asarray(array, order="C")
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("="))
-        path = wire.check_path(path)
-        box = boxes.full(array.shape) if box is None else wire.as_box(box)
-        if global_shape is None and any(start for start, _ in box):
-            raise StoreError(
-                f"put of {path!r}: global_shape is needed when the box {box} does not start at "
-                f"the origin"
-            )
-        global_shape = boxes.shape(box) if global_shape is None else wire.as_shape(global_shape)
-        wire.check_box(path, box, global_shape)
-        if boxes.shape(box) != array.shape:
-            raise StoreError(
-                f"the array's shape must be its box's extent; got shape {array.shape} for box "
-                f"{box} at path {path!r}"
-            )
-        dtype = wire.dtype_of(array.dtype.name)
-        data = wire.as_bytes(array)
-        request = {
-            "op": "put",
-            "path": path,
-            "box": [list(b) for b in box],
-            "global_shape": list(global_shape),
-            "dtype": dtype.name,
-            "checksum": _checksum,  # None: computed as the bytes are sent, in a trailer
-            "durable": bool(durable),
-        }
-        header, _ = self._call(request, data)
+        request = _put_request(wire.check_path(path), array, box, global_shape)
+        request |= {"checksum": _checksum, "durable": bool(durable)}  # None: in a trailer
+        header, _ = self._call(request, wire.as_bytes(array))
         return ObjectInfo.from_json(header["info"])
 
     def get(
@@ -417,31 +399,7 @@ class StoreClient:
             "path": path,
             "box": None if box is None else [list(b) for b in box],
         }
-
-        def into(header, nreply):
-            try:  # the server's claims: a reply that breaks them is a protocol error
-                info = ObjectInfo.from_json(header.get("info"))
-                sent = wire.as_box(header.get("box"))
-                dtype = wire.dtype_of(info.dtype)
-            except StoreError as error:
-                raise StoreError(f"get of {path!r}: {error}", "protocol") from None
-            if (
-                info.path != path
-                or not boxes.contains(info.box, sent)
-                or sent != (info.box if box is None else box)
-            ):
-                raise StoreError(
-                    f"get of {path!r} box {box}: the reply is for {info.path!r} "
-                    f"box {sent} of an object {info.box}",
-                    "protocol",
-                )
-            if nreply != wire.nbytes_of(boxes.shape(sent), dtype):
-                raise StoreError(
-                    f"get of {path!r}: {nreply} bytes announced for box {sent} of {dtype.name}",
-                    "protocol",
-                )
-            return _receiver(out, path, sent, dtype)
-
+        into = lambda header, nreply: _get_into(header, nreply, path, box, out)
         header, out = self._call(request, into=into)
         digest = header["received"]  # computed as the bytes arrived
         if digest != header["checksum"]:
@@ -814,3 +772,54 @@ def _receiver(out: np.ndarray | None, path: str, box: Box, dtype: np.dtype) -> n
             "invalid",
         )
     return out
+
+
+def _put_request(path: str, array: np.ndarray, box, global_shape) -> dict:
+    """A put's request for ``array`` as ``box`` of ``global_shape``, checked before it is sent
+    (``StoreError``, reason ``"invalid"``)."""
+    box = boxes.full(array.shape) if box is None else wire.as_box(box)
+    if global_shape is None and any(start for start, _ in box):
+        raise StoreError(
+            f"put of {path!r}: global_shape is needed when the box {box} does not start at "
+            f"the origin"
+        )
+    global_shape = boxes.shape(box) if global_shape is None else wire.as_shape(global_shape)
+    wire.check_box(path, box, global_shape)
+    if boxes.shape(box) != array.shape:
+        raise StoreError(
+            f"the array's shape must be its box's extent; got shape {array.shape} for box "
+            f"{box} at path {path!r}"
+        )
+    return {
+        "op": "put",
+        "path": path,
+        "box": [list(b) for b in box],
+        "global_shape": list(global_shape),
+        "dtype": wire.dtype_of(array.dtype.name).name,
+    }
+
+
+def _get_into(header: dict, nreply: int, path: str, box, out: np.ndarray | None) -> np.ndarray:
+    """Where a get's reply goes (``out``, or a new array), once the reply's claims are checked:
+    the object and box asked for, of as many bytes as they hold (else reason ``"protocol"``)."""
+    try:  # the server's claims: a reply that breaks them is a protocol error
+        info = ObjectInfo.from_json(header.get("info"))
+        sent = wire.as_box(header.get("box"))
+        dtype = wire.dtype_of(info.dtype)
+    except StoreError as error:
+        raise StoreError(f"get of {path!r}: {error}", "protocol") from None
+    if (
+        info.path != path
+        or not boxes.contains(info.box, sent)
+        or sent != (info.box if box is None else box)
+    ):
+        raise StoreError(
+            f"get of {path!r} box {box}: the reply is for {info.path!r} "
+            f"box {sent} of an object {info.box}",
+            "protocol",
+        )
+    if nreply != wire.nbytes_of(boxes.shape(sent), dtype):
+        raise StoreError(
+            f"get of {path!r}: {nreply} bytes announced for box {sent} of {dtype.name}", "protocol"
+        )
+    return _receiver(out, path, sent, dtype)

@@ -24,16 +24,11 @@ class StoreProcess:
         proc.stop()
 
     Args:
-      popen: the child process.
-      address: its ``"host:port"``.
+      popen: the child process (kept as ``popen``).
+      address: its ``"host:port"`` (kept as ``address``).
       directory: its disk tier (kept as ``dir``).
-      unix_address: its ``"unix:PATH"`` when it also serves on a Unix socket.
-
-    Attributes:
-      popen: as given.
-      address: as given.
-      dir: the ``directory``.
-      unix_address: as given.
+      unix_address: its ``"unix:PATH"`` when it also serves on a Unix socket (kept as
+        ``unix_address``).
     """
 
     def __init__(
@@ -66,7 +61,7 @@ class StoreProcess:
         stderr=None,
         args: tuple[str, ...] = (),
     ) -> StoreProcess:
-        """Start a server (``python -m tenplex_jax.multihost.store``) and wait until it listens.
+        """Start a server (``python -m tenplex_jax.multihost.store``), returned once it listens.
 
         Args:
           directory: its disk tier (created if missing).
@@ -80,9 +75,6 @@ class StoreProcess:
           stderr: where its stderr goes (a file or ``subprocess`` constant; default: ours).
           args: more of its command-line options (e.g. ``("--max-connections", "8")``).
 
-        Returns:
-          The running server.
-
         Raises:
           StoreError: it exited before listening or did not listen within ``timeout`` (it is
             killed); the message holds its command line.
@@ -91,52 +83,24 @@ class StoreProcess:
         directory.mkdir(parents=True, exist_ok=True)
         ready = directory.parent / f".{directory.name}.ready.{os.getpid()}.{time.monotonic_ns()}"
         ready.unlink(missing_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "tenplex_jax.multihost.store",
-            "--dir",
-            str(directory),
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--ready-file",
-            str(ready),
-        ]
-        if memory_bytes is not None:
-            cmd += ["--memory-bytes", str(memory_bytes)]
-        if max_body_bytes is not None:
-            cmd += ["--max-body-bytes", str(max_body_bytes)]
-        if token_file is not None:
-            cmd += ["--token-file", str(token_file)]
-        if unix_socket is not None:
-            cmd += ["--unix-socket", str(unix_socket)]
+        options = {
+            "--host": host,
+            "--port": port,
+            "--ready-file": ready,
+            "--memory-bytes": memory_bytes,
+            "--max-body-bytes": max_body_bytes,
+            "--token-file": token_file,
+            "--unix-socket": unix_socket,
+        }
+        cmd = [sys.executable, "-m", "tenplex_jax.multihost.store", "--dir", str(directory)]
+        cmd += [str(a) for k, v in options.items() if v is not None for a in (k, v)]
         cmd += [str(a) for a in args]
         # the server runs the same tenplex_jax as this process, wherever the caller's cwd is
-        root = str(pathlib.Path(__file__).resolve().parents[2])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        paths = (str(pathlib.Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH"))
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, paths))}
         popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=stderr, env=env)
-        deadline = time.monotonic() + timeout
         try:
-            while not ready.exists():
-                if popen.poll() is not None:
-                    raise StoreError(
-                        f"the store server for {directory} exited with {popen.returncode} "
-                        f"before listening: {' '.join(cmd)}"
-                    )
-                if time.monotonic() > deadline:
-                    raise StoreError(
-                        f"the store server for {directory} did not listen in "
-                        f"{timeout} s: {' '.join(cmd)}"
-                    )
-                time.sleep(0.02)
-            address = ready.read_text().strip()
-        except BaseException:
-            popen.kill()
-            popen.wait()
-            raise
+            address = _listening(popen, ready, timeout, f"for {directory}: {' '.join(cmd)}")
         finally:
             ready.unlink(missing_ok=True)
         unix_address = None if unix_socket is None else f"unix:{unix_socket}"
@@ -165,3 +129,23 @@ class StoreProcess:
         if self.popen.poll() is None:
             self.popen.kill()
         return self.popen.wait()
+
+
+def _listening(popen: subprocess.Popen, ready: pathlib.Path, timeout: float, what: str) -> str:
+    """The address a starting server writes to ``ready`` once it listens; ``StoreError`` (the
+    server killed) when it exits first or takes longer than ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready.exists():
+            if popen.poll() is not None:
+                raise StoreError(
+                    f"the store server exited with {popen.returncode} before listening, {what}"
+                )
+            if time.monotonic() > deadline:
+                raise StoreError(f"the store server did not listen in {timeout} s, {what}")
+            time.sleep(0.02)
+        return ready.read_text().strip()
+    except BaseException:
+        popen.kill()
+        popen.wait()
+        raise

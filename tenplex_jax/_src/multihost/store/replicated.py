@@ -209,12 +209,7 @@ class ReplicatedStore:
         return list(self._pool.map(lambda c: _or_none(c.delete, prefix), self.clients))
 
     def put_json(
-        self,
-        path: str,
-        obj: Any,
-        *,
-        stores: Sequence[int] | None = None,
-        flush: bool = True,
+        self, path: str, obj: Any, *, stores: Sequence[int] | None = None, flush: bool = True
     ) -> list[int]:
         """Write a JSON object to several stores in parallel.
 

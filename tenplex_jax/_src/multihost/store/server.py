@@ -4,35 +4,14 @@
 One process per host (the launcher starts it; it outlives the workers). A threaded TCP server,
 bound to 127.0.0.1 unless ``--host`` says otherwise; bound anywhere else it refuses to start
 without ``--token-file``. ``--unix-socket PATH`` serves the same store on a Unix socket too (mode
-0600), for clients on the same host: ``StoreClient("unix:PATH")``.
-
-**Limits.** A new connection has no thread until its hello passes the token check: at most
-``--max-handshakes`` connections wait in their handshake (a new one closes the oldest), each for
-at most ``--handshake-timeout`` seconds (``connections``). Then it takes one of
-``--max-connections`` serving threads (one more is told ``"busy"``). Every request body and reply
-is admitted against one transfer budget of ``max(--memory-bytes, 64 MiB)`` before its bytes are
-received or produced (``Budget``): the server's memory stays within the memory tier plus that
-budget, plus a bounded header per connection, whatever clients do. An object larger than the
-budget streams through a ``STREAM_CHUNK_BYTES`` buffer: written to disk as it arrives, read from
-disk a chunk at a time.
-
-**Tiers.** Objects live in a memory tier (at most ``--memory-bytes``, least recently used clean
-objects evicted first) and on disk under ``DIR/objects``. A plain put is acknowledged once it is
-in the memory tier and queued for disk; ``durable=True`` (and any object larger than the memory
-tier) is acknowledged only after its file is complete. ``flush`` waits until every object
-acknowledged before it is on disk; ``put_json`` flushes first (unless asked not to), then writes
-durably, so a commit marker on disk implies that the objects put before it are on disk.
-SIGTERM / SIGINT flush too.
-
-**Atomic files.** An object is one file: ``b"TPX2"`` + header length + the header's crc32 + a
-JSON header (path, box, global shape, dtype, checksum) + the bytes. It is written to ``DIR/tmp``
-and fsynced; only then is it renamed into ``DIR/objects`` and does the index point at it (the
-directory is fsynced before a durable put or a flush returns). Several writer threads overlap
-their fsyncs. A restarted store deletes ``DIR/tmp``, indexes complete files whose header checks (a
-file whose header fails its crc32, or whose size disagrees with it, is set aside), and verifies
-every file's data checksum when it reads it: a file that fails is moved to ``DIR/corrupt`` and
-never served. So after a crash the store serves each object's last complete
-version or nothing; never a partial one.
+0600), for clients on the same host: ``StoreClient("unix:PATH")``. Who is served, and the caps
+on connections and handshakes: ``connections``; the memory and disk tiers and the atomic files:
+``tiers``. Here: each request's :class:`Handler`, and the :class:`Budget` every request body and
+reply is admitted against before its bytes are received or produced (``max(--memory-bytes,
+64 MiB)``), so that the server's memory stays within the memory tier plus that budget, plus a
+bounded header per connection, whatever clients do; an object larger than the budget streams
+through a ``STREAM_CHUNK_BYTES`` buffer, written to disk as it arrives, read from disk a chunk at
+a time. SIGTERM / SIGINT write what is only in memory to disk first.
 """
 
 from __future__ import annotations
@@ -591,6 +570,91 @@ class Handler(socketserver.BaseRequestHandler):
 
 
 def main(argv=None) -> int:
+    """Run a store server until SIGTERM or SIGINT (then write what is only in memory to disk)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    token = _token(args, parser)
+    for name in ("memory_bytes", "max_body_bytes", "max_connections", "max_handshakes"):
+        if getattr(args, name) < (0 if name == "memory_bytes" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    # the bytes in flight (request bodies, replies) share one budget the size of the memory tier
+    args.budget = Budget(max(args.memory_bytes, wire.MAX_JSON_BYTES), args.timeout)
+    if not is_loopback(args.host) and token is None:
+        parser.error(
+            f"binding to {args.host} (not a loopback address) requires --token-file: any host "
+            f"that reaches it could otherwise read and overwrite the training state"
+        )
+    directory = pathlib.Path(args.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = open(directory / "LOCK", "w")  # noqa: SIM115 (held for the life of the process)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        parser.error(f"another store server is serving {directory}")
+    store = Store(directory, args.memory_bytes)
+    servers = [Server((args.host, args.port), store, token, args, Handler)]
+    if args.unix_socket:
+        try:
+            servers.append(UnixServer(args.unix_socket, store, token, args, Handler))
+        except StoreError as error:
+            servers[0].server_close()
+            store.close()
+            parser.error(str(error))
+    _serve(servers, store, args.ready_file, directory)
+    return 0
+
+
+def _serve(servers: list, store: Store, ready_file: str | None, directory: pathlib.Path) -> None:
+    """Serve until SIGTERM or SIGINT; say where (``ready_file``) once listening."""
+    host, port = servers[0].server_address[:2]
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    for each in servers:
+        threading.Thread(target=each.serve_forever, name="store-server", daemon=True).start()
+    if ready_file:
+        ready = pathlib.Path(ready_file)
+        tmp = ready.with_name(ready.name + ".tmp")
+        tmp.write_text(address)
+        os.replace(tmp, ready)
+    print(
+        f"tenplex_jax.multihost.store: serving {directory} on {address}",
+        file=sys.stderr,
+        flush=True,
+    )
+    while not stop.wait(1.0):
+        pass
+    for each in servers:
+        each.shutdown()
+        each.server_close()
+        if isinstance(each, UnixServer):
+            each.remove()
+    store.close()
+
+
+def _token(args, parser) -> str | None:
+    """The secret in ``--token-file`` (a file others can read is warned about), or None."""
+    if not args.token_file:
+        return None
+    try:
+        token = pathlib.Path(args.token_file).read_text().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        parser.error(f"--token-file {args.token_file} cannot be read: {error}")
+    if not token:
+        parser.error(f"--token-file {args.token_file} is empty")
+    mode = pathlib.Path(args.token_file).stat().st_mode
+    if mode & 0o077:
+        print(
+            f"tenplex_jax.multihost.store: warning: --token-file {args.token_file} can be read "
+            f"by other users (mode {stat.S_IMODE(mode):o}); chmod 600 it",
+            file=sys.stderr,
+            flush=True,
+        )
+    return token
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m tenplex_jax.multihost.store",
         description="A tenplex_jax tensor store server (one per host).",
@@ -643,75 +707,4 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--unix-socket", metavar="PATH", help='also serve on this Unix socket (address "unix:PATH")'
     )
-    args = parser.parse_args(argv)
-
-    token = None
-    if args.token_file:
-        try:
-            token = pathlib.Path(args.token_file).read_text().strip()
-        except (OSError, UnicodeDecodeError) as error:
-            parser.error(f"--token-file {args.token_file} cannot be read: {error}")
-        if not token:
-            parser.error(f"--token-file {args.token_file} is empty")
-        mode = pathlib.Path(args.token_file).stat().st_mode
-        if mode & 0o077:
-            print(
-                f"tenplex_jax.multihost.store: warning: --token-file {args.token_file} can be read "
-                f"by other users (mode {stat.S_IMODE(mode):o}); chmod 600 it",
-                file=sys.stderr,
-                flush=True,
-            )
-    for name in ("memory_bytes", "max_body_bytes", "max_connections", "max_handshakes"):
-        if getattr(args, name) < (0 if name == "memory_bytes" else 1):
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    # the bytes in flight (request bodies, replies) share one budget the size of the memory tier
-    args.budget = Budget(max(args.memory_bytes, wire.MAX_JSON_BYTES), args.timeout)
-    if not is_loopback(args.host) and token is None:
-        parser.error(
-            f"binding to {args.host} (not a loopback address) requires --token-file: any host "
-            f"that reaches it could otherwise read and overwrite the training state"
-        )
-    directory = pathlib.Path(args.dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = open(directory / "LOCK", "w")  # noqa: SIM115 (held for the life of the process)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        parser.error(f"another store server is serving {directory}")
-
-    store = Store(directory, args.memory_bytes)
-    server = Server((args.host, args.port), store, token, args, Handler)
-    host, port = server.server_address[:2]
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    servers = [server]
-    if args.unix_socket:
-        try:
-            servers.append(UnixServer(args.unix_socket, store, token, args, Handler))
-        except StoreError as error:
-            server.server_close()
-            store.close()
-            parser.error(str(error))
-    for each in servers:
-        threading.Thread(target=each.serve_forever, name="store-server", daemon=True).start()
-    if args.ready_file:
-        ready = pathlib.Path(args.ready_file)
-        tmp = ready.with_name(ready.name + ".tmp")
-        tmp.write_text(address)
-        os.replace(tmp, ready)
-    print(
-        f"tenplex_jax.multihost.store: serving {directory} on {address}",
-        file=sys.stderr,
-        flush=True,
-    )
-    while not stop.wait(1.0):
-        pass
-    for each in servers:
-        each.shutdown()
-        each.server_close()
-        if isinstance(each, UnixServer):
-            each.remove()
-    store.close()
-    return 0
+    return parser

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import pathlib
@@ -149,51 +150,64 @@ class Store(Tiers):
                 )
             skey = self.find(stage, None)
             staged = self.info(skey)[0]
-            dtype = wire.dtype_of(info.dtype)
-            whole = info.box == boxes.full(info.global_shape)
-            same = (staged.global_shape, staged.dtype, staged.box) == (
-                info.global_shape,
-                info.dtype,
-                info.box,
-            )
-            if not (whole and same and dtype.kind == "f"):
-                raise StoreError(
-                    f"{where}: both must be whole float arrays of one shape and dtype; the array "
-                    f"is {info.dtype}{list(info.global_shape)} box {info.box}, the update "
-                    f"{staged.dtype}{list(staged.global_shape)} box {staged.box}",
-                    "refused",
-                )
+            self._check_addable(info, staged, where)
             out = np.empty(info.nbytes, np.uint8) if in_memory and not check else None
-            sums = self._sums(key, skey, dtype, where, out)
+            sums = self._sums(key, skey, wire.dtype_of(info.dtype), where, out)
             if check:
-                for _ in sums:
-                    pass
+                collections.deque(sums, maxlen=0)  # every chunk made and checked
                 return info, False
             clocks = tuple(sorted({**dict(info.clocks), name: clock + 1}.items()))
             sources = tuple(sorted({**dict(info.sources), name: staged.checksum}.items()))
             new = dataclasses.replace(info, clocks=clocks, sources=sources)
             if out is not None:
-                for _ in sums:
-                    pass
-                new = dataclasses.replace(new, checksum=wire.checksum(out))
-                if keep is not None:
-                    self._keep(key, info, keep)
-                self._put(new, out, durable=False)
+                new = self._store_sum(key, info, new, sums, out, keep)
                 if consume:
                     self._consume(key, stage)
-                return new, True
-            tmp, digest = self._write_chunks({**new.to_json(), "checksum": None}, sums)
-            new = dataclasses.replace(new, checksum=digest)
-            try:
-                if keep is not None:
-                    self._keep(key, info, keep)
-                self._put_file(new, tmp)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            if consume:
-                self.remove([stage])
+            else:
+                new = self._store_sum_file(key, info, new, sums, keep)
+                if consume:
+                    self.remove([stage])
             return new, True
+
+    @staticmethod
+    def _check_addable(info: ObjectInfo, staged: ObjectInfo, where: str) -> None:
+        """Both arrays whole float arrays of one shape and dtype, or ``"refused"``."""
+        whole = info.box == boxes.full(info.global_shape)
+        same = (staged.global_shape, staged.dtype, staged.box) == (
+            info.global_shape,
+            info.dtype,
+            info.box,
+        )
+        if not (whole and same and wire.dtype_of(info.dtype).kind == "f"):
+            raise StoreError(
+                f"{where}: both must be whole float arrays of one shape and dtype; the array "
+                f"is {info.dtype}{list(info.global_shape)} box {info.box}, the update "
+                f"{staged.dtype}{list(staged.global_shape)} box {staged.box}",
+                "refused",
+            )
+
+    def _store_sum(self, key, info, new, sums, out, keep) -> ObjectInfo:
+        """The sum made into ``out`` (memory), stored as ``new``; the version before it kept
+        at ``keep``, if given."""
+        collections.deque(sums, maxlen=0)  # made into out
+        new = dataclasses.replace(new, checksum=wire.checksum(out))
+        if keep is not None:
+            self._keep(key, info, keep)
+        self._put(new, out, durable=False)
+        return new
+
+    def _store_sum_file(self, key, info, new, sums, keep) -> ObjectInfo:
+        """The sum written to a file a chunk at a time as it is made, stored as ``new``."""
+        tmp, digest = self._write_chunks({**new.to_json(), "checksum": None}, sums)
+        new = dataclasses.replace(new, checksum=digest)
+        try:
+            if keep is not None:
+                self._keep(key, info, keep)
+            self._put_file(new, tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return new
 
     def _sums(self, key: str, skey: str, dtype, where: str, out: np.ndarray | None):
         """``array + update`` a chunk at a time, each chunk checked finite (``"nonfinite"``
@@ -354,10 +368,3 @@ class Store(Tiers):
             if version != expect:
                 return False, version, current
             return True, self._write_json(path, data, rid), None
-
-    def json_version(self, path: str) -> int:
-        with self.lock:
-            version = self.versions.get(path)
-        if version is None:
-            raise StoreError(f"no JSON object at path {path!r}", "not_found")
-        return version
