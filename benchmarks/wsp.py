@@ -27,6 +27,7 @@ as when one of its devices is that much slower):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -105,7 +106,7 @@ def run_wsp(
                     killed = time.time()
                 coordinator.wait(timeout=1200)
                 cpu = [b - a for a, b in zip(cpu, _cpu_times())]
-            records = coordinator.records()
+            records = [dataclasses.asdict(r) for r in coordinator.records()]
     finally:
         for s in stores:
             s.kill()

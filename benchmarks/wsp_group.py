@@ -15,6 +15,7 @@ of the first to the end of the last) and its waves' compute and push seconds (me
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -43,7 +44,8 @@ def run_once(model: str, minibatches: int, nodes: list | None, root: pathlib.Pat
             with Coordinator(ps, runner) as coordinator:
                 coordinator.add([0, 1, 2, 3])
                 coordinator.wait(timeout=600)
-                records = sorted(coordinator.records(), key=lambda r: r["wave"])
+                records = sorted(coordinator.records(), key=lambda r: r.wave)
+                records = [dataclasses.asdict(r) for r in records]
     finally:
         for p in procs:
             p.kill()

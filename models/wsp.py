@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import jax
 
 import tenplex_jax as tj
-from tenplex_jax.wsp import ParameterServer, VirtualWorker
+from tenplex_jax.wsp import ParameterServer, VirtualWorker, WorkerOptions
 
 from .data import corpus_samples, stdlib_corpus
 from .gpt import LOGICAL_RULES, GPTConfig
@@ -75,7 +75,8 @@ def virtual_worker(
 ) -> VirtualWorker:
     """The VW ``name`` of a job's ``parts`` (:func:`job`'s) on ``jax.devices()``'s ``devices``
     (indices), starting from ``state``, with a parameter server client of its own on the stores
-    at ``addresses``; ``options``: the VW's other keywords (``minibatches``, ``steps``, ...)."""
+    at ``addresses``; ``options``: its ``tj.wsp.WorkerOptions`` (``minibatches``, ``steps``,
+    ...)."""
     return VirtualWorker(
         name,
         ParameterServer(addresses),
@@ -85,5 +86,5 @@ def virtual_worker(
         parts["train_step"],
         devices=[jax.devices()[d] for d in devices],
         config=parts["config"],
-        **options,
+        options=WorkerOptions(**options),
     )

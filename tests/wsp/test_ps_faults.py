@@ -31,7 +31,7 @@ from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.multihost.store import wire
 from tenplex_jax._src.wsp import pieces
 from tenplex_jax.multihost.store import StoreClient, parse_address
-from tenplex_jax.wsp import ParameterServer, VirtualWorker, weights_of
+from tenplex_jax.wsp import ParameterServer, VirtualWorker, WorkerOptions, weights_of
 from tenplex_jax_models import build_state
 from tenplex_jax_models import wsp as job_parts
 from tests.helpers import Stores, raw_socket, recv_frame
@@ -355,9 +355,8 @@ def test_a_virtual_worker_finishes_exactly_once_through_mixed_faults(store_addre
                     parts["train_step"],
                     devices=devices,
                     config=parts["config"],
-                    minibatches=NM,
-                    timeout=REAP,  # no heartbeat in so short a run
-                    steps=steps,
+                    # no heartbeat in so short a run
+                    options=WorkerOptions(minibatches=NM, timeout=REAP, steps=steps),
                 )
                 records = worker.run()
                 ledger = ps.ledger()

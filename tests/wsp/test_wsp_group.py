@@ -19,6 +19,7 @@ from tenplex_jax._src.wsp.group import _dumps, _loads
 from tenplex_jax.wsp import Coordinator, Group, ParameterServer, Processes, weights_of
 from tenplex_jax_models import wsp as job_parts
 from tests.helpers import TWO_BY_TWO
+from tests.wsp.wsp_jobs import tails
 
 
 def test_a_group_of_one_decides_alone_and_raises_what_it_raised():
@@ -84,8 +85,8 @@ def test_a_vw_over_two_processes_trains_the_weights_it_trains_in_one(stores, tmp
     assert len(list(executables.glob("*.xla"))) == 1  # stored, the two processes' one program
     assert len(handle) == 2 and [p.returncode for p in handle] == [0, 0]
     assert ledger.done and sorted(ledger.trained()) == list(range(8))
-    assert [r["minibatches"] for r in records] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert all(r["idle_ticks"] == 1 for r in records)  # one pipeline fill per wave
+    assert [r.minibatches for r in records] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert all(r.idle_ticks == 1 for r in records)  # one pipeline fill per wave
     # the follower decided nothing and wrote nothing; its program was the leader's
     assert not (tmp_path / "two" / "vw1.1.jsonl").exists()
     assert json.loads((tmp_path / "two" / "vw1.jsonl").read_text().splitlines()[0])["vw"] == "vw1"
@@ -127,11 +128,11 @@ def test_a_vw_over_two_processes_takes_a_shared_optimizer_and_dies_whole_with_a_
             leader, follower = coordinator.members["vw1"].handle
             ledger = ps.ledger()
             while "vw1" not in ledger.clocks:  # vw2, in one process, would start far sooner
-                assert leader.poll() is None, f"vw1 ended before it joined: {_logs(tmp_path)}"
+                assert leader.poll() is None, f"vw1 ended before it joined: {tails(tmp_path)}"
                 ledger = ps.wait(1.0)
             coordinator.add([2])  # vw2
             while not (ledger.committed.get("vw1", 0) >= 1 and "vw1" in ledger.leases):
-                assert not ledger.done, f"vw1 never held a lease after a push: {_logs(tmp_path)}"
+                assert not ledger.done, f"vw1 never held a lease after a push: {tails(tmp_path)}"
                 ledger = ps.wait(1.0)
             leased, committed = ledger.leases["vw1"].minibatches, ledger.committed["vw1"]
             kill(follower)
@@ -154,38 +155,34 @@ def test_a_vw_over_two_processes_takes_a_shared_optimizer_and_dies_whole_with_a_
     assert {by[m] for m in leased} <= {"vw2"} or ledger.committed["vw1"] > committed
 
 
-def _logs(run_dir) -> str:
-    """The tails of a run's VW logs, for a failure's message."""
-    return "\n".join(f"{p.name}: {p.read_text()[-600:]}" for p in sorted(run_dir.glob("*.log")))
-
-
 def test_the_planned_demo_runs_each_vw_of_its_equal_grouping_in_a_process_per_node(tmp_path):
     from tenplex_jax._src.cli import wsp as wsp_demo
 
     cluster = tmp_path / "two-by-two.toml"
     cluster.write_text(TWO_BY_TWO)
     out = tmp_path / "out"
-    options = wsp_demo.WSPOptions(out=out, total=24, cluster=cluster, processes=True)
+    options = wsp_demo.WSPOptions(out=out, steps=24, cluster=cluster, processes=True)
     summary = wsp_demo.run(options, log=lambda *a: None)
-    built = {v["name"]: v for v in summary["virtual_workers"]}
-    # HetPipe's equal grouping: each VW a fast device of node 0 and a slow one of node 1,
-    # 12 layers on the fast stage, 4 on the slow one; vw2 fails at 30 % and vw3 joins on its
-    # devices at 50 %
-    assert [(built[n]["devices"], built[n]["layers_per_stage"]) for n in sorted(built)] == [
-        ([0, 2], [12, 4]),
-        ([1, 3], [12, 4]),
-        ([1, 3], [12, 4]),
+    assert summary.exactly_once and summary.samples_exactly_once and summary.weights_finite
+    built = {v.name: v for v in summary.virtual_workers}
+    # HetPipe's equal grouping: each VW a fast device of node 0 and a slow one of node 1, the
+    # fast one's stage first with 12 of the 16 layers (padded to 12 + 12 rows); Nm = 2, one
+    # minibatch in flight per stage; vw2 fails at 30 % and vw3 joins on its devices at 50 %
+    assert [(built[n].devices, built[n].stages, built[n].nm) for n in sorted(built)] == [
+        ((0, 2), (12, 4), 2),
+        ((1, 3), (12, 4), 2),
+        ((1, 3), (12, 4), 2),
     ]
+    assert summary.distance == 1 and summary.dropped == ("vw2",)
+    # the joiner started (whether it trains before the run ends is its compile's race)
+    assert [(e.kind, e.vw) for e in summary.events][-2:] == [("kill", "vw2"), ("add", "vw3")]
     for name in built:  # two processes each, the leader's log and the follower's
         assert (out / "vws" / f"{name}.log").exists() and (out / "vws" / f"{name}.1.log").exists()
         assert not (out / "vws" / f"{name}.1.jsonl").exists()
     # the joiner's two processes loaded the programs the VW they replace compiled: none compiled
     for log in ("vw3.log", "vw3.1.log"):
         assert "executables: 1 loaded, 0 compiled" in (out / "vws" / log).read_text(), log
-    assert summary["exactly_once"] and summary["samples_exactly_once"]
-    assert summary["dropped"] == ["vw2"] and summary["weights_finite"]
-    # the joiner started (whether it trains before the run ends is its compile's race)
-    assert [(e["event"], e["vw"]) for e in summary["events"]][-2:] == [
-        ("kill", "vw2"),
-        ("add", "vw3"),
-    ]
+    for m in summary.minibatches:  # HetPipe's bounds: local staleness < Nm, global <= D
+        assert 0 <= m.local_staleness < 2 and 0 <= m.global_staleness <= 1, m
+    assert 1 in {m.local_staleness for m in summary.minibatches}  # minibatches in flight
+    assert summary.last_losses and np.mean(summary.last_losses) < summary.first_loss

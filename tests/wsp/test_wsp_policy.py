@@ -18,6 +18,7 @@ from tenplex_jax.wsp import (
     Scaler,
     ScalingPolicy,
     Threads,
+    VWEventKind,
     weights_of,
 )
 from tenplex_jax_models import wsp as job_parts
@@ -29,10 +30,10 @@ TOTAL = 120  # minibatches of the live run: it outlasts a joining VW's build, un
 def _job(**rates) -> Measured:
     """Ten seconds of VWs of 2 devices at $1/device-hour, each at its samples/s."""
     return Measured(
-        10.0,
-        {vw: int(10 * r) for vw, r in rates.items()},
-        dict.fromkeys(rates, 2),
-        dict.fromkeys(rates, 2.0),
+        seconds=10.0,
+        samples={vw: int(10 * r) for vw, r in rates.items()},
+        devices=dict.fromkeys(rates, 2),
+        usd_per_hour=dict.fromkeys(rates, 2.0),
     )
 
 
@@ -89,11 +90,11 @@ def test_a_scaler_follows_a_trace_growing_reviewing_and_shrinking_a_live_job(tmp
         sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
         steps = StepCache(parts["train_step"], sample, jax.devices(), donate=False)
 
-        def make(name, devices):
+        def make(name, devices):  # on device 0 whatever it is offered: one compiled step
             return job_parts.virtual_worker(
                 parts,
                 name,
-                devices,
+                [0],
                 addresses,
                 state,
                 distance=1,
@@ -131,8 +132,12 @@ def test_a_scaler_follows_a_trace_growing_reviewing_and_shrinking_a_live_job(tmp
                 scaler.added = ("vw1", (0,), scaler.measure())
                 kept = scaler.review()
             assert not coordinator.runner.errors
-            late = (late.action, late.vw, late.devices, late.reason)
-            assert late == ("decline", None, (3,), ENDED)
+            assert (late.action, late.vw, late.devices, late.reason) == (
+                "decline",
+                None,
+                (3,),
+                ENDED,
+            )
             assert (kept.action, kept.vw, kept.reason) == ("keep", "vw1", ENDED)
             assert [d.action for d in scaler.decisions[followed:]] == ["decline", "keep"]
             del scaler.decisions[followed:]
@@ -145,13 +150,13 @@ def test_a_scaler_follows_a_trace_growing_reviewing_and_shrinking_a_live_job(tmp
         if review[0] == "keep":  # the preemption took the VW training the fewest samples per $
             assert actions[3][0] == "remove" and len(actions) == 4
             assert ledger.done and sorted(ledger.trained()) == list(range(TOTAL))
-        added = [e["vw"] for e in coordinator.events if e["event"] == "add"]
+        added = [e.vw for e in coordinator.events if e.kind == VWEventKind.ADD]
         assert added == ["vw1", "vw2"]  # the declined offer started nothing
-        decided = [e for e in coordinator.events if e["event"] == "decide"]
-        assert len(decided) == len(actions) + 2  # and the two after the run
-        decided = decided[: len(actions)]
-        for event in decided:  # every decision logged with the numbers it was based on
-            assert event["reason"] and event["samples_per_second"] > 0
-            assert event["usd_per_hour"] >= 1.0 and event["samples_per_usd"] > 0
+        decided = [e.decision for e in coordinator.events if e.kind == VWEventKind.DECIDE]
+        assert decided == scaler.decisions + [late, kept]  # and the two after the run
+        for decision in decided[: len(actions)]:  # each logged with the numbers it was based on
+            assert decision.reason and decision.numbers["samples_per_second"] > 0
+            assert decision.numbers["usd_per_hour"] >= 1.0
+            assert decision.numbers["samples_per_usd"] > 0
     finally:
         started.reap()

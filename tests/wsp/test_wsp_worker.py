@@ -7,6 +7,7 @@ of several asynchronous VWs' staleness are checked on the demo's run, in ``test_
 
 from __future__ import annotations
 
+import re
 import threading
 
 import jax
@@ -22,7 +23,7 @@ from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.errors import StoreError, WSPError
 from tenplex_jax._src.wsp import optimizer
 from tenplex_jax.elastic import ResourceTrace
-from tenplex_jax.wsp import Coordinator, ParameterServer, Threads, weights_of
+from tenplex_jax.wsp import Coordinator, ParameterServer, Threads, WorkerOptions, weights_of
 from tenplex_jax_models import build_state, example_losses, wave_step
 from tenplex_jax_models import wsp as job_parts
 
@@ -103,6 +104,26 @@ def _vw(name, address, job, **kwargs):
     parts, state, steps = job[:3]
     kwargs.setdefault("steps", steps)
     return job_parts.virtual_worker(parts, name, [0], [address], state, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "field,value,rule",
+    [
+        ("minibatches", 0, "an int >= 1"),
+        ("minibatches", True, "an int >= 1"),
+        ("distance", -1, "an int >= 0"),
+        ("slowdown", 0.5, "a number >= 1"),
+        ("timeout", 0, "seconds > 0"),
+        ("part", "", "a non-empty str"),
+        ("stages", (3, 1), "a tj.pipelining.Stages or None"),
+        ("on_record", "print", "a callable or None"),
+    ],
+)
+def test_worker_options_name_the_field_the_rule_and_the_value_they_refuse(field, value, rule):
+    with pytest.raises(WSPError, match=re.escape(f"WorkerOptions.{field} is {rule}, got")) as no:
+        WorkerOptions(**{field: value})
+    assert no.value.reason == "invalid" and repr(value) in str(no.value)
+    assert WorkerOptions(minibatches=np.int64(4), slowdown=np.float32(2.0)).minibatches == 4
 
 
 @pytest.mark.parametrize("distance,donate", [(0, False), (1, True)])
@@ -293,7 +314,7 @@ def test_vws_of_different_stages_train_one_job_through_unpadded_weights(stores):
         assert a.ptc.leaf("model/w1").shape[0] == 6 and padded.shape[0] == 6
         assert a.host_weights()["model/w1"].shape[0] == layers
         a.run(waves=2)
-        rows = a.stages.mask
+        rows = a.options.stages.mask
         a_moments = _optimizer(a)[wide]
         assert not a_moments[~rows].any() and a_moments[rows].any()  # padding rows stay zero
         b = vw("b", [2], None, steps=steps)
@@ -305,7 +326,7 @@ def test_vws_of_different_stages_train_one_job_through_unpadded_weights(stores):
         records = c.run()
         assert c.optimizer_from == ("b2", 3)
         assert records and c.ptc.leaf("model/w1").shape[0] == 6
-        assert not _optimizer(c)[wide][~c.stages.mask].any()
+        assert not _optimizer(c)[wide][~c.options.stages.mask].any()
         ledger = ps.history()
         assert sorted(ledger.trained()) == list(range(12))
         got = ps.pull()

@@ -1,45 +1,109 @@
-"""``tenplex-jax demo --wsp``: heterogeneous virtual workers with wave synchronous parallel.
+"""``tenplex-jax wsp``: heterogeneous virtual workers with wave synchronous parallel.
 
-On 8 fake CPU devices: a parameter server on two tensor stores (127.0.0.1), and three virtual
-workers as threads: ``vw1`` on devices 0..3 (a two-stage GPipe pipeline, twice data parallel),
-``vw2`` on 4..5 and ``vw3`` on 6..7 (data parallel), ``vw3`` of a device type ``--slowdown`` times
-slower. Each VW's ``Nm`` is in proportion to its speed (4, 2, 1 by default), ``D`` is
-``--distance``. A resource trace in the format of ``meshes/`` drives the coordinator: devices 4..5
-fail at 30 % of the run (``vw2`` dies without a word; the others drop it after the ledger's timeout
-and retrain its unpushed minibatches) and come back at 50 % (a new VW joins, pulls the weights and
-starts at the slowest clock; its step, compiled for ``vw2``, is reused). Writes ``DIR/loss.png``
-(every minibatch's loss against the samples
-trained, per VW) and ``DIR/summary.json``: whether every minibatch and sample was trained exactly
-once, the VWs built (``virtual_workers``: devices, stages, ``Nm``), every minibatch's local
-version and its local and global staleness (``minibatches``), per VW its waves, minibatches,
-waits, pulls and largest staleness, the throughput, and the events.
-
-With ``--cluster FILE`` the planner builds the job instead (HetPipe's resource allocator):
-``plan_workers`` groups the file's devices into VWs (node, equal or hybrid grouping), lays each out
-with its pipeline stages balanced by its devices' speed, and sets its ``Nm`` and ``D``, for the
-model the cluster is sized for (``--plan-model``, ``gpt100m`` by default). Each of the file's
-devices becomes the fake CPU device of the same index; the demo trains a model of
-``--model``'s width with the planned model's depth, so each VW runs the planned stages (uneven
-ones padded), and each VW is slowed by its speed ratio: its planned seconds per minibatch over the
-fastest VW's (fake devices are all equally fast). The second VW's devices fail at 30 % and come
-back at 50 % (a new VW on them, with the same plan).
+On 8 fake CPU devices, a parameter server on two tensor stores and three VWs of different sizes,
+layouts, ``Nm`` and speeds (or, with ``--cluster FILE``, the VWs ``plan_workers`` builds for the
+file's devices, slowed by their planned speed; with ``--processes``, each VW in processes of its
+own, one per node it spans); a resource trace kills the second VW at 30 % of the run and adds a
+new one on its devices at 50 %. Writes ``DIR/loss.png`` and ``DIR/summary.json`` (a
+:class:`Summary`). ``docs/wsp.md`` ("The ``wsp`` command") says what it shows.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import pathlib
 import tempfile
 import time
 
+from tenplex_jax._src.cli import parsing
+
+EXAMPLES = """\
+examples:
+  tenplex-jax wsp --out out/wsp
+      three virtual workers of different speeds; one dies at 30%, a new one joins at 50%
+  tenplex-jax wsp --cluster meshes/hetpipe.toml --out out/wsp-hetpipe
+      the planner's virtual workers for a cluster (grouping, uneven stages, Nm, D)
+  tenplex-jax wsp --cluster meshes/hetpipe.toml --processes --out out/wsp-nodes
+      the same, every virtual worker in processes of its own, one per node it spans
+"""
+DEVICES = 8  # the fake CPU devices the demo runs on
+GROUPS = ((0, 1, 2, 3), (4, 5), (6, 7))
+# a VW's time, summed over its waves (push_wait: the push time its compute did not hide)
+SECONDS = ("wait_seconds", "compute_seconds", "slowdown_seconds", "push_seconds")
+SECONDS += ("push_wait_seconds",)
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser(
+        "wsp",
+        help="train heterogeneous virtual workers with wave synchronous parallel (HetPipe)",
+        description="Train heterogeneous virtual workers (HetPipe) with wave synchronous\n"
+        "parallel through a parameter server in tensor stores, one dying and one joining;\n"
+        "write a loss plot and a JSON summary.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(command=command, name="wsp")
+    parsing.add_training_flags(parser, out="out/wsp", model="tiny")
+    parser.add_argument(
+        "--steps", type=parsing.positive, default=240, help="the run's minibatches (default: 240)"
+    )
+    parser.add_argument(
+        "--batch", type=parsing.positive, default=8, help="samples per minibatch (default: 8)"
+    )
+    parser.add_argument(
+        "--distance", type=parsing.count, default=1, help="the clock distance D (default: 1)"
+    )
+    parser.add_argument(
+        "--slowdown",
+        type=float,
+        default=2.0,
+        help="how many times slower the slow device type is (default: 2)",
+    )
+    parser.add_argument(
+        "--cluster",
+        metavar="FILE",
+        type=pathlib.Path,
+        help="let the planner build the virtual workers for this cluster (TOML, see meshes/; at "
+        f"most {DEVICES} devices, each a fake CPU device slowed by its speed)",
+    )
+    parser.add_argument(
+        "--plan-model",
+        choices=("tiny", "small", "gpt100m"),
+        default="gpt100m",
+        help="with --cluster: the GPT preset the plan is made for; the demo trains --model's "
+        "width with its depth (default: gpt100m)",
+    )
+    parser.add_argument(
+        "--processes",
+        action="store_true",
+        help="run each virtual worker in processes of its own, one per node it spans (with "
+        "--cluster: the file's nodes; else one process per VW)",
+    )
+
+
+def command(args) -> int:
+    """Configure JAX for the fake CPU devices first, then run the demo."""
+    from tenplex_jax._src.cli.demo import use_cpu_devices
+
+    if not use_cpu_devices(DEVICES, "wsp"):
+        return 2
+    names = {field.name for field in dataclasses.fields(WSPOptions)}
+    given = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    run(WSPOptions(**given | {"out": pathlib.Path(args.out)}))
+    return 0
+
 
 @dataclasses.dataclass(frozen=True)
 class WSPOptions:
+    """A demo run; the command's flags map onto these fields."""
+
     out: pathlib.Path = pathlib.Path("out/wsp")
     model: str = "tiny"
-    minibatch: int = 8
-    total: int = 240  # minibatches in the run
+    batch: int = 8  # samples per minibatch
+    steps: int = 240  # minibatches in the run
     distance: int = 1
     slowdown: float = 2.0
     minibatches: tuple[int, int, int] = (4, 2, 1)  # Nm of vw1, vw2, vw3 (and the joiner: vw2's)
@@ -52,31 +116,109 @@ class WSPOptions:
     processes: bool = False  # each VW in processes of its own, one per node it spans
 
 
-GROUPS = ((0, 1, 2, 3), (4, 5), (6, 7))
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """How the demo builds one VW (named once it is made): its devices in mesh order, its
+    layout (``ParallelConfig.parse``'s text), its stages' layers (None: even), ``Nm``, slowdown."""
+
+    devices: tuple[int, ...]
+    config: str
+    stages: tuple[int, ...] | None
+    nm: int
+    slowdown: float
+    name: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
-class Built:
-    """How the demo builds one VW: its devices in mesh order, layout, stages, ``Nm`` and
-    slowdown (a summary's ``virtual_workers`` entry, with its name)."""
+class VWTotals:
+    """One VW's waves summed: waves, minibatches, pulls, idle ticks and :data:`SECONDS`; the most
+    waves it ran ahead of the slowest, and the largest local and global staleness."""
 
-    devices: tuple[int, ...]
-    config: object  # tj.ParallelConfig
-    stages: object  # tj.pipelining.Stages, or None: even
-    nm: int
+    waves: int
+    minibatches: int
+    pulls: int
+    idle_ticks: int
+    wait_seconds: float
+    compute_seconds: float
+    slowdown_seconds: float
+    push_seconds: float
+    push_wait_seconds: float
+    max_lead: int
+    max_local_staleness: int
+    max_global_staleness: int
+
+    @classmethod
+    def of(cls, records) -> VWTotals:
+        """The totals of one VW's :class:`WaveRecord` s."""
+        return cls(
+            waves=len(records),
+            minibatches=sum(len(r.minibatches) for r in records),
+            pulls=sum(int(r.pulled) for r in records),
+            idle_ticks=sum(r.idle_ticks for r in records),
+            **{k: sum(getattr(r, k) for r in records) for k in SECONDS},
+            max_lead=max(0, *(r.wave - r.slowest for r in records)),
+            max_local_staleness=max(0, *(s for r in records for s in r.local_staleness)),
+            max_global_staleness=max(0, *(s for r in records for s in r.global_staleness)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """One minibatch: who trained it in which wave, what its weights held (HetPipe's local
+    version and staleness, its global staleness), its loss."""
+
+    vw: str
+    wave: int
+    index: int
+    local_version: int
+    local_staleness: int
+    global_staleness: int
+    loss: float
+
+    @classmethod
+    def of(cls, r) -> list[Trained]:
+        """The minibatches of one :class:`WaveRecord`."""
+        rows = zip(r.minibatches, r.local_versions, r.local_staleness, r.global_staleness, r.losses)
+        keys = ("index", "local_version", "local_staleness", "global_staleness", "loss")
+        return [cls(vw=r.vw, wave=r.wave, **dict(zip(keys, row))) for row in rows]
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """A demo run's proof and numbers; ``DIR/summary.json`` is its ``dataclasses.asdict``."""
+
+    # every minibatch committed once (the ledger's log) and recorded once (see exactly_once)
+    exactly_once: bool
+    samples_exactly_once: bool  # the samples trained are the dataset PTC's, each once
+    weights_finite: bool  # the final global weights hold no NaN or Inf
+    total: int  # the run's minibatches
+    minibatch: int  # samples in each
+    distance: int  # D
+    nm: tuple[int, ...]  # each planned VW's Nm
     slowdown: float
+    cluster: str | None  # the cluster file the VWs were planned for
+    seconds: float  # from the first wave to the end
+    samples_per_second: float
+    dropped: tuple[str, ...]  # VWs dropped
+    left: tuple[str, ...]  # VWs that left
+    virtual_workers: tuple[Built, ...]  # every VW built, in order
+    per_vw: dict[str, VWTotals]
+    events: tuple  # the coordinator's tj.wsp.VWEvent s
+    minibatches: tuple[Trained, ...]  # every minibatch trained, in wave start order
+    first_loss: float | None
+    last_losses: tuple[float, ...]  # those of the last three waves
 
-    def describe(self, name: str) -> dict:
-        stages = self.stages.layers if self.stages is not None else None
-        return {
-            "name": name,
-            "devices": list(self.devices),
-            "config": str(self.config),
-            "stages": self.config.pipe,
-            "layers_per_stage": list(stages) if stages else None,
-            "nm": self.nm,
-            "slowdown": self.slowdown,
-        }
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What the demo's VWs are built from."""
+
+    options: WSPOptions
+    plans: list[Built]
+    common: dict  # the keywords of ``tenplex_jax_models.wsp.job`` every VW shares
+    distance: int
+    addresses: list[str]
+    built: list[Built]  # every VW made, in order, named
 
 
 def by_hand(options: WSPOptions) -> list[Built]:
@@ -86,23 +228,22 @@ def by_hand(options: WSPOptions) -> list[Built]:
 
     return [
         Built(
-            devices,
-            job_parts.config_for(len(devices)),
-            None,
-            nm,
-            options.slowdown if devices == GROUPS[2] else 1.0,
+            devices=devices,
+            config=str(job_parts.config_for(len(devices))),
+            stages=None,
+            nm=nm,
+            slowdown=options.slowdown if devices == GROUPS[2] else 1.0,
         )
         for devices, nm in zip(GROUPS, options.minibatches)
     ]
 
 
-def planned(options: WSPOptions, devices: int, log=print) -> tuple[list[Built], int, int]:
+def planned(options: WSPOptions, log=print) -> tuple[list[Built], int, int]:
     """The planner's VWs for ``options.cluster``, the planned model's layer count and the
     planner's ``D``.
 
     Raises:
-      PlanError: the cluster has more devices than the demo's ``devices`` fake ones, or no
-        grouping fits.
+      PlanError: the cluster has more devices than the demo's fake ones, or no grouping fits.
     """
     from tenplex_jax._src.errors import PlanError
     from tenplex_jax._src.planner.cluster import Cluster
@@ -111,166 +252,169 @@ def planned(options: WSPOptions, devices: int, log=print) -> tuple[list[Built], 
     from tenplex_jax_models.train import profile_of
 
     cluster = Cluster.load(options.cluster)
-    if len(cluster.kinds) > devices:
+    if len(cluster.kinds) > DEVICES:
         raise PlanError(
             f"the demo maps each of {cluster}'s {len(cluster.kinds)} devices onto one of its "
-            f"{devices} fake CPU devices: use a cluster of at most {devices} devices"
+            f"{DEVICES} fake CPU devices: use a cluster of at most {DEVICES} devices"
         )
-    choice = plan_workers(cluster, profile_of(options.plan_model), options.minibatch)
+    choice = plan_workers(cluster, profile_of(options.plan_model), options.batch)
     log(str(choice))
     fastest = min(w.candidate.step_time for w in choice.workers)
     built = [
         Built(
-            w.candidate.devices,
-            w.candidate.config,
-            None if w.candidate.stages.is_even else w.candidate.stages,
-            w.minibatches,
-            w.candidate.step_time / fastest,
+            devices=w.candidate.devices,
+            config=str(w.candidate.config),
+            stages=None if w.candidate.stages.is_even else tuple(w.candidate.stages.layers),
+            nm=w.minibatches,
+            slowdown=w.candidate.step_time / fastest,
         )
         for w in choice.workers
     ]
     return built, GPTConfig.by_name(options.plan_model).n_layers, choice.distance
 
 
-def run(options: WSPOptions, log=print) -> dict:
-    import jax
-    import numpy as np
-
-    from tenplex_jax._src.elastic.steps import StepCache
-    from tenplex_jax._src.elastic.trace import ResourceTrace, TraceEvent
-    from tenplex_jax._src.errors import WSPError
+def run(options: WSPOptions, log=print) -> Summary:
+    """Run the demo (see the module's docstring); write ``loss.png`` and ``summary.json`` to
+    ``options.out``."""
     from tenplex_jax._src.multihost.store.process import StoreProcess
-    from tenplex_jax._src.wsp.coordinator import Coordinator, Threads
-    from tenplex_jax._src.wsp.ps import ParameterServer
-    from tenplex_jax._src.wsp.worker import VirtualWorker, weights_of
-    from tenplex_jax_models import wsp as job_parts
 
     out = pathlib.Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     root = pathlib.Path(tempfile.mkdtemp(prefix="tenplex-wsp-"))
     stores = [StoreProcess.start(root / f"s{i}") for i in range(2)]
     try:
-        addresses = [s.address for s in stores]
         if options.cluster is None:
             plans, layers, distance = by_hand(options), None, options.distance
         else:
-            plans, layers, distance = planned(options, len(jax.devices()), log)
-        common = {
-            "model": options.model,
-            "lr": options.lr,
-            "seed": options.seed,
-            "minibatch": options.minibatch,
-            "layers": layers,
-        }
-        parts = job_parts.job(1, **common)
-        state = parts["init"]()  # built once; each VW places it
-        sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-        caches = {}  # steps per stages, cached over all devices: a joiner compiles nothing
-
-        built: list[dict] = []  # every VW made, in order
-
-        def make(name: str, devices: tuple[int, ...]) -> VirtualWorker:
-            plan = next(p for p in plans if sorted(p.devices) == sorted(devices))
-            p = job_parts.job(len(devices), stages=plan.stages, **common)
-            if plan.stages not in caches:  # the train step's cache, and one wave step
-                steps = StepCache(p["train_step"], sample, jax.devices(), donate=False)
-                caches[plan.stages] = (steps, p["wave_step"])
-            steps, wave_step = caches[plan.stages]
-            built.append(plan.describe(name))
-            return VirtualWorker(
-                name,
-                ParameterServer(addresses),
-                p["rules"],
-                p["dataset"],
-                state,
-                p["train_step"],
-                devices=[jax.devices()[d] for d in plan.devices],
-                config=plan.config,
-                minibatches=plan.nm,
-                distance=distance,
-                slowdown=plan.slowdown,
-                timeout=options.timeout,
-                steps=steps,
-                stages=plan.stages,
-                wave_step=wave_step,
-            )
-
-        events = []
-        if options.fail and len(plans) > 1:  # the second VW's devices fail, then come back
-            at = lambda f: max(1, int(f * options.total))
-            events = [
-                TraceEvent(at(0.3), "fail", devices=plans[1].devices),
-                TraceEvent(at(0.5), "offer", devices=plans[1].devices),
-            ]
-        trace = ResourceTrace("wsp-demo", len(jax.devices()), options.total, tuple(events))
-        with ParameterServer(addresses) as ps:
-            ps.create(weights_of(state), total=options.total)
-            if options.processes:
-                runner = processes(options, plans, common, distance, addresses, out, built)
-            else:
-                runner = Threads(make)
-            coordinator = Coordinator(ps, runner, log=log)
-            log(
-                f"wsp demo: {options.model} GPT"
-                + (f" of {layers} layers" if layers else "")
-                + f", {options.total} minibatches of {options.minibatch}, D={distance}, "
-                f"Nm={[p.nm for p in plans]}, slowdown {[round(p.slowdown, 2) for p in plans]}; "
-                f"building and compiling {len(plans)} virtual workers"
-            )
-            coordinator.add(*(p.devices for p in plans))
-            coordinator.wait_joined()  # the trace's events find every VW training
-            tic = time.perf_counter()
-            coordinator.follow(trace, group=len(plans[1].devices) if len(plans) > 1 else 1)
-            coordinator.wait()
-            seconds, ended = time.perf_counter() - tic, time.time()
-            errors = coordinator.runner.errors
-            if errors:
-                raise WSPError(f"virtual workers failed: {errors}", "failed")
-            ledger = ps.history()
-            final = ps.pull(ledger)
-        records = coordinator.records()
-        if records:  # from the first wave: VWs in processes build after they are added
-            seconds = ended - min(r["started"] for r in records)
-        summary = summarize(options, ledger, records, coordinator.events, seconds, parts)
-        summary["distance"], summary["nm"] = distance, [p.nm for p in plans]
-        summary["cluster"] = str(options.cluster) if options.cluster else None
-        summary["virtual_workers"] = built
-        summary["weights_finite"] = bool(all(np.isfinite(w).all() for w in final.values()))
-        write_plot(records, out / "loss.png", options)
-        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        log(table(summary))
-        log(f"wrote {out / 'loss.png'} and {out / 'summary.json'}")
-        return summary
+            plans, layers, distance = planned(options, log)
+        common = {"model": options.model, "lr": options.lr, "seed": options.seed}
+        common |= {"minibatch": options.batch, "layers": layers}
+        addresses = [s.address for s in stores]
+        job = _Job(options, plans, common, distance, addresses, built=[])
+        summary = _train(job, log)
     finally:
         for s in stores:
             s.kill()
+    (out / "summary.json").write_text(json.dumps(dataclasses.asdict(summary), indent=1) + "\n")
+    log(table(summary))
+    log(f"wrote {out / 'loss.png'} and {out / 'summary.json'}")
+    return summary
 
 
-def processes(options, plans, common, distance, addresses, out, built):
+def _train(job: _Job, log) -> Summary:
+    """Train the job's VWs through the trace; its summary, and its plot written."""
+    import numpy as np
+
+    from tenplex_jax._src.errors import WSPError
+    from tenplex_jax._src.wsp.coordinator import Coordinator
+    from tenplex_jax._src.wsp.ps import ParameterServer
+    from tenplex_jax._src.wsp.worker import weights_of
+    from tenplex_jax_models import wsp as job_parts
+
+    options, plans = job.options, job.plans
+    parts = job_parts.job(1, **job.common)
+    state = parts["init"]()  # built once; each VW places it
+    with ParameterServer(job.addresses) as ps:
+        ps.create(weights_of(state), total=options.steps)
+        runner = _processes(job) if options.processes else _threads(job, parts, state)
+        coordinator = Coordinator(ps, runner, log=log)
+        nm, slow = [p.nm for p in plans], [round(p.slowdown, 2) for p in plans]
+        log(
+            f"wsp: {options.model} GPT, {options.steps} minibatches of {options.batch}, "
+            f"D={job.distance}, Nm={nm}, slowdown {slow}; building {len(plans)} virtual workers"
+        )
+        coordinator.add(*(p.devices for p in plans))
+        coordinator.wait_joined()  # the trace's events find every VW training
+        tic = time.perf_counter()
+        group = len(plans[1].devices) if len(plans) > 1 else 1
+        coordinator.follow(_trace(options, plans), group=group)
+        coordinator.wait()
+        seconds, ended = time.perf_counter() - tic, time.time()
+        if coordinator.runner.errors:
+            raise WSPError(f"virtual workers failed: {coordinator.runner.errors}", "failed")
+        ledger = ps.history()
+        final = ps.pull(ledger)
+    records = coordinator.records()
+    if records:  # from the first wave: VWs in processes build after they are added
+        seconds = ended - min(r.started for r in records)
+    write_plot(records, pathlib.Path(options.out) / "loss.png", options)
+    finite = all(np.isfinite(w).all() for w in final.values())
+    return summarize(job, ledger, records, coordinator.events, seconds, parts, bool(finite))
+
+
+def _trace(options: WSPOptions, plans: list[Built]):
+    """The demo's resource trace: the second VW's devices fail at 30 % and come back at 50 %
+    (no event with one VW, or without ``options.fail``)."""
+    from tenplex_jax._src.elastic.trace import ResourceTrace, TraceEvent
+
+    at = lambda f: max(1, int(f * options.steps))
+    second = plans[1].devices if options.fail and len(plans) > 1 else None
+    events = [
+        TraceEvent(step=at(f), kind=kind, devices=second)
+        for f, kind in ((0.3, "fail"), (0.5, "offer"))
+        if second is not None
+    ]
+    return ResourceTrace(
+        name="wsp-demo", devices=DEVICES, steps=options.steps, events=tuple(events)
+    )
+
+
+def _threads(job: _Job, parts: dict, state):
+    """The demo's VWs as threads of this process, each placing ``state``; VWs of the same
+    stages share one step cache over all the devices, so a joiner compiles nothing."""
+    import jax
+    import numpy as np
+
+    from tenplex_jax._src.elastic.steps import StepCache
+    from tenplex_jax._src.wsp.coordinator import Threads
+    from tenplex_jax_models import wsp as job_parts
+
+    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
+    caches = {}  # stages -> the train step's cache and one wave step (its programs shared)
+
+    def make(name: str, devices: tuple[int, ...]):
+        plan = next(p for p in job.plans if sorted(p.devices) == sorted(devices))
+        p = job_parts.job(len(devices), stages=plan.stages, config=plan.config, **job.common)
+        if plan.stages not in caches:
+            steps = StepCache(p["train_step"], sample, jax.devices(), donate=False)
+            caches[plan.stages] = (steps, p["wave_step"])
+        job.built.append(dataclasses.replace(plan, name=name))
+        steps, wave_step = caches[plan.stages]
+        options = {"minibatches": plan.nm, "distance": job.distance, "slowdown": plan.slowdown}
+        options |= {"steps": steps, "stages": p["stages"], "wave_step": wave_step}
+        return job_parts.virtual_worker(
+            p, name, plan.devices, job.addresses, state, timeout=job.options.timeout, **options
+        )
+
+    return Threads(make)
+
+
+def _processes(job: _Job):
     """The demo's VWs as processes (``tj.wsp.Processes``): each in processes of its own, one
     per node of ``options.cluster`` it spans (without a cluster, one per VW); its plan's layout,
     stages, ``Nm`` and slowdown on its command line."""
     from tenplex_jax._src.planner.cluster import Cluster
     from tenplex_jax._src.wsp.coordinator import Processes
 
-    shared = ["--distance", str(distance), "--timeout", str(options.timeout)]
-    for key, value in common.items():
+    options, out = job.options, pathlib.Path(job.options.out)
+    shared = ["--distance", str(job.distance), "--timeout", str(options.timeout)]
+    for key, value in job.common.items():
         if value is not None:
             shared += ["--option", f"{key}={json.dumps(value)}"]
 
     def options_for(name: str, devices: tuple[int, ...]) -> list[str]:
-        plan = next(p for p in plans if sorted(p.devices) == sorted(devices))
-        built.append(plan.describe(name))
+        plan = next(p for p in job.plans if sorted(p.devices) == sorted(devices))
+        job.built.append(dataclasses.replace(plan, name=name))
         own = ["--minibatches", str(plan.nm), "--slowdown", str(plan.slowdown)]
         own += ["--option", f"config={plan.config}"]
         if plan.stages is not None:
-            own += ["--option", f"stages={json.dumps(list(plan.stages.layers))}"]
+            own += ["--option", f"stages={json.dumps(list(plan.stages))}"]
         return own
 
     nodes = None if options.cluster is None else Cluster.load(options.cluster).nodes
     return Processes(
         "tenplex_jax_models.wsp:job",
-        addresses,
+        job.addresses,
         out / "vws",
         options=shared,
         nodes=nodes,
@@ -279,117 +423,76 @@ def processes(options, plans, common, distance, addresses, out, built):
     )
 
 
-# a VW's time, summed over its waves (push_wait: the push time its compute did not hide)
-SECONDS = (
-    "wait_seconds",
-    "compute_seconds",
-    "slowdown_seconds",
-    "push_seconds",
-    "push_wait_seconds",
-)
-
-
-def summarize(options, ledger, records, events, seconds, parts) -> dict:
-    """The run's proof and numbers: exactly once (minibatches from the ledger's log, samples
-    from the dataset PTC's order), per VW, throughput, events."""
-    import numpy as np
-
+def exactly_once(total: int, ledger, records, events) -> bool:
+    """Every minibatch ``0 .. total - 1`` committed once (the ledger's whole log) and each
+    committed wave recorded once. A VW process SIGKILLed after its commit but before its record
+    was written leaves a wave the ledger holds and no record does: allowed of a killed VW only
+    (dropped, or not, when the run ended before any member waited for it)."""
     trained = ledger.trained()
-    dataset = parts["dataset"]
-    samples = np.concatenate([dataset.indices(k)[0] for k in trained]) if trained else []
-    expected = np.concatenate([dataset.indices(k)[0] for k in range(options.total)])
-    pushed = sorted(m for r in records for m in r["minibatches"])
-    # a VW process SIGKILLed after its commit but before its record was written leaves a wave
-    # the ledger holds and no record does: only a killed VW's (dropped, or not, when the run
-    # ended before any member waited for it)
-    killed = {*ledger.dropped, *(e["vw"] for e in events if e["event"] == "kill")}
+    pushed = sorted(m for r in records for m in r.minibatches)
+    killed = {*ledger.dropped, *(e.vw for e in events if e.kind == "kill")}
     committed_by = {m: vw for vw, _, ms in ledger.log for m in ms}
     unrecorded = set(trained) - set(pushed)
     recorded = len(set(pushed)) == len(pushed) and set(pushed) <= set(trained)
     recorded = recorded and all(committed_by.get(m) in killed for m in unrecorded)
+    return sorted(trained) == list(range(total)) and recorded
+
+
+def summarize(job: _Job, ledger, records, events, seconds: float, parts, finite: bool) -> Summary:
+    """The run's proof and numbers (see :class:`Summary`)."""
+    import numpy as np
+
+    options, dataset = job.options, parts["dataset"]
+    samples = [dataset.indices(k)[0] for k in ledger.trained()]
+    expected = np.concatenate([dataset.indices(k)[0] for k in range(options.steps)])
+    got = np.sort(np.concatenate(samples)) if samples else np.zeros(0, expected.dtype)
     per_vw = {}
     for r in records:
-        v = per_vw.setdefault(
-            r["vw"],
-            {
-                "waves": 0,
-                "minibatches": 0,
-                "pulls": 0,
-                **dict.fromkeys(SECONDS, 0.0),
-                "max_lead": 0,
-                "max_local_staleness": 0,
-                "max_global_staleness": 0,
-                "idle_ticks": 0,
-            },
-        )
-        v["waves"] += 1
-        v["minibatches"] += len(r["minibatches"])
-        v["pulls"] += int(r["pulled"])
-        v["idle_ticks"] += r["idle_ticks"]
-        v["max_lead"] = max(v["max_lead"], r["wave"] - r["slowest"])
-        v["max_local_staleness"] = max(v["max_local_staleness"], *r["local_staleness"])
-        v["max_global_staleness"] = max(v["max_global_staleness"], *r["global_staleness"])
-        for k in SECONDS:
-            v[k] += r[k]
-    return {
-        "exactly_once": sorted(trained) == list(range(options.total)) and recorded,
-        "samples_exactly_once": bool(np.array_equal(np.sort(samples), np.sort(expected))),
-        "total": options.total,
-        "minibatch": options.minibatch,
-        "distance": options.distance,
-        "nm": list(options.minibatches),
-        "slowdown": options.slowdown,
-        "seconds": seconds,
-        "samples_per_second": options.total * options.minibatch / seconds,
-        "dropped": list(ledger.dropped),
-        "left": list(ledger.left),
-        "per_vw": per_vw,
-        "events": events,
-        "minibatches": [  # what each minibatch's weights held (HetPipe's staleness)
-            {
-                "vw": r["vw"],
-                "wave": r["wave"],
-                "index": m,
-                "local_version": v,
-                "local_staleness": s,
-                "global_staleness": g,
-                "loss": loss,
-            }
-            for r in records
-            for m, v, s, g, loss in zip(
-                r["minibatches"],
-                r["local_versions"],
-                r["local_staleness"],
-                r["global_staleness"],
-                r["losses"],
-            )
-        ],
-        "first_loss": records[0]["losses"][0] if records else None,
-        "last_losses": [x for r in records[-3:] for x in r["losses"]],
-    }
+        per_vw.setdefault(r.vw, []).append(r)
+    return Summary(
+        exactly_once=exactly_once(options.steps, ledger, records, events),
+        samples_exactly_once=bool(np.array_equal(got, np.sort(expected))),
+        weights_finite=finite,
+        total=options.steps,
+        minibatch=options.batch,
+        distance=job.distance,
+        nm=tuple(p.nm for p in job.plans),
+        slowdown=options.slowdown,
+        cluster=None if options.cluster is None else str(options.cluster),
+        seconds=seconds,
+        samples_per_second=options.steps * options.batch / seconds,
+        dropped=tuple(ledger.dropped),
+        left=tuple(ledger.left),
+        virtual_workers=tuple(job.built),
+        per_vw={vw: VWTotals.of(rs) for vw, rs in per_vw.items()},
+        events=tuple(events),
+        minibatches=tuple(m for r in records for m in Trained.of(r)),
+        first_loss=records[0].losses[0] if records else None,
+        last_losses=tuple(x for r in records[-3:] for x in r.losses),
+    )
 
 
-def table(summary: dict) -> str:
+def table(summary: Summary) -> str:
     lines = [
         f"{'vw':6} {'waves':>6} {'minibatches':>11} {'pulls':>6} {'max lead':>8} "
         f"{'staleness local/global':>22} {'wait s':>7} {'compute s':>9} {'slowdown s':>10}"
     ]
-    for vw, v in summary["per_vw"].items():
-        staleness = f"{v['max_local_staleness']}/{v['max_global_staleness']}"
+    for vw, v in summary.per_vw.items():
+        staleness = f"{v.max_local_staleness}/{v.max_global_staleness}"
         lines.append(
-            f"{vw:6} {v['waves']:6d} {v['minibatches']:11d} {v['pulls']:6d} "
-            f"{v['max_lead']:8d} {staleness:>22} {v['wait_seconds']:7.2f} "
-            f"{v['compute_seconds']:9.2f} {v['slowdown_seconds']:10.2f}"
+            f"{vw:6} {v.waves:6d} {v.minibatches:11d} {v.pulls:6d} {v.max_lead:8d} "
+            f"{staleness:>22} {v.wait_seconds:7.2f} {v.compute_seconds:9.2f} "
+            f"{v.slowdown_seconds:10.2f}"
         )
     lines.append(
-        f"exactly once: minibatches {summary['exactly_once']}, samples "
-        f"{summary['samples_exactly_once']}; dropped {summary['dropped']}; "
-        f"{summary['samples_per_second']:.1f} samples/s over {summary['seconds']:.1f} s"
+        f"exactly once: minibatches {summary.exactly_once}, samples "
+        f"{summary.samples_exactly_once}; dropped {list(summary.dropped)}; "
+        f"{summary.samples_per_second:.1f} samples/s over {summary.seconds:.1f} s"
     )
     return "\n".join(lines)
 
 
-def write_plot(records, path: pathlib.Path, options) -> None:
+def write_plot(records, path: pathlib.Path, options: WSPOptions) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -398,10 +501,10 @@ def write_plot(records, path: pathlib.Path, options) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     done = 0
     points: dict[str, list] = {}
-    for r in sorted(records, key=lambda r: r["ended"]):  # in push order: samples trained so far
-        for loss in r["losses"]:
-            done += options.minibatch
-            points.setdefault(r["vw"], []).append((done, loss))
+    for r in sorted(records, key=lambda r: r.ended):  # in push order: samples trained so far
+        for loss in r.losses:
+            done += options.batch
+            points.setdefault(r.vw, []).append((done, loss))
     for vw, xy in sorted(points.items()):
         ax.plot(*zip(*xy), ".", label=vw)
     ax.set_xlabel("samples trained (all virtual workers)")

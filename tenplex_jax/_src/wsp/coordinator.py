@@ -1,22 +1,18 @@
 """The coordinator (Hydrozoa's): virtual workers join and leave while the others keep training.
 
-A :class:`Coordinator` starts VWs on device groups and ends them: ``add(devices)`` starts one
-(it joins the ledger, pulls the global weights and starts at the slowest member's clock),
-``remove(name)`` lets it finish its wave and leave, ``kill(name)`` ends it without a word (a
-preemption without notice, a crash): the others drop it from the clock barrier after the ledger's
-timeout and its unpushed minibatches are trained by others. ``follow(trace)`` does all of it from a
-resource trace in the format of ``meshes/`` (``preempt``: remove, ``fail``: kill, ``offer``: add;
-a trace step is a count of committed minibatches).
-
-VWs run as threads of this process (:class:`Threads`, each on its own devices) or as processes of
-their own (:class:`Processes`: ``python -m tenplex_jax.wsp``, with its own JAX and devices, no
-``jax.distributed`` job shared with any other: one can die or start without touching the others).
+A :class:`Coordinator` starts VWs on device groups (``add``), lets them finish their wave and leave
+(``remove``) or ends them without a word (``kill``: the others drop it after the ledger's timeout
+and train its unpushed minibatches), or does all of it from a resource trace (``follow``). VWs run
+as threads of this process (:class:`Threads`) or as processes of their own (:class:`Processes`:
+``python -m tenplex_jax.wsp``, its own JAX and devices: one dies or starts without touching the
+others).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import json
 import os
 import pathlib
@@ -26,26 +22,100 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from tenplex_jax._src.elastic.trace import ResourceTrace
 from tenplex_jax._src.errors import WSPError
 from tenplex_jax._src.wsp.ps import ParameterServer
+from tenplex_jax._src.wsp.waves import WaveRecord
+from tenplex_jax._src.wsp.worker import VirtualWorker
+
+if TYPE_CHECKING:
+    from tenplex_jax._src.wsp.policy import Decision
 
 WATCH_SECONDS = 0.5  # the longest ``follow`` waits for the ledger before it looks at its VWs
+
+
+class VWEventKind(enum.StrEnum):
+    """What changed in a job of VWs (:class:`VWEvent`)."""
+
+    ADD = "add"  # a VW started
+    REMOVE = "remove"  # a VW told to leave
+    KILL = "kill"  # a VW ended without a word
+    DECIDE = "decide"  # a scaling policy decided (``tj.wsp.Scaler``)
+
+
+@dataclasses.dataclass(frozen=True)
+class VWEvent:
+    """A change of a job's VWs, as its :class:`Coordinator` logged it.
+
+    Attributes:
+      kind: what changed.
+      vw: the VW added, removed or killed, or the one a decision names (None: an offer's).
+      devices: its devices, or those offered.
+      time: ``time.time()`` when it happened.
+      decision: a ``DECIDE`` event's :class:`tenplex_jax.wsp.Decision` (its reason and numbers).
+    """
+
+    kind: VWEventKind
+    vw: str | None
+    devices: tuple[int, ...]
+    time: float
+    decision: Decision | None = None
 
 
 @dataclasses.dataclass
 class Member:
     name: str
     devices: tuple[int, ...]
-    handle: object  # a thread's (thread, worker, stop event) or a process's Popen
+    handle: object  # what the runner's ``start`` returned
     started: float
 
 
-class Threads:
-    """VWs as threads of this process, each on its own devices: a :class:`Coordinator`'s runner.
+class Runner(Protocol):
+    """How a :class:`Coordinator` starts and ends VWs: :class:`Threads` or :class:`Processes`.
 
-    A runner's methods take the handle :meth:`start` returned; the coordinator calls them.
+    ``start`` builds a VW (its step compiled or loaded) and returns its handle, which every
+    other method takes; the VW joins the job only when ``launch``-ed, together with the VWs
+    added with it.
+    """
+
+    errors: list  # (name, what) of every VW that failed
+
+    def start(self, name: str, devices: tuple[int, ...]) -> object:
+        """Build VW ``name`` on the device ids ``devices``; its handle."""
+
+    def launch(self, *handles) -> None:
+        """Let the VWs added together join the job."""
+
+    def stop(self, handle) -> None:
+        """Tell the VW to leave at its next wave boundary."""
+
+    def kill(self, handle) -> None:
+        """End the VW without a word, as a crash: it pushes nothing more and falls silent (the
+        others drop it once its heartbeats have stood still for the timeout)."""
+
+    def alive(self, handle) -> bool:
+        """Whether the VW runs."""
+
+    def wait(self, handle, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for the VW to end."""
+
+    def records(self, handle) -> list[WaveRecord]:
+        """The VW's wave records so far."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadHandle:
+    """A VW of :class:`Threads`: its thread (started at launch), the VW, its stop event."""
+
+    thread: threading.Thread
+    worker: VirtualWorker
+    stop: threading.Event
+
+
+class Threads:
+    """VWs as threads of this process, each on its own devices: a :class:`Runner`.
 
     Args:
       make: ``make(name, devices) -> VirtualWorker``: builds a VW (its step compiled) when it is
@@ -55,20 +125,12 @@ class Threads:
       errors: ``(name, exception)`` of every VW thread that raised.
     """
 
-    def __init__(self, make: Callable):
+    def __init__(self, make: Callable[[str, tuple[int, ...]], VirtualWorker]):
         self.make = make
         self.errors: list[tuple[str, BaseException]] = []
 
-    def start(self, name: str, devices: tuple[int, ...]):
-        """Build a VW; its thread is not started yet.
-
-        Args:
-          name: the VW's name.
-          devices: its device ids.
-
-        Returns:
-          The handle: ``(thread, worker, stop event)``.
-        """
+    def start(self, name: str, devices: tuple[int, ...]) -> ThreadHandle:
+        """``make(name, devices)``; its thread, not started yet."""
         worker = self.make(name, devices)
         stop = threading.Event()
 
@@ -78,81 +140,47 @@ class Threads:
             except BaseException as error:  # reported by the coordinator
                 self.errors.append((name, error))
 
-        return threading.Thread(target=run, name=f"wsp-{name}", daemon=True), worker, stop
+        thread = threading.Thread(target=run, name=f"wsp-{name}", daemon=True)
+        return ThreadHandle(thread=thread, worker=worker, stop=stop)
 
-    def launch(self, *handles) -> None:
-        """Start the VWs' threads: they join the job.
-
-        Args:
-          *handles: what :meth:`start` returned, for VWs added together.
-        """
+    def launch(self, *handles: ThreadHandle) -> None:
+        """Start the threads of ``handles``."""
         for handle in handles:
-            handle[0].start()
+            handle.thread.start()
 
-    def stop(self, handle) -> None:
-        """Tell the VW to leave at its next wave boundary.
+    def stop(self, handle: ThreadHandle) -> None:
+        """Set ``handle``'s stop event."""
+        handle.stop.set()
 
-        Args:
-          handle: what :meth:`start` returned.
-        """
-        handle[2].set()
+    def kill(self, handle: ThreadHandle) -> None:
+        """Set ``handle``'s VW's ``crashed`` event."""
+        handle.worker.crashed.set()
 
-    def kill(self, handle) -> None:
-        """End the VW without a word, as a crash: it stops at once, pushes nothing more and
-        falls silent (the others drop it once its heartbeats have stood still for the timeout).
+    def alive(self, handle: ThreadHandle) -> bool:
+        """Whether ``handle``'s thread runs."""
+        return handle.thread.is_alive()
 
-        Args:
-          handle: what :meth:`start` returned.
-        """
-        handle[1].crashed.set()
+    def wait(self, handle: ThreadHandle, timeout: float) -> None:
+        """Join ``handle``'s thread (it cannot be killed: it may still run after ``timeout``)."""
+        handle.thread.join(timeout)
 
-    def alive(self, handle) -> bool:
-        """Whether the VW's thread runs.
-
-        Args:
-          handle: what :meth:`start` returned.
-
-        Returns:
-          ``thread.is_alive()``.
-        """
-        return handle[0].is_alive()
-
-    def wait(self, handle, timeout: float) -> None:
-        """Wait for the VW's thread to end.
-
-        Args:
-          handle: what :meth:`start` returned.
-          timeout: seconds to wait at most (a thread cannot be killed: it may still run).
-        """
-        handle[0].join(timeout)
-
-    def records(self, handle) -> list:
-        """The VW's wave records so far.
-
-        Args:
-          handle: what :meth:`start` returned.
-
-        Returns:
-          Each :class:`WaveRecord` as a dict.
-        """
-        return [dataclasses.asdict(r) for r in handle[1].records]
+    def records(self, handle: ThreadHandle) -> list[WaveRecord]:
+        """``handle``'s VW's records."""
+        return list(handle.worker.records)
 
 
 class Processes:
     """VWs as processes: ``python -m tenplex_jax.wsp --job JOB --name N --devices K ...``, each
-    with ``K`` devices of its own; records come back as JSON lines in ``run_dir``.
+    with ``K`` devices of its own, no ``jax.distributed`` job shared with another VW; records
+    come back as JSON lines in ``run_dir``. A :class:`Runner`; a handle is the tuple of the VW's
+    ``subprocess.Popen``, its leader first. A process builds (compiles or loads its step), then
+    waits (``--hold``) until every VW added with it is built too: VWs added together join
+    together, as threads do.
 
-    With ``nodes`` (device ``d`` is on node ``nodes[d]``: a cluster file's ``Cluster.nodes``), a
-    VW whose devices are on several nodes (HetPipe's equal grouping) runs a process per node,
-    each with its devices there (as many on each), joined in a ``jax.distributed`` job of the
-    VW's own (:mod:`tenplex_jax._src.wsp.group`): when one of them fails, the others are killed,
-    so the VW dies whole, as a VW, and the others drop it.
-
-    A :class:`Coordinator`'s runner, with :class:`Threads`' methods; a handle is the tuple of
-    the VW's ``subprocess.Popen`` (its leader first). One VW can die or start without touching
-    the others (no ``jax.distributed`` job shared with another VW). A process builds (compiles
-    or loads its step) on its own, then waits (``--hold``) until every VW added with it is built
-    too: VWs added together join together, as threads do, whatever their builds take.
+    With ``nodes`` (device ``d`` is on node ``nodes[d]``: ``Cluster.nodes``), a VW whose devices
+    are on several nodes runs a process per node, with as many devices each, in a
+    ``jax.distributed`` job of its own (:mod:`~tenplex_jax._src.wsp.group`): when one of them
+    fails, the others are killed, so the VW dies whole and the others drop it.
 
     Args:
       job: ``"MODULE:FUNCTION"``: ``FUNCTION(devices, **options)`` returns the job's parts
@@ -194,17 +222,8 @@ class Processes:
             self.options += ["--executables", str(executables)]
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, devices: tuple[int, ...]):
-        """Start a VW's processes; they build (compile or load its step), then join the job
-        when :meth:`launch` lets them.
-
-        Args:
-          name: the VW's name.
-          devices: its device ids; a process per node they are on, each using as many devices
-            of its own as the VW has there.
-
-        Returns:
-          The handle: the processes' ``subprocess.Popen``, the leader's first.
+    def start(self, name: str, devices: tuple[int, ...]) -> tuple[subprocess.Popen, ...]:
+        """VW ``name``'s processes, one per node its ``devices`` are on.
 
         Raises:
           WSPError: the VW has unequal numbers of devices on its nodes (``"invalid"``).
@@ -260,22 +279,9 @@ class Processes:
         ]
 
     def _spawn(self, name: str, local: int, options: list[str], index: int) -> subprocess.Popen:
-        command = [
-            self.python,
-            "-m",
-            "tenplex_jax.wsp",
-            "--job",
-            self.job,
-            "--name",
-            name,
-            "--devices",
-            str(local),
-            "--stores",
-            ",".join(self.stores),
-            "--records",
-            str(self.run_dir / f"{name}.jsonl"),
-            *options,
-        ]
+        command = [self.python, "-m", "tenplex_jax.wsp", "--job", self.job, "--name", name]
+        command += ["--devices", str(local), "--stores", ",".join(self.stores)]
+        command += ["--records", str(self.run_dir / f"{name}.jsonl"), *options]
         if self.token_file:
             command += ["--token-file", self.token_file]
         # no preexec_fn: this process runs JAX's threads, so the child must exec at once (its own
@@ -302,12 +308,8 @@ class Processes:
         return proc
 
     def launch(self, *handles) -> None:
-        """Let the VWs' processes join the job together, once every one of them is built (its
-        step compiled or loaded) or has ended; a thread waits for them, not the caller.
-
-        Args:
-          *handles: what :meth:`start` returned, for VWs added together.
-        """
+        """Say go to the processes of ``handles`` once every one of them is built or has ended
+        (a thread waits for them, not the caller)."""
         procs = [proc for handle in handles for proc in handle]
         pipes = [self._built.pop(proc.pid) for proc in procs]
         threading.Thread(
@@ -325,21 +327,13 @@ class Processes:
                 proc.stdin.close()
 
     def stop(self, handle) -> None:
-        """SIGTERM: the VW leaves at its next wave boundary (its leader decides when).
-
-        Args:
-          handle: what :meth:`start` returned.
-        """
+        """SIGTERM ``handle``'s processes (the VW's leader decides when it leaves)."""
         for proc in handle:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
 
     def kill(self, handle) -> None:
-        """SIGKILL the VW's processes and reap them.
-
-        Args:
-          handle: what :meth:`start` returned.
-        """
+        """SIGKILL ``handle``'s processes and reap them."""
         from tenplex_jax._src.multihost.processes import kill as kill_process
 
         for proc in handle:
@@ -350,23 +344,11 @@ class Processes:
                 os.close(self._built.pop(proc.pid))
 
     def alive(self, handle) -> bool:
-        """Whether the VW's leader runs.
-
-        Args:
-          handle: what :meth:`start` returned.
-
-        Returns:
-          ``handle[0].poll() is None``.
-        """
+        """Whether ``handle``'s leader runs."""
         return handle[0].poll() is None
 
     def wait(self, handle, timeout: float) -> None:
-        """Wait for the VW's processes to exit; SIGKILL them after ``timeout``.
-
-        Args:
-          handle: what :meth:`start` returned.
-          timeout: seconds to wait.
-        """
+        """SIGKILL ``handle``'s processes still running after ``timeout``."""
         from tenplex_jax._src.multihost.processes import kill as kill_process
 
         deadline = time.monotonic() + timeout
@@ -376,21 +358,14 @@ class Processes:
             except subprocess.TimeoutExpired:
                 kill_process(proc)
 
-    def records(self, handle) -> list:
-        """The VW's wave records so far, read from ``run_dir/<name>.jsonl``.
-
-        Args:
-          handle: what :meth:`start` returned.
-
-        Returns:
-          Each record as a dict (none when the file does not exist yet).
-        """
+    def records(self, handle) -> list[WaveRecord]:
+        """``handle``'s, read from ``run_dir/<name>.jsonl`` (none when it does not exist yet)."""
         args = handle[0].args
-        name = args[args.index("--name") + 1]
-        path = self.run_dir / f"{name}.jsonl"
+        path = self.run_dir / f"{args[args.index('--name') + 1]}.jsonl"
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        return [WaveRecord.from_json(json.loads(line)) for line in lines]
 
 
 class Coordinator:
@@ -406,37 +381,39 @@ class Coordinator:
 
     Args:
       ps: the job's :class:`ParameterServer` (the coordinator reads the ledger).
-      runner: :class:`Threads` or :class:`Processes`.
+      runner: the :class:`Runner`: :class:`Threads` or :class:`Processes`.
       log: called with one line of text per event (default: silent).
 
     Attributes:
       members: name -> the running VWs.
       gone: name -> the VWs removed or killed.
-      events: one dict per change (``"add"``, ``"remove"``, ``"kill"``), with its time.
+      events: every :class:`VWEvent`, in order.
     """
 
-    def __init__(self, ps: ParameterServer, runner, log: Callable | None = None):
+    def __init__(self, ps: ParameterServer, runner: Runner, log: Callable | None = None):
         self.ps, self.runner, self.log = ps, runner, log
         self.members: dict[str, Member] = {}
         self.gone: dict[str, Member] = {}
-        self.events: list[dict] = []
+        self.events: list[VWEvent] = []
         self._count = 0
 
-    def _event(self, kind: str, **fields) -> None:
-        record = {"event": kind, "time": time.time(), **fields}
-        self.events.append(record)
+    def add_event(
+        self, kind: VWEventKind, vw: str | None, devices, decision: Decision | None = None
+    ) -> None:
+        """Log a :class:`VWEvent` of ``kind`` for ``vw`` on ``devices`` (a ``DECIDE``'s
+        ``decision``), now, and its line."""
+        event = VWEvent(
+            kind=kind, vw=vw, devices=tuple(devices), time=time.time(), decision=decision
+        )
+        self.events.append(event)
         if self.log is not None:
-            self.log(f"wsp: {kind}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
+            said = "" if decision is None else f", {decision.action}: {decision.reason}"
+            self.log(f"wsp: {kind}: vw={vw}, devices={list(devices)}{said}")
 
     def add(self, *groups: Sequence[int]) -> list[str]:
-        """Start a VW on each group of device ids; all are built before any starts, so they join
-        together (each at the slowest member's clock, after pulling the global weights).
-
-        Args:
-          *groups: device ids, one sequence per VW.
-
-        Returns:
-          Their names: ``vw1, vw2, ...``, numbered in the order added over the job.
+        """Start a VW on each of ``groups`` of device ids; their names (``vw1, vw2, ...``, numbered
+        over the job). All are built before any starts, so they join together (each at the
+        slowest member's clock, after pulling the global weights).
 
         Raises:
           WSPError: the runner refused a group (``"invalid"``): the VWs of this call already
@@ -447,8 +424,9 @@ class Coordinator:
             for devices in groups:
                 self._count += 1
                 name, devices = f"vw{self._count}", tuple(devices)
+                handle = self.runner.start(name, devices)
                 self.members[name] = Member(
-                    name, devices, self.runner.start(name, devices), time.time()
+                    name=name, devices=devices, handle=handle, started=time.time()
                 )
                 added.append(name)
         except BaseException:
@@ -457,47 +435,28 @@ class Coordinator:
             raise
         self.runner.launch(*(self.members[name].handle for name in added))
         for name in added:
-            self._event("add", vw=name, devices=list(self.members[name].devices))
+            self.add_event(VWEventKind.ADD, name, self.members[name].devices)
         return added
 
     def remove(self, name: str) -> None:
-        """End a VW with notice: it finishes its wave, pushes it, and leaves.
-
-        Args:
-          name: a running VW's name.
-
-        Raises:
-          KeyError: no running VW has that name.
-        """
+        """End the running VW ``name`` with notice: it finishes its wave, pushes it, and leaves
+        (a ``KeyError`` if no running VW has that name)."""
         member = self.members.pop(name)
         self.runner.stop(member.handle)
         self.gone[name] = member
-        self._event("remove", vw=name, devices=list(member.devices))
+        self.add_event(VWEventKind.REMOVE, name, member.devices)
 
     def kill(self, name: str) -> None:
-        """End a VW without a word (a preemption without notice, a crash): the others drop it
-        after the ledger's timeout, and its unpushed minibatches are trained by others.
-
-        Args:
-          name: a running VW's name.
-
-        Raises:
-          KeyError: no running VW has that name.
-        """
+        """End the running VW ``name`` without a word (a preemption without notice, a crash): the
+        others drop it after the ledger's timeout, and its unpushed minibatches are trained by
+        others (a ``KeyError`` if no running VW has that name)."""
         member = self.members.pop(name)
         self.runner.kill(member.handle)
         self.gone[name] = member
-        self._event("kill", vw=name, devices=list(member.devices))
+        self.add_event(VWEventKind.KILL, name, member.devices)
 
     def free(self, devices: Sequence[int]) -> list[int]:
-        """The devices no running VW uses.
-
-        Args:
-          devices: device ids.
-
-        Returns:
-          Those of ``devices`` that are free, in their order.
-        """
+        """Those of the device ids ``devices`` that no running VW uses, in their order."""
         used = {d for m in self.members.values() for d in m.devices}
         return [d for d in devices if d not in used]
 
@@ -518,7 +477,7 @@ class Coordinator:
           trace: the :class:`tenplex_jax.elastic.ResourceTrace` (its steps count minibatches).
           group: devices per VW.
           timeout: seconds the job may take.
-          scaler: a :class:`tenplex_jax.wsp.Scaler` of this coordinator (default: none).
+          scaler: a :class:`tenplex_jax.wsp.Scaler` of this coordinator, or None.
 
         Raises:
           WSPError: the job did not finish within ``timeout`` (``"busy"``), or an event is not
@@ -548,8 +507,8 @@ class Coordinator:
             if scaler is None:
                 self.add(*groups)
             for devices in groups if scaler is not None else ():
-                if scaler.offer(devices).action == "add":
-                    scaler.review()
+                scaler.offer(devices)
+                scaler.review()  # the VW it added, if it did
             return
         if event.kind not in ("preempt", "fail"):
             raise WSPError(
@@ -570,17 +529,14 @@ class Coordinator:
             (self.remove if event.kind == "preempt" else self.kill)(member.name)
 
     def wait_joined(self, timeout: float = 600.0) -> None:
-        """Wait until every running VW has joined the ledger (built, its step compiled, its
-        first pull done), so that what comes next (a trace's events) finds each one training:
-        a VW in processes builds for seconds after :meth:`add`, and one killed before it joins
-        was never a member, so nothing drops it.
-
-        Args:
-          timeout: seconds to wait.
+        """Wait at most ``timeout`` seconds until every running VW has joined the ledger (built,
+        its first pull done), so that what comes next (a trace's events) finds each one
+        training: a VW in processes builds for seconds after :meth:`add`, and one killed before
+        it joins was never a member, so nothing drops it. A VW that ended meanwhile is not
+        waited for (a failure is in the runner's ``errors``).
 
         Raises:
-          WSPError: a VW still had not joined after ``timeout`` (``"busy"``). A VW that ended
-            meanwhile is not waited for (a failure is in the runner's ``errors``).
+          WSPError: a VW still had not joined after ``timeout`` (``"busy"``).
         """
         deadline, ledger = time.monotonic() + timeout, self.ps.ledger()
         while True:
@@ -597,22 +553,14 @@ class Coordinator:
             ledger = self.ps.wait(WATCH_SECONDS)  # the next change (a join), or within this
 
     def wait(self, timeout: float = 600.0) -> None:
-        """Wait for every VW to end (each ends when the run is done or it is told to).
-
-        Args:
-          timeout: seconds to wait for all of them together (a process still running then is
-            killed; a thread is left running).
-        """
+        """Wait for every VW to end (when the run is done or it is told to), ``timeout`` seconds
+        for all of them together (a process still running then is killed; a thread is left)."""
         deadline = time.monotonic() + timeout
         for member in [*self.members.values(), *self.gone.values()]:
             self.runner.wait(member.handle, max(deadline - time.monotonic(), 0.1))
 
     def stop(self, timeout: float = 600.0) -> None:
-        """Tell every VW to leave, and wait for them.
-
-        Args:
-          timeout: as :meth:`wait`.
-        """
+        """Tell every VW to leave, and :meth:`wait` for them (``timeout`` seconds)."""
         for name in list(self.members):
             self.remove(name)
         self.wait(timeout)
@@ -626,9 +574,9 @@ class Coordinator:
             self.kill(name)
         self.wait(timeout=60.0)
 
-    def records(self) -> list[dict]:
-        """Every VW's wave records (dicts), in wave start order."""
+    def records(self) -> list[WaveRecord]:
+        """Every VW's wave records, in wave start order."""
         out = []
         for member in [*self.members.values(), *self.gone.values()]:
             out += self.runner.records(member.handle)
-        return sorted(out, key=lambda r: r["started"])
+        return sorted(out, key=lambda r: r.started)

@@ -1,24 +1,14 @@
 """The processes of one virtual worker: a VW whose devices span processes (nodes).
 
-HetPipe's equal grouping puts one device of every node into each VW, so a VW spans nodes: its
-processes form a ``jax.distributed`` job of their own (one per VW: no collective, and no
-coordination service, is shared with any other VW) and run the VW's programs SPMD over its
-mesh. JAX requires every process of a job to run the same programs in the same order, and the
-VW's program depends on what the parameter server says (which minibatches it claimed, whether it
-pulled and what, whether it was dropped). So one process, the VW's **leader** (its process 0),
-alone talks to the parameter server and decides; :meth:`Group.agree` hands each decision, with
-the exception it raised if it raised one, to the others (the **followers**) in the order the
-decisions are made: small values through the group's key-value store (the coordination
-service's), the numpy arrays within them (pulled weights, an optimizer state) by a broadcast
-over the VW's devices. A follower runs the same code with the leader's decisions: the same
-programs, in the same order.
-
-A VW in one process is a group of one: :meth:`Group.agree` calls its function and returns what
-it returns, and nothing is sent.
-
-Only the leader heartbeats, so a VW is alive to the others while its leader is: the runner that
-starts a VW's processes ends all of them when one dies (``tj.wsp.Processes``), and a follower
-waits for a decision at most ``timeout`` seconds.
+A VW over nodes (HetPipe's equal grouping) runs its programs SPMD in a ``jax.distributed`` job of
+its own. JAX requires every process of a job to run the same programs in the same order, and the
+VW's program depends on the parameter server's answers. So one process, the VW's **leader** (its
+process 0), alone talks to the parameter server and decides; :meth:`Group.agree` hands each
+decision, or the exception it raised, to the others (the **followers**) in order: small values
+through the job's key-value store, the numpy arrays within them by a broadcast over the VW's
+devices. A VW in one process is a group of one: nothing is sent. Only the leader heartbeats: the
+runner ends all of a VW's processes when one dies (``tj.wsp.Processes``), and a follower waits
+for a decision at most ``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -82,12 +72,9 @@ class Group:
         return self.index == 0
 
     def agree(self, decide: Callable[[], T]) -> T:
-        """``decide()``, called by the leader alone; every process returns its value, or raises
-        what it raised.
-
-        Args:
-          decide: what the leader does (a request to the parameter server) and returns: any
-            picklable value; its numpy arrays are broadcast over the VW's devices.
+        """``decide()``, called by the leader alone (a request to the parameter server); every
+        process returns its value (any picklable value: its numpy arrays are broadcast over the
+        VW's devices), or raises what it raised.
 
         Raises:
           WSPError: a follower waited ``timeout`` seconds for the leader (``"unavailable"``);

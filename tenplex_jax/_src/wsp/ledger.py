@@ -5,35 +5,38 @@ One small record, kept as one JSON object in a tensor store and changed only by 
 virtual workers (VWs) do concurrently. Everything here is pure: ``Ledger`` methods return a new
 ledger (and a result), so the rules are tested exhaustively without stores or devices.
 
-- **The data cursor.** Minibatches are the dataset PTC's global batches ``0, 1, 2, ...``: one
-  global order. ``claim`` leases a VW the next ``Nm`` of them for its wave, minibatches handed
-  back first (lowest first), then fresh ones from the cursor. A VW whose push is in flight may
-  lease its next wave before that push commits (one lease ahead, HetPipe's communication beside
-  the compute); the commit turns the lease ahead into its lease.
+- **The data cursor.** Minibatches are the dataset PTC's global batches ``0, 1, 2, ...``.
+  ``claim`` leases a VW the next ``Nm`` for its wave, those handed back first; a VW whose push is
+  in flight may lease one wave ahead, which its commit turns into its lease.
 - **Commits.** ``commit`` turns a VW's lease for wave ``c`` into a log entry ``(vw, c,
-  minibatches)`` and advances its clock to ``c + 1``. The log is the proof: every minibatch it
-  lists was trained and pushed exactly once.
-- **Members and deaths.** A VW ``join``s at the slowest member's clock (it never holds the others
-  back). Its heartbeats are not in the ledger (they would rewrite it all the time): a VW that
-  sees a member's heartbeats stop for longer than the timeout (:class:`Beats`) has it ``drop``ped:
-  its leased minibatches go back (to be trained by another VW) and it leaves the clock barrier, so
-  the others wait for it at most about the timeout. A dropped VW's late commit is refused.
-  ``leave`` is the graceful exit.
-- **Compaction.** The log would grow with the run: ``compact`` moves all but its newest entries
-  out, into an archive the parameter server keeps beside the ledger as a chain of immutable
-  segments (``archive`` names the newest; :meth:`ParameterServer.history` reads the whole log).
+  minibatches)`` and advances its clock to ``c + 1``: the log is the exactly-once proof.
+- **Members and deaths.** A VW ``join``s at the slowest member's clock. A VW that sees a member's
+  heartbeats (:class:`Beats`, not in the ledger) stand still past the timeout has it ``drop``ped:
+  its leases go back and it leaves the clock barrier; its late commit is refused. ``leave`` is the
+  graceful exit.
+- **Compaction.** ``compact`` moves all but the newest log entries into archived segments
+  (``archive`` names the newest; :meth:`ParameterServer.history` reads the whole log).
 - **Wave synchronous parallel.** ``may_start(vw, wave, D)``: a VW starts wave ``k`` only when every
-  member has committed at least ``k - D`` waves (``D = 0``: every wave waits for all).
+  member has committed at least ``k - D`` waves.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Iterable, Mapping
 
 from tenplex_jax._src.errors import WSPError
 
 PATH = "wsp/ledger"  # the ledger's JSON object in the coordinating store
+
+
+class Start(enum.StrEnum):
+    """What a VW does before a wave (:meth:`Ledger.decide`)."""
+
+    GO = "go"  # its weights are fresh enough
+    PULL = "pull"  # the slowest has committed enough waves: pull the global weights, then go
+    WAIT = "wait"  # for the slowest member's next commit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,16 +108,9 @@ class Ledger:
         return min(self.clocks.values()) if self.clocks else None
 
     def may_start(self, vw: str, wave: int, distance: int) -> bool:
-        """WSP's rule: a wave may start when every member has committed ``wave - distance``.
-
-        Args:
-          vw: the asking VW (the rule does not depend on it: every member's clock counts).
-          wave: the wave it would start.
-          distance: WSP's ``D``, the waves a VW may run ahead of the slowest.
-
-        Returns:
-          Whether it may start (always, without members).
-        """
+        """WSP's rule: whether ``vw`` may start ``wave``: every member has committed ``wave -
+        distance`` waves (``distance``: ``D``). Always without members; every member's clock
+        counts, not ``vw``'s."""
         slowest = self.min_clock
         return slowest is None or wave - slowest <= distance
 
@@ -125,7 +121,7 @@ class Ledger:
         fresh: int,
         distance: int,
         members: Iterable[str] | None = None,
-    ) -> str:
+    ) -> Start:
         """What a VW does before a wave.
 
         Args:
@@ -140,15 +136,15 @@ class Ledger:
             flight): ``fresh`` is at most its start.
 
         Returns:
-          ``"go"`` (fresh enough: ``fresh >= wave - D``), ``"pull"`` (the slowest has committed
-          ``wave - D`` waves: pull, then go) or ``"wait"``.
+          ``GO`` (fresh enough: ``fresh >= wave - D``), ``PULL`` (the slowest has committed
+          ``wave - D`` waves: pull, then go) or ``WAIT``.
         """
         if members is not None:
             known = set(members)
             fresh = min([fresh, *(self.starts[m] for m in self.clocks if m not in known)])
         if fresh >= wave - distance:
-            return "go"
-        return "pull" if self.may_start(vw, wave, distance) else "wait"
+            return Start.GO
+        return Start.PULL if self.may_start(vw, wave, distance) else Start.WAIT
 
     @property
     def done(self) -> bool:
@@ -193,14 +189,8 @@ class Ledger:
         """A VW joins at the slowest member's clock (0 in an empty job), so it never holds the
         others back.
 
-        Args:
-          vw: its name, never used before in this job.
-
-        Returns:
-          The new ledger.
-
         Raises:
-          WSPError: the name has been a member (``"refused"``).
+          WSPError: the name ``vw`` has been a member (``"refused"``).
         """
         if vw in self.committed or vw in self.clocks:
             raise WSPError(
@@ -232,12 +222,6 @@ class Ledger:
 
     def leave(self, vw: str) -> Ledger:
         """A member leaves gracefully: its uncommitted minibatches go back.
-
-        Args:
-          vw: the member.
-
-        Returns:
-          The new ledger.
 
         Raises:
           WSPError: ``vw`` is not a member (``"dropped"``).
@@ -304,19 +288,12 @@ class Ledger:
             self,
             returned=self.returned[len(taken) :],
             cursor=end,
-            **{held: {**getattr(self, held), vw: Lease(wave, minibatches)}},
+            **{held: {**getattr(self, held), vw: Lease(wave=wave, minibatches=minibatches)}},
         ), minibatches
 
     def commit(self, vw: str, wave: int) -> Ledger:
         """A member's wave is pushed: log its minibatches and advance its clock (the atomic point
         of a push); its lease ahead, if any, becomes its lease.
-
-        Args:
-          vw: the member.
-          wave: the wave it leased.
-
-        Returns:
-          The new ledger.
 
         Raises:
           WSPError: ``vw`` was dropped, its minibatches gone to others (``"dropped"``), or holds
@@ -346,13 +323,6 @@ class Ledger:
         """Undo the last committed wave (an operator's, after its update was taken out of the
         weights): its log entry moves to ``undone`` and its minibatches go back, to be trained
         again; the VW's clock and committed count stay (the push counts, as a no-op).
-
-        Args:
-          vw: the VW of the last log entry.
-          wave: its wave.
-
-        Returns:
-          The new ledger.
 
         Raises:
           WSPError: ``(vw, wave)`` is not the last log entry (``"refused"``).
@@ -398,65 +368,45 @@ class Ledger:
     # -- the JSON record -----------------------------------------------------------------------
 
     def to_json(self) -> dict:
-        """The ledger as a JSON-able dict of its fields (a lease as ``[wave, minibatches]``)."""
-        return {
-            "total": self.total,
-            "cursor": self.cursor,
-            "returned": list(self.returned),
-            "clocks": dict(self.clocks),
-            "leases": {k: [v.wave, list(v.minibatches)] for k, v in self.leases.items()},
-            "ahead": {k: [v.wave, list(v.minibatches)] for k, v in self.ahead.items()},
-            "committed": dict(self.committed),
-            "starts": dict(self.starts),
-            "log": [[vw, wave, list(m)] for vw, wave, m in self.log],
-            "dropped": list(self.dropped),
-            "left": list(self.left),
-            "undone": [[vw, wave, list(m)] for vw, wave, m in self.undone],
-            "archived": self.archived,
-            "archive": self.archive,
-        }
+        """The ledger as a JSON-able dict: ``dataclasses.asdict``, a lease as ``[wave,
+        minibatches]``."""
+        record = dataclasses.asdict(self)
+        for key in ("leases", "ahead"):
+            record[key] = {k: [v.wave, list(v.minibatches)] for k, v in getattr(self, key).items()}
+        return record
 
     @classmethod
     def from_json(cls, record: Mapping) -> Ledger:
-        """The ledger of a :meth:`to_json` record.
-
-        Args:
-          record: the dict :meth:`to_json` returned (as read back from the store).
-
-        Returns:
-          The ledger.
+        """The ledger of a :meth:`to_json` ``record`` (as read back from the store).
 
         Raises:
           WSPError: the record is malformed (``"corrupt"``).
         """
         try:
+            lease = lambda w, ms: Lease(wave=int(w), minibatches=tuple(int(m) for m in ms))
             return cls(
-                None if record["total"] is None else int(record["total"]),
-                int(record["cursor"]),
-                tuple(int(m) for m in record["returned"]),
-                {str(k): int(v) for k, v in record["clocks"].items()},
-                {
-                    str(k): Lease(int(w), tuple(int(m) for m in ms))
-                    for k, (w, ms) in record["leases"].items()
-                },
-                {
-                    str(k): Lease(int(w), tuple(int(m) for m in ms))
-                    for k, (w, ms) in record.get("ahead", {}).items()
-                },
-                {str(k): int(v) for k, v in record["committed"].items()},
-                {str(k): int(v) for k, v in record["starts"].items()},
-                tuple((str(vw), int(w), tuple(int(m) for m in ms)) for vw, w, ms in record["log"]),
-                tuple(str(v) for v in record["dropped"]),
-                tuple(str(v) for v in record["left"]),
-                tuple(
-                    (str(vw), int(w), tuple(int(m) for m in ms))
-                    for vw, w, ms in record.get("undone", ())
-                ),
-                int(record.get("archived", 0)),
-                None if record.get("archive") is None else str(record["archive"]),
+                total=None if record["total"] is None else int(record["total"]),
+                cursor=int(record["cursor"]),
+                returned=tuple(int(m) for m in record["returned"]),
+                clocks={str(k): int(v) for k, v in record["clocks"].items()},
+                leases={str(k): lease(*v) for k, v in record["leases"].items()},
+                ahead={str(k): lease(*v) for k, v in record.get("ahead", {}).items()},
+                committed={str(k): int(v) for k, v in record["committed"].items()},
+                starts={str(k): int(v) for k, v in record["starts"].items()},
+                log=log_entries(record["log"]),
+                dropped=tuple(str(v) for v in record["dropped"]),
+                left=tuple(str(v) for v in record["left"]),
+                undone=log_entries(record.get("undone", ())),
+                archived=int(record.get("archived", 0)),
+                archive=None if record.get("archive") is None else str(record["archive"]),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise WSPError(f"the ledger record is malformed: {error!r:.200}", "corrupt") from None
+
+
+def log_entries(entries) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+    """Log entries ``(vw, wave, minibatches)`` as read back from JSON."""
+    return tuple((str(vw), int(w), tuple(int(m) for m in ms)) for vw, w, ms in entries)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,15 +432,12 @@ class Beats:
           members: the ledger's members (only they are kept).
           beats: member -> its heartbeat counter, as read (absent: no heartbeat object).
           now: the observer's monotonic clock, seconds.
-
-        Returns:
-          The new record.
         """
         last = {}
         for vw in members:
             beat, before = beats.get(vw), self.last.get(vw)
             last[vw] = before if before is not None and before[0] == beat else (beat, now)
-        return Beats(last)
+        return Beats(last=last)
 
     def silent(self, now: float, timeout: float) -> tuple[str, ...]:
         """The members whose beat has not changed for longer than ``timeout`` seconds."""

@@ -1,18 +1,12 @@
 """Optimizer state shared through the parameter server's stores, so a joining VW keeps it.
 
-The parameter server holds the weights only; each VW's optimizer state (AdamW's moments and step
-count) is its own. A VW that joins would start with fresh moments and a step count of 0 (any
-learning-rate schedule restarting, AdamW's first steps of ``lr`` per element). So every VW shares
-its optimizer state every few waves (``optimizer_every=``) and when it leaves, and a joining VW
-takes the freshest one shared: moments estimated on weights at most a few waves older than the
-global weights it pulls.
-
-A share is written new, then named: each leaf is put under ``wsp/optimizer/<vw>/<wave>/<leaf>``
-(leaves spread over the stores), then the VW's manifest (``wsp/optimizer/<vw>``, JSON in the first
-store: its wave, and each leaf's store and checksum) is replaced, then the VW's older share is
+The parameter server holds the weights only; each VW's optimizer state is its own. A VW shares it
+every few waves (``optimizer_every``) and when it leaves, and a joining VW takes the freshest one
+shared instead of fresh moments and a step count of 0. A share is written new, then named: each
+leaf under ``wsp/optimizer/<vw>/<wave>/<leaf>`` (spread over the stores), then the VW's manifest
+(``wsp/optimizer/<vw>``: its wave, each leaf's store and checksum) replaced, then its older share
 deleted. A reader takes the freshest manifest whose every leaf it reads with the manifest's
-checksum, and otherwise the next freshest: a share half written, or deleted under it, is never
-taken.
+checksum, else the next freshest: a share half written, or deleted under it, is never taken.
 """
 
 from __future__ import annotations

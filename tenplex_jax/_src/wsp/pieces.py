@@ -1,14 +1,12 @@
 """The parameter server's weights cut into pieces by bytes, and the pieces placed on the stores.
 
 Every piece is one float32 object in one store, and every push and pull costs a request per
-piece: a model's many small leaves (biases, norms), each a piece of its own, made a push of GPT
-small's 14 weight leaves (0.5 MiB) over 2 stores take 28.6 ms, against 6.0 ms with the pieces
-shared as below (2 cores, ``ps_lean``). A leaf kept whole, on the other hand, makes its store
-carry most of the bytes and serve a push or a pull alone. So the leaves that may go to the same
-stores are laid end to end, flattened, in the weights' order, and that run of elements is cut
-into equal pieces of at most ``piece_bytes``, as many on each of those stores: a small leaf
-shares a piece with its neighbours, a large one spreads over the stores. Each piece is a list of
-*spans*, ranges of a leaf's flattened elements.
+piece, while a leaf kept whole makes its store carry most of the bytes and serve a push or a pull
+alone. So the leaves that may go to the same stores are laid end to end, flattened, in the
+weights' order, and that run of elements is cut into equal pieces of at most ``piece_bytes``, as
+many on each of those stores: a small leaf shares a piece with its neighbours, a large one
+spreads over the stores. Each piece is a list of *spans*, ranges of a leaf's flattened elements.
+(What the piece size costs: ``benchmarks/RESULTS.md``, ``ps_lean``.)
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ import numpy as np
 
 from tenplex_jax._src.errors import WSPError
 
-# the largest piece, by default: a 64 MiB leaf over 2 stores pushed in 0.163 s and pulled in
-# 0.067 s as 32 MiB pieces, 0.174 and 0.078 s as 8 MiB ones (2 cores, one run)
 PIECE_BYTES = 32 << 20
 
 
@@ -114,7 +110,7 @@ def cut(
         sizes = [(p, math.prod(shapes[p])) for p in paths]
         order = sorted(where, key=lambda i: (load[i], i))  # the least loaded first
         for k, spans in enumerate(_equal_runs(sizes, len(where), piece_bytes)):
-            piece = Piece(len(pieces), order[k % len(order)], spans)
+            piece = Piece(index=len(pieces), store=order[k % len(order)], spans=spans)
             load[piece.store] += 4 * piece.size
             pieces.append(piece)
     return tuple(pieces)
@@ -143,7 +139,7 @@ def _equal_runs(
         while i < len(leaves) and starts[i] < hi:
             a, b = max(lo, starts[i]) - starts[i], min(hi, starts[i + 1]) - starts[i]
             if b > a:
-                spans.append(Span(leaves[i][0], a, b))
+                spans.append(Span(leaf=leaves[i][0], start=a, stop=b))
             i += 1
         runs.append(tuple(spans))
     return runs

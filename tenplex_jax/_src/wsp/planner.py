@@ -1,42 +1,42 @@
 """Planning an asynchronous job: virtual workers, their stages, ``Nm`` and ``D``.
 
-``plan_workers(cluster, profile, minibatch)`` tries two groupings of the cluster's devices into
-virtual workers (VWs), as HetPipe's resource allocator does:
-
-- ``node``: each node is a VW (a node's devices share fast links: pipeline and data parallelism
-  inside it cost least);
-- ``equal``: VW ``i`` takes the ``i``-th device of every node (HetPipe's equal distribution: every
-  VW holds the same mix of device types, so the VWs are equally fast);
-- ``hybrid``: between the two (HetPipe's hybrid distribution): VW ``i`` takes the ``i``-th block of
-  ``h`` adjacent devices of every node, ``h`` the largest divisor of the smallest node's device
-  count below it: the same mix of types in every VW as ``equal``, in fewer, larger VWs whose
-  stages keep more of their devices inside one node.
-
-For each VW the planner's search (``tj.planner.choose``, the cost model of ``search.py``) picks its
-layout and its pipeline stages, each stage's layers in proportion to its devices' speed. ``Nm`` (the
-minibatches of a wave, in flight together in the VW's pipeline) is at least the VW's stages, so
-that every stage holds one, and set per VW in proportion to the VW's speed, so that every VW's
-wave takes about as long and the clocks advance together, as far as its memory holds the weight
-versions and activations of that many minibatches in flight; the job's throughput is
-then ``sum(Nm) / (the longest wave)``. ``D = 1`` lets a VW start a wave before the slowest has
-finished the previous one (a stall of one wave is absorbed), ``D = 0`` when there is one VW. The
-choice is the grouping with the most samples per second (``objective="time"``) or per dollar
-(``"cost"``); it is compared with one synchronous job over the same devices and the same samples
-per step (the planner's best SPMD layout), where every step waits for the slowest device.
+``plan_workers(cluster, profile, minibatch)`` tries HetPipe's groupings of the cluster's devices
+into virtual workers (VWs) (:class:`Grouping`): ``node`` (each node a VW: its devices share fast
+links), ``equal`` (VW ``i`` takes the ``i``-th device of every node: every VW holds the same mix
+of types, so the VWs are equally fast) and ``hybrid`` (VW ``i`` takes the ``i``-th block of ``h``
+adjacent devices of every node, ``h`` the largest divisor of the smallest node's device count
+below it: the same mix in fewer, larger VWs). For each VW the planner's search
+(``tj.planner.choose``) picks its layout and its stages, each stage's layers in proportion to its
+devices' speed. ``Nm`` is at least the VW's stages (a minibatch in flight on each) and in
+proportion to its speed (every VW's wave takes about as long), as far as its memory holds that
+many in flight; the job's throughput is then ``sum(Nm) / (the longest wave)``. ``D = 1`` (0 for
+one VW) absorbs a stall of one wave. The choice, the grouping with the most samples per second
+or per dollar, is compared with one synchronous job over the same devices and samples per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 from tenplex_jax._src.errors import PlanError
 from tenplex_jax._src.planner.cluster import Cluster
 from tenplex_jax._src.planner.profile import ModelProfile
-from tenplex_jax._src.planner.search import Candidate, choose
+from tenplex_jax._src.planner.search import Candidate, Objective, choose
 
-GROUPINGS = ("node", "equal", "hybrid")
 MAX_MINIBATCHES = 16
+
+
+class Grouping(enum.StrEnum):
+    """How a cluster's devices are grouped into VWs (see the module docstring)."""
+
+    NODE = "node"  # each node a VW
+    EQUAL = "equal"  # VW i takes every node's i-th device
+    HYBRID = "hybrid"  # VW i takes every node's i-th block of adjacent devices
+
+
+GROUPINGS = tuple(Grouping)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +67,7 @@ class WSPChoice:
     compare: what :func:`plan_workers` returns; ``print(choice)`` shows :meth:`table`.
 
     Attributes:
-      grouping: ``"node"`` (each node a VW), ``"equal"`` (VW ``i`` takes every node's
-        ``i``-th device) or ``"hybrid"`` (VW ``i`` takes every node's ``i``-th block of devices).
+      grouping: the :class:`Grouping` chosen.
       workers: one :class:`WorkerPlan` per VW.
       distance: WSP's ``D`` (1, or 0 for one VW).
       minibatch: samples per minibatch.
@@ -77,11 +76,11 @@ class WSPChoice:
       usd_per_hour: the price of the devices used.
       synchronous: the planner's best single SPMD job over the same devices with ``sum(Nm)``
         minibatches a step, for comparison (None when none fits).
-      alternatives: ``(grouping, samples/s, samples per $)`` of the groupings not chosen.
+      alternatives: the choice of each grouping not chosen (without its own alternatives).
       cluster: the cluster, as ``str(cluster)`` shows it.
     """
 
-    grouping: str
+    grouping: Grouping
     workers: tuple[WorkerPlan, ...]
     distance: int
     minibatch: int
@@ -89,7 +88,7 @@ class WSPChoice:
     throughput: float  # samples per second
     usd_per_hour: float
     synchronous: Candidate | None  # one SPMD job over the same devices, sum(Nm) minibatches a step
-    alternatives: tuple[tuple[str, float, float], ...]  # (grouping, samples/s, samples per $)
+    alternatives: tuple[WSPChoice, ...]
     cluster: str
 
     @property
@@ -102,7 +101,7 @@ class WSPChoice:
         estimate, and the comparisons."""
         goal = "samples per second" if self.objective == "time" else "samples per dollar"
         lines = [
-            f"wsp planner: {self.cluster}; objective {goal}; grouping {self.grouping!r}, "
+            f"wsp planner: {self.cluster}; objective {goal}; grouping {str(self.grouping)!r}, "
             f"D = {self.distance}, minibatch {self.minibatch}",
             f"{'vw':>3}  {'devices':<24} {'layout':<44} {'s/minibatch':>11} {'Nm':>3} "
             f"{'wave s':>8}",
@@ -123,9 +122,10 @@ class WSPChoice:
                 f"one synchronous job on the same devices ({s.label()}): "
                 f"{s.throughput:.1f} samples/s, WSP {self.throughput / s.throughput:.2f}x"
             )
-        for grouping, throughput, per_usd in self.alternatives:
+        for other in self.alternatives:
+            per_usd = other.samples_per_usd
             lines.append(
-                f"grouping {grouping!r}: {throughput:.1f} samples/s"
+                f"grouping {str(other.grouping)!r}: {other.throughput:.1f} samples/s"
                 + (f", {per_usd:,.0f} samples/$" if math.isfinite(per_usd) else "")
             )
         return "\n".join(lines)
@@ -134,29 +134,33 @@ class WSPChoice:
         return self.table()
 
 
-def groups(cluster: Cluster, grouping: str) -> list[tuple[int, ...]]:
-    """The device ids of each VW under ``grouping``."""
+def groups(cluster: Cluster, grouping: Grouping | str) -> list[tuple[int, ...]]:
+    """The device ids of each VW under ``grouping``.
+
+    Raises:
+      PlanError: an unknown grouping, or a hybrid one the cluster's nodes do not allow.
+    """
+    if grouping not in GROUPINGS:
+        raise PlanError(f"a grouping is one of {[str(g) for g in Grouping]}, got {grouping!r}")
     by_node: dict[int, list[int]] = {}
     for d, node in enumerate(cluster.nodes):
         by_node.setdefault(node, []).append(d)
-    if grouping == "node":
+    if grouping == Grouping.NODE:
         return [tuple(ids) for ids in by_node.values()]
     width = min(len(ids) for ids in by_node.values())
-    if grouping == "equal":
+    if grouping == Grouping.EQUAL:
         return [tuple(ids[i] for ids in by_node.values()) for i in range(width)]
-    if grouping == "hybrid":
-        block = max((h for h in range(2, width) if width % h == 0), default=None)
-        if block is None or len(by_node) < 2:
-            raise PlanError(
-                f"a hybrid grouping needs two nodes or more whose smallest has a device count "
-                f"with a divisor between 1 and itself; the nodes have "
-                f"{sorted(len(ids) for ids in by_node.values())} devices"
-            )
-        return [
-            tuple(d for ids in by_node.values() for d in ids[i : i + block])
-            for i in range(0, width, block)
-        ]
-    raise PlanError(f"a grouping is one of {GROUPINGS}, got {grouping!r}")
+    block = max((h for h in range(2, width) if width % h == 0), default=None)
+    if block is None or len(by_node) < 2:
+        raise PlanError(
+            f"a hybrid grouping needs two nodes or more whose smallest has a device count "
+            f"with a divisor between 1 and itself; the nodes have "
+            f"{sorted(len(ids) for ids in by_node.values())} devices"
+        )
+    return [
+        tuple(d for ids in by_node.values() for d in ids[i : i + block])
+        for i in range(0, width, block)
+    ]
 
 
 def in_flight_limit(candidate: Candidate, profile: ModelProfile) -> int:
@@ -213,58 +217,60 @@ def plan_workers(
       groupings: the groupings to try: ``"node"``, ``"equal"``, ``"hybrid"`` (one that does
         not apply to the cluster is refused, as one that does not fit).
 
-    Returns:
-      The :class:`WSPChoice`.
-
     Raises:
       PlanError: the objective is unknown, or no grouping fits the model (an unknown grouping
         fits none); the message names each grouping's refusal.
     """
-    if objective not in ("time", "cost"):
+    if objective not in tuple(Objective):
         raise PlanError(f"objective must be 'time' or 'cost', got {objective!r}")
     options, refused = [], []
     for grouping in groupings:
         try:
-            workers = []
-            for ids in groups(cluster, grouping):
-                best = choose(cluster.subset(ids), profile, minibatch).best
-                workers.append(
-                    (ids, dataclasses.replace(best, devices=tuple(ids[i] for i in best.devices)))
-                )
+            options.append(_grouped(cluster, profile, minibatch, grouping, objective))
         except PlanError as error:
             refused.append(f"{grouping}: {error}")
-            continue
-        plans = tuple(
-            WorkerPlan(ids, c, nm) for (ids, c), nm in zip(workers, _minibatches(workers, profile))
-        )
-        wave = max(w.wave_seconds for w in plans)
-        throughput = sum(w.minibatches for w in plans) * minibatch / wave
-        price = sum(cluster.device_type(d).usd_per_hour for w in plans for d in w.devices)
-        options.append((grouping, plans, throughput, price))
     if not options:
         raise PlanError(
             f"no grouping of {cluster} into virtual workers fits {profile.name!r}: "
             + "; ".join(refused)
         )
-    score = lambda o: o[2] if objective == "time" else (o[2] / o[3] if o[3] else o[2])
-    grouping, plans, throughput, price = max(options, key=score)
-    total = sum(w.minibatches for w in plans) * minibatch
-    try:
-        sync = choose(cluster, profile, total).best
+    cost = lambda o: objective == "cost" and o.usd_per_hour  # free devices: by throughput
+    best = max(options, key=lambda o: o.throughput / o.usd_per_hour if cost(o) else o.throughput)
+    try:  # one SPMD job over the same devices, sum(Nm) minibatches a step
+        sync = choose(cluster, profile, sum(w.minibatches for w in best.workers) * minibatch).best
     except PlanError:
         sync = None
-    alternatives = tuple(
-        (g, t, t * 3600 / p if p else math.inf) for g, _, t, p in options if g != grouping
+    others = tuple(o for o in options if o is not best)
+    return dataclasses.replace(best, synchronous=sync, alternatives=others)
+
+
+def _grouped(cluster, profile, minibatch: int, grouping, objective: str) -> WSPChoice:
+    """The VWs of one grouping, each laid out by the planner's search, and their estimate
+    (without the comparison and the alternatives).
+
+    Raises:
+      PlanError: the grouping does not apply to the cluster, or a VW fits no layout.
+    """
+    workers = []
+    for ids in groups(cluster, grouping):
+        best = choose(cluster.subset(ids), profile, minibatch).best
+        workers.append(
+            (ids, dataclasses.replace(best, devices=tuple(ids[i] for i in best.devices)))
+        )
+    plans = tuple(
+        WorkerPlan(devices=ids, candidate=c, minibatches=nm)
+        for (ids, c), nm in zip(workers, _minibatches(workers, profile))
     )
+    wave = max(w.wave_seconds for w in plans)
     return WSPChoice(
-        grouping,
-        plans,
-        1 if len(plans) > 1 else 0,
-        minibatch,
-        objective,
-        throughput,
-        price,
-        sync,
-        alternatives,
-        str(cluster),
+        grouping=Grouping(grouping),
+        workers=plans,
+        distance=1 if len(plans) > 1 else 0,
+        minibatch=minibatch,
+        objective=objective,
+        throughput=sum(w.minibatches for w in plans) * minibatch / wave,
+        usd_per_hour=sum(cluster.device_type(d).usd_per_hour for w in plans for d in w.devices),
+        synchronous=None,
+        alternatives=(),
+        cluster=str(cluster),
     )

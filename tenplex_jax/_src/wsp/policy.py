@@ -6,22 +6,20 @@ Throughput per dollar is samples per US dollar: the job's samples/s times 3,600 
 the devices its VWs hold, $/hour. The policy is pure: it decides on :class:`Measured` windows
 (samples each VW trained over some seconds, the price of its devices) and says why, with every
 number it used, in a :class:`Decision`. A :class:`Scaler` runs it on a live job: it measures the
-coordinator's VWs over windows of committed waves, takes or declines offers, reviews what it
-added, and logs each decision as an event of the coordinator.
-
-    scaler = Scaler(coordinator, ScalingPolicy(tolerance=0.9), usd_per_device_hour=2.5)
-    decision = scaler.offer([2, 3])          # measured now; added, or declined, with the numbers
-    review = scaler.review()                 # measured again: kept, or removed
+coordinator's VWs over windows of committed waves, takes or declines offers (``scaler.offer``),
+reviews what it added (``scaler.review``), and logs each decision as an event of the coordinator.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
 from tenplex_jax._src.errors import WSPError
+from tenplex_jax._src.wsp.coordinator import Coordinator, VWEventKind
 from tenplex_jax._src.wsp.ledger import Ledger
 
 RECORDS_SECONDS = 10.0  # the longest a measurement waits for its committed waves' records
@@ -79,13 +77,22 @@ def _per_dollar(throughput: float, price: float) -> float:
     return throughput * SECONDS_PER_HOUR / price if price > 0 else math.inf
 
 
+class Action(enum.StrEnum):
+    """What the policy decided (:class:`Decision`)."""
+
+    ADD = "add"  # an offer taken: a VW added on its devices
+    DECLINE = "decline"  # an offer declined
+    KEEP = "keep"  # a VW added kept, after its review
+    REMOVE = "remove"  # a VW removed (a review, or a shrink)
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """A decision of the policy.
 
     Attributes:
-      action: ``"add"`` or ``"decline"`` (an offer), ``"keep"`` or ``"remove"`` (a review of a VW
-        added, or a shrink).
+      action: ``ADD`` or ``DECLINE`` (an offer), ``KEEP`` or ``REMOVE`` (a review of a VW added,
+        or a shrink).
       vw: the VW removed or kept (None for an offer's decision).
       devices: the devices offered, or those of the VW.
       reason: why, in words.
@@ -93,7 +100,7 @@ class Decision:
         estimated or measured with the change).
     """
 
-    action: str
+    action: Action
     vw: str | None
     devices: tuple[int, ...]
     reason: str
@@ -104,11 +111,12 @@ class Decision:
 class ScalingPolicy:
     """Hydrozoa's rule for growing and shrinking a job of VWs.
 
-    >>> now = Measured(10.0, {"vw1": 400}, {"vw1": 2}, {"vw1": 2.0})
-    >>> ScalingPolicy().offer(now, (2, 3), 2.0).action
-    'add'
-    >>> ScalingPolicy(budget=3.0).offer(now, (2, 3), 2.0).action
-    'decline'
+    >>> now = Measured(seconds=10.0, samples={"vw1": 400}, devices={"vw1": 2},
+    ...                usd_per_hour={"vw1": 2.0})
+    >>> print(ScalingPolicy().offer(now, (2, 3), 2.0).action)
+    add
+    >>> print(ScalingPolicy(budget=3.0).offer(now, (2, 3), 2.0).action)
+    decline
 
     Args:
       tolerance: take an offer when the estimated samples per dollar with it is at least this
@@ -146,7 +154,7 @@ class ScalingPolicy:
           usd_per_hour: their price, $/hour.
 
         Returns:
-          ``"add"`` or ``"decline"``, with the numbers.
+          ``ADD`` or ``DECLINE``, with the numbers.
         """
         devices = tuple(devices)
         held = sum(now.devices.values())
@@ -158,40 +166,20 @@ class ScalingPolicy:
             "usd_per_hour_with": price,
             "estimated_samples_per_usd_with": _per_dollar(now.throughput + estimate, price),
         }
-        if self.budget is not None and price > self.budget:
-            return Decision(
-                "decline",
-                None,
-                devices,
-                f"over the budget: ${price:.2f}/h with it > ${self.budget:.2f}/h",
-                numbers,
-            )
-        if self.floor is not None and now.throughput < self.floor:
-            return Decision(
-                "add",
-                None,
-                devices,
-                f"below the floor: {now.throughput:.1f} < {self.floor:.1f} samples/s",
-                numbers,
-            )
-        with_, bar = numbers["estimated_samples_per_usd_with"], self.tolerance * now.per_dollar
-        if with_ >= bar:
-            return Decision(
-                "add",
-                None,
-                devices,
-                f"it pays: {with_:.0f} samples/$ with it >= {self.tolerance:g} x "
-                f"{now.per_dollar:.0f}",
-                numbers,
-            )
-        return Decision(
-            "decline",
-            None,
-            devices,
-            f"it does not pay: {with_:.0f} samples/$ with it < {self.tolerance:g} x "
-            f"{now.per_dollar:.0f}",
-            numbers,
+        decide = lambda action, reason: Decision(
+            action=action, vw=None, devices=devices, reason=reason, numbers=numbers
         )
+        if self.budget is not None and price > self.budget:
+            over = f"over the budget: ${price:.2f}/h with it > ${self.budget:.2f}/h"
+            return decide(Action.DECLINE, over)
+        if self.floor is not None and now.throughput < self.floor:
+            below = f"below the floor: {now.throughput:.1f} < {self.floor:.1f} samples/s"
+            return decide(Action.ADD, below)
+        with_ = numbers["estimated_samples_per_usd_with"]
+        than = f"{self.tolerance:g} x {now.per_dollar:.0f}"
+        if with_ >= self.tolerance * now.per_dollar:
+            return decide(Action.ADD, f"it pays: {with_:.0f} samples/$ with it >= {than}")
+        return decide(Action.DECLINE, f"it does not pay: {with_:.0f} samples/$ with it < {than}")
 
     def review(self, before: Measured, after: Measured, vw: str, devices: Sequence[int]):
         """Keep or remove a VW added, on the job measured before and after it.
@@ -203,38 +191,25 @@ class ScalingPolicy:
           devices: its devices.
 
         Returns:
-          ``"keep"`` or ``"remove"``, with the numbers.
+          ``KEEP`` or ``REMOVE``, with the numbers.
         """
         numbers = {
             **before.numbers(),
             **after.numbers("_with"),
             "vw_samples_per_second": after.rate(vw),
         }
+        decide = lambda action, reason: Decision(
+            action=action, vw=vw, devices=tuple(devices), reason=reason, numbers=numbers
+        )
         if self.floor is not None and before.throughput < self.floor:
             if after.throughput > before.throughput:
-                return Decision(
-                    "keep", vw, tuple(devices), "it raises the throughput toward the floor", numbers
-                )
-            return Decision(
-                "remove", vw, tuple(devices), "it does not raise the throughput", numbers
-            )
+                return decide(Action.KEEP, "it raises the throughput toward the floor")
+            return decide(Action.REMOVE, "it does not raise the throughput")
+        measured = f"{after.per_dollar:.0f} samples/$ measured"
+        than = f"{self.tolerance:g} x {before.per_dollar:.0f}"
         if after.per_dollar >= self.tolerance * before.per_dollar:
-            return Decision(
-                "keep",
-                vw,
-                tuple(devices),
-                f"it pays: {after.per_dollar:.0f} samples/$ measured >= {self.tolerance:g} x "
-                f"{before.per_dollar:.0f}",
-                numbers,
-            )
-        return Decision(
-            "remove",
-            vw,
-            tuple(devices),
-            f"it does not pay: {after.per_dollar:.0f} samples/$ measured < {self.tolerance:g} x "
-            f"{before.per_dollar:.0f}",
-            numbers,
-        )
+            return decide(Action.KEEP, f"it pays: {measured} >= {than}")
+        return decide(Action.REMOVE, f"it does not pay: {measured} < {than}")
 
     def shrink(self, now: Measured, devices: Mapping[str, Sequence[int]], why: str) -> Decision:
         """The VW to remove (a preemption without named devices, or a budget cut): the one
@@ -246,7 +221,7 @@ class ScalingPolicy:
           why: what asks for the removal (for the decision's reason).
 
         Returns:
-          ``"remove"``, with each VW's samples per dollar among the numbers.
+          ``REMOVE``, with each VW's samples per dollar among the numbers.
 
         Raises:
           WSPError: there is no VW (``"invalid"``).
@@ -259,11 +234,11 @@ class ScalingPolicy:
         worst = min(sorted(efficiency), key=lambda vw: efficiency[vw])
         numbers = {**now.numbers(), **{f"samples_per_usd_{vw}": e for vw, e in efficiency.items()}}
         return Decision(
-            "remove",
-            worst,
-            tuple(devices[worst]),
-            f"{why}: {worst} trains the fewest samples per dollar ({efficiency[worst]:.0f})",
-            numbers,
+            action=Action.REMOVE,
+            vw=worst,
+            devices=tuple(devices[worst]),
+            reason=f"{why}: {worst} trains the fewest samples per dollar ({efficiency[worst]:.0f})",
+            numbers=numbers,
         )
 
 
@@ -292,7 +267,7 @@ class Scaler:
 
     def __init__(
         self,
-        coordinator,
+        coordinator: Coordinator,
         policy: ScalingPolicy,
         usd_per_device_hour: float | Callable[[int], float],
         *,
@@ -333,21 +308,19 @@ class Scaler:
         }
         deadline = time.monotonic() + min(self.timeout, RECORDS_SECONDS)  # a killed VW's never come
         while True:
-            records = [
-                r for r in self.coordinator.records() if r["wave"] in window.get(r["vw"], ())
-            ]
+            records = [r for r in self.coordinator.records() if r.wave in window.get(r.vw, ())]
             if len(records) >= sum(map(len, window.values())) or time.monotonic() > deadline:
                 break
             time.sleep(0.01)  # the records of committed waves: their pushes being applied
         samples = dict.fromkeys(members, 0)
         for record in records:
-            samples[record["vw"]] += len(record["samples"])
+            samples[record.vw] += len(record.samples)
         waves = sum(map(len, window.values()))
         return Measured(
-            toc - tic,
-            samples,
-            {vw: len(m.devices) for vw, m in members.items()},
-            {vw: sum(self.price(d) for d in m.devices) for vw, m in members.items()},
+            seconds=toc - tic,
+            samples=samples,
+            devices={vw: len(m.devices) for vw, m in members.items()},
+            usd_per_hour={vw: sum(self.price(d) for d in m.devices) for vw, m in members.items()},
             ended=after.done and waves < self.window,
         )
 
@@ -376,10 +349,10 @@ class Scaler:
         """
         now = self.measure()
         if now.ended:  # nothing to weigh, and no run left to add to
-            decision = Decision("decline", None, tuple(devices), ENDED, now.numbers())
-            return self._log(decision)
+            ended = {"action": Action.DECLINE, "vw": None, "reason": ENDED}
+            return self._log(Decision(devices=tuple(devices), numbers=now.numbers(), **ended))
         decision = self.policy.offer(now, devices, sum(self.price(d) for d in devices))
-        if decision.action == "add":
+        if decision.action == Action.ADD:
             (vw,) = self.coordinator.add(devices)
             decision = dataclasses.replace(decision, vw=vw)
             self.added = (vw, tuple(devices), now)
@@ -395,9 +368,10 @@ class Scaler:
         after = self.measure()
         if after.ended:  # not removed on a window the run's end cut short
             numbers = {**before.numbers(), **after.numbers("_with")}
-            return self._log(Decision("keep", vw, tuple(devices), ENDED, numbers))
+            kept = {"action": Action.KEEP, "vw": vw, "reason": ENDED, "numbers": numbers}
+            return self._log(Decision(devices=tuple(devices), **kept))
         decision = self.policy.review(before, after, vw, devices)
-        if decision.action == "remove":
+        if decision.action == Action.REMOVE:
             self.coordinator.remove(vw)
         return self._log(decision)
 
@@ -415,12 +389,5 @@ class Scaler:
 
     def _log(self, decision: Decision) -> Decision:
         self.decisions.append(decision)
-        self.coordinator._event(
-            "decide",
-            action=decision.action,
-            vw=decision.vw,
-            devices=list(decision.devices),
-            reason=decision.reason,
-            **{k: round(v, 3) for k, v in decision.numbers.items()},
-        )
+        self.coordinator.add_event(VWEventKind.DECIDE, decision.vw, decision.devices, decision)
         return decision

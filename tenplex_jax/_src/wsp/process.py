@@ -4,18 +4,13 @@
 ``FUNCTION(devices, **options)`` (``--option key=value``, values read as JSON when they parse)
 returns the job's parts: ``rules``, ``dataset``, ``init``, ``train_step``, ``config`` (a
 ``tj.ParallelConfig`` for ``K`` devices) and optionally ``grad_units``, ``stages`` and
-``wave_step`` (the VW's arguments of those names). The process runs on ``K``
-devices of its own (fake CPU devices with ``--platform cpu``), joins the job's ledger, trains until
-the run is done and appends each pushed wave to ``--records`` as a JSON line. SIGTERM: leave at the
-next wave boundary. With ``--hold FD`` it writes a line to the file descriptor ``FD`` once built and
-joins only when a line (or the end) comes on its standard input: how a runner starts the VWs it
-added together at once (:class:`tenplex_jax._src.wsp.coordinator.Processes`).
-
-A VW whose devices span processes (nodes) runs one such process per node, each with
-``--processes P --process I --coordinator HOST:PORT``: they form the VW's own ``jax.distributed``
-job (its coordination service in process 0, bound to ``HOST:PORT``), ``K`` is each process's
-devices and the VW has ``P K``; process 0, the VW's leader, talks to the parameter server and
-writes the records (:mod:`tenplex_jax._src.wsp.group`).
+``wave_step`` (the ``WorkerOptions`` of those names). The process runs on ``K`` devices of its own
+(fake CPU devices with ``--platform cpu``), trains until the run is done and appends each pushed
+wave to ``--records`` as a JSON line; SIGTERM: it leaves at the next wave boundary. With ``--hold
+FD`` it writes a line to ``FD`` once built and joins only when a line (or the end) comes on its
+standard input (how ``tj.wsp.Processes`` starts the VWs added together at once). A VW over
+``--processes P`` runs one per node (``--process I --coordinator HOST:PORT``: the VW's own
+``jax.distributed`` job), ``K`` devices each; process 0 leads (:mod:`~tenplex_jax._src.wsp.group`).
 """
 
 from __future__ import annotations
@@ -36,6 +31,39 @@ import traceback
 
 def main(argv=None) -> int:
     started = time.perf_counter()
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.processes > 1 and (args.coordinator is None or not 0 <= args.process < args.processes):
+        parser.error("a VW of --processes P > 1 needs --coordinator and 0 <= --process < P")
+    devices = _start_jax(args)
+    from tenplex_jax._src.elastic.executables import ExecutableCache
+    from tenplex_jax._src.wsp.group import Group
+
+    module, _, function = args.job.partition(":")
+    options = dict(_option(o) for o in args.option)
+    parts = getattr(importlib.import_module(module), function)(len(devices), **options)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    group = Group.of_jax()
+    executables = None if args.executables is None else ExecutableCache(args.executables)
+    written = args.records is not None and group.leader
+    records = open(args.records, "a") if written else None  # noqa: SIM115
+    try:
+        dropped = _train(args, parts, devices, group, executables, records, stop, started)
+    except BaseException:
+        if group.count == 1:
+            raise
+        # a process of a VW over several exits at once: JAX's exit would wait minutes at the
+        # job's shutdown barrier for the others, blocked in the program this one left
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    if records is not None:
+        records.close()
+    return 3 if dropped else 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tenplex_jax.wsp", description=__doc__)
     parser.add_argument("--job", required=True, help="MODULE:FUNCTION giving the job's parts")
     parser.add_argument("--name", required=True)
@@ -58,92 +86,79 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--hold", type=int, default=None, metavar="FD", help="say 'built' on FD, join on stdin's go"
     )
-    args = parser.parse_args(argv)
-    if args.processes > 1 and (args.coordinator is None or not 0 <= args.process < args.processes):
-        parser.error("a VW of --processes P > 1 needs --coordinator and 0 <= --process < P")
+    return parser
 
+
+def _start_jax(args) -> list:
+    """JAX configured and started (the VW's own ``jax.distributed`` job when it spans
+    processes); the VW's devices, over all of its processes."""
     import jax
 
     if args.platform == "cpu":  # before any backend starts
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if args.processes > 1:  # the VW's own job; its service listens where it was told only
-        jax.distributed.initialize(
-            args.coordinator,
-            num_processes=args.processes,
-            process_id=args.process,
-            initialization_timeout=int(max(args.timeout, 60)),
-            coordinator_bind_address=args.coordinator if args.process == 0 else None,
-        )
-    from tenplex_jax._src.elastic.executables import ExecutableCache
-    from tenplex_jax._src.wsp.group import Group
-    from tenplex_jax._src.wsp.ps import ParameterServer
-    from tenplex_jax._src.wsp.worker import VirtualWorker
+    if args.processes == 1:
+        return jax.devices()[: args.devices]
+    jax.distributed.initialize(  # the VW's own job; its service listens where it was told only
+        args.coordinator,
+        num_processes=args.processes,
+        process_id=args.process,
+        initialization_timeout=int(max(args.timeout, 60)),
+        coordinator_bind_address=args.coordinator if args.process == 0 else None,
+    )
+    return jax.devices()
 
-    # the VW's, over all of its processes
-    devices = jax.devices() if args.processes > 1 else jax.devices()[: args.devices]
-    module, _, function = args.job.partition(":")
-    options = dict(_option(o) for o in args.option)
-    parts = getattr(importlib.import_module(module), function)(len(devices), **options)
-    token = None if args.token_file is None else pathlib.Path(args.token_file).read_text().strip()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    group = Group.of_jax()
-    executables = None if args.executables is None else ExecutableCache(args.executables)
-    written = args.records is not None and group.leader
-    records = open(args.records, "a") if written else None  # noqa: SIM115
+
+def _train(args, parts, devices, group, executables, records, stop, started) -> bool:
+    """Build the VW, say so, wait for the runner's go (``--hold``), train until the run is done
+    or ``stop`` is set; whether it was dropped."""
+    from tenplex_jax._src.wsp.ps import ParameterServer
+    from tenplex_jax._src.wsp.worker import VirtualWorker, WorkerOptions
 
     def write(record) -> None:
         if records is not None:
             records.write(json.dumps(dataclasses.asdict(record)) + "\n")
             records.flush()
 
-    try:
-        with ParameterServer(args.stores.split(","), token=token) as ps:
-            worker = VirtualWorker(
-                args.name,
-                ps,
-                parts["rules"],
-                parts["dataset"],
-                parts["init"],
-                parts["train_step"],
-                devices=devices,
-                config=parts["config"],
-                minibatches=args.minibatches,
-                distance=args.distance,
-                slowdown=args.slowdown,
-                timeout=args.timeout,
-                grad_units=parts.get("grad_units"),
-                on_record=write,
-                stages=parts.get("stages"),
-                wave_step=parts.get("wave_step"),
-                executables=executables,
-                group=group,
-            )
-            # JAX imported, the state built, the step compiled or loaded: what a join waits for
-            print(f"built in {time.perf_counter() - started:.1f} s", flush=True)
-            if args.hold is not None:
-                with contextlib.suppress(OSError), os.fdopen(args.hold, "w") as built:
-                    built.write("built\n")  # (a runner gone meanwhile: the go below is its end)
-                sys.stdin.readline()  # the runner's go; its end (the runner is gone) is one too
-            worker.run(stop)
-        if executables is not None:
-            executables.close()
-            print(f"executables: {executables.hits} loaded, {executables.misses} compiled")
-            for problem in executables.problems:
-                print(f"executables: {problem}")
-    except BaseException:
-        if group.count == 1:
-            raise
-        # a process of a VW over several exits at once: JAX's exit would wait minutes at the
-        # job's shutdown barrier for the others, blocked in the program this one left
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    if records is not None:
-        records.close()
-    return 3 if worker.dropped else 0
+    token = None if args.token_file is None else pathlib.Path(args.token_file).read_text().strip()
+    options = WorkerOptions(
+        minibatches=args.minibatches,
+        distance=args.distance,
+        slowdown=args.slowdown,
+        timeout=args.timeout,
+        grad_units=parts.get("grad_units"),
+        on_record=write,
+        stages=parts.get("stages"),
+        wave_step=parts.get("wave_step"),
+        executables=executables,
+        group=group,
+    )
+    with ParameterServer(args.stores.split(","), token=token) as ps:
+        worker = VirtualWorker(
+            args.name,
+            ps,
+            parts["rules"],
+            parts["dataset"],
+            parts["init"],
+            parts["train_step"],
+            devices=devices,
+            config=parts["config"],
+            options=options,
+        )
+        # JAX imported, the state built, the step compiled or loaded: what a join waits for
+        print(f"built in {time.perf_counter() - started:.1f} s", flush=True)
+        if args.hold is not None:
+            with contextlib.suppress(OSError), os.fdopen(args.hold, "w") as built:
+                built.write("built\n")  # (a runner gone meanwhile: the go below is its end)
+            sys.stdin.readline()  # the runner's go; its end (the runner is gone) is one too
+        worker.run(stop)
+    if executables is not None:
+        executables.close()
+        print(f"executables: {executables.hits} loaded, {executables.misses} compiled")
+        for problem in executables.problems:
+            print(f"executables: {problem}")
+    return worker.dropped
 
 
 def _option(text: str) -> tuple[str, object]:

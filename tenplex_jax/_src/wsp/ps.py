@@ -1,42 +1,32 @@
 """The parameter server: global weights sharded over tensor stores, updated by atomic accumulates.
 
-The global weights (float32) are cut into *pieces* by bytes (:mod:`~tenplex_jax._src.wsp.pieces`):
-the leaves laid end to end and cut into equal pieces of at most ``piece_bytes``, so that small
-leaves share a piece (a request per piece is what a push of many small leaves cost) and a large
-one spreads over the stores; each piece is kept in one store, the pieces spread over the stores
-by size (``LAYOUT``), so the stores carry about equal bytes and a push or pull talks to every
-store at once (a thread per store). A leaf may be confined to some stores (those of the nodes
-that run its stage). The ledger (:mod:`tenplex_jax._src.wsp.ledger`) lives
-in the first store. A push of a virtual worker's wave is:
+The global weights (float32) are cut into *pieces* by bytes (:mod:`~tenplex_jax._src.wsp.pieces`),
+spread over the stores by size (``LAYOUT``), so a push or pull talks to every store at once (a
+thread per store). The ledger (:mod:`~tenplex_jax._src.wsp.ledger`) lives in the first store. A
+push of a virtual worker's wave is:
 
 1. **stage**: every piece's update is put under ``wsp/stage/<vw>/<wave>/<piece>`` in the piece's
-   store (checksummed like every object), checked (an update holding NaN or Inf, or whose sum
-   with the weights overflows, is refused here, before anything is committed) and flushed to the
-   stores' disks: the stage is the wave's write-ahead record;
-2. **commit**: one compare-and-swap of the ledger logs the wave and its minibatches (the atomic
-   point: a wave is pushed or it is not; a dropped VW's commit is refused);
-3. **apply**: each store adds the staged update into its piece with ``accumulate``, atomically
-   (readers see the old array or the new, never a mix), once: each array counts the pushes of
-   every VW it holds (its *clocks*: a VW's ``n``-th push is its wave ``starts[vw] + n``), and an
-   accumulate out of turn is refused or skipped. The store removes the stage once the new
-   version of the piece is on its disk.
+   store, checked (NaN, Inf or an overflowing sum is refused before anything is committed) and
+   flushed to the stores' disks: the wave's write-ahead record;
+2. **commit**: one compare-and-swap of the ledger logs the wave (the atomic point; a dropped VW's
+   commit is refused);
+3. **apply**: each store adds the staged update into its piece with ``accumulate``, atomically and
+   once: each array counts the pushes of every VW it holds (its *clocks*), and an accumulate out
+   of turn is refused or skipped. The store removes the stage once the new version is on disk.
 
-**Nothing acknowledged is lost.** Every store request carries an id and is tried again, for up
-to ``retry_seconds``, when its reply is lost or its store restarts; the store does it once. A
-commit refused is re-read from the ledger before its stage is deleted (the commit may have
-landed). A store killed after a push restarts with the ledger's commit and either the piece's new
-version or the stage on its disk: whoever pulls next adds any committed wave the weights lack
-from its stage (``pull`` requires every array to hold every committed wave). A VW that dies
-before 2 leaves stages that nothing applies (deleted by ``collect``).
-
-The ledger, its archived log and the heartbeats are :mod:`tenplex_jax._src.wsp.records`'s (the
-base class); the pieces are :mod:`tenplex_jax._src.wsp.pieces`'s.
+**Nothing acknowledged is lost.** Every store request carries an id and is tried again for up to
+``retry_seconds``; the store does it once. A refused commit is re-read from the ledger before its
+stage is deleted. A store killed after a push restarts with the ledger's commit and either the
+piece's new version or the stage on its disk: the next pull adds any committed wave the weights
+lack from its stage. A VW that dies before 2 leaves stages that ``collect`` deletes. The ledger,
+its archived log and the heartbeats are :mod:`~tenplex_jax._src.wsp.records`'s (the base class).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -90,7 +80,8 @@ class ParameterServer(Records):
         ``flush`` (seeing them on disk), ``check`` (finite), ``commit``, ``apply``.
 
     Raises:
-      WSPError: no addresses (``"invalid"``).
+      WSPError: no addresses (``"invalid"``). (A request a store fails for longer than
+        ``retry_seconds`` raises ``StoreError``, from any method.)
     """
 
     def __init__(
@@ -173,7 +164,6 @@ class ParameterServer(Records):
         Raises:
           WSPError: a job already exists on these stores (``"refused"``), or a bad
             ``piece_bytes`` or ``stores`` (``"invalid"``; nothing written).
-          StoreError: a store failed a request.
         """
         arrays = {path: np.asarray(w, np.float32) for path, w in weights.items()}
         shapes = {path: tuple(a.shape) for path, a in arrays.items()}
@@ -199,10 +189,8 @@ class ParameterServer(Records):
         )
 
     def open(self) -> tuple[Piece, ...]:
-        """Read where each piece lives, for a client of a job another client created.
-
-        Returns:
-          :attr:`layout`: every piece.
+        """Read where each piece lives (:attr:`layout`, returned), for a client of a job another
+        client created.
 
         Raises:
           StoreError: the job's layout is not in the first store (``"not_found"``: no job was
@@ -220,8 +208,9 @@ class ParameterServer(Records):
             )
         try:
             shapes = {str(k): tuple(int(d) for d in v) for k, v in record["shapes"].items()}
+            span = lambda a, b, c: Span(leaf=str(a), start=int(b), stop=int(c))
             layout = tuple(
-                Piece(i, int(store), tuple(Span(str(a), int(b), int(c)) for a, b, c in spans))
+                Piece(index=i, store=int(store), spans=tuple(span(*s) for s in spans))
                 for i, (store, spans) in enumerate(record["pieces"])
             )
             check_layout(layout, shapes, len(self.clients))
@@ -234,16 +223,13 @@ class ParameterServer(Records):
 
     def push(self, vw: str, wave: int, updates: Mapping[str, np.ndarray]) -> Ledger:
         """Push a wave: stage its updates, check and flush them, commit it in the ledger, add it
-        into the weights (every store at once). A VW pushes on a thread of its own, beside its
-        compute (:class:`VirtualWorker`).
+        into the weights (every store at once); the ledger after the commit. A VW pushes on a
+        thread of its own, beside its compute (:class:`VirtualWorker`).
 
         Args:
           vw: the pushing VW.
           wave: the wave it leased.
           updates: leaf path -> the change of that leaf over the wave (float32), for every leaf.
-
-        Returns:
-          The ledger after the commit.
 
         Raises:
           WSPError: a leaf lacks an update or has another shape, or an update holds NaN or Inf
@@ -253,23 +239,7 @@ class ParameterServer(Records):
             another update (``"refused"``: another client pushes under this VW's name).
           StoreError: a store failed a request for longer than ``retry_seconds``.
         """
-        missing = set(self.shapes) - set(updates)
-        if missing:
-            raise WSPError(
-                f"a push updates every leaf of the weights; {vw!r} wave {wave} lacks "
-                f"{sorted(missing)[:5]}",
-                "invalid",
-            )
-        flat = {}
-        for path, shape in self.shapes.items():
-            update = np.asarray(updates[path], np.float32)
-            if update.shape != shape:
-                raise WSPError(
-                    f"push of wave {wave} by {vw!r}: the update of leaf {path!r} has shape "
-                    f"{update.shape}; the weights' leaf is {shape}",
-                    "invalid",
-                )
-            flat[path] = np.ascontiguousarray(update).reshape(-1)
+        flat = self._flat(vw, wave, updates)
         stage, tic = f"{STAGE}{vw}/{wave}/", time.perf_counter()
         phases = self.push_seconds = dict.fromkeys(
             ("stage", "flush", "check", "commit", "apply"), 0.0
@@ -304,6 +274,27 @@ class ParameterServer(Records):
         self.apply(vw, wave, wave - ledger.starts[vw], sources)
         phase("apply")
         return ledger
+
+    def _flat(self, vw: str, wave: int, updates: Mapping[str, np.ndarray]) -> dict:
+        """A push's updates as float32 vectors, checked against the leaves' shapes."""
+        missing = set(self.shapes) - set(updates)
+        if missing:
+            raise WSPError(
+                f"a push updates every leaf of the weights; {vw!r} wave {wave} lacks "
+                f"{sorted(missing)[:5]}",
+                "invalid",
+            )
+        flat = {}
+        for path, shape in self.shapes.items():
+            update = np.asarray(updates[path], np.float32)
+            if update.shape != shape:
+                raise WSPError(
+                    f"push of wave {wave} by {vw!r}: the update of leaf {path!r} has shape "
+                    f"{update.shape}; the weights' leaf is {shape}",
+                    "invalid",
+                )
+            flat[path] = np.ascontiguousarray(update).reshape(-1)
+        return flat
 
     def _stage(self, stage: str, flat: Mapping[str, np.ndarray], phase) -> dict[str, str]:
         """Put every piece's update under ``stage`` and see it on its store's disk (the wave's
@@ -364,28 +355,8 @@ class ParameterServer(Records):
         stage, todo = f"{STAGE}{vw}/{wave}/", {p.key for p in self.layout}
 
         def add(client: StoreClient, pieces: list[Piece]) -> tuple[list[str], list[str]]:
-            behind, other = [], []  # out of turn; holding this push from another update
-            for p in pieces:
-                if p.key not in todo:
-                    continue
-                try:
-                    _, applied = client.accumulate(
-                        WEIGHTS + p.key,
-                        stage + p.key,
-                        name=vw,
-                        clock=push,
-                        update=None if sources is None else sources[p.key],
-                        consume=True,
-                        keep=PREVIOUS + p.key,
-                    )
-                except StoreError as error:
-                    if error.reason != "refused" or "out of turn" not in str(error):
-                        raise
-                    behind.append(p.key)
-                    continue
-                if sources is not None and not applied:
-                    other.append(p.key)
-            return behind, other
+            pieces = [p for p in pieces if p.key in todo]
+            return _accumulate(client, pieces, stage, vw, push, sources)
 
         results = list(self._each_store(add).values())
         behind = [k for b, _ in results for k in b]
@@ -427,15 +398,12 @@ class ParameterServer(Records):
     def rollback(self) -> Ledger:
         """Undo the last committed wave: every piece goes back to its version before that
         wave's update (each store keeps it), and the ledger hands the wave's minibatches back to
-        be trained again. For an operator, while no VW pushes (a wave found bad after the fact).
-
-        Returns:
-          The ledger after the rollback.
+        be trained again; the ledger after. For an operator, while no VW pushes (a wave found
+        bad after the fact).
 
         Raises:
           WSPError: nothing is committed, or a piece's last update is another wave than the
             ledger's last (``"refused"``: then nothing is changed).
-          StoreError: a store failed a request.
         """
         ledger = self.ledger()
         if not ledger.log:
@@ -482,22 +450,12 @@ class ParameterServer(Records):
 
         Raises:
           WSPError: the weights stayed behind the commits for ``timeout`` (``"busy"``).
-          StoreError: a store failed a request.
         """
         deadline = time.monotonic() + timeout
         out, places = pull_buffer(self.layout, self.shapes)
         while True:
             ledger = ledger or self.ledger()
-
-            def read(client: StoreClient, pieces: list[Piece], ledger=ledger) -> tuple:
-                behind, lacking = set(), []
-                for p in pieces:  # received straight into its place in its leaves
-                    _, info = client.get(WEIGHTS + p.key, with_info=True, out=places[p.index])
-                    behind |= _behind(info.clocks, ledger)
-                    if pending is not None and not _holds(info.clocks, ledger, *pending[:2]):
-                        lacking.append(p)
-                return behind, lacking
-
+            read = functools.partial(_read, places=places, ledger=ledger, pending=pending)
             reads = self._each_store(read).values()
             behind = set().union(*(b for b, _ in reads))
             if not behind:
@@ -522,15 +480,11 @@ class ParameterServer(Records):
             ledger = None
 
     def collect(self) -> int:
-        """Delete the stages no push needs: of waves the ledger will never commit (their pushers
-        were dropped or left before committing), and of waves every piece holds (left when a
-        store stopped between writing a piece and removing its stage).
-
-        Returns:
-          How many objects were deleted.
+        """Delete the stages no push needs; how many objects. Those of waves the ledger will never
+        commit (their pushers were dropped or left before committing), and of waves every piece
+        holds (left when a store stopped between writing a piece and removing its stage).
 
         Raises:
-          StoreError: a store failed a request.
         """
         ledger = self.ledger()
         applied: dict[str, int] = {}  # vw -> the pushes every piece holds
@@ -547,6 +501,47 @@ class ParameterServer(Records):
                 if never or int(wave) < start + applied.get(vw, 0):
                     deleted += client.delete(f"{STAGE}{vw}/{wave}/")
         return deleted
+
+
+def _accumulate(
+    client: StoreClient, pieces: list[Piece], stage: str, vw: str, push: int, sources
+) -> tuple[list[str], list[str]]:
+    """Push ``push`` of ``vw`` staged under ``stage`` added into ``pieces`` of one store (see
+    :meth:`ParameterServer.apply`): the keys of the pieces it is out of turn for, and of those
+    holding it from another update than ``sources`` says."""
+    behind, other = [], []
+    for p in pieces:
+        try:
+            _, applied = client.accumulate(
+                WEIGHTS + p.key,
+                stage + p.key,
+                name=vw,
+                clock=push,
+                update=None if sources is None else sources[p.key],
+                consume=True,
+                keep=PREVIOUS + p.key,
+            )
+        except StoreError as error:
+            if error.reason != "refused" or "out of turn" not in str(error):
+                raise
+            behind.append(p.key)
+            continue
+        if sources is not None and not applied:
+            other.append(p.key)
+    return behind, other
+
+
+def _read(client: StoreClient, pieces: list[Piece], places, ledger: Ledger, pending) -> tuple:
+    """``pieces`` of one store read, each straight into its place in its leaves (``places``):
+    the ``(vw, push)`` that ``ledger`` commits and a piece lacks, and the pieces that lack the
+    ``pending`` push (see :meth:`ParameterServer.pull`)."""
+    behind, lacking = set(), []
+    for p in pieces:
+        _, info = client.get(WEIGHTS + p.key, with_info=True, out=places[p.index])
+        behind |= _behind(info.clocks, ledger)
+        if pending is not None and not _holds(info.clocks, ledger, *pending[:2]):
+            lacking.append(p)
+    return behind, lacking
 
 
 def _behind(clocks: Iterable[tuple[str, int]], ledger: Ledger) -> set[tuple[str, int]]:

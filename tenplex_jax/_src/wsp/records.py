@@ -1,14 +1,12 @@
 """The parameter server's records in its first store: the ledger, its archived log, heartbeats.
 
-The ledger (:mod:`tenplex_jax._src.wsp.ledger`) is one JSON object changed by compare-and-swap.
-It is kept lean: written by claims and commits only; heartbeats are counters in objects of their
-own (``wsp/beat/<vw>/beat``); a waiting client blocks on the store until the ledger changes
-(``wait``) instead of polling; and the log is compacted: past ``2 * LOG_KEPT`` entries, all but the
-newest ``LOG_KEPT`` move into an immutable segment (``wsp/log/...``, named by its content, each
-naming the one before), written durably before the ledger names it, so the ledger's size, and
-the bytes each claim and commit writes, stay bounded however long the run (``history`` reads the
-whole log back). A compaction that loses a race leaves its segment unnamed (a few KiB, never
-read).
+The ledger (:mod:`~tenplex_jax._src.wsp.ledger`) is one JSON object changed by compare-and-swap,
+written by claims and commits only: heartbeats are counters in objects of their own
+(``wsp/beat/<vw>/beat``); a waiting client blocks on the store until the ledger changes (``wait``);
+past ``2 * LOG_KEPT`` entries, all but the newest ``LOG_KEPT`` move into an immutable segment
+(``wsp/log/...``, named by its content, each naming the one before, written before the ledger
+names it), so the ledger stays small however long the run (``history`` reads the whole log). A
+compaction that loses a race leaves its segment unnamed (a few KiB, never read).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from collections.abc import Callable
 from tenplex_jax._src import checksums
 from tenplex_jax._src.errors import WSPError
 from tenplex_jax._src.multihost.store.client import StoreClient
-from tenplex_jax._src.wsp.ledger import PATH, Ledger
+from tenplex_jax._src.wsp.ledger import PATH, Ledger, log_entries
 
 BEATS = "wsp/beat/"  # each VW's heartbeat counter (JSON in the first store)
 LOG = "wsp/log/"  # the ledger's archived log segments (JSON in the first store)
@@ -30,7 +28,7 @@ LOG_KEPT = 16  # log entries the ledger keeps when compacted; it compacts past t
 
 class Records:
     """The ledger and the heartbeats of a parameter server (its base class): a client of the
-    first store, ``coordinator``."""
+    first store, ``coordinator``. A request the store fails raises ``StoreError``."""
 
     coordinator: StoreClient
     _seen: threading.local  # per thread of the client: ``version``, of the last ledger it read
@@ -130,11 +128,7 @@ class Records:
         while path is not None:
             segment = self.coordinator.get_json(path)
             try:
-                segments.append(
-                    tuple(
-                        (str(vw), int(w), tuple(int(m) for m in ms)) for vw, w, ms in segment["log"]
-                    )
-                )
+                segments.append(log_entries(segment["log"]))
                 path = segment["previous"]
             except (KeyError, TypeError, ValueError) as error:
                 raise WSPError(
@@ -144,24 +138,13 @@ class Records:
         return dataclasses.replace(ledger, log=log, archived=0, archive=None)
 
     def beat(self, vw: str, count: int) -> None:
-        """A VW's heartbeat: its counter, in an object of its own (never the ledger).
-
-        Args:
-          vw: the VW (it beats before it joins, then every quarter of its timeout).
-          count: its heartbeat counter: any change shows it alive (:class:`Beats`).
-
-        Raises:
-          StoreError: the store failed the request.
-        """
+        """VW ``vw``'s heartbeat (before it joins, then every quarter of its timeout): its counter
+        ``count`` in an object of its own, never the ledger; any change shows it alive."""
         self.coordinator.put_json(f"{BEATS}{vw}/beat", {"beat": int(count)}, flush=False)
 
     def beats(self) -> dict[str, int]:
         """Every VW's last heartbeat counter (VWs that never beat, or whose object is gone, are
-        absent).
-
-        Raises:
-          StoreError: the store failed a request.
-        """
+        absent)."""
         out = {}
         for path in self.coordinator.list_json(BEATS):
             record = self.coordinator.get_json(path, default=None)
@@ -170,9 +153,5 @@ class Records:
         return out
 
     def forget(self, vw: str) -> None:
-        """Delete ``vw``'s heartbeat object (once it has left or was dropped).
-
-        Raises:
-          StoreError: the store failed the request.
-        """
+        """Delete ``vw``'s heartbeat object (once it has left or was dropped)."""
         self.coordinator.delete(f"{BEATS}{vw}/")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -148,6 +149,11 @@ class WaveRecord:
     global_staleness: tuple[int, ...]
     idle_ticks: int = 0
     push_wait_seconds: float = 0.0
+
+    @classmethod
+    def from_json(cls, record: Mapping) -> WaveRecord:
+        """The record of ``record``, a JSON line's ``dataclasses.asdict`` (lists for tuples)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in record.items()})
 
 
 @dataclasses.dataclass(frozen=True)
