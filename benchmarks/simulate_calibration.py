@@ -43,6 +43,8 @@ PAPER = {
     "gpt3-6.7b": {"tenplex": 24.2, "central": 96.1},
 }
 PAPER_RECOVERY = (19.6, 23.5)
+TESTBED_TOML = "meshes/tenplex-16.toml"
+BATCH = 128  # the GPT-3 sizes' global batch, as ``tenplex-jax simulate`` assumes it
 
 # assumptions about the paper's testbed beyond meshes/tenplex-16.toml (100 Gb/s NIC per node,
 # PCIe Gen4 25 GB/s to the host, 20 GB/s peer to peer, 100 GB/s host memory, 1 GB/s storage per
@@ -343,17 +345,10 @@ def host_work(fitted: dict) -> dict:
     return {name: fitted["executor"][name] for name in HOST_WORK.values()}
 
 
-def validate_paper(fitted: dict, log=print) -> dict:
-    """``fixed_change`` for the paper's three models on the testbed, against the paper: the
-    library's network model with no fixed costs, then calibrated (:data:`TESTBED`)."""
-    from tenplex_jax._src.cli.simulate import DEFAULT_BATCH
-    from tenplex_jax._src.planner.cluster import Cluster
-    from tenplex_jax._src.ptc import ParallelConfig
-    from tenplex_jax._src.simulator.costs import Costs
-    from tenplex_jax._src.simulator.fixed import fixed_change
-    from tenplex_jax._src.simulator.replay import Simulation
-    from tenplex_jax_models import LOGICAL_RULES, build_state, profile_of
-
+def _testbed_costs(fitted: dict) -> dict[str, dict]:
+    """The testbed's ``Costs`` keyword arguments per variant: no fixed costs, then calibrated
+    (the fitted host work and latency, the stores' rates, :data:`TESTBED`'s restart and
+    detection), with no replicas, and with the stores at the single-stream rate."""
     get, put = fitted["store_get"], fitted["store_put"]
     k = TESTBED["store_clients"]
     calibrated = host_work(fitted) | {
@@ -363,52 +358,69 @@ def validate_paper(fitted: dict, log=print) -> dict:
         "restart_seconds": TESTBED["restart_seconds"],
         "detect_seconds": TESTBED["detect_seconds"],
     }
-    toml = Cluster.load(pathlib.Path(__file__).resolve().parent.parent / "meshes/tenplex-16.toml")
-    variants = {
+    single = {
+        "store_get_bandwidth": get["bandwidth_bytes_per_s"],
+        "store_put_bandwidth": put["bandwidth_bytes_per_s"],
+    }
+    return {
         "bytes only (no fixed costs)": {"restart_seconds": 0.0},
         "calibrated": calibrated,
         "calibrated, replicas 0": calibrated | {"replicas": 0},
-        "calibrated, stores at the single-stream rate": calibrated
-        | {
-            "store_get_bandwidth": get["bandwidth_bytes_per_s"],
-            "store_put_bandwidth": put["bandwidth_bytes_per_s"],
-        },
+        "calibrated, stores at the single-stream rate": calibrated | single,
     }
-    c = ParallelConfig
+
+
+def _paper_row(sim, variant: str, model: str) -> dict:
+    """One model under one variant: the scale-out's seconds against the paper's, and the
+    recovery from node 3's failure."""
+    import tenplex_jax as tj
+
+    c = tj.ParallelConfig
+    grow = tj.simulator.fixed_change(sim, c(tensor=4, pipe=2), c(tensor=4, pipe=2, data=2), "offer")
+    fail = tj.simulator.fixed_change(
+        sim, c(tensor=4, pipe=2, data=2), c(tensor=4, pipe=2), "fail", failed_nodes={3}
+    )
+    row = {"variant": variant, "model": model, "state_bytes": grow.state_bytes}
+    for policy in ("tenplex", "central"):
+        p = grow.policies[policy]
+        row[policy] = {
+            "predicted": p.seconds,
+            "parts": {k: getattr(p, k) for k in ("commit", "transfer", "restart", "latency")},
+            "bottleneck": p.bottleneck,
+            "paper": PAPER[model][policy],
+            "paper_over_predicted": PAPER[model][policy] / p.seconds,
+        }
+    f = fail.policies["tenplex"]
+    row["recovery"] = {
+        "predicted": f.seconds,
+        "parts": {k: getattr(f, k) for k in ("detect", "transfer", "restore", "restart")},
+        "bottleneck": f.bottleneck,
+        "fallback": f.fallback,
+    }
+    return row
+
+
+def validate_paper(fitted: dict, log=print) -> dict:
+    """``fixed_change`` for the paper's three models on the testbed, against the paper: the
+    library's network model with no fixed costs, then calibrated (:data:`TESTBED`)."""
+    import tenplex_jax as tj
+    from tenplex_jax_models import LOGICAL_RULES, build_state, profile_of
+
+    variants = _testbed_costs(fitted)
+    toml = tj.planner.Cluster.load(pathlib.Path(__file__).resolve().parents[1] / TESTBED_TOML)
+    base = {
+        "compile_seconds": TESTBED["compile_seconds"],
+        "replicas": TESTBED["replicas"],
+        "executable_cache": True,
+    }
     rows = []
     states = {m: build_state(m, lr=1e-3, abstract=True)[1] for m in PAPER}
     for variant, given in variants.items():
-        base = {
-            "compile_seconds": TESTBED["compile_seconds"],
-            "replicas": TESTBED["replicas"],
-            "executable_cache": True,
-        }
-        costs = Costs(**(base | given))
+        costs = tj.simulator.Costs(**(base | given))
         for model, state in states.items():
-            sim = Simulation(
-                toml, profile_of(model), state, LOGICAL_RULES, DEFAULT_BATCH[model], costs
-            )
-            grow = fixed_change(sim, c(tensor=4, pipe=2), c(tensor=4, pipe=2, data=2), "offer")
-            fail = fixed_change(
-                sim, c(tensor=4, pipe=2, data=2), c(tensor=4, pipe=2), "fail", failed_nodes={3}
-            )
-            row = {"variant": variant, "model": model, "state_bytes": grow["state_bytes"]}
-            for policy in ("tenplex", "central"):
-                p = grow["policies"][policy]
-                row[policy] = {
-                    "predicted": p["seconds"],
-                    "parts": {k: p[k] for k in ("commit", "transfer", "restart", "latency")},
-                    "bottleneck": p["bottleneck"],
-                    "paper": PAPER[model][policy],
-                    "paper_over_predicted": PAPER[model][policy] / p["seconds"],
-                }
-            f = fail["policies"]["tenplex"]
-            row["recovery"] = {
-                "predicted": f["seconds"],
-                "parts": {k: f[k] for k in ("detect", "transfer", "restore", "restart")},
-                "bottleneck": f["bottleneck"],
-                "fallback": f["fallback"],
-            }
+            profile = profile_of(model)
+            sim = tj.simulator.Simulation(toml, profile, state, LOGICAL_RULES, BATCH, costs)
+            row = _paper_row(sim, variant, model)
             rows.append(row)
             log(
                 f"  {variant:44s} {model:10s} tenplex {row['tenplex']['predicted']:6.2f} s "
@@ -428,7 +440,7 @@ def validate_paper(fitted: dict, log=print) -> dict:
         p: PAPER["gpt3-6.7b"][p] / PAPER["gpt3-1.3b"][p] for p in ("tenplex", "central")
     }
     return {
-        "costs": calibrated,
+        "costs": variants["calibrated"],
         "testbed": TESTBED,
         "rows": rows,
         "growth_6.7b_over_1.3b": growth,
@@ -457,9 +469,18 @@ def run(model: str = "gpt100m", repeats: int = 3, log=print) -> dict:
 
 
 def markdown(result: dict) -> str:
+    """The report: the fitted values, this machine's rows, the testbed's, the goals."""
+    parts = (_fitted_lines, _machine_lines, _testbed_lines, _goal_lines)
+    return "\n".join(line for part in parts for line in part(result)) + "\n"
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _fitted_lines(result: dict) -> list[str]:
     f = result["fitted"]
     e = f["executor"]
-    us = lambda s: f"{s * 1e6:.1f} us"
     lines = [
         "# Simulator calibration: the network model's fixed costs, fitted and checked",
         "",
@@ -473,18 +494,23 @@ def markdown(result: dict) -> str:
         "|---|---|---:|",
         f"| executor: the network model's bytes alone | - | {f['bytes_only_worst_ratio']:.2f}x |",
         f"| executor: k x bytes + host work (`Network`'s fixed costs) | k {e['copy_factor']:.2f}, "
-        f"piece {us(e['piece_seconds'])}"
-        f", shard {us(e['shard_seconds'])}, leaf {us(e['leaf_seconds'])}, run "
+        f"piece {_us(e['piece_seconds'])}"
+        f", shard {_us(e['shard_seconds'])}, leaf {_us(e['leaf_seconds'])}, run "
         f"{e['run_seconds'] * 1e9:.0f} ns | {e['worst_ratio']:.2f}x |",
     ]
     for op in ("get", "put"):
         s = f[f"store_{op}"]
         lines.append(
             f"| store {op}: bytes / bandwidth + requests x latency_seconds | "
-            f"{s['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, latency {us(s['latency_seconds'])} | "
+            f"{s['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, latency {_us(s['latency_seconds'])} | "
             f"{s['worst_ratio']:.2f}x |"
         )
-    lines += [
+    return lines
+
+
+def _machine_lines(result: dict) -> list[str]:
+    f = result["fitted"]
+    lines = [
         "",
         f"## This machine: the reshard matrix ({result['model']}), measured ÷ predicted",
         "",
@@ -505,9 +531,13 @@ def markdown(result: dict) -> str:
             f"| {r['change']} | {r['pieces']} | {r['shards']} | {r['leaves']} | {r['runs']} | "
             f"{r['measured_seconds'] * 1e3:.1f} | {q['bytes_only']:.2f} | {q['calibrated']:.2f} |"
         )
+    return lines
+
+
+def _testbed_lines(result: dict) -> list[str]:
     p = result["paper"]
     t, costs = p["testbed"], p["costs"]
-    lines += [
+    lines = [
         "",
         "## The Tenplex testbed: GPT-3, (4,2,1) -> (4,2,2) on 4 nodes x 4 GPUs",
         "",
@@ -518,9 +548,9 @@ def markdown(result: dict) -> str:
         f"- restart {t['restart_seconds']:g} s: {t['restart_why']};",
         f"- compile {t['compile_seconds']:g} s: {t['compile_why']};",
         f"- failure detection {t['detect_seconds']:g} s: {t['detect_why']};",
-        f"- latency {us(costs['latency_seconds'])} per request: {t['latency_why']};",
-        f"- host work {us(costs['piece_seconds'])} per piece, {us(costs['shard_seconds'])} per "
-        f"shard, {us(costs['leaf_seconds'])} per leaf: {t['host_why']};",
+        f"- latency {_us(costs['latency_seconds'])} per request: {t['latency_why']};",
+        f"- host work {_us(costs['piece_seconds'])} per piece, {_us(costs['shard_seconds'])} per "
+        f"shard, {_us(costs['leaf_seconds'])} per leaf: {t['host_why']};",
         f"- each node's store {costs['store_get_bandwidth'] / 1e9:.2f} GB/s get, "
         f"{costs['store_put_bandwidth'] / 1e9:.2f} GB/s put ({t['store_clients']} x the fitted "
         f"rates): {t['store_why']};",
@@ -550,7 +580,13 @@ def markdown(result: dict) -> str:
     ]
     for variant, g in p["growth_6.7b_over_1.3b"].items():
         lines.append(f"- {variant}: tenplex {g['tenplex']:.2f}x, central {g['central']:.2f}x")
-    lines += ["", "## Within the goals", ""]
+    return lines
+
+
+def _goal_lines(result: dict) -> list[str]:
+    p = result["paper"]
+    lo, hi = PAPER_RECOVERY
+    lines = ["", "## Within the goals", ""]
     for key in ("bytes_only", "calibrated"):
         out = [r["change"] for r in result["machine"] if not 1 / 1.25 <= r["ratio"][key] <= 1.25]
         lines.append(
@@ -577,7 +613,7 @@ def markdown(result: dict) -> str:
             f"- testbed, {variant}: {len(ok)} of 6 reconfiguration rows within 2x; recovery "
             f"within 2x of {lo}–{hi} s for {len(recovered)} of 3 models"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,7 @@ policy's goodput, and the seconds it took.
 The test suite runs this matrix on the clusters of at most 64 devices; the two large clusters
 (1,024 and 4,096 devices) take minutes, so their rows come from here.
 
-    python -m tenplex_jax_benchmarks.simulate_matrix [--out FILE]
+    python -m tenplex_jax_benchmarks.simulate_matrix [--clusters cpu8,hetpipe] [--out FILE]
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ def shipped() -> tuple[list[pathlib.Path], list[pathlib.Path]]:
     return [f for f in files if f not in traces], traces
 
 
-def run_matrix(log=print) -> dict:
+def run_matrix(log=print, clusters: tuple[str, ...] | None = None) -> dict:
+    """Every shipped cluster (or those whose file stems ``clusters`` names) × trace × model."""
     from tenplex_jax._src.cli import main
     from tenplex_jax._src.cli.simulate import MODELS
 
-    clusters, traces = shipped()
+    files, traces = shipped()
+    clusters = [f for f in files if clusters is None or f.stem in clusters]
     rows = []
     for cluster in clusters:
         for trace in traces:
@@ -75,8 +77,13 @@ def run_matrix(log=print) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument(
+        "--clusters",
+        type=lambda text: tuple(text.split(",")),
+        help="only these clusters, by file stem (default: every one in meshes/)",
+    )
     args = parser.parse_args(argv)
-    result = run_matrix()
+    result = run_matrix(clusters=args.clusters)
     print(
         f"{result['runs']} runs: {result['simulated']} simulated, "
         f"{result['refused_in_one_line']} refused in one line"

@@ -27,8 +27,8 @@ import tomllib
 
 MESHES = pathlib.Path(__file__).resolve().parents[1] / "meshes"
 SIZES = (256, 1024, 4096, 16384)
-# 12 h: the four sizes take about 5 minutes on a 2-core machine, 16,384 devices 4.6 of them (20
-# failures, 17 repairs); 24 h took 12 minutes, 16,384 devices 11 of them (38 failures)
+# 12 h: long enough for failures at every size, short enough to run in minutes (RESULTS.md has
+# how long each size took)
 HOURS = 12.0
 MTTF_HOURS, MTTF_DEVICES, REPAIR_MINUTES = 7.9, 1024, 60.0
 MODEL, BATCH = "llm-70b", 1024
@@ -50,8 +50,8 @@ EXTRAPOLATED = (
 
 def cluster_of(devices: int):
     """``meshes/h100-4096.toml`` with ``devices // 8`` nodes of 8 H100s."""
-    from tenplex_jax._src.errors import PlanError
-    from tenplex_jax._src.planner.cluster import Cluster
+    from tenplex_jax.errors import PlanError
+    from tenplex_jax.planner import Cluster
 
     data = tomllib.loads((MESHES / "h100-4096.toml").read_text())
     per_node = data["nodes"][0]["count"]
@@ -65,7 +65,7 @@ def cluster_of(devices: int):
     return Cluster.from_dict(data)
 
 
-def downtimes(result: dict, policy: str) -> tuple[list[float], list[float], list[float]]:
+def downtimes(result, policy: str) -> tuple[list[float], list[float], list[float]]:
     """Per failure: the seconds until ``policy`` trains again, the seconds the failure itself
     was charged, and the training it lost.
 
@@ -74,22 +74,19 @@ def downtimes(result: dict, policy: str) -> tuple[list[float], list[float], list
     that took only devices the job left idle stops nothing (0 s).
     """
     ready, until, charged, lost = 0.0, [], [], []
-    for row in result["events"]:
-        t = row["minute"] * 60
-        cost = row["policies"][policy]
-        ready = max(t, ready) + cost["seconds"]
-        if row["kind"] != "fail":
+    for row in result.events:
+        t, cost = row.minute * 60, row.policies[policy]
+        ready = max(t, ready) + cost.seconds
+        if row.kind != "fail":
             continue
-        until.append(0.0 if row["decision"] == "keep" else ready - t)
-        charged.append(cost["seconds"])
-        lost.append(cost.get("lost_seconds", 0.0))
+        until.append(0.0 if row.decision == "keep" else ready - t)
+        charged.append(cost.seconds)
+        lost.append(cost.lost_seconds)
     return until, charged, lost
 
 
 def run_scale(sizes=SIZES, hours: float = HOURS, seed: int = 0, log=print) -> dict:
-    from tenplex_jax._src.simulator.costs import POLICIES, Costs
-    from tenplex_jax._src.simulator.failures import failure_trace
-    from tenplex_jax._src.simulator.replay import Simulation, simulate
+    from tenplex_jax.simulator import Costs, Policy, Simulation, failure_trace, simulate
     from tenplex_jax_models import llm
 
     costs = Costs(young_daly=True, mttf_hours=MTTF_HOURS, mttf_devices=MTTF_DEVICES)
@@ -107,45 +104,10 @@ def run_scale(sizes=SIZES, hours: float = HOURS, seed: int = 0, log=print) -> di
             repair_minutes=REPAIR_MINUTES,
             seed=seed,
         )
-        result = simulate(sim, trace, POLICIES)
-        fails = [r for r in result["events"] if r["kind"] == "fail"]
-        row = {
-            "devices": devices,
-            "nodes": devices // 8,
-            "mttf_hours": costs.mttf_seconds(devices) / 3600,
-            "failures": len(fails),
-            "failures_idle_only": sum(r["decision"] == "keep" for r in fails),
-            "offers": sum(r["kind"] == "offer" for r in result["events"]),
-            "grows": sum(r["decision"] == "grow" for r in result["events"]),
-            "initial_config": result["initial_config"],
-            "state_bytes": result["events"][0]["state_bytes"] if result["events"] else None,
-            "checkpoint_minutes": result["checkpoint_minutes"],
-            "checkpoint": result["checkpoint"]["note"],
-            "policies": {},
-            "simulate_seconds": time.perf_counter() - tic,
-        }
-        for p in POLICIES:
-            until, charged, lost = downtimes(result, p)
-            first = next((r["policies"][p] for r in fails if r["decision"] != "keep"), {})
-            summary = result["policies"][p]
-            row["policies"][p] = {
-                "goodput": summary["goodput"],
-                "downtime_seconds": statistics.fmean(until) if until else None,
-                "charged_seconds": statistics.fmean(charged) if charged else None,
-                "lost_seconds_per_failure": statistics.fmean(lost) if lost else None,
-                "downtimes_seconds": until,
-                "first_failure": {
-                    k: first[k]
-                    for k in ("seconds", "restart", "compile", "transfer", "restore", "bottleneck")
-                    if k in first
-                },
-                "stall_seconds": summary["stall_seconds"],
-                "lost_seconds": summary["lost_seconds"],
-                "useful_samples": summary["useful_samples"],
-            }
-        row["assumptions"] = result["assumptions"]
-        rows.append(row)
-        log(line(row))
+        result = simulate(sim, trace, tuple(Policy))
+        rows.append(size_row(devices, costs, result))
+        rows[-1]["simulate_seconds"] = time.perf_counter() - tic
+        log(line(rows[-1]))
     return {
         "kind": "simulate_scale",
         "model": MODEL,
@@ -165,6 +127,43 @@ def run_scale(sizes=SIZES, hours: float = HOURS, seed: int = 0, log=print) -> di
         "rows": rows,
         "seconds": sum(r["simulate_seconds"] for r in rows),
     }
+
+
+def size_row(devices: int, costs, result) -> dict:
+    """One size's row: the trace's failures and offers, and per policy its goodput and
+    downtime per failure (:func:`downtimes`)."""
+    fails = [r for r in result.events if r.kind == "fail"]
+    row = {
+        "devices": devices,
+        "nodes": devices // 8,
+        "mttf_hours": costs.mttf_seconds(devices) / 3600,
+        "failures": len(fails),
+        "failures_idle_only": sum(r.decision == "keep" for r in fails),
+        "offers": sum(r.kind == "offer" for r in result.events),
+        "grows": sum(r.decision == "grow" for r in result.events),
+        "initial_config": result.initial_config,
+        "state_bytes": result.events[0].state_bytes if result.events else None,
+        "checkpoint_minutes": result.checkpoint.minutes,
+        "checkpoint": result.checkpoint.note,
+        "policies": {},
+    }
+    for p, summary in result.policies.items():
+        until, charged, lost = downtimes(result, p)
+        first = next((r.policies[p] for r in fails if r.decision != "keep"), None)
+        parts = ("seconds", "restart", "compile", "transfer", "restore", "bottleneck")
+        row["policies"][p] = {
+            "goodput": summary.goodput,
+            "downtime_seconds": statistics.fmean(until) if until else None,
+            "charged_seconds": statistics.fmean(charged) if charged else None,
+            "lost_seconds_per_failure": statistics.fmean(lost) if lost else None,
+            "downtimes_seconds": until,
+            "first_failure": {k: getattr(first, k) for k in parts} if first else {},
+            "stall_seconds": summary.stall_seconds,
+            "lost_seconds": summary.lost_seconds,
+            "useful_samples": summary.useful_samples,
+        }
+    row["assumptions"] = dict(result.assumptions)
+    return row
 
 
 def _pct(x) -> str:

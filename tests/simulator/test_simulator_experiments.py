@@ -16,7 +16,13 @@ from tenplex_jax._src.cli import main
 from tenplex_jax._src.elastic.trace import ResourceTrace, TraceEvent
 from tenplex_jax._src.errors import PlanError
 from tenplex_jax._src.simulator import network as net
-from tenplex_jax._src.simulator.costs import Costs, assumptions, checkpoint_interval, young_daly
+from tenplex_jax._src.simulator.costs import (
+    Blocking,
+    Costs,
+    assumptions,
+    checkpoint_interval,
+    young_daly,
+)
 from tenplex_jax._src.simulator.failures import failure_trace, merge
 from tenplex_jax._src.simulator.fixed import fixed_change
 from tenplex_jax_models import LOGICAL_RULES, GPTConfig, build_state, llm, profile_of
@@ -47,7 +53,7 @@ def test_costs_per_policy_and_their_checks():
     assert costs.compiled_ahead("offer") and not costs.compiled_ahead("fail")
     assert Costs(executable_cache=True).compiled_ahead("fail")
     assert not Costs(compile_ahead=False).compiled_ahead("preempt")
-    with pytest.raises(PlanError, match="policies are"):
+    with pytest.raises(PlanError, match=r"policy of Costs\.restart_seconds must be one of"):
         Costs(restart_seconds={"orbax": 1})
     with pytest.raises(PlanError, match="latency_seconds must be >= 0"):
         Costs(latency_seconds=-1)
@@ -58,23 +64,23 @@ def test_costs_per_policy_and_their_checks():
 
 def test_checkpoint_interval_rules():
     trace = ResourceTrace("t", 4, 100, (TraceEvent(50, "fail", count=1),), 10, minutes=600)
-    blocking = {"checkpoint": 1.0, "save": 5.0}
-    assert checkpoint_interval(Costs(checkpoint_minutes=7), trace, 600, blocking, 4)["rule"] == (
-        "given"
-    )
+    blocking = Blocking(copy=1.0, save=5.0)
+    given = checkpoint_interval(Costs(checkpoint_minutes=7), trace, 600, blocking, 4)
+    assert given.rule == "given" and given.minutes == 7
     by_trace = checkpoint_interval(Costs(), trace, 600, blocking, 4)
-    assert by_trace["rule"] == "trace" and by_trace["minutes"] == pytest.approx(60)
+    assert by_trace.rule == "trace" and by_trace.minutes == pytest.approx(60)
     # one failure in 600 minutes: MTTF 36000 s; sqrt(2 * 1 * 36000) = 268 s
     yd = checkpoint_interval(Costs(young_daly=True), trace, 600, blocking, 4)
-    assert yd["rule"] == "young-daly" and yd["minutes"] == pytest.approx(math.sqrt(72000) / 60)
-    assert "Young/Daly" in yd["note"] and yd["mttf_hours"] == pytest.approx(10)
+    assert yd.rule == "young-daly" and yd.minutes == pytest.approx(math.sqrt(72000) / 60)
+    assert "Young/Daly" in yd.note and yd.mttf_hours == pytest.approx(10)
     # the MTTF flags win over the trace's failures; never shorter than a minute
     flags = checkpoint_interval(Costs(young_daly=True, mttf_hours=1e-3), trace, 600, blocking, 4)
-    assert flags["minutes"] == pytest.approx(1.0)
+    assert flags.minutes == pytest.approx(1.0)
     quiet = ResourceTrace("q", 4, 100, (), minutes=600)
-    assert checkpoint_interval(Costs(young_daly=True), quiet, 600, blocking, 4)["minutes"] == 30
+    default = checkpoint_interval(Costs(young_daly=True), quiet, 600, blocking, 4)
+    assert default.minutes == 30 and default.rule == "default"
     said = assumptions(Costs(), "checkpoint-restart", yd)
-    assert "announced changes compiled ahead" in said and yd["note"] in said
+    assert "announced changes compiled ahead" in said and yd.note in said
 
 
 # -- the network model: latency per request --------------------------------------------------------
@@ -184,12 +190,12 @@ def test_a_failure_is_charged_its_detection_for_every_policy_and_an_announced_ch
         sim, C(tensor=4, pipe=2, data=2), C(tensor=4, pipe=2), "fail", failed_nodes={3}
     )
     offer = fixed_change(sim, C(tensor=4, pipe=2), C(tensor=4, pipe=2, data=2), "offer")
-    for policy, cost in fail["policies"].items():
+    for policy, cost in fail.policies.items():
         moved = ("save",) if policy == "checkpoint-restart" else ("commit", "transfer")
         parts = ("detect", "restore", "restart", "compile") + moved
-        assert cost["detect"] == 15.0, policy
-        assert cost["seconds"] == pytest.approx(sum(cost[k] for k in parts)), policy
-    assert all(cost["detect"] == 0.0 for cost in offer["policies"].values())
+        assert cost.detect == 15.0, policy
+        assert cost.seconds == pytest.approx(sum(getattr(cost, k) for k in parts)), policy
+    assert all(cost.detect == 0.0 for cost in offer.policies.values())
     assert "a failure is noticed after 15 s" in assumptions(sim.costs, "tenplex")
     with pytest.raises(PlanError, match="detect_seconds must be >= 0"):
         Costs(detect_seconds=-1)
@@ -201,25 +207,25 @@ def test_a_failure_is_charged_its_detection_for_every_policy_and_an_announced_ch
 def test_a_fixed_change_charges_every_policy_alike():
     sim = _sim(restart_seconds={"tenplex": 5, "central": 5, "checkpoint-restart": 60})
     row = fixed_change(sim, C(tensor=4, pipe=2), C(tensor=4, pipe=2, data=2))
-    assert row["kind"] == "offer" and row["devices_after"] == 16 and row["bytes_moved"] > 0
-    assert not row["fits_after"]  # 690 GB on 16 x 80 GB: the configs are the caller's
-    p = row["policies"]
-    for cost in p.values():
-        first = cost.get("commit", cost.get("save"))
-        moving = cost.get("transfer", 0.0) + cost["restore"]
-        assert cost["seconds"] == pytest.approx(first + moving + cost["restart"] + cost["compile"])
-        assert cost["compile"] == 0 and cost["compiled_ahead"]  # announced: every policy
-        assert cost["bytes_moved"] == row["bytes_moved"]
-    assert p["tenplex"]["restart"] == 5 and p["checkpoint-restart"]["restart"] == 60
-    assert p["central"]["network_bytes"] > p["tenplex"]["network_bytes"]
-    assert p["central"]["transfer"] > p["tenplex"]["transfer"]
+    assert row.kind == "offer" and row.devices_after == 16 and row.bytes_moved > 0
+    assert not row.fits_after  # 690 GB on 16 x 80 GB: the configs are the caller's
+    p = row.policies
+    for policy, cost in p.items():
+        first = cost.save if policy == "checkpoint-restart" else cost.commit
+        moving = cost.transfer + cost.restore
+        assert cost.seconds == pytest.approx(first + moving + cost.restart + cost.compile)
+        assert cost.compile == 0 and cost.compiled_ahead  # announced: every policy
+    assert p["tenplex"].restart == 5 and p["checkpoint-restart"].restart == 60
+    assert p["central"].network_bytes > p["tenplex"].network_bytes
+    assert p["central"].transfer > p["tenplex"].transfer
+    assert json.loads(row.to_json())["policies"]["central"]["transfer"] == p["central"].transfer
     # a failure compiles on demand for every policy, unless executables are cached
     failed = fixed_change(sim, C(tensor=4, pipe=2, data=2), C(tensor=4, pipe=2), "fail")
-    assert all(c["compile"] == 120 for c in failed["policies"].values())
+    assert all(c.compile == 120 for c in failed.policies.values())
     cached = fixed_change(
         _sim(executable_cache=True), C(tensor=4, pipe=2, data=2), C(tensor=4, pipe=2), "fail"
     )
-    assert all(c["compile"] == 0 for c in cached["policies"].values())
+    assert all(c.compile == 0 for c in cached.policies.values())
     with pytest.raises(PlanError, match="needs 32 devices"):
         fixed_change(sim, C(tensor=4), C(tensor=4, data=8))
 
@@ -237,17 +243,16 @@ def test_a_replay_charges_checkpoint_restart_no_commits_and_says_what_it_assumed
         }
     )
     result = tj.simulator.simulate(_sim(model="small", young_daly=True), trace)
-    assert result["checkpoint"]["rule"] == "young-daly"
-    assert result["checkpoint_minutes"] == result["checkpoint"]["minutes"]
-    preempt, fail = result["events"]
-    assert all(c["compile"] == 0 for c in preempt["policies"].values())
-    assert all(c["compile"] == 120 for c in fail["policies"].values())
-    for policy, said in result["assumptions"].items():
+    assert result.checkpoint.rule == "young-daly"
+    preempt, fail = result.events
+    assert all(c.compile == 0 for c in preempt.policies.values())
+    assert all(c.compile == 120 for c in fail.policies.values())
+    for policy, said in result.assumptions.items():
         assert any("Young/Daly" in s for s in said), policy
     # with no failures and no changes, checkpoint-restart pays only its checkpoints' copies
     quiet = tj.simulator.simulate(_sim(model="small"), ResourceTrace("q", 4, 10, (), minutes=60))
-    p = quiet["policies"]
-    assert p["checkpoint-restart"]["goodput"] > p["tenplex"]["goodput"]
+    p = quiet.policies
+    assert p["checkpoint-restart"].goodput > p["tenplex"].goodput
 
 
 # -- failures from an MTTF -------------------------------------------------------------------------
@@ -288,7 +293,7 @@ def test_merged_failures_replay_and_repaired_nodes_come_back():
     assert [e.kind for e in both.events] == ["fail", "offer", "preempt"]
     assert both.steps == 36000 and both.events[2].step == 18000
     result = tj.simulator.simulate(sim, both)
-    assert [r["devices_after"] for r in result["events"]] == [12, 16, 12]
+    assert [r.devices_after for r in result.events] == [12, 16, 12]
     with pytest.raises(tj.errors.LayoutError, match="same devices"):
         merge(ResourceTrace("b8", 8, 10, (), minutes=600), failures)
 
@@ -318,13 +323,13 @@ def test_the_cli_simulates_a_fixed_change_of_a_gpt_by_its_dimensions(tmp_path, c
     args += ["--from", "tensor=4,pipe=2,data=1", "--to", "tensor=4,pipe=2,data=2"]
     args += ["--restart-seconds", "tenplex=5,central=5,checkpoint-restart=60"]
     args += ["--latency-seconds", "0.001", "--piece-seconds", "0.0001"]
-    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    out = tmp_path / "out"
+    assert main([*args, "--policy", "tenplex,checkpoint-restart", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "transfer/restore" in text and "announced changes compiled ahead" in text
-    assert (tmp_path / "out" / "change.png").stat().st_size > 0
-    assert main([*args, "--json", "--policy", "tenplex,checkpoint-restart"]) == 0
-    row = json.loads(capsys.readouterr().out)
-    assert list(row["policies"]) == ["tenplex", "checkpoint-restart"]
+    assert (out / "change.png").stat().st_size > 0
+    row = json.loads((out / "change.json").read_text())  # what --json prints
+    assert list(row["policies"]) == list(row["assumptions"]) == ["tenplex", "checkpoint-restart"]
     assert row["policies"]["tenplex"]["restart"] == 5 and row["policies"]["tenplex"]["latency"] > 0
     assert row["model"].startswith("gpt L4") and row["kind"] == "offer"
     assert main([*args[:-6], "--restart-seconds", "orbax=3"]) == 2

@@ -8,11 +8,12 @@ repository's GPT presets, the GPT-3 paper's sizes, any dimensions, and a 70B-cla
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import pathlib
-import sys
 
-from tenplex_jax._src.cli.parsing import count, positive
+from tenplex_jax._src.cli.parsing import config, count, positive
+from tenplex_jax._src.errors import PlanError
+from tenplex_jax._src.simulator.costs import Costs, Policy
 
 EXAMPLES = """\
 examples:
@@ -22,23 +23,16 @@ examples:
   tenplex-jax simulate --cluster meshes/tenplex-16.toml --model gpt3-2.7b \\
       --from tensor=4,pipe=2,data=1 --to tensor=4,pipe=2,data=2
       the Tenplex paper's scale-out, one fixed change: each policy's seconds and their parts
-  tenplex-jax simulate --cluster meshes/h100-4096.toml --trace meshes/philly-538.toml \\
-      --restart-seconds tenplex=5,central=5,checkpoint-restart=60 --compile-seconds 120
-      restart costs per policy; compiles as the facts say (announced: ahead, failure: on demand)
   tenplex-jax simulate --cluster meshes/h100-4096.toml --mttf-hours 7.9 --mttf-devices 1024 \\
       --minutes 1440 --seed 1 --out out/sim
       a day of node failures at a published MTTF (7.9 h at 1024 GPUs, scaling as 1/N), each
       node repaired after --repair-minutes; checkpoints at the Young/Daly interval
-  tenplex-jax simulate --cluster meshes/8xh100.toml --trace meshes/philly.toml --model gpt100m
-      the small trace on one node, the 114.5M-parameter GPT
 
-Costs the network model does not derive are flags (restart, compile, failure detection, latency
-and host work per request, piece, shard, leaf and run, the stores' rates, commit and checkpoint
-intervals); everything else comes from the cluster description (meshes/README.md).
+Costs the network model does not derive are flags (restart, compile, detection, latency, host
+work, the stores' rates, intervals); the rest comes from the cluster file (meshes/README.md).
 """
 
-PRESETS = ("llm-70b", "tiny", "small", "gpt100m", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b")
-MODELS = PRESETS
+MODELS = ("llm-70b", "tiny", "small", "gpt100m", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b")
 # global batch in sequences: llm-70b's; the GPT-3 sizes' is an assumption (the Tenplex paper's
 # experiments are not in the seed text), of sequences of 2048 tokens as in the GPT-3 paper
 DEFAULT_BATCH = {"llm-70b": 1024, "gpt3-1.3b": 128, "gpt3-2.7b": 128, "gpt3-6.7b": 128}
@@ -46,18 +40,12 @@ DIMS = ("layers", "d_model", "heads", "vocab", "seq_len", "d_ff")
 
 
 def add_parser(sub) -> None:
-    from tenplex_jax._src.simulator.costs import POLICIES, Costs
-
-    defaults = Costs()
     p = sub.add_parser(
         "simulate",
         help="replay a resource trace on a described cluster of up to thousands of devices",
-        description="Replay a resource trace (scaled to the cluster) without devices: per event "
-        "the\n"
-        "planner's layout, the abstract plan and each policy's estimated seconds from a\n"
-        "network model (tenplex: pulls from the tensor stores as the plan says; central:\n"
-        "every byte through one node; checkpoint-restart); goodput per policy. Or one\n"
-        "fixed change (--from/--to), or failures drawn from a mean time to failure.",
+        description="Replay a resource trace on a cluster without devices: per event the\n"
+        "planner's layout, the plan and each policy's seconds from a network model; goodput\n"
+        "per policy. Or one fixed change (--from/--to), or failures from a mean time to failure.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -68,10 +56,53 @@ def add_parser(sub) -> None:
         metavar="FILE",
         help="resource trace (TOML); not needed with --from/--to, or with --mttf-hours",
     )
-    m = p.add_argument_group("model", "a preset, or a GPT by its dimensions (all of them)")
+    p.add_argument(
+        "--batch",
+        type=positive,
+        default=None,
+        help="global batch in sequences (default: 1024 for llm-70b, 128 for the GPT-3 sizes "
+        "and --layers models, else 64)",
+    )
+    p.add_argument(
+        "--policy",
+        type=_policies,
+        default=tuple(Policy),
+        help=f"comma-separated policies (default: {','.join(Policy)})",
+    )
+    p.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write DIR/simulate.json and DIR/simulate.png (a fixed change: DIR/change.json, "
+        "DIR/change.png)",
+    )
+    _model_flags(
+        p.add_argument_group("model", "a preset, or a GPT by its dimensions (all of them)")
+    )
+    f = p.add_argument_group("one fixed change", "no planner choosing the configs, no trace")
+    for flag, dest, when in (("--from", "source", "before"), ("--to", "target", "after")):
+        f.add_argument(
+            flag,
+            dest=dest,
+            type=config,
+            metavar="CONFIG",
+            help=f"the config {when}, on the cluster's first devices: e.g. tensor=4,pipe=2,"
+            + ("data=1" if when == "before" else "data=2"),
+        )
+    f.add_argument(
+        "--kind",
+        choices=("offer", "preempt", "redeploy", "fail"),
+        help="the change's kind (default: offer for more devices, preempt for fewer, else "
+        "redeploy; fail: no notice, nothing committed first)",
+    )
+    _cost_flags(p.add_argument_group("costs", "what the network model does not derive"))
+    _failure_flags(p.add_argument_group("failures", "node failures from a mean time to failure"))
+
+
+def _model_flags(m) -> None:
     m.add_argument(
         "--model",
-        choices=PRESETS,
+        choices=MODELS,
         default=None,
         help="default: llm-70b. gpt3-1.3b/2.7b/6.7b: the GPT-3 paper's sizes (24 layers, "
         "d_model 2048, 16 heads / 32, 2560, 32 / 32, 4096, 32), vocabulary 50257 padded to "
@@ -83,95 +114,49 @@ def add_parser(sub) -> None:
     m.add_argument("--vocab", type=positive, default=50304, help="default: 50304")
     m.add_argument("--seq-len", type=positive, default=2048, help="tokens (default: 2048)")
     m.add_argument("--d-ff", type=positive, help="MLP width (default: 4 x d_model)")
-    p.add_argument(
-        "--batch",
-        type=positive,
-        default=None,
-        help="global batch in sequences (default: 1024 for llm-70b, 128 for the GPT-3 sizes "
-        "and --layers models, else 64)",
-    )
-    p.add_argument(
-        "--policy",
-        default=",".join(POLICIES),
-        help=f"comma-separated policies (default: {','.join(POLICIES)})",
-    )
-    f = p.add_argument_group("one fixed change", "no planner choosing the configs, no trace")
-    f.add_argument(
-        "--from",
-        dest="source",
-        type=_config,
-        metavar="CONFIG",
-        help="the config before, on the cluster's first devices: e.g. tensor=4,pipe=2,data=1",
-    )
-    f.add_argument(
-        "--to",
-        dest="target",
-        type=_config,
-        metavar="CONFIG",
-        help="the config after, on the cluster's first devices: e.g. tensor=4,pipe=2,data=2",
-    )
-    f.add_argument(
-        "--kind",
-        choices=("offer", "preempt", "redeploy", "fail"),
-        help="the change's kind (default: offer for more devices, preempt for fewer, else "
-        "redeploy; fail: no notice, nothing committed first)",
-    )
-    c = p.add_argument_group("costs", "what the network model does not derive")
-    c.add_argument(
-        "--restart-seconds",
-        type=_per_policy,
-        default=defaults.restart_seconds,
-        metavar="S|POLICY=S,...",
-        help="new processes up to their first collective: one number for every policy, or per "
-        "policy as tenplex=5,central=5,checkpoint-restart=60, the others taking "
-        f"{defaults.restart_seconds:g} (default: {defaults.restart_seconds:g})",
-    )
-    c.add_argument(
-        "--compile-seconds",
-        type=_per_policy,
-        default=defaults.compile_seconds,
-        metavar="S|POLICY=S,...",
-        help="a cold compile of a layout's step, as --restart-seconds (default: "
-        f"{defaults.compile_seconds:g}); paid by every policy after a failure, by none at an "
-        "announced change",
-    )
-    c.add_argument(
-        "--no-compile-ahead",
-        action="store_true",
-        help="announced changes compile on demand too (every policy)",
-    )
-    c.add_argument(
-        "--executable-cache",
-        action="store_true",
-        help="a failure's layout loads its step from an executable cache: no policy compiles",
-    )
-    for name, what in (
-        (
-            "latency_seconds",
-            "a round trip per request or message (store get/put, storage "
-            "read/write, a send across nodes), in sequence per node's process",
-        ),
-        (
-            "piece_seconds",
-            "host work per piece a node's devices receive (a node's host work adds to its "
-            "copies on CPU devices and overlaps them on accelerators)",
-        ),
-        ("shard_seconds", "host work per new shard a node builds"),
-        ("leaf_seconds", "host work per leaf a node's process rebuilds"),
-        ("run_seconds", "host work per contiguous run a piece is copied as (CPU devices)"),
-        ("detect_seconds", "from a failure to its notice (health checks, a heartbeat timeout)"),
-    ):
+
+
+HOST_WORK = {  # the host work and latency flags: Costs field -> what it is paid per
+    "latency_seconds": "a round trip per request or message (store get/put, storage "
+    "read/write, a send across nodes), in sequence per node's process",
+    "piece_seconds": "host work per piece a node's devices receive (a node's host work adds to "
+    "its copies on CPU devices and overlaps them on accelerators)",
+    "shard_seconds": "host work per new shard a node builds",
+    "leaf_seconds": "host work per leaf a node's process rebuilds",
+    "run_seconds": "host work per contiguous run a piece is copied as (CPU devices)",
+    "detect_seconds": "from a failure to its notice (health checks, a heartbeat timeout)",
+}
+
+
+def _cost_flags(c) -> None:
+    defaults = Costs()
+    for name, what in (("restart", "new processes up to their first collective"),
+                       ("compile", "a cold compile of a layout's step; paid by every policy "
+                        "after a failure, by none at an announced change")):  # fmt: skip
+        value = getattr(defaults, f"{name}_seconds")
         c.add_argument(
-            "--" + name.replace("_", "-"),
-            type=float,
-            default=getattr(defaults, name),
-            help=f"{what} (default: 0)",
+            f"--{name}-seconds",
+            type=_per_policy,
+            default=value,
+            metavar="S|POLICY=S,...",
+            help=f"{what}: one number for every policy, or per policy as tenplex=5,central=5,"
+            f"checkpoint-restart=60, the others taking {value:g} (default: {value:g})",
+        )
+    for flag, what in (
+        ("--no-compile-ahead", "announced changes compile on demand too (every policy)"),
+        ("--executable-cache", "a failure's layout loads its step from an executable cache: "
+         "no policy compiles"),
+        ("--trace-checkpoints", "use the trace's checkpoint_every before Young/Daly"),
+    ):  # fmt: skip
+        c.add_argument(flag, action="store_true", help=what)
+    for name, what in HOST_WORK.items():
+        c.add_argument(
+            "--" + name.replace("_", "-"), type=float, default=0.0, help=f"{what} (default: 0)"
         )
     for op, what in (("get", "serves"), ("put", "takes in")):
         c.add_argument(
             f"--store-{op}-bandwidth",
             type=float,
-            default=None,
             metavar="BYTES_PER_S",
             help=f"bytes per second a node's tensor store {what} (default: not a limit)",
         )
@@ -184,15 +169,9 @@ def add_parser(sub) -> None:
     c.add_argument(
         "--checkpoint-minutes",
         type=float,
-        default=None,
         help="minutes between orbax checkpoints, every policy (default: Young/Daly's "
         "sqrt(2 x C x MTTF) for the failure rate of --mttf-hours or the trace's failures; "
         "with none, the trace's checkpoint_every, else 30)",
-    )
-    c.add_argument(
-        "--trace-checkpoints",
-        action="store_true",
-        help="use the trace's checkpoint_every before Young/Daly",
     )
     c.add_argument(
         "--replicas",
@@ -200,38 +179,22 @@ def add_parser(sub) -> None:
         default=defaults.replicas,
         help=f"store copies beyond the writer's (default: {defaults.replicas})",
     )
-    g = p.add_argument_group("failures", "node failures from a mean time to failure")
-    g.add_argument(
-        "--mttf-hours",
-        type=float,
-        help="mean time to failure at --mttf-devices devices (published: 7.9 h at 1024 GPUs); "
-        "generates fail events (one node each), merged with --trace when given",
-    )
-    g.add_argument(
-        "--mttf-devices",
-        type=positive,
-        default=1024,
-        help="the device count of --mttf-hours; failures scale as 1/N (default: 1024)",
-    )
-    g.add_argument(
-        "--repair-minutes",
-        type=float,
-        default=60.0,
-        help="a failed node's devices are offered back after this long (default: 60)",
-    )
-    g.add_argument("--seed", type=int, default=0, help="the failures' random seed (default: 0)")
-    g.add_argument(
-        "--minutes",
-        type=float,
-        help="the generated trace's length (default: --trace's minutes, else 1440)",
-    )
-    p.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
-    p.add_argument(
-        "--out",
-        metavar="DIR",
-        help="write DIR/simulate.json and DIR/simulate.png (a fixed change: DIR/change.json, "
-        "DIR/change.png)",
-    )
+
+
+def _failure_flags(g) -> None:
+    for flag, kind, default, what in (
+        ("--mttf-hours", float, None, "mean time to failure at --mttf-devices devices "
+         "(published: 7.9 h at 1024 GPUs); generates fail events (one node each), merged with "
+         "--trace when given"),
+        ("--mttf-devices", positive, 1024, "the device count of --mttf-hours; failures scale as "
+         "1/N (default: 1024)"),
+        ("--repair-minutes", float, 60.0, "a failed node's devices are offered back after this "
+         "long (default: 60)"),
+        ("--seed", int, 0, "the failures' random seed (default: 0)"),
+        ("--minutes", float, None, "the generated trace's length (default: --trace's minutes, "
+         "else 1440)"),
+    ):  # fmt: skip
+        g.add_argument(flag, type=kind, default=default, help=what)
 
 
 def model(args):
@@ -239,8 +202,6 @@ def model(args):
     name: a preset or a GPT by its dimensions."""
     given = [d for d in DIMS[:3] if getattr(args, d) is not None]
     if given:
-        from tenplex_jax._src.errors import PlanError
-
         if len(given) < 3 or args.model is not None:
             raise PlanError(
                 "a GPT by its dimensions needs all of --layers, --d-model and --heads (and no "
@@ -273,32 +234,16 @@ def model(args):
     return name, state, LOGICAL_RULES, profile_of(name), DEFAULT_BATCH.get(name, 64)
 
 
-def costs(args):
-    """The :class:`Costs` the flags give."""
-    from tenplex_jax._src.simulator.costs import FIXED, Costs
-
-    return Costs(
-        restart_seconds=args.restart_seconds,
-        compile_seconds=args.compile_seconds,
-        commit_every=args.commit_every,
-        checkpoint_minutes=args.checkpoint_minutes,
-        replicas=args.replicas,
-        compile_ahead=not args.no_compile_ahead,
-        executable_cache=args.executable_cache,
-        young_daly=not args.trace_checkpoints,
-        mttf_hours=args.mttf_hours,
-        mttf_devices=args.mttf_devices,
-        detect_seconds=args.detect_seconds,
-        store_get_bandwidth=args.store_get_bandwidth,
-        store_put_bandwidth=args.store_put_bandwidth,
-        **{name: getattr(args, name) for name in FIXED},
-    )
+def costs(args) -> Costs:
+    """The :class:`Costs` the flags give: each flag sets the field of its name."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Costs) if f.name in args}
+    negated = {"compile_ahead": not args.no_compile_ahead, "young_daly": not args.trace_checkpoints}
+    return Costs(**given, **negated)
 
 
 def trace_of(args, cluster):
     """The trace to replay: ``--trace``, failures from ``--mttf-hours``, or both merged."""
     from tenplex_jax._src.elastic.trace import ResourceTrace
-    from tenplex_jax._src.errors import PlanError
     from tenplex_jax._src.simulator.failures import failure_trace, merge
     from tenplex_jax._src.simulator.replay import scale
 
@@ -323,100 +268,67 @@ def trace_of(args, cluster):
             raise PlanError(
                 f"merging failures into trace {trace.name!r} needs its length: give --minutes"
             )
-        import dataclasses
-
         trace = dataclasses.replace(trace, minutes=args.minutes)
     return merge(scale(trace, cluster.num_devices), failures)
 
 
 def run(args) -> int:
     from tenplex_jax._src.cli import simulate_output as output
-    from tenplex_jax._src.errors import PlanError
     from tenplex_jax._src.planner.cluster import Cluster
+    from tenplex_jax._src.simulator.fixed import fixed_change
     from tenplex_jax._src.simulator.replay import Simulation, simulate
 
-    policies = tuple(p.strip() for p in args.policy.split(",") if p.strip())
-    cluster = Cluster.load(args.cluster)
-    name, state, rules, profile, batch = model(args)
-    batch = args.batch or batch
-    sim = Simulation(cluster, profile, state, rules, batch, costs(args))
-    quiet = args.json
     if (args.source is None) != (args.target is None):
         raise PlanError("a fixed change needs both --from and --to")
-    if args.source is not None:
-        from tenplex_jax._src.simulator.costs import POLICIES
-        from tenplex_jax._src.simulator.fixed import fixed_change
-
-        unknown = set(policies) - set(POLICIES)
-        if unknown:
-            raise PlanError(f"policies are {POLICIES}, got {sorted(unknown)}")
-        result = fixed_change(sim, args.source, args.target, args.kind)
-        result["policies"] = {p: result["policies"][p] for p in policies}
-        result["assumptions"] = {p: result["assumptions"][p] for p in policies}
-        files = ("change.json", "change.png", output.change_plot)
-        text = output.change_table
+    cluster, charged = Cluster.load(args.cluster), costs(args)  # checked before the model
+    trace = trace_of(args, cluster) if args.source is None else None
+    name, state, rules, profile, batch = model(args)
+    batch = args.batch or batch
+    sim = Simulation(cluster, profile, state, rules, batch, charged)
+    if trace is None:
+        result = fixed_change(sim, args.source, args.target, args.kind, policies=args.policy)
+        stem, table, plot = "change", output.change_table, output.change_plot
     else:
-        trace = trace_of(args, cluster)
-        if not quiet:
+        if not args.json:
             print(
                 f"simulate: {name} (global batch {batch}) on {cluster}; trace {trace.name} "
                 f"({len(trace.events)} events)"
             )
-        result = simulate(sim, trace, policies, log=None if quiet else print)
-        files = ("simulate.json", "simulate.png", output.plot)
-        text = output.table
-    if args.json:
-        json.dump(result, sys.stdout, indent=1, default=_plain)
-        print()
-    else:
-        print(text(result))
+        result = simulate(sim, trace, args.policy, log=None if args.json else print)
+        stem, table, plot = "simulate", output.table, output.plot
+    print(result.to_json() if args.json else table(result))
     if args.out:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / files[0]).write_text(json.dumps(result, indent=1, default=_plain) + "\n")
-        files[2](result, out / files[1])
-        if not quiet:
-            print(f"wrote {out / files[0]} and {out / files[1]}")
+        (out / f"{stem}.json").write_text(result.to_json() + "\n")
+        plot(result, out / f"{stem}.png")
+        if not args.json:
+            print(f"wrote {out / stem}.json and {out / stem}.png")
     return 0
 
 
-def _config(text: str):
-    from tenplex_jax._src.ptc import ParallelConfig
-
+def _policies(text: str) -> tuple[Policy, ...]:
+    """``--policy``: known policies, or argparse's error naming them."""
     try:
-        return ParallelConfig.parse(text)
-    except ValueError as error:  # argparse would hide a ValueError's message
+        return Policy.parse(filter(None, (n.strip() for n in text.split(","))))
+    except PlanError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _per_policy(text: str):
     """``"60"`` -> 60.0 (every policy); ``"tenplex=5,checkpoint-restart=60"`` -> a dict."""
-    from tenplex_jax._src.simulator.costs import POLICIES
-
     try:
         return float(text)
     except ValueError:
         pass
-    out = {}
-    for part in filter(None, (s.strip() for s in text.split(","))):
-        policy, _, value = part.partition("=")
-        try:
-            seconds = float(value)
-        except ValueError:
-            seconds = -1.0
-        if policy not in POLICIES or policy in out or not seconds >= 0:
-            raise argparse.ArgumentTypeError(
-                f"expected seconds, or POLICY=SECONDS,... with each of {', '.join(POLICIES)} at "
-                f"most once and seconds >= 0; got {text!r}"
-            )
-        out[policy] = seconds
-    if not out:
-        raise argparse.ArgumentTypeError(f"no seconds in {text!r}")
-    return out
-
-
-def _plain(value):
-    """JSON for NumPy scalars and the rest of a result."""
-    if hasattr(value, "item"):
-        return value.item()
-    return str(value)
+    parts = [part.strip().partition("=") for part in text.split(",") if part.strip()]
+    try:
+        out = {policy: float(seconds) for policy, _, seconds in parts}
+        if not out or len(out) < len(parts) or not all(v >= 0 for v in out.values()):
+            raise ValueError
+        return dict(zip(Policy.parse(out), out.values()))
+    except (ValueError, PlanError):
+        raise argparse.ArgumentTypeError(
+            f"expected seconds, or POLICY=SECONDS,... with each of {', '.join(Policy)} at most "
+            f"once and seconds >= 0; got {text!r}"
+        ) from None

@@ -6,14 +6,68 @@ Imports nothing heavy, so the command line can show the defaults without startin
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-from tenplex_jax._src.errors import PlanError
+from tenplex_jax._src.errors import PlanError, one_of
 
-POLICIES = ("tenplex", "central", "checkpoint-restart")
-"""The policies ``simulate`` compares: tenplex's transformation from the tensor stores, the same
-with every byte through one node (Tenplex-Central), and checkpoint-restart through storage."""
+
+class Policy(enum.StrEnum):
+    """A policy ``simulate`` compares (a ``str``: ``Policy.CENTRAL == "central"``)."""
+
+    TENPLEX = "tenplex"  # tenplex's transformation, pulled from the tensor stores
+    CENTRAL = "central"  # the same, every byte through one node (Tenplex-Central)
+    CHECKPOINT_RESTART = "checkpoint-restart"  # an orbax save, a restart, a restore
+
+    @classmethod
+    def parse(cls, names: Iterable[str], what: str = "a policy") -> tuple[Policy, ...]:
+        """``names`` as policies, in order; a :class:`PlanError` names an unknown one as
+        ``what``."""
+        return tuple(one_of(cls, name, what, PlanError) for name in names)
+
+
+class CheckpointRule(enum.StrEnum):
+    """Which rule gave the checkpoint interval (:func:`checkpoint_interval`)."""
+
+    GIVEN = "given"  # Costs.checkpoint_minutes
+    TRACE = "trace"  # the trace's checkpoint_every
+    YOUNG_DALY = "young-daly"  # sqrt(2 * C * MTTF)
+    DEFAULT = "default"  # 30 minutes: no failure rate known
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointInterval:
+    """The minutes between the periodic checkpoints every policy takes, and why.
+
+    Attributes:
+      minutes: the interval.
+      rule: the :class:`CheckpointRule` that gave it.
+      mttf_hours: the job's mean time to failure Young/Daly used (None: another rule).
+      cost_seconds: ``C``, the seconds one checkpoint stops training.
+      note: a sentence for a table (``"checkpoint every 13.4 min (Young/Daly: ...)"``).
+    """
+
+    minutes: float
+    rule: CheckpointRule
+    mttf_hours: float | None = None
+    cost_seconds: float
+    note: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Blocking:
+    """What a layout's periodic writes cost training (``Simulation.blocking``).
+
+    Attributes:
+      copy: the seconds a periodic commit (tenplex, central) or checkpoint (every policy) stops
+        training: its device-to-host copy, which the writes then overlap.
+      save: the seconds of a whole checkpoint save, which bounds how often one can start.
+    """
+
+    copy: float
+    save: float
 
 
 FIXED = {
@@ -27,53 +81,40 @@ FIXED = {
 what each one is paid per."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Costs:
-    """What the network model does not derive, for a job at the cluster's scale.
-
-    Every policy is charged alike where the facts are alike: a change announced in advance
-    (preempt, offer, redeploy) is compiled ahead by every policy (``compile_ahead``), a failure
-    compiles on demand for every policy (unless ``executable_cache``), and every policy
-    checkpoints at the same interval.
+    """What the network model does not derive, for a job at the cluster's scale; every policy
+    is charged alike where the facts are alike (:func:`assumptions` says it in words).
 
     Attributes:
       restart_seconds: new processes up to their first collective (start-up,
         ``jax.distributed`` initialize, the runtime's communicators): one number for every
         policy, or ``{policy: seconds}`` (policies left out take the class default, 60).
-      compile_seconds: the new layout's train step, compiled cold: a number, or per policy as
-        ``restart_seconds`` (default 120).
+      compile_seconds: the new layout's train step compiled cold, as ``restart_seconds``
+        (default 120).
       commit_every: steps between commits to the stores.
-      checkpoint_minutes: minutes between orbax checkpoints, every policy (None: see
-        ``young_daly``).
+      checkpoint_minutes: minutes between orbax checkpoints, every policy (None: by
+        :func:`checkpoint_interval`'s rules).
       replicas: store copies beyond the writer's.
-      piece_seconds: host work per piece a node's devices receive (a slice, a kernel launch,
-        a buffer): with ``shard_seconds``, ``leaf_seconds`` and ``run_seconds``, a node's
-        process does it in sequence; it adds to the transfer on CPU devices and overlaps it on
-        accelerators (:mod:`~tenplex_jax._src.simulator.network`).
-      latency_seconds: a round trip per request or message (a store pull, a put, a storage
-        read or write, a send across nodes), paid in sequence by each node's process, on top
-        of the transfer.
+      piece_seconds: host work per piece a node's devices receive; this and the next six are
+        passed on to :class:`~tenplex_jax._src.simulator.network.Network`, which says how.
+      latency_seconds: a round trip per request or message, in sequence per node's process.
       shard_seconds: host work per new shard a node builds.
       leaf_seconds: host work per leaf a node's process rebuilds.
       run_seconds: host work per contiguous run a piece is copied as (CPU devices).
       store_get_bandwidth: bytes per second a node's tensor store serves (None: not a limit).
       store_put_bandwidth: bytes per second a node's tensor store takes in (None: not a limit).
       detect_seconds: from a failure to its notice (a coordinator's health checks or a
-        heartbeat timeout), charged to every policy at a failure; announced changes have none.
-      compile_ahead: a change announced in advance has its layout's step compiled before it
-        happens, by every policy (checkpoint-restart's new processes load that executable);
-        False: every change compiles on demand.
-      executable_cache: a failure's layout loads its step from an executable cache compiled
-        earlier, so no policy compiles after a failure either.
-      young_daly: with no ``checkpoint_minutes``, checkpoint at Young/Daly's interval
-        ``sqrt(2 * C * MTTF)`` (``C``: the seconds a checkpoint stops training; MTTF: the job's,
-        from ``mttf_hours`` or the trace's failures) even where the trace gives
-        ``checkpoint_every``. False: the trace's ``checkpoint_every`` first, then Young/Daly,
-        then 30 minutes when no failure rate is known.
-      mttf_hours: a published mean time to failure, at ``mttf_devices`` devices (None: the
+        heartbeat timeout), charged to every policy at a failure.
+      compile_ahead: a change announced in advance (preempt, offer, redeploy) has its step
+        compiled before it happens, by every policy (False: every change compiles on demand).
+      executable_cache: a failure's layout loads its step from an executable cache, so no
+        policy compiles after a failure either.
+      young_daly: Young/Daly's interval before the trace's ``checkpoint_every``
+        (:func:`checkpoint_interval`).
+      mttf_hours: a published mean time to failure at ``mttf_devices`` devices (None: the
         trace's failures give the rate).
-      mttf_devices: the device count ``mttf_hours`` was measured at; failures scale as 1/N
-        with the job's devices.
+      mttf_devices: the device count ``mttf_hours`` was measured at (failures scale as 1/N).
 
     Raises:
       PlanError: a per-policy mapping names an unknown policy, or a cost is negative.
@@ -102,10 +143,8 @@ class Costs:
         for name in ("restart_seconds", "compile_seconds"):
             value = getattr(self, name)
             if isinstance(value, Mapping):
-                unknown = sorted(set(value) - set(POLICIES))
-                if unknown:
-                    raise PlanError(f"Costs.{name}: policies are {POLICIES}, got {unknown}")
-                object.__setattr__(self, name, {p: float(s) for p, s in value.items()})
+                keys = Policy.parse(value, f"a policy of Costs.{name}")
+                object.__setattr__(self, name, {p: float(value[p]) for p in keys})
             values = value.values() if isinstance(value, Mapping) else (value,)
             if any(not s >= 0 for s in values):
                 raise PlanError(f"Costs.{name} must be >= 0, got {value!r}")
@@ -129,49 +168,22 @@ class Costs:
         names = (*FIXED, "store_get_bandwidth", "store_put_bandwidth")
         return {name: getattr(self, name) for name in names}
 
-    def restart(self, policy: str) -> float:
-        """The seconds ``policy`` takes to restart processes.
-
-        Args:
-          policy: one of ``POLICIES``.
-
-        Returns:
-          ``restart_seconds`` for it.
-        """
+    def restart(self, policy: Policy) -> float:
+        """``restart_seconds`` for ``policy``: the seconds it takes to restart processes."""
         return _of(self.restart_seconds, policy, 60.0)
 
-    def compile(self, policy: str) -> float:
-        """The seconds ``policy`` takes to compile a layout's step cold.
-
-        Args:
-          policy: one of ``POLICIES``.
-
-        Returns:
-          ``compile_seconds`` for it.
-        """
+    def compile(self, policy: Policy) -> float:
+        """``compile_seconds`` for ``policy``: the seconds it takes to compile a step cold."""
         return _of(self.compile_seconds, policy, 120.0)
 
     def compiled_ahead(self, kind: str) -> bool:
-        """Whether a change of this kind finds its step compiled (the same for every policy).
-
-        Args:
-          kind: the event's kind (``"fail"`` has no notice).
-
-        Returns:
-          True for an announced change with ``compile_ahead``, or a failure with
-          ``executable_cache``.
-        """
+        """Whether a change of this kind finds its step compiled, the same for every policy:
+        an announced one with ``compile_ahead``, a ``"fail"`` with ``executable_cache``."""
         return self.executable_cache if kind == "fail" else self.compile_ahead
 
     def mttf_seconds(self, devices: int) -> float | None:
-        """The mean time to failure of a job on ``devices`` devices from ``mttf_hours``.
-
-        Args:
-          devices: the job's device count.
-
-        Returns:
-          ``mttf_hours * mttf_devices / devices`` in seconds, or None without ``mttf_hours``.
-        """
+        """A job's mean time to failure on ``devices`` devices, in seconds, from ``mttf_hours``
+        (``mttf_hours * mttf_devices / devices``; None without it)."""
         if self.mttf_hours is None:
             return None
         return self.mttf_hours * 3600 * self.mttf_devices / devices
@@ -208,8 +220,8 @@ def _of(value, policy: str, default: float) -> float:
 
 
 def checkpoint_interval(
-    costs: Costs, trace, minutes: float, blocking: Mapping, devices: int
-) -> dict:
+    costs: Costs, trace, minutes: float, blocking: Blocking, devices: int
+) -> CheckpointInterval:
     """The minutes between the periodic checkpoints every policy takes, and why.
 
     In order: ``costs.checkpoint_minutes``; the trace's ``checkpoint_every`` unless
@@ -220,24 +232,20 @@ def checkpoint_interval(
 
     Args:
       costs: the :class:`Costs`.
-      trace: the :class:`tenplex_jax.elastic.ResourceTrace`, scaled to the cluster.
+      trace: the :class:`tenplex_jax.elastic.ResourceTrace`, scaled to the cluster, ``minutes``
+        long, on ``devices`` devices (for ``costs.mttf_hours``).
       minutes: the trace's wall-clock length.
-      blocking: ``Simulation.blocking`` of the first layout (``"checkpoint"``, ``"save"``).
-      devices: the job's device count, for ``costs.mttf_hours``.
-
-    Returns:
-      ``{"minutes", "rule", "mttf_hours", "cost_seconds", "note"}``: the interval, which rule
-      gave it (``"given"``, ``"trace"``, ``"young-daly"``, ``"default"``), the MTTF used (or
-      None), ``C``, and a sentence for a table.
+      blocking: the first layout's :class:`Blocking`.
+      devices: the job's device count.
     """
-    out = {"mttf_hours": None, "cost_seconds": float(blocking["checkpoint"])}
     given = trace.checkpoint_every / trace.steps * minutes if trace.checkpoint_every else None
+    interval = functools.partial(CheckpointInterval, cost_seconds=float(blocking.copy))
     if costs.checkpoint_minutes:
         m = float(costs.checkpoint_minutes)
-        return out | {"minutes": m, "rule": "given", "note": f"checkpoint every {m:.1f} min"}
+        return interval(minutes=m, rule=CheckpointRule.GIVEN, note=f"checkpoint every {m:.1f} min")
     if given and not costs.young_daly:
         note = f"checkpoint every {given:.1f} min (the trace's checkpoint_every)"
-        return out | {"minutes": given, "rule": "trace", "note": note}
+        return interval(minutes=given, rule=CheckpointRule.TRACE, note=note)
     mttf = costs.mttf_seconds(devices)
     source = f"{costs.mttf_hours} h at {costs.mttf_devices} devices, {devices} here"
     if mttf is None:
@@ -245,36 +253,25 @@ def checkpoint_interval(
         mttf = minutes * 60 / fails if fails else None
         source = f"the trace's {fails} failures in {minutes:.0f} min"
     if mttf is not None:
-        seconds = max(young_daly(blocking["checkpoint"], mttf), blocking["save"], 60.0)
+        seconds = max(young_daly(blocking.copy, mttf), blocking.save, 60.0)
         note = (
-            f"checkpoint every {seconds / 60:.1f} min (Young/Daly: C {blocking['checkpoint']:.3g}"
+            f"checkpoint every {seconds / 60:.1f} min (Young/Daly: C {blocking.copy:.3g}"
             f" s, MTTF {mttf / 3600:.3g} h from {source})"
         )
-        return out | {
-            "minutes": seconds / 60,
-            "rule": "young-daly",
-            "mttf_hours": mttf / 3600,
-            "note": note,
-        }
+        rule = CheckpointRule.YOUNG_DALY
+        return interval(minutes=seconds / 60, rule=rule, mttf_hours=mttf / 3600, note=note)
     if given:
         note = f"checkpoint every {given:.1f} min (the trace's; no failure rate known)"
-        return out | {"minutes": given, "rule": "trace", "note": note}
+        return interval(minutes=given, rule=CheckpointRule.TRACE, note=note)
     note = "checkpoint every 30 min (no failure rate known)"
-    return out | {"minutes": 30.0, "rule": "default", "note": note}
+    return interval(minutes=30.0, rule=CheckpointRule.DEFAULT, note=note)
 
 
-def assumptions(costs: Costs, policy: str, checkpoint: Mapping | None = None) -> list[str]:
-    """What a policy was charged, in words, for a table or the JSON.
-
-    Args:
-      costs: the :class:`Costs`.
-      policy: one of ``POLICIES``.
-      checkpoint: what :func:`checkpoint_interval` returned (None: no periodic checkpoints
-        to state, as for one change).
-
-    Returns:
-      One sentence per assumption.
-    """
+def assumptions(
+    costs: Costs, policy: Policy, checkpoint: CheckpointInterval | None = None
+) -> tuple[str, ...]:
+    """What ``policy`` was charged under ``costs``, a sentence per assumption, for a table or
+    the JSON; with the ``checkpoint`` interval (None: none to state, as for one change)."""
     compile_s = costs.compile(policy)
     out = [f"restart {costs.restart(policy):g} s at every change"]
     out.append(
@@ -288,15 +285,15 @@ def assumptions(costs: Costs, policy: str, checkpoint: Mapping | None = None) ->
         else f"failures compile on demand ({compile_s:g} s)"
     )
     if checkpoint is not None:
-        out.append(checkpoint["note"])
-    if policy != "checkpoint-restart":
+        out.append(checkpoint.note)
+    if policy != Policy.CHECKPOINT_RESTART:
         out.append(
             f"commits to the stores every {costs.commit_every} steps, {costs.replicas} "
             f"replica(s); a failure beyond them falls back to the checkpoint"
         )
     else:
         out.append("saves a checkpoint at an announced change; a failure loses the work since one")
-    if policy == "central":
+    if policy == Policy.CENTRAL:
         out.append("every byte through one node")
     fixed = [f"{getattr(costs, n):g} s per {w}" for n, w in FIXED.items() if getattr(costs, n)]
     if fixed:
@@ -306,8 +303,8 @@ def assumptions(costs: Costs, policy: str, checkpoint: Mapping | None = None) ->
         for op in ("get", "put")
         if getattr(costs, f"store_{op}_bandwidth")
     ]
-    if rates and policy != "checkpoint-restart":
+    if rates and policy != Policy.CHECKPOINT_RESTART:
         out.append("each node's store serves " + " and ".join(rates))
     if costs.detect_seconds:
         out.append(f"a failure is noticed after {costs.detect_seconds:g} s")
-    return out
+    return tuple(out)

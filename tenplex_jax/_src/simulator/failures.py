@@ -1,16 +1,15 @@
 """Failures from a mean time to failure: a resource trace of ``fail`` events and their repairs.
 
 A published MTTF is measured at some device count (e.g. 7.9 hours at 1,024 GPUs); failures are
-independent per device, so a job on ``N`` devices fails ``N / mttf_devices`` times as often. The
-generator draws exponential gaps at the rate of the devices that are up, takes one whole node
-(chosen uniformly among the nodes that are up) at each failure, and offers its devices back by id
-after ``repair_minutes``: the simulator treats failed devices offered by id as repaired. It never
-takes the last node that is up (a job needs one). The events are on a grid of one step per
-second, so :func:`merge` can lay them beside another trace's.
+independent per device, so ``N`` devices fail ``N / mttf_devices`` times as often. Exponential
+gaps at the rate of the devices up; each failure takes a whole node (uniformly among those up,
+never the last one), whose devices are offered back by id (repaired) after ``repair_minutes``.
+The events are on a grid of one step per second, so :func:`merge` can lay them beside another's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -41,19 +40,16 @@ def failure_trace(
       minutes: the trace's wall-clock length.
       mttf_hours: the mean time to failure measured at ``mttf_devices`` devices.
       mttf_devices: the device count of that measurement; failures scale as 1/N.
-      repair_minutes: how long a failed node stays down before its devices are offered back
-        (None: never).
+      repair_minutes: how long a failed node is down before it is offered back (None: never).
       seed: the random generator's seed; the same seed gives the same trace.
       name: the trace's name (default: ``"mttf-<hours>h-seed<seed>"``).
 
     Returns:
       A :class:`tenplex_jax.elastic.ResourceTrace` over ``len(nodes)`` devices, one step per
-      second, ``minutes`` long: a ``fail`` event with a node's device ids per failure and an
-      ``offer`` of the same ids at its repair (within the trace).
+      second: a ``fail`` of a node's device ids per failure, an ``offer`` of them at its repair.
 
     Raises:
-      LayoutError: no devices, ``minutes`` or ``mttf_hours`` not positive, ``mttf_devices``
-        below 1, or a negative repair time.
+      LayoutError: no devices, or an argument out of its range.
     """
     if not nodes or not minutes > 0 or not mttf_hours > 0 or mttf_devices < 1:
         raise LayoutError(
@@ -65,55 +61,54 @@ def failure_trace(
     members: dict[int, tuple[int, ...]] = {}
     for device, node in enumerate(nodes):
         members[node] = members.get(node, ()) + (device,)
-    rng = np.random.default_rng(seed)
-    end = minutes * 60.0
-    per_device = 1.0 / (mttf_hours * 3600.0 * mttf_devices)  # failures per second per device
-    down: dict[int, float] = {}  # node -> when it is repaired
-    events: list[tuple[float, int, str, tuple[int, ...]]] = []
-    t = 0.0
-    while True:
-        up = [n for n in members if n not in down]
-        live = sum(len(members[n]) for n in up)
-        # the next failure among the devices up now; a repair before it changes the rate
-        t_next = t + rng.exponential(1.0 / (per_device * live))
-        repair = min(down.values(), default=math.inf)
-        if repair < t_next:
-            t = repair
-            down = {n: r for n, r in down.items() if r != repair}
-            continue
-        t = t_next
-        if t >= end:
-            break
-        if len(up) < 2:  # never the last node up: wait for a repair
-            if not down:
-                break
-            t = min(down.values())
-            continue
-        node = up[int(rng.integers(len(up)))]
-        events.append((t, 0, "fail", members[node]))
-        if repair_minutes is not None:
-            back = t + repair_minutes * 60.0
-            down[node] = back
-            if back < end:
-                events.append((back, 1, "offer", members[node]))
-        else:
-            down[node] = math.inf
-    steps = max(math.ceil(end), 2)
-    events.sort()
-    trace_events = tuple(
-        TraceEvent(min(max(int(t), 1), steps - 1), kind, devices) for t, _, kind, devices in events
-    )
+    rate = 1.0 / (mttf_hours * 3600.0 * mttf_devices)  # failures per second per device
+    repair = math.inf if repair_minutes is None else repair_minutes * 60.0
+    drawn = _draw(members, minutes * 60.0, rate, repair, np.random.default_rng(seed))
+    steps = max(math.ceil(minutes * 60.0), 2)
     return ResourceTrace(
-        name or f"mttf-{mttf_hours:g}h-seed{seed}",
-        len(nodes),
-        steps,
-        trace_events,
+        name=name or f"mttf-{mttf_hours:g}h-seed{seed}",
+        devices=len(nodes),
+        steps=steps,
+        events=tuple(
+            TraceEvent(step=min(max(int(t), 1), steps - 1), kind=kind, devices=devices)
+            for t, _, kind, devices in sorted(drawn)
+        ),
         description=(
             f"node failures at MTTF {mttf_hours:g} h per {mttf_devices} devices, repaired after "
             f"{repair_minutes} min, seed {seed}"
         ),
         minutes=float(minutes),
     )
+
+
+def _draw(members: dict, end: float, rate: float, repair: float, rng) -> list[tuple]:
+    """``(second, order, kind, devices)`` of each failure (order 0) and repair (1) before
+    ``end``, at ``rate`` per device up (see the module docstring)."""
+    down: dict[int, float] = {}  # node -> when it is repaired
+    events, t = [], 0.0
+    while True:
+        up = [n for n in members if n not in down]
+        live = sum(len(members[n]) for n in up)
+        # the next failure among the devices up now; a repair before it changes the rate
+        t_next = t + rng.exponential(1.0 / (rate * live))
+        back = min(down.values(), default=math.inf)
+        if back < t_next:
+            t = back
+            down = {n: r for n, r in down.items() if r != back}
+            continue
+        t = t_next
+        if t >= end:
+            return events
+        if len(up) < 2:  # never the last node up: wait for a repair
+            if not down:
+                return events
+            t = min(down.values())
+            continue
+        node = up[int(rng.integers(len(up)))]
+        events.append((t, 0, "fail", members[node]))
+        down[node] = t + repair
+        if t + repair < end:
+            events.append((t + repair, 1, "offer", members[node]))
 
 
 def merge(a: ResourceTrace, b: ResourceTrace, name: str | None = None) -> ResourceTrace:
@@ -126,8 +121,8 @@ def merge(a: ResourceTrace, b: ResourceTrace, name: str | None = None) -> Resour
       name: the merged trace's name (default: ``"<a>+<b>"``).
 
     Returns:
-      The trace as long as the longer one, its events in time order (at one time, ``a``'s
-      first), ``a``'s ``checkpoint_every`` carried over in seconds.
+      The trace as long as the longer one, its events in time order (``a``'s first at a tie),
+      with ``a``'s ``checkpoint_every`` in steps of a second.
 
     Raises:
       LayoutError: the device counts differ, or a trace has no ``minutes``.
@@ -149,14 +144,13 @@ def merge(a: ResourceTrace, b: ResourceTrace, name: str | None = None) -> Resour
     if a.checkpoint_every:
         every = max(round(a.checkpoint_every * a.minutes * 60 / a.steps), 1)
     return ResourceTrace(
-        name or f"{a.name}+{b.name}",
-        a.devices,
-        steps,
-        tuple(
-            TraceEvent(min(max(int(t), 1), steps - 1), e.kind, e.devices, e.count)
-            for t, _, _, e in events
+        name=name or f"{a.name}+{b.name}",
+        devices=a.devices,
+        steps=steps,
+        events=tuple(
+            dataclasses.replace(e, step=min(max(int(t), 1), steps - 1)) for t, _, _, e in events
         ),
-        every,
-        f"{a.description} | {b.description}".strip(" |"),
-        float(minutes),
+        checkpoint_every=every,
+        description=f"{a.description} | {b.description}".strip(" |"),
+        minutes=float(minutes),
     )

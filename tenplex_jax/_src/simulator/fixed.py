@@ -1,23 +1,19 @@
-"""One fixed change, with no planner choosing the configs: ``(tensor 4, pipe 2, data 1) ->
-(tensor 4, pipe 2, data 2)`` on the cluster's first devices, each policy's seconds and their parts.
-
-The configs are the caller's; the planner only picks each one's microbatches (its step time, for
-the table). The change is :meth:`Simulation.event` between the two layouts, so it is charged
-exactly as a trace's event of the same kind is.
-"""
+"""One fixed change, with no planner choosing the configs (the planner only picks each one's
+microbatches): :meth:`Simulation.event` between the two layouts, charged exactly as a trace's
+event of the same kind is."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from tenplex_jax._src.errors import LayoutError, PlanError
+from tenplex_jax._src.elastic.events import EventKind
+from tenplex_jax._src.errors import LayoutError, PlanError, one_of
 from tenplex_jax._src.pipelining import Stages
 from tenplex_jax._src.planner.search import choose, estimate
-from tenplex_jax._src.ptc import PTC, ParallelConfig
-from tenplex_jax._src.simulator.costs import assumptions
+from tenplex_jax._src.ptc import ParallelConfig
+from tenplex_jax._src.simulator.costs import Policy, assumptions
 from tenplex_jax._src.simulator.replay import Layout, Simulation
-
-KINDS = ("offer", "preempt", "redeploy", "fail")
+from tenplex_jax._src.simulator.results import ChangeResult
 
 
 def fixed_change(
@@ -27,83 +23,75 @@ def fixed_change(
     kind: str | None = None,
     *,
     failed_nodes: Iterable[int] = (),
-) -> dict:
-    """The change from ``source`` on the cluster's first devices to ``target`` on its first
-    devices, under every policy.
-
-    Example (the Tenplex paper's scale-out)::
+    policies: Sequence[str] = tuple(Policy),
+) -> ChangeResult:
+    """The change from ``source`` to ``target``, each on the cluster's first devices, priced
+    under every policy. The Tenplex paper's scale-out::
 
         sim = tj.simulator.Simulation(cluster, profile, abstract_state, rules, global_batch=128)
-        row = fixed_change(sim, C(tensor=4, pipe=2), C(tensor=4, pipe=2, data=2))
-        row["policies"]["tenplex"]["seconds"]
+        change = fixed_change(sim, C(tensor=4, pipe=2), C(tensor=4, pipe=2, data=2))
+        change.policies["tenplex"].seconds
 
     Args:
       sim: the :class:`Simulation` (model, cluster, costs).
       source: the config before, on devices ``0 .. source.num_devices - 1``.
       target: the config after, on devices ``0 .. target.num_devices - 1`` (re-allocated by
         ``tj.allocate`` to keep the most bytes in place).
-      kind: the event's kind: ``"offer"``, ``"preempt"``, ``"redeploy"`` (with notice) or
-        ``"fail"`` (default: ``"offer"`` for more devices, ``"preempt"`` for fewer, else
-        ``"redeploy"``).
+      kind: ``"offer"``, ``"preempt"``, ``"redeploy"`` (with notice) or ``"fail"`` (default:
+        ``"offer"`` for more devices, ``"preempt"`` for fewer, else ``"redeploy"``).
       failed_nodes: nodes whose stores are gone (with ``"fail"``).
+      policies: the :class:`Policy` values to price (default: all).
 
     Returns:
-      A JSON-able dict: the configs and their labels, devices, state bytes, the plan's bytes
-      moved and kept, the planning seconds, both step times, whether each layout fits memory,
-      ``"policies"`` (per policy its seconds and parts as :meth:`Simulation.event` gives them,
-      with ``"bytes_moved"``), and ``"assumptions"`` per policy.
+      The :class:`ChangeResult`.
 
     Raises:
-      PlanError: an unknown kind, a config needing more devices than the cluster has, or one
-        the model's shapes do not divide.
+      PlanError: an unknown kind or policy, a config needing more devices than the cluster
+        has, or one the model's shapes do not divide.
     """
-    n = sim.cluster.num_devices
-    if kind is None:
-        more, fewer = (
-            target.num_devices > source.num_devices,
-            target.num_devices < source.num_devices,
-        )
-        kind = "offer" if more else "preempt" if fewer else "redeploy"
-    if kind not in KINDS:
-        raise PlanError(f"a change's kind is one of {KINDS}, got {kind!r}")
+    policies = Policy.parse(policies)
+    kind = _kind(sim, source, target, kind)
+    old, new = _layout(sim, source), _layout(sim, target)
+    change = sim.event(kind, old, new, frozenset(failed_nodes))
+    return ChangeResult(
+        cluster=str(sim.cluster),
+        model=sim.profile.name,
+        global_batch=sim.global_batch,
+        kind=kind,
+        source=str(source),
+        target=str(target),
+        config_before=old.candidate.label(),
+        config_after=new.candidate.label(),
+        devices_before=source.num_devices,
+        devices_after=target.num_devices,
+        state_bytes=old.ptc.nbytes,
+        bytes_moved=change.plan.bytes_moved,
+        bytes_kept=change.plan.bytes_kept,
+        plan_seconds=change.plan_seconds,
+        step_seconds_before=old.step_seconds,
+        step_seconds_after=new.step_seconds,
+        fits_before=old.candidate.fits,
+        fits_after=new.candidate.fits,
+        policies={p: change.policies[p] for p in policies},
+        assumptions={p: assumptions(sim.costs, p) for p in policies},
+    )
+
+
+def _kind(sim: Simulation, source: ParallelConfig, target: ParallelConfig, kind) -> EventKind:
+    """The change's kind, given or by the device counts; both configs fit the cluster."""
     for config in (source, target):
-        if config.num_devices > n:
+        if config.num_devices > sim.cluster.num_devices:
             raise PlanError(
                 f"config {config} needs {config.num_devices} devices; cluster {sim.cluster.name!r} "
-                f"has {n}"
+                f"has {sim.cluster.num_devices}"
             )
-    old = _layout(sim, source, None)
-    new = _layout(sim, target, old.ptc)
-    result = sim.event(kind, old, new, frozenset(failed_nodes))
-    plan = result["plan"]
-    policies = {}
-    for policy, row in result["policies"].items():
-        policies[policy] = {"bytes_moved": plan.bytes_moved} | row
-    return {
-        "cluster": str(sim.cluster),
-        "model": sim.profile.name,
-        "global_batch": sim.global_batch,
-        "kind": kind,
-        "from": str(source),
-        "to": str(target),
-        "config_before": old.candidate.label(),
-        "config_after": new.candidate.label(),
-        "devices_before": source.num_devices,
-        "devices_after": target.num_devices,
-        "state_bytes": old.ptc.nbytes,
-        "bytes_moved": plan.bytes_moved,
-        "bytes_kept": plan.bytes_kept,
-        "plan_seconds": result["plan_seconds"],
-        "step_seconds_before": old.step_seconds,
-        "step_seconds_after": new.step_seconds,
-        "fits_before": old.candidate.fits,
-        "fits_after": new.candidate.fits,
-        "policies": policies,
-        "assumptions": {p: assumptions(sim.costs, p) for p in policies},
-    }
+    if kind is None:
+        before, after = source.num_devices, target.num_devices
+        kind = "offer" if after > before else "preempt" if after < before else "redeploy"
+    return one_of(EventKind, kind, "a change's kind", PlanError)
 
 
-def _layout(sim: Simulation, config: ParallelConfig, base: PTC | None) -> Layout:
+def _layout(sim: Simulation, config: ParallelConfig) -> Layout:
     """``config`` on the cluster's first devices: the planner's microbatches for it (or, when
     no microbatch count fits memory, one per stage, flagged by ``candidate.fits``)."""
     ids = tuple(range(config.num_devices))
@@ -120,10 +108,4 @@ def _layout(sim: Simulation, config: ParallelConfig, base: PTC | None) -> Layout
             )
         except (PlanError, LayoutError):
             raise refused from None
-    mesh_ids = tuple(ids[i] for i in candidate.devices)
-    hosts = [sim.cluster.nodes[d] for d in mesh_ids]
-    if base is None:
-        ptc = PTC.of(sim.state, sim.rules, candidate.config, mesh_ids, hosts=hosts)
-    else:
-        ptc = base.relayout(candidate.config, mesh_ids, hosts=hosts)
-    return Layout(ids, candidate, ptc)
+    return Layout(devices=ids, candidate=candidate, ptc=sim._ptc(candidate, ids))

@@ -1,55 +1,15 @@
 """The network model: how long a reconfiguration's bytes take on a described cluster.
 
-A reconfiguration is bytes on resources. Each piece of a plan (``tj.make_plan``) loads the resources
-on its route by its size; every resource works at its bandwidth, all in parallel, full duplex (a
-device or node sends and receives at once); flows that share a resource share its bandwidth. The
-time is the busiest resource's bytes over its bandwidth: the bottleneck bound, which a transfer
-schedule that keeps every link busy reaches and one that serializes does not.
-
-Resources (bandwidths from :class:`tenplex_jax.planner.Cluster`):
-
-========================  ======================================  =================================
-resource                  used by                                 bandwidth
-========================  ======================================  =================================
-``copy`` per device       a local piece (split, merge part)       the type's ``memory_bandwidth``
-``link_out/in`` device    a piece between devices of one node     the type's ``link_bandwidth``
-``nic_out/in`` device     a device-to-device piece across nodes   the cluster's
-``network_bandwidth``
-``node_out/in`` node      every byte that leaves/enters a node    ``node_network_bandwidth`` (or the
-                                                                  sum of its devices' NICs)
-``h2d/d2h`` device        host memory to device and back          the type's ``host_bandwidth``
-``host_memory`` node      host-side copies: store reads/writes,   ``host_memory_bandwidth``
-                          and every copy of a CPU device          (None: not a limit)
-``storage_read/write``    checkpoint storage, per node            ``storage_bandwidth``
-``storage_total``         all nodes' storage traffic together     ``storage_total_bandwidth``
-========================  ======================================  =================================
-
-Routes (one function each, all returning a :class:`Traffic`):
-
-- :func:`device_traffic` — in one process, device to device, as ``tj.reshard`` runs a plan;
-- :func:`store_traffic` — a new generation of processes pulls every byte of its shards from the
-  host-memory tensor stores (:func:`pulls`: its own node's store when that holds a copy, else the
-  writer's, else a replica's), so each target byte also crosses host to device; with ``via``, the
-  same pulls with every byte routed through one node (Tenplex-Central, :func:`central_node`);
-- :func:`commit_traffic`, :func:`save_traffic`, :func:`restore_traffic` — a commit into the stores,
-  an orbax save to checkpoint storage, and an orbax restore from it.
-
-Fixed costs come on top of the bytes, all 0 unless given (``benchmarks/simulate_calibration.py``
-fits them to this project's executor and store):
-
-- **host work**: a node's process does, one after another, ``piece_seconds`` per piece its
-  devices receive, ``shard_seconds`` per new shard it builds, ``leaf_seconds`` per leaf it
-  rebuilds and, on CPU devices, ``run_seconds`` per contiguous run a piece is copied as (a merge
-  along a later dim writes each row apart, a split reads each row apart). On a node of CPU
-  devices the same cores make the copies, so its host work adds to the transfer's time; on
-  accelerators it overlaps the copies it feeds (one more resource, ``host_work``);
-- ``latency_seconds`` per request or message a node's process issues (a store get or put, a
-  storage read or write, a send across nodes), paid in sequence by that process and so added to
-  the transfer's time (the busiest node's requests);
-- the **store** of each node serves its gets at ``store_get_bandwidth`` and takes its puts at
-  ``store_put_bandwidth`` (bytes per second of one store process; None: not a limit): every pull
-  is a get at the node it is read from (its own node's too), every copy a commit writes a put at
-  its holder, and Tenplex-Central's node takes a put and serves a get of every byte it relays.
+Each piece of a plan (``tj.make_plan``) loads the resources on its route by its size: per device
+its on-device copies, links, NIC and host link (each way); per node its NIC, host memory,
+checkpoint storage and tensor store; all nodes' storage together. Every resource works at its
+bandwidth (from :class:`tenplex_jax.planner.Cluster`), all in parallel, full duplex, flows that
+share one sharing it; the time is the busiest resource's bytes over its bandwidth (the bottleneck
+bound), plus the fixed costs :class:`Network` is given (host work, request latency), all 0 unless
+given. ``docs/simulator.md`` has the table of resources. A route is a function returning a
+:class:`Traffic`: :func:`device_traffic` (in one process, as ``tj.reshard`` runs a plan),
+:func:`store_traffic` (a new generation pulls from the tensor stores), :func:`commit_traffic`,
+:func:`save_traffic` and :func:`restore_traffic` (an orbax save and restore).
 
 Pure: it reads plans, PTCs and the cluster, never device memory.
 """
@@ -81,25 +41,20 @@ NODE_RESOURCES = (
 
 @dataclasses.dataclass
 class Traffic:
-    """Bytes per resource of one transfer (the resources are in the module docstring).
-
-    Made by the route functions (:func:`device_traffic`, ...); ``a + b`` adds two transfers;
-    :meth:`Network.seconds` turns one into seconds.
+    """Bytes per resource of one transfer, made by the route functions (:func:`device_traffic`,
+    ...); ``a + b`` adds two; :meth:`Network.seconds` turns one into seconds.
 
     Attributes:
-      device: resource (``"copy"``, ``"link_out"``, ``"link_in"``, ``"nic_out"``, ``"nic_in"``,
-        ``"h2d"``, ``"d2h"``) -> float ``[devices]`` bytes, by cluster device id.
-      node: resource (``"node_out"``, ``"node_in"``, ``"host_memory"``, ``"storage_read"``,
-        ``"storage_write"``, ``"store_get"``, ``"store_put"``) -> float ``[nodes]`` bytes.
+      device: resource (``DEVICE_RESOURCES``) -> float ``[devices]`` bytes, by cluster device id.
+      node: resource (``NODE_RESOURCES``) -> float ``[nodes]`` bytes.
       pieces: int ``[devices]``: the copies each device receives (for a per-piece cost).
       lost: ``(leaf path, box)`` of what no live store holds (a pull that cannot happen).
       messages: int ``[nodes]``: the requests or messages each node's process issues (for a
         per-message latency); None: none counted.
       shards: int ``[devices]``: the new shards built on each device.
       leaves: int ``[nodes]``: the leaves each node's process rebuilds (one with a new shard there).
-      runs: int ``[devices]``: the contiguous runs the pieces each device receives are copied as
-        (read from the source shard or written into the target's, whichever is more; counted on
-        CPU devices only, where they cost).
+      runs: int ``[devices]``: the contiguous runs each device's pieces are copied as, read or
+        written, whichever is more (counted on CPU devices only, where they cost).
     """
 
     device: dict[str, np.ndarray]
@@ -119,19 +74,12 @@ class Traffic:
 
     @classmethod
     def empty(cls, cluster: Cluster) -> Traffic:
-        """No traffic on a cluster: zeros for every resource of its devices and nodes.
-
-        Args:
-          cluster: the :class:`tenplex_jax.planner.Cluster`.
-
-        Returns:
-          The empty traffic.
-        """
+        """No traffic on ``cluster`` (a ``tj.planner.Cluster``): zeros for every resource."""
         n, m = cluster.num_devices, max(cluster.nodes) + 1
         return cls(
-            {r: np.zeros(n) for r in DEVICE_RESOURCES},
-            {r: np.zeros(m) for r in NODE_RESOURCES},
-            np.zeros(n, dtype=np.int64),
+            device={r: np.zeros(n) for r in DEVICE_RESOURCES},
+            node={r: np.zeros(m) for r in NODE_RESOURCES},
+            pieces=np.zeros(n, dtype=np.int64),
             messages=np.zeros(m, dtype=np.int64),
         )
 
@@ -141,14 +89,14 @@ class Traffic:
         else:
             messages = self.messages + other.messages
         return Traffic(
-            {r: self.device[r] + other.device[r] for r in DEVICE_RESOURCES},
-            {r: self.node[r] + other.node[r] for r in NODE_RESOURCES},
-            self.pieces + other.pieces,
-            self.lost + other.lost,
-            messages,
-            self.shards + other.shards,
-            self.leaves + other.leaves,
-            self.runs + other.runs,
+            device={r: self.device[r] + other.device[r] for r in DEVICE_RESOURCES},
+            node={r: self.node[r] + other.node[r] for r in NODE_RESOURCES},
+            lost=self.lost + other.lost,
+            messages=messages,
+            **{
+                k: getattr(self, k) + getattr(other, k)
+                for k in ("pieces", "shards", "leaves", "runs")
+            },
         )
 
     @property
@@ -159,26 +107,21 @@ class Traffic:
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """Seconds of a transfer: the bottleneck resource, and every resource's busiest entity.
-
-    What :meth:`Network.seconds` returns; ``str(estimate)`` is ``"1.234 s (nic_in device 5)"``.
+    """Seconds of a transfer, what :meth:`Network.seconds` returns (``str(estimate)`` is
+    ``"1.234 s (nic_in device 5)"``).
 
     Attributes:
-      seconds: the busiest resource's bytes over its bandwidth, plus ``latency`` and
-        ``host_work``.
-      bottleneck: ``"<resource> <device|node> <id>"`` of that resource (``"none"`` for no
-        traffic).
+      seconds: the busiest resource's bytes over its bandwidth, plus ``latency``, ``host_work``.
+      bottleneck: ``"<resource> <device|node> <id>"`` of that resource (``"none"``: no traffic).
       resources: resource -> the seconds of its busiest device or node.
-      latency: the seconds of the busiest node's requests in sequence (``latency_seconds``
-        each), included in ``seconds``.
-      host_work: the seconds of the busiest CPU node's host work (pieces, shards, leaves,
-        runs), which adds to its copies' time, included in ``seconds`` (an accelerator node's
-        overlaps: the ``host_work`` resource).
+      latency: the busiest node's requests in sequence (``latency_seconds`` each), in seconds.
+      host_work: the busiest CPU node's host work in seconds, which adds to its copies' time (an
+        accelerator node's overlaps them: the ``host_work`` resource).
     """
 
     seconds: float
-    bottleneck: str  # "<resource> <device|node> <id>"
-    resources: Mapping[str, float]  # resource -> its busiest device's or node's seconds
+    bottleneck: str
+    resources: Mapping[str, float]
     latency: float = 0.0
     host_work: float = 0.0
 
@@ -200,13 +143,16 @@ class Network:
     Attributes:
       cluster: the :class:`tenplex_jax.planner.Cluster` and its bandwidths.
       piece_seconds: host work per piece a node's devices receive (a slice, a kernel launch,
-        a buffer); 0 leaves it out.
+        a buffer). A node's process does its host work in sequence: on CPU devices it adds to
+        the copies' time (the same cores copy), on accelerators it overlaps them (a resource,
+        ``host_work``).
       shard_seconds: host work per new shard a node builds (a device buffer assembled).
       leaf_seconds: host work per leaf a node's process rebuilds (an array put together).
       run_seconds: host work per contiguous run a piece is copied as, on CPU devices only
         (an accelerator copies a strided box at its bandwidth).
-      latency_seconds: a round trip per request or message a node's process issues, paid in
-        sequence on top of the bytes' time; 0 leaves it out.
+      latency_seconds: a round trip per request or message a node's process issues (a store
+        get or put, a storage read or write, a send across nodes), paid in sequence on top of
+        the bytes' time (the busiest node's requests).
       store_get_bandwidth: bytes per second one node's store serves (None: not a limit).
       store_put_bandwidth: bytes per second one node's store takes in (None: not a limit).
     """
@@ -221,50 +167,28 @@ class Network:
     store_put_bandwidth: float | None = None
 
     def __post_init__(self):
-        c = self.cluster
+        c, put = self.cluster, lambda name, value: object.__setattr__(self, name, value)
         node_of = np.asarray(c.nodes)
         types = [c.device_type(d) for d in range(c.num_devices)]
-        per_node = np.bincount(node_of)
-        nic = c.node_network_bandwidth or None
-        object.__setattr__(self, "_node_of", node_of)
-        object.__setattr__(self, "_host_memory", np.array([t.host_memory for t in types]))
-        cpu_node = np.bincount(node_of, self._host_memory, minlength=len(per_node)) > 0
-        object.__setattr__(self, "_cpu_node", cpu_node)
-        object.__setattr__(
-            self,
-            "_device_bw",
-            {
-                "copy": np.array([t.memory_bandwidth for t in types]),
-                "link_out": np.array([t.link_bandwidth for t in types]),
-                "link_in": np.array([t.link_bandwidth for t in types]),
-                "nic_out": np.full(c.num_devices, c.network_bandwidth),
-                "nic_in": np.full(c.num_devices, c.network_bandwidth),
-                "h2d": np.array([t.host_bandwidth for t in types]),
-                "d2h": np.array([t.host_bandwidth for t in types]),
-            },
+        per_node, nic = np.bincount(node_of), c.node_network_bandwidth or None
+        put("_node_of", node_of)
+        put("_host_memory", np.array([t.host_memory for t in types]))
+        put("_cpu_node", np.bincount(node_of, self._host_memory, minlength=len(per_node)) > 0)
+        link, host, copy = (
+            np.array([getattr(t, f) for t in types])
+            for f in ("link_bandwidth", "host_bandwidth", "memory_bandwidth")
         )
-        node_nic = np.full(len(per_node), nic) if nic else per_node * c.network_bandwidth
-        object.__setattr__(
-            self,
-            "_node_bw",
-            {
-                "node_out": node_nic,
-                "node_in": node_nic,
-                "host_memory": np.full(len(per_node), c.host_memory_bandwidth or np.inf),
-                "storage_read": np.full(len(per_node), c.storage_bandwidth),
-                "storage_write": np.full(len(per_node), c.storage_bandwidth),
-            },
-        )
+        nics, m = np.full(c.num_devices, c.network_bandwidth), len(per_node)
+        bw = {"copy": copy, "link_out": link, "link_in": link, "nic_out": nics, "nic_in": nics}
+        put("_device_bw", bw | {"h2d": host, "d2h": host})
+        nic = np.full(m, nic) if nic else per_node * c.network_bandwidth
+        memory = np.full(m, c.host_memory_bandwidth or np.inf)
+        storage = np.full(m, c.storage_bandwidth)
+        bw = {"node_out": nic, "node_in": nic, "host_memory": memory, "storage_read": storage}
+        put("_node_bw", bw | {"storage_write": storage})
 
     def node_of(self, device: int) -> int:
-        """The node of one device.
-
-        Args:
-          device: a cluster device id.
-
-        Returns:
-          Its node id.
-        """
+        """The node id of a cluster device id."""
         return int(self._node_of[device])
 
     def seconds(self, traffic: Traffic) -> Estimate:
@@ -317,26 +241,18 @@ class Network:
             bottleneck = f"{name} {where}"
         else:
             bottleneck = "latency" if latency else ("host_work" if host_work else "none")
+        added = {"latency": latency, "host_work_added": host_work}
         return Estimate(
-            seconds + latency + host_work,
-            bottleneck,
-            {r: s for r, (s, _) in loads.items()}
-            | ({"latency": latency} if latency else {})
-            | ({"host_work_added": host_work} if host_work else {}),
-            latency,
-            host_work,
+            seconds=seconds + latency + host_work,
+            bottleneck=bottleneck,
+            resources={r: s for r, (s, _) in loads.items()} | {k: v for k, v in added.items() if v},
+            latency=latency,
+            host_work=host_work,
         )
 
     def host_work(self, traffic: Traffic) -> np.ndarray:
-        """Each node's host work in seconds (see the module docstring): its devices' pieces,
-        new shards and, on CPU devices, runs copied, and the leaves its process rebuilds.
-
-        Args:
-          traffic: the transfer's :class:`Traffic`.
-
-        Returns:
-          float ``[nodes]`` seconds.
-        """
+        """Each node's host work for ``traffic``, float ``[nodes]`` seconds: its devices' pieces,
+        new shards and, on CPU devices, runs copied, and the leaves it rebuilds."""
         per_device = (
             traffic.pieces * self.piece_seconds
             + traffic.shards * self.shard_seconds
@@ -366,10 +282,7 @@ def device_traffic(plan: Plan, network: Network) -> Traffic:
 
     Args:
       plan: a :class:`tenplex_jax.typing.Plan` between PTCs over cluster device ids.
-      network: the :class:`Network` of the cluster.
-
-    Returns:
-      The :class:`Traffic`; ``network.seconds(traffic)`` is its time.
+      network: the cluster's :class:`Network`; ``network.seconds(traffic)`` is the time.
     """
     traffic = Traffic.empty(network.cluster)
     d, nodes = traffic.device, network._node_of
@@ -573,15 +486,18 @@ def restore_traffic(ptc: PTC, network: Network) -> Traffic:
     n, m = network.cluster.num_devices, len(traffic.node["node_out"])
     devices = np.asarray(ptc.device_ids)
     node = network._node_of[devices]
+    alike: dict[tuple, list] = {}  # leaves laid out alike are read alike: each layout once
     for leaf in ptc.leaves:
+        alike.setdefault((leaf.shape, leaf.spec, leaf.itemsize), []).append(leaf)
+    for k, leaf in ((len(leaves), leaves[0]) for leaves in alike.values()):
         intervals = ptc.intervals(leaf)  # [dims, devices, 2]
         size = np.prod(intervals[:, :, 1] - intervals[:, :, 0], axis=0) * leaf.itemsize
-        traffic.device["h2d"] += np.bincount(devices, size, minlength=n)
-        traffic.pieces += np.bincount(devices, minlength=n)
+        traffic.device["h2d"] += k * np.bincount(devices, size, minlength=n)
+        traffic.pieces += k * np.bincount(devices, minlength=n)
         rows = np.concatenate(
             [node[:, None], intervals.transpose(1, 0, 2).reshape(len(devices), -1)], axis=1
         )
         _, first = np.unique(rows, axis=0, return_index=True)  # a node reads each box once
-        traffic.node["storage_read"] += np.bincount(node[first], size[first], minlength=m)
-        traffic.messages += np.bincount(node[first], minlength=m)
+        traffic.node["storage_read"] += k * np.bincount(node[first], size[first], minlength=m)
+        traffic.messages += k * np.bincount(node[first], minlength=m)
     return traffic
