@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 
-from tenplex_jax.multihost import Event, RunDir
+from tenplex_jax.multihost import RunDir, RunEvent
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "elastic_gpt.py"
@@ -185,7 +185,7 @@ def recover_once(
         dir = RunDir(run)
         _wait(lambda: _paused(run, kill_after, nprocs), proc, deadline, "the pause")
         if variant.startswith("store"):  # its warm processes, started after the first step
-            _wait(lambda: dir.events(Event.STANDBY), proc, deadline, "the standby processes")
+            _wait(lambda: dir.events(RunEvent.STANDBY), proc, deadline, "the standby processes")
         killed = time.time()
         if planned:
             count = nprocs - 1 if change == "shrink" else nprocs + 1
@@ -196,8 +196,8 @@ def recover_once(
                 ready = lambda: dir.ahead(0, processes=nprocs)
                 _wait(ready, proc, deadline, "the compile-ahead after a loss")
                 killed = time.time()
-            stores = dir.events(Event.STORES)[-1]["slots"]
-            workers = dir.events(Event.GENERATION)[-1]["pids"]
+            stores = dir.events(RunEvent.STORES)[-1]["slots"]
+            workers = dir.events(RunEvent.GENERATION)[-1]["pids"]
             for pid in (workers[-1], stores[str(nprocs - 1)]["pid"]):
                 os.kill(pid, signal.SIGKILL)
         _finish(proc, deadline, variant, run / "launcher.log")
@@ -335,14 +335,16 @@ def timings(
         (r for r in _steps(after.path) if r["generation"] == number), key=lambda r: r["step"]
     )
     first, restored = new[0], after.restored(number)
-    generation = after.events(Event.GENERATION)[number]
+    generation = after.events(RunEvent.GENERATION)[number]
     events = RunDir(run).events()
-    ended = next(e for e in events if e["event"] in (Event.FAILURE, Event.RESIZE, Event.STOP))
+    ended = next(
+        e for e in events if e["event"] in (RunEvent.FAILURE, RunEvent.RESIZE, RunEvent.STOP)
+    )
     if ended["event"] != (
-        Event.FAILURE if not planned else Event.STOP if restart else Event.RESIZE
+        RunEvent.FAILURE if not planned else RunEvent.STOP if restart else RunEvent.RESIZE
     ):
         raise UnplannedFailure(f"generation 0 ended with {ended}, not the change measured")
-    request = next((e for e in events if e["event"] == Event.REQUEST), None)
+    request = next((e for e in events if e["event"] == RunEvent.REQUEST), None)
     steps = after.first_steps(number)  # how each process got its step: loaded or compiled
     return {
         "recovery_seconds": first["time"] - killed,

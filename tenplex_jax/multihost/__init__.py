@@ -9,11 +9,10 @@ needs no JAX (``LaunchedJob`` loads on first use).
 """
 
 from tenplex_jax._src.multihost.launch import Launcher, launch
-from tenplex_jax._src.multihost.rundir import Event, FirstStep, RestoreReport, RunDir, Source
+from tenplex_jax._src.multihost.rundir import FirstStep, RestoreReport, RunDir, RunEvent, Source
 from tenplex_jax._src.multihost.spec import JobSpec, LaunchOptions, Restore
 
 __all__ = [
-    "Event",
     "FirstStep",
     "JobSpec",
     "LaunchOptions",
@@ -22,6 +21,7 @@ __all__ = [
     "Restore",
     "RestoreReport",
     "RunDir",
+    "RunEvent",
     "Source",
     "launch",
 ]

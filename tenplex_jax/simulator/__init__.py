@@ -16,8 +16,8 @@ from tenplex_jax._src.simulator.network import Estimate, Network, Traffic, devic
 from tenplex_jax._src.simulator.replay import Layout, Simulation, scale, simulate
 from tenplex_jax._src.simulator.results import (
     ChangeResult,
-    Decision,
     EventResult,
+    Outcome,
     PolicyCost,
     PolicySummary,
     SimulationResult,
@@ -27,11 +27,11 @@ __all__ = [
     "ChangeResult",
     "CheckpointInterval",
     "Costs",
-    "Decision",
     "Estimate",
     "EventResult",
     "Layout",
     "Network",
+    "Outcome",
     "Policy",
     "PolicyCost",
     "PolicySummary",

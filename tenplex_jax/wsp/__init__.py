@@ -20,7 +20,7 @@ from tenplex_jax._src.wsp.coordinator import Coordinator, Processes, Threads, VW
 from tenplex_jax._src.wsp.group import Group
 from tenplex_jax._src.wsp.ledger import Ledger
 from tenplex_jax._src.wsp.planner import Grouping, WorkerPlan, WSPChoice, plan_workers
-from tenplex_jax._src.wsp.policy import Action, Decision, Measured, Scaler, ScalingPolicy
+from tenplex_jax._src.wsp.policy import Action, Measured, Scaler, ScalingDecision, ScalingPolicy
 from tenplex_jax._src.wsp.ps import ParameterServer
 from tenplex_jax._src.wsp.waves import WaveRecord
 from tenplex_jax._src.wsp.worker import VirtualWorker, WorkerOptions, weights_of
@@ -28,7 +28,6 @@ from tenplex_jax._src.wsp.worker import VirtualWorker, WorkerOptions, weights_of
 __all__ = [
     "Action",
     "Coordinator",
-    "Decision",
     "Group",
     "Grouping",
     "Ledger",
@@ -36,6 +35,7 @@ __all__ = [
     "ParameterServer",
     "Processes",
     "Scaler",
+    "ScalingDecision",
     "ScalingPolicy",
     "Threads",
     "VWEvent",

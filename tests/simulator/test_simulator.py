@@ -297,7 +297,7 @@ def test_a_job_with_no_device_waits_then_resumes_on_an_offer():
     result = _outcome(cluster, "tiny", trace)
     wait, idle, resume = result.events
     assert (wait.decision, wait.devices_after, wait.config_after) == ("wait", 0, "(no device)")
-    assert idle.decision == tj.simulator.Decision.WAIT and idle.policies["tenplex"].seconds == 0
+    assert idle.decision == tj.simulator.Outcome.WAIT and idle.policies["tenplex"].seconds == 0
     assert resume.decision == "resume" and resume.devices_after == 4
     for policy, summary in result.policies.items():
         # 40 of the 100 minutes without a device: a stall, never training
@@ -381,7 +381,7 @@ def test_any_small_cluster_and_trace_simulates_or_refuses_in_one_line(cluster, t
         assert len(outcome.events) == len(trace.events)
         for row in outcome.events:
             assert row.decision in ("change", "grow", "stay", "keep", "wait", "resume")
-            assert isinstance(row.decision, tj.simulator.Decision)
+            assert isinstance(row.decision, tj.simulator.Outcome)
             assert row.devices_after <= cluster.num_devices
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pathlib
 
-from tenplex_jax._src.simulator.results import ChangeResult, Decision, SimulationResult
+from tenplex_jax._src.simulator.results import ChangeResult, Outcome, SimulationResult
 
 GB = 1e9
 
@@ -23,7 +23,7 @@ def table(result: SimulationResult) -> str:
             f"{c.seconds:12.1f}{' (orbax)' if c.fallback else '':>8}" for c in r.policies.values()
         ]
         devices = f"{r.devices_before}->{r.devices_after}"
-        layout = r.config_after if r.decision != Decision.STAY else "(growth declined)"
+        layout = r.config_after if r.decision != Outcome.STAY else "(growth declined)"
         lines.append(
             f"{r.minute:6.1f} {r.kind:8} {devices:>13} {layout[:34]:34} "
             f"{r.bytes_moved / GB:10.1f} " + " ".join(cells)

@@ -41,7 +41,7 @@ from tenplex_jax._src.multihost.processes import (
     status,
     write_token,
 )
-from tenplex_jax._src.multihost.rundir import Event, Progress, RunDir, Source, write
+from tenplex_jax._src.multihost.rundir import Progress, RunDir, RunEvent, Source, write
 from tenplex_jax._src.multihost.spec import (
     CHECKPOINT,
     CONTROL,
@@ -83,7 +83,7 @@ class _Generation:
 
 @dataclasses.dataclass(frozen=True)
 class _Outcome:
-    kind: Event  # FINISHED, FAILURE, RESIZE or STOP
+    kind: RunEvent  # FINISHED, FAILURE, RESIZE or STOP
     lost_slots: tuple[int, ...] = ()
     count: int | None = None
     detail: str = ""
@@ -142,10 +142,10 @@ class Launcher:
             self._generations(list(range(self.options.nprocs)))
             return 0
         except LaunchError as error:
-            self._event(Event.ERROR, detail=str(error))
+            self._event(RunEvent.ERROR, detail=str(error))
             return 1
         except KeyboardInterrupt:
-            self._event(Event.INTERRUPTED, detail="Ctrl-C: killing every process")
+            self._event(RunEvent.INTERRUPTED, detail="Ctrl-C: killing every process")
             return 130
         finally:
             self._teardown()
@@ -159,9 +159,9 @@ class Launcher:
         restarts, number, reached = 0, 0, None
         while True:
             outcome, reached = self._generation(number, slots, reached)
-            if outcome.kind in (Event.FINISHED, Event.STOP):
+            if outcome.kind in (RunEvent.FINISHED, RunEvent.STOP):
                 return
-            if outcome.kind == Event.FAILURE:
+            if outcome.kind == RunEvent.FAILURE:
                 restarts += 1
                 if restarts > opts.max_restarts:
                     raise LaunchError(
@@ -182,7 +182,7 @@ class Launcher:
         restore = self._choose_source()
         gen = self._start_generation(number, slots, restore)
         self._event(
-            Event.GENERATION,
+            RunEvent.GENERATION,
             generation=number,
             processes=len(slots),
             slots=slots,
@@ -218,7 +218,7 @@ class Launcher:
                 self._early[i] = self._spawn_store(i)
         pids = {i: self._early[i][0].pid for i in new}
         self._event(
-            Event.GROWING, slots=pids, detail=f"stores of slots {new} started for the growth"
+            RunEvent.GROWING, slots=pids, detail=f"stores of slots {new} started for the growth"
         )
 
     def _start_stores(self, indices) -> None:
@@ -242,7 +242,7 @@ class Launcher:
                 time.sleep(0.05)
             self.slots[i].address = address
         self._event(
-            Event.STORES,
+            RunEvent.STORES,
             slots={
                 i: {"pid": s.store.pid, "address": s.address}
                 for i, s in self.slots.items()
@@ -309,7 +309,7 @@ class Launcher:
                 step, _, source = max(candidates)
                 if source == Source.CHECKPOINT and manifest is not None:
                     self._event(
-                        Event.FALLBACK,
+                        RunEvent.FALLBACK,
                         step=step,
                         detail=f"restoring the orbax checkpoint "
                         f"of step {step} from {self._checkpoint_dir()}",
@@ -338,7 +338,7 @@ class Launcher:
             leaves = sorted({o.path for o in missing})
             held = sorted({s for o in missing for s in o.slots})
             self._event(
-                Event.REPLICAS_LOST,
+                RunEvent.REPLICAS_LOST,
                 step=manifest.step,
                 leaves=leaves,
                 detail=f"no copy of {len(missing)} shards of version {manifest.step} "
@@ -443,7 +443,7 @@ class Launcher:
         self.standbys |= started
         if started:
             self._event(
-                Event.STANDBY,
+                RunEvent.STANDBY,
                 generation=gen.number,
                 pids={s: w.pid for s, w in started.items()},
                 detail=f"warm standby processes for slots {sorted(started)}"
@@ -509,7 +509,7 @@ class Launcher:
                 self._give_rank(proc, env, log)
             except OSError as error:  # BrokenPipeError: it died since the last poll
                 self._event(
-                    Event.STANDBY_LOST,
+                    RunEvent.STANDBY_LOST,
                     slot=owner,
                     detail=f"the {how} process of slot {owner} {error}",
                 )
@@ -549,10 +549,12 @@ class Launcher:
                 return failure
             if all(c == 0 or self._left(gen, i) for i, c in enumerate(codes)):
                 if (self.run_dir / "finished.json").exists():
-                    return _Outcome(kind=Event.FINISHED)
+                    return _Outcome(kind=RunEvent.FINISHED)
                 if requested is not None:
-                    return _Outcome(kind=Event(requested.action), count=requested.processes)
-                return _Outcome(kind=Event.FAILURE, detail="every worker exited 0 before finishing")
+                    return _Outcome(kind=RunEvent(requested.action), count=requested.processes)
+                return _Outcome(
+                    kind=RunEvent.FAILURE, detail="every worker exited 0 before finishing"
+                )
             if requested is None:
                 requested = self._request(len(gen.slots))
                 if requested is not None:
@@ -568,7 +570,7 @@ class Launcher:
                 ask_by = None
             elif time.monotonic() > deadline:
                 return _Outcome(
-                    kind=Event.FAILURE,
+                    kind=RunEvent.FAILURE,
                     detail=f"the planned {requested.action} took longer than "
                     f"--stop-timeout {opts.stop_timeout:.0f} s",
                 )
@@ -591,7 +593,7 @@ class Launcher:
         for i in failed:
             self._tail(gen, i)
         lost = tuple(sorted({gen.slots[i] for i in failed} | set(stores_down)))
-        return _Outcome(kind=Event.FAILURE, lost_slots=lost, detail=detail)
+        return _Outcome(kind=RunEvent.FAILURE, lost_slots=lost, detail=detail)
 
     def _request(self, current: int) -> Request | None:
         """A planned end of the generation: SIGTERM, or a process count in RUN_DIR/resize."""
@@ -607,14 +609,14 @@ class Launcher:
             resize.unlink(missing_ok=True)
             if not text.isdigit() or int(text) < 1:
                 self._event(
-                    Event.IGNORED, detail=f"RUN_DIR/resize holds {text!r}, not a count >= 1"
+                    RunEvent.IGNORED, detail=f"RUN_DIR/resize holds {text!r}, not a count >= 1"
                 )
                 return None
             if int(text) == current:
                 return None
             request = Request(action=Action.RESIZE, processes=int(text))
         if request is not None:
-            self._event(Event.REQUEST, action=request.action, processes=request.processes)
+            self._event(RunEvent.REQUEST, action=request.action, processes=request.processes)
         return request
 
     def _post_control(self, request: Request) -> None:
@@ -671,13 +673,13 @@ class Launcher:
         with the others (they block on the dead peer) and leaves. A survivor that has not left
         within ``LEAVE_SECONDS``, or whose slot the job loses, is killed: a standby takes its
         rank (one that was joining the generation exits at once: see ``membership.Control``)."""
-        if gen.service is not None and outcome.kind in (Event.FAILURE, Event.RESIZE):
+        if gen.service is not None and outcome.kind in (RunEvent.FAILURE, RunEvent.RESIZE):
             alive = [
                 i
                 for i, w in enumerate(gen.workers)
                 if w.poll() is None and gen.slots[i] not in outcome.lost_slots
             ]
-            if outcome.kind == Event.FAILURE:
+            if outcome.kind == RunEvent.FAILURE:
                 message = {
                     "end": outcome.kind,
                     "peers": [w.pid for w in gen.workers],
@@ -755,7 +757,7 @@ class Launcher:
             closing.join(timeout=SERVICE_SHUTDOWN_SECONDS)
         self._closing = []
 
-    def _event(self, kind: Event, **fields) -> None:
+    def _event(self, kind: RunEvent, **fields) -> None:
         record = {"event": kind, "time": time.time(), **fields}
         with open(self.run_dir / "events.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")

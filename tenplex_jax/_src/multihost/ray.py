@@ -28,7 +28,7 @@ import time
 
 from tenplex_jax._src.errors import LaunchError
 from tenplex_jax._src.multihost.launch import Launcher, _Slot
-from tenplex_jax._src.multihost.rundir import Event, Progress, RunDir
+from tenplex_jax._src.multihost.rundir import Progress, RunDir, RunEvent
 from tenplex_jax._src.multihost.spec import STANDBY, Action, LaunchOptions, Request
 from tenplex_jax._src.planner.growth import Growth, growth
 
@@ -272,7 +272,7 @@ class RayLauncher(Launcher):
             remote = Remote(self.hosts[i], pid, self.nodes[i])
             self.slots[i] = _Slot(index=i, store=remote, address=address)
         self._event(
-            Event.STORES,
+            RunEvent.STORES,
             slots={
                 i: {
                     "pid": self.slots[i].store.pid,
@@ -376,7 +376,7 @@ class RayLauncher(Launcher):
         if rule is None:
             return None
         self._event(
-            Event.OFFER,
+            RunEvent.OFFER,
             nodes=offered,
             processes=current + len(offered),
             **dataclasses.asdict(rule),
@@ -387,7 +387,7 @@ class RayLauncher(Launcher):
             self._declined = set(offered)
             return None
         request = Request(action=Action.RESIZE, processes=current + len(offered))
-        self._event(Event.REQUEST, action=request.action, processes=request.processes)
+        self._event(RunEvent.REQUEST, action=request.action, processes=request.processes)
         return request  # the launcher asks the workers for it
 
     def _growth(self, now: int, then: int) -> Growth | None:

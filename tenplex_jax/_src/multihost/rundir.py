@@ -17,17 +17,17 @@ from typing import ClassVar
 
 __all__ = [
     "Ahead",
-    "Event",
     "FirstStep",
     "Progress",
     "PullReport",
     "RestoreReport",
     "RunDir",
+    "RunEvent",
     "Source",
 ]
 
 
-class Event(enum.StrEnum):
+class RunEvent(enum.StrEnum):
     """The kinds of the launcher's events (``RUN_DIR/events.jsonl``; a generation ends with
     ``FINISHED``, ``FAILURE``, ``RESIZE`` or ``STOP``)."""
 
@@ -209,7 +209,7 @@ class RunDir:
     Example::
 
         run = tj.multihost.RunDir("out/run")
-        [e["restore"] for e in run.events(Event.GENERATION)]     # ["init", "store", ...]
+        [e["restore"] for e in run.events(RunEvent.GENERATION)]     # ["init", "store", ...]
         run.restored(generation=1, process=0).seconds            # process 0's restore, in s
 
     Args:
@@ -233,7 +233,7 @@ class RunDir:
             return None
         return cls.from_json(record) if hasattr(cls, "from_json") else cls(**record)
 
-    def events(self, kind: Event | None = None) -> list[dict]:
+    def events(self, kind: RunEvent | None = None) -> list[dict]:
         """The launcher's events so far, oldest first (those of ``kind`` only, if given)."""
         try:
             lines = (self.path / "events.jsonl").read_text().splitlines()

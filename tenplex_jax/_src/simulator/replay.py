@@ -37,8 +37,8 @@ from tenplex_jax._src.simulator.costs import (
 )
 from tenplex_jax._src.simulator.results import (
     NO_CHANGE,
-    Decision,
     EventResult,
+    Outcome,
     PolicyCost,
     PolicySummary,
     SimulationResult,
@@ -444,7 +444,7 @@ class _Replay:
         elif set(devices) == set(self.held) or (
             e.kind in ("preempt", "fail") and set(layout.devices) <= set(devices)
         ):  # nothing new, or only devices the job left idle went: the layout stays
-            after = self._kept(Decision.KEEP, layout)
+            after = self._kept(Outcome.KEEP, layout)
         else:
             after = self._change(e, devices, t)
         self.held = devices
@@ -470,7 +470,7 @@ class _Replay:
             where = f"trace {self.trace.name!r}, {e.kind} at step {e.step}"
             raise PlanError(f"{where}: {error}") from None
 
-    def _kept(self, decision: Decision, layout: Layout | None, policies=None) -> dict:
+    def _kept(self, decision: Outcome, layout: Layout | None, policies=None) -> dict:
         """A row's fields after an event that plans nothing: the layout stays, or there is none."""
         return {
             "used_after": len(layout.devices) if layout else 0,
@@ -480,7 +480,7 @@ class _Replay:
             "policies": policies or dict.fromkeys(self.clocks, NO_CHANGE),
         }
 
-    def _changed(self, change: PlannedChange, decision: Decision, policies, **extra) -> dict:
+    def _changed(self, change: PlannedChange, decision: Outcome, policies, **extra) -> dict:
         """A row's fields after an event that planned ``change``."""
         plan, kept = change.plan, self._kept(decision, change.target, policies)
         moved = {"bytes_moved": plan.bytes_moved, "bytes_kept": plan.bytes_kept}
@@ -492,7 +492,7 @@ class _Replay:
         the last commit while the layout's stores live, else (and always for checkpoint-restart)
         since the last checkpoint."""
         if not self.held:
-            return self._kept(Decision.WAIT, None)
+            return self._kept(Outcome.WAIT, None)
         rest = self.trace.events[number + 1 :]
         resume = _resume_at(rest, self.trace.devices, self.failed, self.at, self.end)
         held_by = net.holders(self.sim._stored(self.layout.ptc))
@@ -506,7 +506,7 @@ class _Replay:
             lost = clock.change(t, cost, kind, idle, blocking)
             policies[p] = dataclasses.replace(cost, lost_seconds=lost)
         self.emptied = kind
-        return self._kept(Decision.WAIT, None, policies)
+        return self._kept(Outcome.WAIT, None, policies)
 
     def _resume(self, e: TraceEvent, devices, t: float) -> dict:
         """Devices back after a wait: a change from the last layout (from its stores, or from the
@@ -515,7 +515,7 @@ class _Replay:
         kind = self.emptied if self.emptied == "fail" else e.kind
         change = self.sim.event(kind, self.layout, new, self._failed_nodes())
         self.emptied = ""
-        return self._apply(change, e.kind, t, Decision.RESUME)
+        return self._apply(change, e.kind, t, Outcome.RESUME)
 
     def _change(self, e: TraceEvent, devices, t: float) -> dict:
         """A new layout on the devices the job holds now; an offer is taken only when the
@@ -523,11 +523,11 @@ class _Replay:
         new = self._layout_after(e, devices)
         change = self.sim.event(e.kind, self.layout, new, self._failed_nodes())
         if e.kind != "offer":
-            return self._apply(change, e.kind, t, Decision.CHANGE)
+            return self._apply(change, e.kind, t, Outcome.CHANGE)
         rule = self._growth(change, e.kind, t)
         if rule.grow:
-            return self._apply(change, e.kind, t, Decision.GROW, growth=rule)
-        return self._changed(change, Decision.STAY, None, growth=rule)
+            return self._apply(change, e.kind, t, Outcome.GROW, growth=rule)
+        return self._changed(change, Outcome.STAY, None, growth=rule)
 
     def _growth(self, change: PlannedChange, kind: str, t: float) -> Growth:
         """The growth rule on tenplex's numbers for ``change`` at ``t``."""

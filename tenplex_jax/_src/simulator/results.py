@@ -14,8 +14,8 @@ from tenplex_jax._src.planner.growth import Growth
 from tenplex_jax._src.simulator.costs import CheckpointInterval, Costs, Policy
 
 
-class Decision(enum.StrEnum):
-    """What the job did at an event (:attr:`EventResult.decision`)."""
+class Outcome(enum.StrEnum):
+    """What the simulated job did at an event (:attr:`EventResult.decision`)."""
 
     CHANGE = "change"  # a new layout on the devices it holds now
     GROW = "grow"  # an offer taken: the growth rule says the gain outweighs the cost
@@ -101,7 +101,7 @@ class EventResult(_Record):
       bytes_moved: what the plan moves (0 where nothing was planned).
       bytes_kept: what the plan keeps in place.
       plan_seconds: how long planning the change took.
-      decision: the :class:`Decision`.
+      decision: the :class:`Outcome`.
       policies: each :class:`Policy`'s :class:`PolicyCost`.
       growth: at an offer, the growth rule's ``Growth`` (None at other events).
       simulate_seconds: how long simulating the event took.
@@ -122,7 +122,7 @@ class EventResult(_Record):
     bytes_moved: int = 0
     bytes_kept: int = 0
     plan_seconds: float = 0.0
-    decision: Decision
+    decision: Outcome
     policies: Mapping[Policy, PolicyCost]
     growth: Growth | None = None
     simulate_seconds: float = 0.0

@@ -31,7 +31,7 @@ from tenplex_jax._src.wsp.waves import WaveRecord
 from tenplex_jax._src.wsp.worker import VirtualWorker
 
 if TYPE_CHECKING:
-    from tenplex_jax._src.wsp.policy import Decision
+    from tenplex_jax._src.wsp.policy import ScalingDecision
 
 WATCH_SECONDS = 0.5  # the longest ``follow`` waits for the ledger before it looks at its VWs
 
@@ -54,14 +54,15 @@ class VWEvent:
       vw: the VW added, removed or killed, or the one a decision names (None: an offer's).
       devices: its devices, or those offered.
       time: ``time.time()`` when it happened.
-      decision: a ``DECIDE`` event's :class:`tenplex_jax.wsp.Decision` (its reason and numbers).
+      decision: a ``DECIDE`` event's :class:`tenplex_jax.wsp.ScalingDecision` (its reason and
+        numbers).
     """
 
     kind: VWEventKind
     vw: str | None
     devices: tuple[int, ...]
     time: float
-    decision: Decision | None = None
+    decision: ScalingDecision | None = None
 
 
 @dataclasses.dataclass
@@ -398,7 +399,7 @@ class Coordinator:
         self._count = 0
 
     def add_event(
-        self, kind: VWEventKind, vw: str | None, devices, decision: Decision | None = None
+        self, kind: VWEventKind, vw: str | None, devices, decision: ScalingDecision | None = None
     ) -> None:
         """Log a :class:`VWEvent` of ``kind`` for ``vw`` on ``devices`` (a ``DECIDE``'s
         ``decision``), now, and its line."""

@@ -5,9 +5,10 @@ removing the least efficient VW.
 Throughput per dollar is samples per US dollar: the job's samples/s times 3,600 over the price of
 the devices its VWs hold, $/hour. The policy is pure: it decides on :class:`Measured` windows
 (samples each VW trained over some seconds, the price of its devices) and says why, with every
-number it used, in a :class:`Decision`. A :class:`Scaler` runs it on a live job: it measures the
-coordinator's VWs over windows of committed waves, takes or declines offers (``scaler.offer``),
-reviews what it added (``scaler.review``), and logs each decision as an event of the coordinator.
+number it used, in a :class:`ScalingDecision`. A :class:`Scaler` runs it on a live job: it
+measures the coordinator's VWs over windows of committed waves, takes or declines offers
+(``scaler.offer``), reviews what it added (``scaler.review``), and logs each decision as an event
+of the coordinator.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _per_dollar(throughput: float, price: float) -> float:
 
 
 class Action(enum.StrEnum):
-    """What the policy decided (:class:`Decision`)."""
+    """What the policy decided (:class:`ScalingDecision`)."""
 
     ADD = "add"  # an offer taken: a VW added on its devices
     DECLINE = "decline"  # an offer declined
@@ -87,7 +88,7 @@ class Action(enum.StrEnum):
 
 
 @dataclasses.dataclass(frozen=True)
-class Decision:
+class ScalingDecision:
     """A decision of the policy.
 
     Attributes:
@@ -142,7 +143,7 @@ class ScalingPolicy:
                 "invalid",
             )
 
-    def offer(self, now: Measured, devices: Sequence[int], usd_per_hour: float) -> Decision:
+    def offer(self, now: Measured, devices: Sequence[int], usd_per_hour: float) -> ScalingDecision:
         """Take or decline an offer of devices for one more VW.
 
         Its throughput is estimated from the running VWs' samples/s per device (the same kind
@@ -166,7 +167,7 @@ class ScalingPolicy:
             "usd_per_hour_with": price,
             "estimated_samples_per_usd_with": _per_dollar(now.throughput + estimate, price),
         }
-        decide = lambda action, reason: Decision(
+        decide = lambda action, reason: ScalingDecision(
             action=action, vw=None, devices=devices, reason=reason, numbers=numbers
         )
         if self.budget is not None and price > self.budget:
@@ -198,7 +199,7 @@ class ScalingPolicy:
             **after.numbers("_with"),
             "vw_samples_per_second": after.rate(vw),
         }
-        decide = lambda action, reason: Decision(
+        decide = lambda action, reason: ScalingDecision(
             action=action, vw=vw, devices=tuple(devices), reason=reason, numbers=numbers
         )
         if self.floor is not None and before.throughput < self.floor:
@@ -211,7 +212,9 @@ class ScalingPolicy:
             return decide(Action.KEEP, f"it pays: {measured} >= {than}")
         return decide(Action.REMOVE, f"it does not pay: {measured} < {than}")
 
-    def shrink(self, now: Measured, devices: Mapping[str, Sequence[int]], why: str) -> Decision:
+    def shrink(
+        self, now: Measured, devices: Mapping[str, Sequence[int]], why: str
+    ) -> ScalingDecision:
         """The VW to remove (a preemption without named devices, or a budget cut): the one
         training the fewest samples per dollar.
 
@@ -233,7 +236,7 @@ class ScalingPolicy:
         }
         worst = min(sorted(efficiency), key=lambda vw: efficiency[vw])
         numbers = {**now.numbers(), **{f"samples_per_usd_{vw}": e for vw, e in efficiency.items()}}
-        return Decision(
+        return ScalingDecision(
             action=Action.REMOVE,
             vw=worst,
             devices=tuple(devices[worst]),
@@ -282,7 +285,7 @@ class Scaler:
             else lambda device: float(usd_per_device_hour)
         )
         self.window, self.warmup, self.timeout = window, warmup, timeout
-        self.decisions: list[Decision] = []
+        self.decisions: list[ScalingDecision] = []
         self.added: tuple[str, tuple[int, ...], Measured] | None = None
 
     def measure(self) -> Measured:
@@ -337,7 +340,7 @@ class Scaler:
             ledger = ps.wait(1.0)
         return ledger
 
-    def offer(self, devices: Sequence[int]) -> Decision:
+    def offer(self, devices: Sequence[int]) -> ScalingDecision:
         """An offer of devices for one more VW: measured now, then added or declined (declined
         when the run ended before it could be measured).
 
@@ -350,7 +353,9 @@ class Scaler:
         now = self.measure()
         if now.ended:  # nothing to weigh, and no run left to add to
             ended = {"action": Action.DECLINE, "vw": None, "reason": ENDED}
-            return self._log(Decision(devices=tuple(devices), numbers=now.numbers(), **ended))
+            return self._log(
+                ScalingDecision(devices=tuple(devices), numbers=now.numbers(), **ended)
+            )
         decision = self.policy.offer(now, devices, sum(self.price(d) for d in devices))
         if decision.action == Action.ADD:
             (vw,) = self.coordinator.add(devices)
@@ -358,7 +363,7 @@ class Scaler:
             self.added = (vw, tuple(devices), now)
         return self._log(decision)
 
-    def review(self) -> Decision | None:
+    def review(self) -> ScalingDecision | None:
         """Measure the job with the VW last added and keep or remove it (None: nothing to
         review); kept when the run ended before it could be measured."""
         if self.added is None:
@@ -369,13 +374,13 @@ class Scaler:
         if after.ended:  # not removed on a window the run's end cut short
             numbers = {**before.numbers(), **after.numbers("_with")}
             kept = {"action": Action.KEEP, "vw": vw, "reason": ENDED, "numbers": numbers}
-            return self._log(Decision(devices=tuple(devices), **kept))
+            return self._log(ScalingDecision(devices=tuple(devices), **kept))
         decision = self.policy.review(before, after, vw, devices)
         if decision.action == Action.REMOVE:
             self.coordinator.remove(vw)
         return self._log(decision)
 
-    def shrink(self, why: str) -> Decision:
+    def shrink(self, why: str) -> ScalingDecision:
         """Remove the VW training the fewest samples per dollar (a preemption of any devices, a
         budget cut).
 
@@ -387,7 +392,7 @@ class Scaler:
         self.coordinator.remove(decision.vw)
         return self._log(decision)
 
-    def _log(self, decision: Decision) -> Decision:
+    def _log(self, decision: ScalingDecision) -> ScalingDecision:
         self.decisions.append(decision)
         self.coordinator.add_event(VWEventKind.DECIDE, decision.vw, decision.devices, decision)
         return decision
