@@ -20,8 +20,9 @@ from tenplex_jax._src.wsp.coordinator import Coordinator, Processes, Threads, VW
 from tenplex_jax._src.wsp.group import Group
 from tenplex_jax._src.wsp.ledger import Ledger
 from tenplex_jax._src.wsp.planner import Grouping, WorkerPlan, WSPChoice, plan_workers
-from tenplex_jax._src.wsp.policy import Action, Measured, Scaler, ScalingDecision, ScalingPolicy
+from tenplex_jax._src.wsp.policy import Action, Measured, ScalingDecision, ScalingPolicy
 from tenplex_jax._src.wsp.ps import ParameterServer
+from tenplex_jax._src.wsp.scaler import Scaler
 from tenplex_jax._src.wsp.waves import WaveRecord
 from tenplex_jax._src.wsp.worker import VirtualWorker, WorkerOptions, weights_of
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tenplex_jax._src.elastic.steps import StepCache
-from tenplex_jax._src.wsp.policy import ENDED
+from tenplex_jax._src.wsp.scaler import ENDED
 from tenplex_jax.elastic import ResourceTrace
 from tenplex_jax.errors import WSPError
 from tenplex_jax.wsp import (

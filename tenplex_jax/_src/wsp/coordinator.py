@@ -22,16 +22,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from tenplex_jax._src.elastic.trace import ResourceTrace
 from tenplex_jax._src.errors import WSPError
+from tenplex_jax._src.wsp.policy import ScalingDecision
 from tenplex_jax._src.wsp.ps import ParameterServer
 from tenplex_jax._src.wsp.waves import WaveRecord
 from tenplex_jax._src.wsp.worker import VirtualWorker
-
-if TYPE_CHECKING:
-    from tenplex_jax._src.wsp.policy import ScalingDecision
 
 WATCH_SECONDS = 0.5  # the longest ``follow`` waits for the ledger before it looks at its VWs
 

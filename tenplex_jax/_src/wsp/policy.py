@@ -5,10 +5,8 @@ removing the least efficient VW.
 Throughput per dollar is samples per US dollar: the job's samples/s times 3,600 over the price of
 the devices its VWs hold, $/hour. The policy is pure: it decides on :class:`Measured` windows
 (samples each VW trained over some seconds, the price of its devices) and says why, with every
-number it used, in a :class:`ScalingDecision`. A :class:`Scaler` runs it on a live job: it
-measures the coordinator's VWs over windows of committed waves, takes or declines offers
-(``scaler.offer``), reviews what it added (``scaler.review``), and logs each decision as an event
-of the coordinator.
+number it used, in a :class:`ScalingDecision`. A ``Scaler`` (``scaler.py``) runs it on a live
+job.
 """
 
 from __future__ import annotations
@@ -16,14 +14,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from tenplex_jax._src.errors import WSPError
-from tenplex_jax._src.wsp.coordinator import Coordinator, VWEventKind
-from tenplex_jax._src.wsp.ledger import Ledger
-
-RECORDS_SECONDS = 10.0  # the longest a measurement waits for its committed waves' records
 
 SECONDS_PER_HOUR = 3600.0
 
@@ -243,156 +236,3 @@ class ScalingPolicy:
             reason=f"{why}: {worst} trains the fewest samples per dollar ({efficiency[worst]:.0f})",
             numbers=numbers,
         )
-
-
-ENDED = "the run ended before a window could be measured"
-
-
-class Scaler:
-    """Runs a :class:`ScalingPolicy` on a coordinator's live job (Hydrozoa's coordinator).
-
-    Windows are counted in committed waves: a measurement waits (on the ledger, not by polling)
-    until ``window`` more waves are committed after ``warmup`` waves since the last change, and
-    counts the samples of each VW's waves that ended in it.
-
-    Args:
-      coordinator: the job's :class:`Coordinator`.
-      policy: the policy.
-      usd_per_device_hour: the price of one device, $/hour: a number, or ``f(device id)``.
-      window: waves a measurement spans.
-      warmup: waves after a change before a measurement starts (a joiner compiles and pulls).
-      timeout: seconds a measurement may wait.
-
-    Attributes:
-      decisions: every decision taken, in order.
-      added: ``(vw, devices, the window before it)`` of the last VW added and not yet reviewed.
-    """
-
-    def __init__(
-        self,
-        coordinator: Coordinator,
-        policy: ScalingPolicy,
-        usd_per_device_hour: float | Callable[[int], float],
-        *,
-        window: int = 12,
-        warmup: int = 3,
-        timeout: float = 300.0,
-    ):
-        self.coordinator, self.policy = coordinator, policy
-        self.price = (
-            usd_per_device_hour
-            if callable(usd_per_device_hour)
-            else lambda device: float(usd_per_device_hour)
-        )
-        self.window, self.warmup, self.timeout = window, warmup, timeout
-        self.decisions: list[ScalingDecision] = []
-        self.added: tuple[str, tuple[int, ...], Measured] | None = None
-
-    def measure(self) -> Measured:
-        """The job over its next window: after ``warmup`` more waves, ``window`` waves (fewer
-        when the run ends first).
-
-        Raises:
-          WSPError: the waves did not come within ``timeout`` (``"busy"``).
-        """
-        before = self._waves(self.warmup)
-        tic = time.time()
-        after = self._waves(self.window)
-        toc = time.time()
-        members = dict(self.coordinator.members)
-        # the waves committed in the window, each VW's: a wave's record is added after its
-        # commit (once its push is applied), so records are matched by wave, not by time
-        window = {
-            vw: range(
-                after.starts.get(vw, 0) + before.committed.get(vw, 0),
-                after.starts.get(vw, 0) + after.committed.get(vw, 0),
-            )
-            for vw in members
-        }
-        deadline = time.monotonic() + min(self.timeout, RECORDS_SECONDS)  # a killed VW's never come
-        while True:
-            records = [r for r in self.coordinator.records() if r.wave in window.get(r.vw, ())]
-            if len(records) >= sum(map(len, window.values())) or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)  # the records of committed waves: their pushes being applied
-        samples = dict.fromkeys(members, 0)
-        for record in records:
-            samples[record.vw] += len(record.samples)
-        waves = sum(map(len, window.values()))
-        return Measured(
-            seconds=toc - tic,
-            samples=samples,
-            devices={vw: len(m.devices) for vw, m in members.items()},
-            usd_per_hour={vw: sum(self.price(d) for d in m.devices) for vw, m in members.items()},
-            ended=after.done and waves < self.window,
-        )
-
-    def _waves(self, count: int) -> Ledger:
-        """Wait for ``count`` more waves to be committed (or the run to end); the ledger then."""
-        ps, deadline = self.coordinator.ps, time.monotonic() + self.timeout
-        ledger = ps.ledger()
-        target = sum(ledger.committed.values()) + count
-        while sum(ledger.committed.values()) < target and not ledger.done:  # done: no more
-            if time.monotonic() > deadline:
-                raise WSPError(
-                    f"{count} waves were not committed within {self.timeout:.0f} s", "busy"
-                )
-            ledger = ps.wait(1.0)
-        return ledger
-
-    def offer(self, devices: Sequence[int]) -> ScalingDecision:
-        """An offer of devices for one more VW: measured now, then added or declined (declined
-        when the run ended before it could be measured).
-
-        Args:
-          devices: the device ids offered.
-
-        Returns:
-          The decision (added: ``coordinator.members`` holds the new VW).
-        """
-        now = self.measure()
-        if now.ended:  # nothing to weigh, and no run left to add to
-            ended = {"action": Action.DECLINE, "vw": None, "reason": ENDED}
-            return self._log(
-                ScalingDecision(devices=tuple(devices), numbers=now.numbers(), **ended)
-            )
-        decision = self.policy.offer(now, devices, sum(self.price(d) for d in devices))
-        if decision.action == Action.ADD:
-            (vw,) = self.coordinator.add(devices)
-            decision = dataclasses.replace(decision, vw=vw)
-            self.added = (vw, tuple(devices), now)
-        return self._log(decision)
-
-    def review(self) -> ScalingDecision | None:
-        """Measure the job with the VW last added and keep or remove it (None: nothing to
-        review); kept when the run ended before it could be measured."""
-        if self.added is None:
-            return None
-        vw, devices, before = self.added
-        self.added = None
-        after = self.measure()
-        if after.ended:  # not removed on a window the run's end cut short
-            numbers = {**before.numbers(), **after.numbers("_with")}
-            kept = {"action": Action.KEEP, "vw": vw, "reason": ENDED, "numbers": numbers}
-            return self._log(ScalingDecision(devices=tuple(devices), **kept))
-        decision = self.policy.review(before, after, vw, devices)
-        if decision.action == Action.REMOVE:
-            self.coordinator.remove(vw)
-        return self._log(decision)
-
-    def shrink(self, why: str) -> ScalingDecision:
-        """Remove the VW training the fewest samples per dollar (a preemption of any devices, a
-        budget cut).
-
-        Args:
-          why: what asks for it (in the decision's reason).
-        """
-        devices = {vw: m.devices for vw, m in self.coordinator.members.items()}
-        decision = self.policy.shrink(self.measure(), devices, why)
-        self.coordinator.remove(decision.vw)
-        return self._log(decision)
-
-    def _log(self, decision: ScalingDecision) -> ScalingDecision:
-        self.decisions.append(decision)
-        self.coordinator.add_event(VWEventKind.DECIDE, decision.vw, decision.devices, decision)
-        return decision
