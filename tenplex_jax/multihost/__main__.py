@@ -3,7 +3,7 @@ entry point for every worker): join ``jax.distributed``, then run SCRIPT as ``__
 
 import sys
 
-from tenplex_jax._src.multihost.worker import main
+from tenplex_jax._src.multihost.launched import main
 
 if __name__ == "__main__":
     sys.exit(main())

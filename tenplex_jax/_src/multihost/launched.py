@@ -15,15 +15,16 @@ import jax
 
 from tenplex_jax._src.data import DatasetPTC
 from tenplex_jax._src.elastic.core import _JobCore
+from tenplex_jax._src.elastic.job import use_job_class
 from tenplex_jax._src.errors import DataError, LayoutError
-from tenplex_jax._src.multihost import distributed
+from tenplex_jax._src.multihost import distributed, worker
 from tenplex_jax._src.multihost.processes import free_port
 from tenplex_jax._src.multihost.rundir import Ahead, FirstStep, Grown, RestoreReport
 from tenplex_jax._src.multihost.spec import JobSpec
 from tenplex_jax._src.multihost.worker import Worker
 from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
 
-__all__ = ["LaunchedJob"]
+__all__ = ["LaunchedJob", "main"]
 
 
 class LaunchedJob(_JobCore):
@@ -149,12 +150,8 @@ class LaunchedJob(_JobCore):
     def jit(self, fn: Callable) -> Callable:
         """Compile the user's step for this generation's layout, as
         :meth:`tenplex_jax.ElasticJob.jit` does, through ``RUN_DIR/executables``, where the next
-        generations load it. With ``options.compile_ahead``, after the first step process 0
-        compiles the step of the generation after the loss of any one process (the first ``N -
-        1`` processes' devices, whichever dies) and the others lower and remember it; an
-        announced growth's step is lowered by every process and compiled by process 0 (on CPU,
-        for a compile-only topology of the grown job) before the launcher asks for it
-        (docs/multihost.md, "Compiles").
+        generations load it; with ``options.compile_ahead``, the steps of the generation after a
+        loss and of an announced growth are ready ahead (docs/multihost.md, "Compiles").
 
         Args:
           fn: ``fn(state, batch) -> (state, metrics)``, as for ``ElasticJob.jit``.
@@ -209,11 +206,8 @@ class LaunchedJob(_JobCore):
 
     def _ready_for(self, processes: int) -> bool:
         """Whether a planned resize to ``processes`` may end the generation now: a shrink's step
-        is compiled ahead (process 0 asks for it here, and the generation trains on until it
-        is), or cannot be. A growth's step was announced and lowered or compiled ahead (its new
-        processes' devices do not exist yet): the boundary waits for the rest of that work, so
-        the generation ends at the first boundary after the launcher's request, as it would
-        without it."""
+        is compiled ahead (asked for here), or cannot be; a growth's announced work is waited
+        for, so the generation ends at the first boundary after the launcher's request."""
         spec = self._worker.spec
         if not self._compiles_ahead or processes <= 0 or processes == spec.num_processes:
             return True
@@ -250,9 +244,7 @@ class LaunchedJob(_JobCore):
     def _lower_growth(self, processes: int):
         """The future work, on the guesses' thread, for the step of a generation grown to
         ``processes`` processes: on CPU in process 0, compiled (:meth:`_compile_grown`); else
-        lowered on its layout's abstract mesh (the devices' ids are the next generation's to
-        give: the lowering is remembered for the layout on any devices). None (and a record of
-        why) when there is none."""
+        lowered on its layout's abstract mesh. None (and a record of why) when there is none."""
         if not self._compiles_ahead:
             self._record_growth(processes, "no compile-ahead (options or --no-executable-cache)")
             return None
@@ -270,11 +262,8 @@ class LaunchedJob(_JobCore):
         return self.steps_cache.lower_ahead(target, self._layout(config), abstract=True)
 
     def _compile_grown(self, processes: int, config: ParallelConfig) -> bool:
-        """Process 0 on CPU: the grown generation's step compiled for the devices that
-        generation's processes will have, on a compile-only topology of them (on CPU, process
-        ``p``'s devices are ``p * 2048 + k`` in any job of that shape), and stored in the
-        executable cache, where every process of that generation loads it; this process also
-        remembers its lowering, so it loads it untraced."""
+        """Process 0 on CPU: the grown generation's step compiled on a compile-only topology of
+        its devices and stored in the executable cache, its lowering remembered here."""
         per, port = self._worker.spec.devices_per_process, free_port()
         # a failure meanwhile breaks the generation's connections, not the topology's: a
         # topology client whose connection broke would end this process
@@ -381,3 +370,11 @@ class LaunchedJob(_JobCore):
                 future = self._compile_ahead(spec.num_processes - 1, guess=True)
                 if future is not None:
                     future.add_done_callback(self._record_ahead)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tenplex_jax.multihost SCRIPT ARGS``, the entry point of every launched process
+    (:func:`worker.main`), with the script's ``tj.ElasticJob(...)`` building a
+    :class:`LaunchedJob` (``tj.elastic.use_job_class``)."""
+    with use_job_class(LaunchedJob):
+        return worker.main(argv)

@@ -1,10 +1,10 @@
 """A launched process's side of the job: what ``LaunchedJob`` does underneath.
 
 ``tenplex-jax launch`` starts every worker as ``python -m tenplex_jax.multihost SCRIPT ARGS``
-(:func:`main`): a standby process first imports what the job needs (:func:`_warm`) and waits
+(``launched.main``, which runs :func:`main` inside ``tj.elastic.use_job_class(LaunchedJob)``): a
+standby process first imports what the job needs (:func:`_warm`) and waits
 for its rank on stdin; then :func:`join` configures JAX from the launcher's :class:`JobSpec` and
-joins ``jax.distributed``, and the script runs as ``__main__`` inside
-``tj.elastic.use_job_class(LaunchedJob)``. Its ``LaunchedJob`` drives a :class:`Worker`:
+joins ``jax.distributed``, and the script runs as ``__main__``. Its ``LaunchedJob`` drives a :class:`Worker`:
 ``restore`` (from the stores, the orbax checkpoint or ``init``), ``boundary`` (the generation's
 end at a step boundary, or a commit in the background), ``reached`` (progress after every step)
 and ``finish``.
@@ -47,8 +47,7 @@ def join(spec: JobSpec, *, timeout: float = 120.0) -> None:
 # seconds a process whose script failed waits for the launcher to say that the generation ended
 # (a peer died, and the collectives failed with it): then it stays for the next generation
 ENDING_SECONDS = 1.0
-# seconds a commit's copy waits for a store to answer its connection before that copy fails (a
-# ReplicatedStore's 2 s failed commits on a loaded 2-core host: a generation lost to a slow store)
+# seconds a commit's copy waits for a store to answer its connection before that copy fails
 STORE_CONNECT_SECONDS = 10.0
 
 
@@ -110,27 +109,20 @@ def _run(spec: JobSpec, argv: list[str], control: membership.Control | None) -> 
                 join(spec)
             Worker.joined = time.time()
             Worker.control = control
-            # the script's tj.ElasticJob(...) is this process's LaunchedJob
-            from tenplex_jax._src.elastic.job import use_job_class
-            from tenplex_jax._src.multihost.launched import LaunchedJob
-
-            with use_job_class(LaunchedJob):
-                runpy.run_path(argv[0], run_name="__main__")
+            runpy.run_path(argv[0], run_name="__main__")
         finally:
             if control is not None:
                 control.disarm()
     except membership.GenerationEnded:
-        code = 1
+        return 1
     except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
         if done.code is not None and not isinstance(done.code, int):
             print(done.code, file=sys.stderr)
+        return done.code if isinstance(done.code, int) else 0 if done.code is None else 1
     except BaseException:
         traceback.print_exc()
-        code = 1
-    else:
-        code = 0
-    return code
+        return 1
+    return 0
 
 
 def _leave(spec: JobSpec, *, broken: bool) -> None:
@@ -184,14 +176,8 @@ WARM_MODULES += tuple(
 
 
 def _warm(script: str) -> None:
-    """A standby process: import what the job will need before it has a rank.
-
-    The launcher keeps one standby per host slot, started while a generation trains, so that a
-    replacement costs no interpreter start or import. It imports JAX, flax, optax, orbax, the
-    launched job's modules and the script's top-level imports — never starting JAX's backend,
-    which needs the job's device count and ``jax.distributed`` — then waits for its rank on
-    stdin (:class:`tenplex_jax._src.multihost.membership.Control`).
-    """
+    """A standby process: import what the job will need before it has a rank (never starting
+    JAX's backend, which needs the job's device count and ``jax.distributed``)."""
     import importlib
 
     for name in (*WARM_MODULES, *_script_imports(script)):
