@@ -2,27 +2,12 @@
 
 :func:`device_batch` lays global batch ``k`` of a :class:`DatasetPTC` out over the mesh's batch
 axes (each device reads only its rows); :class:`Batch` carries it with its layout and mesh, as
-``ElasticJob.next`` hands it to the step.
+``ElasticJob.next`` hands it to the step. :func:`batch_value_and_grad` replaces
+``nnx.value_and_grad`` there: plain (:func:`_plain`, one SPMD computation, gradient accumulation
+with ``layout.accumulate``) or in gradient units (:func:`_by_units`, one gradient per unit,
+summed in unit order); ``docs/data.md`` states the contract and the cost.
 
-:func:`batch_value_and_grad` replaces ``nnx.value_and_grad`` in a train step. It takes a
-*per-example* loss, so that padding rows (weight 0) drop out, and returns the mean loss over the
-real samples of the global batch and its gradient. Two ways to compute them:
-
-- **plain** (``layout.grad_units is None``): one SPMD computation over the padded global batch,
-  sharded over the batch axes; XLA chooses how partial gradients are reduced, so the result
-  depends on the data-parallel size in the last bits. ``layout.accumulate = k`` runs every rank's
-  rows as ``k`` sequential microbatches (gradient accumulation), for when memory caps the rows
-  a device can hold at once.
-- **gradient units** (``layout.grad_units = V``): inside a ``shard_map`` over the batch axes, each
-  rank runs its units one at a time (``lax.map``: the same shapes, the same program whatever the
-  rank count) and gets one gradient per unit; the unit gradients are all-gathered and summed in
-  unit order ``((g0 + g1) + g2) + ...``. The sum therefore has the same bits on 1, 2, 3, ... or
-  ``V`` ranks, and so do the params and optimizer state after the update. It costs a gather of
-  ``V`` gradients per step (memory ``V ×`` the gradient on every rank), the sequential loop over
-  units, and, under FSDP, holding the whole params on every rank during the step (the optimizer
-  state stays sharded); ``benchmarks/RESULTS.md`` has the measured step-time ratio.
-
-The gradient is passed through ``lax.optimization_barrier`` before it is returned: otherwise XLA
+The gradient passes through ``lax.optimization_barrier`` before it is returned: otherwise XLA
 fuses the division by the sample count into the optimizer's update, and how it fuses (and so the
 rounding) depends on the shard shapes, which breaks bitwise equality across FSDP sizes.
 """

@@ -1,32 +1,10 @@
 """The persistent tier: a train state, its PTC and the dataset cursor as an orbax checkpoint.
 
-``save_checkpoint`` writes the state with orbax (every process writes its own shards, so it works
-under ``jax.distributed``) next to a small JSON record: the step, the PTC it was saved from (leaf
-paths, shapes, dtypes, specs, config, devices) and the dataset's :class:`DataState`.
-``restore_checkpoint`` reads it back onto *any* PTC — another config, other devices, another
-process count — because orbax restores each leaf straight into the target ``NamedSharding``.
-
-It also restores a checkpoint written by plain orbax, without the tenplex record: the target PTC,
-built from the model and its logical-axis rules, supplies the shardings that the checkpoint lacks.
-Leaves are matched by tree path; ``nnx.State`` saved as such stores each leaf as ``<path>/value``,
-which matches ``<path>``; ``prefix=`` maps checkpoint paths under a part of the state (a checkpoint
-of ``nnx.state(model)`` restores into the ``"model/"`` part of a ``{"model", "optimizer"}`` state).
-
->>> tj.save_checkpoint("ckpt", state, ptc, step=100, data_state=dataset.state())
->>> new = tj.PTC.of(abstract_state, rules, tj.ParallelConfig(data=3), jax.devices()[:3])
->>> restored = tj.restore_checkpoint("ckpt", new)       # latest step, laid out as `new`
->>> state, step = restored.state, restored.step
->>> dataset.restore(restored.data_state)                # the cursor resumes exactly once
-
-Only finished, intact checkpoints are read. Orbax writes each step into a temporary directory and
-renames it when every process is done; then process 0 lists every file of the step with its size
-and crc32 (``tenplex-files.json``, written atomically, last). A step without that list is
-unfinished. A restore checks its metadata and record against it first, then every file of the
-leaves it reads while orbax reads them, and raises ``CheckpointError`` naming the step, the leaf
-and the file when one differs or is missing (the arrays read are dropped: none is returned).
-``latest_checkpoint`` names the newest step whose files all check. Each leaf is stored in its own
-directory (orbax without OCDBT: a chunk file per saved shard), so a damaged file names its leaf.
-Checkpoints written by plain orbax have no file list and are read unchecked.
+:func:`save_checkpoint` writes the state with orbax (a directory per leaf) beside a JSON record of
+the step, the PTC and the :class:`DataState`; process 0 then lists the step's files with their
+sizes and crc32 (``FILES``), last. :func:`restore_checkpoint` reads a step onto any PTC, checking
+the files it reads against that list, and reads plain orbax checkpoints (unchecked) too.
+``docs/checkpoints.md`` states the contract.
 """
 
 from __future__ import annotations
@@ -209,10 +187,8 @@ def _finishing(manager: ocp.CheckpointManager, step: int, step_dir: pathlib.Path
 @functools.cache
 def _handlers():
     """orbax's type handlers, but for jax.Array one that copies each shard off its first replica
-    whole. orbax's default cuts replicated shards into slices across the replicas, a device
-    ``slice`` each, and each new layout compiles them anew: 168 compiles, 1.4 s of a step
-    boundary, at the first save after a preemption onto 4 devices (``benchmarks/RESULTS.md``).
-    The files are the same."""
+    whole (the same files): orbax's default cuts replicated shards into slices across the
+    replicas, a device ``slice`` each, which every new layout compiles anew."""
     from orbax.checkpoint import type_handlers
 
     default = type_handlers.get_type_handler(jax.Array)

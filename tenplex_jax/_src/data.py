@@ -1,36 +1,9 @@
 """The dataset PTC: which samples form every global batch, and which rank reads which of them.
 
-Tenplex treats the dataset as one more partitioned collection. Here it has two halves:
-
-- :class:`DatasetPTC` fixes the *order*: a seeded permutation of the ``N`` sample indices per
-  epoch, cut into global batches of ``global_batch`` samples. Global batch ``k`` is a pure function
-  of (dataset, seed, global batch size, ``k``); the device count never enters, so a job that
-  resizes sees exactly the batches of a job that does not. The position is a small record,
-  :class:`DataState`, counted in consumed samples.
-- :class:`BatchLayout` fixes the *partitioning* of one global batch over ``ranks`` data-parallel
-  ranks (the product of the ``data`` and ``fsdp`` axes). The batch is cut into ``grad_units``
-  equal units; rank ``r`` gets a contiguous run of units, the runs differ in length by at most
-  one, and every rank's run is padded to the longest with rows of weight 0. So any rank count
-  works, including one that does not divide the global batch (3 ranks, 64 samples: 22, 21, 21 real
-  rows, each padded to 22), and the loss is the weighted sum over rows divided by the real sample
-  count.
-
-  With ``grad_units=global_batch`` (the default) a unit is one sample: ordinary data parallelism
-  with padding. With ``grad_units=V`` *gradient units* (``V`` divides the global batch) a unit is a
-  ``global_batch / V`` slice, and :func:`tenplex_jax.data.batch_value_and_grad` computes one
-  gradient per unit and sums them in unit order, the same order on any number of ranks: that is
-  what makes training bitwise independent of the data-parallel size.
-
-Epochs. ``remainder`` (a :class:`Remainder`) says what happens when ``N`` is not a multiple of the
-global batch:
-
-- ``"carry"`` (default): the epochs' permutations are concatenated into one stream and cut into
-  full batches, so a batch may straddle an epoch boundary; every sample is seen exactly once per
-  epoch and every step has the full global batch.
-- ``"drop"``: each epoch yields ``N // global_batch`` batches; the epoch's last ``N % global_batch``
-  samples of the permutation are skipped (a different set each epoch).
-- ``"pad"``: each epoch ends with a partial batch of ``N % global_batch`` samples, padded with
-  weight-0 rows, so the loss of that step averages over fewer samples.
+:class:`DatasetPTC` fixes the order (a seeded permutation per epoch, cut into global batches; the
+device count never enters), :class:`DataState` its position, and :class:`BatchLayout` the split of
+one global batch over the data-parallel ranks. ``docs/data.md`` states the contract: epoch ends,
+padding, and the gradient units that make training bitwise independent of the rank count.
 """
 
 from __future__ import annotations
@@ -49,8 +22,8 @@ from tenplex_jax._src.errors import DataError, one_of
 
 
 class Remainder(enum.StrEnum):
-    """What ends an epoch when the global batch does not divide the dataset (the module
-    docstring): ``"carry"``, ``"drop"`` or ``"pad"``."""
+    """What ends an epoch when the global batch does not divide the dataset (``DatasetPTC``'s
+    ``remainder``): ``"carry"``, ``"drop"`` or ``"pad"``."""
 
     CARRY = "carry"
     DROP = "drop"

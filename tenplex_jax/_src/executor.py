@@ -1,35 +1,10 @@
 """The state transformer: executes a reconfiguration plan on a live state, in one process.
 
-``reshard(state, plan)`` builds every target shard as the plan says: a kept shard reuses its buffer
-(no copy), a split takes a slice of the local shard, a move copies a box (or the slice of one that
-is needed) from another device, a merge assembles several pieces. The shards become the new leaf
-with ``jax.make_array_from_single_device_arrays`` on the target mesh. Two paths copy the bytes:
-
-- the **device path** (:func:`_device_leaf`), for any platform: each piece is sliced on its source
-  device (only the needed bytes cross), every piece is sent to its *target* device with one
-  batched ``jax.device_put``, and the pieces of a merge are concatenated there. This is the path
-  GPU and TPU leaves take, and PRNG-key leaves everywhere;
-- the **host path** (:func:`_host_leaf`), for CPU devices, whose buffers are host memory: each
-  piece is copied once, from a zero-copy NumPy view of its source into its place in a fresh
-  aligned buffer that the target device adopts (XLA's CPU slice and copy between CPU devices ran
-  several times slower than a NumPy copy), a thread per core (NumPy releases the GIL).
-
-``executor="auto"`` picks the host path for CPU leaves and the device path for the rest;
-``"host"`` and ``"device"`` force one (the tests run every change both ways on CPU).
-
-Donation. Old buffers are released leaf by leaf as the new leaf is built, so the peak stays near the
-state size plus one leaf: a leaf none of whose buffers is reused is deleted at once (using the old
-array afterwards raises JAX's "Array has been deleted"). A leaf whose kept shards live on in the new
-state cannot be deleted without deleting them, so its dropped replicas are freed when the caller
-drops the old state — rebind: ``state, report = reshard(state, plan)``. On the host path the
-memory of deleted leaves is given back to the system (glibc's ``malloc_trim``) whenever it adds up
-to an eighth of the state: glibc would keep shards of up to 32 MiB in the process's heap.
-
-Failed devices. A plan made with ``make_plan(..., failed=...)`` names no failed device as a source;
-the executor reads only the shards the plan names, so a lost device's buffers are never read.
-
-Before anything is copied or deleted, the state is checked against ``plan.src`` (tree, shapes,
-dtypes, device boxes); a mismatch raises ``PlanError`` and leaves the state untouched.
+``reshard(state, plan)`` checks the state against ``plan.src``, then builds every target shard as
+the plan says, on the device path (:func:`_device_leaf`: JAX ops, any platform) or the host path
+(:func:`_host_leaf`: NumPy copies into fresh buffers the CPU devices adopt, a thread per core),
+deleting each old leaf none of whose buffers is kept once its new one is built.
+``docs/concepts.md`` ("The executor", "Donation and peak memory") states the contract.
 """
 
 from __future__ import annotations

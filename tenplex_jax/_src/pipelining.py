@@ -1,28 +1,11 @@
 """Pipeline parallelism over the ``pipe`` mesh axis: a GPipe schedule inside ``jit``.
 
-A model with stacked layers (every per-layer weight one array with a leading ``layers`` dim, run by
-``lax.scan``) becomes pipelined by sharding that dim over ``pipe``: stage ``s`` holds layers
-``s*k .. (s+1)*k - 1`` and nothing else. ``pipeline`` runs the layers as a GPipe schedule in SPMD
-form: the batch is cut into ``microbatches``; at every tick each stage applies its layers to the
-microbatch it holds and passes the result to the next stage with ``lax.ppermute``. After
-``microbatches + stages - 1`` ticks the last stage holds every output. The backward pass is the
-same schedule reversed, which JAX derives (the transpose of a ``ppermute`` is the reverse
-``ppermute``).
-
-Only the ``pipe`` axis is manual (``jax.shard_map(..., axis_names={"pipe"})``): the ``data``,
-``fsdp`` and ``tensor`` axes stay automatic inside each stage, so a stage's layers are tensor- and
-data-parallel exactly as without pipelining.
-
-Because the layer weights keep their shape ``(layers, ...)`` and only their spec changes, changing
-the pipeline degree (2 → 4 → 1) is an ordinary reconfiguration of the ``layers`` dim by the core
-plan.
-
-**Uneven stages** (HetPipe: more layers on faster devices) use a padded stacked layout: ``Stages``
-gives each stage ``slots`` positions of which the first ``layers[s]`` hold real layers; the stacked
-arrays have ``stages * slots`` rows, padding rows are zeros and are skipped with ``lax.cond`` (no
-compute, zero gradient). The padded layout depends on the stage boundaries, so a change of
-boundaries is a re-padding of the ``layers`` dim on the current devices (``restage``) before the
-core plan moves the rows between devices.
+Stacked layers (every per-layer weight one array with a leading ``layers`` dim, run by
+``lax.scan``) are pipelined by sharding that dim over ``pipe``: :func:`pipeline` runs them as a
+GPipe schedule in SPMD form, manual over ``pipe`` only, and JAX derives the backward pass. Changing
+the pipeline degree is an ordinary reconfiguration of the ``layers`` dim; uneven stages
+(:class:`Stages`) are stored padded, and a change of boundaries is a re-padding (:func:`restage`).
+``docs/pipelining.md`` states the contract.
 """
 
 from __future__ import annotations

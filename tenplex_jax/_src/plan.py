@@ -1,34 +1,11 @@
 """Reconfiguration plans: the delta between two PTCs.
 
-For every leaf and every target shard the plan says where the shard's bytes come from:
-
-- ``keep``  — the target device already holds exactly this box (no copy);
-- ``split`` — the target device holds a larger box; the shard is a slice of it (copy on the device);
-- ``move``  — one box, or a slice of one, copied from another device;
-- ``merge`` — several pieces (local or remote) concatenated into the shard.
-
-Among replicas of a source box the closest copy is chosen: the target device itself, then a device
-on the same host, then the least loaded device (bytes already assigned to it as a sender by this
-leaf, ties broken by the bytes assigned by the leaves planned before), so replicated state is read
-from all its copies in parallel rather than from one.
-
-Many leaves share a layout (the same shape, itemsize and source and target specs: the moments mirror
-their params, layers repeat), and a leaf's shard plans depend only on its layout. ``make_plan``
-computes them once per layout and shares the frozen ``ShardPlan`` tuples between leaves, which keeps
-planning for thousands of devices and tensors under a second.
-
-**Failed devices.** ``make_plan(src, dst, failed={3})`` plans around devices whose buffers are gone:
-no piece is read from a failed device (not even a local keep), each box is taken from a surviving
-replica (data-parallel copies, replicated leaves), and a failed device cannot be a target. When a
-box of some leaf has no replica left, ``LostShardsError`` (a ``PlanError``) names every such leaf
-and box, so the caller can fall back to a checkpoint.
-
-Planning is pure: it reads two PTCs and never touches device memory. Example::
-
-    plan = make_plan(PTC.of(abstract, rules, ParallelConfig(data=8), range(8)),
-                     PTC.of(abstract, rules, ParallelConfig(data=2, tensor=2), range(2, 6)))
-    print(plan)             # per-group summary: bytes kept / moved, shard kinds
-    plan.bytes_moved        # bytes that cross devices
+``make_plan(src, dst)`` says, for every leaf and every target shard, where the shard's bytes come
+from (a :class:`ShardKind`), reading the closest replica; ``allocate(src, dst)`` reorders the
+target's devices so that the most bytes stay in place. Planning is pure: it reads two PTCs, never
+device memory, and computes the shard plans once per leaf layout (the moments mirror their params,
+layers repeat), which keeps thousands of devices and leaves under a second. ``docs/concepts.md``
+states the contract.
 """
 
 from __future__ import annotations
@@ -37,6 +14,7 @@ import collections
 import dataclasses
 import enum
 import heapq
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,7 +28,7 @@ from tenplex_jax._src.ptc import PTC, LeafLayout
 
 
 class ShardKind(enum.StrEnum):
-    """Where a target shard's bytes come from (:attr:`ShardPlan.kind`; the module docstring)."""
+    """Where a target shard's bytes come from (:attr:`ShardPlan.kind` says what each means)."""
 
     KEEP = "keep"
     SPLIT = "split"
@@ -74,7 +52,7 @@ class Piece:
     src_box: Box
     box: Box
     nbytes: int
-    local: bool  # the source device is the target device
+    local: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +101,7 @@ class LeafPlan:
 
     src: LeafLayout
     dst: LeafLayout
-    shards: tuple[ShardPlan, ...]  # in the target PTC's device order
-    # (bytes moved, bytes kept, kinds) of ``shards``, when the planner already knows them
+    shards: tuple[ShardPlan, ...]
     totals: tuple[int, int, collections.Counter] | None = dataclasses.field(
         default=None, compare=False, repr=False
     )
@@ -570,7 +547,7 @@ def _plan_leaf(
             ]
             geometry[box] = [
                 (coord, src_box, part, boxes.nbytes(part, itemsize))
-                for coord in _product(ranges)
+                for coord in itertools.product(*ranges)
                 for src_box in [src_boxes[replicas[coord][0]]]
                 for part in [boxes.intersect(src_box, box)]
             ]
@@ -624,12 +601,3 @@ class _Senders:
 def _block_size(held: dict[int, Box], dim: int) -> int:
     lo, hi = next(iter(held.values()))[dim]
     return max(hi - lo, 1)
-
-
-def _product(ranges):
-    if not ranges:
-        yield ()
-        return
-    for head in ranges[0]:
-        for tail in _product(ranges[1:]):
-            yield (head, *tail)

@@ -1,45 +1,10 @@
 """The parallelizable tensor collection (PTC): a train state's abstract layout.
 
-A PTC records, for every leaf of a train state (params, optimizer moments, step counters, RNG
-state),
-its tree path, shape, dtype and ``PartitionSpec`` (the *slicing* and *partitioning* of the Tenplex
-paper), plus the mesh (a :class:`ParallelConfig`: axis names, sizes, types) and its device ids in
-mesh order (the *allocation*). It holds no arrays, so two PTCs can be built, compared and planned
-between without touching device memory. A PTC comes from whatever the job has:
-
-- ``PTC.of(state, rules, mesh)``: logical axis names and flax logical-axis rules, resolved by flax's
-  own semantics (``tenplex_jax._src.rules``). The names are those Flax NNX stores on each variable
-  (``nnx.with_partitioning(init, ("embed", "mlp"))``) or a Linen box holds
-  (``nn.with_logical_partitioning``; an ``nn.Partitioned`` box names mesh axes, used as they are).
-  Optimizer moments carry their param's names, so they get its layout; leaves without names (step
-  counters, RNG keys and counts) are replicated.
-- ``PTC.from_shardings(state)``: the ``NamedSharding`` each leaf already has: a live state of any
-  pytree of ``jax.Array`` (plain dicts, equinox-style modules, NNX state), or a tree of
-  ``ShapeDtypeStruct`` with shardings (an orbax restore target); ``from_shardings(abstract, tree)``
-  takes them from a separate tree of shardings (a ``jit``'s ``out_shardings``).
-
-The mesh is any mesh: ``ParallelConfig(data=2, tensor=4)`` for the four default axes, or the user's
-own ``Mesh`` / ``jax.make_mesh`` / ``AbstractMesh`` with any axis names, order and types. Source and
-target of a plan may come from different kinds and meshes with different axis names.
-
-Example::
-
-    state = nnx.state((model, optimizer))
-    rules = (("embed", "fsdp"), ("mlp", "tensor"), ("vocab", "tensor"))
-    ptc = PTC.of(state, rules, ParallelConfig(data=2, tensor=4), jax.devices())
-    ptc.leaf("0/w1").spec   # PartitionSpec(None, 'fsdp', 'tensor')
-    new = ptc.relayout(ParallelConfig(fsdp=4), jax.devices()[4:])   # the same state, laid out anew
-    mesh = jax.make_mesh((2, 2), ("replica", "model"), devices=jax.devices()[:4])
-    other = ptc.relayout(mesh, rules=(("embed", "replica"), ("mlp", "model")))   # the user's mesh
-
-**A PTC describes the state as it is.** Built from a live state whose arrays already carry
-``NamedSharding``s, ``PTC.of`` checks that the computed layout is the one on the devices and names
-the leaf and both specs and meshes when it is not (planning from a layout that is not there would
-move the wrong bytes); a new layout of a placed state comes from ``ptc.relayout`` or an abstract
-state.
-
-**Uneven dims** are refused (``LayoutError`` naming the leaf, dim, axes and sizes) unless
-``allow_replicate=True`` replicates them along some of their axes (see ``tenplex_jax._src.rules``).
+A :class:`PTC` records every leaf's path, shape, dtype and ``PartitionSpec`` (a
+:class:`LeafLayout`), the mesh and its devices in mesh order, and holds no arrays. It comes from
+logical axis names and flax rules (``PTC.of``, resolved by ``tenplex_jax._src.rules``) or from the
+shardings the leaves have (``PTC.from_shardings``), over any mesh. ``docs/concepts.md`` states the
+contract.
 """
 
 from __future__ import annotations
@@ -100,7 +65,6 @@ class LeafLayout:
     dtype: Any
     spec: PartitionSpec
     logical: tuple | None = dataclasses.field(default=None, compare=False)
-    # (dim, mesh axis) dropped because indivisible
     replicated: tuple[tuple[int, str], ...] = dataclasses.field(default=(), compare=False)
     direct: bool = dataclasses.field(default=False, compare=False)
 
@@ -113,7 +77,6 @@ class LeafLayout:
     @property
     def itemsize(self) -> int:
         """Bytes per element (a PRNG key's, for key dtypes)."""
-        # PRNG key dtypes are not numpy dtypes but carry their own itemsize.
         return self.dtype.itemsize if _is_key(self.dtype) else np.dtype(self.dtype).itemsize
 
     @property
@@ -170,7 +133,6 @@ class PTC:
     hosts: tuple[int, ...]
     leaves: tuple[LeafLayout, ...]
     treedef: Any = dataclasses.field(compare=False)
-    # how the specs were derived, for relayout (None for a PTC of shardings or read without them)
     rules: tuple | None = dataclasses.field(default=None, compare=False)
     allow_replicate: bool = dataclasses.field(default=False, compare=False)
 

@@ -1,26 +1,6 @@
-"""``tenplex-jax demo``: train the reference GPT with ``ElasticJob`` while its devices change.
-
-The job starts on fake CPU devices and, at the steps of a schedule, is moved onto a different set
-of devices in a different layout (``job.redeploy``): the whole train state (params, AdamW moments,
-step counters) is resharded with a plan from the old PTC to the new one, and training goes on with
-the same batches it would have seen without the change. Then the same steps run again without any
-change. Losses, resize costs and a plot go to an output folder, so the run shows that a resize
-neither disturbs the loss curve nor costs more than the bytes the plan moves.
-
-Two schedules:
-
-- the default changes every dimension: the mixture-of-experts GPT goes from ``data=2,expert=4`` on
-  8 devices to ``expert=2,tensor=2`` on 4, ``pipe=2,data=3`` on 6 (a GPipe pipeline) and back to
-  ``data=2,expert=4`` on 8. Tensor, expert and pipeline changes regroup float32 sums, so the params
-  agree with the fixed run to rounding (``params_vs_fixed_run`` gives the max relative difference;
-  a rounding difference that flips a token's top-k choice makes the runs drift further apart);
-- ``--bitwise`` changes the data-parallel degree only (8 → 4 → 6 → 8, the planner choosing data and
-  FSDP sizes for each count): with gradient units the params equal the fixed run bit for bit.
-
-Every global batch is trained exactly once in both. :func:`choose_devices` stands in for a
-scheduler. ``train`` is shared with the trace replay (``replay.py``). JAX and the reference model
-(the repository's ``models/``, installed as ``tenplex_jax_models``) are imported inside functions
-only: the command must set JAX's platform and device count before a backend starts.
+"""``tenplex-jax demo``: train the reference GPT with ``ElasticJob`` through a schedule of device
+changes (``job.redeploy``), then the same steps without any; ``docs/cli.md`` says what the run
+shows. :func:`choose_devices` stands in for a scheduler; ``train`` is shared with ``replay``.
 """
 
 from __future__ import annotations
@@ -112,15 +92,7 @@ def command(args) -> int:
     """Configure JAX for fake CPU devices first, then run the demo and print its resize table."""
     if not use_cpu_devices(args.devices, "demo"):
         return 2
-    model = args.model or ("small" if args.bitwise else "moe-small")
-    options = options_from(
-        args,
-        model=model,
-        steps=args.steps,
-        schedule=args.schedule,
-        bitwise=args.bitwise,
-        devices=args.devices,
-    )
+    options = options_from(args, model=args.model or ("small" if args.bitwise else "moe-small"))
     summary = run(options)
     print()
     print(resize_table(summary))
@@ -149,20 +121,10 @@ def use_cpu_devices(count: int, name: str) -> bool:
 
 
 def options_from(args, **fields) -> DemoOptions:
-    """The options of the flags ``demo`` and ``replay`` share (``parsing.add_training_flags``
-    and ``add_job_flags``), with ``fields``."""
-    return DemoOptions(
-        out=pathlib.Path(args.out),
-        batch=args.batch,
-        lr=args.lr,
-        method=args.method,
-        seed=args.seed,
-        grad_units=args.grad_units or None,
-        samples=args.samples,
-        notice_seconds=args.notice,
-        executable_cache=executable_cache(args.executable_cache, args.out),
-        **fields,
-    )
+    """The options of the flags of ``demo`` or ``replay``, with ``fields``."""
+    cache = executable_cache(args.executable_cache, args.out)
+    given = {"out": pathlib.Path(args.out), "grad_units": args.grad_units or None} | fields
+    return DemoOptions(**parsing.fields_of(DemoOptions, args) | given | {"executable_cache": cache})
 
 
 def executable_cache(value: str | None, out: str) -> pathlib.Path | None:
@@ -179,8 +141,7 @@ def _schedule(text: str) -> tuple[tuple[int, Layout], ...]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-# (step, layout) entries: a layout is a device count (the planner picks data and FSDP sizes) or
-# axis sizes over the model's mesh; a step-0 entry is the initial layout
+# the default schedules, as parse_schedule reads them
 MOE_SCHEDULE = "0:data=2,expert=4; 15:expert=2,tensor=2; 30:pipe=2,data=3; 45:data=2,expert=4"
 DENSE_SCHEDULE = "0:data=8; 15:data=2,tensor=2; 30:pipe=2,data=3; 45:data=8"
 BITWISE_SCHEDULE = "15:4,30:6,45:8"
@@ -270,14 +231,10 @@ def layout_config(model: str, sizes: tuple[tuple[str, int], ...]):
 
 
 def choose_devices(n: int, current: Sequence[int], total: int) -> tuple[int, ...]:
-    """The device ids a job resized from ``current`` to ``n`` devices gets, out of ``0..total-1``.
-
-    The rule mimics a scheduler: a shrink keeps the lowest-numbered current devices (the job gives
-    back its top devices); a grow takes the ``n`` highest-numbered devices (the devices freed at the
-    top of the machine), so it overlaps the current set only partly. The default schedule 8 → 4 → 6
-    → 8 thus runs on 0..7, then 0..3 (smaller), 2..7 (overlapping: 2 and 3 keep their shards, 4..7
-    are new) and 0..7 (larger). An unchanged count keeps the current devices.
-    """
+    """The device ids a job resized from ``current`` to ``n`` devices gets, out of ``0..total-1``,
+    as a scheduler might give them: a shrink keeps the lowest-numbered current devices, a grow
+    takes the ``n`` highest-numbered ones (8 → 4 → 6 → 8: 0..7, 0..3, 2..7, 0..7), an unchanged
+    count keeps the current devices."""
     if not 1 <= n <= total:
         raise LayoutError(f"a job can run on 1 to {total} devices, asked for {n}")
     if n < len(current):
@@ -332,9 +289,8 @@ def schedule_trace(options: DemoOptions) -> tuple[ResourceTrace, dict | None, tu
 
 def format_schedule(schedule) -> str:
     """The schedule as ``parse_schedule`` reads it."""
-    if all(isinstance(layout, int) for _, layout in schedule):
-        return ",".join(f"{step}:{n}" for step, n in schedule)
-    return "; ".join(
+    counts = all(isinstance(layout, int) for _, layout in schedule)
+    return ("," if counts else "; ").join(
         f"{step}:" + (str(n) if isinstance(n, int) else ",".join(f"{a}={s}" for a, s in n))
         for step, n in schedule
     )
@@ -365,12 +321,9 @@ def train(
     **job_options,
 ) -> Run:
     """Train ``trace.steps`` steps of the GPT with ``ElasticJob`` through ``trace``'s events,
-    starting on ``initial`` (default all devices); ``job_options`` are ``JobOptions`` fields.
-
-    The layout of each device count comes from ``layouts``, or else from the planner; the dataset
-    PTC serves every step's global batch, so an event changes how the batch is split over ranks,
-    never which samples it holds.
-    """
+    starting on ``initial`` (default all devices), each device count on its layout in ``layouts``
+    or else the planner's; ``job_options`` are ``JobOptions`` fields. The dataset PTC serves every
+    step's global batch, so an event changes how it is split over ranks, never what it holds."""
     import jax
     import numpy as np
 
@@ -410,8 +363,7 @@ def train(
 
 
 def _job(options, trace, source, layouts, initial, job_options: dict, **checkpoints) -> ElasticJob:
-    """The job ``train`` runs: on the first ``trace.devices`` devices, each device count's layout
-    from ``layouts`` or the planner's, the dataset PTC of ``source``."""
+    """The job ``train`` runs, on the first ``trace.devices`` devices."""
     import jax
 
     from tenplex_jax._src.data import DatasetPTC
@@ -447,10 +399,10 @@ def _job(options, trace, source, layouts, initial, job_options: dict, **checkpoi
     )
 
 
+# one init and one train step object per model: the run without resizes compiles them from
+# JAX's in-memory caches of the resized run's
 @functools.cache
 def _init(model: str, lr: float, seed: int):
-    """The train state's init, one function object per model: as ``_train_step``, the run without
-    resizes jits it from JAX's in-memory cache of the resized run's."""
     from tenplex_jax_models import build_state
 
     def init():
@@ -461,8 +413,6 @@ def _init(model: str, lr: float, seed: int):
 
 @functools.cache
 def _train_step(model: str, lr: float, seed: int):
-    """The reference train step, one function object per model: the run without resizes compiles
-    its layout from JAX's in-memory cache of the resized run's."""
     from tenplex_jax_models import build_state, train_step
 
     return train_step(build_state(model, lr, seed, abstract=True)[0])
@@ -488,19 +438,15 @@ def run(options: DemoOptions) -> dict:
         resized_seconds = time.perf_counter() - started
         bar.reset()
         bar.set_description(f"{options.model} fixed")
-        fixed = train(
-            options,
-            dataclasses.replace(trace, events=()),
-            source,
-            bar,
-            layouts,
-            initial,
-            compile_ahead=False,
-        )
+        no_events = dataclasses.replace(trace, events=())
+        fixed = train(options, no_events, source, bar, layouts, initial, compile_ahead=False)
     summary = _summary(options, abstract, cfg, initial, resized, fixed)
     summary["resized_run_seconds"] = resized_seconds
     summary["total_seconds"] = time.perf_counter() - started
-    _write(options, summary, resized, fixed, len(initial))
+    out = pathlib.Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_plot(out / "loss.png", summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -508,22 +454,12 @@ def _summary(options: DemoOptions, abstract, cfg, initial, resized: Run, fixed: 
     """What ``summary.json`` says of the two runs (less their seconds)."""
     import numpy as np
 
-    from tenplex_jax_models import param_count
-
     job = resized.job
     seen = np.concatenate(resized.samples)
     first = job.step_log[0] if job.step_log else (0, float("nan"), "")
     return {
-        "model": options.model,
-        "param_count": param_count(abstract),
-        "state_bytes": job.ptc.nbytes,
-        "global_batch": options.batch,
-        "grad_units": options.grad_units,
-        "dataset_samples": options.samples,
-        "seq_len": cfg.seq_len,
+        **model_summary(options, abstract, cfg, job),
         "steps": options.steps,
-        "lr": options.lr,
-        "seed": options.seed,
         "method": options.method,
         "devices": options.devices,
         "mode": "bitwise" if options.bitwise else "every dimension",
@@ -548,25 +484,27 @@ def _summary(options: DemoOptions, abstract, cfg, initial, resized: Run, fixed: 
     }
 
 
-def _write(options: DemoOptions, summary: dict, resized: Run, fixed: Run, devices: int) -> None:
-    """``loss.png`` and ``summary.json`` in the output folder."""
-    out = pathlib.Path(options.out)
-    out.mkdir(parents=True, exist_ok=True)
-    title = (
-        f"GPT {options.model}, global batch {options.batch}, from "
-        f"{summary['initial']['config']} on {devices} devices"
-    )
-    ylabel = "loss (next-byte cross entropy" + (
-        " + balance loss)" if is_moe(options.model) else ")"
-    )
-    write_plot(out / "loss.png", resized.losses, fixed.losses, summary["resizes"], title, ylabel)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+def model_summary(options: DemoOptions, abstract, cfg, job: ElasticJob) -> dict:
+    """What the summaries of ``demo`` and ``replay`` say first: the model, its state, the data."""
+    from tenplex_jax_models import param_count
+
+    return {
+        "model": options.model,
+        "param_count": param_count(abstract),
+        "state_bytes": job.ptc.nbytes,
+        "global_batch": options.batch,
+        "grad_units": options.grad_units,
+        "dataset_samples": options.samples,
+        "seq_len": cfg.seq_len,
+        "lr": options.lr,
+        "seed": options.seed,
+    }
 
 
 def _resize_record(r, step_log) -> dict:
-    """One event of the schedule, as the summary and the table show it. ``stall_bound_seconds``
-    is what the stall may take when the new layout's step was compiled ahead: 1.5 x (reshard +
-    one step of the new layout, the median of its later steps) + 0.1 s."""
+    """One event of the schedule, as the summary and the table show it; ``stall_bound_seconds``,
+    what the stall may take when the new layout's step was compiled ahead, is 1.5 x (reshard + one
+    step of the new layout, the median of its later steps) + 0.1 s."""
     import statistics
 
     first = next((s for i, s, _ in step_log if i == r.step), float("nan"))
@@ -611,10 +549,8 @@ def exactly_once(samples: list[np.ndarray], fixed: list[np.ndarray], num_samples
 
 
 def compare_states(got: list[np.ndarray], want: list[np.ndarray]) -> str | dict:
-    """``"bitwise"`` if every leaf has the same bits, else the max abs and relative differences.
-
-    The relative difference of a leaf is its max abs difference over its max abs value.
-    """
+    """``"bitwise"`` if every leaf has the same bits, else the max abs and relative differences
+    (a leaf's relative difference: its max abs difference over its max abs value)."""
     import numpy as np
 
     if all(np.array_equal(a, b) for a, b in zip(got, want)):
@@ -630,25 +566,19 @@ def compare_states(got: list[np.ndarray], want: list[np.ndarray]) -> str | dict:
     }
 
 
-def write_plot(
-    path: pathlib.Path,
-    losses: list[float],
-    fixed: list[float],
-    resizes: list[dict],
-    title: str,
-    ylabel: str = "loss (next-byte cross entropy)",
-) -> None:
+def write_plot(path: pathlib.Path, summary: dict) -> None:
     """Loss against step for the resized and the fixed run, with an "8→4" label at every resize."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    losses, fixed, initial = summary["losses"], summary["fixed_run_losses"], summary["initial"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot(range(len(fixed)), fixed, color="tab:orange", lw=3, alpha=0.5, label="no resizes")
     ax.plot(range(len(losses)), losses, color="tab:blue", lw=1.2, label="resized")
     top = max(losses + fixed) if losses else 1.0
-    for record in resizes:
+    for record in summary["resizes"]:
         ax.axvline(record["step"] - 0.5, color="gray", ls="--", lw=1)
         ax.annotate(
             f"{record['from']}→{record['to']}\n{record['to_config']}",
@@ -658,7 +588,13 @@ def write_plot(
             va="top",
             fontsize=8,
         )
-    ax.set(xlabel="step", ylabel=ylabel, title=title)
+    moe = " + balance loss" if is_moe(summary["model"]) else ""
+    ax.set(
+        xlabel="step",
+        ylabel=f"loss (next-byte cross entropy{moe})",
+        title=f"GPT {summary['model']}, global batch {summary['global_batch']}, from "
+        f"{initial['config']} on {len(initial['devices'])} devices",
+    )
     ax.legend(loc="lower left")
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -7,7 +7,7 @@ import argparse
 import pathlib
 import sys
 
-from tenplex_jax._src.cli.parsing import count, positive
+from tenplex_jax._src.cli.parsing import count, fields_of, positive
 
 EXAMPLES = """\
 examples:
@@ -27,7 +27,6 @@ examples:
 
 
 def add_parser(sub) -> None:
-    """Register the ``launch`` command on ``sub`` (the command line's subparsers)."""
     p = sub.add_parser(
         "launch",
         help="run a training script as an elastic multi-process job (stores, generations)",
@@ -144,27 +143,11 @@ def run(args) -> int:
     from tenplex_jax._src.multihost.launch import launch
     from tenplex_jax._src.multihost.spec import LaunchOptions
 
-    path = lambda p: None if p is None else pathlib.Path(p)
+    given = fields_of(LaunchOptions, args) | {"args": tuple(args.args)}
+    dirs = ("run_dir", "checkpoint_dir", "store_dir", "compile_cache")
+    given |= {k: pathlib.Path(given[k]) for k in dirs if k in given}
     try:
-        options = LaunchOptions(
-            script=args.script,
-            args=tuple(args.args),
-            nprocs=args.nprocs,
-            devices_per_proc=args.devices_per_proc,
-            replicas=args.replicas,
-            commit_every=args.commit_every,
-            max_restarts=args.max_restarts,
-            min_procs=args.min_procs,
-            run_dir=path(args.run_dir),
-            checkpoint_dir=path(args.checkpoint_dir),
-            checkpoint_every=args.checkpoint_every,
-            store_dir=path(args.store_dir),
-            compile_cache=path(args.compile_cache),
-            grace=args.grace,
-            standby=args.standby,
-            keep=args.keep,
-            executables=args.executables,
-        )
+        options = LaunchOptions(**given)
     except LaunchError as error:
         print(f"tenplex-jax launch: error: {error}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ reference GPT."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 MODELS = ("tiny", "small", "gpt100m")  # the dense GPT presets
 MODEL_NAMES = (*MODELS, "moe-tiny", "moe-small")
@@ -47,12 +48,18 @@ def count(text: str) -> int:
     return int(text)
 
 
-def add_training_flags(parser, *, out: str, model: str, models=MODEL_NAMES) -> None:
-    """``--out`` (default ``out``), ``--model`` (one of ``models``), ``--lr`` and ``--seed``: the
-    flags of every command that trains the reference GPT. ``--model`` defaults to None, for the
-    command to choose; ``model`` is the default that ``--help`` names."""
+def fields_of(cls, args: argparse.Namespace) -> dict:
+    """The parsed flags that name a field of the dataclass ``cls``; a None one keeps its default."""
+    names = {field.name for field in dataclasses.fields(cls)}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def add_training_flags(parser, *, out: str, model: str) -> None:
+    """``--out`` (default ``out``), ``--model``, ``--lr`` and ``--seed``: the flags of every
+    command that trains the reference GPT. ``--model`` defaults to None, for the command to
+    choose; ``model`` is the default that ``--help`` names."""
     parser.add_argument("--out", default=out, metavar="DIR", help=f"output folder (default: {out})")
-    parser.add_argument("--model", choices=models, help=f"GPT preset (default: {model})")
+    parser.add_argument("--model", choices=MODEL_NAMES, help=f"GPT preset (default: {model})")
     parser.add_argument(
         "--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)"
     )
@@ -91,6 +98,7 @@ def add_job_flags(parser) -> None:
     )
     parser.add_argument(
         "--notice",
+        dest="notice_seconds",
         type=float,
         default=0.0,
         metavar="SECONDS",

@@ -156,8 +156,7 @@ def run(args) -> int:
         f"leaves, {plan.dst.nbytes / MIB:.3f} MiB (params, AdamW moments, counters)"
     )
     print(plan.summary())
-    kinds = plan.kinds
-    senders = plan.senders
+    kinds, senders = plan.kinds, plan.senders
     busiest = max(senders.items(), key=lambda kv: kv[1]) if senders else None
     print(
         f"totals: moved {plan.bytes_moved / MIB:.3f} MiB between devices "

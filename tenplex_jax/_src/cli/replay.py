@@ -1,15 +1,6 @@
-"""``tenplex-jax replay TRACE``: replay a resource trace on the reference GPT.
-
-The job trains through the trace's preemptions, failures and offers with :class:`ElasticJob`
-(compile-ahead on, periodic orbax checkpoints as the trace says), then trains the same steps on all
-devices without any event. ``summary.json`` holds, per event, the decision, bytes moved, reshard,
-compile and stall seconds and lost steps; the goodput (useful step time ÷ wall time, both from the
-end of the first step: the start-up is the same under both policies) of the run next
-to that of the checkpoint-restart policy replayed on the same events with its costs (a save, a
-restore onto each new layout, a fresh compile) measured in this run; and whether the data was seen
-exactly once and the params equal the fixed run's bit for bit.
-
-Like ``demo.py``, whose training it shares, it imports JAX and the reference model lazily.
+"""``tenplex-jax replay TRACE``: train the reference GPT through a resource trace with
+``ElasticJob``, then the same steps without its events; per event what the job did and what it
+cost, and the goodput next to checkpoint-restart's (``docs/elastic.md``). Training is ``demo``'s.
 """
 
 from __future__ import annotations
@@ -21,18 +12,8 @@ import pathlib
 import shutil
 import time
 
-from tenplex_jax._src.cli import parsing
-from tenplex_jax._src.cli.demo import (
-    MIB,
-    DemoOptions,
-    Run,
-    compare_states,
-    consistency_line,
-    exactly_once,
-    options_from,
-    train,
-    use_cpu_devices,
-)
+from tenplex_jax._src.cli import demo, parsing
+from tenplex_jax._src.cli.demo import MIB, DemoOptions, Run, train
 
 EXAMPLES = """\
 examples:
@@ -75,15 +56,15 @@ def command(args) -> int:
     from tenplex_jax._src.elastic.trace import ResourceTrace
 
     trace = ResourceTrace.load(args.trace)
-    if not use_cpu_devices(trace.devices, "replay"):
+    if not demo.use_cpu_devices(trace.devices, "replay"):
         return 2
-    options = options_from(
+    options = demo.options_from(
         args, model=args.model or "small", steps=trace.steps, devices=trace.devices
     )
     summary = run(options, trace, compile_ahead=not args.no_compile_ahead)
     print()
     print(event_table(summary))
-    print(consistency_line(summary | {"epochs": summary["samples_seen"] / args.samples}))
+    print(demo.consistency_line(summary | {"epochs": summary["samples_seen"] / args.samples}))
     print(f"wrote {options.out / 'summary.json'}")
     return 0
 
@@ -113,14 +94,8 @@ def run(options: DemoOptions, trace, *, compile_ahead: bool = True) -> dict:
             exact_step_times=True,
         )
         bar.reset()
-        fixed = train(
-            options,
-            dataclasses.replace(trace, events=()),
-            source,
-            bar,
-            compile_ahead=False,
-            exact_step_times=True,
-        )
+        no_events = dataclasses.replace(trace, events=())
+        fixed = train(options, no_events, source, bar, compile_ahead=False, exact_step_times=True)
         costs = restart_costs(elastic.job, checkpoints, options, bar.write)
     summary = _summary(options, trace, elastic, fixed, costs, abstract, cfg, compile_ahead)
     summary["total_seconds"] = time.perf_counter() - started
@@ -131,25 +106,15 @@ def run(options: DemoOptions, trace, *, compile_ahead: bool = True) -> dict:
 def _summary(
     options: DemoOptions, trace, elastic: Run, fixed: Run, costs, abstract, cfg, compile_ahead
 ) -> dict:
-    """What ``summary.json`` says of the replay, the fixed run and the restart costs (of the
-    abstract state, the model config ``cfg``), but the seconds in all."""
+    """What ``summary.json`` says of the replay, the fixed run and the restart costs (less the
+    seconds in all)."""
     import numpy as np
-
-    from tenplex_jax_models import param_count
 
     job = elastic.job
     events, step_seconds, goodput = _goodput(trace, elastic, costs)
     seen = np.concatenate(elastic.samples)
     return {
-        "model": options.model,
-        "param_count": param_count(abstract),
-        "state_bytes": job.ptc.nbytes,
-        "global_batch": options.batch,
-        "grad_units": options.grad_units,
-        "dataset_samples": options.samples,
-        "seq_len": cfg.seq_len,
-        "lr": options.lr,
-        "seed": options.seed,
+        **demo.model_summary(options, abstract, cfg, job),
         "compile_ahead": compile_ahead,
         "trace": dataclasses.asdict(trace),
         "events": events,
@@ -158,10 +123,10 @@ def _summary(
         "checkpoints": [{"step": s, "seconds": t} for s, t in job.checkpoints],
         "step_seconds_by_config": step_seconds,
         "goodput": goodput,
-        "exactly_once": exactly_once(elastic.samples, fixed.samples, options.samples),
+        "exactly_once": demo.exactly_once(elastic.samples, fixed.samples, options.samples),
         "samples_seen": int(seen.size),
         "samples_expected": trace.steps * options.batch,
-        "params_vs_fixed_run": compare_states(elastic.state, fixed.state),
+        "params_vs_fixed_run": demo.compare_states(elastic.state, fixed.state),
         "losses": elastic.losses,
         "fixed_run_losses": fixed.losses,
     }
@@ -194,23 +159,20 @@ def _goodput(trace, elastic: Run, costs) -> tuple[list[dict], dict, dict]:
         dataclasses.asdict(r) | {"checkpoint_restart": c}
         for r, c in zip(job.records, baseline.pop("events"))
     ]
-    return (
-        events,
-        step_seconds,
-        {
-            "elastic": useful / wall,
-            "checkpoint_restart": baseline["goodput"],
-            "useful_seconds": useful,
-            "lost_seconds": job.lost_seconds,
-            "elastic_wall_seconds": wall,
-            "start_up_seconds": elastic.start_up,
-            "checkpoint_restart_seconds": baseline["seconds"],
-            "checkpoint_restart_event_seconds": baseline["event_seconds"],
-            "elastic_overhead_seconds": elastic_overhead(job),
-            "checkpoint_restart_periodic_saves": baseline["periodic_saves"],
-            "restart_costs": dataclasses.asdict(costs),
-        },
-    )
+    goodput = {
+        "elastic": useful / wall,
+        "checkpoint_restart": baseline["goodput"],
+        "useful_seconds": useful,
+        "lost_seconds": job.lost_seconds,
+        "elastic_wall_seconds": wall,
+        "start_up_seconds": elastic.start_up,
+        "checkpoint_restart_seconds": baseline["seconds"],
+        "checkpoint_restart_event_seconds": baseline["event_seconds"],
+        "elastic_overhead_seconds": elastic_overhead(job),
+        "checkpoint_restart_periodic_saves": baseline["periodic_saves"],
+        "restart_costs": dataclasses.asdict(costs),
+    }
+    return events, step_seconds, goodput
 
 
 def restart_costs(job, checkpoints, options, log):

@@ -33,10 +33,8 @@ work, the stores' rates, intervals); the rest comes from the cluster file (meshe
 """
 
 MODELS = ("llm-70b", "tiny", "small", "gpt100m", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b")
-# global batch in sequences: llm-70b's; the GPT-3 sizes' is an assumption (the Tenplex paper's
-# experiments are not in the seed text), of sequences of 2048 tokens as in the GPT-3 paper
+# global batch in sequences: llm-70b's; the GPT-3 sizes' (of 2048 tokens) is an assumption
 DEFAULT_BATCH = {"llm-70b": 1024, "gpt3-1.3b": 128, "gpt3-2.7b": 128, "gpt3-6.7b": 128}
-DIMS = ("layers", "d_model", "heads", "vocab", "seq_len", "d_ff")
 
 
 def add_parser(sub) -> None:
@@ -200,7 +198,7 @@ def _failure_flags(g) -> None:
 def model(args):
     """(name, abstract state, rules, planner profile, default batch) of the model the flags
     name: a preset or a GPT by its dimensions."""
-    given = [d for d in DIMS[:3] if getattr(args, d) is not None]
+    given = [d for d in ("layers", "d_model", "heads") if getattr(args, d) is not None]
     if given:
         if len(given) < 3 or args.model is not None:
             raise PlanError(

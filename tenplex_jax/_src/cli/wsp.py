@@ -1,11 +1,6 @@
-"""``tenplex-jax wsp``: heterogeneous virtual workers with wave synchronous parallel.
-
-On 8 fake CPU devices, a parameter server on two tensor stores and three VWs of different sizes,
-layouts, ``Nm`` and speeds (or, with ``--cluster FILE``, the VWs ``plan_workers`` builds for the
-file's devices, slowed by their planned speed; with ``--processes``, each VW in processes of its
-own, one per node it spans); a resource trace kills the second VW at 30 % of the run and adds a
-new one on its devices at 50 %. Writes ``DIR/loss.png`` and ``DIR/summary.json`` (a
-:class:`Summary`). ``docs/wsp.md`` ("The ``wsp`` command") says what it shows.
+"""``tenplex-jax wsp``: HetPipe's heterogeneous virtual workers with wave synchronous parallel,
+on 8 fake CPU devices, one VW dying and a new one joining; ``DIR/summary.json`` is a
+:class:`Summary`. ``docs/wsp.md`` ("The ``wsp`` command") says what it runs and shows.
 """
 
 from __future__ import annotations
@@ -90,9 +85,7 @@ def command(args) -> int:
 
     if not use_cpu_devices(DEVICES, "wsp"):
         return 2
-    names = {field.name for field in dataclasses.fields(WSPOptions)}
-    given = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    run(WSPOptions(**given | {"out": pathlib.Path(args.out)}))
+    run(WSPOptions(**parsing.fields_of(WSPOptions, args) | {"out": pathlib.Path(args.out)}))
     return 0
 
 
@@ -107,7 +100,6 @@ class WSPOptions:
     distance: int = 1
     slowdown: float = 2.0
     minibatches: tuple[int, int, int] = (4, 2, 1)  # Nm of vw1, vw2, vw3 (and the joiner: vw2's)
-    fail: bool = True  # devices 4..5 fail at 30 % and come back at 50 %
     timeout: float = 3.0  # the ledger drops a VW silent this long
     lr: float = 3e-3
     seed: int = 0
@@ -344,19 +336,16 @@ def _train(job: _Job, log) -> Summary:
 
 def _trace(options: WSPOptions, plans: list[Built]):
     """The demo's resource trace: the second VW's devices fail at 30 % and come back at 50 %
-    (no event with one VW, or without ``options.fail``)."""
+    (no event with one VW)."""
     from tenplex_jax._src.elastic.trace import ResourceTrace, TraceEvent
 
     at = lambda f: max(1, int(f * options.steps))
-    second = plans[1].devices if options.fail and len(plans) > 1 else None
-    events = [
-        TraceEvent(step=at(f), kind=kind, devices=second)
+    events = tuple(
+        TraceEvent(step=at(f), kind=kind, devices=plans[1].devices)
         for f, kind in ((0.3, "fail"), (0.5, "offer"))
-        if second is not None
-    ]
-    return ResourceTrace(
-        name="wsp-demo", devices=DEVICES, steps=options.steps, events=tuple(events)
+        if len(plans) > 1
     )
+    return ResourceTrace(name="wsp-demo", devices=DEVICES, steps=options.steps, events=events)
 
 
 def _threads(job: _Job, parts: dict, state):

@@ -17,9 +17,7 @@ no process compiles a layout that it, or a process in its position, compiled bef
 and it still lowers and hands XLA's cache the program.
 
 While a step traces and lowers on a background thread, Python's thread switch interval is lowered
-(``switch_interval``, 0.5 ms by default; see :class:`_SwitchInterval`): at the interpreter's 5 ms
-the training loop's thread, which gives up the GIL at every JAX call and then waits for the
-tracing thread to hand it back, ran several times slower while a step was lowered beside it.
+(``switch_interval``, 0.5 ms by default; :class:`_SwitchInterval` says why).
 """
 
 from __future__ import annotations
@@ -396,11 +394,10 @@ class _SwitchInterval:
     A thread that gives up the GIL (every JAX call, every wait for a device) asks for it back; the
     thread running Python code hands it over only at the switch interval. A compile ahead traces
     and lowers the step in Python for a second or more, so at the interpreter's 5 ms the training
-    loop waited up to 5 ms at each of its JAX calls: measured on GPT tiny, 8 CPU devices, an
-    iteration of the loop took 11-13 ms alone, 115 ms beside a lowering thread at 5 ms and 21 ms
-    at 0.5 ms (``benchmarks/switch_interval.py``). The lowering gets the GIL less often meanwhile
-    and runs about twice as long: the job's steps come first. (Beside XLA's own compile, which
-    runs without the GIL, the setting changes nothing.)
+    loop waited up to 5 ms at each of its JAX calls (``benchmarks/RESULTS.md`` has the slowdown
+    measured). The lowering gets the GIL less often meanwhile and runs about twice as long: the
+    job's steps come first. (Beside XLA's own compile, which runs without the GIL, the setting
+    changes nothing.)
 
     The first background compile to start saves the setting; the last to end puts it back, unless
     someone else changed it meanwhile (theirs is kept).

@@ -1,9 +1,6 @@
-"""The commit protocol: versions of a train state in the tensor stores.
-
-A multi-process job keeps its state in one tensor store per host slot
-(``tenplex_jax.multihost.store``), so
-that a later generation of processes — more, fewer, or the same minus a dead one — can pull exactly
-the shards it needs. A *version* is the state at one step, laid out in the stores as::
+"""The commit protocol: versions of a train state in the tensor stores (docs/multihost.md,
+"Commits and restores", states the rules). A *version* is the state at one step, laid out in the
+stores as::
 
     v00000012/manifest            JSON, on every store: the step, the PTC (leaf paths, shapes,
                                   dtypes, specs, config, device ids, device -> process map), each
@@ -13,20 +10,9 @@ the shards it needs. A *version* is the state at one step, laid out in the store
                                   writer process, to that process's store and the next k stores
     v00000012/commit/<process>    JSON marker, on every store: the process wrote all its objects
 
-**Writers.** The devices holding the same box of a leaf (replicas under data parallelism) share one
-writer: the processes holding the box take turns by leaf and box index, so the bytes of a commit
-spread over the processes instead of all landing on process 0; inside the writer process the
-lowest-id device holding the box supplies it.
-
-**Complete versions.** A version is complete when its manifest and the markers of all its processes
-exist. A restore reads the latest complete version only; a process that finds its version complete
-deletes the older ones. A commit copies the shards to host memory first (the next train step may
-donate the device buffers) and writes them on a background thread, overlapped with training.
-
-**Reads.** A target shard's pieces come from ``make_plan(stored PTC, target PTC)``: each piece is a
-sub-box of one stored object. It is read from the reader's own slot when that slot holds a copy,
-else from the writer's slot, else from the replicas; a store that is down or has lost the object is
-skipped, and a piece no store can serve raises ``StoreError`` naming the leaf, box and slots tried.
+The holders of one box of a leaf take turns as its writer by leaf and box index; inside the writer
+process the lowest-id device holding the box supplies it. A piece no store can serve raises
+``StoreError`` naming the leaf, box and slots tried.
 """
 
 from __future__ import annotations
@@ -392,10 +378,8 @@ class Committer:
             self._result = error
 
     def _put_json_all(self, path: str, obj) -> None:
-        # flush=False: a marker needs its objects in the store's memory, not on its disk; the
-        # launcher never restarts a store that died (its slot is lost), so the memory tier of a
-        # live store is what a restore reads, and waiting for fsyncs would make every commit
-        # as slow as the disk
+        # flush=False: a store that dies takes its slot with it (never restarted), so a restore
+        # reads live stores' memory; waiting for fsyncs would make every commit as slow as disk
         for client in self.stores.values():
             client.put_json(path, obj, flush=False)
 

@@ -37,9 +37,8 @@ def distributed_client():
     return distributed.global_state.client
 
 
-# seconds without a heartbeat after which the service fails a task, the same in the service
-# and in its clients (JAX's default): a client heartbeats at a fraction of its own timeout, so
-# a service with a shorter one failed every idle task about 50 s after it joined (measured)
+# seconds without a heartbeat after which the service fails a task: the same in the service as
+# in its clients (JAX's default), whose heartbeats come at a fraction of their own timeout
 HEARTBEAT_SECONDS = 100
 
 
@@ -64,12 +63,11 @@ def cpu_topology(processes: int, devices_per_process: int, *, port: int, timeout
     """The devices of a ``processes`` x ``devices_per_process`` CPU job that does not exist, for
     compiling only: what process 0 of such a job would see (ids ``p * 2048 + k``, each with its
     ``process_index``), so that a program compiled for them loads, serialized, in the real job's
-    processes (measured on jax 0.10.2 and 0.12: equal results). In this process: a coordination
-    service on a loopback port and one CPU client per process, each with gloo collectives that
-    never connect (nothing runs); the service listens on ``127.0.0.1:port`` (a client ends the
-    process when its connection to it breaks). Private API (``_jax``'s runtime service and
-    client, ``xla_client.make_cpu_client``), the same in 0.10.2 and 0.12. On leaving, every
-    client leaves the service together (its shutdown is a barrier), then the service stops."""
+    processes (equal results on jax 0.10.2 and 0.12). In this process: a coordination service on
+    ``127.0.0.1:port`` (a client ends the process when its connection to it breaks) and one CPU
+    client per process, whose gloo collectives never connect. Private API (``_jax``'s runtime
+    service and client, ``xla_client.make_cpu_client``), the same in 0.10.2 and 0.12. On
+    leaving, every client leaves the service together (a barrier), then the service stops."""
     from jax._src.lib import _jax, xla_client
 
     address = f"127.0.0.1:{port}"

@@ -1,19 +1,9 @@
 """``tenplex-jax launch``: run a training script as an elastic multi-process job.
 
-JAX cannot change the process set of a running job, so — as in Tenplex — the state lives in tensor
-stores outside the workers, and a change of workers is a new *generation* of processes that pull
-exactly the shards they need. The :class:`Launcher` starts one store per host slot
-(``python -m tenplex_jax.multihost.store``), then generations of workers (``python -m
-tenplex_jax.multihost SCRIPT ARGS``, each told its :class:`JobSpec` in one environment variable);
-a generation ends at a failure (a worker or a store dies: the survivors are told on their stdin,
-break their collectives with the dead peer and leave), a planned resize (``echo N >
-RUN_DIR/resize``) or SIGTERM (both at a step boundary, after a synchronous commit). The next
-generation restores the latest complete version from the stores, the orbax checkpoint when no
-copy of some shard survives, or ``init``. The processes that stay keep running into the next
-generation (the launcher hosts each generation's ``jax.distributed`` coordination service), warm
-standby processes take the new ranks, and the processes share their compiled steps through
-``RUN_DIR/executables``. docs/multihost.md describes the protocol; ``rundir`` what the run
-directory holds. Process 0 writes to the launcher's stdout, the others to
+The :class:`Launcher` starts one store per host slot, then generations of workers, each ended by
+a failure, a planned resize or SIGTERM, the next one restored from the stores, the orbax
+checkpoint or ``init``: docs/multihost.md ("The launcher") states the protocol; ``rundir`` what
+the run directory holds. Process 0 writes to the launcher's stdout, the others to
 ``RUN_DIR/logs/g<gen>-p<id>.log`` (the tail is printed when one fails).
 """
 
@@ -376,7 +366,7 @@ class Launcher:
                 proc.stdin.close()
         coordinator = self._coordinator(slots[0])
         service = None
-        if self._keeps:  # here, so that no trainer's death takes the others with it
+        if self.options.keep:  # here, so that no trainer's death takes the others with it
             service = distributed.coordination_service(coordinator, len(slots))
         stores = {i: s.address for i, s in self.slots.items() if self._up(i)}
         workers, logs, warms, kept = [], [], [], []
@@ -425,7 +415,7 @@ class Launcher:
         """The process of ``spec``'s rank on ``slot`` (its output to ``log``; None: ours): a
         waiting one (:meth:`_activate`), else a fresh one; (it, how it was waiting or None)."""
         proc, how = self._activate(slot, spec.to_env(), log)
-        if proc is None and self._keeps:  # a fresh process, ranked on its stdin as the others
+        if proc is None and self.options.keep:  # a fresh process, ranked on its stdin as the others
             proc = self._spawn_standbys([slot])[slot]
             self._give_rank(proc, spec.to_env(), log, warm=False)
         elif proc is None:
@@ -464,11 +454,6 @@ class Launcher:
         """The slots a standby is kept for: the generation's, and a spare for a new slot."""
         return [*gen.slots, SPARE]
 
-    @property
-    def _keeps(self) -> bool:
-        """Whether survivors stay in their process for the next generation (``keep``)."""
-        return self.options.keep
-
     def _give_rank(self, proc, env: dict, log: pathlib.Path | None, *, warm: bool = True) -> None:
         """Hand a waiting process its rank: the environment ``env`` and its output file (None:
         the launcher's own); ``warm``: it was waiting before it was needed. OSError when it is
@@ -476,7 +461,7 @@ class Launcher:
         if proc.poll() is not None:
             raise BrokenPipeError(f"exited with {proc.returncode}")
         self._tell(proc, {"env": env, "log": None if log is None else str(log), "warm": warm})
-        if not self._keeps:
+        if not self.options.keep:
             proc.stdin.close()
 
     @staticmethod
@@ -564,9 +549,9 @@ class Launcher:
                         self._announce(gen, requested.processes)
                         ask_by = time.monotonic() + GROW_WAIT_SECONDS
                     else:
-                        self._post_control(requested)
+                        write(self.run_dir / CONTROL, requested)
             elif ask_by is not None and (self._ready_to_grow(gen) or time.monotonic() > ask_by):
-                self._post_control(requested)
+                write(self.run_dir / CONTROL, requested)
                 ask_by = None
             elif time.monotonic() > deadline:
                 return _Outcome(
@@ -619,15 +604,10 @@ class Launcher:
             self._event(RunEvent.REQUEST, action=request.action, processes=request.processes)
         return request
 
-    def _post_control(self, request: Request) -> None:
-        """Ask the workers to end the generation at a step they agree on (``RUN_DIR/control``)."""
-        write(self.run_dir / CONTROL, request)
-
     def _announce(self, gen: _Generation, count: int) -> None:
         """Tell the generation's processes, which stay, of the growth to ``count`` processes: each
         lowers the grown layout's step while it trains on (``LaunchedJob``), and says so in
-        ``RUN_DIR/grown-g<gen>-p<id>.json``. A process that is gone is the failure the watch
-        finds next."""
+        ``RUN_DIR/grown-g<gen>-p<id>.json``."""
         if gen.service is None:  # survivors do not stay: nothing they lower would serve
             return
         for proc in gen.workers:
@@ -666,13 +646,10 @@ class Launcher:
         return out
 
     def _end_generation(self, gen: _Generation, outcome: _Outcome) -> None:
-        """End ``gen``: its survivors leave it and wait for the next rank (with ``keep``), the
-        rest are killed (after ``--grace`` seconds without ``keep``) and reaped by PID.
-
-        At a failure, the survivors are told to end the generation: each breaks its collectives
-        with the others (they block on the dead peer) and leaves. A survivor that has not left
-        within ``LEAVE_SECONDS``, or whose slot the job loses, is killed: a standby takes its
-        rank (one that was joining the generation exits at once: see ``membership.Control``)."""
+        """End ``gen``: its survivors leave it and wait for the next rank (with ``keep``; told
+        to at a failure), the rest are killed (after ``--grace`` seconds without ``keep``) and
+        reaped by PID; a survivor not left within ``LEAVE_SECONDS``, or whose slot the job
+        loses, is killed too."""
         if gen.service is not None and outcome.kind in (RunEvent.FAILURE, RunEvent.RESIZE):
             alive = [
                 i

@@ -6,19 +6,15 @@ of JAX make that work (checked on jax 0.10.2 and 0.12, CPU with gloo collectives
 
 - The *coordination service* runs in the launcher (``distributed.coordination_service``), not
   in a trainer, so the death of any trainer — process 0 included — takes no other with it. It
-  is recoverable:
-  a task that leaves is not waited for at shutdown. ``jax.distributed.initialize`` starts a
-  service in process 0 whatever it is told, so process 0 starts one on a port nobody connects
-  to (loopback), and connects to the launcher's like every other process.
+  is recoverable: a task that leaves is not waited for at shutdown. ``jax.distributed.initialize``
+  starts a service in process 0 whatever it is told, so process 0 starts one on a port nobody
+  connects to (loopback), and connects to the launcher's like every other process.
 - *Leaving* (:func:`leave`) is ``jax.distributed.shutdown`` (this process's client only), then
-  dropping the backends (``jax._src.api.clear_backends``): the next ``initialize`` builds a
-  client over the next generation's devices.
-- A survivor of a failure is blocked in a collective with the dead peer (gloo never times out).
-  :func:`break_collectives` shuts down this process's TCP connections with the generation's
-  trainers, itself included (by the endpoints each published when it joined, on any host; on
-  this host also through ``/proc``, a dead peer's too), and no other: each blocked collective
-  then fails at once, the step's arrays hold the error, and the script unwinds
-  (:class:`Control` interrupts it) to :func:`tenplex_jax._src.multihost.worker.main`.
+  dropping the backends: the next ``initialize`` builds a client over the next generation's
+  devices.
+- A survivor of a failure is blocked in a collective with the dead peer (gloo never times out):
+  :func:`break_collectives` fails it, and the script unwinds (:class:`Control` interrupts it) to
+  :func:`tenplex_jax._src.multihost.worker.main`.
 
 The launcher talks to a process on its stdin, one JSON object per line (:class:`Control`):
 ``{"env": {...}, "log": path}`` gives it a rank in a generation (the environment holding its
@@ -76,7 +72,7 @@ def join(
     # recoverable where processes stay (the launcher hosts the service): a task may leave
     # without the others. Where process 0 hosts it, every task leaves at once and process 0
     # last: recoverable tasks skip the shutdown barrier, and process 0's exit would end the
-    # service under the others' shutdown (they abort: measured at a planned change, --no-keep)
+    # service under the others' shutdown (they abort at a planned change, with --no-keep)
     jax.config.update("jax_enable_recoverability", hosted)
     bind = None
     if process_id == 0:  # initialize starts a service in process 0: the launcher's is the real one
@@ -222,10 +218,8 @@ class Control:
     :class:`GenerationEnded`: in Python code and in waits Python can interrupt (a lock, a
     future's result, a sleep, a socket), where an asynchronous exception would wait for the wait
     to end. A wait inside JAX on a collective ends when the collectives break. A process still
-    joining (:meth:`joining`) exits instead, with ``REJOIN``: ``jax.distributed.initialize``
-    waits for every process of the generation to connect, and the backend's creation for every
-    process's devices; neither can be interrupted, and stopping the service does not end them
-    (measured: the connect waits out its timeout); the launcher gives its rank to its standby.
+    joining (:meth:`joining`) exits instead, with ``REJOIN``: neither the connect nor the
+    backend's creation can be interrupted; the launcher gives its rank to its standby.
     :meth:`rank` waits for the next rank. A planned growth is announced while the generation
     trains on (``{"grow": processes}``): :meth:`watch_growth` hands it to the running job.
     """

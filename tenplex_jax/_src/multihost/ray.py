@@ -2,16 +2,9 @@
 
 The same launcher as on one host (:class:`tenplex_jax._src.multihost.launch.Launcher`) with a
 slot per Ray node: each node's tensor store and worker are processes started by Ray actors
-pinned to the node (``NodeAffinitySchedulingStrategy``, not soft), driven as the launcher drives
-its children (:class:`Remote`); the store outlives the worker generations, whose actors are
-others. The ``jax.distributed`` coordination service runs in the launcher, on the driver's node
-address (with ``--no-keep``, in process 0, on its node). A node's death reaches the launcher as
-its actors' calls failing: its worker and store are gone. A node that joins (with the job's
-resource, if one is named) is an offer, grown onto when the rule of ``ElasticJob.offer`` says it
-pays on the launcher's measurements (an ``offer`` event). Every store needs the job's token
-(``RUN_DIR/token``, mode 0600, passed by path); ``RUN_DIR`` must be on a file system every node
-sees. docs/multihost.md ("On a Ray cluster") says why Ray Core and not Ray Train's
-``JaxTrainer``.
+pinned to the node, driven as the launcher drives its children (:class:`Remote`).
+docs/multihost.md ("On a Ray cluster") states the rest: deaths, joins, the token, and why Ray
+Core and not Ray Train's ``JaxTrainer``.
 """
 
 from __future__ import annotations
@@ -28,6 +21,7 @@ import time
 
 from tenplex_jax._src.errors import LaunchError
 from tenplex_jax._src.multihost.launch import Launcher, _Slot
+from tenplex_jax._src.multihost.processes import free_port, spawn
 from tenplex_jax._src.multihost.rundir import Progress, RunDir, RunEvent
 from tenplex_jax._src.multihost.spec import STANDBY, Action, LaunchOptions, Request
 from tenplex_jax._src.planner.growth import Growth, growth
@@ -56,23 +50,15 @@ class _Host:
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
     def free_port(self, host: str) -> int:
-        import socket
-
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return s.getsockname()[1]
+        return free_port(host)
 
     def start(self, command: list[str], env: dict, log: str | None) -> int:
-        from tenplex_jax._src.multihost.processes import spawn
-
         out = open(log, "ab") if log else None  # noqa: SIM115 (closed when it exits)
         self.proc = spawn(command, env=os.environ | env, stdout=out, stderr=out)
         return self.proc.pid
 
     def stand_by(self, command: list[str], env: dict) -> int:
-        """A standby process (see ``worker.stand_by``), its rank to come on its stdin."""
-        from tenplex_jax._src.multihost.processes import spawn
-
+        """A standby process (see ``worker._warm``), its rank to come on its stdin."""
         self.proc = spawn(command, env=os.environ | env, stdin=subprocess.PIPE)
         return self.proc.pid
 
@@ -92,7 +78,7 @@ class _Host:
         with contextlib.suppress(OSError):
             self.proc.stdin.close()
 
-    def start_store(self, directory: str, host: str, token_file: str, python: str) -> tuple:
+    def start_store(self, directory: str, host: str, token_file: str) -> tuple:
         from tenplex_jax._src.multihost.store.process import StoreProcess
 
         store = StoreProcess.start(directory, host=host, token_file=token_file)
@@ -141,10 +127,8 @@ class Remote:
     def send_signal(self, sig: int) -> None:
         import ray
 
-        if self.poll() is None:
-            with contextlib.suppress(
-                ray.exceptions.RayError
-            ):  # its node is gone: so is the process
+        if self.poll() is None:  # (a RayError: its node is gone, so is the process)
+            with contextlib.suppress(ray.exceptions.RayError):
                 ray.get(self.actor.signal.remote(int(sig)), timeout=30)
 
     def kill(self) -> None:
@@ -260,7 +244,7 @@ class RayLauncher(Launcher):
             ip, _ = ray.get(actor.where.remote(), timeout=self.options.start_timeout)
             self.nodes[i], self.hosts[i] = node, actor
             calls[i] = actor.start_store.remote(
-                str(self.store_dir / str(i)), ip, str(self.token_file), self.options.python
+                str(self.store_dir / str(i)), ip, str(self.token_file)
             )
         for i, call in calls.items():
             try:
@@ -288,13 +272,9 @@ class RayLauncher(Launcher):
     def _coordinator(self, slot: int) -> str:
         import ray
 
-        if self._keeps:  # the service runs here, in the launcher: no node's death ends it
-            import socket
-
+        if self.options.keep:  # the service runs here, in the launcher: no node's death ends it
             ip = ray.util.get_node_ip_address()
-            with socket.socket() as s:
-                s.bind((ip, 0))
-                return f"{ip}:{s.getsockname()[1]}"
+            return f"{ip}:{free_port(ip)}"
         ip, _ = ray.get(self.hosts[slot].where.remote(), timeout=30)
         port = ray.get(self.hosts[slot].free_port.remote(ip), timeout=30)
         return f"{ip}:{port}"

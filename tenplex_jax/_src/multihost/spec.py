@@ -65,7 +65,7 @@ class JobSpec:
     """What the launcher tells each worker process of a generation.
 
     Passed as one JSON environment variable (``TENPLEX_JOB``): :meth:`to_env` writes it,
-    :meth:`from_env` reads it back; ``tj.ElasticJob`` finds itself launched when it is set.
+    :meth:`from_env` reads it back (``LaunchedJob`` refuses to start without it).
 
     Attributes:
       coordinator: ``"host:port"`` of the ``jax.distributed`` coordination service (the

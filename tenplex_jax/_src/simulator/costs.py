@@ -222,22 +222,9 @@ def _of(value, policy: str, default: float) -> float:
 def checkpoint_interval(
     costs: Costs, trace, minutes: float, blocking: Blocking, devices: int
 ) -> CheckpointInterval:
-    """The minutes between the periodic checkpoints every policy takes, and why.
-
-    In order: ``costs.checkpoint_minutes``; the trace's ``checkpoint_every`` unless
-    ``costs.young_daly``; Young/Daly (:func:`young_daly`) with ``C`` the seconds a checkpoint
-    stops training and the job's MTTF from ``costs.mttf_hours`` or else the trace's failures
-    (its length over their number), no shorter than a whole save nor a minute; the trace's
-    ``checkpoint_every``; 30 minutes.
-
-    Args:
-      costs: the :class:`Costs`.
-      trace: the :class:`tenplex_jax.elastic.ResourceTrace`, scaled to the cluster, ``minutes``
-        long, on ``devices`` devices (for ``costs.mttf_hours``).
-      minutes: the trace's wall-clock length.
-      blocking: the first layout's :class:`Blocking`.
-      devices: the job's device count.
-    """
+    """The minutes between the periodic checkpoints every policy takes, and why, by the rules
+    docs/simulator.md lists in order, for ``trace`` scaled to the cluster (``devices`` devices,
+    ``minutes`` long) and the first layout's ``blocking``."""
     given = trace.checkpoint_every / trace.steps * minutes if trace.checkpoint_every else None
     interval = functools.partial(CheckpointInterval, cost_seconds=float(blocking.copy))
     if costs.checkpoint_minutes:
@@ -274,11 +261,8 @@ def assumptions(
     the JSON; with the ``checkpoint`` interval (None: none to state, as for one change)."""
     compile_s = costs.compile(policy)
     out = [f"restart {costs.restart(policy):g} s at every change"]
-    out.append(
-        "announced changes compiled ahead"
-        if costs.compile_ahead
-        else f"announced changes compiled on demand ({compile_s:g} s)"
-    )
+    ahead = "compiled ahead" if costs.compile_ahead else f"compiled on demand ({compile_s:g} s)"
+    out.append(f"announced changes {ahead}")
     out.append(
         "failures load the step from an executable cache"
         if costs.executable_cache

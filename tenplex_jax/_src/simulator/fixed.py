@@ -1,6 +1,5 @@
-"""One fixed change, with no planner choosing the configs (the planner only picks each one's
-microbatches): :meth:`Simulation.event` between the two layouts, charged exactly as a trace's
-event of the same kind is."""
+"""One fixed change, with no planner choosing the configs: :meth:`Simulation.event` between
+the two layouts, charged exactly as a trace's event of the same kind is."""
 
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """The network model: how long a reconfiguration's bytes take on a described cluster.
 
-Each piece of a plan (``tj.make_plan``) loads the resources on its route by its size: per device
-its on-device copies, links, NIC and host link (each way); per node its NIC, host memory,
-checkpoint storage and tensor store; all nodes' storage together. Every resource works at its
-bandwidth (from :class:`tenplex_jax.planner.Cluster`), all in parallel, full duplex, flows that
-share one sharing it; the time is the busiest resource's bytes over its bandwidth (the bottleneck
-bound), plus the fixed costs :class:`Network` is given (host work, request latency), all 0 unless
-given. ``docs/simulator.md`` has the table of resources. A route is a function returning a
-:class:`Traffic`: :func:`device_traffic` (in one process, as ``tj.reshard`` runs a plan),
-:func:`store_traffic` (a new generation pulls from the tensor stores), :func:`commit_traffic`,
-:func:`save_traffic` and :func:`restore_traffic` (an orbax save and restore).
-
-Pure: it reads plans, PTCs and the cluster, never device memory.
+Each piece of a plan loads the resources on its route by its size; the time is the busiest
+resource's bytes over its bandwidth (the bottleneck bound), plus the fixed costs :class:`Network`
+is given (``docs/simulator.md`` has the table of resources). A route is a function returning a
+:class:`Traffic`: :func:`device_traffic` (as ``tj.reshard`` runs a plan), :func:`store_traffic`
+(a new generation pulls from the tensor stores), :func:`commit_traffic`, :func:`save_traffic`
+and :func:`restore_traffic` (an orbax save and restore). Pure: it reads plans, PTCs and the
+cluster, never device memory.
 """
 
 from __future__ import annotations
@@ -42,7 +37,7 @@ NODE_RESOURCES = (
 @dataclasses.dataclass
 class Traffic:
     """Bytes per resource of one transfer, made by the route functions (:func:`device_traffic`,
-    ...); ``a + b`` adds two; :meth:`Network.seconds` turns one into seconds.
+    ...); :meth:`Network.seconds` turns one into seconds.
 
     Attributes:
       device: resource (``DEVICE_RESOURCES``) -> float ``[devices]`` bytes, by cluster device id.
@@ -81,22 +76,6 @@ class Traffic:
             node={r: np.zeros(m) for r in NODE_RESOURCES},
             pieces=np.zeros(n, dtype=np.int64),
             messages=np.zeros(m, dtype=np.int64),
-        )
-
-    def __add__(self, other: Traffic) -> Traffic:
-        if self.messages is None or other.messages is None:
-            messages = self.messages if other.messages is None else other.messages
-        else:
-            messages = self.messages + other.messages
-        return Traffic(
-            device={r: self.device[r] + other.device[r] for r in DEVICE_RESOURCES},
-            node={r: self.node[r] + other.node[r] for r in NODE_RESOURCES},
-            lost=self.lost + other.lost,
-            messages=messages,
-            **{
-                k: getattr(self, k) + getattr(other, k)
-                for k in ("pieces", "shards", "leaves", "runs")
-            },
         )
 
     @property
@@ -264,16 +243,6 @@ class Network:
         )
 
 
-def _add(traffic: Traffic, src_node: int, dst_node: int, n: float) -> None:
-    """``n`` bytes from one node's host memory to another's: out of one NIC, into the other, read
-    from one host memory and written to the other (nothing when both are the same node)."""
-    if src_node != dst_node:
-        traffic.node["node_out"][src_node] += n
-        traffic.node["node_in"][dst_node] += n
-        traffic.node["host_memory"][src_node] += n
-        traffic.node["host_memory"][dst_node] += n
-
-
 def device_traffic(plan: Plan, network: Network) -> Traffic:
     """The traffic of ``plan`` run device to device in one process, as ``tj.reshard`` runs it.
 
@@ -431,10 +400,7 @@ def store_traffic(reads: Pulls, network: Network, *, via: int | None = None) -> 
         traffic.node["store_get"][via] += relayed
     legs = [(reads.source, target)] if via is None else [(reads.source, via), (via, target)]
     for src, dst in legs:
-        src, dst = (
-            np.broadcast_to(src, reads.nbytes.shape),
-            np.broadcast_to(dst, reads.nbytes.shape),
-        )
+        src, dst = (np.broadcast_to(x, reads.nbytes.shape) for x in (src, dst))
         cross = np.where(src != dst, reads.nbytes, 0)
         for name, where in (("node_out", src), ("node_in", dst)):
             traffic.node[name] += np.bincount(where, cross, minlength=m)
@@ -449,11 +415,6 @@ def store_traffic(reads: Pulls, network: Network, *, via: int | None = None) -> 
     return traffic
 
 
-def central_node(plan: Plan, network: Network) -> int:
-    """Tenplex-Central's node: the target's first."""
-    return network.node_of(plan.dst.device_ids[0])
-
-
 def commit_traffic(objects: Sequence, network: Network) -> Traffic:
     """A commit of :func:`stored` objects into the stores: device to host at each writer, then to
     the other holders' stores (a put per copy, by the writer's node, into each holder's store)."""
@@ -463,8 +424,11 @@ def commit_traffic(objects: Sequence, network: Network) -> Traffic:
         traffic.messages[o.slots[0]] += len(o.slots)
         for node in o.slots:
             traffic.node["store_put"][node] += o.nbytes
-        for node in o.slots[1:]:
-            _add(traffic, o.slots[0], node, o.nbytes)
+        for node in o.slots[1:]:  # host memory to host memory, out of one NIC into the other
+            if node != o.slots[0]:
+                traffic.node["node_out"][o.slots[0]] += o.nbytes
+                traffic.node["node_in"][node] += o.nbytes
+                traffic.node["host_memory"][[o.slots[0], node]] += o.nbytes
     return traffic
 
 

@@ -1,14 +1,10 @@
 """Replaying a resource trace on a described cluster, without devices: three policies side by side.
 
 For each event of the trace (scaled to the cluster by :func:`scale`), the job's devices change as
-``tj.ElasticJob`` changes them; the planner picks the new layout (:meth:`Simulation.layout`);
-``tj.allocate`` and ``tj.make_plan`` plan the change on the PTCs of the model's abstract state
-over cluster device ids (``hosts`` = node ids); the network model
-(:mod:`tenplex_jax._src.simulator.network`) turns each :class:`Policy`'s bytes into seconds
-(:meth:`Simulation.event`), and each policy's clock (:class:`_Clock`) keeps when the job
-trains, stalls and loses work. The job holds every device it was given, used or not; one that
-loses every device waits (a stall, not an error). ``docs/simulator.md`` states the policies and
-the rules; goodput is the fraction of wall time spent on training that is kept.
+``tj.ElasticJob`` changes them; the planner picks the new layout (:meth:`Simulation.layout`), the
+change is planned on the PTCs of the model's abstract state over cluster device ids and priced
+per :class:`Policy` (:meth:`Simulation.event`), and each policy's clock (:class:`_Clock`) keeps
+when the job trains, stalls and loses work. ``docs/simulator.md`` states the policies and rules.
 """
 
 from __future__ import annotations
@@ -116,13 +112,10 @@ _NO_DEVICE = "(no device)"  # a row's config while the job holds no device
 def _devices_after(
     e: TraceEvent, held: tuple[int, ...], devices: int, failed: set[int]
 ) -> tuple[tuple[int, ...], set[int]]:
-    """The devices the job holds after ``e`` (sorted) and the devices ``e`` takes away.
-
-    ``ElasticJob``'s rule (``devices_after``) on the simulator's side: a preemption or failure by
-    count takes the job's highest ids, used or not, and may take all of them (the job then
-    waits); one by ids takes those ids, held or not (a failed device is gone for good); an offer
-    adds the devices offered that are not failed; a redeploy moves onto its live devices.
-    """
+    """The devices the job holds after ``e`` (sorted) and those ``e`` takes away, by
+    ``ElasticJob``'s rule (``devices_after``): a preemption or failure takes the ids it names or
+    the job's highest, used or not, maybe all; an offer adds those offered that are not failed; a
+    redeploy moves onto its live devices."""
     if e.kind in ("preempt", "fail"):
         gone = set(e.devices) if e.devices is not None else set(sorted(held)[-e.count :])
         return tuple(sorted(set(held) - gone)), gone
@@ -285,10 +278,6 @@ class Simulation:
             return self._base
         return self._base.relayout(candidate.config, ids, hosts=hosts)
 
-    def seconds(self, traffic: net.Traffic) -> net.Estimate:
-        """``network.seconds(traffic)``: the :class:`Estimate` of a :class:`Traffic`."""
-        return self.network.seconds(traffic)
-
     def event(self, kind: str, old: Layout, new: Layout, failed_nodes: frozenset) -> PlannedChange:
         """The change from ``old`` to ``new`` priced under every policy (:class:`Costs` says
         what each is charged beyond its bytes).
@@ -307,12 +296,12 @@ class Simulation:
         target = dataclasses.replace(new, ptc=allocate(old.ptc, new.ptc))
         plan = make_plan(old.ptc, target.ptc)
         plan_seconds = time.perf_counter() - tic
-        objects = self._stored(old.ptc)
+        objects, network = self._stored(old.ptc), self.network
         notice = kind != "fail"
-        commit = self.seconds(net.commit_traffic(objects, self.network)) if notice else None
-        save = self.seconds(net.save_traffic(objects, self.network)) if notice else None
-        restore = self.seconds(net.restore_traffic(target.ptc, self.network))
-        reads = net.pulls(plan, self.network, net.holders(objects), failed_nodes)
+        commit = network.seconds(net.commit_traffic(objects, network)) if notice else None
+        save = network.seconds(net.save_traffic(objects, network)) if notice else None
+        restore = network.seconds(net.restore_traffic(target.ptc, network))
+        reads = net.pulls(plan, network, net.holders(objects), failed_nodes)
         policies = {
             p: self._pulled(p, kind, plan, reads, commit, restore)
             for p in (Policy.TENPLEX, Policy.CENTRAL)
@@ -340,13 +329,14 @@ class Simulation:
         """Tenplex's or central's cost: the last step committed first (with notice),
         then the pulls from the stores, or, where some box is in no live store, the orbax tier:
         the checkpoint onto the new layout, no pulls."""
-        via = net.central_node(plan, self.network) if policy == Policy.CENTRAL else None
+        central = policy == Policy.CENTRAL  # Tenplex-Central's node: the target's first
+        via = self.network.node_of(plan.dst.device_ids[0]) if central else None
         traffic = net.store_traffic(reads, self.network, via=via)
         if traffic.lost:
             moved = {"restore": restore.seconds, "latency": restore.latency}
             moved["bottleneck"] = restore.bottleneck
         else:
-            pull = self.seconds(traffic)
+            pull = self.network.seconds(traffic)
             latency = pull.latency + (commit.latency if commit else 0.0)
             moved = {"transfer": pull.seconds, "bottleneck": pull.bottleneck, "latency": latency}
         return PolicyCost(
@@ -361,7 +351,7 @@ class Simulation:
     def blocking(self, layout: Layout) -> Blocking:
         """What ``layout``'s periodic commits and checkpoints cost training: a
         :class:`~tenplex_jax._src.simulator.costs.Blocking`."""
-        save = self.seconds(net.save_traffic(self._stored(layout.ptc), self.network))
+        save = self.network.seconds(net.save_traffic(self._stored(layout.ptc), self.network))
         return Blocking(copy=save.resources["d2h"], save=save.seconds)
 
 

@@ -553,6 +553,16 @@ class StoreClient:
             raise StoreError(f"store {self.address}: a listing is a JSON list", "protocol")
         return [ObjectInfo.from_json(obj) for obj in listing]
 
+    def _checked_json(self, path: str, header: dict, body, what: str) -> Any:
+        """A JSON reply's object, its bytes checked against the checksum the store sent."""
+        if wire.checksum(body) != header.get("checksum"):
+            raise StoreError(
+                f"store {self.address}: {what} of {path!r}: received bytes have checksum "
+                f"{wire.checksum(body)}, the store sent {header.get('checksum')}",
+                "corrupt",
+            )
+        return self._decode(body, what)
+
     def _decode(self, body, what: str) -> Any:
         try:
             return json.loads(body)
@@ -642,14 +652,7 @@ class StoreClient:
             if error.reason == "not_found" and default is not _MISSING:
                 return (default, None, None) if versioned else default
             raise
-        if wire.checksum(body) != header.get("checksum"):
-            raise StoreError(
-                f"store {self.address}: get_json of {path!r}: received bytes have "
-                f"checksum {wire.checksum(body)}, the store sent "
-                f"{header.get('checksum')}",
-                "corrupt",
-            )
-        obj = self._decode(body, "get_json")
+        obj = self._checked_json(path, header, body, "get_json")
         return (obj, int(header["version"]), float(header["time"])) if versioned else obj
 
     def cas_json(self, path: str, obj: Any, *, expect: int | None) -> CAS:
@@ -688,14 +691,7 @@ class StoreClient:
             return CAS(True, int(version), obj, float(header["time"]))
         if version is None:
             return CAS(False, None, None, float(header["time"]))
-        if wire.checksum(body) != header.get("checksum"):
-            raise StoreError(
-                f"store {self.address}: cas_json of {path!r}: received bytes have "
-                f"checksum {wire.checksum(body)}, the store sent "
-                f"{header.get('checksum')}",
-                "corrupt",
-            )
-        value = self._decode(body, "cas_json")
+        value = self._checked_json(path, header, body, "cas_json")
         return CAS(False, int(version), value, float(header["time"]))
 
     @staticmethod

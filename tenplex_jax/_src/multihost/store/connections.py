@@ -1,21 +1,12 @@
-"""Who the tensor store server serves: connections, their hellos, and the caps on both.
+"""Who the tensor store server serves: connections, their hellos, and the caps on both
+(docs/multihost.md, "Bounded memory and connections", states the rules).
 
 A new connection is first a **pending handshake**: no thread, no served slot, and a buffer of at
-most one hello frame (``wire.PREFIX`` + ``wire.HELLO_HEADER_BYTES``). One selector loop per server
-(the thread that runs ``serve_forever``) accepts connections and reads their hellos as the bytes
-arrive. A hello that passes the token check takes one of ``--max-connections`` served slots and a
-thread of its own (the server's ``Handler``, which then serves its requests); with every slot
-taken it is told ``"busy"`` and closed. A wrong token or a malformed frame is answered with an
-error and closed.
-
-Pending handshakes are bounded in number (``--max-handshakes``) and in time (``--handshake-timeout``
-seconds from accept, however slowly their bytes come). When the cap is full, a new connection
-evicts the oldest pending one instead of being refused: an authorized client sends its hello the
-moment it connects, so its hello is read long before enough later connections arrive to evict it,
-and peers that connect and stay silent (or send a partial hello) can never hold every slot. For
-the same reason, when ``accept`` fails for want of file descriptors the oldest pending handshake
-is closed to free one; with none pending, the loop stops accepting for a backoff (10 ms doubling
-to 1 s) and goes on reading hellos, instead of spinning.
+most one hello frame (``wire.PREFIX`` + ``wire.HELLO_HEADER_BYTES``), read by the one selector
+loop of its server (the thread that runs ``serve_forever``). A hello that passes the token check
+gets a thread of its own (the server's ``Handler``). A new connection evicts the oldest pending
+one rather than being refused: an authorized client sends its hello the moment it connects, so
+its hello is read long before enough later connections arrive to evict it.
 """
 
 from __future__ import annotations

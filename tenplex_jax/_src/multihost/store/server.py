@@ -1,17 +1,9 @@
 """The tensor store server: ``python -m tenplex_jax.multihost.store --dir DIR [--port 0]
 [--ready-file F]``.
 
-One process per host (the launcher starts it; it outlives the workers). A threaded TCP server,
-bound to 127.0.0.1 unless ``--host`` says otherwise; bound anywhere else it refuses to start
-without ``--token-file``. ``--unix-socket PATH`` serves the same store on a Unix socket too (mode
-0600), for clients on the same host: ``StoreClient("unix:PATH")``. Who is served, and the caps
-on connections and handshakes: ``connections``; the memory and disk tiers and the atomic files:
-``tiers``. Here: each request's :class:`Handler`, and the :class:`Budget` every request body and
-reply is admitted against before its bytes are received or produced (``max(--memory-bytes,
-64 MiB)``), so that the server's memory stays within the memory tier plus that budget, plus a
-bounded header per connection, whatever clients do; an object larger than the budget streams
-through a ``STREAM_CHUNK_BYTES`` buffer, written to disk as it arrives, read from disk a chunk at
-a time. SIGTERM / SIGINT write what is only in memory to disk first.
+docs/multihost.md ("The tensor store") states its rules. Who is served: ``connections``; the
+tiers and the atomic files: ``tiers``. Here: each request's :class:`Handler`, the :class:`Budget`
+every request body and reply is admitted against, and :func:`main`.
 """
 
 from __future__ import annotations
@@ -55,8 +47,8 @@ from tenplex_jax._src.multihost.store.wire import ObjectInfo
 
 DEFAULT_MAX_BODY_BYTES = 8 << 30
 DEFAULT_TIMEOUT = 120.0
-# a JSON body's parsed objects take at most this many times its bytes (32 measured, for lists of
-# empty lists: ``[[[]],[[]],...]``), counted in the transfer budget while it is checked
+# a JSON body's parsed objects take at most this many times its bytes (32 for lists of empty
+# lists: ``[[[]],[[]],...]``), counted in the transfer budget while it is checked
 JSON_PARSE_FACTOR = 40
 PEER_CHECK_SECONDS = 0.25  # how often a transfer waiting for room looks at its client's socket
 MAX_WAIT = 30.0  # the longest a get_json waits for a newer version of its object
@@ -66,12 +58,9 @@ class Budget:
     """The bytes of request bodies and replies in flight, at most ``limit`` at once.
 
     A transfer is admitted before its bytes are received or produced: it waits for room until
-    ``timeout`` seconds pass, then is refused (reason ``"busy"``); one larger than the whole budget
-    is refused at once (``"too_large"``). So however clients behave (bodies sent without their
-    checksum trailer, replies never read), the bytes in flight stay within ``limit``. A transfer
-    that waits for room looks at its client's connection (``peer``) every
-    ``PEER_CHECK_SECONDS`` and leaves as soon as the client has closed it: a client that gave up
-    keeps no place in the queue.
+    ``timeout`` seconds pass, then is refused (``"busy"``); one larger than the whole budget is
+    refused at once (``"too_large"``). One that waits leaves as soon as its client (``peer``,
+    looked at every ``PEER_CHECK_SECONDS``) has closed the connection.
     """
 
     def __init__(self, limit: int, timeout: float):
@@ -171,21 +160,15 @@ class Handler(socketserver.BaseRequestHandler):
                     message = f"{header.get('op')!r} failed on the store's disk: {error!r}"
                     self._send(sock, {"ok": False, "error": message, "reason": "disk"})
         except StoreProtocolError as error:
-            self._try_send(sock, {"ok": False, "error": str(error), "reason": "protocol"})
+            with contextlib.suppress(OSError):
+                self._send(sock, {"ok": False, "error": str(error), "reason": "protocol"})
         except (OSError, ConnectionError):
             return  # the client went away or timed out
-
-    def _try_send(self, sock, header) -> None:
-        with contextlib.suppress(OSError):
-            self._send(sock, header)
 
     def _send(self, sock, header: dict, body=None) -> None:
         """A reply frame to the request being served: it echoes the request's id (``rid``), so
         that a client can tell a reply of its request from a stale or repeated one."""
         wire.send_frame(sock, header if self.rid is None else {**header, "rid": self.rid}, body)
-
-    def _send_header(self, sock, header: dict, nbytes: int) -> None:
-        wire.send_header(sock, header if self.rid is None else {**header, "rid": self.rid}, nbytes)
 
     def _body(self, sock: socket.socket, nbody: int, expected: int, path: str):
         """Say continue, then read a body of exactly ``expected`` bytes; (bytes, checksum). Call
@@ -263,7 +246,7 @@ class Handler(socketserver.BaseRequestHandler):
         }
         pieces = self.server.store.stream(key, box)
         first = next(pieces, None)  # a file that cannot be opened or read is an error reply
-        self._send_header(sock, reply, nbytes)
+        wire.send_header(sock, reply if self.rid is None else {**reply, "rid": self.rid}, nbytes)
         crc, sent = 0, 0
         try:
             for piece in itertools.chain([] if first is None else [first], pieces):
@@ -431,10 +414,9 @@ class Handler(socketserver.BaseRequestHandler):
         self._send(sock, {"ok": True, "deleted": self.server.store.delete(prefix)})
 
     def _json_body(self, sock: socket.socket, header: dict, nbody: int, what: str):
-        """A JSON request body, received and parsed within the transfer budget, checked (its
-        checksum; a JSON object, without NaN or Infinity). Parsing builds Python objects of up
-        to ``JSON_PARSE_FACTOR`` times the body's bytes (measured: 32 for ``[[[]],[[]],...]``),
-        so the body holds that much of the budget while it is checked."""
+        """A JSON request body, received and parsed within the transfer budget (holding
+        ``JSON_PARSE_FACTOR`` times its bytes more while it is parsed), checked (its checksum; a
+        JSON object, without NaN or Infinity)."""
         path = wire.check_path(header.get("path"))
         self._check_body_limit(nbody, what, wire.MAX_JSON_BYTES)
         with self.server.budget.hold(

@@ -1,31 +1,15 @@
-"""Whole arrays read through shared memory by clients on the store's host.
+"""Whole arrays read through shared memory by clients on the store's host (docs/multihost.md,
+"Shared reads", states the rules): a mapping the reader keeps and copies out of comes near a
+memcpy, which no reply over a socket does.
 
-A reply over a socket hands the reader a new buffer, and on this project's machines no crossing
-that does reaches half a memcpy (``benchmarks/ps_floor.py``: 0.29–0.33); a mapping the reader
-keeps and copies out of does (0.95). So a store keeps, for each whole array a client asked to
-read this way (``StoreClient(..., shared=True)``: the parameter server's pulls), a *segment*:
-a file in shared memory (``/dev/shm``, else under ``DIR``) holding the array's current version
-after a small header (magic, state, the version's sequence number, its bytes), which the store
-and its readers map. The store writes a new version into it at once after an update of the
-array, and before it answers the update; a reader asks the store, over its connection, for the
-array's record and sequence number, then copies the bytes out of its own mapping of the
-segment, and uses them only if the segment then holds that same version, whole.
-
-**Safe under every interleaving.** The store writes a segment holding an exclusive ``flock`` on
-it, a reader copies holding a shared one: a reader never sees a version half written (the lock
-is also the memory barrier between the processes). A store killed while it writes leaves the
-segment in the *writing* state, which no reader uses. A version newer than the one the store
-named (written meanwhile) fails the reader's check; it asks again. A reader that cannot open the
-segment (another host, another user: files are 0600 in a 0700 directory), or finds anything
-amiss, reads over the socket as before: this is a faster path to the same bytes, never the only
-one. A segment's file never changes size (a new size is a new file), so no reader's mapping
-ever loses its pages. Segments are not the store's record: a restarted store serves from its
-objects and writes segments afresh, under new names.
-
-**Bounded.** Segments hold at most the store's memory tier's size in all (a request beyond it
-is refused and the reader reads over the socket); each lives until its array is deleted or the
-store stops. A store killed outright leaves its segments behind (a directory named with its
-pid); the next store started on the host removes those of dead processes.
+A *segment* is a file in ``/dev/shm`` (else under ``DIR``) holding an array's current version
+after a small header (magic, state, the version's sequence number, its bytes). The store writes
+it holding an exclusive ``flock``, a reader copies holding a shared one (the lock is also the
+memory barrier between the processes). A store killed while it writes leaves the segment in the
+*writing* state, which no reader uses; a version newer than the one the store named fails the
+reader's check, and it asks again. A segment's file never changes size (a new size is a new
+file), so no reader's mapping ever loses its pages; files are 0600 in a 0700 directory named
+with the store's pid, whose leftovers the next store on the host removes.
 """
 
 from __future__ import annotations
@@ -162,9 +146,8 @@ class Segments:
 
 
 def _collect(shm: pathlib.Path) -> None:
-    """Remove the segments of store processes that died without removing them (SIGKILL).
-    Stores starting at once collect side by side: a directory another removes first is
-    passed over, never an error (it failed a launched job's store start)."""
+    """Remove the segments of store processes that died without removing them (SIGKILL); a
+    directory another store starting at once removes first is passed over, never an error."""
     for stale in shm.glob(f"{PREFIX}*-*"):
         pid = stale.name[len(PREFIX) :].split("-")[0]
         try:

@@ -1,10 +1,5 @@
-"""The store's state: the index, the memory tier and the disk tier (see ``server`` for the rules).
-
-**Tiers.** Objects live in a memory tier (at most ``memory_bytes``, least recently used clean
-objects evicted first) and on disk under ``DIR/objects``. A plain put is acknowledged once it is
-in the memory tier and queued for disk; a durable put (and any object too large for the memory
-tier) once its file is complete. ``flush`` waits until every object acknowledged before it is on
-disk; ``put_json`` flushes first (unless asked not to).
+"""The store's state: the index, the memory tier (least recently used clean objects evicted
+first) and the disk tier (docs/multihost.md, "Tiers", states the rules).
 
 **Atomic files.** An object is one file: ``b"TPX2"`` + header length + the header's crc32 + a
 JSON header (path, box, global shape, dtype, checksum) + the bytes, written to ``DIR/tmp`` and
@@ -485,15 +480,19 @@ class Tiers:
             if checksums.text(crc) != info.checksum:
                 raise ValueError(f"checksum {checksums.text(crc)}, its header says {info.checksum}")
         except (OSError, ValueError, struct.error) as error:
-            with self.lock:
-                if self.index.get(key) is entry:
-                    self._index_del(key)
-                    self._set_aside(file, repr(error))
-            raise StoreError(
-                f"object {info.path!r} box {info.box} is corrupt on disk ({error!r}); it is not "
-                f"served",
-                "corrupt",
-            ) from None
+            raise self._corrupt(key, entry, repr(error)) from None
+
+    def _corrupt(self, key: str, entry: Entry, why: str) -> StoreError:
+        """Set ``entry``'s file aside (unless the index holds another version); the error."""
+        with self.lock:
+            if self.index.get(key) is entry:
+                self._index_del(key)
+                self._set_aside(self.objects_dir / f"{key}.obj", why)
+        info = entry.info
+        return StoreError(
+            f"object {info.path!r} box {info.box} is corrupt on disk ({why}); it is not served",
+            "corrupt",
+        )
 
     def _drop_conflicts(self, key: str, info: ObjectInfo) -> int:
         """Remove the objects ``info`` replaces (call with the lock held); how many."""

@@ -1,20 +1,9 @@
-"""The store's read-modify-write operations: one at a time per path, and safe to repeat.
+"""The store's read-modify-write operations: one at a time per path (a put and an accumulate of
+one path never interleave: the later one wins, whole), and safe to repeat (docs/multihost.md,
+"Safe to repeat" and "Shared reads", states the rules).
 
-- **Puts of an array** take the path's lock, so a put and an accumulate of one path never
-  interleave: the later one wins, whole.
-- **Accumulate** adds a staged float array into a stored one, once per pusher and clock, a chunk
-  at a time (an array larger than the transfer budget streams from file to file). It refuses an
-  update holding NaN or Inf or a sum that overflows, leaving the array as it was. The array's
-  record keeps each pusher's clock and the checksum of its last update (``sources``), so a try
-  repeated after a lost reply, even across a restart of the store, is known as done. With
-  ``consume``, the stage is removed once the new version is on disk (not before: after a crash
-  the stage is the write-ahead record of an update the array's file lacks).
-- **Shared reads** (:mod:`~tenplex_jax._src.multihost.store.shared`): a whole array a client
-  on this host reads through shared memory has a segment, written under the path's lock with
-  each new version before the update that made it is answered.
-- **JSON objects** carry a version that only grows and the ids of their last writes (a
-  request's ``rid``), both in their file: a compare-and-swap or put tried again after its reply
-  was lost, even across a restart, answers with its first outcome instead of writing twice.
+An accumulate's ``consume`` removes the stage once the new version is on disk, not before: after
+a crash the stage is the write-ahead record of an update the array's file lacks.
 """
 
 from __future__ import annotations
@@ -97,16 +86,9 @@ class Store(Tiers):
                 if f.read(1):
                     raise ValueError("the file holds more bytes than its header says")
             if checksums.text(crc) != entry.info.checksum:
-                raise ValueError(f"checksum {checksums.text(crc)}, its header says so otherwise")
+                raise ValueError(f"checksum {checksums.text(crc)}, header {entry.info.checksum}")
         except (OSError, ValueError) as error:
-            with self.lock:
-                if self.index.get(key) is entry:
-                    self._index_del(key)
-                    self._set_aside(file, repr(error))
-            raise StoreError(
-                f"object {entry.info.path!r} is corrupt on disk ({error!r}); it is not served",
-                "corrupt",
-            ) from None
+            raise self._corrupt(key, entry, repr(error)) from None
 
     def accumulate(
         self,
@@ -333,15 +315,6 @@ class Store(Tiers):
 
     # -- JSON objects ------------------------------------------------------------------------
 
-    def _json_now(self, path: str) -> tuple[dict | None, np.ndarray | None]:
-        """A JSON object's file header and bytes, or (None, None) when there is none."""
-        try:
-            return self.get_json(path)
-        except StoreError as error:
-            if error.reason != "not_found":
-                raise
-            return None, None
-
     def put_json(self, path: str, data: np.ndarray, flush: bool = True, rid=None) -> int:
         """Store a JSON object (after every object put before it is on disk, unless ``flush``
         is False); its version. A request ``rid`` that wrote it already is not written again."""
@@ -363,7 +336,12 @@ class Store(Tiers):
             done = self.written_by(path, rid)
             if done is not None:
                 return True, done, None
-            header, current = self._json_now(path)
+            try:
+                header, current = self.get_json(path)
+            except StoreError as error:
+                if error.reason != "not_found":
+                    raise
+                header, current = None, None
             version = None if header is None else int(header.get("version", 0))
             if version != expect:
                 return False, version, current
