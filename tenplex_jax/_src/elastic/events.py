@@ -18,7 +18,7 @@ import enum
 import time
 from collections.abc import Iterable
 
-from tenplex_jax._src.errors import LayoutError, one_of
+from tenplex_jax._src.errors import LayoutError
 from tenplex_jax._src.planner.growth import Growth
 
 
@@ -162,7 +162,10 @@ def devices_after(
     offer without ids gives the ``count`` lowest-numbered ``usable`` devices the job does not use.
     """
     current, failed, usable = set(current), set(failed), set(usable)
-    kind = one_of(EventKind, kind, "an event kind", LayoutError)
+    if kind not in tuple(EventKind):
+        kinds = tuple(k.value for k in EventKind)
+        raise LayoutError(f"an event kind must be one of {kinds}, got {kind!r}")
+    kind = EventKind(kind)
     if kind == EventKind.REDEPLOY:
         wanted = set(devices or ())
         bad = sorted(wanted - usable | wanted & failed)
