@@ -2,12 +2,12 @@
 
 ``tenplex-jax launch`` starts every worker as ``python -m tenplex_jax.multihost SCRIPT ARGS``
 (``launched.main``, which runs :func:`main` inside ``tj.elastic.use_job_class(LaunchedJob)``): a
-standby process first imports what the job needs (:func:`_warm`) and waits
-for its rank on stdin; then :func:`join` configures JAX from the launcher's :class:`JobSpec` and
-joins ``jax.distributed``, and the script runs as ``__main__``. Its ``LaunchedJob`` drives a :class:`Worker`:
-``restore`` (from the stores, the orbax checkpoint or ``init``), ``boundary`` (the generation's
-end at a step boundary, or a commit in the background), ``reached`` (progress after every step)
-and ``finish``.
+standby process first imports what the job needs (:func:`_warm`) and waits for its rank on
+stdin; then :func:`join` configures JAX from the launcher's :class:`JobSpec` and joins
+``jax.distributed``, and the script runs as ``__main__``. Its ``LaunchedJob`` drives a
+:class:`Worker`: ``restore`` (from the stores, the orbax checkpoint or ``init``), ``boundary``
+(the generation's end at a step boundary, or a commit in the background), ``reached`` (progress
+after every step) and ``finish``.
 """
 
 from __future__ import annotations
