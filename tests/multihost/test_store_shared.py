@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 
+from tenplex_jax._src import checksums
 from tenplex_jax._src.multihost.store import shared
 from tenplex_jax.errors import StoreError
 from tenplex_jax.multihost import store
@@ -22,8 +23,7 @@ MIB = 1 << 20
 
 def _segments(proc) -> list:
     """The files of the segments of the store ``proc``."""
-    files = pathlib.Path(shared.SHM).glob(f"{shared.PREFIX}{proc.pid}-*/*")
-    return sorted([*files, *(proc.dir / shared.PREFIX).glob("*")])
+    return sorted(pathlib.Path(shared.SHM).glob(f"{shared.PREFIX}{proc.pid}-*/*"))
 
 
 def test_a_shared_read_is_a_socket_read_after_every_kind_of_update(stores):
@@ -73,9 +73,9 @@ def test_a_segment_left_half_written_or_unreadable_is_read_over_the_socket(store
         client.get("w")
         [segment] = _segments(proc)
         with open(segment, "r+b") as f:  # a store killed while it wrote the segment
-            magic, _, seq, nbytes = shared.HEADER.unpack(f.read(shared.HEADER.size))
+            magic, _, epoch, seq, nbytes = shared.HEADER.unpack(f.read(shared.HEADER.size))
             f.seek(0)
-            f.write(shared.HEADER.pack(magic, shared.WRITING, seq, nbytes))
+            f.write(shared.HEADER.pack(magic, shared.WRITING, epoch, seq, nbytes))
         reads = client.shared_reads
         assert np.array_equal(client.get("w"), w) and client.shared_reads == reads
         segment.unlink()  # as on another host: never opened, so never tried again
@@ -145,8 +145,9 @@ def test_a_segment_file_is_readable_by_its_owner_only(stores):
 WRITER = """
 import sys, time
 import numpy as np
+from tenplex_jax._src import checksums
 from tenplex_jax._src.multihost.store import shared
-segments = shared.Segments(__import__("pathlib").Path(sys.argv[1]), 1 << 30)
+segments = shared.Segments(1 << 30, sys.argv[1])
 versions = [np.full(int(sys.argv[2]), v, np.float32) for v in (0, 1)]
 print(segments.publish("w", 0, versions[0]), flush=True)
 seq, end = 0, time.monotonic() + float(sys.argv[3])
@@ -169,6 +170,7 @@ def test_a_reader_never_copies_a_version_while_another_process_writes_it(tmp_pat
         text=True,
     )
     reader, out = shared.Reader(), np.empty(n, np.float32)
+    sums = [checksums.of(np.full(n, v, np.float32)) for v in (0, 1)]
     try:
         file = writer.stdout.readline().strip()
         copied, missed = 0, 0
@@ -176,8 +178,9 @@ def test_a_reader_never_copies_a_version_while_another_process_writes_it(tmp_pat
             while writer.poll() is None:
                 # unlocked, so only a guess (as the store's answer is a version that a later
                 # update may replace before the copy)
-                seq = shared.HEADER.unpack(os.pread(peek.fileno(), shared.HEADER.size, 0))[2]
-                if reader.read(file, seq, out):
+                header = os.pread(peek.fileno(), shared.HEADER.size, 0)
+                epoch, seq = shared.HEADER.unpack(header)[2:4]
+                if reader.read(file, epoch, seq, sums[seq % 2], out):
                     copied += 1
                     assert out[0] == out[-1] == seq % 2 and (out == seq % 2).all(), seq
                 else:
@@ -191,7 +194,7 @@ def test_a_reader_never_copies_a_version_while_another_process_writes_it(tmp_pat
 
 
 def test_a_segment_removed_under_an_update_ends_that_write_with_a_store_error(tmp_path):
-    segments = shared.Segments(tmp_path, MIB)
+    segments = shared.Segments(MIB, str(tmp_path))
     segments.publish("w", 0, np.zeros(4, np.float32))
     segment = segments._by_path["w"]  # as an update holds it while a delete removes the array
     segments.drop("w")
@@ -219,6 +222,78 @@ def test_a_dead_store_s_segments_are_collected_and_a_vanished_one_is_passed_over
 
     (tmp_path / f"{shared.PREFIX}1-gone").mkdir()
     monkeypatch.setattr(pathlib.Path, "lstat", vanishing)
-    segments = shared.Segments(tmp_path / "store", MIB)
+    segments = shared.Segments(MIB, str(tmp_path))
     assert not dead.exists() and live.exists()
+    segments.close()
+
+
+def test_a_version_of_an_earlier_store_process_is_never_read_whatever_its_name_and_seq(tmp_path):
+    """Two store processes' segments of one path, version for version: a reader that kept the
+    first one's mapping is refused it by the epoch the second store names."""
+    first, second = shared.Segments(MIB, str(tmp_path)), shared.Segments(MIB, str(tmp_path))
+    old = first.publish("w", 1, np.zeros(256, np.float32))
+    new = second.publish("w", 1, np.ones(256, np.float32))
+    assert first.epoch != second.epoch and old != new
+    reader, out = shared.Reader(), np.empty(256, np.float32)
+    zeros, ones = (checksums.of(np.full(256, v, np.float32)) for v in (0, 1))
+    try:
+        assert reader.read(old, first.epoch, 1, zeros, out) and (out == 0).all()
+        assert reader.read(old, second.epoch, 1, ones, out) is False  # old file, new epoch
+        assert reader.read(new, second.epoch, 1, ones, out) and (out == 1).all()
+    finally:
+        reader.close()
+        first.close()
+        second.close()
+
+
+def test_a_store_without_shared_memory_serves_every_read_current_over_the_socket(stores):
+    proc = stores.start("s0", args=("--shm", str(stores.root / "no-such-dir")))
+    port = store.parse_address(proc.address)[1]
+    with store.StoreClient(proc.address, shared=True, retry_seconds=30) as client:
+        for restart in range(3):
+            client.put("w", np.full(4096, restart, np.float32), durable=True)
+            assert (client.get("w") == restart).all()
+            proc.kill()
+            proc = stores.start("s0", port=port, args=("--shm", str(stores.root / "no-such-dir")))
+        assert (client.get("w") == 2).all() and client.shared_reads == 0
+        assert client.stats()["shared_bytes"] == 0
+
+
+def test_a_segment_changed_or_cut_short_in_place_is_read_over_the_socket(stores):
+    proc = stores.start("s0")
+    w = np.full(4096, 2.0, np.float32)
+    with store.StoreClient(proc.address, shared=True) as client:
+        client.put("w", w)
+        assert (client.get("w") == 2).all() and client.shared_reads == 1
+        [segment] = _segments(proc)
+        with open(segment, "r+b") as f:  # another process of the store's user writes a float
+            f.seek(shared.DATA_OFFSET + 40)
+            f.write(np.float32(np.inf).tobytes())
+        assert (client.get("w") == 2).all() and client.shared_reads == 1
+        os.truncate(segment, shared.DATA_OFFSET)  # then cuts the file: no read faults on it
+        assert (client.get("w") == 2).all() and client.shared_reads == 1
+        client.put("w", w + 1)  # the store drops the cut segment and shares the array anew
+        assert (client.get("w") == 3).all() and client.shared_reads == 2
+        assert proc.popen.poll() is None
+
+
+def test_shared_memory_that_runs_out_refuses_a_segment_once_said_never_a_fault(
+    tmp_path, monkeypatch, capsys
+):
+    segments = shared.Segments(64 * MIB, str(tmp_path))
+    monkeypatch.setattr(shared, "_free_bytes", lambda directory: 8 * MIB)
+    with pytest.raises(StoreError) as error:
+        segments.publish("big", 0, np.zeros(MIB, np.float32))  # 4 MiB + the reserve > 8 MiB
+    assert error.value.reason == "too_large" and "free" in str(error.value)
+    monkeypatch.setattr(shared, "_free_bytes", lambda directory: 1 << 40)
+
+    def no_space(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(StoreError) as error:
+        segments.publish("big", 0, np.zeros(MIB, np.float32))
+    assert error.value.reason == "too_large" and segments.used == 0
+    assert list(segments.dir.iterdir()) == []  # the file that got no pages is gone
+    assert capsys.readouterr().err.count("is full") == 1  # one line, not one per read
     segments.close()

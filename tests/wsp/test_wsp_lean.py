@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tenplex_jax._src.multihost.store import wire
 from tenplex_jax._src.wsp import pieces
 from tenplex_jax._src.wsp.ledger import PATH
 from tenplex_jax._src.wsp.pieces import cut
@@ -18,7 +19,7 @@ from tenplex_jax._src.wsp.records import BEATS, LOG_KEPT
 from tenplex_jax.errors import StoreError, WSPError
 from tenplex_jax.multihost.store import StoreClient
 from tenplex_jax.wsp import ParameterServer
-from tests.helpers import Stores
+from tests.helpers import Stores, raw_socket, recv_frame
 
 
 @pytest.fixture
@@ -54,6 +55,15 @@ def test_a_watch_answers_when_its_object_changes_and_only_then(stores):
         assert not watcher.is_alive() and got[0][0] == {"count": 1} and got[0][1] > version
         with pytest.raises(StoreError, match="newer_than is a version"):
             client._call({"op": "get_json", "path": "n", "newer_than": "x", "wait": 1})
+    for wait in (float("nan"), -1.0):  # NaN passed every comparison: an uncapped spin
+        sock = raw_socket(address)  # the client itself never sends NaN
+        try:
+            request = {"op": "get_json", "path": "n", "newer_than": version, "wait": wait}
+            wire.send_frame(sock, request)
+            reply, _ = recv_frame(sock)
+        finally:
+            sock.close()
+        assert not reply["ok"] and "newer_than is a version" in reply["error"], reply
 
 
 def _tiny(stores, count: int = 1, **create) -> ParameterServer:
@@ -61,6 +71,17 @@ def _tiny(stores, count: int = 1, **create) -> ParameterServer:
     ps = ParameterServer(addresses)
     ps.create({"w": np.zeros(4, np.float32)}, total=None, **create)
     return ps
+
+
+def test_initial_weights_holding_nan_or_inf_are_refused_before_anything_is_written(stores):
+    ps = ParameterServer([stores.start("s0").address])
+    for bad in (np.nan, np.inf, 1e39):  # 1e39 is Inf once cast to float32
+        with pytest.raises(WSPError, match=r"leaf 'b'.*NaN or Inf") as error:
+            ps.create({"a": np.zeros(4), "b": np.array([0.0, bad])}, total=None)
+        assert error.value.reason == "invalid"
+    assert ps.coordinator.get_json(PATH, default=None) is None  # no job: create may run again
+    ps.create({"a": np.zeros(4), "b": np.zeros(2)}, total=None)
+    ps.close()
 
 
 def test_heartbeats_write_no_ledger_and_a_long_run_keeps_it_bounded(stores):

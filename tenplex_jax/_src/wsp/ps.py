@@ -162,10 +162,18 @@ class ParameterServer(Records):
             that run its stage (default: any).
 
         Raises:
-          WSPError: a job already exists on these stores (``"refused"``), or a bad
-            ``piece_bytes`` or ``stores`` (``"invalid"``; nothing written).
+          WSPError: a job already exists on these stores (``"refused"``), or a weight that is
+            NaN or Inf, a bad ``piece_bytes`` or ``stores`` (``"invalid"``; nothing written).
         """
-        arrays = {path: np.asarray(w, np.float32) for path, w in weights.items()}
+        with np.errstate(over="ignore"):  # a weight past float32's range is Inf: refused below
+            arrays = {path: np.asarray(w, np.float32) for path, w in weights.items()}
+        for path, a in arrays.items():
+            if not np.isfinite(a).all():  # every push's sum would be refused: a dead job
+                raise WSPError(
+                    f"the initial weights of leaf {path!r} (shape {a.shape}) hold NaN or Inf "
+                    f"(after the cast to float32)",
+                    "invalid",
+                )
         shapes = {path: tuple(a.shape) for path, a in arrays.items()}
         layout = cut(shapes, len(self.clients), piece_bytes, stores)
         if not self.coordinator.cas_json(PATH, Ledger(total=total).to_json(), expect=None).swapped:

@@ -22,7 +22,9 @@ from tenplex_jax._src.multihost.store.wire import ObjectInfo
 _MISSING = object()
 _BROKEN = ("unavailable", "protocol")  # reasons after which a connection is not reused
 _RETRIED = (*_BROKEN, "busy")  # reasons a request is tried again within ``retry_seconds``
-SHARED_TRIES = 3  # a shared read whose version was replaced meanwhile asks again this often
+SHARED_TRIES = 3  # a shared read whose version was replaced meanwhile asks again this often;
+# a client whose shared reads could not open their segment this many times in a row reads over
+# the connection from then on (the store is on another host)
 DISK_BYTES_PER_S = 50e6  # the slowest disk a durable put waits for, for its reply timeout
 
 
@@ -87,8 +89,9 @@ class StoreClient:
         pooled connection.
       shared: read whole arrays (``get`` without a box) through shared memory when the store
         is on this host (:mod:`~tenplex_jax._src.multihost.store.shared`): the record over the
-        connection, the bytes copied out of a mapping this client keeps; over the connection
-        when the store is elsewhere, or for anything the store will not share.
+        connection, the bytes copied out of a mapping this client keeps and checked against
+        the record's checksum; over the connection when the store is elsewhere, for anything
+        the store will not share, and for a segment changed or cut short in place.
 
     Attributes:
       shared_reads: the reads served through shared memory so far.
@@ -120,6 +123,7 @@ class StoreClient:
         self._reader = segments.Reader() if shared else None
         self._segment_of: dict[str, str] = {}  # path -> the segment file the store last named
         self.shared_reads = 0
+        self._unopened = 0  # shared reads in a row whose segment could not be opened here
 
     def __repr__(self) -> str:
         return f"StoreClient({self.address!r})"
@@ -420,14 +424,18 @@ class StoreClient:
             try:
                 header, _ = self._call({"op": "get_shared", "path": path})
             except StoreError as error:
-                if error.reason in ("refused", "too_large"):  # not whole, full, an older store
+                if error.reason in ("refused", "too_large"):  # not whole, full, no shared memory
                     return None
                 raise
             try:
                 info = ObjectInfo.from_json(header.get("info"))
-                file, seq = header.get("segment"), header.get("seq")
-                if info.path != path or not isinstance(file, str) or not wire._is_int(seq):
-                    raise StoreError(f"{file!r}, {seq!r}", "protocol")
+                file, epoch, seq = header.get("segment"), header.get("epoch"), header.get("seq")
+                if (
+                    info.path != path
+                    or not isinstance(file, str)
+                    or not (wire._is_int(seq) and wire._is_int(epoch))
+                ):
+                    raise StoreError(f"{file!r}, {epoch!r}, {seq!r}", "protocol")
                 dtype = wire.dtype_of(info.dtype)
             except StoreError as error:
                 raise StoreError(f"get_shared of {path!r}: {error}", "protocol") from None
@@ -436,10 +444,13 @@ class StoreClient:
             if before is not None and before != file:
                 reader.forget(before)
             self._segment_of[path] = file
-            read = reader.read(file, seq, into)
-            if read is None:  # not on this host (or not readable by this user): never again
-                self._reader = None
+            read = reader.read(file, epoch, seq, info.checksum, into)
+            if read is None:  # not on this host, or gone meanwhile: over the socket
+                self._unopened += 1
+                if self._unopened >= SHARED_TRIES:  # never opened here: stop asking
+                    self._reader = None
                 return None
+            self._unopened = 0
             if read:
                 self.shared_reads += 1
                 return into, info
@@ -474,7 +485,10 @@ class StoreClient:
           update: the stage's checksum (its ``put`` returned it), to tell this push from
             another one of the same name and clock.
           consume: remove the stage once the sum is on the store's disk (until then the stage
-            is what a restarted store adds again).
+            is what a restarted store adds again). Without it the sum is acknowledged from the
+            memory tier, as a put is: a store SIGKILLed before its write-back loses it, as it
+            loses a put made without ``durable``. Sums that must survive a kill consume their
+            stage (the parameter server's do).
           check: only check that the sum would be finite now (whatever the clocks); change
             nothing.
           keep: keep the array's version before the sum at this path, so that :meth:`revert`

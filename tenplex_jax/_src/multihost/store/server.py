@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 import typing
-import zlib
 
 import numpy as np
 
@@ -41,6 +40,7 @@ from tenplex_jax._src.multihost.store.connections import (
     UnixServer,
     is_loopback,
 )
+from tenplex_jax._src.multihost.store.shared import SHM
 from tenplex_jax._src.multihost.store.tiers import DEFAULT_MEMORY_BYTES
 from tenplex_jax._src.multihost.store.updates import Store
 from tenplex_jax._src.multihost.store.wire import ObjectInfo
@@ -250,7 +250,7 @@ class Handler(socketserver.BaseRequestHandler):
         crc, sent = 0, 0
         try:
             for piece in itertools.chain([] if first is None else [first], pieces):
-                crc = zlib.crc32(piece, crc)
+                crc = checksums.crc32(piece, crc)
                 wire.send_body(sock, piece)
                 sent += piece.nbytes
         except StoreError as error:  # the file failed its checksum: the bytes sent are void
@@ -395,7 +395,9 @@ class Handler(socketserver.BaseRequestHandler):
             0 if in_memory else info.nbytes, f"get_shared of {path!r}", peer=sock
         ):
             info, file, seq = store.share(path)
-        self._send(sock, {"ok": True, "info": info.to_json(), "segment": file, "seq": seq})
+        epoch = store.segments.epoch
+        reply = {"ok": True, "info": info.to_json(), "segment": file, "epoch": epoch, "seq": seq}
+        self._send(sock, reply)
 
     def _list(self, sock: socket.socket, header: dict, nbody: int) -> None:
         listing = [i.to_json() for i in self.server.store.list(str(header.get("prefix", "")))]
@@ -467,7 +469,8 @@ class Handler(socketserver.BaseRequestHandler):
         store, path = self.server.store, wire.check_path(header.get("path"))
         newer_than, wait = header.get("newer_than"), header.get("wait", 0)
         if newer_than is not None:
-            if not wire._is_int(newer_than) or not isinstance(wait, (int, float)) or wait < 0:
+            # ``not 0 <= wait`` refuses NaN too, which no comparison holds (it would skip the cap)
+            if not wire._is_int(newer_than) or not isinstance(wait, (int, float)) or not wait >= 0:
                 raise StoreError(
                     f"get_json of {path!r}: newer_than is a version (an int) and wait seconds "
                     f"(>= 0); got {newer_than!r:.40} and {wait!r:.40}"
@@ -573,7 +576,7 @@ def main(argv=None) -> int:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         parser.error(f"another store server is serving {directory}")
-    store = Store(directory, args.memory_bytes)
+    store = Store(directory, args.memory_bytes, shm=args.shm)
     servers = [Server((args.host, args.port), store, token, args, Handler)]
     if args.unix_socket:
         try:
@@ -684,6 +687,13 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_HANDSHAKES,
         help=f"connections waiting for their hello at once; a new one closes the oldest "
         f"(default {DEFAULT_MAX_HANDSHAKES})",
+    )
+    parser.add_argument(
+        "--shm",
+        default=SHM,
+        metavar="DIR",
+        help=f"shared memory for whole-array reads by clients on this host (default {SHM}; "
+        f"not a writable directory: every read goes over the socket)",
     )
     parser.add_argument("--ready-file", help='written with "host:port" once listening')
     parser.add_argument(

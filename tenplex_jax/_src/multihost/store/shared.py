@@ -2,20 +2,24 @@
 "Shared reads", states the rules): a mapping the reader keeps and copies out of comes near a
 memcpy, which no reply over a socket does.
 
-A *segment* is a file in ``/dev/shm`` (else under ``DIR``) holding an array's current version
-after a small header (magic, state, the version's sequence number, its bytes). The store writes
-it holding an exclusive ``flock``, a reader copies holding a shared one (the lock is also the
-memory barrier between the processes). A store killed while it writes leaves the segment in the
-*writing* state, which no reader uses; a version newer than the one the store named fails the
-reader's check, and it asks again. A segment's file never changes size (a new size is a new
-file), so no reader's mapping ever loses its pages; files are 0600 in a 0700 directory named
-with the store's pid, whose leftovers the next store on the host removes.
+A *segment* is a file in ``/dev/shm`` (``--shm``) holding an array's current version after a
+small header (magic, state, the store's epoch, the version's sequence number, its bytes). The
+store writes it holding an exclusive ``flock``, a reader copies holding a shared one (the lock is
+also the memory barrier between the processes). A store killed while it writes leaves the segment
+in the *writing* state, which no reader uses; a version other than the one the store named (an
+older or newer sequence number, or another store process's epoch) fails the reader's check, and
+it asks again. A segment's file never changes size (a new size is a new file), and its pages are
+allocated when it is created: shared memory that runs out refuses a segment (the client reads
+over the socket), never faults a process later. Files are 0600 in a 0700 directory named with
+the store's pid and epoch, whose leftovers the next store on the host removes. Without a writable
+shared-memory directory the store shares nothing, and its clients read over the socket.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -24,32 +28,36 @@ import os
 import pathlib
 import shutil
 import struct
+import sys
 import threading
-import uuid
 
 import numpy as np
 
+from tenplex_jax._src import checksums
 from tenplex_jax._src.errors import StoreError
 
 MAGIC = b"TPXS"
-HEADER = struct.Struct("!4sIQQ")  # magic, state, the version's sequence number, data bytes
+HEADER = struct.Struct("!4sIQQQ")  # magic, state, epoch, the version's sequence number, bytes
 DATA_OFFSET = 4096  # the data starts on a page of its own
 WRITING, VALID = 1, 2
 SHM = "/dev/shm"
-PREFIX = "tenplex-segments-"  # + the store's pid and a random part, in SHM (else DIR/PREFIX)
+PREFIX = "tenplex-segments-"  # + the store's pid and its epoch, in SHM
+COPY_CHUNK_BYTES = 1 << 20  # a reader copies and checks this much at a time
+SHM_RESERVE_BYTES = 16 << 20  # shared memory segments leave free for the rest of the host
 READER_MAPPINGS = 256  # segments a client keeps mapped, least recently used closed first
 
 
 class _Segment:
-    """One segment's file and mapping. A write and the removal take turns (``lock``): a path
-    deleted while its update rewrites the segment ends that write, not the store's reply."""
+    """One segment's file and mapping, its pages allocated up front. A write and the removal
+    take turns (``lock``): a path deleted while its update rewrites the segment ends that write,
+    not the store's reply."""
 
-    def __init__(self, file: pathlib.Path, nbytes: int):
-        self.file, self.nbytes, self.seq = file, nbytes, -1
+    def __init__(self, file: pathlib.Path, nbytes: int, epoch: int):
+        self.file, self.nbytes, self.epoch, self.seq = file, nbytes, epoch, -1
         self.lock, self.closed = threading.Lock(), False
         fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, DATA_OFFSET + nbytes)
+            os.posix_fallocate(fd, 0, DATA_OFFSET + nbytes)  # ENOSPC now, not SIGBUS later
             self.map = mmap.mmap(fd, DATA_OFFSET + nbytes)
         except BaseException:
             os.close(fd)
@@ -61,11 +69,13 @@ class _Segment:
         with self.lock:
             if self.closed:
                 raise StoreError(f"{self.file.name}: removed (its array was deleted)", "not_found")
+            if os.fstat(self.fd).st_size != DATA_OFFSET + self.nbytes:  # cut by another process
+                raise StoreError(f"{self.file.name}: truncated under the store", "corrupt")
             fcntl.flock(self.fd, fcntl.LOCK_EX)
             try:
-                HEADER.pack_into(self.map, 0, MAGIC, WRITING, 0, self.nbytes)
+                HEADER.pack_into(self.map, 0, MAGIC, WRITING, self.epoch, 0, self.nbytes)
                 self.map[DATA_OFFSET : DATA_OFFSET + self.nbytes] = memoryview(data).cast("B")
-                HEADER.pack_into(self.map, 0, MAGIC, VALID, seq, self.nbytes)
+                HEADER.pack_into(self.map, 0, MAGIC, VALID, self.epoch, seq, self.nbytes)
                 self.seq = seq
             finally:
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
@@ -81,21 +91,23 @@ class _Segment:
 class Segments:
     """A store's segments, by path (thread-safe; call :meth:`publish` under the path's lock)."""
 
-    def __init__(self, directory: pathlib.Path, limit: int):
-        shm = pathlib.Path(SHM)
-        if shm.is_dir() and os.access(shm, os.W_OK):  # memory alone: no write-back to a disk
-            _collect(shm)
-            self.dir = shm / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
-        else:  # in the page cache of DIR's file system
-            shutil.rmtree(directory / PREFIX, ignore_errors=True)  # a killed store's
-            self.dir = directory / PREFIX
-        # a file name is never used twice (a counter, a directory per store process): a
-        # reader's mapping of an earlier file, kept under its name, is never taken for a later one
-        self.dir.mkdir(mode=0o700)
-        self._names = itertools.count()
+    def __init__(self, limit: int, shm: str | None = SHM):
+        # a store process's own epoch, in its directory's name, every segment's header and every
+        # reply naming a segment: a file or a version of an earlier store is never taken for one
+        # of this store's, whatever the names and sequence numbers
+        self.epoch = int.from_bytes(os.urandom(8), "big") >> 1
         self.limit, self.used = limit, 0
+        self._names = itertools.count()
         self._by_path: dict[str, _Segment] = {}
         self._lock = threading.Lock()
+        self._said_full = False
+        self.dir: pathlib.Path | None = None
+        if shm and os.path.isdir(shm) and os.access(shm, os.W_OK):  # memory alone, no disk
+            _collect(pathlib.Path(shm))
+            self.dir = pathlib.Path(shm) / f"{PREFIX}{os.getpid()}-{self.epoch:016x}"
+            self.dir.mkdir(mode=0o700)
+        else:
+            _say(f"no writable shared memory at {shm!r}: clients on this host read over the socket")
 
     def has(self, path: str) -> bool:
         return path in self._by_path
@@ -104,8 +116,12 @@ class Segments:
         """The file of ``path``'s segment, holding version ``seq`` (``data``) once this returns.
 
         Raises:
-          StoreError: ``"too_large"``: the segments would pass the store's memory tier's size.
+          StoreError: ``"too_large"``: the segments would pass the store's memory tier's size, or
+            the shared memory left free (then the client reads over the socket); ``"refused"``:
+            the store has no shared memory.
         """
+        if self.dir is None:
+            raise StoreError("this store has no shared memory", "refused")
         nbytes = memoryview(data).nbytes
         with self._lock:
             segment = self._by_path.get(path)
@@ -113,19 +129,46 @@ class Segments:
                 self._drop(path)
                 segment = None
             if segment is None:
-                if self.used + nbytes > self.limit:
-                    raise StoreError(
-                        f"a segment for {path!r} ({nbytes} bytes) would pass the "
-                        f"{self.limit} bytes segments may hold (the memory tier's size)",
-                        "too_large",
-                    )
-                name = f"{next(self._names)}-{hashlib.sha256(path.encode()).hexdigest()[:16]}"
-                segment = _Segment(self.dir / name, nbytes)
-                self._by_path[path] = segment
-                self.used += nbytes
+                segment = self._create(path, nbytes)
         if segment.seq != seq:
-            segment.write(seq, data)
+            try:
+                segment.write(seq, data)
+            except StoreError as error:
+                if error.reason == "corrupt":
+                    with self._lock:
+                        if self._by_path.get(path) is segment:
+                            self._drop(path)
+                raise
         return str(segment.file)
+
+    def _create(self, path: str, nbytes: int) -> _Segment:
+        """A new segment for ``path`` (call with the lock held), within the memory tier's size
+        and the shared memory left free."""
+        if self.used + nbytes > self.limit:
+            raise StoreError(
+                f"a segment for {path!r} ({nbytes} bytes) would pass the {self.limit} bytes "
+                f"segments may hold (the memory tier's size)",
+                "too_large",
+            )
+        free = _free_bytes(self.dir)
+        if DATA_OFFSET + nbytes + SHM_RESERVE_BYTES > free:
+            self._full(f"{free} bytes free, a segment of {nbytes} bytes wanted")
+        name = f"{next(self._names)}-{hashlib.sha256(path.encode()).hexdigest()[:16]}"
+        try:
+            segment = _Segment(self.dir / name, nbytes, self.epoch)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise StoreError(f"segment for {path!r}: {error}", "disk") from None
+            self._full(f"{error.strerror} for a segment of {nbytes} bytes")
+        self._by_path[path] = segment
+        self.used += nbytes
+        return segment
+
+    def _full(self, why: str):
+        if not self._said_full:  # once per store: clients read over the socket meanwhile
+            self._said_full = True
+            _say(f"shared memory {self.dir.parent} is full ({why}): reads go over the socket")
+        raise StoreError(f"shared memory is full: {why}", "too_large")
 
     def drop(self, prefix: str) -> None:
         """Remove the segments of the paths under ``prefix`` (their arrays were deleted)."""
@@ -142,7 +185,17 @@ class Segments:
         with self._lock:
             for path in list(self._by_path):
                 self._drop(path)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _free_bytes(directory: pathlib.Path) -> int:
+    fs = os.statvfs(directory)
+    return fs.f_bavail * fs.f_frsize
+
+
+def _say(line: str) -> None:
+    print(f"tenplex_jax.multihost.store: {line}", file=sys.stderr, flush=True)
 
 
 def _collect(shm: pathlib.Path) -> None:
@@ -167,28 +220,34 @@ class Reader:
         self._maps: collections.OrderedDict[str, tuple[int, mmap.mmap]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def read(self, file: str, seq: int, out: np.ndarray) -> bool | None:
-        """Copy version ``seq`` out of the segment ``file`` into ``out`` (C-contiguous, of the
-        segment's bytes): True; False, with ``out`` unspecified, when the segment does not hold
-        that version whole; None when it cannot be opened here. One read at a time: a mapping
-        is never closed under a copy."""
+    def read(self, file: str, epoch: int, seq: int, checksum: str, out: np.ndarray) -> bool | None:
+        """Copy version ``seq`` of the store process ``epoch`` out of the segment ``file`` into
+        ``out`` (C-contiguous, of the segment's bytes), checked against the version's
+        ``checksum`` as it is copied: True; False, with ``out`` unspecified, when the segment
+        does not hold that version whole and unchanged (a segment cut short also loses its
+        mapping); None when it cannot be opened here. One read at a time: a mapping is never
+        closed under a copy."""
         with self._lock:
             try:
                 fd, mapping = self._open(file)
             except (OSError, ValueError):
                 return None
+            cut = False
             fcntl.flock(fd, fcntl.LOCK_SH)
             try:
-                magic, state, held, nbytes = HEADER.unpack_from(mapping, 0)
-                if (magic, state, held, nbytes) != (MAGIC, VALID, seq, out.nbytes):
+                size = os.fstat(fd).st_size  # truncated: a copy would fault
+                cut = size != len(mapping) or size != DATA_OFFSET + out.nbytes
+                if cut or HEADER.unpack_from(mapping, 0) != (MAGIC, VALID, epoch, seq, out.nbytes):
                     return False
                 with memoryview(mapping) as whole:
-                    src = np.frombuffer(whole[DATA_OFFSET : DATA_OFFSET + nbytes], np.uint8)
-                    np.copyto(out.reshape(-1).view(np.uint8), src)
+                    src = np.frombuffer(whole[DATA_OFFSET:], np.uint8)
+                    crc = _copy_checked(out.reshape(-1).view(np.uint8), src)
                     del src  # the mapping's export ends with the view
-                return True
+                return checksums.text(crc) == checksum
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
+                if cut:
+                    self._drop(file)
 
     def _open(self, file: str) -> tuple[int, mmap.mmap]:
         """The mapping of ``file``, opened now if it is not yet (call with the lock held)."""
@@ -212,14 +271,29 @@ class Reader:
     def forget(self, file: str) -> None:
         """Close the mapping of ``file`` (the store named another file for its array)."""
         with self._lock:
-            entry = self._maps.pop(file, None)
-            if entry is not None:
-                _close(*entry)
+            self._drop(file)
+
+    def _drop(self, file: str) -> None:
+        entry = self._maps.pop(file, None)
+        if entry is not None:
+            _close(*entry)
 
     def close(self) -> None:
         with self._lock:
             while self._maps:
                 _close(*self._maps.popitem()[1])
+
+
+def _copy_checked(dst: np.ndarray, src: np.ndarray) -> int:
+    """``src`` copied into ``dst`` (bytes of one size); the crc32 of the copy, taken a chunk at a
+    time while the chunk is in the cache (about 0.9 of the copy's speed into fresh pages, against
+    0.3 for a copy and then a crc32 of the whole)."""
+    crc = 0
+    for start in range(0, dst.size, COPY_CHUNK_BYTES):
+        chunk = dst[start : start + COPY_CHUNK_BYTES]
+        np.copyto(chunk, src[start : start + COPY_CHUNK_BYTES])
+        crc = checksums.crc32(chunk, crc)
+    return crc
 
 
 def _close(fd: int, mapping: mmap.mmap) -> None:

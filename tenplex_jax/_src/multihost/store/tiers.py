@@ -28,7 +28,6 @@ import sys
 import threading
 import time
 import uuid
-import zlib
 
 import numpy as np
 
@@ -198,8 +197,10 @@ class Tiers:
         if magic != FILE_MAGIC:
             raise ValueError(f"bad magic {magic!r} (not a {FILE_MAGIC!r} object file)")
         encoded = f.read(n)
-        if zlib.crc32(encoded) != crc:
-            raise ValueError(f"the header's checksum is {zlib.crc32(encoded):08x}, not {crc:08x}")
+        if checksums.crc32(encoded) != crc:
+            raise ValueError(
+                f"the header's checksum is {checksums.crc32(encoded):08x}, not {crc:08x}"
+            )
         header = json.loads(encoded)
         if not isinstance(header, dict) or type(header.get("nbytes")) is not int:
             raise ValueError(
@@ -260,7 +261,7 @@ class Tiers:
 
         def encoded_header(checksum: str) -> bytes:
             encoded = json.dumps({**header, "checksum": checksum}, separators=(",", ":")).encode()
-            return FILE_PREFIX.pack(FILE_MAGIC, len(encoded), zlib.crc32(encoded)) + encoded
+            return FILE_PREFIX.pack(FILE_MAGIC, len(encoded), checksums.crc32(encoded)) + encoded
 
         try:
             with open(tmp, "wb") as f:
@@ -269,7 +270,7 @@ class Tiers:
                 for chunk in chunks:
                     self.writing[me] = {"path": path, "bytes": done, "of": nbytes}
                     if digest is None:
-                        crc = zlib.crc32(chunk, crc)
+                        crc = checksums.crc32(chunk, crc)
                     f.write(chunk)
                     done += memoryview(chunk).nbytes
                 if done != nbytes:
@@ -471,7 +472,7 @@ class Tiers:
                         raw = f.read(rows * inner)
                         if len(raw) != rows * inner:
                             raise ValueError(f"the file ends {len(raw)} bytes into a read")
-                        crc = zlib.crc32(raw, crc)
+                        crc = checksums.crc32(raw, crc)
                         wanted = _piece(raw, dtype, lead, j, rows, shape, axis, local)
                         if wanted is not None:
                             yield wanted

@@ -11,9 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import pathlib
 import threading
-import zlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -22,7 +20,7 @@ from tenplex_jax._src import box as boxes
 from tenplex_jax._src import checksums
 from tenplex_jax._src.errors import StoreError
 from tenplex_jax._src.multihost.store import wire
-from tenplex_jax._src.multihost.store.shared import Segments
+from tenplex_jax._src.multihost.store.shared import SHM, Segments
 from tenplex_jax._src.multihost.store.tiers import Tiers
 from tenplex_jax._src.multihost.store.wire import ObjectInfo
 
@@ -33,12 +31,12 @@ PATH_LOCKS = 1024
 class Store(Tiers):
     """The store's state (:class:`Tiers`) and its read-modify-write operations. Thread-safe."""
 
-    def __init__(self, directory, memory_bytes: int):
+    def __init__(self, directory, memory_bytes: int, shm: str | None = SHM):
         # a fixed set of locks, a path's chosen by its hash: one per path would grow with every
         # stage a long run puts; two paths sharing one only take turns
         self.path_locks = [threading.Lock() for _ in range(PATH_LOCKS)]
         super().__init__(directory, memory_bytes)
-        self.segments = Segments(pathlib.Path(directory), memory_bytes)
+        self.segments = Segments(memory_bytes, shm)
 
     def _path_lock(self, kind: str, path: str) -> threading.Lock:
         return self.path_locks[hash((kind, path)) % PATH_LOCKS]
@@ -81,7 +79,7 @@ class Store(Tiers):
                     view = memoryview(buf)[: min(step, entry.info.nbytes - at)]
                     if f.readinto(view) != len(view):
                         raise ValueError(f"the file ends {at} bytes into its data")
-                    crc = zlib.crc32(view, crc)
+                    crc = checksums.crc32(view, crc)
                     yield view
                 if f.read(1):
                     raise ValueError("the file holds more bytes than its header says")

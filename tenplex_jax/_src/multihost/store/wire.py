@@ -22,7 +22,6 @@ import json
 import math
 import socket
 import struct
-import zlib
 from typing import Any
 
 import numpy as np
@@ -290,7 +289,7 @@ def send_body(sock: socket.socket, body, *, digest: bool = False) -> str | None:
     for start in range(0, view.nbytes, step):
         chunk = view[start : start + step]
         if digest:
-            crc = zlib.crc32(chunk, crc)
+            crc = checksums.crc32(chunk, crc)
         sock.sendall(chunk)
     return checksums.text(crc) if digest else None
 
@@ -319,7 +318,7 @@ def recv_into(
         if k == 0:
             raise ConnectionError(f"connection closed after {got} of {n} bytes")
         if digest:
-            crc = zlib.crc32(view[got : got + k], crc)
+            crc = checksums.crc32(view[got : got + k], crc)
         got += k
         if progress is not None:
             progress(got)
