@@ -23,7 +23,8 @@ MIB = 1 << 20
 
 def _segments(proc) -> list:
     """The files of the segments of the store ``proc``."""
-    return sorted(pathlib.Path(shared.SHM).glob(f"{shared.PREFIX}{proc.pid}-*/*"))
+    files = pathlib.Path(shared.SHM).glob(f"{shared.PREFIX}{proc.pid}-*/*")
+    return sorted(f for f in files if f.name != shared.LIFE_LOCK)
 
 
 def test_a_shared_read_is_a_socket_read_after_every_kind_of_update(stores):
@@ -205,14 +206,20 @@ def test_a_segment_removed_under_an_update_ends_that_write_with_a_store_error(tm
     segments.close()
 
 
-def test_a_dead_store_s_segments_are_collected_and_a_vanished_one_is_passed_over(
+def test_a_dead_store_s_segments_are_collected_by_their_life_lock_and_a_live_one_s_never(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(shared, "SHM", str(tmp_path))
-    dead = tmp_path / f"{shared.PREFIX}999999999-abc"  # no such pid
+    """A store's directory is dead when its life lock can be taken, in any PID namespace: a
+    live store's is kept whatever its pid says (here a pid no process has), a dead one's is
+    removed whatever its pid says (here this process's), a directory without a lock is left,
+    and one that vanishes meanwhile is passed over."""
+    alive = shared.Segments(MIB, str(tmp_path))  # holds its lock
+    alive.dir.rename(tmp_path / f"{shared.PREFIX}999999999-live")
+    dead = tmp_path / f"{shared.PREFIX}{os.getpid()}-dead"
     dead.mkdir()
-    live = tmp_path / f"{shared.PREFIX}{os.getpid()}-abc"
-    live.mkdir()
+    (dead / shared.LIFE_LOCK).touch()  # nobody holds it: its store was killed
+    making = tmp_path / f"{shared.PREFIX}1-making"
+    making.mkdir()  # a store between its mkdir and its lock
     real = pathlib.Path.lstat
 
     def vanishing(self):  # another store removes it between the listing and the look
@@ -223,8 +230,10 @@ def test_a_dead_store_s_segments_are_collected_and_a_vanished_one_is_passed_over
     (tmp_path / f"{shared.PREFIX}1-gone").mkdir()
     monkeypatch.setattr(pathlib.Path, "lstat", vanishing)
     segments = shared.Segments(MIB, str(tmp_path))
-    assert not dead.exists() and live.exists()
+    assert not dead.exists() and making.exists()
+    assert (tmp_path / f"{shared.PREFIX}999999999-live").exists()
     segments.close()
+    alive.close()
 
 
 def test_a_version_of_an_earlier_store_process_is_never_read_whatever_its_name_and_seq(tmp_path):
@@ -294,6 +303,59 @@ def test_shared_memory_that_runs_out_refuses_a_segment_once_said_never_a_fault(
     with pytest.raises(StoreError) as error:
         segments.publish("big", 0, np.zeros(MIB, np.float32))
     assert error.value.reason == "too_large" and segments.used == 0
-    assert list(segments.dir.iterdir()) == []  # the file that got no pages is gone
+    assert [f.name for f in segments.dir.iterdir()] == [shared.LIFE_LOCK]  # no page, no file
     assert capsys.readouterr().err.count("is full") == 1  # one line, not one per read
     segments.close()
+
+
+HOLD = """
+import fcntl, os, signal, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_SH)  # as a reader does while it copies
+print("held", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_stopped_reader_costs_its_own_read_never_another_client_s_request(stores):
+    import subprocess
+    import sys
+
+    proc = stores.start("s0")
+    w = np.zeros(MIB // 4, np.float32)
+    with store.StoreClient(proc.address, shared=True, timeout=30, retry_seconds=0) as client:
+        client.put("w", w)
+        client.get("w")
+        [segment] = _segments(proc)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLD, str(segment)], stdout=subprocess.PIPE
+        )
+        try:
+            assert holder.stdout.readline().strip() == b"held"
+            client.put("w", w + 1)  # answered: the store gives the held segment up
+            assert (client.get("w") == 1).all() and client.shared_reads == 2
+            assert _segments(proc) != [segment]
+            client.delete("w")
+            client.put("v", w + 2)
+            assert (client.get("v") == 2).all() and client.shared_reads == 3
+        finally:
+            holder.kill()
+            holder.wait(timeout=30)
+
+
+def test_a_reader_keeps_no_mapping_of_a_deleted_segment_and_never_opens_a_fifo(stores, tmp_path):
+    proc = stores.start("s0")
+    with store.StoreClient(proc.address, shared=True) as client:
+        for name in "abc":
+            client.put(name, np.zeros(1024, np.float32))
+            client.get(name)
+        assert len(client._reader._maps) == 3
+        client.delete("a")
+        client.delete("b")
+        client.put("d", np.ones(1024, np.float32))
+        assert (client.get("d") == 1).all() and len(client._reader._maps) == 2
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # what a false store could name: opening it would wait for a writer
+    reader = shared.Reader()
+    assert reader.read(str(fifo), 0, 0, "crc32:00000000", np.empty(4, np.float32)) is None
+    reader.close()

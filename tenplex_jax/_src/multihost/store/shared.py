@@ -27,9 +27,11 @@ import mmap
 import os
 import pathlib
 import shutil
+import stat
 import struct
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -42,6 +44,8 @@ DATA_OFFSET = 4096  # the data starts on a page of its own
 WRITING, VALID = 1, 2
 SHM = "/dev/shm"
 PREFIX = "tenplex-segments-"  # + the store's pid and its epoch, in SHM
+LOCK_SECONDS = 2.0  # the longest a store or a reader waits for a segment's lock
+LIFE_LOCK = "LOCK"  # in a store's segment directory, flocked for the store process's life
 COPY_CHUNK_BYTES = 1 << 20  # a reader copies and checks this much at a time
 SHM_RESERVE_BYTES = 16 << 20  # shared memory segments leave free for the rest of the host
 READER_MAPPINGS = 256  # segments a client keeps mapped, least recently used closed first
@@ -71,7 +75,10 @@ class _Segment:
                 raise StoreError(f"{self.file.name}: removed (its array was deleted)", "not_found")
             if os.fstat(self.fd).st_size != DATA_OFFSET + self.nbytes:  # cut by another process
                 raise StoreError(f"{self.file.name}: truncated under the store", "corrupt")
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            if not _flock_within(self.fd, fcntl.LOCK_EX, LOCK_SECONDS):
+                raise StoreError(
+                    f"{self.file.name}: a reader held it for {LOCK_SECONDS:g} s (stopped?)", "busy"
+                )
             try:
                 HEADER.pack_into(self.map, 0, MAGIC, WRITING, self.epoch, 0, self.nbytes)
                 self.map[DATA_OFFSET : DATA_OFFSET + self.nbytes] = memoryview(data).cast("B")
@@ -106,6 +113,8 @@ class Segments:
             _collect(pathlib.Path(shm))
             self.dir = pathlib.Path(shm) / f"{PREFIX}{os.getpid()}-{self.epoch:016x}"
             self.dir.mkdir(mode=0o700)
+            self._life = os.open(self.dir / LIFE_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(self._life, fcntl.LOCK_EX)  # released by the kernel when this process ends
         else:
             _say(f"no writable shared memory at {shm!r}: clients on this host read over the socket")
 
@@ -134,11 +143,15 @@ class Segments:
             try:
                 segment.write(seq, data)
             except StoreError as error:
-                if error.reason == "corrupt":
-                    with self._lock:
-                        if self._by_path.get(path) is segment:
-                            self._drop(path)
-                raise
+                if error.reason not in ("corrupt", "busy"):
+                    raise
+                # cut short, or held by a stopped reader: a new file for this version (the
+                # reader keeps its mapping of the old one, whose version is no longer named)
+                with self._lock:
+                    if self._by_path.get(path) is segment:
+                        self._drop(path)
+                    segment = self._create(path, nbytes)
+                segment.write(seq, data)
         return str(segment.file)
 
     def _create(self, path: str, nbytes: int) -> _Segment:
@@ -187,6 +200,7 @@ class Segments:
                 self._drop(path)
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
+            os.close(self._life)
 
 
 def _free_bytes(directory: pathlib.Path) -> int:
@@ -199,18 +213,40 @@ def _say(line: str) -> None:
 
 
 def _collect(shm: pathlib.Path) -> None:
-    """Remove the segments of store processes that died without removing them (SIGKILL); a
-    directory another store starting at once removes first is passed over, never an error."""
+    """Remove the segments of store processes that died without removing them (SIGKILL): a
+    directory is dead when its life lock can be taken, which holds in any PID namespace sharing
+    the directory (a pid would not). A directory without one (being made, or not a store's) is
+    left, and one another store removes meanwhile is passed over, never an error."""
     for stale in shm.glob(f"{PREFIX}*-*"):
-        pid = stale.name[len(PREFIX) :].split("-")[0]
         try:
-            if not pid.isdigit() or stale.lstat().st_uid != os.getuid() or not stale.is_dir():
+            if stale.lstat().st_uid != os.getuid() or not stale.is_dir():
                 continue
-            os.kill(int(pid), 0)
-        except ProcessLookupError:  # its store is dead
-            shutil.rmtree(stale, ignore_errors=True)
-        except OSError:  # removed meanwhile, alive (another user's), or not ours to ask about
+            fd = os.open(stale / LIFE_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # removed meanwhile, not ours, or no life lock (yet)
             continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its store is alive
+            continue
+        else:
+            shutil.rmtree(stale, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
+def _flock_within(fd: int, kind: int, seconds: float) -> bool:
+    """``flock(fd, kind)`` taken within ``seconds``: whether it was (a holder stopped or frozen
+    costs the waiter this long, never more)."""
+    deadline, pause = time.monotonic() + seconds, 0.0005
+    while True:
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
 
 
 class Reader:
@@ -233,7 +269,8 @@ class Reader:
             except (OSError, ValueError):
                 return None
             cut = False
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            if not _flock_within(fd, fcntl.LOCK_SH, LOCK_SECONDS):  # a store stopped mid-write
+                return False
             try:
                 size = os.fstat(fd).st_size  # truncated: a copy would fault
                 cut = size != len(mapping) or size != DATA_OFFSET + out.nbytes
@@ -250,19 +287,25 @@ class Reader:
                     self._drop(file)
 
     def _open(self, file: str) -> tuple[int, mmap.mmap]:
-        """The mapping of ``file``, opened now if it is not yet (call with the lock held)."""
+        """The mapping of ``file``, opened now if it is not yet (call with the lock held): a
+        regular file of this user's (a FIFO or a device named by a false store never blocks or
+        maps). Opening one drops the mappings of files their stores have removed."""
         if file in self._maps:
             self._maps.move_to_end(file)
             return self._maps[file]
-        fd = os.open(file, os.O_RDONLY)
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
         try:
-            size = os.fstat(fd).st_size
-            if size < DATA_OFFSET:
-                raise OSError(f"{file}: {size} bytes, not a segment")
-            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                raise OSError(f"{file}: not a regular file of this user's")
+            if st.st_size < DATA_OFFSET:
+                raise OSError(f"{file}: {st.st_size} bytes, not a segment")
+            mapping = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
         except BaseException:
             os.close(fd)
             raise
+        for gone in [f for f, (held, _) in self._maps.items() if os.fstat(held).st_nlink == 0]:
+            self._drop(gone)  # deleted or replaced: its pages are the reader's alone
         self._maps[file] = (fd, mapping)
         while len(self._maps) > READER_MAPPINGS:
             _close(*self._maps.popitem(last=False)[1])
