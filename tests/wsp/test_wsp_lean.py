@@ -285,3 +285,72 @@ def test_a_wait_answers_at_once_for_a_change_another_thread_of_the_client_made(s
         # (a store answers a wait within 30 s at most: it would come, but late)
         assert answered.wait(15), "the waiter waited for a change after one it had not seen"
         assert got[0].leases["vw"].minibatches == (0,)
+
+
+def _two_vws(stores) -> tuple[ParameterServer, ParameterServer]:
+    """Two VWs' clients of one job over 2 stores, each holding the lease of its wave 0."""
+    addresses = [stores.start(f"s{i}").address for i in range(2)]
+    first, second = ParameterServer(addresses), ParameterServer(addresses)
+    first.create({"w": np.zeros(8, np.float32)}, total=None)
+    second.open()
+    for ps, vw in ((first, "a"), (second, "b")):
+        ps.update(lambda led, vw=vw: (led.join(vw), None))
+        ps.update(lambda led, vw=vw: led.claim(vw, 0, 1))
+    return first, second
+
+
+BIG = {"w": np.array([2e38] + [0.0] * 7, np.float32)}  # finite alone, Inf twice
+
+
+def test_a_push_checked_beside_a_committed_wave_never_leaves_the_ledger_ahead(stores):
+    """a's wave is committed and not yet added when b's push of the same update is checked:
+    b's is refused (the two could overflow), a's is added, and a pull ends."""
+    first, second = _two_vws(stores)
+    committed, release, pushed = threading.Event(), threading.Event(), []
+    apply = first.apply
+
+    def held_apply(*args, **kwargs):
+        committed.set()
+        release.wait(60)
+        return apply(*args, **kwargs)
+
+    first.apply = held_apply
+    pushing = threading.Thread(target=lambda: pushed.append(first.push("a", 0, BIG)))
+    pushing.start()
+    try:
+        assert committed.wait(60)
+        with pytest.raises(WSPError, match="could overflow") as error:
+            second.push("b", 0, BIG)
+        assert error.value.reason == "invalid"
+    finally:
+        release.set()
+        pushing.join(60)
+    ledger = second.ledger()
+    assert pushed and ledger.pushed("a", 0) and not ledger.pushed("b", 0)
+    assert second.pull(timeout=30)["w"][0] == np.float32(2e38)
+    assert not second.coordinator.list("wsp/stage/b/")  # b's stage is gone with its refusal
+    first.close()
+    second.close()
+
+
+def test_concurrent_pushes_whose_sum_overflows_commit_one_and_every_pull_ends(stores):
+    first, second = _two_vws(stores)
+    outcomes, start = {}, threading.Barrier(2)
+
+    def push(ps, vw):
+        start.wait(30)
+        try:
+            ps.push(vw, 0, BIG)
+            outcomes[vw] = "committed"
+        except WSPError as error:
+            outcomes[vw] = error.reason
+
+    threads = [threading.Thread(target=push, args=a) for a in ((first, "a"), (second, "b"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(outcomes.values()) == ["committed", "invalid"], outcomes
+    assert first.pull(timeout=30)["w"][0] == np.float32(2e38)
+    first.close()
+    second.close()

@@ -6,10 +6,11 @@ thread per store). The ledger (:mod:`~tenplex_jax._src.wsp.ledger`) lives in the
 push of a virtual worker's wave is:
 
 1. **stage**: every piece's update is put under ``wsp/stage/<vw>/<wave>/<piece>`` in the piece's
-   store, checked (NaN, Inf or an overflowing sum is refused before anything is committed) and
-   flushed to the stores' disks: the wave's write-ahead record;
+   store and flushed to the stores' disks (the wave's write-ahead record), then checked beside
+   the weights and every committed wave a piece lacks (NaN, Inf, or a sum that any order of
+   adding could overflow, is refused before anything is committed);
 2. **commit**: one compare-and-swap of the ledger logs the wave (the atomic point; a dropped VW's
-   commit is refused);
+   commit is refused; a wave committed since the check sends the push back to 1's check);
 3. **apply**: each store adds the staged update into its piece with ``accumulate``, atomically and
    once: each array counts the pushes of every VW it holds (its *clocks*), and an accumulate out
    of turn is refused or skipped. The store removes the stage once the new version is on disk.
@@ -53,6 +54,10 @@ WEIGHTS = "wsp/w/"  # the global weights' pieces
 PREVIOUS = "wsp/previous/"  # each piece's version before its last update
 STAGE = "wsp/stage/"
 STAGE_TRIES = 10  # a push puts a stage that a restarting store lost again, this many times
+
+
+class _Stale(Exception):
+    """A wave was committed between a push's check and its commit: check again."""
 
 
 class ParameterServer(Records):
@@ -258,30 +263,74 @@ class ParameterServer(Records):
             phases[name], tic = phases[name] + time.perf_counter() - tic, time.perf_counter()
 
         sources = self._stage(stage, flat, phase)
-
-        def check(client: StoreClient, pieces: list[Piece]) -> None:
-            for p in pieces:
-                client.accumulate(WEIGHTS + p.key, stage + p.key, name=vw, clock=0, check=True)
-
-        try:
-            self._each_store(check)
-        except StoreError as error:
-            if error.reason != "nonfinite":
-                raise
-            self._drop_stage(stage)
-            raise WSPError(f"push of wave {wave} by {vw!r}: {error}", "invalid") from None
-        phase("check")
-        try:
-            ledger, _ = self.update(lambda led: (led.commit(vw, wave), None))
-        except WSPError:
-            ledger = self.ledger()  # a refusal may follow a commit whose reply was lost
-            if not ledger.pushed(vw, wave):
-                self._drop_stage(stage)
-                raise
-        phase("commit")
+        ledger = self._check_and_commit(vw, wave, stage, phase)
         self.apply(vw, wave, wave - ledger.starts[vw], sources)
         phase("apply")
         return ledger
+
+    def _check_and_commit(self, vw: str, wave: int, stage: str, phase) -> Ledger:
+        """Check a staged wave against the weights beside every committed wave a piece does not
+        hold yet (no order of adding them all can overflow), then commit it in the ledger if no
+        wave was committed since the check; else check again. So a committed wave is never
+        refused when it is added: the ledger is never ahead of the weights for good."""
+        for _ in range(STAGE_TRIES):
+            seen = self.ledger()
+            beside = self._pending(seen)
+
+            def check(client: StoreClient, pieces: list[Piece], beside=beside) -> None:
+                for p in pieces:
+                    key = p.key
+                    at = (WEIGHTS + key, stage + key)
+                    client.accumulate(*at, name=vw, clock=0, check=True, beside=beside.get(key, ()))
+
+            try:
+                self._each_store(check)
+            except StoreError as error:
+                if error.reason != "nonfinite":
+                    raise
+                self._drop_stage(stage)
+                raise WSPError(f"push of wave {wave} by {vw!r}: {error}", "invalid") from None
+            phase("check")
+
+            def commit(led: Ledger, seen=seen) -> tuple[Ledger, None]:
+                if led.pushed(vw, wave):  # in already: a try whose reply was lost
+                    return led, None
+                if led.committed != seen.committed:  # a wave committed since the check
+                    raise _Stale
+                return led.commit(vw, wave), None
+
+            try:
+                ledger, _ = self.update(commit)
+            except _Stale:
+                phase("commit")
+                continue
+            except WSPError:
+                ledger = self.ledger()  # a refusal may follow a commit whose reply was lost
+                if not ledger.pushed(vw, wave):
+                    self._drop_stage(stage)
+                    raise
+            phase("commit")
+            return ledger
+        self._drop_stage(stage)
+        raise WSPError(
+            f"push of wave {wave} by {vw!r}: other waves were committed between each of "
+            f"{STAGE_TRIES} checks and its commit",
+            "busy",
+        )
+
+    def _pending(self, ledger: Ledger) -> dict[str, list[tuple[str, int, str]]]:
+        """Piece key -> ``(vw, push, stage)`` of each wave ``ledger`` commits that the piece
+        did not hold when listed (it may hold some by the time a store checks: those are
+        skipped there)."""
+        pending: dict[str, list[tuple[str, int, str]]] = {}
+        for client in self.clients:
+            for info in client.list(WEIGHTS):
+                key = info.path[len(WEIGHTS) :]
+                pending[key] = [
+                    (v, push, f"{STAGE}{v}/{ledger.starts[v] + push}/{key}")
+                    for v, push in sorted(_behind(info.clocks, ledger))
+                ]
+        return pending
 
     def _flat(self, vw: str, wave: int, updates: Mapping[str, np.ndarray]) -> dict:
         """A push's updates as float32 vectors, checked against the leaves' shapes."""
@@ -477,8 +526,15 @@ class ParameterServer(Records):
                         places[p.index] += gather_piece(p, updates)
                 return out
             for vw, push in sorted(behind, key=lambda t: (t[1], t[0])):
-                with contextlib.suppress(StoreError):  # applied meanwhile: the clocks say so
+                try:
                     self.apply(vw, ledger.starts[vw] + push, push)
+                except StoreError as error:  # applied meanwhile: the clocks say so
+                    if error.reason == "nonfinite":  # checked beside the others: never
+                        raise WSPError(
+                            f"wave {ledger.starts[vw] + push} of {vw!r} is committed but cannot "
+                            f"be added to the weights: {error}",
+                            "invalid",
+                        ) from None
             if time.monotonic() > deadline:
                 raise WSPError(
                     f"the weights stayed behind the ledger's commits {sorted(behind)[:5]}"

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Self
 
 import numpy as np
@@ -467,6 +468,7 @@ class StoreClient:
         consume: bool = False,
         check: bool = False,
         keep: str | None = None,
+        beside: Sequence[tuple[str, int, str]] = (),
     ) -> tuple[ObjectInfo, bool]:
         """Add the float array stored at ``stage`` into the one at ``path``, on the store, once.
 
@@ -491,6 +493,9 @@ class StoreClient:
             stage (the parameter server's do).
           check: only check that the sum would be finite now (whatever the clocks); change
             nothing.
+          beside: with ``check``: ``(name, clock, stage)`` of other pushes that will be added
+            into the array too; those it does not hold yet count, and the check refuses an
+            update when adding them all, in any order, could overflow.
           keep: keep the array's version before the sum at this path, so that :meth:`revert`
             can put it back.
 
@@ -514,6 +519,10 @@ class StoreClient:
             "check": bool(check),
             "keep": None if keep is None else wire.check_path(keep),
         }
+        if beside:
+            request["beside"] = [
+                [wire.check_name(n), int(c), wire.check_path(s)] for n, c, s in beside
+            ]
         header, _ = self._call(request)
         return ObjectInfo.from_json(header["info"]), bool(header["applied"])
 

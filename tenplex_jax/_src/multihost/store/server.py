@@ -45,6 +45,7 @@ from tenplex_jax._src.multihost.store.tiers import DEFAULT_MEMORY_BYTES
 from tenplex_jax._src.multihost.store.updates import Store
 from tenplex_jax._src.multihost.store.wire import ObjectInfo
 
+MAX_BESIDE = 256  # pushes an accumulate's check may count beside its own
 DEFAULT_MAX_BODY_BYTES = 8 << 30
 DEFAULT_TIMEOUT = 120.0
 # a JSON body's parsed objects take at most this many times its bytes (32 for lists of empty
@@ -348,12 +349,19 @@ class Handler(socketserver.BaseRequestHandler):
             isinstance(update, str) and update.startswith(checksums.PREFIX)
         ):
             raise StoreError(f"accumulate's update is a checksum or null, got {update!r:.100}")
+        beside = header.get("beside") or []
+        if not isinstance(beside, list) or len(beside) > MAX_BESIDE:
+            raise StoreError(f"accumulate's beside is a list of at most {MAX_BESIDE} pushes")
+        for each in beside:
+            if not (isinstance(each, list) and len(each) == 3 and wire._is_int(each[1])):
+                raise StoreError(f"accumulate's beside holds [name, clock, stage]: {each!r:.100}")
+            wire.check_name(each[0]), wire.check_path(each[2])
         store, budget = self.server.store, self.server.budget
         info, _ = store.info(store.find(path, None))
         # the sum is made a chunk at a time from the array and the update (from the memory tier,
         # or read a chunk at a time); it is built in memory when it fits the budget next to
         # those chunks, else written to a file as it is made
-        chunks = 3 * min(info.nbytes, updates.ACCUMULATE_CHUNK_BYTES)
+        chunks = (3 + len(beside)) * min(info.nbytes, updates.ACCUMULATE_CHUNK_BYTES)
         in_memory = info.nbytes + chunks <= budget.limit and not header.get("check")
         with budget.hold(
             info.nbytes + chunks if in_memory else chunks, f"accumulate of {path!r}", peer=sock
@@ -368,6 +376,7 @@ class Handler(socketserver.BaseRequestHandler):
                 check=bool(header.get("check")),
                 in_memory=in_memory,
                 keep=None if header.get("keep") is None else wire.check_path(header["keep"]),
+                beside=[tuple(each) for each in beside],
             )
         store.reshare(path)
         self._send(sock, {"ok": True, "applied": applied, "info": info.to_json()})

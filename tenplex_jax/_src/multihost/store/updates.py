@@ -12,7 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from tenplex_jax._src.multihost.store.tiers import Tiers
 from tenplex_jax._src.multihost.store.wire import ObjectInfo
 
 ACCUMULATE_CHUNK_BYTES = 4 << 20  # an accumulate adds this much at a time
+# a checked sum beside pending pushes stays this fraction below the dtype's largest value: in
+# float32 the rounding of up to about 4,000 additions (each by at most 2**-24) fits in it
+BOUND_MARGIN = 2.0**-12
 PATH_LOCKS = 1024
 
 
@@ -100,6 +103,7 @@ class Store(Tiers):
         check: bool = False,
         in_memory: bool = True,
         keep: str | None = None,
+        beside: Sequence[tuple[str, int, str]] = (),
     ) -> tuple[ObjectInfo, bool]:
         """Add the whole float array at ``stage`` into the whole array at ``path``, once per
         ``(name, clock)``: applied when the array holds exactly ``clock`` pushes of ``name``,
@@ -107,11 +111,14 @@ class Store(Tiers):
         in is this update: push ``clock`` was ``name``'s last and its checksum is ``update``.
 
         ``check`` only checks that the sum would be finite now (raising ``"nonfinite"`` if not),
-        whatever the clocks, changing nothing; ``consume`` removes the stage once the new
-        version is on disk; ``in_memory=False`` writes the sum to a file a chunk at a time (an
-        array larger than the transfer budget); ``keep`` keeps the array's version before the
-        sum as an object at that path (what ``revert`` puts back). Returns (the array's record,
-        applied)."""
+        whatever the clocks, changing nothing; with ``beside``, ``(name, clock, stage)`` of
+        pushes that will be added too (those the array does not hold yet count), it checks
+        that no order of adding them all can overflow: ``|array| + |update| + |each of them|``
+        stays within the dtype's range, less a margin for rounding (:data:`BOUND_MARGIN`);
+        ``consume`` removes the stage once the new version is on disk; ``in_memory=False``
+        writes the sum to a file a chunk at a time (an array larger than the transfer budget);
+        ``keep`` keeps the array's version before the sum as an object at that path (what
+        ``revert`` puts back). Returns (the array's record, applied)."""
         with self._path_lock("array", path):
             key = self.find(path, None)
             info = self.info(key)[0]
@@ -131,6 +138,14 @@ class Store(Tiers):
             skey = self.find(stage, None)
             staged = self.info(skey)[0]
             self._check_addable(info, staged, where)
+            if check and beside:
+                held = dict(info.clocks)
+                pending = [s for n, c, s in beside if c >= held.get(n, 0)]
+                keys = [key, skey, *(self.find(s, None) for s in pending)]
+                for other in keys[2:]:
+                    self._check_addable(info, self.info(other)[0], where)
+                self._check_bound(keys, wire.dtype_of(info.dtype), where, len(pending))
+                return info, False
             out = np.empty(info.nbytes, np.uint8) if in_memory and not check else None
             sums = self._sums(key, skey, wire.dtype_of(info.dtype), where, out)
             if check:
@@ -148,6 +163,27 @@ class Store(Tiers):
                 if consume:
                     self.remove([stage])
             return new, True
+
+    def _check_bound(self, keys: Sequence[str], dtype, where: str, pending: int) -> None:
+        """``"nonfinite"`` unless ``sum(|x| for x in objects keys)`` (in float64, a chunk at a
+        time) stays within ``dtype``'s largest value less :data:`BOUND_MARGIN`: then the array
+        (the first key) plus the others, added in any order with rounding, stays finite."""
+        step = max(1, ACCUMULATE_CHUNK_BYTES // dtype.itemsize) * dtype.itemsize
+        limit = float(np.finfo(dtype).max) * (1 - BOUND_MARGIN)
+        for at, chunks in zip(range(0, 1 << 62, step), zip(*(self._chunks(k, step) for k in keys))):
+            total = np.zeros(len(chunks[0]) // dtype.itemsize, np.float64)
+            for chunk in chunks:
+                total += np.abs(np.frombuffer(chunk, dtype), dtype=np.float64)
+            bad = np.flatnonzero(~(total <= limit))  # NaN or Inf too
+            if len(bad):
+                i = int(bad[0])
+                raise StoreError(
+                    f"{where}: the sum could overflow: |array| + |update| + |the {pending} "
+                    f"push(es) committed before it and not yet added| is {total[i]:.4g} at "
+                    f"element {at // dtype.itemsize + i} (the largest {dtype} is "
+                    f"{float(np.finfo(dtype).max):.4g}); refused, the array is unchanged",
+                    "nonfinite",
+                )
 
     @staticmethod
     def _check_addable(info: ObjectInfo, staged: ObjectInfo, where: str) -> None:
