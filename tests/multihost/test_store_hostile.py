@@ -253,6 +253,42 @@ def test_a_hello_sent_a_byte_at_a_time_is_cut_at_the_handshake_deadline(stores) 
     assert waited < 10, f"the trickling hello held its connection {waited:.1f} s"
 
 
+def test_requests_trickled_past_the_handshake_are_cut_at_the_request_deadline(stores) -> None:
+    """Each served slot held by a client that sends its request a byte at a time, each byte
+    within the per-receive timeout: a request must arrive whole within --timeout of its first
+    byte, so the slots free and another client is served."""
+    proc = stores.start(args=("--max-connections", "4", "--timeout", "2"))
+    frame = wire.PREFIX.pack(wire.MAGIC, 200, 0) + b" " * 200
+    stop, cut = threading.Event(), []
+
+    def trickle():
+        sock = raw_socket(proc.address)  # its hello passed: it holds a served slot
+        try:
+            for i in range(len(frame)):
+                sock.send(frame[i : i + 1])
+                if _closed_by_peer(sock, timeout=0.5) or stop.is_set():
+                    break
+            cut.append(not stop.is_set())
+        except OSError:  # reset by the server
+            cut.append(True)
+        finally:
+            sock.close()
+
+    tricklers = [threading.Thread(target=trickle) for _ in range(4)]
+    for thread in tricklers:
+        thread.start()
+    try:
+        _wait_for(lambda: len(cut) == 4, "the server cutting every trickled request", 60)
+        with store.StoreClient(proc.address, retry_seconds=30) as client:
+            client.put_json("served", {"ok": 1})
+            assert client.get_json("served") == {"ok": 1}
+    finally:
+        stop.set()
+        for thread in tricklers:
+            thread.join(30)
+    assert all(cut), cut
+
+
 @pytest.mark.parametrize("hello", [True, False], ids=["served", "silent"])
 def test_at_the_descriptor_limit_the_accept_loop_backs_off_and_recovers(stores, hello) -> None:
     """With no file descriptor left, accept fails; the server must neither spin on it (a core at

@@ -125,6 +125,46 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not plain JSON")
 
 
+class _RequestSocket:
+    """A served connection whose requests each arrive whole within ``seconds`` of their first
+    byte (``--timeout``), as well as each receive within it: a client that trickles a request
+    holds its connection's slot that long, never longer. Sends and the rest go to the socket."""
+
+    def __init__(self, sock: socket.socket, seconds: float):
+        self._sock, self._seconds, self._deadline = sock, seconds, None
+
+    def between_requests(self) -> None:
+        """The next receive waits for a new request: the idle timeout alone."""
+        self._deadline = None
+        self._sock.settimeout(self._seconds)
+
+    def _arm(self) -> None:
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"a request took longer than {self._seconds:g} s to arrive")
+            self._sock.settimeout(min(left, self._seconds))
+
+    def _started(self, got: int) -> None:
+        if got and self._deadline is None:
+            self._deadline = time.monotonic() + self._seconds
+
+    def recv(self, n: int) -> bytes:
+        self._arm()
+        data = self._sock.recv(n)
+        self._started(len(data))
+        return data
+
+    def recv_into(self, buffer, nbytes: int = 0) -> int:
+        self._arm()
+        got = self._sock.recv_into(buffer, nbytes)
+        self._started(got)
+        return got
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+
 class Handler(socketserver.BaseRequestHandler):
     """Serves the requests of one admitted connection: its hello has passed and been answered
     (``connections``), so it starts at the request loop."""
@@ -133,12 +173,14 @@ class Handler(socketserver.BaseRequestHandler):
     rid: str | None = None  # the id of the request being served (its replies echo it)
 
     def handle(self) -> None:
-        sock: socket.socket = self.request
-        sock.settimeout(self.server.timeout_s)
-        if sock.family != socket.AF_UNIX:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw: socket.socket = self.request
+        raw.settimeout(self.server.timeout_s)
+        if raw.family != socket.AF_UNIX:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = _RequestSocket(raw, self.server.timeout_s)
         try:
             while True:
+                sock.between_requests()
                 prefix = wire.recv_prefix(sock)
                 if prefix is None:
                     return
@@ -673,8 +715,8 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout",
         type=float,
         default=DEFAULT_TIMEOUT,
-        help="seconds a connection may stay silent, and a transfer may wait for "
-        "room in the budget (default 120)",
+        help="seconds a connection may stay silent, a request may take to arrive whole from its "
+        "first byte, and a transfer may wait for room in the budget (default 120)",
     )
     parser.add_argument(
         "--handshake-timeout",
