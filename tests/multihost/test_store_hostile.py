@@ -402,8 +402,9 @@ def test_a_malformed_get_is_refused_with_a_reason(stores, box) -> None:
         b'{"op": "get", "path": "\\ud800"}',  # a lone surrogate
         b'{"op": "put", "path": "x", "box": {"a": 1}, "global_shape": [1], "dtype": "int8"}',
         b"\xff\xfe not UTF-8",
+        b'{"op": "list", "prefix": "a", "prefix": "b"}',  # which prefix?
     ],
-    ids=["nested", "huge int", "lone surrogate", "box object", "bad utf8"],
+    ids=["nested", "huge int", "lone surrogate", "box object", "bad utf8", "a key twice"],
 )
 def test_malformed_headers_get_an_error_reply_and_the_server_serves_on(stores, header) -> None:
     proc = stores.start()
@@ -414,6 +415,26 @@ def test_malformed_headers_get_an_error_reply_and_the_server_serves_on(stores, h
     sock.close()
     with store.StoreClient(proc.address) as client:
         client.put("alive", np.arange(2))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"step": 1, "step": 2}', b'{"note": "\\ud800"}', b'{"a": [1, {"b": 1, "b": 1}]}'],
+    ids=["a key twice", "a lone surrogate", "a key twice inside"],
+)
+def test_a_json_body_that_is_not_plain_json_is_refused_and_nothing_stored(stores, body) -> None:
+    proc = stores.start()
+    sock = raw_socket(proc.address)
+    request = {"op": "put_json", "path": "j", "flush": False, "checksum": wire.checksum(body)}
+    wire.send_frame(sock, request, body)
+    reply = recv_frame(sock)[0]
+    if reply.get("continue"):
+        reply = recv_frame(sock)[0]
+    sock.close()
+    assert not reply["ok"] and reply["reason"] == "refused", reply
+    assert "not plain JSON" in reply["error"], reply
+    with store.StoreClient(proc.address) as client:
+        assert client.get_json("j", default=None) is None
 
 
 def test_a_lone_surrogate_token_is_a_wrong_token(stores, tmp_path) -> None:

@@ -469,7 +469,7 @@ class Handler(socketserver.BaseRequestHandler):
     def _json_body(self, sock: socket.socket, header: dict, nbody: int, what: str):
         """A JSON request body, received and parsed within the transfer budget (holding
         ``JSON_PARSE_FACTOR`` times its bytes more while it is parsed), checked (its checksum; a
-        JSON object, without NaN or Infinity)."""
+        JSON object, without NaN or Infinity, a key twice in one object, or a lone surrogate)."""
         path = wire.check_path(header.get("path"))
         self._check_body_limit(nbody, what, wire.MAX_JSON_BYTES)
         with self.server.budget.hold(
@@ -483,7 +483,12 @@ class Handler(socketserver.BaseRequestHandler):
                     "checksum",
                 )
             try:
-                obj = json.loads(data.tobytes(), parse_constant=_no_constant)
+                obj = json.loads(
+                    data.tobytes(), parse_constant=_no_constant, object_pairs_hook=wire.unique_keys
+                )
+                # a lone surrogate (an escape no UTF-8 text holds) would be kept as written, and
+                # fail whoever re-encodes the object
+                json.dumps(obj, ensure_ascii=False).encode("utf-8")
             except (ValueError, RecursionError) as error:
                 raise StoreError(
                     f"{what}: the body is not plain JSON: {error!r:.300}", "refused"

@@ -363,9 +363,20 @@ def recv_header(sock: socket.socket, nheader: int, limit: int) -> dict:
     return _parse_header(recv_exact(sock, nheader))
 
 
+def unique_keys(pairs: list) -> dict:
+    """``json.loads``'s ``object_pairs_hook``: an object with a key twice is not plain JSON (a
+    reader could take either value)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"the key {twice!r:.100} appears twice in one object")
+    return obj
+
+
 def _parse_header(encoded) -> dict:
     try:
-        header = json.loads(encoded)
+        header = json.loads(encoded, object_pairs_hook=unique_keys)
     except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, too deep, huge integers
         raise StoreProtocolError(f"a frame header must be UTF-8 JSON: {error!r:.300}") from None
     if not isinstance(header, dict):
