@@ -48,9 +48,10 @@ from tenplex_jax._src.multihost.store.wire import ObjectInfo
 MAX_BESIDE = 256  # pushes an accumulate's check may count beside its own
 DEFAULT_MAX_BODY_BYTES = 8 << 30
 DEFAULT_TIMEOUT = 120.0
-# a JSON body's parsed objects take at most this many times its bytes (32 for lists of empty
-# lists: ``[[[]],[[]],...]``), counted in the transfer budget while it is checked
-JSON_PARSE_FACTOR = 40
+# a JSON body's parsed objects, and its check's re-encoding, take at most this many times its
+# bytes (measured: 33 for ``[[[]],[[]],...]``, rising with the depth of nested lists to 45 at 40
+# levels and about 48 as the depth grows), counted in the transfer budget while it is checked
+JSON_PARSE_FACTOR = 56
 PEER_CHECK_SECONDS = 0.25  # how often a transfer waiting for room looks at its client's socket
 MAX_WAIT = 30.0  # the longest a get_json waits for a newer version of its object
 
