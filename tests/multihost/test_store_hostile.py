@@ -171,6 +171,21 @@ def test_a_transfer_waiting_for_room_leaves_when_its_client_closes(stores) -> No
         late.close()
 
 
+def test_a_watch_whose_client_closes_leaves_its_slot_at_once(stores) -> None:
+    """A get_json that waits for a newer version (up to 30 s) ends when its client goes."""
+    proc = stores.start()
+    with store.StoreClient(proc.address) as client:
+        client.put_json("n", {"count": 0})
+        _, version, _ = client.get_json("n", versioned=True)
+        watcher = raw_socket(proc.address)
+        wire.send_frame(
+            watcher, {"op": "get_json", "path": "n", "newer_than": version, "wait": 25.0}
+        )
+        _wait_for(lambda: client.stats()["connections"] == 2, "the watch served")
+        watcher.close()
+        _wait_for(lambda: client.stats()["connections"] == 1, "the watch's slot free", 10)
+
+
 def test_an_object_larger_than_the_budget_streams_through_disk_a_chunk_at_a_time(stores) -> None:
     """With a memory tier of 0 the transfer budget is 64 MiB: a 96 MiB put is written to disk as
     it arrives and gets read it back a 16 MiB chunk at a time, whole or a sub-box, bit for bit,

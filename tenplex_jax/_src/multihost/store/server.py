@@ -150,7 +150,9 @@ class _RequestSocket:
         if got and self._deadline is None:
             self._deadline = time.monotonic() + self._seconds
 
-    def recv(self, n: int) -> bytes:
+    def recv(self, n: int, flags: int = 0) -> bytes:
+        if flags:  # a look (MSG_PEEK: is the client gone?), not a request's bytes
+            return self._sock.recv(n, flags)
         self._arm()
         data = self._sock.recv(n)
         self._started(len(data))
@@ -532,7 +534,9 @@ class Handler(socketserver.BaseRequestHandler):
                     f"get_json of {path!r}: newer_than is a version (an int) and wait seconds "
                     f"(>= 0); got {newer_than!r:.40} and {wait!r:.40}"
                 )
-            store.wait_json(path, newer_than, min(float(wait), MAX_WAIT))
+            store.wait_json(
+                path, newer_than, min(float(wait), MAX_WAIT), gone=lambda: _closed(sock)
+            )
         with self.server.budget.hold(store.json_bytes(path), f"get_json of {path!r}", peer=sock):
             file_header, data = store.get_json(path)
             reply = {

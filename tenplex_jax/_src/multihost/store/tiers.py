@@ -650,16 +650,17 @@ class Tiers:
         self._sync_dir(self.json_dir)
         return version
 
-    def wait_json(self, path: str, version: int, timeout: float) -> None:
+    def wait_json(self, path: str, version: int, timeout: float, gone=None) -> None:
         """Return once JSON object ``path`` is another version than ``version`` (written since,
-        or deleted), the store closes, or ``timeout`` seconds have passed."""
+        or deleted), the store closes, ``timeout`` seconds have passed, or ``gone()`` (asked
+        every quarter of a second: the waiting client left) is true."""
         deadline = time.monotonic() + timeout
         with self.json_changed:
             while self.versions.get(path) == version and not self.closing:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or (gone is not None and gone()):
                     return
-                self.json_changed.wait(left)
+                self.json_changed.wait(left if gone is None else min(left, 0.25))
 
     def json_bytes(self, path: str) -> int:
         with self.lock:
