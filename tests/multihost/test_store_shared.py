@@ -359,3 +359,35 @@ def test_a_reader_keeps_no_mapping_of_a_deleted_segment_and_never_opens_a_fifo(s
     reader = shared.Reader()
     assert reader.read(str(fifo), 0, 0, "crc32:00000000", np.empty(4, np.float32)) is None
     reader.close()
+
+
+def test_segments_stay_within_their_file_descriptors(tmp_path):
+    segments = shared.Segments(64 * MIB, str(tmp_path), max_segments=2)
+    segments.publish("a", 0, np.zeros(4, np.float32))
+    segments.publish("b", 0, np.zeros(4, np.float32))
+    with pytest.raises(StoreError, match="file descriptors") as error:
+        segments.publish("c", 0, np.zeros(4, np.float32))
+    assert error.value.reason == "too_large"  # the client reads over the socket
+    segments.drop("a")
+    segments.publish("c", 0, np.zeros(4, np.float32))
+    segments.close()
+
+
+def test_a_store_keeps_segments_within_the_files_it_may_open(stores):
+    """With 256 files (a container's limit), the store keeps fewer segments than its
+    connections need descriptors: every read is served, the last ones over the socket."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # the store inherits it
+    try:
+        proc = stores.start("s0", args=("--max-connections", "16", "--max-handshakes", "16"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with store.StoreClient(proc.address, shared=True) as client:
+        for i in range(120):
+            client.put(f"a{i}", np.full(16, i, np.float32))
+            assert (client.get(f"a{i}") == i).all()
+        assert client.shared_reads == (256 - 16 - 16 - 64) // 2  # 80 segments, then the socket
+        with store.StoreClient(proc.address) as other:  # a new connection is still served
+            assert (other.get("a0") == 0).all()

@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import pathlib
+import resource
 import select
 import signal
 import socket
@@ -637,7 +638,7 @@ def main(argv=None) -> int:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         parser.error(f"another store server is serving {directory}")
-    store = Store(directory, args.memory_bytes, shm=args.shm)
+    store = Store(directory, args.memory_bytes, shm=args.shm, max_segments=_segment_files(args))
     servers = [Server((args.host, args.port), store, token, args, Handler)]
     if args.unix_socket:
         try:
@@ -677,6 +678,16 @@ def _serve(servers: list, store: Store, ready_file: str | None, directory: pathl
         if isinstance(each, UnixServer):
             each.remove()
     store.close()
+
+
+def _segment_files(args) -> int:
+    """How many segments the store may keep: two file descriptors each (the store's and its
+    mapping's), from what the process may open beside its connections, pending handshakes,
+    files and stores' own (64)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    return max(0, (soft - args.max_connections - args.max_handshakes - 64) // 2)
 
 
 def _token(args, parser) -> str | None:

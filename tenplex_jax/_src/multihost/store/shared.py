@@ -98,12 +98,12 @@ class _Segment:
 class Segments:
     """A store's segments, by path (thread-safe; call :meth:`publish` under the path's lock)."""
 
-    def __init__(self, limit: int, shm: str | None = SHM):
+    def __init__(self, limit: int, shm: str | None = SHM, max_segments: int = 1 << 30):
         # a store process's own epoch, in its directory's name, every segment's header and every
         # reply naming a segment: a file or a version of an earlier store is never taken for one
         # of this store's, whatever the names and sequence numbers
         self.epoch = int.from_bytes(os.urandom(8), "big") >> 1
-        self.limit, self.used = limit, 0
+        self.limit, self.used, self.max_segments = limit, 0, max_segments
         self._names = itertools.count()
         self._by_path: dict[str, _Segment] = {}
         self._lock = threading.Lock()
@@ -163,6 +163,8 @@ class Segments:
                 f"segments may hold (the memory tier's size)",
                 "too_large",
             )
+        if len(self._by_path) >= self.max_segments:  # two file descriptors each
+            self._full(f"{self.max_segments} segments, the file descriptors they may hold")
         free = _free_bytes(self.dir)
         if DATA_OFFSET + nbytes + SHM_RESERVE_BYTES > free:
             self._full(f"{free} bytes free, a segment of {nbytes} bytes wanted")
@@ -181,7 +183,7 @@ class Segments:
         if not self._said_full:  # once per store: clients read over the socket meanwhile
             self._said_full = True
             _say(f"shared memory {self.dir.parent} is full ({why}): reads go over the socket")
-        raise StoreError(f"shared memory is full: {why}", "too_large")
+        raise StoreError(f"the segments are full: {why}", "too_large")
 
     def drop(self, prefix: str) -> None:
         """Remove the segments of the paths under ``prefix`` (their arrays were deleted)."""

@@ -34,12 +34,14 @@ PATH_LOCKS = 1024
 class Store(Tiers):
     """The store's state (:class:`Tiers`) and its read-modify-write operations. Thread-safe."""
 
-    def __init__(self, directory, memory_bytes: int, shm: str | None = SHM):
+    def __init__(
+        self, directory, memory_bytes: int, shm: str | None = SHM, max_segments: int = 1 << 30
+    ):
         # a fixed set of locks, a path's chosen by its hash: one per path would grow with every
         # stage a long run puts; two paths sharing one only take turns
         self.path_locks = [threading.Lock() for _ in range(PATH_LOCKS)]
         super().__init__(directory, memory_bytes)
-        self.segments = Segments(memory_bytes, shm)
+        self.segments = Segments(memory_bytes, shm, max_segments)
 
     def _path_lock(self, kind: str, path: str) -> threading.Lock:
         return self.path_locks[hash((kind, path)) % PATH_LOCKS]
