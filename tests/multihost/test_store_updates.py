@@ -223,3 +223,27 @@ def test_an_operator_rolls_the_last_wave_back(stores):
         ps.push("v2", 1, {"a": np.full(8, 0.25, np.float32), "b": np.zeros(8, np.float32)})
         assert sorted(ps.ledger().trained()) == [0, 1]
         assert np.all(ps.pull()["a"] == 2.25)
+
+
+def test_json_versions_only_grow_past_a_delete_a_restart_and_a_clock_stepped_back(
+    tmp_path, monkeypatch
+):
+    """A version is above every one the store handed out, also when the file of the highest
+    was deleted before a restart and the clock has stepped back since: a client holding an old
+    version never sees it handed out again (a compare-and-swap it expects would pass)."""
+    import time
+
+    from tenplex_jax._src.multihost.store import tiers
+    from tenplex_jax._src.multihost.store.updates import Store
+
+    ahead = time.time_ns() + 3600 * 10**9  # the clock an hour ahead, then set right
+    monkeypatch.setattr(tiers.time, "time_ns", lambda: ahead)
+    first = Store(tmp_path, 1 << 20, shm=None)
+    old = first.put_json("ledger", np.frombuffer(b'{"n": 1}', np.uint8))
+    assert first.delete("ledger") == 1
+    first.close()
+    monkeypatch.undo()
+    again = Store(tmp_path, 1 << 20, shm=None)
+    new = again.put_json("ledger", np.frombuffer(b'{"n": 2}', np.uint8))
+    again.close()
+    assert new > old

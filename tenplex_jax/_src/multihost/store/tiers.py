@@ -44,6 +44,7 @@ IO_CHUNK_BYTES = 256 << 20
 STREAM_CHUNK_BYTES = 16 << 20  # objects larger than the transfer budget move this much at a time
 WRITERS = 4  # threads writing the memory tier back to disk
 RIDS_KEPT = 64  # ids of the last writes a JSON object's file remembers
+HIGHEST = "HIGHEST"  # json/HIGHEST: the highest JSON version handed out when one was deleted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +190,8 @@ class Tiers:
             self.versions[header["path"]] = int(header.get("version", 0))
             self.json_rids[header["path"]] = {str(r): int(v) for r, v in header.get("rids", ())}
         self.version = max(self.versions.values(), default=0)
+        with contextlib.suppress(OSError, ValueError):  # the highest a delete left behind
+            self.version = max(self.version, int((self.json_dir / HIGHEST).read_text()))
 
     @staticmethod
     def _header_of(f) -> dict:
@@ -599,6 +602,17 @@ class Tiers:
             infos = [e.info for e in self.index.values() if e.info.path.startswith(prefix)]
         return sorted(infos, key=lambda i: (i.path, i.box))
 
+    def _write_highest(self) -> None:
+        """Keep the highest JSON version handed out in ``json/HIGHEST`` (durably, before the
+        files that hold it are deleted): a restarted store hands out higher ones even when its
+        clock stepped back (call with the lock held)."""
+        tmp = self.json_dir / f"{HIGHEST}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(self.version))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.json_dir / HIGHEST)
+
     def delete(self, prefix: str) -> int:
         with self.lock:
             keys = [k for k, e in self.index.items() if e.info.path.startswith(prefix)]
@@ -606,6 +620,8 @@ class Tiers:
                 self._index_del(key)
                 (self.objects_dir / f"{key}.obj").unlink(missing_ok=True)
             paths = [p for p in self.json if p.startswith(prefix)]
+            if paths:  # versions only grow, also past a restart without these files
+                self._write_highest()
             for path in paths:
                 del self.json[path]
                 self.versions.pop(path, None)
