@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from tenplex_jax._src.multihost.store import wire
+from tenplex_jax._src.multihost.store.server import JSON_PARSE_FACTOR
 from tenplex_jax.errors import StoreError, WSPError
 from tenplex_jax.multihost import store
 from tenplex_jax.wsp import ParameterServer
@@ -93,7 +94,8 @@ def test_json_bodies_are_parsed_inside_the_memory_bound(stores):
         with pytest.raises(StoreError, match="transfer budget") as refused:
             client.put_json("huge", huge)
         assert refused.value.reason == "too_large"
-        fits = {"a": [[[]]] * (budget // 42 // 6)}  # each as large as the budget admits
+        # each as large as the budget admits (it holds 1 + JSON_PARSE_FACTOR times the body)
+        fits = {"a": [[[]]] * (budget // (JSON_PARSE_FACTOR + 2) // 6)}
 
         def put(i):
             with store.StoreClient(proc.address, timeout=120) as mine:
