@@ -529,7 +529,7 @@ class Handler(socketserver.BaseRequestHandler):
         store, path = self.server.store, wire.check_path(header.get("path"))
         newer_than, wait = header.get("newer_than"), header.get("wait", 0)
         if newer_than is not None:
-            # ``not 0 <= wait`` refuses NaN too, which no comparison holds (it would skip the cap)
+            # ``not wait >= 0`` refuses NaN too, which no comparison holds (it would skip the cap)
             if not wire._is_int(newer_than) or not isinstance(wait, (int, float)) or not wait >= 0:
                 raise StoreError(
                     f"get_json of {path!r}: newer_than is a version (an int) and wait seconds "
