@@ -77,7 +77,7 @@ def train_step(graphdef, stages: tj.pipelining.Stages | None = None):
 
     def step(state, batch):
         nodes = nnx.merge(graphdef, state)
-        losses = pipelined(example_losses, batch.mesh, batch.layout, stages)
+        losses = pipelined(example_losses, batch.mesh, batch.layout, stages, batch.batch_axes)
         loss, grads = batch.value_and_grad(losses)(nodes["model"])
         nodes["optimizer"].update(nodes["model"], grads)
         return nnx.state(nodes), {"loss": loss}
@@ -143,12 +143,13 @@ def _set_params(model, pure: dict) -> None:
     nnx.update(model, _as_params(model, pure))
 
 
-def pipelined(losses, mesh, layout: tj.data.BatchLayout, stages=None):
+def pipelined(losses, mesh, layout: tj.data.BatchLayout, stages=None, batch_axes=()):
     """``losses`` (a per-example loss of the GPT) with its layers pipelined over the mesh's
     ``pipe`` axis (over ``stages``, uneven ones, if given): in as many microbatches as divide the
     rows of one pass (a gradient unit, or a rank's microbatch) up to twice the stages;
-    ``losses`` itself without a pipe axis."""
-    pipe = mesh.shape.get("pipe", 1)
+    ``losses`` itself without a pipe axis, or when the batch is split over it (``batch_axes``:
+    a bitwise job's, whose units run all layers each)."""
+    pipe = 1 if "pipe" in batch_axes else mesh.shape.get("pipe", 1)
     if pipe == 1:
         return losses
     rows = layout.unit if layout.grad_units is not None else layout.rows // layout.accumulate
@@ -168,7 +169,7 @@ def make_train_step(graphdef, ptc: tj.PTC, layout: tj.data.BatchLayout, batch_ax
 
     batch_axes = BATCH_AXES if batch_axes is None else tuple(batch_axes)
     mesh = ptc.mesh()
-    losses = pipelined(example_losses, mesh, layout)
+    losses = pipelined(example_losses, mesh, layout, batch_axes=batch_axes)
     grad_fn = tj.data.batch_value_and_grad(losses, layout, mesh, batch_axes=batch_axes)
 
     def step(state, batch, weights):

@@ -1,6 +1,7 @@
 """Eight fake CPU devices for every test, set before JAX starts its backend; XLA's CPU backend
-without LLVM's optimizations (set before any backend starts, and inherited by every process a test
-starts); and the ``stores`` fixture of the tensor store tests.
+without LLVM's optimizations and with the flags bitwise training needs (set before any backend
+starts, and inherited by every process a test starts); and the ``stores`` fixture of the tensor
+store tests.
 
 The tests check what the library does with the programs (layouts, bytes, equality between runs
 under the same flags), not how fast the compiled code runs: unoptimized code compiles in about
@@ -11,9 +12,12 @@ import os
 import jax
 import pytest
 
+import tenplex_jax as tj
+
 os.environ["XLA_FLAGS"] = " ".join(
     filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"])
 )
+tj.elastic.use_bitwise_flags()
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)

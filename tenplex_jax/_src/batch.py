@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tenplex_jax._src import bitwise
 from tenplex_jax._src.data import BatchLayout, DatasetPTC
 from tenplex_jax._src.errors import DataError
 from tenplex_jax._src.mesh import show_mesh
@@ -154,6 +155,7 @@ def _ranks(mesh: Mesh, batch_axes: tuple[str, ...]) -> int:
 
 
 def _plain(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, batch, weights):
+    bitwise.note(False)
     graphdef, params, rest = nnx.split(model, wrt, ...)
     k = layout.accumulate
 
@@ -186,6 +188,7 @@ def _plain(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, 
 def _by_units(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, batch, weights):
     graphdef, params, rest = nnx.split(model, wrt, ...)
     order = [int(i) for i in layout.unit_rows()]  # unit v's row in the gathered [ranks*slots] stack
+    bitwise.note(all(mesh.shape[a] == 1 or a in batch_axes for a in mesh.axis_names))
 
     def per_unit(params, rest, unit_batch, unit_weights):
         def weighted_sum(params):
@@ -201,8 +204,7 @@ def _by_units(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, mode
         out = jax.lax.map(
             lambda xs: per_unit(params, rest, *xs), (jax.tree.map(units, batch), units(weights))
         )
-        out = jax.lax.all_gather(out, batch_axes, tiled=True)  # [ranks * slots, ...] everywhere
-        return jax.tree.map(lambda s: functools.reduce(jnp.add, [s[i] for i in order]), out)
+        return jax.tree.map(functools.partial(_sum_units, order, layout.ranks, batch_axes), out)
 
     total, grads = jax.shard_map(
         local,
@@ -213,6 +215,24 @@ def _by_units(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, mode
         check_vma=False,
     )(params, rest, batch, weights)
     return _normalize(total, grads, weights)
+
+
+def _sum_units(order: list[int], ranks: int, batch_axes, stack: jax.Array) -> jax.Array:
+    """The sum, in unit ``order``, of every rank's ``[slots, ...]`` stack of per-unit values,
+    on every rank. Each rank receives every unit's values for one slice of the elements
+    (an all-to-all), adds them in order and all-gathers the sums: each device holds its own
+    units and 1/ranks of all of them, not every unit's whole gradient."""
+    slots, shape = stack.shape[0], stack.shape[1:]
+    size = math.prod(shape)
+    chunk = -(-size // ranks)
+    flat = stack.reshape(slots, size)
+    if chunk * ranks != size:
+        flat = jnp.pad(flat, ((0, 0), (0, chunk * ranks - size)))
+    # [slots, ranks * chunk] -> [ranks * slots, chunk]: rank r's units first, as an all-gather
+    mine = jax.lax.all_to_all(flat, batch_axes, 1, 0, tiled=True)
+    summed = functools.reduce(jnp.add, [mine[i] for i in order])
+    whole = jax.lax.all_gather(summed, batch_axes, tiled=True)
+    return whole[:size].reshape(shape)
 
 
 def _normalize(total, grads, weights):

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
+from tenplex_jax._src import bitwise
 from tenplex_jax._src.batch import BATCH_AXES, Batch, device_batch
 from tenplex_jax._src.data import BatchLayout, DatasetPTC
 from tenplex_jax._src.elastic.executables import ExecutableCache
@@ -68,6 +69,12 @@ class JobOptions:
       method: how a reconfiguration moves the state, a ``tj.typing.ReshardMethod``: ``"plan"``
         or ``"device_put"`` (see :func:`tenplex_jax.reshard`).
       batch_axes: the mesh axes the rows of each global batch are split over.
+      bitwise: train so that no layout change alters a bit: each global batch is split over
+        every mesh axis (``batch_axes`` is then unused) and the step's gradient, taken with
+        ``batch.value_and_grad``, in the job's ``grad_units``, so the layout only says where the
+        state is stored (docs/bitwise.md). Needs ``grad_units`` and, before JAX starts,
+        :func:`tenplex_jax.elastic.use_bitwise_flags`; ``job.bitwise`` says whether the job's
+        changes are bitwise, and ``job.not_bitwise`` why not.
       exact_step_times: wait for every step and record its time in ``job.step_log``; by default
         only the first step on each layout is waited for and the rest run asynchronously. With
         it, the next global batch is read and placed while each step runs.
@@ -101,6 +108,7 @@ class JobOptions:
     preempt_devices: int = 1
     method: ReshardMethod = ReshardMethod.PLAN
     batch_axes: Sequence[str] = BATCH_AXES
+    bitwise: bool = False
     exact_step_times: bool = False
     profile: ModelProfile | None = None
     device_type: DeviceType | None = None
@@ -110,7 +118,7 @@ class JobOptions:
     switch_interval: float | None = SWITCH_INTERVAL
 
     def __post_init__(self):
-        for name in ("compile_ahead", "exact_step_times"):
+        for name in ("compile_ahead", "bitwise", "exact_step_times"):
             if not isinstance(getattr(self, name), bool):
                 raise LayoutError(f"JobOptions.{name} is a bool, got {getattr(self, name)!r}")
         count = self.preempt_devices
@@ -181,8 +189,14 @@ class _JobCore(abc.ABC):
         if not isinstance(options, JobOptions):
             raise LayoutError(
                 f"options= is a tj.elastic.JobOptions (compile_ahead, preempt_devices, method, "
-                f"batch_axes, exact_step_times, profile, device_type, log, executable_cache), "
+                f"batch_axes, bitwise, exact_step_times, profile, device_type, log, "
+                f"executable_cache), "
                 f"got {options!r}"
+            )
+        if options.bitwise and grad_units is None:
+            raise LayoutError(
+                "JobOptions(bitwise=True) needs grad_units=: the gradient is bitwise on every "
+                "layout when it is the sum of fixed units in a fixed order"
             )
         self.rules, self.dataset, self.grad_units, self.steps = rules, dataset, grad_units, steps
         self.devices = {d.id: d for d in (jax.devices() if devices is None else devices)}
@@ -192,6 +206,7 @@ class _JobCore(abc.ABC):
         self.log = options.log or (lambda text: None)
         self.ptc: PTC | None = None
         self.steps_cache: StepCache | None = None  # made by jit()
+        self._not_bitwise: tuple[str | None] | None = None  # (why not bitwise,), once known
         # where jit()'s steps are loaded from and stored (a launched job defaults it to its run dir)
         self.executable_cache: pathlib.Path | None = options.executable_cache
         self.samples: np.ndarray | None = None  # the sample index of every row of the last batch
@@ -290,13 +305,32 @@ class _JobCore(abc.ABC):
             fn,
             self._sample,
             list(self.devices.values()),
-            self.options.batch_axes,
+            None if self.options.bitwise else self.options.batch_axes,
             executables,
             switch_interval=self.options.switch_interval,
         )
         self._compiled(self.ptc, ahead=True)
         self._stalled = (None, time.perf_counter())  # time the first step too
+        self._not_bitwise = None
         return self._run
+
+    @property
+    def bitwise(self) -> bool:
+        """Whether the job's layout changes leave every bit of training as it was: see
+        ``JobOptions.bitwise``; :attr:`not_bitwise` says why not."""
+        return self.not_bitwise is None
+
+    @property
+    def not_bitwise(self) -> str | None:
+        """Why the job's layout changes may change the numbers (one line), or None: they do not.
+        Known once ``job.jit`` has the step (it is traced, abstractly, if it was only loaded)."""
+        if self.steps_cache is None:
+            raise LayoutError("call job.jit(step) first: whether changes are bitwise is the step's")
+        if self._not_bitwise is None:
+            self._not_bitwise = (_why_not_bitwise(self),)
+            if self._not_bitwise[0] is not None:
+                self.log(f"layout changes are not bitwise: {self._not_bitwise[0]}")
+        return self._not_bitwise[0]
 
     @abc.abstractmethod
     def next(self, state):
@@ -357,7 +391,8 @@ class _JobCore(abc.ABC):
         return batch
 
     def _read(self, step: int) -> tuple[Batch, np.ndarray]:
-        mesh, layout, axes = self._mesh(), self.layout, self.options.batch_axes
+        mesh, layout = self._mesh(), self.layout
+        axes = self._batch_axes(self.ptc.config)
         data, weights, samples = device_batch(self.dataset, step, layout, mesh, axes)
         return Batch(data, weights, layout, mesh, axes), samples
 
@@ -378,8 +413,12 @@ class _JobCore(abc.ABC):
             self._meshed = (self.ptc, devices, self.ptc.mesh(devices))
         return self._meshed[2]
 
+    def _batch_axes(self, config: ParallelConfig) -> tuple[str, ...]:
+        """The axes of ``config`` a global batch's rows are split over: all of a bitwise job's."""
+        return tuple(config.shape) if self.options.bitwise else self.options.batch_axes
+
     def _layout(self, config: ParallelConfig) -> BatchLayout:
-        ranks = math.prod(config.size(axis) for axis in self.options.batch_axes)
+        ranks = math.prod(config.size(axis) for axis in self._batch_axes(config))
         return BatchLayout(self.dataset.global_batch, ranks=ranks, grad_units=self.grad_units)
 
     def _key(self, ptc: PTC) -> tuple:
@@ -398,6 +437,8 @@ class _JobCore(abc.ABC):
                 f"{list(self.ptc.device_ids)}: pass the state and batch that job.next returned"
             )
         executable = future.result().executable
+        if self._not_bitwise is None:  # said once, when the first step has been traced
+            self.not_bitwise  # noqa: B018
         tic = time.perf_counter()
         state, metrics = executable(state, batch)
         if self.options.exact_step_times or self._stalled is not None:
@@ -417,3 +458,19 @@ class _JobCore(abc.ABC):
         # competes with the first step on a layout
         self._after_step()
         return state, metrics
+
+
+def _why_not_bitwise(job: _JobCore) -> str | None:
+    if not job.options.bitwise:
+        return "JobOptions.bitwise is off: tensor, pipe and expert changes reorder reductions"
+    platforms = {d.platform for d in job.devices.values()}
+    for platform in sorted(platforms):
+        why = bitwise.unmet(platform)
+        if why is not None:
+            return why
+    if not job.steps_cache.bitwise(job.ptc, job.layout):
+        return (
+            "the step does not take its gradient with batch.value_and_grad alone, so its "
+            "reductions follow the layout"
+        )
+    return None

@@ -111,6 +111,8 @@ class EventRecord:
         adds no device.
       error: the ``LostShardsError`` message that made a failure fall back to the checkpoint;
         None otherwise.
+      bitwise: whether training after the change has the bits it would have had without it
+        (``JobOptions.bitwise``; ``job.not_bitwise`` says why not); None on a ``stay``.
     """
 
     step: int
@@ -135,6 +137,7 @@ class EventRecord:
     stall_seconds: float | None = None  # event posted -> first step done on the new layout
     estimate: Growth | None = None
     error: str | None = None
+    bitwise: bool | None = None
 
 
 DECISIONS = {

@@ -447,6 +447,7 @@ class ElasticJob(_JobCore):
         compiled = self._compiled(target, ahead=False).result()
         record.compile_wait_seconds = time.perf_counter() - tic
         record.compile_seconds = compiled.seconds
+        record.bitwise = self.bitwise
         if event.kind == EventKind.PREEMPT and self.checkpoint_dir is not None:
             record.commit_seconds = self._save(state)
         self.log(

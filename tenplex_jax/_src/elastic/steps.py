@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tenplex_jax._src import compat
+from tenplex_jax._src import bitwise, compat
 from tenplex_jax._src.batch import BATCH_AXES, Batch
 from tenplex_jax._src.data import BatchLayout
 from tenplex_jax._src.elastic import programs
@@ -75,7 +75,8 @@ class StepCache:
     ``loads`` the executables loaded from ``executables`` instead.
 
     ``sample`` is one dataset item with a leading dim of 1 (its shapes and dtypes make the abstract
-    batch); ``devices`` are the devices meshes are built from; ``executables``, when given, the
+    batch); ``devices`` are the devices meshes are built from; ``batch_axes``, the mesh axes a
+    batch's rows are split over (None: every axis of each mesh, a bitwise job's); ``executables``, when given, the
     on-disk cache each entry tries before compiling and stores its compile in (closed with this);
     ``donate=False`` compiles steps that leave their input state alive (a virtual worker's, whose
     minibatches read older weights than the current ones); ``switch_interval``, the most Python's
@@ -87,14 +88,16 @@ class StepCache:
         fn: Callable,
         sample,
         devices: Sequence[jax.Device],
-        batch_axes: Sequence[str] = BATCH_AXES,
+        batch_axes: Sequence[str] | None = BATCH_AXES,
         executables: ExecutableCache | None = None,
         donate: bool = True,
         switch_interval: float | None = SWITCH_INTERVAL,
     ):
         self.fn = getattr(fn, "__wrapped__", fn)  # a jax.jit-ed step: it is jitted per layout here
         self.donate = donate
-        self.sample, self.devices, self.batch_axes = sample, list(devices), tuple(batch_axes)
+        self.sample, self.devices = sample, list(devices)
+        self.batch_axes = None if batch_axes is None else tuple(batch_axes)  # None: every axis
+        self.seen: bitwise.Seen | None = None  # what the last trace of ``fn`` took its gradient by
         self.executables = executables
         self.switch_interval = switch_interval
         self.compiles = self.loads = 0
@@ -323,7 +326,8 @@ class StepCache:
         """The layout's mesh (with ``abstract``, its ``AbstractMesh``: no devices), abstract
         state and abstract batch (with their shardings)."""
         mesh = ptc.config.abstract_mesh() if abstract else ptc.mesh(self.devices)
-        rows = NamedSharding(mesh, P(self.batch_axes))
+        axes = self.axes(mesh)
+        rows = NamedSharding(mesh, P(axes))
         abstract_batch = Batch(
             jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct((layout.rows, *x.shape[1:]), x.dtype, sharding=rows),
@@ -332,16 +336,31 @@ class StepCache:
             jax.ShapeDtypeStruct((layout.rows,), np.float32, sharding=rows),
             layout,
             mesh,
-            self.batch_axes,
+            axes,
         )
         return mesh, ptc.abstract(mesh), abstract_batch
+
+    def axes(self, mesh) -> tuple[str, ...]:
+        """The mesh axes a batch's rows are split over on ``mesh``."""
+        return tuple(mesh.axis_names) if self.batch_axes is None else self.batch_axes
+
+    def bitwise(self, ptc: PTC, layout: BatchLayout) -> bool:
+        """Whether ``fn`` takes its gradient in units over every mesh axis, and by nothing else
+        (:mod:`tenplex_jax._src.bitwise`): as its last trace did, else traced for ``ptc`` and
+        ``layout`` now (abstractly: nothing compiles)."""
+        if self.seen is None:
+            mesh, state, batch = self._abstract(ptc, layout)
+            with bitwise.watch() as seen:
+                jax.eval_shape(self.fn, state, batch)
+            self.seen = seen
+        return self.seen.bitwise
 
     def _lower(self, mesh: Mesh, ptc: PTC, state, batch: Batch) -> jax.stages.Lowered:
         """``fn`` jitted with the layout's shardings and lowered on the abstract values."""
         shardings = ptc.shardings(mesh)
-        rows = NamedSharding(mesh, P(self.batch_axes))
+        rows = NamedSharding(mesh, P(self.axes(mesh)))
         batch_shardings = Batch(
-            jax.tree.map(lambda _: rows, self.sample), rows, batch.layout, mesh, self.batch_axes
+            jax.tree.map(lambda _: rows, self.sample), rows, batch.layout, mesh, self.axes(mesh)
         )
         jitted = jax.jit(
             self.fn,
@@ -349,10 +368,14 @@ class StepCache:
             out_shardings=(shardings, NamedSharding(mesh, P())),
             donate_argnums=0 if self.donate else (),
         )
-        if isinstance(mesh, AbstractMesh):  # no devices: lowered for their platform
-            platform = self.devices[0].platform
-            return jitted.trace(state, batch).lower(lowering_platforms=(platform,))
-        return jitted.lower(state, batch)
+        with bitwise.watch() as seen:
+            if isinstance(mesh, AbstractMesh):  # no devices: lowered for their platform
+                platform = self.devices[0].platform
+                lowered = jitted.trace(state, batch).lower(lowering_platforms=(platform,))
+            else:
+                lowered = jitted.lower(state, batch)
+        self.seen = seen
+        return lowered
 
     def cancel_queued(self) -> None:
         """Drop the compile-ahead requests not started yet (to submit them again in a new order)."""
