@@ -59,7 +59,7 @@ def unmet(platform: str) -> str | None:
     or None: ``XLA_FLAGS`` holds what :data:`FLAGS` asks for it."""
     if platform not in FLAGS:
         return None
-    name, value = FLAGS[platform]
+    name = FLAGS[platform][0]
     given = None
     for flag in os.environ.get("XLA_FLAGS", "").split():
         key, _, setting = flag.partition("=")

@@ -229,7 +229,7 @@ def test_bitwise_needs_grad_units_and_the_flags(monkeypatch):
             tj.DatasetPTC(source(), BATCH),
             options=tj.elastic.JobOptions(bitwise=True),
         )
-    with pytest.raises(tj.errors.LayoutError, match="JobOptions.bitwise is a bool"):
+    with pytest.raises(tj.errors.LayoutError, match=r"JobOptions\.bitwise is a bool"):
         tj.elastic.JobOptions(bitwise=1)
     assert bitwise.unmet("cpu") is None  # the suite's flags
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX2")

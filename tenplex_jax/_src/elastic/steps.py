@@ -76,8 +76,9 @@ class StepCache:
 
     ``sample`` is one dataset item with a leading dim of 1 (its shapes and dtypes make the abstract
     batch); ``devices`` are the devices meshes are built from; ``batch_axes``, the mesh axes a
-    batch's rows are split over (None: every axis of each mesh, a bitwise job's); ``executables``, when given, the
-    on-disk cache each entry tries before compiling and stores its compile in (closed with this);
+    batch's rows are split over (None: every axis of each mesh, a bitwise job's);
+    ``executables``, when given, the on-disk cache each entry tries before compiling and stores
+    its compile in (closed with this);
     ``donate=False`` compiles steps that leave their input state alive (a virtual worker's, whose
     minibatches read older weights than the current ones); ``switch_interval``, the most Python's
     thread switch interval may be while a step compiles on a background thread (None: leave it).
@@ -349,7 +350,7 @@ class StepCache:
         (:mod:`tenplex_jax._src.bitwise`): as its last trace did, else traced for ``ptc`` and
         ``layout`` now (abstractly: nothing compiles)."""
         if self.seen is None:
-            mesh, state, batch = self._abstract(ptc, layout)
+            _, state, batch = self._abstract(ptc, layout)
             with bitwise.watch() as seen:
                 jax.eval_shape(self.fn, state, batch)
             self.seen = seen
