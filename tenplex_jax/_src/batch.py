@@ -188,7 +188,7 @@ def _plain(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, 
 def _by_units(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, batch, weights):
     graphdef, params, rest = nnx.split(model, wrt, ...)
     order = [int(i) for i in layout.unit_rows()]  # unit v's row in the gathered [ranks*slots] stack
-    bitwise.note(all(mesh.shape[a] == 1 or a in batch_axes for a in mesh.axis_names))
+    bitwise.note(True, all(mesh.shape[a] == 1 or a in batch_axes for a in mesh.axis_names))
 
     def per_unit(params, rest, unit_batch, unit_weights):
         def weighted_sum(params):

@@ -81,15 +81,21 @@ def _show(flag: tuple[str, str]) -> str:
 
 
 class Seen:
-    """What :func:`watch` saw while a step was traced: ``units``, gradients taken in units over
-    every mesh axis (:func:`note`), and ``other``, over some axes only."""
+    """What :func:`watch` saw while a step was traced: gradients taken in units over every mesh
+    axis (``every``), in units over some axes (``some``), and otherwise (``plain``)."""
 
     def __init__(self):
-        self.units = self.other = 0
+        self.every = self.some = self.plain = 0
+
+    @property
+    def by_units(self) -> bool:
+        """Every gradient in units: bitwise across changes of the sizes of the batch axes."""
+        return self.every + self.some > 0 and self.plain == 0
 
     @property
     def bitwise(self) -> bool:
-        return self.units > 0 and self.other == 0
+        """Every gradient in units over every axis: bitwise across any change."""
+        return self.by_units and self.some == 0
 
 
 _watching = threading.local()
@@ -108,11 +114,13 @@ def watch():
         _watching.seen = outer
 
 
-def note(every_axis: bool) -> None:
-    """Called as a gradient is traced: in units over every mesh axis, or not."""
+def note(units: bool, every_axis: bool = False) -> None:
+    """Called as a gradient is traced: in units (over every mesh axis, or some), or not."""
     seen = getattr(_watching, "seen", None)
     if seen is not None:
-        if every_axis:
-            seen.units += 1
+        if not units:
+            seen.plain += 1
+        elif every_axis:
+            seen.every += 1
         else:
-            seen.other += 1
+            seen.some += 1

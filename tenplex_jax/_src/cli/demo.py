@@ -32,14 +32,14 @@ EXAMPLES = """\
 examples:
   tenplex-jax demo --out out/demo
       the mixture-of-experts GPT, 60 steps on 8 fake CPU devices, through every dimension:
-      data=2,expert=4 on 8 -> expert=2,tensor=2 on 4 -> pipe=2,data=3 on 6 -> data=2,expert=4 on 8
-  tenplex-jax demo --bitwise --out out/bitwise
-      the small dense GPT resized 8 -> 4 -> 6 -> 8 (data and FSDP sizes the planner picks):
-      params bit-identical to a run without resizes
+      data=2,expert=4 on 8 -> expert=2,tensor=2 on 4 -> pipe=2,data=3 on 6 -> data=2,expert=4 on 8;
+      params, optimizer state and losses bit-identical to a run without resizes
+  tenplex-jax demo --no-bitwise --out out/parallel
+      the same with tensor-, pipeline- and expert-parallel compute: equal to float32 rounding
   tenplex-jax demo --model small --schedule "0:data=8; 20:tensor=4; 40:pipe=2,fsdp=2"
       a schedule of your own: at each step, a layout over the model's axes
-  tenplex-jax demo --bitwise --model tiny --steps 8 --schedule 2:4,4:6,6:8 --batch 12
-      a quick run; batch 12 does not split over 8 devices, so the first layout adds tensor=2
+  tenplex-jax demo --model tiny --steps 8 --schedule 2:4,4:6,6:8 --batch 12
+      a quick run on the device counts the planner lays out
   tenplex-jax demo --method device_put
       move the state with one jax.device_put instead of the per-shard plan executor
 
@@ -59,15 +59,16 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.set_defaults(command=command, name="demo")
-    parsing.add_training_flags(demo, out="out/demo", model="moe-small; small with --bitwise")
+    parsing.add_training_flags(demo, out="out/demo", model="moe-small")
     demo.add_argument(
         "--steps", type=parsing.positive, default=60, help="training steps (default: 60)"
     )
     demo.add_argument(
         "--bitwise",
-        action="store_true",
-        help="the data-parallel schedule 15:4,30:6,45:8 on the small GPT: params bit-identical to "
-        "a run without resizes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="JobOptions(bitwise=True): each batch split over every axis, so no change alters a "
+        "bit (default); --no-bitwise: tensor, pipeline and expert parallel compute",
     )
     demo.add_argument(
         "--schedule",
@@ -77,7 +78,7 @@ def add_parser(sub) -> None:
         help="'STEP:N,...' moves the job onto N devices at each STEP (the planner picks the "
         "layout); 'STEP:axis=size,...; ...' onto that layout over the model's axes, a step-0 "
         "entry being the first (default: 0:data=2,expert=4; 15:expert=2,tensor=2; "
-        "30:pipe=2,data=3; 45:data=2,expert=4 for the MoE GPT, 15:4,30:6,45:8 with --bitwise)",
+        "30:pipe=2,data=3; 45:data=2,expert=4 for the MoE GPT)",
     )
     demo.add_argument(
         "--devices",
@@ -90,9 +91,11 @@ def add_parser(sub) -> None:
 
 def command(args) -> int:
     """Configure JAX for fake CPU devices first, then run the demo and print its resize table."""
-    if not use_cpu_devices(args.devices, "demo"):
+    if not use_cpu_devices(args.devices, "demo") or (
+        args.bitwise and not use_bitwise_flags("demo")
+    ):
         return 2
-    options = options_from(args, model=args.model or ("small" if args.bitwise else "moe-small"))
+    options = options_from(args, model=args.model or "moe-small")
     summary = run(options)
     print()
     print(resize_table(summary))
@@ -120,6 +123,19 @@ def use_cpu_devices(count: int, name: str) -> bool:
     return True
 
 
+def use_bitwise_flags(name: str) -> bool:
+    """Set the XLA flags a bitwise job needs before JAX's backend starts; False, the reason
+    printed, when a backend already runs without them."""
+    from tenplex_jax._src import bitwise
+
+    try:
+        bitwise.use_flags()
+    except RuntimeError as error:
+        print(f"tenplex-jax {name}: error: {error} (run it in a fresh process)", file=sys.stderr)
+        return False
+    return True
+
+
 def options_from(args, **fields) -> DemoOptions:
     """The options of the flags of ``demo`` or ``replay``, with ``fields``."""
     cache = executable_cache(args.executable_cache, args.out)
@@ -144,7 +160,6 @@ def _schedule(text: str) -> tuple[tuple[int, Layout], ...]:
 # the default schedules, as parse_schedule reads them
 MOE_SCHEDULE = "0:data=2,expert=4; 15:expert=2,tensor=2; 30:pipe=2,data=3; 45:data=2,expert=4"
 DENSE_SCHEDULE = "0:data=8; 15:data=2,tensor=2; 30:pipe=2,data=3; 45:data=8"
-BITWISE_SCHEDULE = "15:4,30:6,45:8"
 
 Layout = int | tuple[tuple[str, int], ...]  # a device count, or (axis, size) pairs
 
@@ -164,7 +179,7 @@ class DemoOptions:
     seed: int = 0
     grad_units: int | None = 8  # gradient units; None: plain data parallelism
     samples: int = 1000  # dataset size: not a multiple of the batch, so an epoch ends mid-run
-    bitwise: bool = False  # the data-parallel schedule (the default schedule's only)
+    bitwise: bool = False  # JobOptions.bitwise
     notice_seconds: float = 0.0  # JobOptions.notice_seconds: a change waits for its step
     executable_cache: str | pathlib.Path | None = None  # JobOptions.executable_cache
 
@@ -173,8 +188,6 @@ class DemoOptions:
         """The schedule, or the default for the mode and model."""
         if self.schedule:
             return self.schedule
-        if self.bitwise:
-            return parse_schedule(BITWISE_SCHEDULE)
         return parse_schedule(MOE_SCHEDULE if is_moe(self.model) else DENSE_SCHEDULE)
 
 
@@ -391,6 +404,7 @@ def _job(options, trace, source, layouts, initial, job_options: dict, **checkpoi
         steps=trace.steps,
         options=JobOptions(
             method=options.method,
+            bitwise=options.bitwise,
             notice_seconds=options.notice_seconds,
             executable_cache=options.executable_cache,
             **job_options,
@@ -462,7 +476,8 @@ def _summary(options: DemoOptions, abstract, cfg, initial, resized: Run, fixed: 
         "steps": options.steps,
         "method": options.method,
         "devices": options.devices,
-        "mode": "bitwise" if options.bitwise else "every dimension",
+        "mode": "bitwise" if options.bitwise else "parallel compute",
+        "not_bitwise": job.not_bitwise,
         "schedule": format_schedule(options.plan),
         "initial": {
             "config": str(job.config_for(len(initial))),
@@ -529,6 +544,7 @@ def _resize_record(r, step_log) -> dict:
         "step_seconds": step,
         "stall_seconds": r.stall_seconds,
         "stall_bound_seconds": 1.5 * (r.reshard_seconds + step) + 0.1,
+        "bitwise": r.bitwise,
     }
 
 
@@ -635,10 +651,11 @@ def consistency_line(summary: dict) -> str:
     params = summary["params_vs_fixed_run"]
     if params != "bitwise":
         params = f"max abs diff {params['max_abs']:.2e}, max rel diff {params['max_rel']:.2e}"
+    losses = "bitwise" if summary["losses"] == summary["fixed_run_losses"] else "differ"
     return (
         f"data: exactly once {summary['exactly_once']}, {summary['samples_seen']} samples seen of "
-        f"{summary['samples_expected']} expected ({summary['epochs']:.2f} epochs); params vs a run "
-        f"without resizes: {params}"
+        f"{summary['samples_expected']} expected ({summary['epochs']:.2f} epochs); state vs a run "
+        f"without resizes: {params}, losses {losses}"
     )
 
 

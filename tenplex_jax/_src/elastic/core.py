@@ -332,6 +332,17 @@ class _JobCore(abc.ABC):
                 self.log(f"layout changes are not bitwise: {self._not_bitwise[0]}")
         return self._not_bitwise[0]
 
+    def is_bitwise(self, before: ParallelConfig, after: ParallelConfig) -> bool:
+        """Whether a change from ``before`` to ``after`` leaves every bit of training as it was:
+        any change of a bitwise job; else one that changes only the batch axes' sizes, of a
+        step that takes its gradient in units."""
+        if self.bitwise:
+            return True
+        axes = (set(before.shape) | set(after.shape)) - set(self.options.batch_axes)
+        if any(before.size(a) != after.size(a) for a in axes) or self.grad_units is None:
+            return False
+        return _why_not_bitwise(self, by_units=True) is None
+
     @abc.abstractmethod
     def next(self, state):
         """The step boundary (what the role does between steps), then ``(state, self._batch())``."""
@@ -460,15 +471,17 @@ class _JobCore(abc.ABC):
         return state, metrics
 
 
-def _why_not_bitwise(job: _JobCore) -> str | None:
-    if not job.options.bitwise:
+def _why_not_bitwise(job: _JobCore, *, by_units: bool = False) -> str | None:
+    """Why the job's changes are not all bitwise (None: they are); with ``by_units``, why not
+    even those that change only the batch axes' sizes."""
+    if not job.options.bitwise and not by_units:
         return "JobOptions.bitwise is off: tensor, pipe and expert changes reorder reductions"
-    platforms = {d.platform for d in job.devices.values()}
-    for platform in sorted(platforms):
+    for platform in sorted({d.platform for d in job.devices.values()}):
         why = bitwise.unmet(platform)
         if why is not None:
             return why
-    if not job.steps_cache.bitwise(job.ptc, job.layout):
+    seen = job.steps_cache.gradients(job.ptc, job.layout)
+    if not (seen.by_units if by_units else seen.bitwise):
         return (
             "the step does not take its gradient with batch.value_and_grad alone, so its "
             "reductions follow the layout"

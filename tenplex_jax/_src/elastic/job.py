@@ -433,7 +433,7 @@ class ElasticJob(_JobCore):
     def _arrive(self, state, event: Event, target: PTC, record: EventRecord) -> None:
         """The job on ``target``: its step (cached, waited for or compiled now), a preemption's
         checkpoint, the record, and compile-ahead from the new layout."""
-        self.ptc = target
+        before, self.ptc = self.ptc.config, target
         reached = tuple(sorted(target.device_ids))
         if reached in self._hints:  # announced: it and those announced before it are done
             self._hints = self._hints[self._hints.index(reached) + 1 :]
@@ -447,7 +447,7 @@ class ElasticJob(_JobCore):
         compiled = self._compiled(target, ahead=False).result()
         record.compile_wait_seconds = time.perf_counter() - tic
         record.compile_seconds = compiled.seconds
-        record.bitwise = self.bitwise
+        record.bitwise = self.is_bitwise(before, target.config)
         if event.kind == EventKind.PREEMPT and self.checkpoint_dir is not None:
             record.commit_seconds = self._save(state)
         self.log(

@@ -345,16 +345,15 @@ class StepCache:
         """The mesh axes a batch's rows are split over on ``mesh``."""
         return tuple(mesh.axis_names) if self.batch_axes is None else self.batch_axes
 
-    def bitwise(self, ptc: PTC, layout: BatchLayout) -> bool:
-        """Whether ``fn`` takes its gradient in units over every mesh axis, and by nothing else
-        (:mod:`tenplex_jax._src.bitwise`): as its last trace did, else traced for ``ptc`` and
-        ``layout`` now (abstractly: nothing compiles)."""
+    def gradients(self, ptc: PTC, layout: BatchLayout) -> bitwise.Seen:
+        """How ``fn`` takes its gradients (:class:`tenplex_jax._src.bitwise.Seen`): as its last
+        trace did, else traced for ``ptc`` and ``layout`` now (abstractly: nothing compiles)."""
         if self.seen is None:
             _, state, batch = self._abstract(ptc, layout)
             with bitwise.watch() as seen:
                 jax.eval_shape(self.fn, state, batch)
             self.seen = seen
-        return self.seen.bitwise
+        return self.seen
 
     def _lower(self, mesh: Mesh, ptc: PTC, state, batch: Batch) -> jax.stages.Lowered:
         """``fn`` jitted with the layout's shardings and lowered on the abstract values."""
