@@ -174,18 +174,26 @@ def bits(steps: int = 20) -> dict:
     def run(schedule):
         graphdef, state, _ = build_state(cfg, 3e-3)
         dataset, ptc, losses = tj.DatasetPTC(source, 16, seed=1), None, []
-        step = jax.jit(train_step(graphdef), donate_argnums=0)
         for i in range(steps):
             if i in schedule:
                 config = schedule[i]
-                new = tj.PTC.of(state, MOE_RULES, config, jax.devices()[: config.num_devices])
+                devices = jax.devices()[: config.num_devices]
+                if ptc is None:
+                    new = tj.PTC.of(state, MOE_RULES, config, devices)
+                else:
+                    new = ptc.relayout(config, devices)
                 if ptc is None:
                     state = tj.place(state, new)
                 else:
                     state, _ = tj.reshard(state, tj.make_plan(ptc, tj.allocate(ptc, new)))
                 ptc, mesh = new, new.mesh()
-                axes = tuple(config.shape)
-                layout = tj.data.BatchLayout(16, ranks=config.num_devices, grad_units=GRAD_UNITS)
+                layout, axes = batch_layout(config, 16, every_axis=True)
+                step = jax.jit(
+                    train_step(graphdef),
+                    in_shardings=(ptc.shardings(mesh), None),
+                    out_shardings=(ptc.shardings(mesh), None),
+                    donate_argnums=0,
+                )
             data, weights, _ = tj.data.device_batch(dataset, i, layout, mesh, axes)
             state, metrics = step(state, tj.Batch(data, weights, layout, mesh, axes))
             losses.append(float(metrics["loss"]))

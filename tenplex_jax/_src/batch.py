@@ -214,7 +214,10 @@ def _by_units(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, mode
         axis_names=set(batch_axes),
         check_vma=False,
     )(params, rest, batch, weights)
-    return _normalize(total, grads, weights)
+    total, grads = _normalize(total, grads, weights)
+    # replicated, as summed: an all-parameter reduction of the optimizer (a global norm) then
+    # reads whole leaves on every device, in one order on any layout
+    return total, jax.lax.with_sharding_constraint(grads, NamedSharding(mesh, P()))
 
 
 def _sum_units(order: list[int], ranks: int, batch_axes, stack: jax.Array) -> jax.Array:
