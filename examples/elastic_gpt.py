@@ -3,6 +3,8 @@
     python examples/elastic_gpt.py --steps 40                 # one process, 8 fake CPU devices
     tenplex-jax launch --nprocs 4 --devices-per-proc 2 --commit-every 5 \\
         examples/elastic_gpt.py --steps 40                    # the same script, 4 processes
+    XLA_FLAGS=--xla_cpu_max_isa=AVX tenplex-jax launch --nprocs 4 --devices-per-proc 2 \\
+        examples/elastic_gpt.py --bitwise --layouts "8=data=2,tensor=4; 4=pipe=2,tensor=2"
 
 The loop is an ordinary JAX training loop over ``tj.ElasticJob``. Alone, the job runs on this
 process's devices, and ``job.preempt`` / ``job.fail`` / ``job.offer`` (or SIGTERM) reshard it
@@ -17,6 +19,11 @@ Kill a worker (``kill -9 PID``, the PIDs are in the launcher's "generation" line
 starts a new generation on the processes left; ``echo 2 > RUN_DIR/resize`` asks for a planned
 resize (no step lost); SIGTERM to the launcher stops the job after a commit. Process 0 prints a
 line per step.
+
+``--bitwise`` runs the job with ``JobOptions(bitwise=True)`` (docs/bitwise.md): alone, the script
+sets the XLA flags it needs; launched, the launcher's environment must hold them, as JAX has
+started when the script runs. ``--layouts`` gives the layout of each device count instead of the
+planner's.
 
 ``--pause-after 3,6`` holds a launched job once at the boundary after each of those steps (its
 commits finished) until RUN_DIR/resume-STEP exists, so that a test, a benchmark or a person can
@@ -60,10 +67,15 @@ def main(argv=None) -> int:
     def init():  # the initial state, jitted by job.start straight into its layout
         return build_state(model, args.lr, args.seed)[1]
 
+    if args.bitwise:
+        tj.elastic.use_bitwise_flags()
+    layouts = parse_layouts(args.layouts)
     with tj.ElasticJob(
         LOGICAL_RULES,
         dataset,
         grad_units=args.grad_units,
+        config=layouts.__getitem__ if layouts else None,
+        options=tj.elastic.JobOptions(bitwise=args.bitwise),
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         steps=args.planned_steps or args.steps,  # what growing onto offered devices is weighed over
@@ -130,6 +142,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-every", type=int, help="steps between orbax checkpoints")
     parser.add_argument("--log", help="append a JSON line per step here (process 0)")
     parser.add_argument("--out", help="write the final params and optimizer state here (.npz)")
+    parser.add_argument("--bitwise", action="store_true", help="JobOptions(bitwise=True)")
+    parser.add_argument(
+        "--layouts", default="", help="the layout of each device count: '8=data=2,tensor=4; 4=...'"
+    )
     parser.add_argument("--pause-after", default="", metavar="STEPS", help="e.g. 3,6")
     parser.add_argument("--pause-only", type=int, metavar="P", help="hold only process P")
     return parser
@@ -147,6 +163,15 @@ def log_step(job, loss: float, path: str) -> None:
     }
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def parse_layouts(text: str) -> dict[int, tj.ParallelConfig]:
+    """``"8=data=2,tensor=4; 4=tensor=4"`` -> the parallel config of each device count."""
+    layouts = {}
+    for entry in filter(None, (part.strip() for part in text.split(";"))):
+        count, _, config = entry.partition("=")
+        layouts[int(count)] = tj.ParallelConfig.parse(config)
+    return layouts
 
 
 def gpt_config(text: str) -> GPTConfig:

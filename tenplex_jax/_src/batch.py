@@ -60,7 +60,9 @@ def batch_value_and_grad(
             return nnx.state((model, optimizer)), loss
 
     Args:
-      per_example_loss: ``per_example_loss(model, batch) -> float32[b]``, one loss per row.
+      per_example_loss: ``per_example_loss(model, batch) -> float32[b]``, one loss per row;
+        ``model`` is an NNX model, or a plain pytree of params (Linen's variables, a dict of
+        arrays), all of whose leaves are differentiated: its gradient has its structure.
       layout: the batch's :class:`tenplex_jax.data.BatchLayout`; ``layout.ranks`` must be the
         mesh's size over ``batch_axes``.
       mesh: the mesh the batch is laid out on.
@@ -154,13 +156,25 @@ def _ranks(mesh: Mesh, batch_axes: tuple[str, ...]) -> int:
     return math.prod(mesh.shape[a] for a in batch_axes)
 
 
+def _split(model, wrt) -> tuple[Callable, Any, Any]:
+    """``(merge, params, rest)``: an NNX model's ``wrt`` variables and the rest, and how to merge
+    them back; a plain pytree (Linen's params, a dict of arrays) is all params, and its gradient
+    has its structure."""
+    nodes = (nnx.Variable, nnx.Module)
+    leaves = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, nodes))
+    if not isinstance(model, nnx.Module) and not any(isinstance(x, nodes) for x in leaves):
+        return lambda params, rest: params, model, None
+    graphdef, params, rest = nnx.split(model, wrt, ...)
+    return functools.partial(nnx.merge, graphdef), params, rest
+
+
 def _plain(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, batch, weights):
     bitwise.note(False)
-    graphdef, params, rest = nnx.split(model, wrt, ...)
+    merge, params, rest = _split(model, wrt)
     k = layout.accumulate
 
     def weighted_sum(params, micro, w):
-        return jnp.sum(per_example_loss(nnx.merge(graphdef, params, rest), micro) * w)
+        return jnp.sum(per_example_loss(merge(params, rest), micro) * w)
 
     if k == 1:
         total, grads = jax.value_and_grad(weighted_sum)(params, batch, weights)
@@ -186,13 +200,13 @@ def _plain(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, 
 
 
 def _by_units(per_example_loss, layout: BatchLayout, mesh, batch_axes, wrt, model, batch, weights):
-    graphdef, params, rest = nnx.split(model, wrt, ...)
+    merge, params, rest = _split(model, wrt)
     order = [int(i) for i in layout.unit_rows()]  # unit v's row in the gathered [ranks*slots] stack
     bitwise.note(True, all(mesh.shape[a] == 1 or a in batch_axes for a in mesh.axis_names))
 
     def per_unit(params, rest, unit_batch, unit_weights):
         def weighted_sum(params):
-            losses = per_example_loss(nnx.merge(graphdef, params, rest), unit_batch)
+            losses = per_example_loss(merge(params, rest), unit_batch)
             return jnp.sum(losses * unit_weights)
 
         return jax.value_and_grad(weighted_sum)(params)

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from flax import linen, nnx
 from hypothesis import strategies as st
 
 import tenplex_jax as tj
@@ -248,3 +248,58 @@ def test_bitwise_needs_grad_units_and_the_flags(monkeypatch):
     assert "--xla_gpu_deterministic_ops=true" in bitwise.unmet("gpu")
     with pytest.raises(RuntimeError, match="backends have started without"):
         tj.elastic.use_bitwise_flags()  # the backend runs: too late to set them
+
+
+class LinenMLP(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        init = linen.initializers.lecun_normal()
+        h = linen.Dense(32, kernel_init=linen.with_logical_partitioning(init, ("embed", "mlp")))(x)
+        out = linen.Dense(1, kernel_init=linen.with_logical_partitioning(init, ("mlp", None)))
+        return out(jax.nn.gelu(h))[:, 0]
+
+
+def test_a_linen_model_trains_bitwise_through_tensor_pipe_and_fsdp_changes():
+    """Linen's params, a plain pytree: ``batch.value_and_grad`` differentiates every leaf and
+    returns a gradient of the same structure, and the changes keep every bit of one device."""
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
+    dataset = tj.DatasetPTC({"x": x, "y": np.sin(x).sum(1)}, global_batch=16)
+    model, tx = LinenMLP(), optax.adamw(1e-2)
+    params = model.init(jax.random.key(0), x[:2])
+    start = {"params": params, "opt": tx.init(params)}
+
+    def step(state, batch):
+        def losses(p, b):
+            return (model.apply(p, b["x"]) - b["y"]) ** 2
+
+        loss, grads = batch.value_and_grad(losses)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    rules = (("embed", "fsdp"), ("mlp", "tensor"))
+
+    def run(schedule):
+        state, ptc, losses = start, None, []
+        for i in range(4):
+            if i in schedule:
+                config, n = schedule[i]
+                new = tj.PTC.of(jax.eval_shape(lambda: start), rules, config, jax.devices()[:n])
+                if ptc is None:
+                    state = tj.place(state, new)
+                else:
+                    state, _ = tj.reshard(state, tj.make_plan(ptc, tj.allocate(ptc, new)))
+                ptc, mesh = new, new.mesh()
+                axes = tuple(mesh.axis_names)
+                layout = tj.data.BatchLayout(16, ranks=n, grad_units=8)
+                shardings = ptc.shardings(mesh)
+                jitted = jax.jit(
+                    step, in_shardings=(shardings, None), out_shardings=(shardings, None)
+                )
+            data, weights, _ = tj.data.device_batch(dataset, i, layout, mesh, axes)
+            state, loss = jitted(state, tj.Batch(data, weights, layout, mesh, axes))
+            losses.append(float(loss))
+        return losses, [host_copy(state)]
+
+    C = tj.ParallelConfig
+    changed = run({0: (C(data=2, tensor=4), 8), 2: (C(pipe=2, fsdp=2), 4)})
+    assert_bitwise(changed, run({0: (C(), 1)}), "linen")
