@@ -246,8 +246,9 @@ def test_bitwise_needs_grad_units_and_the_flags(monkeypatch):
     assert "FMA" in bitwise.unmet("cpu") and "--xla_cpu_max_isa=AVX" in bitwise.unmet("cpu")
     monkeypatch.setenv("XLA_FLAGS", "")
     assert "--xla_gpu_deterministic_ops=true" in bitwise.unmet("gpu")
+    jax.devices()  # the backend runs: too late to set them
     with pytest.raises(RuntimeError, match="backends have started without"):
-        tj.elastic.use_bitwise_flags()  # the backend runs: too late to set them
+        tj.elastic.use_bitwise_flags()
 
 
 class LinenMLP(linen.Module):
