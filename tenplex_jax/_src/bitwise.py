@@ -24,6 +24,8 @@ import contextlib
 import os
 import threading
 
+from tenplex_jax._src import compat
+
 FLAGS = {"cpu": ("--xla_cpu_max_isa", "AVX"), "gpu": ("--xla_gpu_deterministic_ops", "true")}
 """Per platform, the XLA flag and value that bitwise training needs."""
 
@@ -39,12 +41,10 @@ def use_flags() -> None:
       RuntimeError: JAX's backends are running without the flags: the process must set them
         before they start.
     """
-    from jax._src import xla_bridge
-
     missing = [flag for platform, flag in FLAGS.items() if unmet(platform) is not None]
     if not missing:
         return
-    if xla_bridge.backends_are_initialized():
+    if compat.backends_started():
         raise RuntimeError(
             f"JAX's backends have started without {' '.join(_show(f) for f in missing)} in "
             f"XLA_FLAGS: call tj.elastic.use_bitwise_flags() before the first jax.devices() or "

@@ -13,6 +13,14 @@ import functools
 import threading
 
 
+def backends_started() -> bool:
+    """Whether JAX has started its backends (after which ``XLA_FLAGS`` is not read again):
+    ``xla_bridge.backends_are_initialized``, private, present in 0.10.2 to 0.12."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
 def reset_compilation_cache() -> None:
     """Make JAX decide again whether its persistent compilation cache is on.
 
