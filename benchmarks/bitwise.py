@@ -78,19 +78,26 @@ def peak_bytes(cfg: GPTConfig, config, batch: int, every_axis: bool) -> int:
     ptc = tj.PTC.of(abstract, MOE_RULES, config, jax.devices()[: config.num_devices])
     mesh = ptc.mesh()
     layout, axes = batch_layout(config, batch, every_axis)
-    step = jax.jit(
-        train_step(graphdef),
-        in_shardings=(ptc.shardings(mesh), None),
-        out_shardings=(ptc.shardings(mesh), None),
-        donate_argnums=0,
+    compiled = pinned_step(graphdef, ptc, mesh).lower(
+        ptc.abstract(mesh), abstract_batch(layout, mesh, axes, cfg.seq_len)
     )
-    compiled = step.lower(ptc.abstract(mesh), abstract_batch(layout, mesh, axes, cfg.seq_len))
     memory = compiled.compile().memory_analysis()
     return (
         memory.argument_size_in_bytes
         + memory.output_size_in_bytes
         - memory.alias_size_in_bytes
         + memory.temp_size_in_bytes
+    )
+
+
+def pinned_step(graphdef, ptc, mesh):
+    """The reference GPT's ``train_step`` jitted for ``ptc``'s layout, the state donated."""
+    shardings = ptc.shardings(mesh)
+    return jax.jit(
+        train_step(graphdef),
+        in_shardings=(shardings, None),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
     )
 
 
@@ -114,13 +121,9 @@ class Stepper:
             data, weights, _ = tj.data.device_batch(dataset, i, layout, mesh, axes)
             self.batches.append(tj.Batch(data, weights, layout, mesh, axes))
         self.state = tj.place(state, self.ptc)
-        jitted = jax.jit(
-            train_step(graphdef),
-            in_shardings=(self.ptc.shardings(mesh), None),
-            out_shardings=(self.ptc.shardings(mesh), None),
-            donate_argnums=0,
+        self.step = (
+            pinned_step(graphdef, self.ptc, mesh).lower(self.state, self.batches[0]).compile()
         )
-        self.step = jitted.lower(self.state, self.batches[0]).compile()
         self.count = 0
 
     def __call__(self) -> float:
@@ -188,12 +191,7 @@ def bits(steps: int = 20) -> dict:
                     state, _ = tj.reshard(state, tj.make_plan(ptc, tj.allocate(ptc, new)))
                 ptc, mesh = new, new.mesh()
                 layout, axes = batch_layout(config, 16, every_axis=True)
-                step = jax.jit(
-                    train_step(graphdef),
-                    in_shardings=(ptc.shardings(mesh), None),
-                    out_shardings=(ptc.shardings(mesh), None),
-                    donate_argnums=0,
-                )
+                step = pinned_step(graphdef, ptc, mesh)
             data, weights, _ = tj.data.device_batch(dataset, i, layout, mesh, axes)
             state, metrics = step(state, tj.Batch(data, weights, layout, mesh, axes))
             losses.append(float(metrics["loss"]))

@@ -92,6 +92,14 @@ def step_for(config, ids: tuple[int, ...]):
     return ptc, layout, step
 
 
+def move(state, ptc, new):
+    """``state`` laid out as ``new``: placed (``ptc`` None: the first layout), else by a plan
+    from ``ptc`` and a reshard."""
+    if ptc is None:
+        return tj.place(state, new)
+    return tj.reshard(state, tj.make_plan(ptc, tj.allocate(ptc, new)))[0]
+
+
 def train(schedule: dict[int, tuple], steps: int) -> tuple[list[float], list[list[np.ndarray]]]:
     """Train ``steps`` steps, moving to ``schedule[i] = (config, device ids)`` before step i
     (by a plan and a reshard); the losses and the state on the host after every step."""
@@ -100,10 +108,7 @@ def train(schedule: dict[int, tuple], steps: int) -> tuple[list[float], list[lis
     for i in range(steps):
         if i in schedule:
             new, layout, step = step_for(*schedule[i])
-            if ptc is None:
-                state = tj.place(state, new)
-            else:
-                state, _ = tj.reshard(state, tj.make_plan(ptc, tj.allocate(ptc, new)))
+            state = move(state, ptc, new)
             ptc, mesh = new, new.mesh()
         axes = tuple(mesh.axis_names)
         data, weights, _ = tj.data.device_batch(dataset, i, layout, mesh, axes)
@@ -285,10 +290,7 @@ def test_a_linen_model_trains_bitwise_through_tensor_pipe_and_fsdp_changes():
             if i in schedule:
                 config, n = schedule[i]
                 new = tj.PTC.of(jax.eval_shape(lambda: start), rules, config, jax.devices()[:n])
-                if ptc is None:
-                    state = tj.place(state, new)
-                else:
-                    state, _ = tj.reshard(state, tj.make_plan(ptc, tj.allocate(ptc, new)))
+                state = move(state, ptc, new)
                 ptc, mesh = new, new.mesh()
                 axes = tuple(mesh.axis_names)
                 layout = tj.data.BatchLayout(16, ranks=n, grad_units=8)
