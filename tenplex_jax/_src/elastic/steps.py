@@ -358,9 +358,9 @@ class StepCache:
     def _lower(self, mesh: Mesh, ptc: PTC, state, batch: Batch) -> jax.stages.Lowered:
         """``fn`` jitted with the layout's shardings and lowered on the abstract values."""
         shardings = ptc.shardings(mesh)
-        rows = NamedSharding(mesh, P(self.axes(mesh)))
+        rows = NamedSharding(mesh, P(batch.batch_axes))
         batch_shardings = Batch(
-            jax.tree.map(lambda _: rows, self.sample), rows, batch.layout, mesh, self.axes(mesh)
+            jax.tree.map(lambda _: rows, self.sample), rows, batch.layout, mesh, batch.batch_axes
         )
         jitted = jax.jit(
             self.fn,
