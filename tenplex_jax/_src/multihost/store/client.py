@@ -431,12 +431,13 @@ class StoreClient:
             try:
                 info = ObjectInfo.from_json(header.get("info"))
                 file, epoch, seq = header.get("segment"), header.get("epoch"), header.get("seq")
+                digest = header.get("digest")
                 if (
                     info.path != path
-                    or not isinstance(file, str)
+                    or not (isinstance(file, str) and isinstance(digest, str))
                     or not (wire._is_int(seq) and wire._is_int(epoch))
                 ):
-                    raise StoreError(f"{file!r}, {epoch!r}, {seq!r}", "protocol")
+                    raise StoreError(f"{file!r}, {epoch!r}, {seq!r}, {digest!r}", "protocol")
                 dtype = wire.dtype_of(info.dtype)
             except StoreError as error:
                 raise StoreError(f"get_shared of {path!r}: {error}", "protocol") from None
@@ -445,7 +446,7 @@ class StoreClient:
             if before is not None and before != file:
                 reader.forget(before)
             self._segment_of[path] = file
-            read = reader.read(file, epoch, seq, info.checksum, into)
+            read = reader.read(file, epoch, seq, digest, into)
             if read is None:  # not on this host, or gone meanwhile: over the socket
                 self._unopened += 1
                 if self._unopened >= SHARED_TRIES:  # never opened here: stop asking

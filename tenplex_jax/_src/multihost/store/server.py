@@ -449,10 +449,10 @@ class Handler(socketserver.BaseRequestHandler):
         with self.server.budget.hold(
             0 if in_memory else info.nbytes, f"get_shared of {path!r}", peer=sock
         ):
-            info, file, seq = store.share(path)
+            info, file, seq, digest = store.share(path)
         epoch = store.segments.epoch
         reply = {"ok": True, "info": info.to_json(), "segment": file, "epoch": epoch, "seq": seq}
-        self._send(sock, reply)
+        self._send(sock, {**reply, "digest": digest})
 
     def _list(self, sock: socket.socket, header: dict, nbody: int) -> None:
         listing = [i.to_json() for i in self.server.store.list(str(header.get("prefix", "")))]

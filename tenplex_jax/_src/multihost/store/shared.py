@@ -7,8 +7,9 @@ small header (magic, state, the store's epoch, the version's sequence number, it
 store writes it holding an exclusive ``flock``, a reader copies holding a shared one (the lock is
 also the memory barrier between the processes). A store killed while it writes leaves the segment
 in the *writing* state, which no reader uses; a version other than the one the store named (an
-older or newer sequence number, or another store process's epoch) fails the reader's check, and
-it asks again. A segment's file never changes size (a new size is a new file), and its pages are
+older or newer sequence number, or another store process's epoch), or bytes other than those the
+store wrote for it (their digest, in the reply), fails the reader's check, and it asks again.
+A segment's file never changes size (a new size is a new file), and its pages are
 allocated when it is created: shared memory that runs out refuses a segment (the client reads
 over the socket), never faults a process later. Files are 0600 in a 0700 directory named with
 the store's pid and epoch, whose leftovers the next store on the host removes. Without a writable
@@ -34,8 +35,8 @@ import threading
 import time
 
 import numpy as np
+import xxhash
 
-from tenplex_jax._src import checksums
 from tenplex_jax._src.errors import StoreError
 
 MAGIC = b"TPXS"
@@ -57,7 +58,7 @@ class _Segment:
     not the store's reply."""
 
     def __init__(self, file: pathlib.Path, nbytes: int, epoch: int):
-        self.file, self.nbytes, self.epoch, self.seq = file, nbytes, epoch, -1
+        self.file, self.nbytes, self.epoch, self.seq, self.digest = file, nbytes, epoch, -1, ""
         self.lock, self.closed = threading.Lock(), False
         fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -70,6 +71,7 @@ class _Segment:
         self.fd = fd
 
     def write(self, seq: int, data: np.ndarray) -> None:
+        """Version ``seq`` (``data``) into the segment, and its digest into ``self.digest``."""
         with self.lock:
             if self.closed:
                 raise StoreError(f"{self.file.name}: removed (its array was deleted)", "not_found")
@@ -81,9 +83,12 @@ class _Segment:
                 )
             try:
                 HEADER.pack_into(self.map, 0, MAGIC, WRITING, self.epoch, 0, self.nbytes)
-                self.map[DATA_OFFSET : DATA_OFFSET + self.nbytes] = memoryview(data).cast("B")
+                with memoryview(self.map) as whole:
+                    dst = np.frombuffer(whole[DATA_OFFSET : DATA_OFFSET + self.nbytes], np.uint8)
+                    digest = copy_digest(dst, np.frombuffer(memoryview(data).cast("B"), np.uint8))
+                    del dst  # the mapping's export ends with the view
                 HEADER.pack_into(self.map, 0, MAGIC, VALID, self.epoch, seq, self.nbytes)
-                self.seq = seq
+                self.seq, self.digest = seq, digest
             finally:
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
 
@@ -121,8 +126,9 @@ class Segments:
     def has(self, path: str) -> bool:
         return path in self._by_path
 
-    def publish(self, path: str, seq: int, data: np.ndarray) -> str:
-        """The file of ``path``'s segment, holding version ``seq`` (``data``) once this returns.
+    def publish(self, path: str, seq: int, data: np.ndarray) -> tuple[str, str]:
+        """The file of ``path``'s segment, holding version ``seq`` (``data``) once this returns,
+        and the version's digest there (:func:`copy_digest`).
 
         Raises:
           StoreError: ``"too_large"``: the segments would pass the store's memory tier's size, or
@@ -152,7 +158,7 @@ class Segments:
                         self._drop(path)
                     segment = self._create(path, nbytes)
                 segment.write(seq, data)
-        return str(segment.file)
+        return str(segment.file), segment.digest
 
     def _create(self, path: str, nbytes: int) -> _Segment:
         """A new segment for ``path`` (call with the lock held), within the memory tier's size
@@ -258,13 +264,13 @@ class Reader:
         self._maps: collections.OrderedDict[str, tuple[int, mmap.mmap]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def read(self, file: str, epoch: int, seq: int, checksum: str, out: np.ndarray) -> bool | None:
+    def read(self, file: str, epoch: int, seq: int, digest: str, out: np.ndarray) -> bool | None:
         """Copy version ``seq`` of the store process ``epoch`` out of the segment ``file`` into
-        ``out`` (C-contiguous, of the segment's bytes), checked against the version's
-        ``checksum`` as it is copied: True; False, with ``out`` unspecified, when the segment
-        does not hold that version whole and unchanged (a segment cut short also loses its
-        mapping); None when it cannot be opened here. One read at a time: a mapping is never
-        closed under a copy."""
+        ``out`` (C-contiguous, of the segment's bytes), checked as it is copied against the
+        ``digest`` the store named for that version (:func:`copy_digest`): True; False, with
+        ``out`` unspecified, when the segment does not hold that version whole and unchanged (a
+        segment cut short also loses its mapping); None when it cannot be opened here. One read
+        at a time: a mapping is never closed under a copy."""
         with self._lock:
             try:
                 fd, mapping = self._open(file)
@@ -280,9 +286,9 @@ class Reader:
                     return False
                 with memoryview(mapping) as whole:
                     src = np.frombuffer(whole[DATA_OFFSET:], np.uint8)
-                    crc = _copy_checked(out.reshape(-1).view(np.uint8), src)
+                    copied = copy_digest(out.reshape(-1).view(np.uint8), src)
                     del src  # the mapping's export ends with the view
-                return checksums.text(crc) == checksum
+                return copied == digest
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 if cut:
@@ -329,16 +335,20 @@ class Reader:
                 _close(*self._maps.popitem()[1])
 
 
-def _copy_checked(dst: np.ndarray, src: np.ndarray) -> int:
-    """``src`` copied into ``dst`` (bytes of one size); the crc32 of the copy, taken a chunk at a
-    time while the chunk is in the cache (about 0.9 of the copy's speed into fresh pages, against
-    0.3 for a copy and then a crc32 of the whole)."""
-    crc = 0
+def copy_digest(dst: np.ndarray, src: np.ndarray) -> str:
+    """``src`` copied into ``dst`` (bytes of one size); the copy's digest (``"xxh3:<16 hex
+    digits>"``), taken a chunk at a time while the chunk is in the cache. The store writes a
+    version's bytes into its segment with it and names the digest in its reply; a reader copies
+    them out with it and keeps the copy only if the digests agree. XXH3 runs at about 4x the
+    crc32 (35 against 9 GB/s from the cache on the project's 2-core machine): a read checked
+    with it takes 0.81-0.92 of the time of a copy alone, with the crc32 0.60-0.67
+    (``benchmarks/shared_check.py``)."""
+    running = xxhash.xxh3_64()
     for start in range(0, dst.size, COPY_CHUNK_BYTES):
         chunk = dst[start : start + COPY_CHUNK_BYTES]
         np.copyto(chunk, src[start : start + COPY_CHUNK_BYTES])
-        crc = checksums.crc32(chunk, crc)
-    return crc
+        running.update(chunk)
+    return f"xxh3:{running.intdigest():016x}"
 
 
 def _close(fd: int, mapping: mmap.mmap) -> None:

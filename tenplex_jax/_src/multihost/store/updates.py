@@ -311,9 +311,10 @@ class Store(Tiers):
 
     # -- shared reads ------------------------------------------------------------------------
 
-    def share(self, path: str) -> tuple[ObjectInfo, str, int]:
+    def share(self, path: str) -> tuple[ObjectInfo, str, int, str]:
         """The whole array at ``path`` in its segment: (its record, the segment's file, the
-        version's sequence number), the segment holding that version when this returns.
+        version's sequence number, its digest there), the segment holding that version when this
+        returns.
 
         Raises:
           StoreError: no array at ``path``, or not a whole one (``"refused"``), or the segments
@@ -329,7 +330,8 @@ class Store(Tiers):
                     f"a whole array is read through shared memory",
                     "refused",
                 )
-            return info, self.segments.publish(path, entry.seq, data), entry.seq
+            file, digest = self.segments.publish(path, entry.seq, data)
+            return info, file, entry.seq, digest
 
     def reshare(self, path: str) -> None:
         """After an update of ``path``: its segment, if it has one, holds the new version (when
