@@ -258,6 +258,25 @@ def test_no_replica_falls_back_to_the_last_checkpoint(fixed, tmp_path):
     assert_same_run(got, fixed)  # the rerun steps saw the same samples: the cursor rewound
 
 
+def test_a_preemption_s_checkpoint_is_saved_after_the_first_step_on_its_layout(fixed, tmp_path):
+    """Saved beside the change's first step, the checkpoint would take that step's CPU: it is
+    saved at the next boundary without a change (step 3), and a periodic one due at a change's
+    boundary (step 4, with a second notice there) moves on to the next one too (step 5)."""
+    job, state, step = make_job(
+        {8: C(data=8), 7: C(data=7), 6: C(data=6)},
+        checkpoint_dir=tmp_path / "ckpt",
+        checkpoint_every=4,
+    )
+    preempt = lambda d: lambda job, state: job.preempt([d])
+    got = train(job, state, step, {2: preempt(7), 4: preempt(6)})
+    first, second = job.records
+    assert [c[0] for c in job.checkpoints] == [0, 3, 5]
+    assert first.commit_seconds == job.checkpoints[1][1] > 0
+    assert second.commit_seconds == job.checkpoints[2][1] > 0
+    assert tj.latest_checkpoint(tmp_path / "ckpt") == 5  # written whole (close waits for it)
+    assert_same_run(got, fixed)
+
+
 def test_no_replica_and_no_checkpoint_raises_the_clear_error():
     # the layout of the test above, whose init is compiled already; the failure comes at a
     # step boundary, so no step need compile

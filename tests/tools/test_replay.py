@@ -35,10 +35,24 @@ def test_trace_replays_end_to_end_through_the_cli(tmp_path):
         ("offer", "grow", "cached"),  # back on the first layout: no compile
     ]
     assert [e["devices_after"] for e in events] == [list(range(7)), list(range(8))]
-    assert events[0]["commit_seconds"] > 0  # the notice committed a checkpoint
-    assert [c["step"] for c in summary["checkpoints"]] == [0, 2, 3]
+    # the notice's checkpoint is saved at the next boundary without a change, after the first
+    # step on the new layout (here with the periodic one of step 3), not beside that step
+    assert events[0]["commit_seconds"] > 0
+    assert [c["step"] for c in summary["checkpoints"]] == [0, 3]
+    for e in events:  # the stall's phases; the first step is waited for, so it lies within
+        phases = ("plan", "reshard", "compile_wait", "batch", "first_step")
+        assert all(e[f"{p}_seconds"] > 0 for p in phases), e
+        assert 0 < e["dispatch_seconds"] <= e["first_step_seconds"]
+        assert sum(e[f"{p}_seconds"] for p in phases) <= e["stall_seconds"], e
     assert events[1]["estimate"]["grow"] and events[1]["estimate"]["remaining_steps"] == 2
     assert summary["exactly_once"] and summary["params_vs_fixed_run"] == "bitwise"
     goodput = summary["goodput"]
     assert 0 < goodput["elastic"] <= 1 and 0 < goodput["checkpoint_restart"] <= 1
+    assert 0 < goodput["no_events"] <= 1
+    assert goodput["elastic_over_no_events"] == goodput["elastic"] / goodput["no_events"]
+    lost = goodput["lost_seconds_to"]  # the wall time besides steps, every second accounted
+    besides = lost["event_stalls"] + lost["checkpoints"] + lost["rewound_steps"] + lost["loop"]
+    assert abs(besides - (goodput["elastic_wall_seconds"] - goodput["useful_seconds"])) < 1e-6
+    assert lost["event_stalls"] > 0 and lost["checkpoints"] > 0 and lost["loop"] > 0
+    assert "seconds besides steps: event stalls" in run.stdout
     assert set(goodput["restart_costs"]["compile_seconds"]) == {"data=7", "data=8"}

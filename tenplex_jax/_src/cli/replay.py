@@ -111,7 +111,7 @@ def _summary(
     import numpy as np
 
     job = elastic.job
-    events, step_seconds, goodput = _goodput(trace, elastic, costs)
+    events, step_seconds, goodput = _goodput(trace, elastic, fixed, costs)
     seen = np.concatenate(elastic.samples)
     return {
         **demo.model_summary(options, abstract, cfg, job),
@@ -132,15 +132,57 @@ def _summary(
     }
 
 
-def _goodput(trace, elastic: Run, costs) -> tuple[list[dict], dict, dict]:
+def _useful(run: Run) -> float:
+    """Seconds of a run's timed steps after its first (which the start-up holds)."""
+    return sum(s for i, s, _ in run.job.step_log if i > 0)
+
+
+def _lost(elastic: Run, fixed: Run) -> dict:
+    """What the elastic run's wall time went to besides its steps (seconds): the events' stalls
+    less their first steps (split into their phases), the checkpoints the boundaries waited for,
+    and the loop between timed steps; the same loop's seconds in the run without events, and
+    how much longer than its layout's median step each first step on a new layout took."""
+    import statistics
+
+    job = elastic.job
+    phases = {"plan": 0.0, "reshard": 0.0, "executable": 0.0, "batch": 0.0, "restore": 0.0}
+    stalls, first_excess = 0.0, 0.0
+    by_config: dict[str, list[float]] = {}
+    for _, s, c in job.step_log:
+        by_config.setdefault(c, []).append(s)
+    for r in job.records:
+        if r.stall_seconds is None:
+            continue
+        stalls += r.stall_seconds - r.first_step_seconds
+        phases["plan"] += r.plan_seconds
+        phases["reshard"] += r.reshard_seconds
+        phases["executable"] += r.compile_wait_seconds
+        phases["batch"] += r.batch_seconds
+        phases["restore"] += r.restore_seconds
+        first_excess += r.first_step_seconds - statistics.median(by_config[r.config_after])
+    checkpoints = sum(s for step, s in job.checkpoints if step > 0)
+    phases["other"] = stalls - sum(phases.values())
+    loop = elastic.wall - _useful(elastic) - stalls - checkpoints - job.lost_seconds
+    return {
+        "event_stalls": stalls,
+        "event_phases": phases,
+        "first_steps_beyond_median": first_excess,
+        "checkpoints": checkpoints,
+        "rewound_steps": job.lost_seconds,
+        "loop": loop,
+        "loop_without_events": fixed.wall - _useful(fixed),
+    }
+
+
+def _goodput(trace, elastic: Run, fixed: Run, costs) -> tuple[list[dict], dict, dict]:
     """(each event with what checkpoint-restart paid for it, the median step seconds of each
-    layout, the goodput of both policies and its parts)."""
+    layout, the goodput of both policies and of the run without events, and its parts)."""
     import statistics
 
     from tenplex_jax._src.elastic.trace import checkpoint_restart, elastic_overhead
 
     job, wall = elastic.job, elastic.wall
-    useful = sum(s for i, s, _ in job.step_log if i > 0)  # steps after the first
+    useful = _useful(elastic)
     by_config: dict[str, list[float]] = {}
     for _, s, c in job.step_log:
         by_config.setdefault(c, []).append(s)
@@ -159,8 +201,11 @@ def _goodput(trace, elastic: Run, costs) -> tuple[list[dict], dict, dict]:
         dataclasses.asdict(r) | {"checkpoint_restart": c}
         for r, c in zip(job.records, baseline.pop("events"))
     ]
+    no_events = _useful(fixed) / fixed.wall
     goodput = {
         "elastic": useful / wall,
+        "no_events": no_events,
+        "elastic_over_no_events": useful / wall / no_events,
         "checkpoint_restart": baseline["goodput"],
         "useful_seconds": useful,
         "lost_seconds": job.lost_seconds,
@@ -171,6 +216,7 @@ def _goodput(trace, elastic: Run, costs) -> tuple[list[dict], dict, dict]:
         "elastic_overhead_seconds": elastic_overhead(job),
         "checkpoint_restart_periodic_saves": baseline["periodic_saves"],
         "restart_costs": dataclasses.asdict(costs),
+        "lost_seconds_to": _lost(elastic, fixed),
     }
     return events, step_seconds, goodput
 
@@ -235,8 +281,17 @@ def event_table(summary: dict) -> str:
     g = summary["goodput"]
     lines.append(
         f"goodput: elastic {g['elastic']:.1%} ({g['useful_seconds']:.1f} s of steps in "
-        f"{g['elastic_wall_seconds']:.1f} s), checkpoint-restart {g['checkpoint_restart']:.1%} "
-        f"({g['checkpoint_restart_seconds']:.1f} s); {summary['compiles']} compiles, "
-        f"{summary['compile_cache_hits']} cache hits"
+        f"{g['elastic_wall_seconds']:.1f} s), without events {g['no_events']:.1%} (elastic ÷ "
+        f"without {g['elastic_over_no_events']:.3f}), checkpoint-restart "
+        f"{g['checkpoint_restart']:.1%} ({g['checkpoint_restart_seconds']:.1f} s); "
+        f"{summary['compiles']} compiles, {summary['compile_cache_hits']} cache hits"
+    )
+    lost = g["lost_seconds_to"]
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in lost["event_phases"].items() if v)
+    lines.append(
+        f"seconds besides steps: event stalls {lost['event_stalls']:.2f} ({phases}; first "
+        f"steps {lost['first_steps_beyond_median']:+.2f} beyond their layouts' median), "
+        f"checkpoints {lost['checkpoints']:.2f}, rewound steps {lost['rewound_steps']:.2f}, the "
+        f"loop between steps {lost['loop']:.2f} (without events {lost['loop_without_events']:.2f})"
     )
     return "\n".join(lines)

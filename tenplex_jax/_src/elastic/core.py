@@ -397,7 +397,10 @@ class _JobCore(abc.ABC):
         if ready is not None and ready[0] == (self.step, self.layout, self._mesh()):
             batch, self.samples = ready[1:]
         else:
+            tic = time.perf_counter()
             batch, self.samples = self._read(self.step)
+            if self._stalled is not None and self._stalled[0] is not None:
+                self._stalled[0].batch_seconds = time.perf_counter() - tic
         self.dataset.step += 1
         return batch
 
@@ -452,6 +455,7 @@ class _JobCore(abc.ABC):
             self.not_bitwise  # noqa: B018
         tic = time.perf_counter()
         state, metrics = executable(state, batch)
+        dispatched = time.perf_counter()
         if self.options.exact_step_times or self._stalled is not None:
             # the next batch is read beside a timed step, not after it; a stall's own first
             # step reads nothing more: its time is the stall's
@@ -464,6 +468,8 @@ class _JobCore(abc.ABC):
                 record, posted = self._stalled
                 if record is not None:
                     record.stall_seconds = done - posted
+                    record.dispatch_seconds = dispatched - tic
+                    record.first_step_seconds = done - tic
                 self._stalled = None
         # after a timed step has run: what follows it (a launched job's background work) never
         # competes with the first step on a layout

@@ -96,13 +96,22 @@ class EventRecord:
         ran.
       compile_wait_seconds: how long the boundary waited for that step (the whole compile when
         ``compile`` is ``"compiled"``, nearly 0 when ``"cached"``).
-      commit_seconds: the time to save the checkpoint a preemption saves (with
-        ``checkpoint_dir``; 0 when this step was already saved).
+      commit_seconds: the time the boundary took to save the checkpoint a preemption saves
+        (with ``checkpoint_dir``; 0 when that step was already saved). It is saved at the next
+        boundary without a change, after the first step on the new layout, so it is not part
+        of the stall.
       restore_seconds: the time a ``restore`` took to read the checkpoint onto the new layout.
       lost_steps: the steps a ``restore`` rewound, to rerun from the checkpoint's step.
       notice_steps: the steps the job trained on its devices after the event was posted, while
         the new layout's step compiled (``JobOptions.notice_seconds``); its stall counts from the
         boundary it was applied at.
+      batch_seconds: the time to read the first global batch on the new layout and place it on
+        its mesh (part of the stall).
+      dispatch_seconds: the time the first step on the new layout took to dispatch (the
+        executable's call until it returned, before its results were ready).
+      first_step_seconds: from that call to the first step's results ready (dispatch included).
+        The stall is ``plan + reshard + compile_wait + commit + batch + first_step`` and what the
+        loop and the user's code did between them.
       stall_seconds: from the event's posting to the end of the first step on the new layout
         (that step is waited for); None on a ``stay``, until that step has run, and for an event
         another one follows at the same boundary (the stall is the last one's).
@@ -134,6 +143,9 @@ class EventRecord:
     restore_seconds: float = 0.0
     lost_steps: int = 0
     notice_steps: int = 0  # steps trained on the old devices while the new layout compiled
+    batch_seconds: float = 0.0
+    dispatch_seconds: float = 0.0
+    first_step_seconds: float = 0.0
     stall_seconds: float | None = None  # event posted -> first step done on the new layout
     estimate: Growth | None = None
     error: str | None = None

@@ -85,7 +85,8 @@ class ElasticJob(_JobCore):
         ``tj.errors.LayoutError`` when it has none (default ``tj.planner.choose_config``).
       steps: the run's length in steps: growth weighs its gain over the remaining steps.
       checkpoint_dir: orbax checkpoints go here; ``start`` resumes from the latest one; a failure
-        no replica survives restores it; a preemption saves one.
+        no replica survives restores it; a preemption saves one (after the first step on the
+        new layout).
       checkpoint_every: save every that many steps (with ``checkpoint_dir``).
       options: a :class:`tenplex_jax.elastic.JobOptions` (compile-ahead, preemption size,
         reshard method, batch axes, step timing, planner profile, log).
@@ -116,6 +117,9 @@ class ElasticJob(_JobCore):
         self.lost_seconds = 0.0  # step time thrown away by checkpoint fallbacks
         self.checkpoints: list[tuple[int, float]] = []  # (step, seconds) of every save
         self._saving = None  # the checkpoint being written in the background, if any
+        # a preemption's record whose checkpoint is saved at the next boundary without a change
+        self._preempted: EventRecord | None = None
+        self._save_due = False  # a periodic checkpoint is due (deferred past a change)
         self.resumed: int | None = None  # the checkpoint step start() restored, if any
         self._pending: collections.deque[Event] = collections.deque()
         # the event waiting for its layout's step (notice_seconds): (event, step, target)
@@ -156,7 +160,8 @@ class ElasticJob(_JobCore):
 
         At the boundary the events posted since the last one are applied in order (each a plan
         and a reshard onto the new devices, or a checkpoint restore) and, every
-        ``checkpoint_every`` steps, a checkpoint is saved.
+        ``checkpoint_every`` steps, a checkpoint is saved (at a boundary with a change, at the
+        next one without, as a preemption's).
 
         Args:
           state: the state the last step returned (or ``start``'s).
@@ -184,8 +189,16 @@ class ElasticJob(_JobCore):
             state = self._apply(state, event, notice_steps)
             changed = True
         every = self.checkpoint_every
-        if self.checkpoint_dir is not None and every and self.step % every == 0:
-            self._save(state)
+        if self.checkpoint_dir is not None:
+            if every and self.step % every == 0:  # due, unless saved before a rewind
+                self._save_due |= all(step != self.step for step, _ in self.checkpoints)
+            # at a boundary without a change: written beside a change's first step, a checkpoint
+            # would take that step's CPU and lengthen the stall (a preemption's is saved after
+            # the first step on the new layout)
+            if not changed and (self._save_due or self._preempted is not None):
+                seconds, self._save_due = self._save(state), False
+                if self._preempted is not None:
+                    self._preempted.commit_seconds, self._preempted = seconds, None
         if not changed and not self._pending:  # not beside a change's first step or its compile
             self._guess()
         return state, self._batch()
@@ -449,7 +462,7 @@ class ElasticJob(_JobCore):
         record.compile_seconds = compiled.seconds
         record.bitwise = self.is_bitwise(before, target.config)
         if event.kind == EventKind.PREEMPT and self.checkpoint_dir is not None:
-            record.commit_seconds = self._save(state)
+            self._preempted = record
         self.log(
             f"step {record.step}: {event.kind} ({event.source}) {record.config_before} on "
             f"{len(record.devices_before)} -> {record.config_after} on {len(reached)}: "
