@@ -27,8 +27,12 @@ import time
 import jax
 
 
-def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, repeats: int = 1):
-    """One row: both variants' stall seconds (medians over ``repeats``), their parts, the ratio."""
+def run_compile_ahead(
+    model: str = "small", batch: int = 24, after: int = 5, repeats: int = 1, *, quick: bool = False
+):
+    """One row: both variants' stall seconds (medians over ``repeats``), their parts, the ratio;
+    and, unless ``quick``, what a compile ahead costs the steps beside it and the persistent
+    compilation cache's cold and warm compiles (four and two more compiles)."""
     import tenplex_jax as tj
     from tenplex_jax.elastic import enable_compilation_cache
     from tenplex_jax_models import (
@@ -43,6 +47,7 @@ def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, rep
 
     graphdef, _, cfg = build_state(model, 1e-3, abstract=True)
     source = corpus_samples(stdlib_corpus(), cfg.seq_len, num_samples=20 * batch)
+    initial = jax.device_get(build_state(model, 1e-3)[1])  # placed by each job: no init compile
 
     def job_of(ahead: bool):
         jax.clear_caches()
@@ -58,7 +63,7 @@ def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, rep
                 device_type=CPU,
             ),
         )
-        state = job.start(lambda: build_state(model, 1e-3)[1])
+        state = job.start(initial)
         return job, state, job.jit(train_step(graphdef))
 
     def one(ahead: bool, before: int | None):
@@ -102,6 +107,22 @@ def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, rep
         for name, rs in runs.items()
     }
     ahead = median["compile_ahead"]
+    row = {
+        "kind": "compile_ahead",
+        "model": model,
+        "change": "8 -> 7 devices (data=8 -> data=7), preemption notice",
+        "steps_before_notice": before,
+        "repeats": repeats,
+        "runs": runs,
+        "median": median,
+        "stall_ratio": median["on_demand"]["stall_seconds"]
+        / median["compile_ahead"]["stall_seconds"],
+        "within_bound": ahead["stall_seconds"] <= ahead["stall_bound_seconds"],
+        "compile_cost": None,
+        "persistent_cache": None,
+    }
+    if quick:
+        return row
 
     # what a background compile costs the steps: the 8-device job's steps while the 7-, 6-, 5-
     # and 4-device steps compile ahead, one at a time, against as many steps with none in between
@@ -149,34 +170,27 @@ def run_compile_ahead(model: str = "small", batch: int = 24, after: int = 5, rep
         reset_compilation_cache()
     job.close()
     del state
-    return {
-        "kind": "compile_ahead",
-        "model": model,
-        "change": "8 -> 7 devices (data=8 -> data=7), preemption notice",
-        "steps_before_notice": before,
-        "repeats": repeats,
-        "runs": runs,
-        "median": median,
-        "stall_ratio": median["on_demand"]["stall_seconds"]
-        / median["compile_ahead"]["stall_seconds"],
-        "within_bound": ahead["stall_seconds"] <= ahead["stall_bound_seconds"],
-        "compile_cost": cost,
-        "persistent_cache": {"cold_compile_seconds": cold, "warm_compile_seconds": warm},
-    }
+    row["compile_cost"] = cost
+    row["persistent_cache"] = {"cold_compile_seconds": cold, "warm_compile_seconds": warm}
+    return row
 
 
 def describe(row: dict) -> str:
     a, o = row["median"]["compile_ahead"], row["median"]["on_demand"]
     p, c = row["persistent_cache"], row["compile_cost"]
-    return (
+    line = (
         f"  resize stall ({row['change']}, GPT {row['model']}): compile-ahead "
         f"{a['stall_seconds']:.3f} s (waited {a['compile_wait_seconds']:.3f} s for the step), "
         f"on demand {o['stall_seconds']:.3f} s (compile {o['compile_wait_seconds']:.3f} s): "
         f"{row['stall_ratio']:.1f}x (bound 1.5 x (reshard + step) + 0.1 = "
-        f"{a['stall_bound_seconds']:.3f} s: {'met' if row['within_bound'] else 'missed'}); "
-        f"steps/s with a compile ahead running {c['steps_per_second_with_compile']:.1f}, without "
-        f"{c['steps_per_second_without']:.1f} ({c['slowdown']:.2f}x slower); persistent cache: "
-        f"cold compile {p['cold_compile_seconds']:.2f} s, "
+        f"{a['stall_bound_seconds']:.3f} s: {'met' if row['within_bound'] else 'missed'})"
+    )
+    if c is None:  # quick
+        return line
+    return (
+        f"{line}; steps/s with a compile ahead running {c['steps_per_second_with_compile']:.1f}, "
+        f"without {c['steps_per_second_without']:.1f} ({c['slowdown']:.2f}x slower); persistent "
+        f"cache: cold compile {p['cold_compile_seconds']:.2f} s, "
         f"from disk {p['warm_compile_seconds']:.2f} s"
     )
 

@@ -217,7 +217,8 @@ def run(options: BenchOptions, log=print) -> dict:
 
     if options.wants("stall"):
         log("resize stall, compile-ahead vs on demand:")
-        row = compile_ahead.run_compile_ahead("tiny" if options.quick else "small", repeats=1)
+        model = "tiny" if options.quick else "small"
+        row = compile_ahead.run_compile_ahead(model, repeats=1, quick=options.quick)
         log(compile_ahead.describe(row))
         rows.append(row)
         lap("resize stall")
@@ -436,12 +437,17 @@ def summary_markdown(results: dict) -> str:
 def _stall_line(row: dict) -> str:
     a, o = row["median"]["compile_ahead"], row["median"]["on_demand"]
     p = row["persistent_cache"]
-    return (
+    line = (
         f"Resize stall (GPT {row['model']}, {row['change']}; the notice to the first step done on "
         f"7 devices): compile-ahead {a['stall_seconds']:.3f} s, compiled on demand "
         f"{o['stall_seconds']:.3f} s ({o['compile_wait_seconds']:.2f} s of it compiling): "
-        f"**{row['stall_ratio']:.1f}x**. Persistent compilation cache: the 7-device step compiled "
-        f"cold in {p['cold_compile_seconds']:.2f} s, read back from disk in "
+        f"**{row['stall_ratio']:.1f}x**."
+    )
+    if p is None:  # quick: no persistent-cache compiles
+        return line
+    return (
+        f"{line} Persistent compilation cache: the 7-device step compiled cold in "
+        f"{p['cold_compile_seconds']:.2f} s, read back from disk in "
         f"{p['warm_compile_seconds']:.2f} s."
     )
 
