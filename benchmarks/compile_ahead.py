@@ -124,11 +124,11 @@ def run_compile_ahead(
     if quick:
         return row
 
-    # what a background compile costs the steps: the 8-device job's steps while the 7-, 6-, 5-
-    # and 4-device steps compile ahead, one at a time, against as many steps with none in between
+    # what a background compile costs the steps: the 8-device job's steps while the 7- and
+    # 6-device steps compile ahead, one at a time, against as many steps with none in between
     job, state, step = job_of(False)
     busy, idle = [], []
-    for n in (7, 6, 5, 4):
+    for n in (7, 6):
         target = job._target(tuple(range(n)))
         future = job.steps_cache.get(target, job._layout(target.config), ahead=True)
         timed = 0

@@ -28,6 +28,7 @@ import weakref
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+from tqdm import tqdm
 
 import tenplex_jax as tj
 from tenplex_jax._src import box as boxes
@@ -187,7 +188,10 @@ def run_change(
     workdir = tempfile.mkdtemp(prefix="tenplex-bench-")
     try:
         strategies = _Strategies(placed, plan, workdir)
-        for round_ in range(repeats + 1):  # round 0 warms up dispatch, compile and file caches
+        rounds = range(repeats + 1)  # round 0 warms up dispatch, compile and file caches
+        # a bar on a terminal only (a log keeps the row's line): a change of the 114.5M GPT's
+        # matrix takes a minute
+        for round_ in tqdm(rounds, desc=change.name, unit="round", leave=False, disable=None):
             for strategy in STRATEGIES:
                 if strategy == "orbax" and round_ > ORBAX_ROUNDS:
                     continue
