@@ -11,9 +11,9 @@ import sys
 EXAMPLES = """\
 examples:
   tenplex-jax bench --out out/bench
-      the full suite on the 114.5M-param GPT (about 10 minutes on 2 CPU cores)
+      the full suite on the 114.5M-param GPT (about 11 minutes on 2 CPU cores)
   tenplex-jax bench --quick --out /tmp/bench
-      the same rows on a small model and small sizes, without the recovery row: about a minute
+      the same rows on a small model and small sizes, without the recovery row: about 1.5 minutes
   tenplex-jax bench --quick --recovery --out /tmp/bench
       with the recovery row (launched multi-process jobs, about a minute more)
   tenplex-jax bench --only reshard,stall --out /tmp/bench
@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
     bench.add_argument(
         "--quick",
         action="store_true",
-        help="small model and sizes: under a minute; checks that every ratio is computed",
+        help="small model and sizes: about 1.5 minutes; checks that every ratio is computed",
     )
     bench.add_argument(
         "--repeats",
