@@ -137,19 +137,15 @@ def _useful(run: Run) -> float:
     return sum(s for i, s, _ in run.job.step_log if i > 0)
 
 
-def _lost(elastic: Run, fixed: Run) -> dict:
+def _lost(elastic: Run, fixed: Run, step_seconds: dict[str, float]) -> dict:
     """What the elastic run's wall time went to besides its steps (seconds): the events' stalls
     less their first steps (split into their phases), the checkpoints the boundaries waited for,
     and the loop between timed steps; the same loop's seconds in the run without events, and
-    how much longer than its layout's median step each first step on a new layout took."""
-    import statistics
-
+    how much longer than its layout's median step (``step_seconds``) each first step on a new
+    layout took."""
     job = elastic.job
     phases = {"plan": 0.0, "reshard": 0.0, "executable": 0.0, "batch": 0.0, "restore": 0.0}
     stalls, first_excess = 0.0, 0.0
-    by_config: dict[str, list[float]] = {}
-    for _, s, c in job.step_log:
-        by_config.setdefault(c, []).append(s)
     for r in job.records:
         if r.stall_seconds is None:
             continue
@@ -159,7 +155,7 @@ def _lost(elastic: Run, fixed: Run) -> dict:
         phases["executable"] += r.compile_wait_seconds
         phases["batch"] += r.batch_seconds
         phases["restore"] += r.restore_seconds
-        first_excess += r.first_step_seconds - statistics.median(by_config[r.config_after])
+        first_excess += r.first_step_seconds - step_seconds[r.config_after]
     checkpoints = sum(s for step, s in job.checkpoints if step > 0)
     phases["other"] = stalls - sum(phases.values())
     loop = elastic.wall - _useful(elastic) - stalls - checkpoints - job.lost_seconds
@@ -216,7 +212,7 @@ def _goodput(trace, elastic: Run, fixed: Run, costs) -> tuple[list[dict], dict, 
         "elastic_overhead_seconds": elastic_overhead(job),
         "checkpoint_restart_periodic_saves": baseline["periodic_saves"],
         "restart_costs": dataclasses.asdict(costs),
-        "lost_seconds_to": _lost(elastic, fixed),
+        "lost_seconds_to": _lost(elastic, fixed, step_seconds),
     }
     return events, step_seconds, goodput
 
