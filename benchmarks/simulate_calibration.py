@@ -15,11 +15,12 @@ Three parts, in one run:
 2. **This machine.** The reshard matrix (``benchmarks/reshard.py``'s ``MATRIX``) timed with
    ``tj.reshard`` (after a warm-up pass), predicted by the library's ``Network`` on the same
    copy rates, with the bytes alone and with the fitted ``k`` and host work.
-3. **The Tenplex testbed.** ``fixed_change`` for GPT-3 1.3B / 2.7B / 6.7B, (4,2,1) -> (4,2,2) on
-   ``meshes/tenplex-16.toml``, tenplex and central, with the library's ``Costs``: no fixed costs,
-   then calibrated (the fitted host work and request latency, the stores' rates, and
-   :data:`TESTBED`'s restart and failure detection), against the paper's seconds; and a failure
-   of node 3 of the (4,2,2) job ((4,2,2) -> (4,2,1)) against the paper's recovery range.
+3. **The Tenplex testbed, end to end.** ``fixed_change`` for GPT-3 1.3B / 2.7B / 6.7B, (4,2,1)
+   -> (4,2,2) on ``meshes/tenplex-16.toml``, tenplex and central, with the library's ``Costs``:
+   no fixed costs, then calibrated (the fitted host work and request latency, the stores' rates,
+   and :data:`TESTBED`'s restart and failure detection); and a failure of node 3 of the (4,2,2)
+   job ((4,2,2) -> (4,2,1)). These add a commit, a restart and a detection the paper's window
+   does not hold, so they are not its validation: ``simulate_paper`` is.
 
     python -m tenplex_jax_benchmarks.simulate_calibration [--repeats 3] [--out DIR]
 """
@@ -36,13 +37,14 @@ import time
 
 import numpy as np
 
-# the Tenplex paper's reconfiguration rows (seconds), 4 nodes x 4 GPUs, (4,2,1) -> (4,2,2)
-PAPER = {
-    "gpt3-1.3b": {"tenplex": 8.5, "central": 27.2},
-    "gpt3-2.7b": {"tenplex": 11.5, "central": 39.0},
-    "gpt3-6.7b": {"tenplex": 24.2, "central": 96.1},
-}
-PAPER_RECOVERY = (19.6, 23.5)
+from tenplex_jax_benchmarks.simulate_paper import MODELS, PAPER_FAILURE
+from tenplex_jax_benchmarks.simulate_paper import PAPER as FIGURES
+
+# the Tenplex paper's data-parallel row ((4,2,1) -> (4,2,2)) and failure range, from
+# simulate_paper's figures: end to end here (commit, pulls, restart), which is not the paper's
+# window; simulate_paper compares that window like for like
+PAPER = {m: {p: FIGURES["D"][p][m] for p in ("tenplex", "central")} for m in MODELS}
+PAPER_RECOVERY = (min(PAPER_FAILURE.values()), max(PAPER_FAILURE.values()))
 TESTBED_TOML = "meshes/tenplex-16.toml"
 BATCH = 128  # the GPT-3 sizes' global batch, as ``tenplex-jax simulate`` assumes it
 
@@ -610,8 +612,10 @@ def _goal_lines(result: dict) -> list[str]:
             if r["variant"] == variant and lo / 2 <= r["recovery"]["predicted"] <= hi * 2
         ]
         lines.append(
-            f"- testbed, {variant}: {len(ok)} of 6 reconfiguration rows within 2x; recovery "
-            f"within 2x of {lo}–{hi} s for {len(recovered)} of 3 models"
+            f"- testbed end to end (commit + pulls + restart, not the paper's window: see "
+            f"simulate_paper), {variant}: {len(ok)} of 6 data-parallel rows within 2x of the "
+            f"paper's seconds, not like for like; recovery within 2x of {lo}–{hi} s for "
+            f"{len(recovered)} of 3 models"
         )
     return lines
 

@@ -5,10 +5,12 @@ devices, with no devices (``tenplex-jax simulate``; docs/simulator.md)::
     result = tj.simulator.simulate(sim, tj.elastic.ResourceTrace.load("meshes/philly-538.toml"))
     result.policies["tenplex"].goodput  # a SimulationResult; result.to_json(): its JSON
 
-``fixed_change`` prices one given change, ``failure_trace`` draws node failures from a mean time
+``fixed_change`` prices one given change, ``transformation`` the Tenplex artifact's window of one
+(after the save, before the restart), ``failure_trace`` draws node failures from a mean time
 to failure; a ``Network`` turns a plan's bytes into seconds, ``Costs`` holds the rest.
 """
 
+from tenplex_jax._src.simulator.artifact import Window, transformation
 from tenplex_jax._src.simulator.costs import CheckpointInterval, Costs, Policy, young_daly
 from tenplex_jax._src.simulator.failures import failure_trace, merge
 from tenplex_jax._src.simulator.fixed import fixed_change
@@ -38,11 +40,13 @@ __all__ = [
     "Simulation",
     "SimulationResult",
     "Traffic",
+    "Window",
     "device_traffic",
     "failure_trace",
     "fixed_change",
     "merge",
     "scale",
     "simulate",
+    "transformation",
     "young_daly",
 ]

@@ -77,6 +77,14 @@ class PolicyCost(_Record):
         parts = (self.detect, self.commit, self.save, self.transfer, self.restore, self.restart)
         object.__setattr__(self, "seconds", sum(parts) + self.compile + self.wait)
 
+    @property
+    def window(self) -> float:
+        """The state transformation alone: the pulls (or a fallback's restore), after the commit
+        or save and before the restart; no detection, restart or compile. The span the Tenplex
+        artifact times ("State transformation took"); ``tj.simulator.transformation`` prices
+        it on the artifact's own route."""
+        return self.transfer + self.restore
+
 
 NO_CHANGE = PolicyCost()  # an event that changes nothing costs nothing
 
