@@ -9,7 +9,14 @@ needs no JAX (``LaunchedJob`` loads on first use).
 """
 
 from tenplex_jax._src.multihost.launch import Launcher, launch
-from tenplex_jax._src.multihost.rundir import FirstStep, RestoreReport, RunDir, RunEvent, Source
+from tenplex_jax._src.multihost.rundir import (
+    FirstStep,
+    LiveReport,
+    RestoreReport,
+    RunDir,
+    RunEvent,
+    Source,
+)
 from tenplex_jax._src.multihost.spec import JobSpec, LaunchOptions, Restore
 
 __all__ = [
@@ -18,6 +25,7 @@ __all__ = [
     "LaunchOptions",
     "LaunchedJob",
     "Launcher",
+    "LiveReport",
     "Restore",
     "RestoreReport",
     "RunDir",

@@ -12,14 +12,14 @@ commit every 2 steps, an orbax checkpoint every 4; each death injected while the
 a step boundary, its commits done):
 
 1. after step 4: the node of process 0 dies (and its store); the job goes on with 2 processes on
-   the other nodes, in their own processes, the dead node's shards from their replicas;
+   the other nodes, in their own processes, from their memory (a live version of step 4);
 2. a node joins while that generation is paused after step 7 (a generation of warm standby
    processes that load their step could otherwise run past step 10 before Ray reports the node):
    growing pays over the planned run (``--planned-steps``); once the launcher asks for it, the job
    resumes and grows to 3 processes at a step boundary, nothing lost;
-3. after step 10: a node and the node holding its replicas die together: no copy of some shards
-   survives; the launcher names the leaves and restores the orbax checkpoint of step 8 on the node
-   left, which trains the lost steps again and finishes the run.
+3. after step 10: a node and the node holding its replicas die together: the commit of step 10
+   lost some shards' copies, but the node left holds a replica of every shard in memory and goes
+   on from step 10, nothing lost, to the end of the run.
 """
 
 from __future__ import annotations

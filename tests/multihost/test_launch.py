@@ -6,11 +6,14 @@ through two failures, each injected by PID at a known step while the job is paus
 boundary (``--pause-after``, commits finished):
 
 1. after step 3: SIGKILL worker 3 and its store. The job goes on with 3 processes, the three
-   survivors in their own processes; worker 3's shards come from their replicas on store 0; lost
-   steps = 3 - 2. Slot 1's warm standby process is killed too: its survivor takes its rank.
-2. after step 6: SIGKILL worker 2 and both stores holding its shards (2 and 0). No copy survives:
-   the launcher names the leaves and falls back to the orbax checkpoint of step 4 on the one
-   process left (slot 1's, the same process since generation 0); lost steps = 6 - 4.
+   survivors in their own processes, from their memory: each writes the boxes of the state at
+   step 3 that it takes its turn for to its own store (a live version), and the new generation
+   reads it; lost steps 0, though the last commit is of step 2. Slot 1's warm standby process is
+   killed too: its survivor takes its rank.
+2. after step 6: SIGKILL worker 2 and both stores holding its shards of the commit (2 and 0;
+   worker 0 goes with its store). The one process left (slot 1's, the same process since
+   generation 0) holds a replica of every shard: lost steps 0 again. (Where no survivor holds
+   some shard, ``test_launch_bitwise.py`` rewinds to the orbax checkpoint.)
 3. after step 7: a planned resize to 2 processes (``RUN_DIR/resize``): the process finds the
    request at the next step boundary (step 8), commits synchronously and stays; a new slot gets a
    new store, and a fresh process (the spare standby is killed before it is used); lost steps = 0.
@@ -30,12 +33,10 @@ import pytest
 
 import tenplex_jax as tj
 from tenplex_jax._src.multihost.commit import stored_objects
-from tenplex_jax._src.multihost.rundir import Ahead, Grown
+from tenplex_jax._src.multihost.rundir import Ahead, Grown, LiveReport
 from tenplex_jax._src.multihost.spec import Action, Request, Restore
 from tenplex_jax.multihost import RunDir, Source, store
 from tests.helpers import (
-    LAUNCH_BATCH,
-    LAUNCH_GRAD_UNITS,
     LAUNCH_SAMPLES,
     ROOT,
     reaped,
@@ -120,8 +121,10 @@ def test_job_survives_two_failures_and_finishes(job):
     assert [g["processes"] for g in gens] == [4, 3, 1, 2], job["log"][-3000:]
     assert [g["slots"] for g in gens] == [[0, 1, 2, 3], [0, 1, 2], [1], [1, 4]]
     restores = [(g["restore"], g["step"]) for g in gens]
-    assert restores == [("init", 0), ("store", 2), ("checkpoint", 4), ("store", 8)]
-    assert [g["lost_steps"] for g in gens] == [None, 1, 2, 0]  # 0: the resize was planned
+    assert restores == [("init", 0), ("live", 3), ("live", 6), ("store", 8)]
+    # 0 wherever a replica lived: at both failures, from the survivors' memory
+    assert [g["lost_steps"] for g in gens] == [None, 0, 0, 0]
+    assert not [e for e in job["dir"].events() if e["event"] in ("rewind", "fallback")]
     kinds = [e["event"] for e in job["dir"].events()]
     assert kinds.count("failure") == 2 and kinds.count("resize") == 1
     # every survivor stayed in its process: slot 1's process ran all four generations; the new
@@ -187,30 +190,22 @@ def test_every_global_batch_trained_exactly_once(job, reference):
     assert len(set(stream[2 * LAUNCH_SAMPLES :])) == 40
 
 
-def test_dead_workers_shards_come_from_their_replicas(job, reference):
-    _, _, abstract = reference
-    from tenplex_jax_models import LOGICAL_RULES
-
-    reports = [job["dir"].restored(1, i) for i in range(3)]
-    assert all(r.source == Source.STORE and r.step == 2 for r in reports), reports
-    # the job's config
-    config = tj.planner.choose_config(8, abstract, LOGICAL_RULES, LAUNCH_BATCH, LAUNCH_GRAD_UNITS)
-    gen0 = tj.PTC.of(abstract, LOGICAL_RULES, config, range(8), hosts=[0, 0, 1, 1, 2, 2, 3, 3])
-    lost = sum(o.nbytes for o in stored_objects(gen0, [0, 1, 2, 3], 1) if o.process == 3)
-    assert lost > 0
-    assert sum(r.pull.replica_for_lost_writer for r in reports) >= lost
-    assert all(3 not in r.pull.by_slot for r in reports)  # store 3 served nothing
-
-
-def test_no_surviving_replica_names_the_leaves_and_falls_back_to_orbax(job):
-    lost = last(job["run"], "replicas_lost")
-    assert lost is not None and lost["step"] == 6
-    assert lost["leaves"] and all(isinstance(p, str) for p in lost["leaves"])
-    assert "model/" in " ".join(lost["leaves"]) and "no copy of" in lost["detail"]
-    fallback = last(job["run"], "fallback")
-    assert fallback is not None and fallback["step"] == 4
-    report = job["dir"].restored(2)
-    assert report.source == Source.CHECKPOINT and report.step == 4 and report.kept
+def test_survivors_resume_from_their_memory_each_box_written_once(job):
+    run = job["dir"]
+    reports = [run.restored(1, i) for i in range(3)]
+    assert all(r.source == Source.LIVE and r.step == 3 for r in reports), reports
+    kept = [run.read(LiveReport, 0, i) for i in range(3)]
+    assert [(k.step, k.newest, k.why, k.orphans) for k in kept] == [(3, 3, None, ())] * 3, kept
+    # data=8: every process holds every leaf; the survivors take turns by leaf, so each leaf is
+    # written once (the whole state's bytes) and every survivor writes some
+    assert sum(k.nbytes for k in kept) == reports[0].state_bytes
+    assert min(k.nbytes for k in kept) > 0
+    assert all(3 not in r.pull.by_slot for r in reports)  # store 3 is dead: nothing from it
+    # the lone survivor of the second failure wrote the whole state at step 6 and read it back
+    alone = run.read(LiveReport, 1, 1)
+    assert (alone.step, alone.why) == (6, None) and alone.nbytes == reports[0].state_bytes
+    report = run.restored(2)
+    assert report.source == Source.LIVE and report.step == 6 and report.kept
 
 
 def test_launcher_replaces_a_failed_generation_and_stops_on_sigterm(tmp_path):
@@ -261,6 +256,44 @@ def test_a_commit_writes_each_distinct_box_once_spread_over_the_processes(config
     assert sum(load) == sum(o.nbytes for o in objects) and min(load) > 0.5 * max(load), load
 
 
+@pytest.mark.parametrize(
+    "config, survivors, orphaned",
+    [
+        (tj.ParallelConfig(data=4, fsdp=2), [0, 2, 3], False),  # every process holds it all
+        (tj.ParallelConfig(data=2, fsdp=4), [1, 2, 3], False),  # process 0's boxes are on 2's
+        (tj.ParallelConfig(data=2, fsdp=4), [0, 1, 3], False),
+        (tj.ParallelConfig(data=2, fsdp=4), [2, 3], False),
+        (tj.ParallelConfig(data=2, fsdp=4), [0, 2], True),  # fsdp's boxes of 1 and 3: nobody's
+        (tj.ParallelConfig(fsdp=8), [0, 1, 2], True),
+    ],
+)
+def test_a_live_version_is_written_by_survivors_once_per_box_or_names_the_orphans(
+    config, survivors, orphaned
+):
+    from tenplex_jax._src.multihost.commit import live_objects
+    from tests.helpers import RULES, abstract_state
+
+    hosts = [0, 0, 1, 1, 2, 2, 3, 3]
+    ptc = tj.PTC.of(abstract_state(), RULES, config, range(8), hosts=hosts)
+    slots = [5, 6, 7, 9]
+    objects, orphans = live_objects(ptc, slots, survivors)
+    sharded = [leaf.path for leaf in ptc.leaves if len(set(ptc.boxes(leaf).values())) > 1]
+    assert bool(orphans) == orphaned and set(orphans) <= set(sharded)
+    if orphaned:
+        assert orphans == tuple(sorted(sharded))  # every sharded leaf loses a box
+        return
+    for leaf in ptc.leaves:
+        boxes = ptc.boxes(leaf)
+        mine = [o for o in objects if o.path == leaf.path]
+        assert sorted(o.box for o in mine) == sorted(set(boxes.values())), leaf.path
+        for o in mine:  # written by a survivor holding it, renumbered, kept in its store alone
+            writer = survivors[o.process]
+            assert boxes[o.device] == o.box and hosts[o.device] == writer
+            assert o.slots == (slots[writer],)
+    load = [sum(o.nbytes for o in objects if o.process == p) for p in range(len(survivors))]
+    assert min(load) > 0, load
+
+
 def test_a_stored_version_of_another_state_is_refused_naming_the_leaf():
     from tenplex_jax_models import GPTConfig
     from tests.helpers import RULES, abstract_state
@@ -291,12 +324,12 @@ def test_a_complete_version_deletes_the_older_ones(job):
     proc = store.StoreProcess.start(job["run"] / "stores" / "1")
     try:
         client = store.StoreClient(proc.address)
-        arrays = {version_of(o.path) for o in client.list("v")}
-        markers = {version_of(p) for p in client.list_json("v")}
+        arrays = {version_of(o.path) for o in client.list("v") + client.list("l")}
+        markers = {version_of(p) for p in client.list_json("v") + client.list_json("l")}
         client.close()
     finally:
         proc.stop()
-    assert arrays == markers == {STEPS}
+    assert arrays == markers == {(STEPS, False)}  # the live versions went with the rest
 
 
 def test_a_launched_job_refuses_in_process_device_changes_and_finishes(tmp_path):
@@ -371,8 +404,8 @@ def test_a_generation_ending_on_a_checkpoint_step_saves_its_checkpoint(job):
     commits nothing at it), so a later fallback finds step 8, not 4."""
     from tenplex_jax._src.checkpoint import saved_steps
 
-    resize = next(e for e in job["dir"].events("generation") if e["lost_steps"] == 0)
-    assert resize["step"] == 8
+    resize = job["dir"].events("generation")[-1]  # the generation after the resize
+    assert (resize["restore"], resize["step"]) == ("store", 8)
     assert 8 in saved_steps(job["run"] / "ckpt")
 
 

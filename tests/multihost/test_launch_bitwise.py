@@ -1,8 +1,11 @@
 """Bitwise across processes: the launched example job with ``--bitwise`` on 2 processes x 2
 devices as ``tensor=4`` (each unit's gradient computed whole, the state stored over both
-processes) loses a process (SIGKILL) and goes on as ``pipe=2`` on the one left, restored from
-the tensor stores; it ends with every bit of the same job on one device in this process. The
-launcher's children inherit the suite's XLA flags."""
+processes) loses a process and its store (SIGKILL) and goes on as ``pipe=2`` on the one left;
+it ends with every bit of the same job on one device in this process. The survivor holds half
+of each tensor-parallel leaf, so its memory cannot serve: the launcher says which leaves forced
+the rewind, and with ``--replicas 0`` the commit's copies of the dead process's shards went with
+its store, so the job restores the orbax checkpoint of the same step. The launcher's children
+inherit the suite's XLA flags."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import jax
 import numpy as np
 
 import tenplex_jax as tj
+from tenplex_jax.multihost import RunDir
 from tenplex_jax_models import LOGICAL_RULES, build_state, corpus_samples, stdlib_corpus, train_step
 from tests.helpers import LAUNCH_BATCH, LAUNCH_GRAD_UNITS, LAUNCH_SAMPLES, host_copy, reaped
 from tests.multihost.launching import (
@@ -53,12 +57,15 @@ def test_a_launched_tensor_to_pipe_change_keeps_every_bit_of_one_device(tmp_path
     layouts = "4=tensor=4; 2=pipe=2"
     script = ["--bitwise", "--layouts", layouts, "--pause-after", "2"]
     script += ["--log", str(tmp_path / "steps.jsonl")]
-    proc = launch_example(tmp_path, 2, STEPS, script=script)
+    flags = ["--replicas", "0", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    flags += ["--checkpoint-every", "2"]
+    proc = launch_example(tmp_path, 2, STEPS, flags=flags, script=script)
     with reaped(proc):
         want = one_device(STEPS)  # while the job starts
         wait_for(lambda: paused(tmp_path, 2, 2), "the job to pause after step 2", proc)
         workers = last(tmp_path, "generation")["pids"]
-        kill(workers[1])  # the generation's commit of step 2 has finished
+        kill(last(tmp_path, "stores")["slots"]["1"]["pid"])
+        kill(workers[1])  # the generation's commit and checkpoint of step 2 have finished
         children = [*workers, *last(tmp_path, "standby")["pids"].values()]
         proc.wait(TIMEOUT)
         children += last(tmp_path, "generation")["pids"]
@@ -67,6 +74,15 @@ def test_a_launched_tensor_to_pipe_change_keeps_every_bit_of_one_device(tmp_path
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert [s["config"] for s in steps] == ["tensor=4"] * 2 + ["pipe=2"] * (STEPS - 2)
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))  # no step lost or repeated
+    rewind = last(tmp_path, "rewind")
+    assert (rewind["step"], rewind["source"], rewind["newest"]) == (2, "checkpoint", 2), rewind
+    assert any(p.startswith("model/") for p in rewind["leaves"])
+    assert "no survivor holds every box" in rewind["detail"]
+    assert last(tmp_path, "replicas_lost")["step"] == 2  # the commit's shards of process 1
+    gens = [
+        (g["restore"], g["step"], g["lost_steps"]) for g in RunDir(tmp_path).events("generation")
+    ]
+    assert gens == [("init", 0, None), ("checkpoint", 2, 0)]
     got = np.load(tmp_path / "final.npz")
     got = [got[f"arr_{i}"] for i in range(len(got.files))]
     assert len(got) == len(want)

@@ -1,6 +1,7 @@
 """The elastic job on a Ray cluster: simulated nodes on 127.0.0.1 (``ray.cluster_utils.Cluster``,
 each node its own raylet), ``examples/elastic_gpt.py`` launched by the Ray launcher through the
-death of the coordinator's node, a node that joins, and a node dying with its replica holder.
+death of the coordinator's node, a node that joins, and a node dying with its replica holder:
+the survivors' live replicas serve both deaths, nothing lost.
 
 The cluster and the job run in a network namespace of their own (``unshare -rn``: a user and
 network namespace, no privilege needed) whose only interfaces are loopback and a decoy: Ray's own
@@ -71,9 +72,9 @@ def test_the_job_survives_node_deaths_and_grows_onto_a_joining_node(job):
     )
     gens = run.events("generation")
     assert [g["processes"] for g in gens] == [3, 2, 3, 1]
-    assert [g["restore"] for g in gens] == ["init", "store", "store", "checkpoint"]
+    assert [g["restore"] for g in gens] == ["init", "live", "store", "live"]
     # process 0's node died: its slot is gone; the others go on in their own processes (the
-    # coordination service runs in the launcher); its shards came from their replicas
+    # coordination service runs in the launcher), from their memory
     assert gens[1]["slots"] == [1, 2] and gens[1]["step"] == 4
     assert gens[1]["lost_steps"] == 0
     # the survivors kept their processes through every change; the new node's is cold
@@ -86,13 +87,10 @@ def test_the_job_survives_node_deaths_and_grows_onto_a_joining_node(job):
     assert offer["grow"] and offer["gain_seconds"] > offer["cost_seconds"] > 0
     assert offer["source"] == "launcher" and offer["remaining_steps"] > 0
     assert gens[2]["slots"] == [1, 2, 3] and gens[2]["lost_steps"] == 0
-    # a node and its replica holder: no copy of some shards survives; the leaves are named and
-    # the orbax checkpoint of step 8 restored on the node left, the steps since lost
-    lost = run.events("replicas_lost")[0]
-    assert lost["leaves"] and "no copy of" in lost["detail"]
-    fallback = run.events("fallback")[0]
-    assert fallback["step"] == 8 and (gens[3]["restore"], gens[3]["step"]) == ("checkpoint", 8)
-    assert gens[3]["lost_steps"] == lost["step"] - 8 > 0
+    # a node and its replica holder: the commit of step 10 lost copies of some shards, but the
+    # node left holds every shard at step 10 in memory: nothing lost, no fallback
+    assert (gens[3]["restore"], gens[3]["step"], gens[3]["lost_steps"]) == ("live", 10, 0)
+    assert not [e for e in run.events() if e["event"] in ("rewind", "fallback", "replicas_lost")]
     assert run.events()[-1]["event"] == "finished"
 
 

@@ -171,6 +171,9 @@ class _JobCore(abc.ABC):
     # how long a process waits for another process's compile of a layout before compiling it
     # itself: 0 in one process, where no other process compiles
     _follow_seconds = 0.0
+    # whether the step donates its input state: a launched job's keeps it, the survivors' live
+    # copy at a failure (``Worker.hold``)
+    _donates = True
 
     def __init__(
         self,
@@ -308,6 +311,7 @@ class _JobCore(abc.ABC):
             None if self.options.bitwise else self.options.batch_axes,
             executables,
             switch_interval=self.options.switch_interval,
+            donate=self._donates,
         )
         self._compiled(self.ptc, ahead=True)
         self._stalled = (None, time.perf_counter())  # time the first step too

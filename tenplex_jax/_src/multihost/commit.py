@@ -13,6 +13,11 @@ stores as::
 The holders of one box of a leaf take turns as its writer by leaf and box index; inside the writer
 process the lowest-id device holding the box supplies it. A piece no store can serve raises
 ``StoreError`` naming the leaf, box and slots tried.
+
+A *live version* (``l00000012/...``, the same layout) is written at a failure by the survivors
+from their memory, each to its own store (:func:`commit_live`): the state at their last completed
+step, which no commit may hold. Its processes are the survivors, renumbered in order; a box is
+written once, by one of the survivors holding it (the same turns), and held by that slot alone.
 """
 
 from __future__ import annotations
@@ -41,17 +46,18 @@ from tenplex_jax._src.ptc import PTC
 
 FORMAT = 1
 PUT_THREADS = 4  # objects a process writes at once (each to its k + 1 stores in parallel)
-_VERSION = re.compile(r"^v(\d{8})/")
+_VERSION = re.compile(r"^([vl])(\d{8})/")
 
 
-def version_prefix(step: int) -> str:
-    return f"v{step:08d}"
+def version_prefix(step: int, *, live: bool = False) -> str:
+    """``v<step>`` (a commit) or ``l<step>`` (a live version), eight digits."""
+    return f"{'l' if live else 'v'}{step:08d}"
 
 
-def version_of(path: str) -> int | None:
-    """The step of the version an object path belongs to, or None."""
+def version_of(path: str) -> tuple[int, bool] | None:
+    """The (step, live) of the version an object path belongs to, or None."""
     match = _VERSION.match(path)
-    return int(match.group(1)) if match else None
+    return (int(match.group(2)), match.group(1) == "l") if match else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,27 +84,55 @@ def stored_objects(ptc: PTC, slots: Sequence[int], replicas: int) -> list[Stored
     ``slots[p]`` is process ``p``'s host slot; an object is held by its writer's slot and the slots
     of the next ``replicas`` processes (mod the process count), as ``ReplicatedStore.put`` writes.
     """
-    _check_keys(ptc)
     n = len(slots)
     k = min(replicas, n - 1)
+    held = lambda writer: tuple(slots[(writer + r) % n] for r in range(k + 1))
+    return _objects(ptc, range(n), held)[0]
+
+
+def live_objects(
+    ptc: PTC, slots: Sequence[int], survivors: Sequence[int]
+) -> tuple[list[StoredObject], tuple[str, ...]]:
+    """The objects of a live version of a state laid out as ``ptc``, written by the processes
+    ``survivors`` (``slots[p]``: process ``p``'s slot), each held by its writer's slot alone;
+    and the leaves some box of which no survivor holds (then there is no live version). The
+    objects' ``process`` is the writer's index among the survivors, in order."""
+    objects, orphans = _objects(ptc, survivors, lambda writer: (slots[writer],))
+    rank = {p: i for i, p in enumerate(sorted(survivors))}
+    return [dataclasses.replace(o, process=rank[o.process]) for o in objects], orphans
+
+
+def _objects(ptc: PTC, writers, held) -> tuple[list[StoredObject], tuple[str, ...]]:
+    """Each distinct box of each leaf, written by one of the processes in ``writers`` that hold
+    it (they take turns by leaf and box index) and held by ``held(writer)``; the leaves some box
+    of which none of them holds."""
+    _check_keys(ptc)
     process_of = dict(zip(ptc.device_ids, ptc.hosts))
-    out = []
+    writers = set(writers)
+    out, orphans = [], set()
     for i, leaf in enumerate(ptc.leaves):
         holders: dict[Box, list[int]] = {}
         for device, box in ptc.boxes(leaf).items():
             holders.setdefault(box, []).append(device)
         for j, (box, devices) in enumerate(holders.items()):
-            processes = sorted({process_of[d] for d in devices})
+            processes = sorted({process_of[d] for d in devices} & writers)
+            if not processes:
+                orphans.add(leaf.path)
+                continue
             writer = processes[(i + j) % len(processes)]
             device = min(d for d in devices if process_of[d] == writer)
-            held = tuple(slots[(writer + r) % n] for r in range(k + 1))
             size = boxes.nbytes(box, leaf.itemsize)
             out.append(
                 StoredObject(
-                    path=leaf.path, box=box, process=writer, device=device, slots=held, nbytes=size
+                    path=leaf.path,
+                    box=box,
+                    process=writer,
+                    device=device,
+                    slots=held(writer),
+                    nbytes=size,
                 )
             )
-    return out
+    return out, tuple(sorted(orphans))
 
 
 def _check_keys(ptc: PTC) -> None:
@@ -125,10 +159,15 @@ class Manifest:
     ptc: dict
     objects: tuple[StoredObject, ...]
     data_state: DataState | None = None
+    live: bool = False  # written by the survivors of a failure from their memory
 
     @property
     def num_processes(self) -> int:
         return len(self.slots)
+
+    @property
+    def prefix(self) -> str:
+        return version_prefix(self.step, live=self.live)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, **dataclasses.asdict(self)}
@@ -149,22 +188,23 @@ class Manifest:
 # -- versions in the stores (no JAX needed: the launcher calls these too) --------------------------
 
 
-def versions(clients: dict[int, Any]) -> list[int]:
-    """Every version step found on the live stores, ascending."""
+def versions(clients: dict[int, Any], *, live: bool = False) -> list[int]:
+    """Every commit's step (``live``: every live version's) found on the live stores, ascending."""
     found = set()
     for client in clients.values():
         try:
-            infos = client.list("v")
+            infos = client.list("l" if live else "v")
         except StoreError:
             continue
-        found.update(s for s in (version_of(i.path) for i in infos) if s is not None)
+        found.update(k[0] for k in (version_of(i.path) for i in infos) if k is not None)
     return sorted(found)
 
 
-def read_manifest(clients: dict[int, Any], step: int) -> Manifest | None:
+def read_manifest(clients: dict[int, Any], step: int, *, live: bool = False) -> Manifest | None:
+    path = f"{version_prefix(step, live=live)}/manifest"
     for client in clients.values():
         try:
-            return Manifest.from_json(client.get_json(f"{version_prefix(step)}/manifest"))
+            return Manifest.from_json(client.get_json(path))
         except StoreError:
             continue
     return None
@@ -176,7 +216,7 @@ def committed(clients: dict[int, Any], manifest: Manifest) -> list[int]:
     for process in range(manifest.num_processes):
         for client in clients.values():
             try:
-                client.get_json(f"{version_prefix(manifest.step)}/commit/{process}")
+                client.get_json(f"{manifest.prefix}/commit/{process}")
             except StoreError:
                 continue
             done.add(process)
@@ -184,12 +224,15 @@ def committed(clients: dict[int, Any], manifest: Manifest) -> list[int]:
     return sorted(done)
 
 
-def latest_complete(clients: dict[int, Any], below: int | None = None) -> Manifest | None:
-    """The manifest of the latest complete version on the live stores (steps < ``below``)."""
-    for step in reversed(versions(clients)):
+def latest_complete(
+    clients: dict[int, Any], below: int | None = None, *, live: bool = False
+) -> Manifest | None:
+    """The manifest of the latest complete commit (``live``: live version) on the live stores
+    (steps < ``below``)."""
+    for step in reversed(versions(clients, live=live)):
         if below is not None and step >= below:
             continue
-        manifest = read_manifest(clients, step)
+        manifest = read_manifest(clients, step, live=live)
         if manifest is not None and len(committed(clients, manifest)) == manifest.num_processes:
             return manifest
     return None
@@ -197,7 +240,7 @@ def latest_complete(clients: dict[int, Any], below: int | None = None) -> Manife
 
 def missing_objects(clients: dict[int, Any], manifest: Manifest) -> list[StoredObject]:
     """The objects of ``manifest`` that no live store holding a copy lists."""
-    prefix = f"{version_prefix(manifest.step)}/state/"
+    prefix = f"{manifest.prefix}/state/"
     held: dict[int, set] = {}
     for slot, client in clients.items():
         try:
@@ -212,13 +255,15 @@ def missing_objects(clients: dict[int, Any], manifest: Manifest) -> list[StoredO
 
 
 def delete_versions(clients: dict[int, Any], keep) -> None:
-    """Delete every version whose step does not satisfy ``keep(step)`` from the live stores."""
+    """Delete every version, commit or live, whose (step, live) does not satisfy
+    ``keep(step, live)`` from the live stores."""
     for client in clients.values():
         try:
-            steps = {version_of(i.path) for i in client.list("v")} - {None}
-            for step in steps:
-                if not keep(step):
-                    client.delete(version_prefix(step) + "/")
+            infos = client.list("v") + client.list("l")
+            found = {version_of(i.path) for i in infos} - {None}
+            for step, live in found:
+                if not keep(step, live):
+                    client.delete(version_prefix(step, live=live) + "/")
         except StoreError:
             continue
 
@@ -269,17 +314,7 @@ class Committer:
         tic = time.perf_counter()
         objects = self._objects_of(ptc)
         mine = [o for o in objects if o.process == self.process]
-        arrays = jax.tree.leaves(state)
-        if len(arrays) != len(ptc.leaves) or any(
-            a.shape != leaf.shape for a, leaf in zip(arrays, ptc.leaves)
-        ):
-            paths, values, _ = tree.arrays(state)
-            leaves = tree.leaves_of(paths, values)
-            raise PlanError(
-                f"a commit writes the state its PTC describes, but the state's {len(arrays)} "
-                f"leaves are not the PTC's {len(ptc.leaves)}: "
-                + tree.difference(leaves, ptc.leaves, ("the state", "the PTC"))
-            )
+        arrays = _leaves_as(state, ptc)
         index = {leaf.path: i for i, leaf in enumerate(ptc.leaves)}
         copies = [_host_shard(arrays[index[o.path]], o) for o in mine]
         copy_seconds = time.perf_counter() - tic
@@ -359,7 +394,7 @@ class Committer:
             if complete and (self._gc is None or not self._gc.is_alive()):
                 # off the commit's path: deleting many objects costs the stores more than writing
                 # them; a version left behind now is deleted with the next complete one
-                keep = lambda s: s >= step
+                keep = lambda s, live: s >= step  # a live version before it too
                 self._gc = threading.Thread(
                     target=delete_versions, args=(self.stores, keep), daemon=True
                 )
@@ -389,12 +424,77 @@ class Committer:
         return manifest is not None and len(committed(own, manifest)) == manifest.num_processes
 
 
+def _leaves_as(state, ptc: PTC) -> list[jax.Array]:
+    """``state``'s leaves, which must be those ``ptc`` describes (else ``PlanError``)."""
+    arrays = jax.tree.leaves(state)
+    if len(arrays) != len(ptc.leaves) or any(
+        a.shape != leaf.shape for a, leaf in zip(arrays, ptc.leaves)
+    ):
+        paths, values, _ = tree.arrays(state)
+        leaves = tree.leaves_of(paths, values)
+        raise PlanError(
+            f"a commit writes the state its PTC describes, but the state's {len(arrays)} "
+            f"leaves are not the PTC's {len(ptc.leaves)}: "
+            + tree.difference(leaves, ptc.leaves, ("the state", "the PTC"))
+        )
+    return arrays
+
+
 def _host_shard(array: jax.Array, o: StoredObject) -> np.ndarray:
     for shard in array.addressable_shards:
         if shard.device.id == o.device:
             # a copy: the next train step donates (and may overwrite) the device buffer
             return np.array(shard.data, copy=True)
     raise PlanError(f"device {o.device} of this process holds no shard of {o.path!r} box {o.box}")
+
+
+def commit_live(
+    client,
+    state,
+    ptc: PTC,
+    step: int,
+    data_state: DataState | None,
+    slots: Sequence[int],
+    survivors: Sequence[int],
+    process: int,
+) -> tuple[int, int]:
+    """Process ``process``'s part of the live version of ``state`` (the state at ``step``, laid
+    out as ``ptc``; ``slots[p]``: process ``p``'s slot) after a failure that ``survivors``
+    outlived: its objects (:func:`live_objects`) copied to host, then written to its own store
+    (``client``, memory tier) with the version's manifest and its marker. Returns (objects,
+    bytes).
+
+    Raises:
+      PlanError: some box has no holder among the survivors (:func:`live_objects` names them),
+        or the state is not the PTC's.
+      Exception: a shard could not be read (its computation failed): nothing is written.
+    """
+    objects, orphans = live_objects(ptc, slots, survivors)
+    if orphans:
+        raise PlanError(f"no survivor holds every box of the leaves {list(orphans)}")
+    rank = sorted(survivors).index(process)
+    arrays = _leaves_as(state, ptc)
+    index = {leaf.path: i for i, leaf in enumerate(ptc.leaves)}
+    mine = [o for o in objects if o.process == rank]
+    copies = [_host_shard(arrays[index[o.path]], o) for o in mine]  # before any write
+    manifest = Manifest(
+        step=step,
+        slots=tuple(slots[p] for p in sorted(survivors)),
+        replicas=0,
+        ptc=ptc.to_json(),
+        objects=tuple(objects),
+        data_state=data_state,
+        live=True,
+    )
+    shapes = {leaf.path: leaf.shape for leaf in ptc.leaves}
+    client.put_json(f"{manifest.prefix}/manifest", manifest.to_json(), flush=False)
+    for o, data in zip(mine, copies):
+        path = f"{manifest.prefix}/state/{o.path}"
+        client.put(path, data, box=o.box, global_shape=shapes[o.path])
+    nbytes = sum(o.nbytes for o in mine)
+    marker = {"process": rank, "objects": len(mine), "nbytes": nbytes}
+    client.put_json(f"{manifest.prefix}/commit/{rank}", marker, flush=False)
+    return len(mine), nbytes
 
 
 # -- restore ---------------------------------------------------------------------------------------
@@ -422,7 +522,7 @@ def pull(
     plan = make_plan(source, target)
     where = {(o.path, o.box): o for o in manifest.objects}
     local = {d.id: d for d in (devices or jax.local_devices())}
-    reader = _Reader(clients, slot, version_prefix(manifest.step))
+    reader = _Reader(clients, slot, manifest.prefix)
     jobs = []  # (leaf index, target box): one read per distinct box of this process
     for i, leaf_plan in enumerate(plan.leaves):
         distinct = {s.box: s for s in leaf_plan.shards if s.device in local}

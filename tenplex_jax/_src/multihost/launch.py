@@ -31,7 +31,14 @@ from tenplex_jax._src.multihost.processes import (
     status,
     write_token,
 )
-from tenplex_jax._src.multihost.rundir import Progress, RunDir, RunEvent, Source, write
+from tenplex_jax._src.multihost.rundir import (
+    LiveReport,
+    Progress,
+    RunDir,
+    RunEvent,
+    Source,
+    write,
+)
 from tenplex_jax._src.multihost.spec import (
     CHECKPOINT,
     CONTROL,
@@ -122,8 +129,9 @@ class Launcher:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for name in (CONTROL, "resize", "progress.json", "finished.json"):
             (self.run_dir / name).unlink(missing_ok=True)
-        for left in self.run_dir.glob("left-g*.json"):  # an earlier run's
-            left.unlink(missing_ok=True)
+        for pattern in ("left-g*.json", "live-g*.json"):  # an earlier run's
+            for record in self.run_dir.glob(pattern):
+                record.unlink(missing_ok=True)
         if self.options.token:
             self.token_file = write_token(self.run_dir / "token")
         previous = self._install_signals()
@@ -169,7 +177,10 @@ class Launcher:
     def _generation(self, number: int, slots: list[int], reached: int | None):
         """Run generation ``number`` on ``slots`` to its end; (how it ended, the step reached).
         ``reached``: the last generation's, for its lost steps."""
-        restore = self._choose_source()
+        restore = self._choose_source(number - 1)
+        if restore.source == Source.LIVE:  # the survivors' newest completed step is the reach
+            newest = [r.newest for r in self._live_reports(number - 1) if r.newest is not None]
+            reached = max(newest, default=restore.step)
         gen = self._start_generation(number, slots, restore)
         self._event(
             RunEvent.GENERATION,
@@ -280,43 +291,93 @@ class Launcher:
 
     # -- where the next generation's state comes from ------------------------------------------
 
-    def _choose_source(self) -> Restore:
-        """Where the next generation restores from: the newer of the latest complete version
-        in the stores whose every shard has a live copy and the latest orbax checkpoint (the
-        stores at a tie); ``init`` when nothing was committed. Newer, incomplete or unreadable
-        versions are deleted: they would mix with the next commits of a step."""
+    def _choose_source(self, ended: int) -> Restore:
+        """Where the next generation restores from: the newest of the survivors' live version
+        of generation ``ended``'s failure, the latest complete commit in the stores, each only
+        when every shard has a copy on a live store, and the latest orbax checkpoint (the live
+        version, then the stores at a tie); ``init`` when nothing was committed. A failure
+        whose survivors' memory did not serve is a ``rewind`` event, which says why. Newer,
+        incomplete or unreadable versions are deleted: they would mix with the next commits of
+        a step."""
         from tenplex_jax._src.multihost.commit import delete_versions, latest_complete
 
         clients = self._clients()
         try:
             manifest = latest_complete(clients)
-            candidates = []
-            if manifest is not None and self._every_shard_lives(clients, manifest):
-                candidates.append((manifest.step, 1, Source.STORE))
-            if (checkpoint := self._latest_checkpoint()) is not None:
-                candidates.append((checkpoint, 0, Source.CHECKPOINT))
-            if candidates:
-                step, _, source = max(candidates)
-                if source == Source.CHECKPOINT and manifest is not None:
+            live = latest_complete(clients, live=True)
+            checkpoint = self._latest_checkpoint()
+            # newest first, the live version before a commit of its step; a version is checked
+            # for lost shards (an event names their leaves) only when it would be chosen
+            found = [(v.step, rank, v) for rank, v in ((1, live), (0, manifest)) if v is not None]
+            source = None
+            for step, _, version in sorted(found, key=lambda f: f[:2], reverse=True):
+                if checkpoint is not None and checkpoint > step:
+                    break
+                if self._every_shard_lives(clients, version):
+                    source = Source.LIVE if version.live else Source.STORE
+                    break
+            if source is None and checkpoint is not None:
+                source, step = Source.CHECKPOINT, checkpoint
+                if found:
                     self._event(
                         RunEvent.FALLBACK,
                         step=step,
                         detail=f"restoring the orbax checkpoint "
                         f"of step {step} from {self._checkpoint_dir()}",
                     )
-            elif manifest is None:  # nothing was committed yet: start over
+            elif source is None and not found:  # nothing was committed yet: start over
                 source, step = Source.INIT, 0
-            else:
+            elif source is None:
                 raise LaunchError(
                     "cannot recover the state: no complete version in the stores has every shard "
                     f"and there is no orbax checkpoint (--checkpoint-dir "
                     f"{self.options.checkpoint_dir})"
                 )
-            delete_versions(clients, lambda s: source == Source.STORE and s <= step)
+            self._rewound(ended, source, step)
+
+            def keep(s: int, live: bool) -> bool:
+                if live:
+                    return source == Source.LIVE and s == step
+                return source in (Source.STORE, Source.LIVE) and s <= step
+
+            delete_versions(clients, keep)
             return Restore(source=source, step=step)
         finally:
             for client in clients.values():
                 client.close()
+
+    def _live_reports(self, generation: int) -> list[LiveReport]:
+        """What the survivors of ``generation``'s failure kept of its state (none: no failure,
+        or no survivor)."""
+        run = RunDir(self.run_dir)
+        reports = [run.read(LiveReport, generation, p) for p in range(len(self.slots))]
+        return [r for r in reports if r is not None]
+
+    def _rewound(self, ended: int, source: Source, step: int) -> None:
+        """A ``rewind`` event when the survivors of generation ``ended``'s failure kept its state
+        but the next one restores an older step: which leaves forced it, or why."""
+        reports = self._live_reports(ended)
+        newest = max((r.newest for r in reports if r.newest is not None), default=None)
+        if not reports or (source == Source.LIVE and step == newest):
+            return
+        orphans = sorted({leaf for r in reports for leaf in r.orphans})
+        whys = sorted({r.why for r in reports if r.why is not None and not r.orphans})
+        kept = sorted({r.step for r in reports if r.step is not None})
+        if orphans:
+            why = f"no survivor holds every box of the leaves {orphans}"
+        elif whys:
+            why = "; ".join(whys)
+        else:
+            why = f"the survivors kept different steps {kept}, or a store lost their copies"
+        self._event(
+            RunEvent.REWIND,
+            step=step,
+            source=source,
+            newest=newest,
+            leaves=orphans,
+            detail=f"the survivors' memory (newest completed step {newest}) does not serve the "
+            f"state: {why}; restoring {source} step {step}",
+        )
 
     def _every_shard_lives(self, clients: dict, manifest) -> bool:
         """Whether every object of ``manifest`` has a copy on a live store; else an event names
@@ -661,6 +722,7 @@ class Launcher:
                     "end": outcome.kind,
                     "peers": [w.pid for w in gen.workers],
                     "endpoints": self._endpoints(gen),
+                    "survivors": alive,
                 }
                 for i in alive:
                     with contextlib.suppress(OSError):

@@ -70,6 +70,7 @@ class LaunchedJob(_JobCore):
 
     launched = True
     _follow_seconds = 600.0  # one process compiles each layout, the others load it
+    _donates = False  # the last completed step's state stays alive: a survivor's live copy
 
     def __init__(self, rules: Rules, dataset: DatasetPTC, *, devices=None, initial=None, **kwargs):
         spec = JobSpec.from_env(os.environ)
@@ -139,6 +140,7 @@ class LaunchedJob(_JobCore):
         """
         if self.ptc is None:
             raise LayoutError("call job.start(init) before job.next(state)")
+        self._worker.hold(self.step, state)
         action = self._worker.boundary(
             state, self.ptc, self.step, self.dataset, ready=self._ready_for
         )
@@ -157,7 +159,10 @@ class LaunchedJob(_JobCore):
           fn: ``fn(state, batch) -> (state, metrics)``, as for ``ElasticJob.jit``.
 
         Returns:
-          ``step(state, batch) -> (state, metrics)``.
+          ``step(state, batch) -> (state, metrics)``. Unlike one process's, it does not donate
+          the state: the states of the last two boundaries stay alive, so that at a failure
+          the survivors hold their last completed step (docs/multihost.md, "Commits and
+          restores"); this costs the memory of about two more states.
 
         Raises:
           LayoutError: called before ``job.start``.

@@ -19,9 +19,10 @@ of JAX make that work (checked on jax 0.10.2 and 0.12, CPU with gloo collectives
 The launcher talks to a process on its stdin, one JSON object per line (:class:`Control`):
 ``{"env": {...}, "log": path}`` gives it a rank in a generation (the environment holding its
 ``JobSpec``, and the file its output goes to: null for the launcher's own); ``{"end": ...,
-"peers": [pid, ...], "endpoints": [...]}`` ends the generation it runs in (a failure elsewhere;
-the trainers' pids and the collectives endpoints they published at :func:`join`, in
-``RUN_DIR/endpoints-g<gen>-p<id>.json``); EOF tells it to exit.
+"peers": [pid, ...], "endpoints": [...], "survivors": [process, ...]}`` ends the generation it
+runs in (a failure elsewhere; the trainers' pids, the collectives endpoints they published at
+:func:`join`, in ``RUN_DIR/endpoints-g<gen>-p<id>.json``, and the processes that outlived it,
+which keep the state of their last completed step); EOF tells it to exit.
 """
 
 from __future__ import annotations
@@ -233,6 +234,8 @@ class Control:
         self._joining = False
         self._interrupt = False  # set by the control thread, consumed by the handler
         self._main = threading.main_thread().ident
+        # the generation's processes that outlived the failure that ended it (the end message's)
+        self.survivors: list[int] | None = None
         self._growth: int | None = None  # the processes of a growth announced to this generation
         self._on_growth: Callable[[int], None] | None = None
         self._previous = signal.signal(INTERRUPT, self._on_signal)  # from the main thread
@@ -243,6 +246,7 @@ class Control:
             for line in self._stream:
                 message = json.loads(line)
                 if "end" in message:
+                    self.survivors = message.get("survivors")
                     break_collectives(message.get("peers", []), message.get("endpoints", []))
                     self.ending.set()
                     with self._lock:

@@ -18,6 +18,7 @@ from typing import ClassVar
 __all__ = [
     "Ahead",
     "FirstStep",
+    "LiveReport",
     "Progress",
     "PullReport",
     "RestoreReport",
@@ -43,6 +44,7 @@ class RunEvent(enum.StrEnum):
     STANDBY = "standby"  # warm standby processes started
     STANDBY_LOST = "standby_lost"  # a standby died before it was needed
     REPLICAS_LOST = "replicas_lost"  # no copy of some shards survives: step, leaves
+    REWIND = "rewind"  # the survivors' memory cannot serve the state: why, leaves, step
     FALLBACK = "fallback"  # restoring the orbax checkpoint instead
     OFFER = "offer"  # on Ray, nodes joined: the growth rule's numbers and decision
     ERROR = "error"  # the launcher gave up
@@ -53,6 +55,7 @@ class Source(enum.StrEnum):
     """Where a generation's state comes from."""
 
     INIT = "init"  # the script's init(): nothing was committed yet
+    LIVE = "live"  # the survivors' memory at their last completed step, through the stores
     STORE = "store"  # the latest complete version in the tensor stores
     CHECKPOINT = "checkpoint"  # the orbax checkpoint
 
@@ -161,6 +164,37 @@ class Grown:
     processes: int
     remembered: bool
     why: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveReport:
+    """What a survivor of a failure kept of its generation's state
+    (``RUN_DIR/live-g<gen>-p<id>.json``), written before it leaves the generation: the live
+    version of its last completed step that it wrote to its store, or why there is none.
+
+    Attributes:
+      step: the step of the state it kept (None: no completed state was left).
+      newest: its newest completed step (the steps beyond ``step`` the next generation loses).
+      objects: the boxes it wrote to its store (those no survivor before it in order holds).
+      nbytes: their bytes.
+      seconds: the copy to host and the writes.
+      orphans: leaves some box of which no survivor holds (they force a rewind to a commit).
+      why: why nothing was kept, or None.
+    """
+
+    FILE: ClassVar[str] = "live"
+    step: int | None
+    newest: int | None
+    objects: int
+    nbytes: int
+    seconds: float
+    orphans: tuple[str, ...] = ()
+    why: str | None = None
+
+    @classmethod
+    def from_json(cls, record: dict) -> LiveReport:
+        """The record from its JSON (``dataclasses.asdict``)."""
+        return cls(**record | {"orphans": tuple(record.get("orphans", ()))})
 
 
 @dataclasses.dataclass(frozen=True)

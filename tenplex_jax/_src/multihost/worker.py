@@ -12,12 +12,15 @@ after every step) and ``finish``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
 import runpy
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -29,7 +32,14 @@ import numpy as np
 from tenplex_jax._src.data import DatasetPTC, DataState
 from tenplex_jax._src.errors import DataError, StoreError
 from tenplex_jax._src.multihost import distributed, membership
-from tenplex_jax._src.multihost.rundir import Progress, RestoreReport, Source, record_path, write
+from tenplex_jax._src.multihost.rundir import (
+    LiveReport,
+    Progress,
+    RestoreReport,
+    Source,
+    record_path,
+    write,
+)
 from tenplex_jax._src.multihost.spec import CHECKPOINT, CONTROL, ENV, STANDBY, Action, JobSpec
 from tenplex_jax._src.ptc import PTC
 
@@ -49,6 +59,8 @@ def join(spec: JobSpec, *, timeout: float = 120.0) -> None:
 ENDING_SECONDS = 1.0
 # seconds a commit's copy waits for a store to answer its connection before that copy fails
 STORE_CONNECT_SECONDS = 10.0
+# seconds a survivor waits for its newest held state's step to complete (or fail) at a failure
+LIVE_WAIT_SECONDS = 5.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +141,10 @@ def _leave(spec: JobSpec, *, broken: bool) -> None:
     """End this process's part in ``spec``'s generation: close its jobs' threads and store
     connections, leave ``jax.distributed``, tell the launcher (``RUN_DIR/left-g<gen>-p<id>``)."""
     tic = time.perf_counter()
+    survivors = None if Worker.control is None else Worker.control.survivors
+    if broken and survivors is not None:  # before the backends go: the state is on the devices
+        for worker in Worker.opened:
+            worker.keep_live(survivors)
     membership.leave(broken=broken)
     for worker in Worker.opened:
         with contextlib.suppress(Exception):  # a broken generation's commit may fail: it is lost
@@ -228,6 +244,10 @@ class Worker:
         self.restored: RestoreReport | None = None
         self._checkpointed: int | None = None  # the newest orbax step, as this process knows
         self._first_progress: tuple[float, int] | None = None  # this generation's first step
+        # the states of the last two step boundaries, newest last: at a failure, the newest one
+        # whose step completed is this survivor's live copy (the steps do not donate them)
+        self._held: collections.deque = collections.deque(maxlen=2)
+        self._layout: tuple[PTC, DatasetPTC] | None = None  # set at restore
         if spec.checkpoint_dir is None and checkpoint_dir is not None:
             directory = str(pathlib.Path(checkpoint_dir).absolute())
             self._write(CHECKPOINT, {"directory": directory, "every": checkpoint_every})
@@ -241,8 +261,9 @@ class Worker:
         source, pulled = self.spec.restore.source, None
         if source == Source.INIT:
             state, step, data_state = init(), 0, None
-        elif source == Source.STORE:
-            state, step, data_state, pulled = self._pull(ptc, self.spec.restore.step)
+        elif source in (Source.STORE, Source.LIVE):
+            live = source == Source.LIVE
+            state, step, data_state, pulled = self._pull(ptc, self.spec.restore.step, live)
         else:
             from tenplex_jax._src.checkpoint import restore_checkpoint
 
@@ -269,6 +290,8 @@ class Worker:
             pull=pulled,
         )
         self.last_commit = step
+        self._layout = (ptc, dataset)
+        self._held.append((step, state))
         self.write_record(self.restored)
         self._start_committer()
         if self.checkpoint_dir is not None:  # read before any process of this generation saves
@@ -277,13 +300,14 @@ class Worker:
             self._checkpointed = max(saved_steps(self.checkpoint_dir), default=None)
         return state
 
-    def _pull(self, ptc: PTC, step: int):
+    def _pull(self, ptc: PTC, step: int, live: bool):
         from tenplex_jax._src.multihost.commit import pull, read_manifest
 
         self._connect()
-        manifest = read_manifest(self.clients, step)
+        manifest = read_manifest(self.clients, step, live=live)
         if manifest is None:
-            raise StoreError(f"no live store has the manifest of version {step}")
+            kind = "live version" if live else "version"
+            raise StoreError(f"no live store has the manifest of {kind} {step}")
         arrays, report = pull(self.clients, manifest, ptc, self.spec.slot)
         state = jax.tree_util.tree_unflatten(ptc.treedef, arrays)
         return state, manifest.step, manifest.data_state, report
@@ -348,6 +372,75 @@ class Worker:
             self.commit(state, ptc, step, dataset, wait=True, checkpoint=True)
             return Action.PREEMPTED
         return None
+
+    def hold(self, step: int, state) -> None:
+        """Keep a reference to ``state``, the state at step boundary ``step``, for a failure
+        (:meth:`keep_live`); the older of the two held before is let go."""
+        if not self._held or self._held[-1][0] != step:
+            self._held.append((step, state))
+
+    def keep_live(self, survivors: list[int]) -> LiveReport:
+        """After a failure that the processes ``survivors`` of this generation outlived, before
+        this one leaves it: the live version of its newest held state whose step completed,
+        written to its own store (``commit.commit_live``), unless some box has no holder among
+        the survivors. What it kept, or why nothing, is ``RUN_DIR/live-g<gen>-p<id>.json``."""
+        from tenplex_jax._src.multihost.commit import commit_live, live_objects
+
+        tic = time.perf_counter()
+        step = newest = None
+        objects = nbytes = 0
+        why, orphans = None, ()
+        with contextlib.suppress(Exception):  # the commit in flight uses the same connections
+            self.wait()
+        self._connect()  # again, if the script's job closed them as it unwound
+        client = self.clients.get(self.spec.slot)
+        if self._layout is None:
+            why = "the generation failed before this process had its state"
+        elif client is None:
+            why = "this process's store is down"
+        else:
+            ptc, dataset = self._layout
+            orphans = live_objects(ptc, self.spec.slots, survivors)[1]
+            deadline = time.monotonic() + LIVE_WAIT_SECONDS
+            for held, state in reversed(self._held):
+                if not _completed(state, deadline):
+                    why = f"the step to {held} did not complete"
+                    continue
+                newest = held if newest is None else newest
+                if orphans:
+                    why = f"no survivor holds every box of the leaves {list(orphans)}"
+                    break
+                state_at = dataclasses.replace(
+                    dataset.state(), consumed=dataset.consumed_after(held)
+                )
+                try:
+                    objects, nbytes = commit_live(
+                        client,
+                        state,
+                        ptc,
+                        held,
+                        state_at,
+                        self.spec.slots,
+                        survivors,
+                        self.process_index,
+                    )
+                except Exception as error:  # its step failed after all, or the store did
+                    why = f"the state at step {held}: {type(error).__name__}: {error}"
+                    continue
+                step, why = held, None
+                break
+        report = LiveReport(
+            step=step,
+            newest=newest,
+            objects=objects,
+            nbytes=nbytes,
+            seconds=time.perf_counter() - tic,
+            orphans=orphans,
+            why=why,
+        )
+        self.write_record(report)
+        self._held.clear()
+        return report
 
     def reached(self, step: int, steps: int | None = None) -> None:
         """Record for the launcher that ``step`` steps are done, of the job's ``steps``
@@ -454,6 +547,25 @@ class Worker:
         """Write process 0's record (a dataclass or a dict) into the run dir, atomically."""
         if self.process_index == 0:
             write(self.run_dir / name, record)
+
+
+def _completed(state, deadline: float) -> bool:
+    """Whether every array of ``state`` is alive (not donated) and its computation has ended,
+    successfully or not, by ``deadline`` (``time.monotonic()``)."""
+    arrays = jax.tree.leaves(state)
+    if any(a.is_deleted() for a in arrays):
+        return False
+    if all(a.is_ready() for a in arrays):
+        return True
+    ended = threading.Event()
+
+    def wait():
+        with contextlib.suppress(Exception):  # a failed step has ended too: its copy raises
+            jax.block_until_ready(arrays)
+        ended.set()
+
+    threading.Thread(target=wait, name="tenplex-live", daemon=True).start()
+    return ended.wait(max(deadline - time.monotonic(), 0.0))
 
 
 def _process_start() -> float:
