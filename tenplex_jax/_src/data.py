@@ -199,6 +199,12 @@ class BatchLayout:
 MAX_COUNT = 1 << 62  # a data state's counts: sample indices and their sums stay in int64
 
 
+ROUNDS = 6  # of the Feistel network that orders each epoch
+BLOCK = 1 << 16  # positions of an epoch's order computed at once
+KEPT_BLOCKS = 4  # the blocks a dataset keeps (a batch may straddle blocks and epochs)
+ORDER = "feistel"  # DataState.order
+
+
 @dataclasses.dataclass(frozen=True)
 class DataState:
     """Where a :class:`DatasetPTC` stands: a small record, JSON-serializable, saved with the PTC.
@@ -214,11 +220,14 @@ class DataState:
       seed: the seed of the epochs' permutations.
       remainder: the :class:`Remainder`: what ends an epoch (see ``DatasetPTC``).
       consumed: real samples delivered since the start of epoch 0.
+      order: how each epoch's permutation is drawn: ``"feistel"``, a keyed bijection computed
+        per position (a record without it was made by a version that drew whole-epoch
+        permutations, whose order this one cannot resume).
 
     Raises:
       DataError: a count is not an integer (``num_samples`` and ``global_batch`` >= 1, ``seed``
         and ``consumed`` >= 0, each below ``2**62`` so that sample indices are int64), the
-        fingerprint not a string, or the remainder unknown.
+        fingerprint not a string, or the remainder or order unknown.
     """
 
     fingerprint: str
@@ -227,6 +236,7 @@ class DataState:
     seed: int
     remainder: Remainder
     consumed: int = 0
+    order: str = ORDER
 
     def __post_init__(self):
         counts = {
@@ -240,18 +250,23 @@ class DataState:
         }
         bad |= {k: v for k in ("num_samples", "global_batch") if (v := counts[k]) == 0}
         remainders = tuple(r.value for r in Remainder)
-        if bad or not isinstance(self.fingerprint, str) or self.remainder not in remainders:
+        if (
+            bad
+            or not isinstance(self.fingerprint, str)
+            or self.remainder not in remainders
+            or self.order != ORDER
+        ):
             raise DataError(
                 f"a data state has a string fingerprint, integer counts below 2**62 (num_samples "
-                f"and global_batch >= 1, seed and consumed >= 0) and a remainder in {remainders}; "
-                f"got {self!r}" + (f" (bad: {bad})" if bad else "")
+                f"and global_batch >= 1, seed and consumed >= 0), a remainder in {remainders} "
+                f"and the order {ORDER!r}; got {self!r}" + (f" (bad: {bad})" if bad else "")
             )
         object.__setattr__(self, "remainder", Remainder(self.remainder))
         for name, value in counts.items():  # NumPy integers are kept as Python ints
             object.__setattr__(self, name, int(value))
 
     def to_json(self) -> str:
-        """The record as JSON text: an object of the six fields, keys sorted."""
+        """The record as JSON text: an object of the seven fields, keys sorted."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
@@ -259,7 +274,7 @@ class DataState:
         """The data state of a dict (the object :meth:`to_json` encodes).
 
         Args:
-          record: a dict with exactly the six fields.
+          record: a dict with exactly the seven fields.
 
         Returns:
           The data state.
@@ -268,6 +283,12 @@ class DataState:
           DataError: ``record`` is not such a dict, or its values break the rules.
         """
         fields = {f.name for f in dataclasses.fields(cls)}
+        if isinstance(record, dict) and set(record) == fields - {"order"}:
+            raise DataError(
+                "this data state was made by a version of tenplex_jax that drew each epoch's "
+                "order as a whole permutation; this version orders epochs by position "
+                f"(order {ORDER!r}), so it cannot resume that order exactly: {record!r:.300}"
+            )
         if not isinstance(record, dict) or set(record) != fields:
             raise DataError(
                 f"a data state is an object with keys {sorted(fields)}, got {record!r:.300}"
@@ -279,7 +300,7 @@ class DataState:
         """The data state of :meth:`to_json`'s text.
 
         Args:
-          text: JSON text of an object with the six fields.
+          text: JSON text of an object with the seven fields.
 
         Returns:
           The data state.
@@ -294,6 +315,37 @@ class DataState:
                 f"a data state is JSON text, got {str(text)[:200]!r}: {error}"
             ) from None
         return cls.from_dict(record)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer: a bijective avalanche of uint64s (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _shuffle(positions: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
+    """The elements at ``positions`` of a permutation of ``range(n)`` keyed by ``keys``: a
+    balanced Feistel network, one round per key, over the fewest even bits that hold ``n - 1``,
+    walked in cycles until it lands in ``range(n)`` (a bijection of ``range(n)``; at most 4
+    times the range, so a few walks). Any position costs the same: no epoch is materialized."""
+    half = max(1, ((int(n) - 1).bit_length() + 1) // 2)
+    shift, low = np.uint64(half), np.uint64((1 << half) - 1)
+
+    def encrypt(x: np.ndarray) -> np.ndarray:
+        left, right = x >> shift, x & low
+        for key in keys:
+            left, right = right, left ^ (_mix(right ^ key) & low)
+        return (left << shift) | right
+
+    x = encrypt(np.asarray(positions, dtype=np.uint64))
+    outside = x >= np.uint64(n)
+    while outside.any():
+        x[outside] = encrypt(x[outside])
+        outside = x >= np.uint64(n)
+    return x.astype(np.int64)
 
 
 class DatasetPTC:
@@ -361,7 +413,7 @@ class DatasetPTC:
         self.remainder = remainder
         self.fingerprint = fingerprint or _fingerprint(source, n)
         self.step = 0  # global batches delivered
-        self._perm: tuple[int, np.ndarray] | None = None
+        self._blocks: dict[tuple[int, int], np.ndarray] = {}  # (epoch, block) -> its samples
 
     # -- the order: pure functions of (dataset, seed, global batch, step) ---------------------
 
@@ -385,10 +437,33 @@ class DatasetPTC:
         Returns:
           A permutation of ``range(num_samples)`` seeded by ``(seed, epoch)``.
         """
-        if self._perm is None or self._perm[0] != epoch:
-            rng = np.random.default_rng((self.seed, epoch))
-            self._perm = (epoch, rng.permutation(self.num_samples))
-        return self._perm[1]
+        positions = np.arange(self.num_samples)
+        return _shuffle(positions, self.num_samples, self._round_keys(epoch))
+
+    def _round_keys(self, epoch: int) -> np.ndarray:
+        return np.random.SeedSequence((self.seed, epoch)).generate_state(ROUNDS, np.uint64)
+
+    def _ordered(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The samples at ``positions`` of epoch ``epoch``'s order, computed by blocks of
+        ``BLOCK`` positions (``_shuffle``; the last few kept): no epoch is ever held whole, so a
+        process that resumes pays for a block, not for the dataset."""
+        out = np.empty(len(positions), dtype=np.int64)
+        blocks = positions // BLOCK
+        for block in np.unique(blocks):
+            mask = blocks == block
+            out[mask] = self._block(epoch, int(block))[positions[mask] - block * BLOCK]
+        return out
+
+    def _block(self, epoch: int, block: int) -> np.ndarray:
+        found = self._blocks.get((epoch, block))
+        if found is None:
+            start = block * BLOCK
+            positions = np.arange(start, min(start + BLOCK, self.num_samples))
+            found = _shuffle(positions, self.num_samples, self._round_keys(epoch))
+            if len(self._blocks) >= KEPT_BLOCKS:
+                self._blocks.pop(next(iter(self._blocks)))  # the oldest
+            self._blocks[epoch, block] = found
+        return found
 
     def indices(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """The samples of one global batch and the epoch of each.
@@ -418,7 +493,7 @@ class DatasetPTC:
         out = np.empty(offsets.shape, dtype=np.int64)
         for epoch in np.unique(epochs):
             mask = epochs == epoch
-            out[mask] = self.permutation(int(epoch))[offsets[mask]]
+            out[mask] = self._ordered(int(epoch), offsets[mask])
         return out, epochs
 
     def consumed_after(self, step: int) -> int:

@@ -297,3 +297,34 @@ def test_a_saved_position_with_a_bad_field_is_a_data_error(change, rule):
     # NumPy integers are integers: kept, as Python ints
     state = tj.data.DataState(**{**ds.state().__dict__, "consumed": np.int64(8)})
     assert type(state.consumed) is int and ds.state() == state
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.one_of(st.integers(1, 300), st.integers(65_000, 140_000)),
+    seed=st.integers(0, 2**32),
+    epoch=st.integers(0, 5),
+)
+def test_an_epoch_is_a_permutation_computed_by_position_alone(n, seed, epoch):
+    """Each epoch's order is a bijection of range(N), the same whether computed whole or a batch
+    at a time across the blocks it is cached in, and another for another seed or epoch."""
+    batch = 1 + n // 7
+    ds = tj.DatasetPTC(np.arange(n), batch, seed=seed, remainder="pad")
+    whole = ds.permutation(epoch)
+    np.testing.assert_array_equal(np.sort(whole), np.arange(n))
+    steps = range(epoch * int(ds.steps_per_epoch), (epoch + 1) * int(ds.steps_per_epoch))
+    served = np.concatenate([ds.indices(k)[0] for k in steps])
+    np.testing.assert_array_equal(served, whole)
+    if n > 20:
+        assert not np.array_equal(whole, ds.permutation(epoch + 1))
+        other = tj.DatasetPTC(np.arange(n), batch, seed=seed + 1, remainder="pad")
+        assert not np.array_equal(whole, other.permutation(epoch))
+
+
+def test_a_data_state_of_the_whole_epoch_permutation_is_refused_by_name():
+    state = json.loads(tj.DatasetPTC(np.arange(10), 4).state().to_json())
+    assert state.pop("order") == "feistel"
+    with pytest.raises(tj.errors.DataError, match="drew each epoch's order as a whole permutation"):
+        tj.data.DataState.from_dict(state)
+    with pytest.raises(tj.errors.DataError, match="the order 'feistel'"):
+        tj.data.DataState(**state, order="numpy")
