@@ -1,30 +1,37 @@
-"""Recovery time after a lost process: the tensor stores vs restarting from an orbax checkpoint.
+"""Recovery time after a lost process: the survivors' memory vs the last commit vs an orbax restart.
 
-Both variants run the same job under ``tenplex-jax launch`` (``examples/elastic_gpt.py``, the GPT
-on ``--nprocs`` processes x ``--devices-per-proc`` CPU devices) and lose the same host the
-same way: after step ``K`` (whose commit, and in the orbax variant whose checkpoint, is finished)
-the last worker and its store are SIGKILLed. The launcher then starts a generation on the processes
-left, which restores
+Every variant runs the same job under ``tenplex-jax launch`` (``examples/elastic_gpt.py``, the
+GPT on ``--nprocs`` processes x ``--devices-per-proc`` CPU devices, laid out ``data=2`` across
+processes: each tensor-parallel group spans processes, and its replica is the other group) and
+loses the same host the same way: after step ``K`` = 3, one step past the last commit (and, in
+the orbax variant, checkpoint) of step 2, the last worker and its store are SIGKILLed. The
+launcher then starts a generation on the processes left, which restores
 
-- **store**: the latest complete version from the tensor stores, each process pulling only its
-  shards (the dead host's from their replicas);
-- **orbax**: the orbax checkpoint of the same step on disk, the way a JAX job restarts today:
-  launched with no replicas (``--replicas 0``: the lost host's shards survive nowhere, so the
-  launcher restores the checkpoint) and as a plain restart (``--no-standby --no-keep
+- **live**: the survivors' memory (the default): each survivor writes the boxes of its state at
+  step 3 that it takes its turn for to its own store, and the new generation reads them; 0 lost
+  steps;
+- **commit**: the same job with ``--no-live``: the last complete commit in the tensor stores
+  (step 2; the dead host's shards from their replicas), each process pulling only its shards;
+  1 lost step;
+- **orbax**: the orbax checkpoint of step 2 on disk, the way a JAX job restarts today: launched
+  with no replicas (``--replicas 0``: the lost host's shards survive nowhere, so the launcher
+  restores the checkpoint) and as a plain restart (``--no-standby --no-keep
   --no-executable-cache``: new processes, cold, each compiling the new layout). A planned change
   stops that job (SIGTERM: a checkpoint at the next step boundary) and launches it again on the
-  new count, from the checkpoint.
+  new count, from the checkpoint;
+- **commit, no keep** (``--no-keep``, optional): the commit's, with every process of the next
+  generation new (warm standbys).
 
 Recovery time = from the kill to the end of the first train step on the new config; it also holds
-what both variants share (failure detection, the survivors' grace period, process start-up,
-``jax.distributed`` init, compiling the step), so the *restore* column — the time ``job.start``
-took to restore in process 0 — isolates the part that differs. It also holds one step, which no
-way of recovering removes: the new configuration's steady step (the median of its next steps) is
-shown, and the ratio of the stalls less a step each. The variants take turns, ``repeats`` rounds;
-the ratios are orbax ÷ store of the medians, measured in the same run.
+what the variants share (failure detection, process start-up, ``jax.distributed`` init, compiling
+the step), so the *restore* column — the time ``job.start`` took to restore in process 0 —
+isolates the part that differs, and the lost steps are what each must train again. It also holds
+one step, which no way of recovering removes: the new configuration's steady step (the median of
+its next steps) is shown, and the ratio of the stalls less a step each. The variants take turns,
+``repeats`` rounds; the ratios are of the medians, measured in the same run.
 
-    python -m tenplex_jax_benchmarks.recovery [--quick] [--repeats 2] [--commit-overhead] [--out
-    FILE]
+    python -m tenplex_jax_benchmarks.recovery [--quick] [--repeats 2] [--no-keep]
+    [--commit-overhead] [--out FILE]
 
 ``--commit-overhead`` also runs the job three times more, with a commit every 4 steps, after every
 step and without commits, and reports the step time ratios: the price of the asynchronous commits.
@@ -44,16 +51,23 @@ import sys
 import tempfile
 import time
 
-from tenplex_jax.multihost import RunDir, RunEvent
+from tenplex_jax.multihost import LiveReport, RunDir, RunEvent
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "elastic_gpt.py"
-# "store": the survivors stay in their processes; "store, no keep": every process of the next
-# generation is new (warm standbys); "orbax": a plain restart from the orbax checkpoint
-VARIANTS = ("store", "store, no keep", "orbax")
-CACHED = ("store, cached compile", "orbax, cached compile")  # optional: both with a warm cache
+# "live": the survivors stay and restore from their memory; "commit": they stay and restore the
+# last commit; "orbax": a plain restart from the orbax checkpoint
+VARIANTS = ("live", "commit", "orbax")
+NO_KEEP = "commit, no keep"  # optional: every process of the next generation is new
+CACHED = ("live, cached compile", "orbax, cached compile")  # optional: both with a warm cache
 # the loop benchmark's GPT: 3.3M params, 38 MiB of state with the AdamW moments
 FULL_MODEL = "seq_len=128,d_model=256,n_layers=4,n_heads=4,d_ff=1024"
+# data=2 across processes (2 devices each): a tensor-parallel group spans processes
+LAYOUTS = {
+    FULL_MODEL: "8=data=2,tensor=4; 6=data=3,tensor=2; 4=data=2,tensor=2; 2=tensor=2",
+    "tiny": "6=data=3,tensor=2; 4=data=2,tensor=2; 2=tensor=2",
+}
+COMMIT_EVERY, KILL_AFTER = 2, 3  # the kill comes one step after the last commit
 
 
 CHANGES = {  # the change -> the row's name for it
@@ -68,6 +82,7 @@ def run_recovery(
     quick: bool = False,
     repeats: int = 1,
     cached: bool = False,
+    no_keep: bool = False,
     change: str = "kill",
     log=print,
 ) -> dict:
@@ -83,7 +98,7 @@ def run_recovery(
         if quick
         else {"model": FULL_MODEL, "nprocs": 4, "devices_per_proc": 2}
     )
-    variants = (*VARIANTS, *CACHED) if cached else VARIANTS
+    variants = (*VARIANTS, *((NO_KEEP,) if no_keep else ()), *(CACHED if cached else ()))
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(repeats):
         for variant in variants:
@@ -100,21 +115,24 @@ def run_recovery(
         "change": CHANGES[change].format(n=setup["nprocs"], m=setup["nprocs"] - 1),
         "kind_of_change": change,
         **setup,
-        "state_bytes": runs["store"][0]["state_bytes"],
+        "state_bytes": runs["live"][0]["state_bytes"],
         "repeats": repeats,
         "runs": runs,
         "median_seconds": total,
         "median_restore_seconds": restore,
         "median_phases": phases,
         "median_step_seconds": step,
-        "speedup": total["orbax"] / total["store"],
+        "lost_steps": {v: max(r["lost_steps"] for r in runs[v]) for v in variants},
+        "live_seconds": statistics.median(r["live_seconds"] or 0.0 for r in runs["live"]),
+        "speedup": total["orbax"] / total["live"],
+        "commit_speedup": total["commit"] / total["live"],
         # the stalls less one steady step each: what recovering adds to the step it ends with
-        # (None when the store variant's stall is within a step: noise decides the ratio)
-        "speedup_beyond_step": (total["orbax"] - step["orbax"]) / (total["store"] - step["store"])
-        if total["store"] > step["store"]
+        # (None when the live variant's stall is within a step: noise decides the ratio)
+        "speedup_beyond_step": (total["orbax"] - step["orbax"]) / (total["live"] - step["live"])
+        if total["live"] > step["live"]
         else None,
-        "keep_speedup": total["store, no keep"] / total["store"],
-        "restore_speedup": restore["orbax"] / restore["store"],
+        **({"keep_speedup": total[NO_KEEP] / total["commit"]} if no_keep else {}),
+        "restore_speedup": restore["orbax"] / restore["live"],
         **({"cached_speedup": total[CACHED[1]] / total[CACHED[0]]} if cached else {}),
     }
 
@@ -154,7 +172,7 @@ def recover_once(
     nprocs: int,
     devices_per_proc: int,
     change: str = "kill",
-    kill_after: int = 2,
+    kill_after: int = KILL_AFTER,
     after: int = 3,
     timeout: float = 300.0,
 ) -> dict:
@@ -175,8 +193,8 @@ def recover_once(
         _warm_cache(run, model, nprocs - 1, devices_per_proc, timeout)
     # planned: runs on until stopped (a shrink trains on while its layout compiles ahead)
     steps = 1000 if planned else kill_after + after
-    script = ["--model", model, "--steps", str(steps)]
-    flags = _flags(variant, nprocs, devices_per_proc, kill_after, run, run)
+    script = ["--model", model, "--steps", str(steps), "--layouts", LAYOUTS[model]]
+    flags = _flags(variant, nprocs, devices_per_proc, COMMIT_EVERY, run, run)
     log = ["--log", str(run / "steps.jsonl"), "--pause-after", str(kill_after)]
     proc = _launch(flags, [*script, *log], run / "launcher.log")
     relaunch, restart = False, None
@@ -184,14 +202,14 @@ def recover_once(
         deadline = time.monotonic() + timeout
         dir = RunDir(run)
         _wait(lambda: _paused(run, kill_after, nprocs), proc, deadline, "the pause")
-        if variant.startswith("store"):  # its warm processes, started after the first step
+        if not variant.startswith("orbax"):  # its warm processes, started after the first step
             _wait(lambda: dir.events(RunEvent.STANDBY), proc, deadline, "the standby processes")
         killed = time.time()
         if planned:
             count = nprocs - 1 if change == "shrink" else nprocs + 1
             relaunch = _planned(variant, run, proc, deadline, count, kill_after, after)
         else:
-            if variant.startswith("store"):  # a failure comes after the job's first seconds:
+            if not variant.startswith("orbax"):  # a failure comes after the job's first seconds:
                 # process 0 compiled the next generation's step, the others lowered it
                 ready = lambda: dir.ahead(0, processes=nprocs)
                 _wait(ready, proc, deadline, "the compile-ahead after a loss")
@@ -217,7 +235,11 @@ def _flags(variant: str, nprocs: int, devices: int, every: int, run, home) -> li
     flags += ["--commit-every", str(every), "--run-dir", str(run)]
     if variant in CACHED:
         flags += ["--compile-cache", str(home / "jax-cache")]
-    if variant == "store, no keep":
+    if variant == "commit":
+        flags += ["--no-live"]
+    if variant == "central":  # Tenplex-Central (benchmarks/central.py)
+        flags += ["--central"]
+    if variant == NO_KEEP:
         flags += ["--no-keep"]
     if variant.startswith("orbax"):
         flags += ["--checkpoint-dir", str(home / "ckpt"), "--checkpoint-every", str(every)]
@@ -273,8 +295,9 @@ def _warm_cache(run, model: str, nprocs: int, devices_per_proc: int, timeout: fl
     variants: the processes left after the change load the new layout's step)."""
     warm = run / "warm"
     warm.mkdir()
-    flags = _flags("store, cached compile", nprocs, devices_per_proc, 1, warm, run)
-    proc = _launch(flags, ["--model", model, "--steps", "1"], warm / "launcher.log")
+    flags = _flags(CACHED[0], nprocs, devices_per_proc, 1, warm, run)
+    script = ["--model", model, "--steps", "1", "--layouts", LAYOUTS[model]]
+    proc = _launch(flags, script, warm / "launcher.log")
     try:
         _finish(proc, time.monotonic() + timeout, "warm-up", warm / "launcher.log")
     finally:
@@ -360,6 +383,11 @@ def timings(
         "warm_processes": generation.get("warm"),
         "kept_processes": generation.get("kept"),  # survivors that stayed in their process
         "restore_seconds": restored.seconds,
+        # the survivors' copy of their memory into their stores (the live variant), the slowest
+        "live_seconds": max(
+            (k.seconds for p in range(nprocs) if (k := RunDir(run).read(LiveReport, 0, p))),
+            default=None,
+        ),
         "restore_source": f"{generation['restore']}:{generation['step']}",
         # a restart knows nothing of the job before: the steps since its checkpoint
         "lost_steps": max(r["step"] for r in records) - restored.step
@@ -462,20 +490,23 @@ def _wait(predicate, proc, deadline: float, what: str, done_ok: bool = False) ->
 
 
 def table(row: dict) -> str:
-    m, r = row["median_seconds"], row["median_restore_seconds"]
+    m, r, lost = row["median_seconds"], row["median_restore_seconds"], row["lost_steps"]
     head = (
-        "| recovery | state MiB | store s | store, no keep s | orbax s | orbax / store | "
-        "no keep / store | store restore ms | orbax restore ms | orbax / store (restore) | "
-        "steady step s | orbax / store, less a step each |"
+        "| recovery | state MiB | live s | commit s | orbax s | orbax / live | commit / live | "
+        "lost steps (live, commit, orbax) | live restore ms | commit restore ms | "
+        "orbax restore ms | orbax / live (restore) | survivors' copy ms | steady step s | "
+        "orbax / live, less a step each |"
     )
     line = (
         f"| GPT {_name(row['model'])}, {row['change']} | {row['state_bytes'] / 2**20:.2f} | "
-        f"{m['store']:.2f} | {m['store, no keep']:.2f} | {m['orbax']:.2f} | "
-        f"**{row['speedup']:.2f}x** | {row['keep_speedup']:.2f}x | "
-        f"{r['store'] * 1e3:.0f} | {r['orbax'] * 1e3:.0f} | **{row['restore_speedup']:.1f}x** | "
-        f"{row['median_step_seconds']['store']:.2f} | {_times(row['speedup_beyond_step'])} |"
+        f"{m['live']:.2f} | {m['commit']:.2f} | {m['orbax']:.2f} | "
+        f"**{row['speedup']:.2f}x** | {row['commit_speedup']:.2f}x | "
+        f"{lost['live']}, {lost['commit']}, {lost['orbax']} | "
+        f"{r['live'] * 1e3:.0f} | {r['commit'] * 1e3:.0f} | {r['orbax'] * 1e3:.0f} | "
+        f"**{row['restore_speedup']:.1f}x** | {row['live_seconds'] * 1e3:.0f} | "
+        f"{row['median_step_seconds']['live']:.2f} | {_times(row['speedup_beyond_step'])} |"
     )
-    names = list(row["median_phases"]["store"])
+    names = list(row["median_phases"]["live"])
     origin = "kill" if row.get("kind_of_change", "kill") == "kill" else "last step"
     phases = [
         f"| seconds from the {origin} | " + " | ".join(n.replace("_", " ") for n in names) + " |",
@@ -484,14 +515,19 @@ def table(row: dict) -> str:
         f"| {v} | " + " | ".join(f"{row['median_phases'][v][n]:.2f}" for n in names) + " |"
         for v in row["median_phases"]
     ]
-    cached = ""
-    if CACHED[0] in m:
-        cached = (
-            f"\n\nWith the new layout's step in a warm compilation cache (`--compile-cache`), "
-            f"both: store {m[CACHED[0]]:.2f} s, orbax {m[CACHED[1]]:.2f} s from the kill to the "
-            f"first step, orbax / store **{row['cached_speedup']:.2f}x**."
+    extra = ""
+    if NO_KEEP in m:
+        extra += (
+            f"\n\nWith every process of the next generation new (`--no-keep`): {m[NO_KEEP]:.2f} s "
+            f"from the kill to the first step, {row['keep_speedup']:.2f}x the commit's."
         )
-    table = f"{head}\n|---|" + "---:|" * 11 + f"\n{line}{cached}\n\n"
+    if CACHED[0] in m:
+        extra += (
+            f"\n\nWith the new layout's step in a warm compilation cache (`--compile-cache`), "
+            f"both: live {m[CACHED[0]]:.2f} s, orbax {m[CACHED[1]]:.2f} s from the kill to the "
+            f"first step, orbax / live **{row['cached_speedup']:.2f}x**."
+        )
+    table = f"{head}\n|---|" + "---:|" * 14 + f"\n{line}{extra}\n\n"
     return table + "\n".join(phases)
 
 
@@ -514,6 +550,11 @@ def main(argv=None) -> int:
         help="comma-separated changes among kill, shrink, grow (planned resizes; default kill)",
     )
     parser.add_argument(
+        "--no-keep",
+        action="store_true",
+        help="also the commit's recovery with every process of the next generation new",
+    )
+    parser.add_argument(
         "--cached-compile",
         action="store_true",
         help="both variants again with a compilation cache warmed on the processes left",
@@ -530,7 +571,11 @@ def main(argv=None) -> int:
             parser.error(f"--change takes {', '.join(CHANGES)}, got {change!r}")
         rows.append(
             run_recovery(
-                quick=args.quick, repeats=args.repeats, cached=args.cached_compile, change=change
+                quick=args.quick,
+                repeats=args.repeats,
+                cached=args.cached_compile,
+                no_keep=args.no_keep,
+                change=change,
             )
         )
         print(table(rows[-1]))

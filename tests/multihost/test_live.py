@@ -164,3 +164,33 @@ class _Replicated:
 
     def close(self):
         pass
+
+
+def test_tenplex_central_sends_every_byte_through_the_first_store(clients):
+    """``--central``: every process's objects of a commit go to the first process's store, and
+    a pull reads every piece from there; the others hold nothing."""
+    ptc, state = laid_out(SHARDED)
+    committers = [
+        Committer(
+            p, [0, 1, 2, 3], [clients[s] for s in range(4)], _Replicated(clients), 1, central=True
+        )
+        for p in range(4)
+    ]
+    data = dataset()
+    data.step = 2
+    for committer in committers:
+        committer.commit(state, ptc, 2, data.state(), wait=True)
+    assert {o.path for o in clients[0].list("v")} and all(
+        clients[s].list("v") == [] for s in (1, 2, 3)
+    )
+    manifest = latest_complete(clients)
+    assert manifest.replicas == 0 and {o.slots for o in manifest.objects} == {(0,)}
+    assert sum(o.nbytes for o in manifest.objects) == ptc.nbytes
+    target = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(tensor=2, data=3), range(6))
+    arrays, report = pull(clients, manifest, target, 2)
+    assert set(report.by_slot) == {0}  # all of it from the central store, none from its own
+    assert_shards_equal(
+        jax.tree_util.tree_unflatten(target.treedef, arrays), host_copy(state), target
+    )
+    for committer in committers:
+        committer.close()

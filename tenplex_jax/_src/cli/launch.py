@@ -129,6 +129,21 @@ def _restarts(group) -> None:
         "coordination service runs in the launcher)",
     )
     group.add_argument(
+        "--no-live",
+        dest="live",
+        action="store_false",
+        help="restore a failure's survivors from the last commit (default: from their memory "
+        "at their last completed step, a live version, when every shard has a holder among "
+        "them: no step lost)",
+    )
+    group.add_argument(
+        "--central",
+        action="store_true",
+        help="Tenplex-Central, for comparisons: every commit goes to the first process's store "
+        "alone, which serves every process's restore (default: each process writes its own "
+        "shards to its own store and the next --replicas)",
+    )
+    group.add_argument(
         "--grace",
         type=float,
         default=0.0,

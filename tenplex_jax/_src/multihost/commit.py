@@ -78,26 +78,34 @@ class StoredObject:
         return cls(**record | {"box": boxes.parse(record["box"]), "slots": tuple(record["slots"])})
 
 
-def stored_objects(ptc: PTC, slots: Sequence[int], replicas: int) -> list[StoredObject]:
+def stored_objects(
+    ptc: PTC, slots: Sequence[int], replicas: int, *, central: bool = False
+) -> list[StoredObject]:
     """The objects a commit of a state laid out as ``ptc`` writes, with their writers.
 
     ``slots[p]`` is process ``p``'s host slot; an object is held by its writer's slot and the slots
-    of the next ``replicas`` processes (mod the process count), as ``ReplicatedStore.put`` writes.
+    of the next ``replicas`` processes (mod the process count), as ``ReplicatedStore.put`` writes;
+    ``central``: by the first process's slot alone (Tenplex-Central).
     """
     n = len(slots)
     k = min(replicas, n - 1)
     held = lambda writer: tuple(slots[(writer + r) % n] for r in range(k + 1))
+    if central:
+        held = lambda writer: (slots[0],)
     return _objects(ptc, range(n), held)[0]
 
 
 def live_objects(
-    ptc: PTC, slots: Sequence[int], survivors: Sequence[int]
+    ptc: PTC, slots: Sequence[int], survivors: Sequence[int], *, central: bool = False
 ) -> tuple[list[StoredObject], tuple[str, ...]]:
     """The objects of a live version of a state laid out as ``ptc``, written by the processes
-    ``survivors`` (``slots[p]``: process ``p``'s slot), each held by its writer's slot alone;
-    and the leaves some box of which no survivor holds (then there is no live version). The
-    objects' ``process`` is the writer's index among the survivors, in order."""
-    objects, orphans = _objects(ptc, survivors, lambda writer: (slots[writer],))
+    ``survivors`` (``slots[p]``: process ``p``'s slot), each held by its writer's slot alone
+    (``central``: by the first survivor's); and the leaves some box of which no survivor holds
+    (then there is no live version). The objects' ``process`` is the writer's index among the
+    survivors, in order."""
+    first = slots[min(survivors)]
+    where = (lambda writer: (first,)) if central else (lambda writer: (slots[writer],))
+    objects, orphans = _objects(ptc, survivors, where)
     rank = {p: i for i, p in enumerate(sorted(survivors))}
     return [dataclasses.replace(o, process=rank[o.process]) for o in objects], orphans
 
@@ -290,8 +298,18 @@ class Committer:
     is a ``ReplicatedStore`` over the same stores in process order.
     """
 
-    def __init__(self, process: int, slots: Sequence[int], stores, replicated, replicas: int):
+    def __init__(
+        self,
+        process: int,
+        slots: Sequence[int],
+        stores,
+        replicated,
+        replicas: int,
+        *,
+        central: bool = False,
+    ):
         self.process = process
+        self.central = central  # every object to the first process's store alone
         self.slots = tuple(slots)
         self.stores = dict(zip(self.slots, stores))
         self.replicated = replicated
@@ -323,7 +341,7 @@ class Committer:
             manifest = Manifest(
                 step=step,
                 slots=self.slots,
-                replicas=self.replicas,
+                replicas=0 if self.central else self.replicas,
                 ptc=ptc.to_json(),
                 objects=tuple(objects),
                 data_state=data_state,
@@ -362,7 +380,8 @@ class Committer:
 
     def _objects_of(self, ptc: PTC) -> list[StoredObject]:
         if self._objects is None or self._objects[0] != ptc:
-            self._objects = (ptc, stored_objects(ptc, self.slots, self.replicas))
+            objects = stored_objects(ptc, self.slots, self.replicas, central=self.central)
+            self._objects = (ptc, objects)
         return self._objects[1]
 
     def _write(self, step, mine, copies, shapes, manifest, copy_seconds):
@@ -371,9 +390,13 @@ class Committer:
             prefix = version_prefix(step)
             if manifest is not None:  # first, so that markers never point at an unknown version
                 self._put_json_all(f"{prefix}/manifest", manifest.to_json())
+            put = self.replicated.put
+            if self.central:
+                central = self.stores[self.slots[0]]
+                put = lambda process, path, data, **where: central.put(path, data, **where)
             puts = [
                 self._pool.submit(
-                    self.replicated.put,
+                    put,
                     self.process,
                     f"{prefix}/state/{o.path}",
                     data,
@@ -457,19 +480,21 @@ def commit_live(
     slots: Sequence[int],
     survivors: Sequence[int],
     process: int,
+    *,
+    central: bool = False,
 ) -> tuple[int, int]:
     """Process ``process``'s part of the live version of ``state`` (the state at ``step``, laid
     out as ``ptc``; ``slots[p]``: process ``p``'s slot) after a failure that ``survivors``
     outlived: its objects (:func:`live_objects`) copied to host, then written to its own store
-    (``client``, memory tier) with the version's manifest and its marker. Returns (objects,
-    bytes).
+    (``client``, memory tier; ``central``: the first survivor's) with the version's manifest and
+    its marker. Returns (objects, bytes).
 
     Raises:
       PlanError: some box has no holder among the survivors (:func:`live_objects` names them),
         or the state is not the PTC's.
       Exception: a shard could not be read (its computation failed): nothing is written.
     """
-    objects, orphans = live_objects(ptc, slots, survivors)
+    objects, orphans = live_objects(ptc, slots, survivors, central=central)
     if orphans:
         raise PlanError(f"no survivor holds every box of the leaves {list(orphans)}")
     rank = sorted(survivors).index(process)
@@ -488,9 +513,15 @@ def commit_live(
     )
     shapes = {leaf.path: leaf.shape for leaf in ptc.leaves}
     client.put_json(f"{manifest.prefix}/manifest", manifest.to_json(), flush=False)
-    for o, data in zip(mine, copies):
-        path = f"{manifest.prefix}/state/{o.path}"
-        client.put(path, data, box=o.box, global_shape=shapes[o.path])
+
+    def put(o: StoredObject, data: np.ndarray) -> None:
+        client.put(
+            f"{manifest.prefix}/state/{o.path}", data, box=o.box, global_shape=shapes[o.path]
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(PUT_THREADS, "live-put") as pool:
+        for done in [pool.submit(put, o, data) for o, data in zip(mine, copies)]:
+            done.result()
     nbytes = sum(o.nbytes for o in mine)
     marker = {"process": rank, "objects": len(mine), "nbytes": nbytes}
     client.put_json(f"{manifest.prefix}/commit/{rank}", marker, flush=False)
@@ -549,6 +580,9 @@ def pull(
         ]
         sharding = NamedSharding(mesh, leaf.spec)
         arrays.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards))
+    held = collections.Counter()
+    for o in manifest.objects:
+        held.update(dict.fromkeys(o.slots, o.nbytes))
     report = PullReport(
         step=manifest.step,
         nbytes=dict(reader.nbytes),
@@ -556,6 +590,7 @@ def pull(
         skipped=tuple(reader.skipped),
         replica_for_lost_writer=reader.rescued,
         seconds=time.perf_counter() - tic,
+        held_by_slot=dict(held),
     )
     return arrays, report
 

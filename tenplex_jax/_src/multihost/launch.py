@@ -449,6 +449,7 @@ class Launcher:
                 token_file=None if self.token_file is None else str(self.token_file),
                 executables=opts.executables,
                 hosted=service is not None,
+                central=opts.central,
             )
             path = None if pid == 0 else self.run_dir / "logs" / f"g{number}-p{pid}.log"
             proc, how = self._start_process(slots[pid], spec, path)
@@ -722,7 +723,7 @@ class Launcher:
                     "end": outcome.kind,
                     "peers": [w.pid for w in gen.workers],
                     "endpoints": self._endpoints(gen),
-                    "survivors": alive,
+                    "survivors": alive if self.options.live else None,
                 }
                 for i in alive:
                     with contextlib.suppress(OSError):

@@ -70,6 +70,9 @@ class PullReport:
     skipped: tuple[str, ...]  # stores that could not serve a piece, and why
     replica_for_lost_writer: int  # bytes read from a replica because the writer's store failed
     seconds: float
+    # the version's bytes each slot's store holds (its objects' copies): what the commit, or the
+    # survivors' live writes, sent there
+    held_by_slot: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +116,11 @@ class RestoreReport:
         """The record from its JSON (``dataclasses.asdict``)."""
         pull = record.get("pull")
         if pull is not None:
-            by_slot = {int(k): v for k, v in pull["by_slot"].items()}  # JSON's keys are strings
-            pull = PullReport(**pull | {"by_slot": by_slot, "skipped": tuple(pull["skipped"])})
+            slots = {  # JSON's keys are strings
+                key: {int(k): v for k, v in pull.get(key, {}).items()}
+                for key in ("by_slot", "held_by_slot")
+            }
+            pull = PullReport(**pull | slots | {"skipped": tuple(pull["skipped"])})
         return cls(**record | {"source": Source(record["source"]), "pull": pull})
 
 

@@ -89,6 +89,8 @@ class JobSpec:
         it; process 0 compiles ahead for the loss of any one process).
       hosted: the launcher runs the coordination service, and a process that survives the
         generation stays for the next one (see ``LaunchOptions.keep``); else process 0 runs it.
+      central: every object of a commit or a live version goes to one store, the first
+        process's (see ``LaunchOptions.central``).
     """
 
     coordinator: str
@@ -107,6 +109,7 @@ class JobSpec:
     token_file: str | None = None
     executables: bool = True
     hosted: bool = False
+    central: bool = False
 
     def to_env(self) -> dict[str, str]:
         """The environment a worker is started with: ``{"TENPLEX_JOB": <this record as JSON>}``."""
@@ -188,6 +191,15 @@ class LaunchOptions:
         one in the same process (the coordination service runs in the launcher, so no
         process's death takes another with it). False ends every process with its generation,
         as a plain restart does.
+      live: at a failure, the survivors (with ``keep``) write the state of their last
+        completed step from memory (a live version), which the next generation restores when
+        every shard has a holder among them; False restores the last commit, losing the steps
+        since.
+      central: Tenplex-Central, the paper's baseline: one process gathers the state and sends
+        each new process its shards. Every object of a commit (and of a failure's live version)
+        goes to the first process's store alone, which then serves every process's pull; no
+        replicas. For comparisons: that store and its host carry every byte, and a lost first
+        slot loses the commit.
       grace: seconds the survivors of a failure get before SIGKILL (without ``keep``; on CPU
         they hang in gloo collectives with the dead peer, which never time out).
       stop_timeout: seconds the workers get to commit and exit on a planned end.
@@ -215,6 +227,8 @@ class LaunchOptions:
     executables: bool = True
     standby: bool = True
     keep: bool = True
+    live: bool = True
+    central: bool = False
     grace: float = 0.0
     stop_timeout: float = 300.0
     start_timeout: float = 60.0

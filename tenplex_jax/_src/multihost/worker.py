@@ -289,7 +289,9 @@ class Worker:
             restored=time.time(),
             pull=pulled,
         )
-        self.last_commit = step
+        # a live version is one copy, in the survivors' stores: the first boundary commits it,
+        # replicated, so that a failure before the next commit due does not rewind past it
+        self.last_commit = None if source == Source.LIVE else step
         self._layout = (ptc, dataset)
         self._held.append((step, state))
         self.write_record(self.restored)
@@ -339,7 +341,9 @@ class Worker:
             addresses, replicas=replicas, token=spec.token(), connect_timeout=timeout
         )
         stores = [self.clients[s] for s in spec.slots]
-        self.committer = Committer(spec.process_id, spec.slots, stores, replicated, replicas)
+        self.committer = Committer(
+            spec.process_id, spec.slots, stores, replicated, replicas, central=spec.central
+        )
 
     # -- the step boundary --------------------------------------------------------------------
 
@@ -366,7 +370,7 @@ class Worker:
                 checkpoint = True if action == Action.STOP else None
                 self.commit(state, ptc, step, dataset, wait=True, checkpoint=checkpoint)
                 return action
-            if step % self.spec.commit_every == 0:
+            if step % self.spec.commit_every == 0 or self.last_commit is None:
                 self.commit(state, ptc, step, dataset)
         if distributed.reached_preemption_sync_point(step):
             self.commit(state, ptc, step, dataset, wait=True, checkpoint=True)
@@ -393,14 +397,15 @@ class Worker:
         with contextlib.suppress(Exception):  # the commit in flight uses the same connections
             self.wait()
         self._connect()  # again, if the script's job closed them as it unwound
-        client = self.clients.get(self.spec.slot)
+        central = self.spec.central
+        client = self.clients.get(self.spec.slots[min(survivors)] if central else self.spec.slot)
         if self._layout is None:
             why = "the generation failed before this process had its state"
         elif client is None:
             why = "this process's store is down"
         else:
             ptc, dataset = self._layout
-            orphans = live_objects(ptc, self.spec.slots, survivors)[1]
+            orphans = live_objects(ptc, self.spec.slots, survivors, central=central)[1]
             deadline = time.monotonic() + LIVE_WAIT_SECONDS
             for held, state in reversed(self._held):
                 if not _completed(state, deadline):
@@ -423,6 +428,7 @@ class Worker:
                         self.spec.slots,
                         survivors,
                         self.process_index,
+                        central=central,
                     )
                 except Exception as error:  # its step failed after all, or the store did
                     why = f"the state at step {held}: {type(error).__name__}: {error}"
