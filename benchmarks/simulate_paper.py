@@ -13,7 +13,10 @@ NIC per node, 100 GB/s host memory, PCIe Gen4): stated before any comparison, no
 artifact's stores are Go HTTP servers holding tensors in memory, so their rate is software, not
 hardware, and its window opens with a fixed start (a transformer process launched over ssh per
 target device, the checkpoint's structure read from disk). Those two are fitted, on half of the
-rows (:data:`FIT_RULE`), and the other half and the failure figure are the validation.
+rows (:data:`FIT_RULE`), and the other half and the failure figure are the validation. The rate
+is in the bytes a store copies (``tj.simulator.transformation``'s rules: a get copies the saved
+tensor whole, a tensor-parallel change's part of it once more), and the job is Megatron-LM's:
+the embedding on the first pipeline stage, the output layer on the last.
 
     python -m tenplex_jax_benchmarks.simulate_paper [--out DIR]
 """
@@ -211,8 +214,9 @@ def markdown(result: dict) -> str:
         "# The simulator against the Tenplex paper, like for like (issue 51)",
         "",
         "`python -m tenplex_jax_benchmarks.simulate_paper`: the artifact's window (after the "
-        "save, before the restart) on `" + result["testbed"] + "`. Fitted: each node's store "
-        f"moves {c['store_bandwidth'] / 1e9:.2f} GB/s of gets and puts, and the window starts "
+        "save, before the restart) on `" + result["testbed"] + "`, Megatron-LM's pipeline edges. "
+        f"Fitted: each node's store copies {c['store_bandwidth'] / 1e9:.2f} GB/s for its gets and "
+        "puts (a get copies the saved tensor whole, then what it serves), and the window starts "
         f"with {c['start_seconds']:.2f} s ({result['fit_rule']}). Outside the window, not "
         f"compared: restart {result['outside_the_window']['restart_seconds']:g} s, detection "
         f"{result['outside_the_window']['detect_seconds']:g} s.",

@@ -9,6 +9,7 @@ import pytest
 
 import tenplex_jax as tj
 from tenplex_jax._src.errors import PlanError
+from tenplex_jax._src.simulator.artifact import PipelineEdges
 from tenplex_jax._src.simulator.costs import Costs
 from tenplex_jax._src.simulator.results import PolicyCost
 from tenplex_jax_benchmarks import simulate_paper
@@ -113,3 +114,71 @@ def test_every_row_of_both_figures_is_in_the_table(monkeypatch):
     assert [r["within_2x"] for r in rows] == [r["paper"] <= 4.0 for r in rows]
     assert not any(r["fitted"] for r in rows if r["row"].startswith("failure"))
     assert dataclasses.asdict(window)["seconds"] == 2.0
+
+
+def _plan(gpt, source, target):
+    """The window's plan of a change on GPT small, Megatron-LM's edges applied."""
+    from tenplex_jax._src.simulator.artifact import _on_stages
+    from tenplex_jax._src.simulator.fixed import _layout
+
+    sim = _sim(gpt)
+    old, new = _layout(sim, source), _layout(sim, target)
+    plan = tj.make_plan(old.ptc, tj.allocate(old.ptc, new.ptc))
+    return plan, _on_stages(plan, PipelineEdges())
+
+
+def test_megatron_keeps_the_embedding_first_and_the_head_last(gpt):
+    from tenplex_jax._src.simulator.artifact import _stage_of
+
+    change = (C(tensor=4), C(tensor=4, pipe=2))  # GPT small has 2 layers
+    every, staged = _plan(gpt, *change)
+    stage = _stage_of(staged.dst)
+    on = {leaf.path: {stage[s.device] for s in leaf.shards} for leaf in staged.leaves}
+    assert on["model/tok_embed"] == on["model/pos_embed"] == {0}
+    assert on["optimizer/opt_state/0/mu/tok_embed"] == {0}
+    assert on["model/unembed"] == on["model/final_norm_scale"] == {1}
+    assert on["model/w1"] == {0, 1}  # a layer leaf: every stage its own layers
+    everywhere = {leaf.path: {stage[s.device] for s in leaf.shards} for leaf in every.leaves}
+    assert everywhere["model/tok_embed"] == {0, 1}  # this library's GPT: every stage
+    sim = _sim(gpt, store_get_bandwidth=1e9, store_put_bandwidth=1e9)
+    megatron = tj.simulator.transformation(sim, *change)
+    library = PipelineEdges(first=(), last=())
+    assert sum(megatron.store_bytes) < sum(
+        tj.simulator.transformation(sim, *change, edges=library).store_bytes
+    )
+
+
+def test_a_get_of_part_of_a_saved_tensor_copies_the_whole_tensor(gpt):
+    from tenplex_jax._src.simulator.artifact import _store_work
+
+    def ratio(source, target, path):
+        plan = _plan(gpt, source, target)[1]
+        pieces = [
+            p.nbytes for leaf in plan.leaves for s in leaf.shards for p in s.pieces
+        ]  # the pulls' order
+        work = _store_work(plan)
+        i = 0
+        for leaf in plan.leaves:
+            n = sum(len(s.pieces) for s in leaf.shards)
+            if leaf.path == path:
+                return {float(w / b) for w, b in zip(work[i : i + n], pieces[i : i + n])}
+            i += n
+
+    # the tensor degree doubles: a half of each saved tensor, cut out of a copy of it whole
+    assert ratio(C(tensor=2, pipe=2), C(tensor=4, pipe=2), "model/w1") == {4.0}
+    assert ratio(C(tensor=2, pipe=2), C(tensor=4, pipe=2), "model/ln1_scale") == {2.0}
+    # the pipeline degree doubles: whole layers, a tensor a layer, so whole gets
+    assert ratio(C(tensor=2), C(tensor=2, pipe=2), "model/w1") == {2.0}
+
+
+def test_a_replicated_put_is_forwarded_by_the_targets_store(gpt):
+    sim = _sim(gpt, store_get_bandwidth=1e9, store_put_bandwidth=1e9)
+    shrink = (C(tensor=4, pipe=2, data=2), C(tensor=4, pipe=2))
+    plain = tj.simulator.transformation(sim, *shrink)
+    replicated = tj.simulator.transformation(sim, *shrink, replicas=1)
+    put = sum(
+        p.nbytes for leaf in _plan(gpt, *shrink)[1].leaves for s in leaf.shards for p in s.pieces
+    )
+    # the target's store: body read, written to itself and the next store, read back (4 b);
+    # the next store reads it once (b); without replicas the target's store reads it once
+    assert sum(replicated.store_bytes) - sum(plain.store_bytes) == pytest.approx(4 * put)
