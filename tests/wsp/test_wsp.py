@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import time
 
 import jax
@@ -345,7 +346,7 @@ def test_nm_is_what_memory_holds_in_flight_weight_versions_and_layer_inputs():
     # (160 MB) on each device of a stage; the tighter stage decides
     roomy, tight = candidate((1_500_000_000, 1_400_000_000)), candidate((1_300_000_000,) * 2)
     assert in_flight_limit(roomy, model) == 2 and in_flight_limit(tight, model) == 1
-    assert _minibatches([((0, 1), roomy), ((2, 3), tight)], model) == [2, 1]
+    assert _minibatches([roomy, tight], [1.0, 1.0], model) == [2, 1]
 
 
 def _device(name, tflops, memory_gib=24, usd=1.0):
@@ -390,3 +391,84 @@ def test_the_planner_groups_mixed_nodes_into_equal_vws_with_stages_by_speed():
         plan_workers(odd, model, minibatch=8, groupings=("hybrid",))
     with pytest.raises(tj.errors.PlanError, match="objective"):
         plan_workers(cluster, model, minibatch=8, objective="speed")
+
+
+def _slides_cluster():
+    """HetPipe's slides: four nodes of four GPUs of one type each, V, R, G and Q."""
+    types = (_device("V", 110), _device("R", 120), _device("G", 45), _device("Q", 37))
+    kinds = tuple(k for k in range(4) for _ in range(4))
+    return tj.planner.Cluster("slides", types, kinds, kinds, 7e9)
+
+
+def test_the_hybrid_grouping_builds_the_slides_vws_two_types_two_of_each_balanced():
+    model = _model()
+    cluster = _slides_cluster()
+    hybrid = plan_workers(cluster, model, minibatch=8, groupings=("hybrid",))
+    assert len(hybrid.workers) == 4
+    for worker in hybrid.workers:  # two types, two devices of each (half a node each)
+        kinds = sorted(cluster.types[cluster.kinds[d]].name for d in worker.devices)
+        assert len(set(kinds)) == 2 and kinds[0] == kinds[1] and kinds[2] == kinds[3], kinds
+        assert worker.kinds().count("2x") == 2
+    # the pairing kept is the most balanced of the three: a fast type with a slow one
+    pairs = {frozenset(w.types) for w in hybrid.workers}
+    assert pairs == {frozenset("VG"), frozenset("RQ")}
+    assert hybrid.balance < 1.05 and "other pairings" in hybrid.how
+    tried = [float(x) for x in re.findall(r" (\d+\.\d+)", hybrid.how.split("other pairings")[1])]
+    assert len(tried) == 2 and min(tried) > hybrid.balance
+    equal = plan_workers(cluster, model, minibatch=8, groupings=("equal",))
+    assert all(len(set(w.types)) == 4 for w in equal.workers)  # ED: one of each type
+    by_node = plan_workers(cluster, model, minibatch=8, groupings=("node",))
+    assert all(len(set(w.types)) == 1 for w in by_node.workers)  # NP: one type each
+    three = tj.planner.Cluster(
+        "three", cluster.types[:3], cluster.kinds[:12], cluster.nodes[:12], 7e9
+    )
+    with pytest.raises(tj.errors.PlanError, match=r"even number of them, got 3"):
+        plan_workers(three, model, minibatch=8, groupings=("hybrid",))
+
+
+def test_a_wave_estimate_fills_and_drains_the_pipeline_once():
+    from tenplex_jax._src.wsp.planner import WorkerPlan
+
+    choice = plan_workers(_slides_cluster(), _model(), minibatch=8, groupings=("equal",))
+    worker = choice.workers[0]
+    assert worker.stages == 4
+    # a wave of Nm minibatches through S stages: (Nm + S - 1) ticks of the slowest stage, not
+    # Nm steps: one more minibatch adds one tick (and its part outside the pipeline)
+    plan = lambda nm: dataclasses.replace(worker, minibatches=nm)
+    tick = worker.stage_seconds + worker.serial_seconds
+    assert plan(5).wave_seconds - plan(4).wave_seconds == pytest.approx(tick)
+    bare = WorkerPlan((0,), worker.candidate, 3, 2.0, 0.0, 0.0, ("V",))  # S = 4 stages
+    assert bare.wave_seconds == (3 + 4 - 1) * 2.0
+    assert (
+        dataclasses.replace(bare, serial_seconds=0.5, sync_seconds=1.0).wave_seconds == 12 + 1.5 + 1
+    )
+    assert worker.wave_seconds == pytest.approx(
+        (worker.minibatches + 3) * worker.stage_seconds
+        + worker.minibatches * worker.serial_seconds
+        + worker.sync_seconds
+    )
+    assert worker.wave_seconds < worker.minibatches * worker.candidate.step_time * 2
+    assert choice.throughput == pytest.approx(
+        sum(w.minibatches for w in choice.workers) * 8 / max(w.wave_seconds for w in choice.workers)
+    )
+
+
+def test_the_explanation_names_every_grouping_with_its_vws_and_wave_estimate():
+    choice = plan_workers(_slides_cluster(), _model(), minibatch=8)
+    text = choice.explain()
+    assert f"'{choice.grouping}' (chosen)" in text and "(Nm + S - 1)" in text
+    for option in (choice, *choice.alternatives):
+        assert f"'{option.grouping}' (" in text
+        longest = max(w.wave_seconds for w in option.workers)
+        assert f"longest wave {longest:.4f} s" in text
+        for w in option.workers:
+            assert f"{w.kinds()}: {w.candidate.config}" in text and w.formula() in text
+    assert {o.grouping for o in (choice, *choice.alternatives)} == set(tj.wsp.Grouping)
+    assert text.count("fewer samples/s than") == 2 and text in str(choice)
+
+
+def _model():
+    layers = tuple(
+        tj.planner.LayerProfile(1e11, 20_000_000, 50_000_000, 2_000_000) for _ in range(16)
+    )
+    return tj.planner.ModelProfile("m", layers, tj.planner.LayerProfile(1e10, 1_000_000, 0, 0))

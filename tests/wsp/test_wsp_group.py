@@ -161,7 +161,9 @@ def test_the_planned_demo_runs_each_vw_of_its_equal_grouping_in_a_process_per_no
     cluster = tmp_path / "two-by-two.toml"
     cluster.write_text(TWO_BY_TWO)
     out = tmp_path / "out"
-    options = wsp_demo.WSPOptions(out=out, steps=24, cluster=cluster, processes=True)
+    options = wsp_demo.WSPOptions(
+        out=out, steps=24, cluster=cluster, processes=True, grouping="equal"
+    )
     summary = wsp_demo.run(options, log=lambda *a: None)
     assert summary.exactly_once and summary.samples_exactly_once and summary.weights_finite
     built = {v.name: v for v in summary.virtual_workers}

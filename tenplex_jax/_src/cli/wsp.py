@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import statistics
 import tempfile
 import time
 
@@ -72,6 +73,12 @@ def add_parser(sub) -> None:
         "width with its depth (default: gpt100m)",
     )
     parser.add_argument(
+        "--grouping",
+        choices=("node", "equal", "hybrid"),
+        help="with --cluster: plan only this grouping into virtual workers (default: the "
+        "planner's best of the three)",
+    )
+    parser.add_argument(
         "--processes",
         action="store_true",
         help="run each virtual worker in processes of its own, one per node it spans (with "
@@ -105,13 +112,15 @@ class WSPOptions:
     seed: int = 0
     cluster: pathlib.Path | None = None  # plan the VWs for this cluster file instead
     plan_model: str = "gpt100m"  # with cluster: the GPT preset the plan is made for
+    grouping: str | None = None  # with cluster: plan only this grouping (None: the best)
     processes: bool = False  # each VW in processes of its own, one per node it spans
 
 
 @dataclasses.dataclass(frozen=True)
 class Built:
     """How the demo builds one VW (named once it is made): its devices in mesh order, its
-    layout (``ParallelConfig.parse``'s text), its stages' layers (None: even), ``Nm``, slowdown."""
+    layout (``ParallelConfig.parse``'s text), its stages' layers (None: even), ``Nm``, slowdown,
+    and the planner's estimate of its wave's seconds (None: built by hand)."""
 
     devices: tuple[int, ...]
     config: str
@@ -119,12 +128,15 @@ class Built:
     nm: int
     slowdown: float
     name: str = ""
+    estimate: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class VWTotals:
     """One VW's waves summed: waves, minibatches, pulls, idle ticks and :data:`SECONDS`; the most
-    waves it ran ahead of the slowest, and the largest local and global staleness."""
+    waves it ran ahead of the slowest, the largest local and global staleness, and its measured
+    wave time: the median over its waves of the compute, the slowdown's sleep and the push the
+    compute did not hide (its own pace: not WSP's waits for the others, nor its pulls)."""
 
     waves: int
     minibatches: int
@@ -138,6 +150,7 @@ class VWTotals:
     max_lead: int
     max_local_staleness: int
     max_global_staleness: int
+    wave_seconds: float
 
     @classmethod
     def of(cls, records) -> VWTotals:
@@ -151,6 +164,9 @@ class VWTotals:
             max_lead=max(0, *(r.wave - r.slowest for r in records)),
             max_local_staleness=max(0, *(s for r in records for s in r.local_staleness)),
             max_global_staleness=max(0, *(s for r in records for s in r.global_staleness)),
+            wave_seconds=statistics.median(
+                r.compute_seconds + r.slowdown_seconds + r.push_wait_seconds for r in records
+            ),
         )
 
 
@@ -176,6 +192,16 @@ class Trained:
 
 
 @dataclasses.dataclass(frozen=True)
+class WaveTime:
+    """A planned VW's wave: the planner's estimate (seconds of the cluster's devices), what the
+    demo measured (:attr:`VWTotals.wave_seconds`, on its fake CPU devices) and their ratio."""
+
+    estimated: float
+    measured: float
+    ratio: float  # estimated / measured
+
+
+@dataclasses.dataclass(frozen=True)
 class Summary:
     """A demo run's proof and numbers; ``DIR/summary.json`` is its ``dataclasses.asdict``."""
 
@@ -195,6 +221,7 @@ class Summary:
     left: tuple[str, ...]  # VWs that left
     virtual_workers: tuple[Built, ...]  # every VW built, in order
     per_vw: dict[str, VWTotals]
+    wave_times: dict[str, WaveTime]  # per planned VW that trained: estimate vs measured
     events: tuple  # the coordinator's tj.wsp.VWEvent s
     minibatches: tuple[Trained, ...]  # every minibatch trained, in wave start order
     first_loss: float | None
@@ -249,7 +276,10 @@ def planned(options: WSPOptions, log=print) -> tuple[list[Built], int, int]:
             f"the demo maps each of {cluster}'s {len(cluster.kinds)} devices onto one of its "
             f"{DEVICES} fake CPU devices: use a cluster of at most {DEVICES} devices"
         )
-    choice = plan_workers(cluster, profile_of(options.plan_model), options.batch)
+    groupings = (options.grouping,) if options.grouping else ("node", "equal", "hybrid")
+    choice = plan_workers(
+        cluster, profile_of(options.plan_model), options.batch, groupings=groupings
+    )
     log(str(choice))
     fastest = min(w.candidate.step_time for w in choice.workers)
     built = [
@@ -259,6 +289,7 @@ def planned(options: WSPOptions, log=print) -> tuple[list[Built], int, int]:
             stages=None if w.candidate.stages.is_even else tuple(w.candidate.stages.layers),
             nm=w.minibatches,
             slowdown=w.candidate.step_time / fastest,
+            estimate=w.wave_seconds,
         )
         for w in choice.workers
     ]
@@ -438,6 +469,12 @@ def summarize(job: _Job, ledger, records, events, seconds: float, parts, finite:
     per_vw = {}
     for r in records:
         per_vw.setdefault(r.vw, []).append(r)
+    totals = {vw: VWTotals.of(rs) for vw, rs in per_vw.items()}
+    planned = {b.name: b.estimate for b in job.built if b.estimate is not None and b.name in totals}
+    wave_times = {
+        vw: WaveTime(e, totals[vw].wave_seconds, e / totals[vw].wave_seconds)
+        for vw, e in planned.items()
+    }
     return Summary(
         exactly_once=exactly_once(options.steps, ledger, records, events),
         samples_exactly_once=bool(np.array_equal(got, np.sort(expected))),
@@ -453,7 +490,8 @@ def summarize(job: _Job, ledger, records, events, seconds: float, parts, finite:
         dropped=tuple(ledger.dropped),
         left=tuple(ledger.left),
         virtual_workers=tuple(job.built),
-        per_vw={vw: VWTotals.of(rs) for vw, rs in per_vw.items()},
+        per_vw=totals,
+        wave_times=wave_times,
         events=tuple(events),
         minibatches=tuple(m for r in records for m in Trained.of(r)),
         first_loss=records[0].losses[0] if records else None,
@@ -464,14 +502,22 @@ def summarize(job: _Job, ledger, records, events, seconds: float, parts, finite:
 def table(summary: Summary) -> str:
     lines = [
         f"{'vw':6} {'waves':>6} {'minibatches':>11} {'pulls':>6} {'max lead':>8} "
-        f"{'staleness local/global':>22} {'wait s':>7} {'compute s':>9} {'slowdown s':>10}"
+        f"{'staleness local/global':>22} {'wait s':>7} {'compute s':>9} {'slowdown s':>10} "
+        f"{'wave s':>7}"
     ]
     for vw, v in summary.per_vw.items():
         staleness = f"{v.max_local_staleness}/{v.max_global_staleness}"
         lines.append(
             f"{vw:6} {v.waves:6d} {v.minibatches:11d} {v.pulls:6d} {v.max_lead:8d} "
             f"{staleness:>22} {v.wait_seconds:7.2f} {v.compute_seconds:9.2f} "
-            f"{v.slowdown_seconds:10.2f}"
+            f"{v.slowdown_seconds:10.2f} {v.wave_seconds:7.3f}"
+        )
+    if summary.wave_times:
+        lines.append("the planner's wave estimate vs the measured wave (median, fake CPU devices):")
+    for vw, w in summary.wave_times.items():
+        lines.append(
+            f"  {vw}: estimated {w.estimated:.4f} s, measured {w.measured:.4f} s, "
+            f"estimate / measured {w.ratio:.3f}"
         )
     lines.append(
         f"exactly once: minibatches {summary.exactly_once}, samples "
