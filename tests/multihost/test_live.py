@@ -71,7 +71,7 @@ def test_the_survivors_memory_restores_every_shard_bit_for_bit(launcher, clients
     data = dataset()
     data.step = 7
     parts = [
-        commit_live(clients[p], state, ptc, 7, data.state(), [0, 1, 2, 3], survivors, p)
+        commit_live(clients, state, ptc, 7, data.state(), [0, 1, 2, 3], survivors, p)
         for p in survivors
     ]
     assert sum(nbytes for _, nbytes in parts) == ptc.nbytes  # each distinct box once
@@ -92,7 +92,7 @@ def test_the_survivors_memory_restores_every_shard_bit_for_bit(launcher, clients
 def test_a_survivor_without_a_box_writes_nothing_and_names_the_leaves(clients):
     ptc, state = laid_out(SHARDED)
     with pytest.raises(PlanError, match="no survivor holds every box of the leaves"):
-        commit_live(clients[2], state, ptc, 3, None, [0, 1, 2, 3], [0, 2], 2)
+        commit_live(clients, state, ptc, 3, None, [0, 1, 2, 3], [0, 2], 2)
     assert clients[2].list("l") == [] and clients[2].list_json("l") == []
 
 
@@ -117,7 +117,7 @@ def test_a_second_failure_during_the_recovery_restores_one_whole_version(
     survivors = [0, 1, 2]
     data.step = 5
     for p in (0, 1):  # survivor 2 dies before it writes: its marker never comes
-        commit_live(clients[p], state, ptc, 5, data.state(), [0, 1, 2, 3], survivors, p)
+        commit_live(clients, state, ptc, 5, data.state(), [0, 1, 2, 3], survivors, p)
         record = LiveReport(step=5, newest=5, objects=1, nbytes=1, seconds=0.0)
         write(record_path(tmp_path, LiveReport, 0, p), record)
     assert latest_complete(clients, live=True) is None
@@ -125,14 +125,16 @@ def test_a_second_failure_during_the_recovery_restores_one_whole_version(
     [rewind] = RunDir(tmp_path).events("rewind")
     assert (rewind["step"], rewind["source"], rewind["newest"]) == (4, "store", 5)
     assert clients[0].list("l") == []  # the incomplete live version is gone
-    # again, complete, then the store holding one of its parts dies
+    # again, complete but not replicated, then the store holding one of its parts dies
     for p in survivors:
-        commit_live(clients[p], state, ptc, 5, data.state(), [0, 1, 2, 3], survivors, p)
+        commit_live(clients, state, ptc, 5, data.state(), [0, 1, 2, 3], survivors, p)
     assert latest_complete(clients, live=True).step == 5
     launcher.slots[2].store.kill()
     launcher.slots[2].store.wait()
     assert launcher._choose_source(0) == tj.multihost.Restore(source=Source.STORE, step=4)
-    rewind = RunDir(tmp_path).events("rewind")[-1]  # its part's marker was in that store only
+    lost = RunDir(tmp_path).events("replicas_lost")[-1]  # survivor 2's part: on store 2 alone
+    assert lost["step"] == 5 and lost["leaves"]
+    rewind = RunDir(tmp_path).events("rewind")[-1]
     assert (rewind["step"], rewind["newest"]) == (4, 5) and "a store lost" in rewind["detail"]
     live = {s: c for s, c in clients.items() if s != 2}
     manifest = latest_complete(live)
@@ -142,6 +144,28 @@ def test_a_second_failure_during_the_recovery_restores_one_whole_version(
     assert_shards_equal(restored, host_copy(older), target)  # step 4's, whole
     for c in committers:
         c.close()
+
+
+def test_a_live_version_replicated_outlives_a_survivors_store(launcher, clients):
+    """With ``--replicas 1`` each part is on its writer's store and the next survivor's: the
+    store of a survivor that dies with the failure (after the survivors were told) loses
+    nothing, and that survivor's memory still serves, through the others' stores."""
+    ptc, state = laid_out(DATA)
+    survivors = [0, 1, 2]
+    launcher.slots[1].store.kill()  # survivor 1's store dies before it writes
+    launcher.slots[1].store.wait()
+    data = dataset()
+    data.step = 5
+    live = {s: c for s, c in clients.items() if s != 1}
+    for p in survivors:
+        commit_live(live, state, ptc, 5, data.state(), [0, 1, 2, 3], survivors, p, replicas=1)
+    assert launcher._choose_source(0) == tj.multihost.Restore(source=Source.LIVE, step=5)
+    manifest = read_manifest(live, 5, live=True)
+    target = tj.PTC.of(abstract_state(), RULES, tj.ParallelConfig(data=2, fsdp=2), range(4))
+    arrays, report = pull(live, manifest, target, 0)
+    assert 1 not in report.by_slot
+    restored = jax.tree_util.tree_unflatten(target.treedef, arrays)
+    assert_shards_equal(restored, host_copy(state), target)
 
 
 def test_a_held_state_is_live_only_while_alive_and_done():

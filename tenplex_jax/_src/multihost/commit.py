@@ -15,9 +15,9 @@ process the lowest-id device holding the box supplies it. A piece no store can s
 ``StoreError`` naming the leaf, box and slots tried.
 
 A *live version* (``l00000012/...``, the same layout) is written at a failure by the survivors
-from their memory, each to its own store (:func:`commit_live`): the state at their last completed
-step, which no commit may hold. Its processes are the survivors, renumbered in order; a box is
-written once, by one of the survivors holding it (the same turns), and held by that slot alone.
+from their memory (:func:`commit_live`): the state at their last completed step, which no commit
+may hold. Its processes are the survivors, renumbered in order; a box is written once, by one of
+the survivors holding it (the same turns), to its store and the next ``replicas`` survivors'.
 """
 
 from __future__ import annotations
@@ -96,17 +96,25 @@ def stored_objects(
 
 
 def live_objects(
-    ptc: PTC, slots: Sequence[int], survivors: Sequence[int], *, central: bool = False
+    ptc: PTC,
+    slots: Sequence[int],
+    survivors: Sequence[int],
+    replicas: int = 0,
+    *,
+    central: bool = False,
 ) -> tuple[list[StoredObject], tuple[str, ...]]:
     """The objects of a live version of a state laid out as ``ptc``, written by the processes
-    ``survivors`` (``slots[p]``: process ``p``'s slot), each held by its writer's slot alone
-    (``central``: by the first survivor's); and the leaves some box of which no survivor holds
-    (then there is no live version). The objects' ``process`` is the writer's index among the
-    survivors, in order."""
-    first = slots[min(survivors)]
-    where = (lambda writer: (first,)) if central else (lambda writer: (slots[writer],))
-    objects, orphans = _objects(ptc, survivors, where)
+    ``survivors`` (``slots[p]``: process ``p``'s slot), each held by its writer's slot and the
+    next ``replicas`` survivors' (``central``: by the first survivor's alone); and the leaves
+    some box of which no survivor holds (then there is no live version). The objects'
+    ``process`` is the writer's index among the survivors, in order."""
+    ring = [slots[p] for p in sorted(survivors)]
     rank = {p: i for i, p in enumerate(sorted(survivors))}
+    k = min(replicas, len(ring) - 1)
+    where = lambda writer: tuple(ring[(rank[writer] + r) % len(ring)] for r in range(k + 1))
+    if central:
+        where = lambda writer: (ring[0],)
+    objects, orphans = _objects(ptc, survivors, where)
     return [dataclasses.replace(o, process=rank[o.process]) for o in objects], orphans
 
 
@@ -472,7 +480,7 @@ def _host_shard(array: jax.Array, o: StoredObject) -> np.ndarray:
 
 
 def commit_live(
-    client,
+    clients: dict[int, Any],
     state,
     ptc: PTC,
     step: int,
@@ -481,20 +489,24 @@ def commit_live(
     survivors: Sequence[int],
     process: int,
     *,
+    replicas: int = 0,
     central: bool = False,
 ) -> tuple[int, int]:
     """Process ``process``'s part of the live version of ``state`` (the state at ``step``, laid
     out as ``ptc``; ``slots[p]``: process ``p``'s slot) after a failure that ``survivors``
-    outlived: its objects (:func:`live_objects`) copied to host, then written to its own store
-    (``client``, memory tier; ``central``: the first survivor's) with the version's manifest and
-    its marker. Returns (objects, bytes).
+    outlived: its objects (:func:`live_objects`) copied to host, then written to the stores of
+    their holders (``clients``: slot -> client, those up; memory tier) as a commit's are, with
+    the version's manifest and this process's marker on every survivor's store that is up. A
+    copy that a dead store cannot take is skipped while another holder takes it: a survivor's
+    store may die with the failure, and its memory still serves. Returns (objects, bytes).
 
     Raises:
       PlanError: some box has no holder among the survivors (:func:`live_objects` names them),
         or the state is not the PTC's.
+      StoreError: no holder's store took some object (then there is no marker).
       Exception: a shard could not be read (its computation failed): nothing is written.
     """
-    objects, orphans = live_objects(ptc, slots, survivors, central=central)
+    objects, orphans = live_objects(ptc, slots, survivors, replicas, central=central)
     if orphans:
         raise PlanError(f"no survivor holds every box of the leaves {list(orphans)}")
     rank = sorted(survivors).index(process)
@@ -502,30 +514,50 @@ def commit_live(
     index = {leaf.path: i for i, leaf in enumerate(ptc.leaves)}
     mine = [o for o in objects if o.process == rank]
     copies = [_host_shard(arrays[index[o.path]], o) for o in mine]  # before any write
+    ring = tuple(slots[p] for p in sorted(survivors))
     manifest = Manifest(
         step=step,
-        slots=tuple(slots[p] for p in sorted(survivors)),
-        replicas=0,
+        slots=ring,
+        replicas=0 if central else min(replicas, len(ring) - 1),
         ptc=ptc.to_json(),
         objects=tuple(objects),
         data_state=data_state,
         live=True,
     )
     shapes = {leaf.path: leaf.shape for leaf in ptc.leaves}
-    client.put_json(f"{manifest.prefix}/manifest", manifest.to_json(), flush=False)
+    up = {s: clients[s] for s in ring if s in clients}
+    _put_json_any(up, f"{manifest.prefix}/manifest", manifest.to_json())
 
     def put(o: StoredObject, data: np.ndarray) -> None:
-        client.put(
-            f"{manifest.prefix}/state/{o.path}", data, box=o.box, global_shape=shapes[o.path]
-        )
+        path, tried = f"{manifest.prefix}/state/{o.path}", []
+        for slot in o.slots:
+            try:
+                up[slot].put(path, data, box=o.box, global_shape=shapes[o.path])
+            except (KeyError, StoreError) as error:
+                tried.append(f"slot {slot}: {error!r}")
+        if len(tried) == len(o.slots):
+            raise StoreError(f"no store took {path} box {o.box}: " + "; ".join(tried))
 
     with concurrent.futures.ThreadPoolExecutor(PUT_THREADS, "live-put") as pool:
         for done in [pool.submit(put, o, data) for o, data in zip(mine, copies)]:
             done.result()
     nbytes = sum(o.nbytes for o in mine)
     marker = {"process": rank, "objects": len(mine), "nbytes": nbytes}
-    client.put_json(f"{manifest.prefix}/commit/{rank}", marker, flush=False)
+    _put_json_any(up, f"{manifest.prefix}/commit/{rank}", marker)
     return len(mine), nbytes
+
+
+def _put_json_any(clients: dict[int, Any], path: str, obj) -> None:
+    """``obj`` at ``path`` on every store of ``clients`` that takes it; ``StoreError`` if none."""
+    taken = 0
+    for client in clients.values():
+        try:
+            client.put_json(path, obj, flush=False)
+            taken += 1
+        except StoreError:
+            continue
+    if not taken:
+        raise StoreError(f"no survivor's store took {path}")
 
 
 # -- restore ---------------------------------------------------------------------------------------

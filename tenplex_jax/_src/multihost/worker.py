@@ -289,9 +289,7 @@ class Worker:
             restored=time.time(),
             pull=pulled,
         )
-        # a live version is one copy, in the survivors' stores: the first boundary commits it,
-        # replicated, so that a failure before the next commit due does not rewind past it
-        self.last_commit = None if source == Source.LIVE else step
+        self.last_commit = step
         self._layout = (ptc, dataset)
         self._held.append((step, state))
         self.write_record(self.restored)
@@ -370,7 +368,7 @@ class Worker:
                 checkpoint = True if action == Action.STOP else None
                 self.commit(state, ptc, step, dataset, wait=True, checkpoint=checkpoint)
                 return action
-            if step % self.spec.commit_every == 0 or self.last_commit is None:
+            if step % self.spec.commit_every == 0:
                 self.commit(state, ptc, step, dataset)
         if distributed.reached_preemption_sync_point(step):
             self.commit(state, ptc, step, dataset, wait=True, checkpoint=True)
@@ -385,9 +383,11 @@ class Worker:
 
     def keep_live(self, survivors: list[int]) -> LiveReport:
         """After a failure that the processes ``survivors`` of this generation outlived, before
-        this one leaves it: the live version of its newest held state whose step completed,
-        written to its own store (``commit.commit_live``), unless some box has no holder among
-        the survivors. What it kept, or why nothing, is ``RUN_DIR/live-g<gen>-p<id>.json``."""
+        this one leaves it: its part of the live version of its newest held state whose step
+        completed (``commit.commit_live``), unless some box has no holder among the survivors:
+        written to its own store and the next ``--replicas`` survivors', as a commit is, so
+        that a store dying with the failure loses no part of it. What it kept, or why
+        nothing, is ``RUN_DIR/live-g<gen>-p<id>.json``."""
         from tenplex_jax._src.multihost.commit import commit_live, live_objects
 
         tic = time.perf_counter()
@@ -397,15 +397,12 @@ class Worker:
         with contextlib.suppress(Exception):  # the commit in flight uses the same connections
             self.wait()
         self._connect()  # again, if the script's job closed them as it unwound
-        central = self.spec.central
-        client = self.clients.get(self.spec.slots[min(survivors)] if central else self.spec.slot)
+        spec, central = self.spec, self.spec.central
         if self._layout is None:
             why = "the generation failed before this process had its state"
-        elif client is None:
-            why = "this process's store is down"
         else:
             ptc, dataset = self._layout
-            orphans = live_objects(ptc, self.spec.slots, survivors, central=central)[1]
+            orphans = live_objects(ptc, spec.slots, survivors, central=central)[1]
             deadline = time.monotonic() + LIVE_WAIT_SECONDS
             for held, state in reversed(self._held):
                 if not _completed(state, deadline):
@@ -420,14 +417,15 @@ class Worker:
                 )
                 try:
                     objects, nbytes = commit_live(
-                        client,
+                        self.clients,
                         state,
                         ptc,
                         held,
                         state_at,
-                        self.spec.slots,
+                        spec.slots,
                         survivors,
                         self.process_index,
+                        replicas=spec.replicas,
                         central=central,
                     )
                 except Exception as error:  # its step failed after all, or the store did
