@@ -28,16 +28,11 @@ LOG_KEPT = 16  # log entries the ledger keeps when compacted; it compacts past t
 
 class Records:
     """The ledger and the heartbeats of a parameter server (its base class): a client of the
-    first store, ``coordinator``. A request the store fails raises ``StoreError``.
-
-    Every write of the ledger is fsynced before its reply when ``sync`` (a crash of the
-    machine keeps it), else behind it (a kill of the store keeps it)."""
+    first store, ``coordinator``. A request the store fails raises ``StoreError``."""
 
     coordinator: StoreClient
-    sync: bool
     _seen: threading.local  # per thread of the client: ``version``, of the last ledger it read
     # or wrote (a thread waits for what it has not seen, whatever the client's other threads saw)
-    _last: tuple[Ledger, int] | None  # the last ledger any thread read or wrote, its version
 
     def ledger(self) -> Ledger:
         """The job's :class:`Ledger` as stored now.
@@ -47,18 +42,7 @@ class Records:
           WSPError: the stored ledger is malformed (``"corrupt"``).
         """
         record, self._seen.version, _ = self.coordinator.get_json(PATH, versioned=True)
-        return self._saw(Ledger.from_json(record), self._seen.version)
-
-    def _saw(self, ledger: Ledger, version: int) -> Ledger:
-        """Remember ``ledger`` (version ``version``) as the last one seen; ``ledger``."""
-        self._last = (ledger, version)
-        return ledger
-
-    def last_ledger(self) -> Ledger:
-        """The last ledger this client read or wrote (read now if none): perhaps older than
-        the one stored, never newer. A change made from it with ``update(..., last=True)``
-        still swaps only the ledger it was made from."""
-        return self._last[0] if self._last is not None else self.ledger()
+        return Ledger.from_json(record)
 
     def wait(self, seconds: float) -> Ledger:
         """The ledger once it is newer than the last one this thread of the client read or
@@ -75,15 +59,9 @@ class Records:
         record, self._seen.version, _ = self.coordinator.get_json(
             PATH, versioned=True, newer_than=seen, wait=seconds
         )
-        return self._saw(Ledger.from_json(record), self._seen.version)
+        return Ledger.from_json(record)
 
-    def update(
-        self,
-        change: Callable[[Ledger], tuple[Ledger, object]],
-        tries: int = 1000,
-        *,
-        last: bool = False,
-    ):
+    def update(self, change: Callable[[Ledger], tuple[Ledger, object]], tries: int = 1000):
         """Change the ledger atomically: compare-and-swap, retried on conflict; then compact its
         log if it is long.
 
@@ -91,9 +69,6 @@ class Records:
           change: ``change(ledger) -> (ledger, result)``, pure (it may run several times). What
             it raises (a ``WSPError`` of the ledger's rules) propagates.
           tries: conflicts in a row before giving up.
-          last: start from the last ledger this client saw (:meth:`last_ledger`) instead of
-            reading it: one request fewer when no other client wrote it since (a swap from
-            an older one fails and is retried from the ledger its reply carries).
 
         Returns:
           ``(ledger, result)`` of the call whose ledger was stored.
@@ -103,26 +78,21 @@ class Records:
             raises.
           StoreError: the store failed a request.
         """
-        if last and self._last is not None:
-            before, version = self._last
-        else:
-            record, version, _ = self.coordinator.get_json(PATH, versioned=True)
-            before = self._saw(Ledger.from_json(record), version)
+        record, version, _ = self.coordinator.get_json(PATH, versioned=True)
         for _ in range(tries):
+            before = Ledger.from_json(record)
             ledger, result = change(before)
             if ledger == before:  # nothing to write (a claim with nothing left, say)
                 self._seen.version = version
                 return ledger, result
             # a reply lost after the swap: the store answers the request's retry as swapped
-            cas = self.coordinator.cas_json(PATH, ledger.to_json(), expect=version, sync=self.sync)
+            cas = self.coordinator.cas_json(PATH, ledger.to_json(), expect=version)
             if cas.swapped:
                 self._seen.version = cas.version
-                self._saw(ledger, cas.version)
                 if len(ledger.log) > 2 * LOG_KEPT:
                     ledger = self._compact(ledger, cas.version)
                 return ledger, result
-            before = self._saw(Ledger.from_json(cas.value), cas.version)
-            version = cas.version
+            record, version = cas.value, cas.version
         raise WSPError(f"the ledger changed under {tries} tries in a row", "busy")
 
     def _compact(self, ledger: Ledger, version: int) -> Ledger:
@@ -137,11 +107,11 @@ class Records:
         path = f"{LOG}{ledger.archived:012d}-{digest.removeprefix(checksums.PREFIX)}"
         self.coordinator.put_json(path, segment, flush=False)
         compacted, _ = ledger.compact(LOG_KEPT, path)
-        cas = self.coordinator.cas_json(PATH, compacted.to_json(), expect=version, sync=self.sync)
+        cas = self.coordinator.cas_json(PATH, compacted.to_json(), expect=version)
         if not cas.swapped:
             return ledger
         self._seen.version = cas.version
-        return self._saw(compacted, cas.version)
+        return compacted
 
     def history(self, ledger: Ledger | None = None) -> Ledger:
         """The ledger with its whole log: the archived segments read back, oldest first.
