@@ -76,8 +76,8 @@ class JobOptions:
         :func:`tenplex_jax.elastic.use_bitwise_flags`; ``job.bitwise`` says whether the job's
         changes are bitwise, and ``job.not_bitwise`` why not.
       exact_step_times: wait for every step and record its time in ``job.step_log``; by default
-        only the first step on each layout is waited for and the rest run asynchronously. With
-        it, the next global batch is read and placed while each step runs.
+        only the first step on each layout is waited for and the rest run asynchronously.
+        Either way, the next global batch is read and placed while each step runs.
       profile: the model's :class:`tenplex_jax.planner.ModelProfile`. With ``device_type``, the
         planner picks each device count's config and growth weighs its step-time estimates.
       device_type: the devices' :class:`tenplex_jax.planner.DeviceType`; its ``link_bandwidth``
@@ -415,10 +415,11 @@ class _JobCore(abc.ABC):
         return Batch(data, weights, layout, mesh, axes), samples
 
     def _prefetch(self) -> None:
-        """While a timed step runs (``exact_step_times``): read and place the next global batch
-        for the current layout, which the boundary hands out unless it changes the layout (or
-        rewinds the dataset). A step that is not waited for needs none: the host reads the next
-        batch while the devices run it anyway."""
+        """While a step runs: read and place the next global batch for the current layout, which
+        the boundary hands out unless it changes the layout (or rewinds the dataset). Read here,
+        right after the step's dispatch, it is off the step path of a loop that waits for each
+        step's metrics (``float(metrics["loss"])``, as most loops log), where ``job.next`` would
+        read it only after the step ended; a loop that waits for nothing reads it no later."""
         step = self.step
         if self.steps is None or step < self.steps:
             self._prefetched = ((step, self.layout, self._mesh()), *self._read(step))
@@ -460,11 +461,11 @@ class _JobCore(abc.ABC):
         tic = time.perf_counter()
         state, metrics = executable(state, batch)
         dispatched = time.perf_counter()
+        # the next batch is read beside the step, not after it; a stall's own first step reads
+        # nothing more unless every step is timed: its time is the stall's
+        if self.options.exact_step_times or self._stalled is None:
+            self._prefetch()
         if self.options.exact_step_times or self._stalled is not None:
-            # the next batch is read beside a timed step, not after it; a stall's own first
-            # step reads nothing more: its time is the stall's
-            if self.options.exact_step_times:
-                self._prefetch()
             jax.block_until_ready((state, metrics))
             done = time.perf_counter()
             self.step_log.append((self.step - 1, done - tic, str(self.ptc.config)))

@@ -491,6 +491,7 @@ def commit_live(
     *,
     replicas: int = 0,
     central: bool = False,
+    objects: Sequence[StoredObject] | None = None,
 ) -> tuple[int, int]:
     """Process ``process``'s part of the live version of ``state`` (the state at ``step``, laid
     out as ``ptc``; ``slots[p]``: process ``p``'s slot) after a failure that ``survivors``
@@ -498,7 +499,9 @@ def commit_live(
     their holders (``clients``: slot -> client, those up; memory tier) as a commit's are, with
     the version's manifest and this process's marker on every survivor's store that is up. A
     copy that a dead store cannot take is skipped while another holder takes it: a survivor's
-    store may die with the failure, and its memory still serves. Returns (objects, bytes).
+    store may die with the failure, and its memory still serves. ``objects``: the version's
+    objects if the caller has them (:func:`live_objects` with these arguments). Returns
+    (objects, bytes).
 
     Raises:
       PlanError: some box has no holder among the survivors (:func:`live_objects` names them),
@@ -506,9 +509,10 @@ def commit_live(
       StoreError: no holder's store took some object (then there is no marker).
       Exception: a shard could not be read (its computation failed): nothing is written.
     """
-    objects, orphans = live_objects(ptc, slots, survivors, replicas, central=central)
-    if orphans:
-        raise PlanError(f"no survivor holds every box of the leaves {list(orphans)}")
+    if objects is None:
+        objects, orphans = live_objects(ptc, slots, survivors, replicas, central=central)
+        if orphans:
+            raise PlanError(f"no survivor holds every box of the leaves {list(orphans)}")
     rank = sorted(survivors).index(process)
     arrays = _leaves_as(state, ptc)
     index = {leaf.path: i for i, leaf in enumerate(ptc.leaves)}

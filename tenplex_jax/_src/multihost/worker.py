@@ -400,9 +400,12 @@ class Worker:
         spec, central = self.spec, self.spec.central
         if self._layout is None:
             why = "the generation failed before this process had its state"
+        elif not self._held:
+            why = "no state held: this generation's live version was kept before"
         else:
             ptc, dataset = self._layout
-            orphans = live_objects(ptc, spec.slots, survivors, central=central)[1]
+            live = live_objects(ptc, spec.slots, survivors, spec.replicas, central=central)
+            orphans = live[1]
             deadline = time.monotonic() + LIVE_WAIT_SECONDS
             for held, state in reversed(self._held):
                 if not _completed(state, deadline):
@@ -427,6 +430,7 @@ class Worker:
                         self.process_index,
                         replicas=spec.replicas,
                         central=central,
+                        objects=live[0],
                     )
                 except Exception as error:  # its step failed after all, or the store did
                     why = f"the state at step {held}: {type(error).__name__}: {error}"
