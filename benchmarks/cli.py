@@ -44,13 +44,13 @@ def add_parser(sub) -> None:
     bench.add_argument(
         "--quick",
         action="store_true",
-        help="small model and sizes: about 1.5 minutes; checks that every ratio is computed",
+        help="small model and sizes: about a minute; checks that every ratio is computed",
     )
     bench.add_argument(
         "--repeats",
         type=_positive,
         default=None,
-        help="timed runs per strategy after a warm-up (default: 5, or 3 with --quick)",
+        help="timed runs per strategy after a warm-up (default: 3, or 2 with --quick)",
     )
     bench.add_argument(
         "--no-recovery",

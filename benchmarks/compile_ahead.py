@@ -32,7 +32,8 @@ def run_compile_ahead(
 ):
     """One row: both variants' stall seconds (medians over ``repeats``), their parts, the ratio;
     and, unless ``quick``, what a compile ahead costs the steps beside it and the persistent
-    compilation cache's cold and warm compiles (four and two more compiles)."""
+    compilation cache's cold and warm compiles (four and two more compiles). ``quick``: one job
+    for both stalls (``quick_pair``)."""
     import tenplex_jax as tj
     from tenplex_jax.elastic import enable_compilation_cache
     from tenplex_jax_models import (
@@ -81,10 +82,14 @@ def run_compile_ahead(
             state, _ = step(state, b)
         job.close()
         (r,) = job.records
+        return steps_before, stall_of(job, r)
+
+    def stall_of(job, r) -> dict:
+        """An event record's stall, its parts and its bound."""
         step_seconds = statistics.median(
-            s for i, s, c in job.step_log if c == "data=7" and i > r.step
+            s for i, s, c in job.step_log if c == r.config_after and i > r.step
         )
-        return steps_before, {
+        return {
             "stall_seconds": r.stall_seconds,
             "plan_seconds": r.plan_seconds,
             "reshard_seconds": r.reshard_seconds,
@@ -93,15 +98,44 @@ def run_compile_ahead(
             "compile": r.compile,
             "first_step_seconds": r.stall_seconds
             - (r.plan_seconds + r.reshard_seconds + r.compile_wait_seconds),
-            "step_seconds": statistics.median(s for i, s, c in job.step_log if c == "data=8"),
+            "step_seconds": statistics.median(
+                s for i, s, c in job.step_log if c == r.config_before and 0 < i < r.step
+            ),
             "stall_bound_seconds": 1.5 * (r.reshard_seconds + step_seconds) + 0.1,
         }
 
+    def quick_pair():
+        """--quick: both stalls in one job, 3 compiles instead of 4: 8 -> 7 devices with the step
+        compiled ahead (waited for, not trained beside), then at once 7 -> 6 with the step
+        compiled on demand (the boundary of a change starts no guess)."""
+        job, state, step = job_of(True)
+        for _ in range(3):  # the first step compiles, the others give the steady step
+            state, b = job.next(state)
+            state, _ = step(state, b)
+        seven = job._target(tuple(range(7)))
+        job.steps_cache.get(seven, job._layout(seven.config), ahead=True).result()
+        rows = []
+        for n in (7, 6):
+            job.preempt()  # what SIGTERM posts: the job's last device goes
+            for i in range(after):
+                state, b = job.next(state)
+                if n == 7 and i == 0:  # outstanding (and compiled): no guess of 6 devices
+                    job.expect(range(8))
+                state, _ = step(state, b)
+            rows.append(stall_of(job, job.records[-1]))
+        assert [r["compile"] for r in rows] == ["cached", "compiled"], rows
+        job.close()
+        return 3, *rows
+
     runs: dict[str, list[dict]] = {"compile_ahead": [], "on_demand": []}
-    for _ in range(repeats):
-        before, row = one(True, None)
-        runs["compile_ahead"].append(row)
-        runs["on_demand"].append(one(False, before)[1])
+    for _ in range(1 if quick else repeats):
+        if quick:
+            before, ahead_row, on_demand_row = quick_pair()
+        else:
+            before, ahead_row = one(True, None)
+            on_demand_row = one(False, before)[1]
+        runs["compile_ahead"].append(ahead_row)
+        runs["on_demand"].append(on_demand_row)
     median = {
         name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "compile"}
         for name, rs in runs.items()
@@ -110,7 +144,9 @@ def run_compile_ahead(
     row = {
         "kind": "compile_ahead",
         "model": model,
-        "change": "8 -> 7 devices (data=8 -> data=7), preemption notice",
+        "change": "8 -> 7 devices (data=8 -> data=7), preemption notice"
+        if not quick
+        else "8 -> 7 devices compiled ahead, then 7 -> 6 on demand, preemption notices",
         "steps_before_notice": before,
         "repeats": repeats,
         "runs": runs,

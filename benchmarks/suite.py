@@ -81,7 +81,7 @@ def describe_rows() -> str:
 class BenchOptions:
     out: pathlib.Path = pathlib.Path("out/bench")
     quick: bool = False
-    repeats: int | None = None  # default: 5 (full), 3 (quick)
+    repeats: int | None = None  # default: 3 (full), 2 (quick)
     recovery: bool = True  # the multi-process recovery row (launched jobs)
     # only these rows (names in ROWS, or reshard:KIND); None: every row, recovery as it says.
     # A recovery named here runs whatever ``recovery`` says
@@ -109,7 +109,7 @@ class BenchOptions:
 
     @property
     def runs(self) -> int:
-        return self.repeats or (3 if self.quick else 5)
+        return self.repeats or (2 if self.quick else 3)
 
 
 def gpu_count() -> int:
@@ -216,7 +216,7 @@ def run(options: BenchOptions, log=print) -> dict:
             rows.append(row | {"model": "small"})
         if not options.quick:
             large = GPTConfig(seq_len=128, d_model=256, n_layers=4, n_heads=4, d_ff=1024)
-            row = loop.run_loop_overhead(large, config, 16, 4, 6)  # 24 steps each: about 60 s
+            row = loop.run_loop_overhead(large, config, 16, 4, 4)  # 16 steps each: about 50 s
             log(f"  {row['params']:,} params:" + loop.describe(row)[1:])
             rows.append(row | {"model": "large"})
         lap("loop overhead")
