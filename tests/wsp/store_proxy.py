@@ -5,8 +5,9 @@ It speaks the store's wire protocol (``tenplex_jax._src.multihost.store.wire``) 
 directions, one exchange at a time per connection, as the protocol itself does: it reads a
 request frame from the client, forwards it, and for ``put``/``put_json``/``cas_json`` forwards the
 server's ``continue`` frame, then the body (and a ``put``'s checksum trailer) the client sends
-after it. It then reads the server's whole final reply (a streamed ``get``: header, body and its
-checksum trailer) and delivers it, or injects the fault armed for that request:
+after it (an ``eager`` request's body and trailer follow its header at once). It then reads the
+server's whole final reply (a streamed ``get``: header, body and its checksum trailer) and
+delivers it, or injects the fault armed for that request:
 
 - ``"drop"``: the reply is withheld and both sides of the connection are closed. The server has
   done the request; only its reply is lost.
@@ -243,7 +244,7 @@ class FaultProxy:
         rid = header.get("rid")
         fault = self._arrived(str(op), rid)
         frames = []
-        if op in WITH_BODY:
+        if op in WITH_BODY and not header.get("eager"):
             first = _read_frame(server, expect=True, with_body=True)
             if first.header.get("ok") and first.header.get("continue"):
                 self._check_echo(op, rid, first)
@@ -255,6 +256,8 @@ class FaultProxy:
                 frames.append(first)
         elif nbody:
             _pump(client, server, nbody)
+            if op == "put" and header.get("checksum") is None:
+                server.sendall(_read_frame(client, expect=True).raw)  # the checksum trailer
         if not frames:
             frames.append(_read_frame(server, expect=True, with_body=True))
             reply = frames[0].header

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tenplex_jax._src.elastic.steps import StepCache
+from tenplex_jax._src.wsp.manager import LocalPool
 from tenplex_jax._src.wsp.scaler import ENDED
 from tenplex_jax.elastic import ResourceTrace
 from tenplex_jax.errors import WSPError
@@ -79,6 +80,85 @@ def test_a_shrink_removes_the_vw_training_the_fewest_samples_per_dollar():
         ScalingPolicy().shrink(now, {}, "a preemption")
     with pytest.raises(WSPError, match="tolerance"):
         ScalingPolicy(tolerance=1.5)
+
+
+def test_the_policy_asks_for_devices_while_the_measured_growth_holds_the_samples_per_dollar():
+    now = _job(vw1=40.0, vw2=40.0)  # 80 samples/s on 4 devices for $4/h
+    asked = ScalingPolicy(tolerance=0.9).ask(now, 2, 2.0)  # the average: 20 samples/s a device
+    assert asked.action == "ask" and asked.devices == ()
+    assert asked.numbers["estimated_samples_per_second_with"] == pytest.approx(120.0)
+    assert asked.reason.startswith("2 more devices: it pays")
+    # the last growth brought 5 samples/s a device: 90 for $6/h is 54,000 < 0.9 x 72,000
+    poor = ScalingPolicy(tolerance=0.9).ask(now, 2, 2.0, per_device=5.0)
+    assert poor.action == "hold" and "does not pay" in poor.reason
+    assert poor.numbers["estimated_samples_per_usd_with"] == pytest.approx(54_000)
+    assert ScalingPolicy(tolerance=0.7).ask(now, 2, 2.0, per_device=5.0).action == "ask"
+    assert ScalingPolicy(budget=5.0).ask(now, 2, 2.0).action == "hold"  # $6/h over the budget
+    assert ScalingPolicy(floor=200.0).ask(now, 2, 20.0, per_device=1.0).action == "ask"
+    with pytest.raises(WSPError, match="count >= 1 devices"):
+        ScalingPolicy().ask(now, 0, 2.0)
+
+
+def test_a_local_pool_grants_quotes_and_takes_back_devices():
+    pool = LocalPool([4, 5, 6], usd_per_device_hour=lambda d: float(d))
+    assert pool.quote(2) == 9.0 and pool.quote(4) is None
+    assert pool.request(2) == (4, 5) and pool.request(2) == (6,) and pool.free == []
+    pool.release([5])
+    assert pool.free == [5] and pool.granted == [(2, (4, 5)), (2, (6,))]
+    with pytest.raises(WSPError, match=r"devices \[5\] were not granted"):
+        pool.release([5])
+    with pytest.raises(WSPError, match="each device once"):
+        LocalPool([1, 1])
+
+
+def test_a_scaler_grows_a_live_job_by_asking_a_pool_while_it_pays(tmp_path):
+    started = Stores(tmp_path)
+    try:
+        addresses = [started.start(f"s{i}").address for i in range(2)]
+        parts = job_parts.job(1)
+        state = parts["init"]()
+        sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
+        steps = StepCache(parts["train_step"], sample, jax.devices(), donate=False)
+
+        def make(name, devices):  # each VW on the device granted to it
+            return job_parts.virtual_worker(
+                parts, name, devices, addresses, state, distance=1, timeout=3.0, steps=steps,
+                slowdown=3.0,  # a slower device's pace: VWs added add throughput under load
+            )  # fmt: skip
+
+        pool = LocalPool([1, 2, 3], usd_per_device_hour=1.0)
+        with ParameterServer(addresses) as ps:
+            ps.create(weights_of(state), total=TOTAL)
+            with Coordinator(ps, Threads(make)) as coordinator:
+                coordinator.add([0])
+                policy = ScalingPolicy(tolerance=0.05, budget=3.5)  # at most 3 devices
+                scaler = Scaler(coordinator, policy, usd_per_device_hour=1.0, window=4, warmup=1)
+                grown = scaler.grow(pool, group=1)
+                coordinator.wait(timeout=240)
+            assert not coordinator.runner.errors
+            ledger = ps.history()
+        assert ledger.done and sorted(ledger.trained()) == list(range(TOTAL))
+        actions = [(d.action, d.devices) for d in grown]
+        added = [devices for action, devices in actions if action == "add"]
+        assert [ids for _, ids in pool.granted] == added  # granted only what it added
+        for i, (action, _) in enumerate(actions):  # ask, add, review; again; until a stop
+            assert action == ("ask", "add", "keep")[i % 3] or i == len(actions) - 1
+        last = grown[-1]
+        kept = [d for d in grown if d.action == "keep"]
+        if last.action == "hold" and last.reason != ENDED:  # every VW paid: the budget stops it
+            assert added == [(1,), (2,)] and "over the budget" in last.reason
+            assert pool.free == [3] and len(kept) == 2
+            rate = kept[0].numbers
+            per_device = rate["samples_per_second_with"] - rate["samples_per_second"]
+            assert grown[3].numbers["samples_per_second_per_device_added"] == pytest.approx(
+                max(per_device, 0.0)
+            )  # the second ask estimated with what the first VW brought
+        elif last.action == "remove":  # measured, it did not pay: its device went back
+            assert last.devices[0] in pool.free
+        members = [e.vw for e in coordinator.events if e.kind == VWEventKind.ADD]
+        assert members == ["vw1"] + [d.vw for d in grown if d.action == "add"]
+    finally:
+        started.reap()
 
 
 def test_a_scaler_follows_a_trace_growing_reviewing_and_shrinking_a_live_job(tmp_path):

@@ -2,7 +2,9 @@
 
 A :class:`Coordinator` starts VWs on device groups (``add``), lets them finish their wave and leave
 (``remove``) or ends them without a word (``kill``: the others drop it after the ledger's timeout
-and train its unpushed minibatches), or does all of it from a resource trace (``follow``). VWs run
+and train its unpushed minibatches), or does all of it from a resource trace (``follow``); with a
+planner it re-plans the running VWs when the devices change (``replan``: stages and ``Nm``, applied
+at a wave boundary, :mod:`~tenplex_jax._src.wsp.replan`). VWs run
 as threads of this process (:class:`Threads`) or as processes of their own (:class:`Processes`:
 ``python -m tenplex_jax.wsp``, its own JAX and devices: one dies or starts without touching the
 others).
@@ -41,6 +43,7 @@ class VWEventKind(enum.StrEnum):
     REMOVE = "remove"  # a VW told to leave
     KILL = "kill"  # a VW ended without a word
     DECIDE = "decide"  # a scaling policy decided (``tj.wsp.Scaler``)
+    REPLAN = "replan"  # the VWs re-planned for the devices (``Coordinator.replan``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,15 +385,30 @@ class Coordinator:
       ps: the job's :class:`ParameterServer` (the coordinator reads the ledger).
       runner: the :class:`Runner`: :class:`Threads` or :class:`Processes`.
       log: called with one line of text per event (default: silent).
+      planner: ``planner(device ids) -> WSPChoice`` (``tj.wsp.plan_workers`` on the cluster's
+        description of them): :meth:`replan` plans with it, and :meth:`follow` re-plans at each
+        change of the trace's devices. None: VWs are added and ended as told.
 
     Attributes:
       members: name -> the running VWs.
       gone: name -> the VWs removed or killed.
       events: every :class:`VWEvent`, in order.
+      plans: the sorted device ids of each VW of the last plan -> its ``WorkerPlan``
+        (:meth:`plan_of`, which the runner's ``make`` reads).
+      replans: every :class:`~tenplex_jax._src.wsp.replan.Replanned`, in order.
     """
 
-    def __init__(self, ps: ParameterServer, runner: Runner, log: Callable | None = None):
-        self.ps, self.runner, self.log = ps, runner, log
+    def __init__(
+        self,
+        ps: ParameterServer,
+        runner: Runner,
+        log: Callable | None = None,
+        *,
+        planner: Callable | None = None,
+    ):
+        self.ps, self.runner, self.log, self.planner = ps, runner, log, planner
+        self.plans: dict[tuple[int, ...], object] = {}
+        self.replans: list = []
         self.members: dict[str, Member] = {}
         self.gone: dict[str, Member] = {}
         self.events: list[VWEvent] = []
@@ -454,6 +472,31 @@ class Coordinator:
         self.gone[name] = member
         self.add_event(VWEventKind.KILL, name, member.devices)
 
+    def plan_of(self, devices: Sequence[int]):
+        """The last plan's ``WorkerPlan`` for the VW on ``devices`` (None: not planned)."""
+        return self.plans.get(tuple(sorted(devices)))
+
+    def replan(self, devices: Sequence[int], timeout: float = 600.0):
+        """The cluster is now ``devices``: plan its VWs with the planner and apply the plan at a
+        wave boundary (VWs it keeps train on; the others push their wave and leave, their leases
+        back in the ledger; the new ones join from the parameter server's weights). Logged as a
+        ``REPLAN`` event; returns the ``Replanned`` record.
+
+        Raises:
+          WSPError: no planner, a plan over other devices, or a VW that did not leave.
+          PlanError: no plan fits ``devices`` (nothing is stopped).
+        """
+        from tenplex_jax._src.wsp.replan import replan
+
+        done = replan(self, devices, timeout)
+        self.replans.append(done)
+        self.add_event(VWEventKind.REPLAN, None, done.devices)
+        return done
+
+    def held(self) -> list[int]:
+        """The device ids the running VWs hold, sorted."""
+        return sorted(d for m in self.members.values() for d in m.devices)
+
     def free(self, devices: Sequence[int]) -> list[int]:
         """Those of the device ids ``devices`` that no running VW uses, in their order."""
         used = {d for m in self.members.values() for d in m.devices}
@@ -470,7 +513,9 @@ class Coordinator:
         or fail (killed) of ``count`` ends the VWs holding the job's last ``count`` devices.
         With a ``scaler``, Hydrozoa's policy decides instead: each group offered is taken or
         declined (and a VW taken is reviewed), and a preempt of any ``count`` devices removes
-        the least efficient VWs.
+        the least efficient VWs. With a ``planner`` (and no scaler), an offer or a preempt
+        re-plans the VWs for the devices held then (:meth:`replan`); a failure kills the VWs
+        on the failed devices (the others drop them) without a re-plan.
 
         Args:
           trace: the :class:`tenplex_jax.elastic.ResourceTrace` (its steps count minibatches).
@@ -499,6 +544,16 @@ class Coordinator:
             ledger = self.ps.wait(WATCH_SECONDS)  # the next commit (or a VW's end, within this)
 
     def _apply(self, event, group: int, total: int, scaler) -> None:
+        if self.planner is not None and scaler is None and event.kind in ("offer", "preempt"):
+            held = self.held()
+            if event.kind == "offer":
+                offered = self.free(range(total)) if event.devices is None else event.devices
+                count = len(offered) if event.devices is not None else event.count
+                self.replan(sorted({*held, *list(offered)[:count]}))
+            else:
+                gone = set(event.devices or held[-event.count :])
+                self.replan([d for d in held if d not in gone])
+            return
         if event.kind == "offer":
             free = self.free(range(total)) if event.devices is None else list(event.devices)
             count = len(free) if event.devices is not None else min(event.count, len(free))

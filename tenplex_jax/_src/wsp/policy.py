@@ -78,6 +78,8 @@ class Action(enum.StrEnum):
     DECLINE = "decline"  # an offer declined
     KEEP = "keep"  # a VW added kept, after its review
     REMOVE = "remove"  # a VW removed (a review, or a shrink)
+    ASK = "ask"  # ask the cluster manager for more devices
+    HOLD = "hold"  # ask for none: more would not pay (or the cluster has none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +88,7 @@ class ScalingDecision:
 
     Attributes:
       action: ``ADD`` or ``DECLINE`` (an offer), ``KEEP`` or ``REMOVE`` (a review of a VW added,
-        or a shrink).
+        or a shrink), ``ASK`` or ``HOLD`` (whether to ask the cluster for devices).
       vw: the VW removed or kept (None for an offer's decision).
       devices: the devices offered, or those of the VW.
       reason: why, in words.
@@ -151,29 +153,74 @@ class ScalingPolicy:
           ``ADD`` or ``DECLINE``, with the numbers.
         """
         devices = tuple(devices)
+        take, reason, numbers = self._weigh(now, len(devices), usd_per_hour, None)
+        return ScalingDecision(
+            action=Action.ADD if take else Action.DECLINE,
+            vw=None,
+            devices=devices,
+            reason=reason,
+            numbers=numbers,
+        )
+
+    def ask(
+        self, now: Measured, count: int, usd_per_hour: float, per_device: float | None = None
+    ) -> ScalingDecision:
+        """Whether to ask the cluster manager for ``count`` more devices (one VW's), quoted at
+        ``usd_per_hour``: the same rule as an offer's, on the samples/s ``per_device`` measured
+        when the job last grew (the throughput a VW added brought, over its devices), or the
+        running VWs' average before it ever grew. So it keeps asking while the measured growth
+        holds the samples per dollar, and stops when the last devices added brought less.
+
+        >>> now = Measured(seconds=10.0, samples={"vw1": 400}, devices={"vw1": 2},
+        ...                usd_per_hour={"vw1": 2.0})
+        >>> print(ScalingPolicy().ask(now, 2, 2.0).action)
+        ask
+        >>> print(ScalingPolicy().ask(now, 2, 2.0, per_device=5.0).action)   # growth measured poor
+        hold
+
+        Returns:
+          ``ASK`` or ``HOLD``, with the numbers (``devices``: empty, none granted yet).
+        """
+        if count < 1 or usd_per_hour < 0 or (per_device is not None and per_device < 0):
+            raise WSPError(
+                f"an ask is for count >= 1 devices at a price and rate >= 0; got {count}, "
+                f"${usd_per_hour}/h, {per_device} samples/s per device",
+                "invalid",
+            )
+        take, reason, numbers = self._weigh(now, count, usd_per_hour, per_device)
+        return ScalingDecision(
+            action=Action.ASK if take else Action.HOLD,
+            vw=None,
+            devices=(),
+            reason=f"{count} more devices: {reason}",
+            numbers=numbers,
+        )
+
+    def _weigh(self, now: Measured, count: int, usd_per_hour: float, per_device):
+        """``(take, reason, numbers)`` for ``count`` devices more at ``usd_per_hour``, each
+        bringing ``per_device`` samples/s (None: the running VWs' average)."""
         held = sum(now.devices.values())
-        estimate = now.throughput / held * len(devices) if held else 0.0
+        if per_device is None:
+            per_device = now.throughput / held if held else 0.0
+        estimate = per_device * count
         price = now.price + usd_per_hour
         numbers = {
             **now.numbers(),
+            "samples_per_second_per_device_added": per_device,
             "estimated_samples_per_second_with": now.throughput + estimate,
             "usd_per_hour_with": price,
             "estimated_samples_per_usd_with": _per_dollar(now.throughput + estimate, price),
         }
-        decide = lambda action, reason: ScalingDecision(
-            action=action, vw=None, devices=devices, reason=reason, numbers=numbers
-        )
         if self.budget is not None and price > self.budget:
-            over = f"over the budget: ${price:.2f}/h with it > ${self.budget:.2f}/h"
-            return decide(Action.DECLINE, over)
+            return False, f"over the budget: ${price:.2f}/h with it > ${self.budget:.2f}/h", numbers
         if self.floor is not None and now.throughput < self.floor:
             below = f"below the floor: {now.throughput:.1f} < {self.floor:.1f} samples/s"
-            return decide(Action.ADD, below)
+            return True, below, numbers
         with_ = numbers["estimated_samples_per_usd_with"]
         than = f"{self.tolerance:g} x {now.per_dollar:.0f}"
         if with_ >= self.tolerance * now.per_dollar:
-            return decide(Action.ADD, f"it pays: {with_:.0f} samples/$ with it >= {than}")
-        return decide(Action.DECLINE, f"it does not pay: {with_:.0f} samples/$ with it < {than}")
+            return True, f"it pays: {with_:.0f} samples/$ with it >= {than}", numbers
+        return False, f"it does not pay: {with_:.0f} samples/$ with it < {than}", numbers
 
     def review(self, before: Measured, after: Measured, vw: str, devices: Sequence[int]):
         """Keep or remove a VW added, on the job measured before and after it.

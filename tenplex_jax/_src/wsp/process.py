@@ -4,7 +4,8 @@
 ``FUNCTION(devices, **options)`` (``--option key=value``, values read as JSON when they parse)
 returns the job's parts: ``rules``, ``dataset``, ``init``, ``train_step``, ``config`` (a
 ``tj.ParallelConfig`` for ``K`` devices) and optionally ``grad_units``, ``stages`` and
-``wave_step`` (the ``WorkerOptions`` of those names). The process runs on ``K`` devices of its own
+``wave_step`` (the ``WorkerOptions`` of those names); ``--memory-limit BYTES`` and ``--prefetch``
+are those options too. The process runs on ``K`` devices of its own
 (fake CPU devices with ``--platform cpu``), trains until the run is done and appends each pushed
 wave to ``--records`` as a JSON line; SIGTERM: it leaves at the next wave boundary. With ``--hold
 FD`` it writes a line to ``FD`` once built and joins only when a line (or the end) comes on its
@@ -74,6 +75,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--distance", type=int, default=0)
     parser.add_argument("--slowdown", type=float, default=1.0)
     parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument(
+        "--memory-limit", type=int, default=None, help="bytes per device the VW may use"
+    )
+    parser.add_argument(
+        "--prefetch", action="store_true", help="claim the next wave ahead and place its data"
+    )
     parser.add_argument("--platform", default="cpu")
     parser.add_argument("--records", type=pathlib.Path, default=None)
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
@@ -133,6 +140,8 @@ def _train(args, parts, devices, group, executables, records, stop, started) -> 
         wave_step=parts.get("wave_step"),
         executables=executables,
         group=group,
+        memory_limit=args.memory_limit,
+        prefetch=args.prefetch,
     )
     with ParameterServer(args.stores.split(","), token=token) as ps:
         worker = VirtualWorker(
@@ -153,6 +162,7 @@ def _train(args, parts, devices, group, executables, records, stop, started) -> 
                 built.write("built\n")  # (a runner gone meanwhile: the go below is its end)
             sys.stdin.readline()  # the runner's go; its end (the runner is gone) is one too
         worker.run(stop)
+    print(f"memory: peak {worker.memory.peak} bytes per device ({worker.memory.source})")
     if executables is not None:
         executables.close()
         print(f"executables: {executables.hits} loaded, {executables.misses} compiled")

@@ -3,17 +3,30 @@
 The global weights (float32) are cut into *pieces* by bytes (:mod:`~tenplex_jax._src.wsp.pieces`),
 spread over the stores by size (``LAYOUT``), so a push or pull talks to every store at once (a
 thread per store). The ledger (:mod:`~tenplex_jax._src.wsp.ledger`) lives in the first store. A
-push of a virtual worker's wave is:
+push of a virtual worker's wave is three rounds of requests, one request per piece in each:
 
 1. **stage**: every piece's update is put under ``wsp/stage/<vw>/<wave>/<piece>`` in the piece's
-   store and flushed to the stores' disks (the wave's write-ahead record), then checked beside
-   the weights and every committed wave a piece lacks (NaN, Inf, or a sum that any order of
-   adding could overflow, is refused before anything is committed);
+   store, written through to its file (the wave's write-ahead record), and checked there in the
+   same request beside the weights and every committed wave a piece lacks (NaN, Inf, or a sum
+   that any order of adding could overflow, is refused before anything is committed);
 2. **commit**: one compare-and-swap of the ledger logs the wave (the atomic point; a dropped VW's
-   commit is refused; a wave committed since the check sends the push back to 1's check);
+   commit is refused; a wave committed since the check sends the push back to 1's check); it
+   swaps from the newest ledger this client's threads saw, so it is one request when no other
+   VW wrote since (a refusal found on that cached ledger alone is asked of the stored one);
 3. **apply**: each store adds the staged update into its piece with ``accumulate``, atomically and
    once: each array counts the pushes of every VW it holds (its *clocks*), and an accumulate out
    of turn is refused or skipped. The store removes the stage once the new version is on disk.
+
+The check's list of committed waves a piece lacks comes from the ledger the client saw last and
+the pieces' clocks its last replies carried; a store whose piece holds fewer than that (it
+restarted and lost a sum) sends the push back to check again.
+
+**Durable against what.** With ``sync`` (off by default) the stage and the ledger are fsynced
+before their replies: an acknowledged push survives a crash of a store's machine. Without it
+they are written to their files before their replies and fsynced behind them: an acknowledged
+push survives the kill of any store or VW process (the kernel keeps the files), and a crash of
+a machine only once the stores' writers have fsynced them (from ``LATER_SECONDS``, 0.1 s,
+after the replies).
 
 **Nothing acknowledged is lost.** Every store request carries an id and is tried again for up to
 ``retry_seconds``; the store does it once. A refused commit is re-read from the ledger before its
@@ -35,6 +48,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from tenplex_jax._src.errors import StoreError, WSPError
+from tenplex_jax._src.multihost.store import wire
 from tenplex_jax._src.multihost.store.client import StoreClient
 from tenplex_jax._src.wsp.ledger import PATH, Ledger
 from tenplex_jax._src.wsp.pieces import (
@@ -77,12 +91,15 @@ class ParameterServer(Records):
       timeout: seconds any socket operation may take.
       retry_seconds: how long a request is tried again when its reply is lost or its store is
         unreachable (a store restarting on the same address and directory).
+      sync: a push's stage and every write of the ledger are fsynced before their replies (a
+        crash of a store's machine keeps an acknowledged push); default: fsynced behind them
+        (a kill of a store keeps it).
 
     Attributes:
       layout: every :class:`Piece` of the weights (after :meth:`create` or :meth:`open`).
       shapes: leaf path -> its shape.
-      push_seconds: the phases of the last :meth:`push`, seconds: ``stage`` (the puts),
-        ``flush`` (seeing them on disk), ``check`` (finite), ``commit``, ``apply``.
+      push_seconds: the phases of the last :meth:`push`, seconds: ``stage`` (the puts and
+        their checks), ``commit``, ``apply``.
 
     Raises:
       WSPError: no addresses (``"invalid"``). (A request a store fails for longer than
@@ -96,6 +113,7 @@ class ParameterServer(Records):
         token: str | None = None,
         timeout: float = 60.0,
         retry_seconds: float = 60.0,
+        sync: bool = False,
     ):
         if not addresses:
             raise WSPError("a parameter server needs at least one tensor store", "invalid")
@@ -107,7 +125,13 @@ class ParameterServer(Records):
         self.layout: tuple[Piece, ...] = ()
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.push_seconds: dict[str, float] = {}
+        self.sync = sync
         self._seen = threading.local()  # per thread: the version of the last ledger it saw
+        self._last = None  # the newest ledger any thread saw, and its version
+        self._last_lock = threading.Lock()
+        # piece key -> the clocks of its array as a store last replied (perhaps behind the
+        # store's, never ahead unless the store lost a sum): the checks' pending waves
+        self._clocks: dict[str, dict[str, int]] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(
             len(self.clients), thread_name_prefix="wsp-ps"
         )
@@ -130,21 +154,21 @@ class ParameterServer(Records):
         return self.clients[0]
 
     def _each_store(self, work: Callable[[StoreClient, list[Piece]], object]) -> dict:
-        """``work(client, pieces)`` for each store's pieces, the stores at once (a thread each);
-        store index -> its result. The first error raised is raised, after every store's work
-        has ended."""
+        """``work(client, pieces)`` for each store's pieces, the stores at once (the first on
+        this thread, each other on one of its own); store index -> its result. The first error
+        raised is raised, after every store's work has ended."""
         by_store: dict[int, list[Piece]] = {}
         for piece in self.layout:
             by_store.setdefault(piece.store, []).append(piece)
-        if len(by_store) == 1:
-            ((store, pieces),) = by_store.items()
-            return {store: work(self.clients[store], pieces)}
+        (here, mine), *others = by_store.items()
         futures = {
-            store: self._pool.submit(work, self.clients[store], pieces)
-            for store, pieces in by_store.items()
+            store: self._pool.submit(work, self.clients[store], pieces) for store, pieces in others
         }
-        concurrent.futures.wait(futures.values())
-        return {store: future.result() for store, future in futures.items()}
+        try:
+            out = {here: work(self.clients[here], mine)}
+        finally:
+            concurrent.futures.wait(futures.values())
+        return out | {store: future.result() for store, future in futures.items()}
 
     # -- the global weights ----------------------------------------------------------------------
 
@@ -186,6 +210,7 @@ class ParameterServer(Records):
                 f"a job already exists on {self.addresses[0]} (its ledger {PATH!r})", "refused"
             )
         self.layout, self.shapes = layout, shapes
+        self._clocks = {p.key: {} for p in layout}
         flat = {path: a.reshape(-1) for path, a in arrays.items()}
         self._each_store(
             lambda client, pieces: [
@@ -229,15 +254,16 @@ class ParameterServer(Records):
             check_layout(layout, shapes, len(self.clients))
         except (KeyError, TypeError, ValueError) as error:
             raise WSPError(f"the layout record is malformed: {error!r:.200}", "corrupt") from None
-        self.layout, self.shapes = layout, shapes
+        self.layout, self.shapes, self._clocks = layout, shapes, {}
         return self.layout
 
     # -- push and pull ---------------------------------------------------------------------------
 
     def push(self, vw: str, wave: int, updates: Mapping[str, np.ndarray]) -> Ledger:
-        """Push a wave: stage its updates, check and flush them, commit it in the ledger, add it
-        into the weights (every store at once); the ledger after the commit. A VW pushes on a
-        thread of its own, beside its compute (:class:`VirtualWorker`).
+        """Push a wave: stage and check its updates, commit it in the ledger, add it into the
+        weights (every store at once, a request per piece in each of the three rounds); the
+        ledger after the commit. A VW pushes on a thread of its own, beside its compute
+        (:class:`VirtualWorker`).
 
         Args:
           vw: the pushing VW.
@@ -254,43 +280,26 @@ class ParameterServer(Records):
         """
         flat = self._flat(vw, wave, updates)
         stage, tic = f"{STAGE}{vw}/{wave}/", time.perf_counter()
-        phases = self.push_seconds = dict.fromkeys(
-            ("stage", "flush", "check", "commit", "apply"), 0.0
-        )
+        phases = self.push_seconds = dict.fromkeys(("stage", "commit", "apply"), 0.0)
 
         def phase(name: str) -> None:
             nonlocal tic
             phases[name], tic = phases[name] + time.perf_counter() - tic, time.perf_counter()
 
-        sources = self._stage(stage, flat, phase)
-        ledger = self._check_and_commit(vw, wave, stage, phase)
+        seen = self.last_ledger()
+        sources = self._check(vw, wave, stage, seen, flat)
+        phase("stage")
+        ledger = self._commit(vw, wave, stage, seen, phase)
         self.apply(vw, wave, wave - ledger.starts[vw], sources)
         phase("apply")
         return ledger
 
-    def _check_and_commit(self, vw: str, wave: int, stage: str, phase) -> Ledger:
-        """Check a staged wave against the weights beside every committed wave a piece does not
-        hold yet (no order of adding them all can overflow), then commit it in the ledger if no
-        wave was committed since the check; else check again. So a committed wave is never
-        refused when it is added: the ledger is never ahead of the weights for good."""
+    def _commit(self, vw: str, wave: int, stage: str, seen: Ledger, phase) -> Ledger:
+        """Commit a staged wave, checked beside the waves ``seen`` commits, in the ledger if no
+        wave was committed since ``seen``; else check it again beside those. So a committed
+        wave is never refused when it is added: the ledger is never ahead of the weights for
+        good."""
         for _ in range(STAGE_TRIES):
-            seen = self.ledger()
-            beside = self._pending(seen)
-
-            def check(client: StoreClient, pieces: list[Piece], beside=beside) -> None:
-                for p in pieces:
-                    key = p.key
-                    at = (WEIGHTS + key, stage + key)
-                    client.accumulate(*at, name=vw, clock=0, check=True, beside=beside.get(key, ()))
-
-            try:
-                self._each_store(check)
-            except StoreError as error:
-                if error.reason != "nonfinite":
-                    raise
-                self._drop_stage(stage)
-                raise WSPError(f"push of wave {wave} by {vw!r}: {error}", "invalid") from None
-            phase("check")
 
             def commit(led: Ledger, seen=seen) -> tuple[Ledger, None]:
                 if led.pushed(vw, wave):  # in already: a try whose reply was lost
@@ -300,9 +309,12 @@ class ParameterServer(Records):
                 return led.commit(vw, wave), None
 
             try:
-                ledger, _ = self.update(commit)
+                ledger, _ = self.update(commit, last=True)
             except _Stale:
                 phase("commit")
+                seen = self.last_ledger()  # the ledger the swap failed on
+                self._check(vw, wave, stage, seen)
+                phase("stage")
                 continue
             except WSPError:
                 ledger = self.ledger()  # a refusal may follow a commit whose reply was lost
@@ -318,19 +330,71 @@ class ParameterServer(Records):
             "busy",
         )
 
-    def _pending(self, ledger: Ledger) -> dict[str, list[tuple[str, int, str]]]:
+    def _check(
+        self, vw: str, wave: int, stage: str, seen: Ledger, flat: Mapping | None = None
+    ) -> dict[str, str]:
+        """Check a wave's update of every piece beside the waves ``seen`` commits that the
+        piece lacks (no order of adding them all can overflow), putting it under ``stage``
+        first when ``flat`` (the updates) is given; the staged updates' checksums by piece. A
+        piece found holding fewer waves than its check assumed (its store lost a sum) is
+        checked again."""
+        sources: dict[str, str] = {}
+        for _ in range(STAGE_TRIES):
+            beside, basis = self._beside(seen)
+            held: dict[str, dict[str, int]] = {}  # piece key -> its clocks when checked
+
+            def one(client: StoreClient, pieces: list[Piece], beside=beside, held=held) -> None:
+                for p in pieces:
+                    into, at = WEIGHTS + p.key, stage + p.key
+                    if flat is not None and p.key not in sources:
+                        runs = [flat[s.leaf][s.start : s.stop] for s in p.spans]
+                        staged, info = client.stage(
+                            at, runs, into=into, name=vw, beside=beside[p.key], sync=self.sync
+                        )
+                        sources[p.key] = staged.checksum
+                    else:
+                        info, _ = client.accumulate(
+                            into, at, name=vw, clock=0, check=True, beside=beside[p.key]
+                        )
+                    held[p.key] = self._clocks[p.key] = dict(info.clocks)
+
+            try:
+                self._each_store(one)
+            except StoreError as error:
+                if error.reason != "nonfinite":
+                    raise
+                self._drop_stage(stage)
+                raise WSPError(f"push of wave {wave} by {vw!r}: {error}", "invalid") from None
+            if all(held[key].get(v, 0) >= n for key, b in basis.items() for v, n in b.items()):
+                return sources
+        self._drop_stage(stage)
+        raise WSPError(
+            f"push of wave {wave} by {vw!r}: a piece held fewer waves than its check assumed "
+            f"in each of {STAGE_TRIES} checks (a store restarting over and over?)",
+            "busy",
+        )
+
+    def _beside(self, ledger: Ledger) -> tuple[dict[str, list], dict[str, dict[str, int]]]:
         """Piece key -> ``(vw, push, stage)`` of each wave ``ledger`` commits that the piece
-        did not hold when listed (it may hold some by the time a store checks: those are
-        skipped there)."""
-        pending: dict[str, list[tuple[str, int, str]]] = {}
-        for client in self.clients:
-            for info in client.list(WEIGHTS):
-                key = info.path[len(WEIGHTS) :]
-                pending[key] = [
-                    (v, push, f"{STAGE}{v}/{ledger.starts[v] + push}/{key}")
-                    for v, push in sorted(_behind(info.clocks, ledger))
-                ]
-        return pending
+        lacked when a store last replied (it may hold some by the time the store checks: those
+        are skipped there); and the clocks that list assumed. Pieces whose clocks are unknown,
+        or whose list would be longer than a check takes, are listed first."""
+
+        def pending(key: str) -> list[tuple[str, int, str]]:
+            held = self._clocks[key]
+            return [
+                (v, n, f"{STAGE}{v}/{ledger.starts[v] + n}/{key}")
+                for v, pushes in sorted(ledger.committed.items())
+                for n in range(held.get(v, 0), pushes)
+            ]
+
+        keys = [p.key for p in self.layout]
+        if any(k not in self._clocks or len(pending(k)) > wire.MAX_BESIDE for k in keys):
+            for client in self.clients:
+                for info in client.list(WEIGHTS):
+                    self._clocks[info.path[len(WEIGHTS) :]] = dict(info.clocks)
+        basis = {key: dict(self._clocks[key]) for key in keys}
+        return {key: pending(key) for key in keys}, basis
 
     def _flat(self, vw: str, wave: int, updates: Mapping[str, np.ndarray]) -> dict:
         """A push's updates as float32 vectors, checked against the leaves' shapes."""
@@ -352,37 +416,6 @@ class ParameterServer(Records):
                 )
             flat[path] = np.ascontiguousarray(update).reshape(-1)
         return flat
-
-    def _stage(self, stage: str, flat: Mapping[str, np.ndarray], phase) -> dict[str, str]:
-        """Put every piece's update under ``stage`` and see it on its store's disk (the wave's
-        write-ahead record, before the commit); the checksums by piece. A store that restarted
-        since a put lost what it held in memory only: a stage listed after the flush is on disk,
-        and one missing is put again."""
-        sources: dict[str, str] = {}
-        missing = {p.key for p in self.layout}
-        for _ in range(STAGE_TRIES):
-
-            def put(client: StoreClient, pieces: list[Piece], missing=missing) -> None:
-                for p in pieces:
-                    if p.key in missing:
-                        sources[p.key] = client.put(stage + p.key, gather_piece(p, flat)).checksum
-
-            def listed(client: StoreClient, pieces: list[Piece]) -> dict[str, str]:
-                client.flush()
-                return {info.path[len(stage) :]: info.checksum for info in client.list(stage)}
-
-            self._each_store(put)
-            phase("stage")
-            there = {k: v for found in self._each_store(listed).values() for k, v in found.items()}
-            phase("flush")
-            missing = {p.key for p in self.layout if there.get(p.key) != sources[p.key]}
-            if not missing:
-                return sources
-        raise WSPError(
-            f"the stage {stage!r} of {sorted(missing)[:5]} did not stay on its store in "
-            f"{STAGE_TRIES} tries (a store restarting over and over?)",
-            "busy",
-        )
 
     def _drop_stage(self, stage: str) -> None:
         for client in self.clients:
@@ -413,7 +446,7 @@ class ParameterServer(Records):
 
         def add(client: StoreClient, pieces: list[Piece]) -> tuple[list[str], list[str]]:
             pieces = [p for p in pieces if p.key in todo]
-            return _accumulate(client, pieces, stage, vw, push, sources)
+            return _accumulate(client, pieces, stage, vw, push, sources, self._clocks)
 
         results = list(self._each_store(add).values())
         behind = [k for b, _ in results for k in b]
@@ -512,7 +545,9 @@ class ParameterServer(Records):
         out, places = pull_buffer(self.layout, self.shapes)
         while True:
             ledger = ledger or self.ledger()
-            read = functools.partial(_read, places=places, ledger=ledger, pending=pending)
+            read = functools.partial(
+                _read, places=places, ledger=ledger, pending=pending, clocks=self._clocks
+            )
             reads = self._each_store(read).values()
             behind = set().union(*(b for b, _ in reads))
             if not behind:
@@ -568,15 +603,16 @@ class ParameterServer(Records):
 
 
 def _accumulate(
-    client: StoreClient, pieces: list[Piece], stage: str, vw: str, push: int, sources
+    client: StoreClient, pieces: list[Piece], stage: str, vw: str, push: int, sources, clocks
 ) -> tuple[list[str], list[str]]:
     """Push ``push`` of ``vw`` staged under ``stage`` added into ``pieces`` of one store (see
     :meth:`ParameterServer.apply`): the keys of the pieces it is out of turn for, and of those
-    holding it from another update than ``sources`` says."""
+    holding it from another update than ``sources`` says. Each piece's clocks after go into
+    ``clocks``."""
     behind, other = [], []
     for p in pieces:
         try:
-            _, applied = client.accumulate(
+            info, applied = client.accumulate(
                 WEIGHTS + p.key,
                 stage + p.key,
                 name=vw,
@@ -590,18 +626,23 @@ def _accumulate(
                 raise
             behind.append(p.key)
             continue
+        clocks[p.key] = dict(info.clocks)
         if sources is not None and not applied:
             other.append(p.key)
     return behind, other
 
 
-def _read(client: StoreClient, pieces: list[Piece], places, ledger: Ledger, pending) -> tuple:
+def _read(
+    client: StoreClient, pieces: list[Piece], places, ledger: Ledger, pending, clocks
+) -> tuple:
     """``pieces`` of one store read, each straight into its place in its leaves (``places``):
     the ``(vw, push)`` that ``ledger`` commits and a piece lacks, and the pieces that lack the
-    ``pending`` push (see :meth:`ParameterServer.pull`)."""
+    ``pending`` push (see :meth:`ParameterServer.pull`). Each piece's clocks go into
+    ``clocks``."""
     behind, lacking = set(), []
     for p in pieces:
         _, info = client.get(WEIGHTS + p.key, with_info=True, out=places[p.index])
+        clocks[p.key] = dict(info.clocks)
         behind |= _behind(info.clocks, ledger)
         if pending is not None and not _holds(info.clocks, ledger, *pending[:2]):
             lacking.append(p)

@@ -28,11 +28,17 @@ LOG_KEPT = 16  # log entries the ledger keeps when compacted; it compacts past t
 
 class Records:
     """The ledger and the heartbeats of a parameter server (its base class): a client of the
-    first store, ``coordinator``. A request the store fails raises ``StoreError``."""
+    first store, ``coordinator``. A request the store fails raises ``StoreError``.
+
+    Every write of the ledger is fsynced before its reply when ``sync`` (a crash of the
+    machine keeps it), else behind it (a kill of the store keeps it)."""
 
     coordinator: StoreClient
+    sync: bool
     _seen: threading.local  # per thread of the client: ``version``, of the last ledger it read
     # or wrote (a thread waits for what it has not seen, whatever the client's other threads saw)
+    _last: tuple[Ledger, int] | None  # the newest ledger any thread read or wrote, its version
+    _last_lock: threading.Lock  # threads race to note theirs: an older one must not win
 
     def ledger(self) -> Ledger:
         """The job's :class:`Ledger` as stored now.
@@ -42,7 +48,27 @@ class Records:
           WSPError: the stored ledger is malformed (``"corrupt"``).
         """
         record, self._seen.version, _ = self.coordinator.get_json(PATH, versioned=True)
-        return Ledger.from_json(record)
+        return self._saw(Ledger.from_json(record), self._seen.version)
+
+    def _saw(self, ledger: Ledger, version: int) -> Ledger:
+        """Remember ``ledger`` (version ``version``) if it is the newest one seen; ``ledger``.
+
+        Threads note what they read after their requests return, in any order: a read that
+        started before another thread's swap may be noted after it. Versions only grow (the
+        store's counter outlives restarts), so the newest is kept: a cache that went back
+        would hide this client's own writes (a commit, a lease) from its next change."""
+        with self._last_lock:
+            if self._last is None or version > self._last[1]:
+                self._last = (ledger, version)
+        return ledger
+
+    def last_ledger(self) -> Ledger:
+        """The newest ledger this client read or wrote (read now if none): perhaps older than
+        the one stored, never newer, and holding every change this client made. A change
+        made from it with ``update(..., last=True)`` still swaps only the ledger it was made
+        from."""
+        last = self._last
+        return last[0] if last is not None else self.ledger()
 
     def wait(self, seconds: float) -> Ledger:
         """The ledger once it is newer than the last one this thread of the client read or
@@ -59,9 +85,15 @@ class Records:
         record, self._seen.version, _ = self.coordinator.get_json(
             PATH, versioned=True, newer_than=seen, wait=seconds
         )
-        return Ledger.from_json(record)
+        return self._saw(Ledger.from_json(record), self._seen.version)
 
-    def update(self, change: Callable[[Ledger], tuple[Ledger, object]], tries: int = 1000):
+    def update(
+        self,
+        change: Callable[[Ledger], tuple[Ledger, object]],
+        tries: int = 1000,
+        *,
+        last: bool = False,
+    ):
         """Change the ledger atomically: compare-and-swap, retried on conflict; then compact its
         log if it is long.
 
@@ -69,6 +101,11 @@ class Records:
           change: ``change(ledger) -> (ledger, result)``, pure (it may run several times). What
             it raises (a ``WSPError`` of the ledger's rules) propagates.
           tries: conflicts in a row before giving up.
+          last: start from the last ledger this client saw (:meth:`last_ledger`) instead of
+            reading it: one request fewer when no other client wrote it since (a swap from
+            an older one fails and is retried from the ledger its reply carries). Only a swap
+            proves a ledger current: when ``change`` raises, or changes nothing, on the cached
+            one, it runs again on the ledger read from the store, whose answer counts.
 
         Returns:
           ``(ledger, result)`` of the call whose ledger was stored.
@@ -78,22 +115,43 @@ class Records:
             raises.
           StoreError: the store failed a request.
         """
-        record, version, _ = self.coordinator.get_json(PATH, versioned=True)
+        cached = self._last if last else None
+        if cached is not None:
+            before, version = cached
+        else:
+            before, version = self._read()
         for _ in range(tries):
-            before = Ledger.from_json(record)
-            ledger, result = change(before)
+            try:
+                ledger, result = change(before)
+            except WSPError:
+                if cached is None:
+                    raise
+                # refused on a ledger perhaps older than the store's: ask the stored one
+                cached, (before, version) = None, self._read()
+                continue
             if ledger == before:  # nothing to write (a claim with nothing left, say)
+                if cached is not None:  # perhaps only in the cache: ask the stored ledger
+                    cached, (before, version) = None, self._read()
+                    continue
                 self._seen.version = version
                 return ledger, result
             # a reply lost after the swap: the store answers the request's retry as swapped
-            cas = self.coordinator.cas_json(PATH, ledger.to_json(), expect=version)
+            cas = self.coordinator.cas_json(PATH, ledger.to_json(), expect=version, sync=self.sync)
             if cas.swapped:
                 self._seen.version = cas.version
+                self._saw(ledger, cas.version)
                 if len(ledger.log) > 2 * LOG_KEPT:
                     ledger = self._compact(ledger, cas.version)
                 return ledger, result
-            record, version = cas.value, cas.version
+            before = self._saw(Ledger.from_json(cas.value), cas.version)
+            version, cached = cas.version, None  # the store's ledger now: its answers count
         raise WSPError(f"the ledger changed under {tries} tries in a row", "busy")
+
+    def _read(self) -> tuple[Ledger, int]:
+        """The ledger as stored now and its version (noted as seen by the client, not by the
+        thread: only a wait's read or a swap moves the thread's own)."""
+        record, version, _ = self.coordinator.get_json(PATH, versioned=True)
+        return self._saw(Ledger.from_json(record), version), version
 
     def _compact(self, ledger: Ledger, version: int) -> Ledger:
         """Archive all but the newest ``LOG_KEPT`` log entries: a segment written durably
@@ -107,11 +165,11 @@ class Records:
         path = f"{LOG}{ledger.archived:012d}-{digest.removeprefix(checksums.PREFIX)}"
         self.coordinator.put_json(path, segment, flush=False)
         compacted, _ = ledger.compact(LOG_KEPT, path)
-        cas = self.coordinator.cas_json(PATH, compacted.to_json(), expect=version)
+        cas = self.coordinator.cas_json(PATH, compacted.to_json(), expect=version, sync=self.sync)
         if not cas.swapped:
             return ledger
         self._seen.version = cas.version
-        return compacted
+        return self._saw(compacted, cas.version)
 
     def history(self, ledger: Ledger | None = None) -> Ledger:
         """The ledger with its whole log: the archived segments read back, oldest first.

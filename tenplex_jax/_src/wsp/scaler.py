@@ -1,6 +1,7 @@
 """Hydrozoa's coordinator running its scaling policy on a live job: a :class:`Scaler` measures the
 coordinator's VWs over windows of committed waves, takes or declines offers (``scaler.offer``),
-reviews what it added (``scaler.review``), and logs each decision as an event of the coordinator.
+asks a cluster manager for devices while more would pay (``scaler.grow``), reviews what it added
+(``scaler.review``), and logs each decision as an event of the coordinator.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable, Sequence
 from tenplex_jax._src.errors import WSPError
 from tenplex_jax._src.wsp.coordinator import Coordinator, VWEventKind
 from tenplex_jax._src.wsp.ledger import Ledger
+from tenplex_jax._src.wsp.manager import ClusterManager
 from tenplex_jax._src.wsp.policy import Action, Measured, ScalingDecision, ScalingPolicy
 
 RECORDS_SECONDS = 10.0  # the longest a measurement waits for its committed waves' records
@@ -149,6 +151,54 @@ class Scaler:
         if decision.action == Action.REMOVE:
             self.coordinator.remove(vw)
         return self._log(decision)
+
+    def grow(self, manager: ClusterManager, group: int) -> list[ScalingDecision]:
+        """Ask ``manager`` for ``group`` devices at a time while the policy says one more VW
+        pays (:meth:`ScalingPolicy.ask`): each ask is measured first, each VW added on the
+        devices granted is reviewed, and the samples/s it brought per device is what the next
+        ask estimates with. Stops at a ``HOLD`` (it would not pay, or over the budget), when
+        the manager has fewer devices (``HOLD``, the partial grant released), when a review
+        removes the VW (its devices released), or when the run ends.
+
+        Args:
+          manager: the :class:`ClusterManager` (``LocalPool``, a cluster's).
+          group: devices per VW.
+
+        Returns:
+          The decisions of this growth, in order (also in :attr:`decisions` and the
+          coordinator's events).
+        """
+        first, per_device = len(self.decisions), None
+        while True:
+            now = self.measure()
+            quote = manager.quote(group)
+            if now.ended or quote is None:
+                why = ENDED if now.ended else f"the cluster has fewer than {group} devices free"
+                hold = {"action": Action.HOLD, "vw": None, "devices": (), "reason": why}
+                self._log(ScalingDecision(numbers=now.numbers(), **hold))
+                break
+            asked = self._log(self.policy.ask(now, group, quote, per_device))
+            if asked.action == Action.HOLD:
+                break
+            granted = manager.request(group)
+            if len(granted) < group:  # taken meanwhile: the part granted goes back
+                manager.release(granted)
+                why = f"the cluster granted {len(granted)} of {group} devices"
+                hold = {"action": Action.HOLD, "vw": None, "devices": granted, "reason": why}
+                self._log(ScalingDecision(numbers=now.numbers(), **hold))
+                break
+            (vw,) = self.coordinator.add(granted)
+            self._log(dataclasses.replace(asked, action=Action.ADD, vw=vw, devices=granted))
+            self.added = (vw, granted, now)
+            review = self.review()
+            if review.action == Action.REMOVE:
+                manager.release(granted)
+                break
+            if review.reason == ENDED:
+                break
+            n = review.numbers
+            per_device = max(n["samples_per_second_with"] - n["samples_per_second"], 0.0) / group
+        return self.decisions[first:]
 
     def shrink(self, why: str) -> ScalingDecision:
         """Remove the VW training the fewest samples per dollar (a preemption of any devices, a

@@ -52,6 +52,8 @@ from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
 from tenplex_jax._src.wsp import optimizer, waves
 from tenplex_jax._src.wsp.group import Group
 from tenplex_jax._src.wsp.ledger import Beats, Ledger, Start
+from tenplex_jax._src.wsp.memory import MemoryMonitor, MemoryUse, device_limit
+from tenplex_jax._src.wsp.prefetch import Prefetcher
 from tenplex_jax._src.wsp.ps import ParameterServer
 from tenplex_jax._src.wsp.waves import Read, Wave, WaveRecord, delta, landed, replaced
 
@@ -125,6 +127,19 @@ class WorkerOptions:
         leader alone talks to the parameter server. None: one process.
       on_wave: ``on_wave(name, wave, minibatches)``, called when a wave is claimed.
       on_record: ``on_record(record)``, called with each :class:`WaveRecord` once pushed.
+      on_ready: ``on_ready(name, wave)``, called when the VW is ready for ``wave`` (the wave
+        before it has landed and its push has started), before WSP's wait and the claim; again
+        for the same wave when none was left to claim. The VW holds there until it returns: an
+        observer of wave boundaries, or a scheduler's gate (the tests drive VWs through a fixed
+        interleaving with it).
+      memory_limit: bytes per device the VW may use (None: the devices' own where the backend
+        reports it, else none): a VW whose compiled program's peak (XLA's buffer assignment)
+        exceeds it is refused when built, and its :attr:`VirtualWorker.memory` monitor (read at
+        each wave's first minibatch) raises when the bytes in use exceed it while it trains
+        (``WSPError "memory"``).
+      prefetch: claim the next wave ahead and read and place its minibatches on a thread of
+        its own, beside the compute and the push (:mod:`~tenplex_jax._src.wsp.prefetch`; a VW
+        of one process).
 
     Raises:
       WSPError: a field has the wrong type or lies outside its range (``"invalid"``); the
@@ -145,6 +160,9 @@ class WorkerOptions:
     group: Group | None = None
     on_wave: Callable[[str, int, tuple[int, ...]], None] | None = None
     on_record: Callable[[WaveRecord], None] | None = None
+    on_ready: Callable[[str, int], None] | None = None
+    memory_limit: int | None = None
+    prefetch: bool = False
 
     def __post_init__(self):
         kind = lambda *kinds: _none_or(lambda v: isinstance(v, kinds))
@@ -160,8 +178,11 @@ class WorkerOptions:
             "steps": ("a StepCache or None", kind(StepCache)),
             "executables": ("an ExecutableCache or None", kind(ExecutableCache)),
             "group": ("a tj.wsp.Group or None", kind(Group)),
+            "memory_limit": ("bytes >= 1 or None", _none_or(_at_least(1))),
+            "prefetch": ("a bool", lambda v: isinstance(v, bool)),
             **dict.fromkeys(
-                ("wave_step", "on_wave", "on_record"), ("a callable or None", _none_or(callable))
+                ("wave_step", "on_wave", "on_record", "on_ready"),
+                ("a callable or None", _none_or(callable)),
             ),
         }
         for field, (rule, holds) in rules.items():
@@ -274,6 +295,62 @@ class VirtualWorker:
         )
         self._programs: dict[int, Callable] = {}  # a wave's minibatches -> its program, compiled
         self._compile(train_step)
+        self.memory = MemoryMonitor(
+            name,
+            self.devices,
+            self._memory_use(),
+            options.memory_limit,
+            stages=config.pipe,
+            batch=dataset.global_batch,
+        )
+        self.prefetcher = None
+        if options.prefetch and self.group.count == 1:
+            self.prefetcher = Prefetcher(name, self._claim_ahead, self._load, self._ended)
+
+    def _memory_use(self) -> MemoryUse | None:
+        """The compiled program's bytes per device: the train step's, or the wave program's
+        (compiled now, where a memory limit is known, and kept: it runs every wave)."""
+        if self.wave_step is None:
+            return MemoryUse.of(self.step)
+        n = self.options.minibatches
+        if n not in self._programs and (
+            self.options.memory_limit is not None or device_limit(self.devices) is not None
+        ):
+            weights = tuple(self._weights())
+            data, batch_weights, _ = device_batch(self.dataset, 0, self.layout, self.mesh)
+            args = (self.state, [weights] * n, [data] * n, [batch_weights] * n)
+            program = self._program(n, args)  # jitted (compiled at its first call) or compiled
+            if n not in self._programs:  # compiled now, and what every full wave then runs
+                self._programs[n] = program.lower(*args).compile()
+        return MemoryUse.of(self._programs[n]) if n in self._programs else None
+
+    def _ended(self) -> bool:
+        return self.crashed.is_set() or self.dropped
+
+    def _claim_ahead(self, wave: int) -> tuple[int, ...]:
+        """The prefetcher's: lease ``wave`` ahead (the ledger's rule: one past the wave whose
+        push is in flight; asked again by :meth:`_claim`, the same lease comes back)."""
+        nm = self.options.minibatches
+        return self.ps.update(lambda now: now.claim(self.name, wave, nm))[1]
+
+    def _load(self, minibatch: int) -> tuple:
+        """Read and place ``minibatch`` on the mesh."""
+        return device_batch(self.dataset, minibatch, self.layout, self.mesh)
+
+    def _batch(self, wave: Wave, minibatch: int) -> tuple:
+        """The data path: ``minibatch`` of ``wave`` read and placed (by the prefetcher, if it
+        claimed its wave ahead); at a wave's first minibatch the prefetcher is asked for the
+        next wave, claimed once this one's push before it has committed, and the memory
+        monitor looks (once a wave: it reads every live array's shards)."""
+        first = minibatch == wave.minibatches[0]
+        if first:
+            self.memory.observe()
+        if self.prefetcher is None:
+            return self._load(minibatch)
+        if first:
+            self.prefetcher.ahead(wave.wave + 1, self.background.push)
+        placed = self.prefetcher.take(minibatch)
+        return self._load(minibatch) if placed is None else placed
 
     def _lay_out(self, init, rules: Rules, config: ParallelConfig) -> None:
         """The state on the VW's mesh (stacked leaves padded for uneven stages), its leaves by
@@ -444,6 +521,8 @@ class VirtualWorker:
     def _leave(self, joined: int) -> None:
         """After the loop: the last push settled (raising what it raised), the optimizer state
         of the last clock shared, the ledger left (neither when crashed or dropped)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         if not self.crashed.is_set():
             self._settle()
         if not (self.crashed.is_set() or self.dropped):
@@ -470,6 +549,8 @@ class VirtualWorker:
                 if not self._push(held) or leaving:
                     return
             # the last minibatch reads the weights holding wave k - 1 whole: WSP's wait and pull
+            if self.options.on_ready is not None:
+                self.options.on_ready(self.name, self.progress.clock)
             more, held = self._claim(reads)
             if not more:
                 return
@@ -547,7 +628,7 @@ class VirtualWorker:
             if kept or not current:
                 weights = tuple(x.copy() for x in read.weights)
         now = self._weights()
-        data, batch_weights, rows = device_batch(self.dataset, k, self.layout, self.mesh)
+        data, batch_weights, rows = self._batch(wave, k)
         after, metrics = self.step(
             replaced(self.state, self.leaves.weights, weights),
             Batch(data, batch_weights, self.layout, self.mesh, BATCH_AXES),
@@ -568,9 +649,7 @@ class VirtualWorker:
         program when its first update lands; each landing then sets the weights it produced."""
         n = len(wave.minibatches)
         if j == 0:
-            batches = [
-                device_batch(self.dataset, k, self.layout, self.mesh) for k in wave.minibatches
-            ]
+            batches = [self._batch(wave, k) for k in wave.minibatches]
             args = (
                 self.state,
                 [r.weights for r in wave.reads],
@@ -819,15 +898,19 @@ class VirtualWorker:
                 return ledger, self.ps.pull(ledger, pending=pending)
             if self.crashed.is_set():
                 return None, None
-            if back.push is not None and back.push.done():
-                self._end_push()  # its push failed: WSP would wait for its commit for ever
             ledger = self._idle(ledger)  # the slowest member's next commit
 
     def _idle(self, ledger: Ledger) -> Ledger:
         """Wait for the ledger to change (a commit, a join, a leave), at most a quarter of the
         timeout; first drop the members whose heartbeats have not changed for the timeout
-        (read at most every quarter of it). The ledger after."""
+        (read at most every quarter of it). The ledger after.
+
+        Raises what a push that ended meanwhile raised: its lease is never committed, and a
+        VW waiting for its own commit (WSP's clock, or the run's last minibatches) would wait
+        for ever."""
         now, back, timeout = time.monotonic(), self.background, self.options.timeout
+        if back.push is not None and back.push.done():
+            self._end_push()
         if now - back.watched >= timeout / 4:
             back.beats, back.watched = back.beats.observe(ledger.clocks, self.ps.beats(), now), now
             silent = [vw for vw in back.beats.silent(now, timeout) if vw != self.name]

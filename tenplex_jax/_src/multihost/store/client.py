@@ -246,17 +246,21 @@ class StoreClient:
     def _exchange(self, sock, request: dict, body, into) -> tuple[dict, Any]:
         """Send ``request`` (and ``body`` once the store says continue) on ``sock``; the reply
         header and body (see :meth:`_call`)."""
-        nbody, rid = 0 if body is None else memoryview(body).nbytes, request["rid"]
+        parts = [] if body is None else body if isinstance(body, list) else [body]
+        nbody, rid = sum(memoryview(part).nbytes for part in parts), request["rid"]
         try:
             wire.send_header(sock, request, nbody)
         except OSError as error:
             raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
         if request["op"] in ("put", "put_json", "cas_json"):
             # "continue"; the reason the request is refused; or, when the store has done this
-            # request already (a lost reply tried again), its outcome: then no body is sent
-            header, nreply = self._reply(sock, rid)
-            if not header.get("continue"):
-                return header, wire.recv_exact(sock, nreply) if nreply else b""
+            # request already (a lost reply tried again), its outcome: then no body is sent.
+            # An eager request sends its body at once (the store closes the connection if it
+            # refuses it unread)
+            if not request.get("eager"):
+                header, nreply = self._reply(sock, rid)
+                if not header.get("continue"):
+                    return header, wire.recv_exact(sock, nreply) if nreply else b""
             try:
                 if request["op"] == "put" and request.get("checksum") is None:
                     digest = wire.send_body(sock, body, digest=True)
@@ -275,8 +279,13 @@ class StoreClient:
             sock.settimeout(self._timeout + nbody / DISK_BYTES_PER_S)
         try:
             header, nreply = self._reply(sock, rid)
-        finally:
-            sock.settimeout(self._timeout)
+        except StoreError:
+            if request.get("eager"):  # the store may close it: its body may be unread
+                sock.close()
+            else:
+                sock.settimeout(self._timeout)
+            raise
+        sock.settimeout(self._timeout)
         return header, self._reply_body(sock, request, header, nreply, into)
 
     def _reply_body(self, sock, request: dict, header: dict, nreply: int, into):
@@ -362,10 +371,66 @@ class StoreClient:
         array = np.asarray(array, order="C")
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("="))
-        request = _put_request(wire.check_path(path), array, box, global_shape)
+        request = _put_request(wire.check_path(path), array.shape, array.dtype, box, global_shape)
         request |= {"checksum": _checksum, "durable": bool(durable)}  # None: in a trailer
         header, _ = self._call(request, wire.as_bytes(array))
         return ObjectInfo.from_json(header["info"])
+
+    def stage(
+        self,
+        path: str,
+        array,
+        *,
+        into: str,
+        name: str,
+        beside: Sequence[tuple[str, int, str]] = (),
+        sync: bool = True,
+    ) -> tuple[ObjectInfo, ObjectInfo]:
+        """Put an update its pusher will add into the array at ``into`` (a parameter server's
+        stage), and check it there, in one request: the update is written through to its file
+        (a kill of the store keeps it; fsynced before the reply if ``sync``, else behind it),
+        then checked as ``accumulate(into, path, check=True, beside=beside)`` checks.
+
+        Args:
+          path: the update's path.
+          array: the update, of ``into``'s shape and dtype; or a sequence of arrays of one
+            dtype, the runs of a 1-D update laid end to end (sent one after another: a
+            parameter server's piece spans leaves, and is never gathered into one buffer).
+          into: the array it will be added into.
+          name: the pusher's name.
+          beside: ``(name, clock, stage)`` of other pushes that will be added into ``into``
+            too (see :meth:`accumulate`).
+          sync: fsync the update before the reply.
+
+        Returns:
+          ``(staged, array)``: the update's :class:`ObjectInfo` and ``into``'s (its ``clocks``
+          say which of ``beside`` it holds already).
+
+        Raises:
+          StoreError: the sum could be non-finite (``"nonfinite"``: then the update is not
+            kept), the arrays do not match (``"refused"``), ``into`` is missing
+            (``"not_found"``), or the store failed the request.
+        """
+        if isinstance(array, np.ndarray):
+            runs = [np.asarray(array, order="C")]
+            shape = runs[0].shape
+        else:
+            runs = [np.ascontiguousarray(run).reshape(-1) for run in array]
+            shape = (sum(run.size for run in runs),)
+        dtypes = sorted({run.dtype.name for run in runs})
+        if len(dtypes) != 1:
+            raise StoreError(f"stage of {path!r}: its runs are of one dtype; got {dtypes}")
+        runs = [np.asarray(run, run.dtype.newbyteorder("=")) for run in runs]  # native order
+        request = _put_request(wire.check_path(path), shape, runs[0].dtype, None, None)
+        # its checksum in a trailer; sent at once (a stage is refused rarely: no "continue")
+        request |= {"checksum": None, "durable": True, "sync": bool(sync), "eager": True}
+        request["check"] = {
+            "into": wire.check_path(into),
+            "name": wire.check_name(name),
+            "beside": [[wire.check_name(n), int(c), wire.check_path(s)] for n, c, s in beside],
+        }
+        header, _ = self._call(request, [wire.as_bytes(run) for run in runs])
+        return ObjectInfo.from_json(header["info"]), ObjectInfo.from_json(header["into"])
 
     def get(
         self,
@@ -679,7 +744,7 @@ class StoreClient:
         obj = self._checked_json(path, header, body, "get_json")
         return (obj, int(header["version"]), float(header["time"])) if versioned else obj
 
-    def cas_json(self, path: str, obj: Any, *, expect: int | None) -> CAS:
+    def cas_json(self, path: str, obj: Any, *, expect: int | None, sync: bool = True) -> CAS:
         """Compare-and-swap a JSON object: store ``obj`` only if the object there is the version
         expected, atomically. Versions count up for ever (a path deleted and written again
         does not repeat one), so a writer holding an old version never wins.
@@ -689,6 +754,9 @@ class StoreClient:
           obj: the new object (a plain JSON object: a dict).
           expect: the version expected there (from ``get_json(..., versioned=True)`` or an
             earlier reply); ``None``: only if there is none.
+          sync: the reply waits for the object's file to be fsynced (a crash of the machine
+            keeps it); False: it is written to its file before the reply, fsynced behind it
+            (a kill of the store keeps it).
 
         Returns:
           A ``CAS`` named tuple ``(swapped, version, value, time)``: whether it swapped, and the
@@ -708,6 +776,8 @@ class StoreClient:
             "path": path,
             "expect": None if expect is None else int(expect),
             "checksum": wire.checksum(data),
+            "sync": bool(sync),
+            "eager": True,  # a small body: sent at once, no "continue"
         }
         header, body = self._call(request, data)
         version = header.get("version")
@@ -794,10 +864,10 @@ def _receiver(out: np.ndarray | None, path: str, box: Box, dtype: np.dtype) -> n
     return out
 
 
-def _put_request(path: str, array: np.ndarray, box, global_shape) -> dict:
-    """A put's request for ``array`` as ``box`` of ``global_shape``, checked before it is sent
-    (``StoreError``, reason ``"invalid"``)."""
-    box = boxes.full(array.shape) if box is None else wire.as_box(box)
+def _put_request(path: str, shape: Shape, dtype: np.dtype, box, global_shape) -> dict:
+    """A put's request for an array of ``shape`` and ``dtype`` as ``box`` of ``global_shape``,
+    checked before it is sent (``StoreError``, reason ``"invalid"``)."""
+    box = boxes.full(shape) if box is None else wire.as_box(box)
     if global_shape is None and any(start for start, _ in box):
         raise StoreError(
             f"put of {path!r}: global_shape is needed when the box {box} does not start at "
@@ -805,9 +875,9 @@ def _put_request(path: str, array: np.ndarray, box, global_shape) -> dict:
         )
     global_shape = boxes.shape(box) if global_shape is None else wire.as_shape(global_shape)
     wire.check_box(path, box, global_shape)
-    if boxes.shape(box) != array.shape:
+    if boxes.shape(box) != tuple(shape):
         raise StoreError(
-            f"the array's shape must be its box's extent; got shape {array.shape} for box "
+            f"the array's shape must be its box's extent; got shape {tuple(shape)} for box "
             f"{box} at path {path!r}"
         )
     return {
@@ -815,7 +885,7 @@ def _put_request(path: str, array: np.ndarray, box, global_shape) -> dict:
         "path": path,
         "box": [list(b) for b in box],
         "global_shape": list(global_shape),
-        "dtype": wire.dtype_of(array.dtype.name).name,
+        "dtype": wire.dtype_of(dtype.name).name,
     }
 
 

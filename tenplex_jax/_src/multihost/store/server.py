@@ -46,7 +46,6 @@ from tenplex_jax._src.multihost.store.tiers import DEFAULT_MEMORY_BYTES
 from tenplex_jax._src.multihost.store.updates import Store
 from tenplex_jax._src.multihost.store.wire import ObjectInfo
 
-MAX_BESIDE = 256  # pushes an accumulate's check may count beside its own
 DEFAULT_MAX_BODY_BYTES = 8 << 30
 DEFAULT_TIMEOUT = 120.0
 # a JSON body's parsed objects, and its check's re-encoding, take at most this many times its
@@ -123,6 +122,18 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
+def _beside(beside) -> list[tuple[str, int, str]]:
+    """A check's ``beside``: ``[name, clock, stage]`` of at most ``wire.MAX_BESIDE`` pushes."""
+    beside = beside or []
+    if not isinstance(beside, list) or len(beside) > wire.MAX_BESIDE:
+        raise StoreError(f"a check's beside is a list of at most {wire.MAX_BESIDE} pushes")
+    for each in beside:
+        if not (isinstance(each, list) and len(each) == 3 and wire._is_int(each[1])):
+            raise StoreError(f"a check's beside holds [name, clock, stage]: {each!r:.100}")
+        wire.check_name(each[0]), wire.check_path(each[2])
+    return [tuple(each) for each in beside]
+
+
 def _no_constant(name: str):
     raise ValueError(f"{name} is not plain JSON")
 
@@ -175,6 +186,10 @@ class Handler(socketserver.BaseRequestHandler):
 
     server: Server
     rid: str | None = None  # the id of the request being served (its replies echo it)
+    # bytes of the body of the request being served that its client sent without waiting for
+    # "continue" (``eager``) and that are not read yet: after an error reply the connection
+    # closes (they would be taken for the next request)
+    unread: int = 0
 
     def handle(self) -> None:
         raw: socket.socket = self.request
@@ -193,6 +208,8 @@ class Handler(socketserver.BaseRequestHandler):
                 header = wire.recv_header(sock, nheader, wire.MAX_HEADER_BYTES)
                 rid = header.get("rid")
                 self.rid = rid if isinstance(rid, str) and len(rid) <= wire.MAX_RID_CHARS else None
+                eager = header.get("eager") is True and header.get("op") in self.WITH_BODY
+                self.unread = nbody if eager else 0
                 try:
                     self._serve(sock, header, nbody)
                 except StoreError as error:
@@ -206,6 +223,8 @@ class Handler(socketserver.BaseRequestHandler):
                         raise
                     message = f"{header.get('op')!r} failed on the store's disk: {error!r}"
                     self._send(sock, {"ok": False, "error": message, "reason": "disk"})
+                if self.unread:  # refused before its eager body was read
+                    return
         except StoreProtocolError as error:
             with contextlib.suppress(OSError):
                 self._send(sock, {"ok": False, "error": str(error), "reason": "protocol"})
@@ -224,7 +243,7 @@ class Handler(socketserver.BaseRequestHandler):
             raise StoreError(
                 f"the body must be {expected} bytes (shape x itemsize); got {nbody}", "refused"
             )
-        self._send(sock, {"ok": True, "continue": True})
+        self._continue(sock)
         receiving, me = self.server.store.receiving, threading.get_ident()
         receiving[me] = {"path": path, "bytes": 0, "of": nbody}
         try:
@@ -235,6 +254,14 @@ class Handler(socketserver.BaseRequestHandler):
             )
         finally:
             receiving.pop(me, None)
+
+    def _continue(self, sock: socket.socket) -> None:
+        """Let the body come: say continue, unless the client sent it without waiting
+        (``eager``: a small body, or one refused rarely, spares a round trip)."""
+        if self.unread:
+            self.unread = 0  # read next, by the caller
+        else:
+            self._send(sock, {"ok": True, "continue": True})
 
     def _check_claim(self, sock: socket.socket, header: dict, digest: str, what: str) -> None:
         """The checksum the client claims for a put's body (in its header, or in a trailer frame
@@ -257,7 +284,7 @@ class Handler(socketserver.BaseRequestHandler):
     def _put_streamed(self, sock, header: dict, info: ObjectInfo, what: str) -> ObjectInfo:
         """A put larger than the transfer budget: its body goes to a tmp file as it arrives,
         a chunk at a time, and becomes the object once its checksum is confirmed."""
-        self._send(sock, {"ok": True, "continue": True})
+        self._continue(sock)
         buf = np.empty(min(tiers.STREAM_CHUNK_BYTES, info.nbytes), np.uint8)
         receiving, me = self.server.store.receiving, threading.get_ident()
 
@@ -326,8 +353,20 @@ class Handler(socketserver.BaseRequestHandler):
         serve(self, sock, header, nbody)
 
     def _put(self, sock: socket.socket, header: dict, nbody: int) -> None:
+        """Store an array; with ``check`` (``{"into", "name", "beside"}``: a parameter server's
+        stage), written through to a file and checked against the array it will be added into
+        (``Store.check_stage``), whose record the reply carries as ``into``. ``sync`` false: a
+        file written through is fsynced behind the reply."""
         store = self.server.store
         path = wire.check_path(header.get("path"))
+        check = header.get("check")
+        if check is not None:
+            if not isinstance(check, dict):
+                raise StoreError(f"a put's check holds into, name and beside: {check!r:.100}")
+            into, name = wire.check_path(check.get("into")), wire.check_name(check.get("name"))
+            beside = _beside(check.get("beside"))
+        durable = check is not None or bool(header.get("durable"))
+        sync = header.get("sync", True) is not False
         dtype = wire.dtype_of(str(header.get("dtype")))
         global_shape = wire.as_shape(header["global_shape"])
         box = wire.as_box(header["box"])
@@ -344,10 +383,15 @@ class Handler(socketserver.BaseRequestHandler):
                 data, digest = self._body(sock, nbody, expected, path)
                 self._check_claim(sock, header, digest, what)
                 info = dataclasses.replace(info, checksum=digest)
-                store.put(info, data, durable=bool(header.get("durable")))
+                store.put(info, data, durable=durable, sync=sync)
                 del data  # the store holds it now, or has written it through
         store.reshare(path)
-        self._send(sock, {"ok": True, "info": info.to_json()})
+        reply = {"ok": True, "info": info.to_json()}
+        if check is not None:
+            chunks = (3 + len(beside)) * min(info.nbytes, updates.ACCUMULATE_CHUNK_BYTES)
+            with self.server.budget.hold(chunks, f"check of {path!r}", peer=sock):
+                reply["into"] = store.check_stage(path, into, name, beside).to_json()
+        self._send(sock, reply)
 
     def _get(self, sock: socket.socket, header: dict, nbody: int) -> None:
         store = self.server.store
@@ -395,13 +439,7 @@ class Handler(socketserver.BaseRequestHandler):
             isinstance(update, str) and update.startswith(checksums.PREFIX)
         ):
             raise StoreError(f"accumulate's update is a checksum or null, got {update!r:.100}")
-        beside = header.get("beside") or []
-        if not isinstance(beside, list) or len(beside) > MAX_BESIDE:
-            raise StoreError(f"accumulate's beside is a list of at most {MAX_BESIDE} pushes")
-        for each in beside:
-            if not (isinstance(each, list) and len(each) == 3 and wire._is_int(each[1])):
-                raise StoreError(f"accumulate's beside holds [name, clock, stage]: {each!r:.100}")
-            wire.check_name(each[0]), wire.check_path(each[2])
+        beside = _beside(header.get("beside"))
         store, budget = self.server.store, self.server.budget
         info, _ = store.info(store.find(path, None))
         # the sum is made a chunk at a time from the array and the update (from the memory tier,
@@ -422,7 +460,7 @@ class Handler(socketserver.BaseRequestHandler):
                 check=bool(header.get("check")),
                 in_memory=in_memory,
                 keep=None if header.get("keep") is None else wire.check_path(header["keep"]),
-                beside=[tuple(each) for each in beside],
+                beside=beside,
             )
         store.reshare(path)
         self._send(sock, {"ok": True, "applied": applied, "info": info.to_json()})
@@ -507,9 +545,15 @@ class Handler(socketserver.BaseRequestHandler):
 
     def _done_before(self, sock: socket.socket, header: dict, **reply) -> bool:
         """Answer a JSON write this store has done already (its reply was lost and the client
-        tries again) with its outcome, before its body is sent again; whether it was one."""
+        tries again) with its outcome, before its body is sent again (an eager body sent
+        already is read and dropped); whether it was one."""
         done = self.server.store.written_by(wire.check_path(header.get("path")), self.rid)
         if done is not None:
+            self._check_body_limit(self.unread, "a JSON write's body", wire.MAX_JSON_BYTES)
+            while self.unread:
+                n = min(self.unread, 1 << 16)
+                wire.recv_exact(sock, n)
+                self.unread -= n
             self._send(sock, {"ok": True, "version": done, "time": time.time(), **reply})
         return done is not None
 
@@ -565,7 +609,8 @@ class Handler(socketserver.BaseRequestHandler):
         with store.lock:  # the object now, as read back to compare (a racing put may grow it)
             current = store.json.get(path, 0)
         with self.server.budget.hold(nbody + 2 * current, what, peer=sock):
-            swapped, version, now = store.cas_json(path, expect, data, self.rid)
+            sync = header.get("sync", True) is not False  # false: fsynced behind the reply
+            swapped, version, now = store.cas_json(path, expect, data, self.rid, sync)
             reply = {"ok": True, "swapped": swapped, "version": version, "time": time.time()}
             if now is not None:
                 reply["checksum"] = wire.checksum(now)

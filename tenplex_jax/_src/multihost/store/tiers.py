@@ -8,6 +8,17 @@ the same directory, the store deletes ``DIR/tmp``, indexes the complete files wh
 and verifies each file's data checksum when it reads it; JSON objects are files too, read and
 checked on every ``get_json`` (never held in memory). A file that fails is moved to
 ``DIR/corrupt`` and never served.
+
+**Synced now or behind.** A write acknowledged with ``sync`` is fsynced (its file and its
+directory) before the reply: a crash of the machine keeps it. One without is renamed into place
+before the reply and fsynced by a writer thread from ``LATER_SECONDS`` after it (queued like
+a write-back: ``flush`` waits for it): a kill of the store keeps it (the file is in the
+kernel's page cache), a crash of the machine before that fsync may not.
+
+**Later.** An accumulated sum (and the version it replaced) and a fsync behind a reply are
+queued ``LATER_SECONDS`` late, so that a piece updated at every push is written once for
+several pushes (until then the stages it consumed stay on disk) and a file removed meanwhile
+is never synced; ``flush`` and ``close`` let them through at once.
 """
 
 from __future__ import annotations
@@ -45,6 +56,9 @@ STREAM_CHUNK_BYTES = 16 << 20  # objects larger than the transfer budget move th
 WRITERS = 4  # threads writing the memory tier back to disk
 RIDS_KEPT = 64  # ids of the last writes a JSON object's file remembers
 HIGHEST = "HIGHEST"  # json/HIGHEST: the highest JSON version handed out when one was deleted
+# a write behind a reply that is replaced often (an accumulated sum, a fsync behind) waits this
+# long first: the versions replaced meanwhile are never written (a flush lets it go at once)
+LATER_SECONDS = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +127,14 @@ class Tiers:
         self.written_cond = threading.Condition(self.lock)
         self.json_changed = threading.Condition(self.lock)  # a JSON object written or deleted
         self.failed: dict[str, str] = {}  # dirty keys whose write-back failed -> the error
+        self.unsynced: dict[str, str] = {}  # files whose fsync behind failed -> the error
         # transfers under way, by thread, for `stats` (set and popped whole: atomic under the GIL)
         self.receiving: dict[int, dict] = {}  # request bodies: path, bytes so far, of
         self.writing: dict[int, dict] = {}  # files being written: path, bytes so far, of
         self.closing = False
+        self.later: queue.Queue = queue.Queue()  # (due, ticket, key, seq) for the writers, late
+        self.hurrying = 0  # flushes under way: the later writes go now
+        self.hurry = threading.Condition(self.lock)
         self._load()
         # several writers: their fsyncs overlap, as the file system's journal commits them together
         self.writers = [
@@ -125,6 +143,10 @@ class Tiers:
         ]
         for writer in self.writers:
             writer.start()
+        self.later_thread = threading.Thread(
+            target=self._later_loop, name="store-later", daemon=True
+        )
+        self.later_thread.start()
 
     # -- index and memory tier (call with the lock held) -------------------------------------
 
@@ -247,17 +269,17 @@ class Tiers:
         with contextlib.suppress(OSError):
             os.replace(file, self.corrupt_dir / f"{file.name}.{uuid.uuid4().hex[:8]}")
 
-    def _write_tmp(self, header: dict, data) -> pathlib.Path:
-        """A complete, fsynced file under tmp/ (not yet visible) holding ``data``."""
+    def _write_tmp(self, header: dict, data, sync: bool = True) -> pathlib.Path:
+        """A complete file under tmp/ (not yet visible) holding ``data``, fsynced if ``sync``."""
         view = memoryview(data).cast("B")
         chunks = (view[at : at + IO_CHUNK_BYTES] for at in range(0, view.nbytes, IO_CHUNK_BYTES))
-        return self._write_chunks(header, chunks)[0]
+        return self._write_chunks(header, chunks, sync)[0]
 
-    def _write_chunks(self, header: dict, chunks) -> tuple[pathlib.Path, str]:
-        """A complete, fsynced file under tmp/ from ``chunks`` (bytes-like, in order, together
-        ``header["nbytes"]``); (its path, the data's checksum). A header whose checksum is None
-        gets the data's, computed as they are written: the header goes first with a placeholder
-        of the same length, then again."""
+    def _write_chunks(self, header: dict, chunks, sync: bool = True) -> tuple[pathlib.Path, str]:
+        """A complete file under tmp/ from ``chunks`` (bytes-like, in order, together
+        ``header["nbytes"]``), fsynced if ``sync``; (its path, the data's checksum). A header
+        whose checksum is None gets the data's, computed as they are written: the header goes
+        first with a placeholder of the same length, then again."""
         tmp = self.tmp_dir / f"{uuid.uuid4().hex}.tmp"
         digest = header.get("checksum")
         path, nbytes, me = header.get("path"), header["nbytes"], threading.get_ident()
@@ -284,7 +306,8 @@ class Tiers:
                     f.seek(0)
                     f.write(encoded_header(digest))
                 f.flush()
-                os.fsync(f.fileno())
+                if sync:
+                    os.fsync(f.fileno())
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -309,26 +332,62 @@ class Tiers:
                 return
             ticket, key, seq = item
             try:
-                self._write_back(key, seq)
+                if seq is None:  # a file renamed into place unsynced: fsync it behind
+                    self._sync_file(pathlib.Path(key))
+                else:
+                    self._write_back(key, seq)
             except Exception as error:
                 with self.lock:
-                    self.failed[key] = repr(error)
+                    (self.failed if seq is not None else self.unsynced)[key] = repr(error)
             with self.lock:
                 self.pending.discard(ticket)
                 self.written_cond.notify_all()
 
-    def _queue_write(self, key: str, seq: int) -> None:
-        """Queue a write-back (call with the lock held)."""
+    def _queue_write(self, key: str, seq: int | None, later: bool = False) -> None:
+        """Queue a write-back of ``key``'s version ``seq``, or with ``seq`` None an fsync of the
+        file ``key`` and its directory; ``later``: ``LATER_SECONDS`` from now (call with the
+        lock held)."""
         self.queued += 1
         self.pending.add(self.queued)
-        self.writes.put((self.queued, key, seq))
+        if later:
+            self.later.put((time.monotonic() + LATER_SECONDS, self.queued, key, seq))
+        else:
+            self.writes.put((self.queued, key, seq))
+
+    def _later_loop(self) -> None:
+        """Hand each later write to the writers when it is due, or at once while a flush waits
+        or the store closes."""
+        while True:
+            item = self.later.get()
+            if item is None:
+                return
+            due, *write = item
+            with self.lock:
+                while not (self.hurrying or self.closing) and time.monotonic() < due:
+                    self.hurry.wait(due - time.monotonic())
+            self.writes.put(tuple(write))
+
+    def _sync_file(self, file: pathlib.Path) -> None:
+        """fsync a file written without ``sync``, then its directory; a file replaced or
+        removed since is its successor's to sync (or gone: nothing to keep)."""
+        try:
+            fd = os.open(file, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._sync_dir(file.parent)
 
     def _write_back(self, key: str, seq: int) -> None:
+        """Write ``key``'s newest version (``seq`` or a later one: those replaced are never
+        written, and a key replaced at every push is still written one write behind)."""
         with self.lock:
             held, entry = self.memory.get(key), self.index.get(key)
-            if held is None or held[0] != seq or entry is None or entry.seq != seq:
-                return  # replaced or deleted since it was queued
-            data = held[1]
+            if held is None or entry is None or held[0] != entry.seq or entry.on_disk:
+                return  # deleted, or its newest version is on disk already
+            seq, data = entry.seq, held[1]
         tmp = self._write_tmp(entry.info.to_json(), data)
         with self.lock:
             entry = self.index.get(key)
@@ -347,6 +406,16 @@ class Tiers:
     def flush(self) -> None:
         """Wait until every object acknowledged before this call is on disk (later puts do not
         hold it up); write-backs that failed are retried once, then reported."""
+        with self.lock:
+            self.hurrying += 1
+            self.hurry.notify_all()
+        try:
+            self._flush()
+        finally:
+            with self.lock:
+                self.hurrying -= 1
+
+    def _flush(self) -> None:
         for attempt in (0, 1):
             with self.lock:
                 if attempt:
@@ -359,6 +428,9 @@ class Tiers:
                     self.written_cond.wait()
                 failed = {k: e for k, e in self.failed.items() if k in self.dirty}
                 self.failed = failed
+                unsynced, self.unsynced = self.unsynced, {}
+            if unsynced:
+                raise StoreError(f"fsyncs behind their writes failed: {unsynced}", "disk")
             if not failed:
                 return
         paths = {self.index[k].info.path: e for k, e in failed.items() if k in self.index}
@@ -366,10 +438,19 @@ class Tiers:
 
     # -- operations -----------------------------------------------------------------------------
 
-    def _put(self, info: ObjectInfo, data: np.ndarray, durable: bool) -> None:
+    def _put(
+        self,
+        info: ObjectInfo,
+        data: np.ndarray,
+        durable: bool,
+        sync: bool = True,
+        later: bool = False,
+    ) -> None:
         """Store an object. It replaces the objects of its path it conflicts with: another
         global shape or dtype (another array), or a box that overlaps its own (stale bytes);
-        disjoint boxes of the same array are its siblings and stay."""
+        disjoint boxes of the same array are its siblings and stay. ``durable``: its file is
+        written before this returns, fsynced now if ``sync``, else behind (later); else it is
+        written back, ``later`` if asked."""
         key = _key("array", info.path, info.box)
         with self.lock:
             if self.closing:
@@ -388,18 +469,20 @@ class Tiers:
                 self.dirty_bytes += len(data)
                 self._evict()
                 self.failed.pop(key, None)
-                self._queue_write(key, seq)
+                self._queue_write(key, seq, later)
         if dropped:  # the conflicting objects stay gone after a crash of the machine
             self._sync_dir(self.objects_dir)
         if in_memory:
             return
-        tmp = self._write_tmp(info.to_json(), data)  # write-through
+        tmp = self._write_tmp(info.to_json(), data, sync)  # write-through
         with self.lock:
             entry = self.index.get(key)
             if entry is not None and entry.seq > seq:
                 tmp.unlink(missing_ok=True)  # a newer put of the same key won
                 return
             os.replace(tmp, self.objects_dir / f"{key}.obj")
+            if not sync:
+                self._queue_write(str(self.objects_dir / f"{key}.obj"), None, later=True)
             self._index_set(key, Entry(info, seq, on_disk=True))
             self._clean(key)
             self.failed.pop(key, None)
@@ -408,7 +491,8 @@ class Tiers:
                 self._remember(key, seq, data)
                 self._evict()
             consumed = self._on_disk(key, seq)
-        self._sync_dir(self.objects_dir)
+        if sync:
+            self._sync_dir(self.objects_dir)
         self.remove(consumed)
 
     def receive_file(self, info: ObjectInfo, chunks) -> tuple[pathlib.Path, str]:
@@ -640,10 +724,11 @@ class Tiers:
         with self.lock:
             return self.json_rids.get(path, {}).get(rid) if rid else None
 
-    def _write_json(self, path: str, data: np.ndarray, rid: str | None) -> int:
-        """Write a JSON object's file durably with a new version; the version. Its header keeps
-        the ids of the last ``RIDS_KEPT`` requests that wrote it (``[rid, version]``), so that a
-        request tried again after a restart of the store is known as done."""
+    def _write_json(self, path: str, data: np.ndarray, rid: str | None, sync: bool = True) -> int:
+        """Write a JSON object's file with a new version, fsynced now if ``sync``, else behind;
+        the version. Its header keeps the ids of the last ``RIDS_KEPT`` requests that wrote it
+        (``[rid, version]``), so that a request tried again after a restart of the store is
+        known as done."""
         with self.lock:
             # above every version this store has handed out, and above the wall clock's
             # microseconds: a store restarted without the file of its highest version (deleted)
@@ -657,13 +742,17 @@ class Tiers:
             "version": version,
             "rids": [list(pair) for pair in rids[-RIDS_KEPT:]],
         }
-        tmp = self._write_tmp(header, data)
+        tmp = self._write_tmp(header, data, sync)
+        file = self.json_dir / f"{_key('json', path)}.obj"
         with self.lock:
-            os.replace(tmp, self.json_dir / f"{_key('json', path)}.obj")
+            os.replace(tmp, file)
             self.json[path], self.versions[path] = len(data), version
             self.json_rids[path] = dict(rids[-RIDS_KEPT:])
             self.json_changed.notify_all()
-        self._sync_dir(self.json_dir)
+            if not sync:
+                self._queue_write(str(file), None, later=True)
+        if sync:
+            self._sync_dir(self.json_dir)
         return version
 
     def wait_json(self, path: str, version: int, timeout: float, gone=None) -> None:
@@ -710,6 +799,9 @@ class Tiers:
         with self.lock:
             self.closing = True
             self.json_changed.notify_all()
+            self.hurry.notify_all()
+        self.later.put(None)
+        self.later_thread.join()
         for _ in self.writers:
             self.writes.put(None)
         for writer in self.writers:

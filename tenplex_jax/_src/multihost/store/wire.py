@@ -35,6 +35,7 @@ MAGIC = b"TPXS"
 PREFIX = struct.Struct("!4sIQ")  # magic, header bytes, body bytes
 HELLO_HEADER_BYTES = 4096  # before the token is checked, the server reads no more than this
 MAX_HEADER_BYTES = 64 << 10  # any request header (a put's: a path, a box, a shape, a dtype)
+MAX_BESIDE = 256  # pushes a check may count beside its own (its header stays small)
 MAX_RESPONSE_HEADER_BYTES = 16 << 20
 MAX_PATH_CHARS = 1024
 MAX_DIMS = 32  # NumPy's own limit on a stored array's dims
@@ -282,15 +283,17 @@ def send_frame(sock: socket.socket, header: dict, body=None) -> None:
 
 def send_body(sock: socket.socket, body, *, digest: bool = False) -> str | None:
     """``sendall`` in chunks: a socket's timeout bounds each chunk, not the whole body. With
-    ``digest``, the body's checksum, computed on each chunk as it is sent (while it is in cache)."""
-    view = memoryview(body).cast("B")
+    ``digest``, the body's checksum, computed on each chunk as it is sent (while it is in cache).
+    ``body`` is bytes-like, or a list of them sent one after another as one body (no copy)."""
     step = DIGEST_CHUNK_BYTES if digest else CHUNK_BYTES
     crc = 0
-    for start in range(0, view.nbytes, step):
-        chunk = view[start : start + step]
-        if digest:
-            crc = checksums.crc32(chunk, crc)
-        sock.sendall(chunk)
+    for part in body if isinstance(body, list) else [body]:
+        view = memoryview(part).cast("B")
+        for start in range(0, view.nbytes, step):
+            chunk = view[start : start + step]
+            if digest:
+                crc = checksums.crc32(chunk, crc)
+            sock.sendall(chunk)
     return checksums.text(crc) if digest else None
 
 

@@ -1,0 +1,176 @@
+"""A push in three rounds of requests, a pull in one, on real stores on 127.0.0.1: the stage and
+its check in one request per store, a commit from the last ledger the client saw, the apply; the
+writes fsynced behind their replies still survive a SIGKILL of their store."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import numpy as np
+import pytest
+
+from tenplex_jax._src.multihost.store import wire
+from tenplex_jax._src.wsp.ps import STAGE
+from tenplex_jax.errors import StoreError, WSPError
+from tenplex_jax.multihost.store import StoreClient
+from tenplex_jax.wsp import ParameterServer
+from tests.helpers import Stores, raw_socket, recv_frame
+from tests.wsp.store_proxy import FaultProxy
+
+LEAVES = {"embed": (64, 16), "norm": (16,), "head": (16, 64)}
+
+
+@pytest.fixture
+def stores(tmp_path):
+    started = Stores(tmp_path)
+    try:
+        yield started
+    finally:
+        started.reap()
+
+
+def _requests(proxies, since) -> list[collections.Counter]:
+    """The ops each proxy relayed after its first ``since[i]`` requests."""
+    return [collections.Counter(op for op, _ in p.requests[n:]) for p, n in zip(proxies, since)]
+
+
+def test_a_push_is_one_request_per_piece_in_each_of_three_rounds_and_a_pull_one(stores):
+    """A push is a put (the stage and its check) and an accumulate per piece and one
+    compare-and-swap of the ledger: no flush, no listing, no read of the ledger; a pull given
+    the ledger reads each piece once."""
+    procs = [stores.start(f"s{i}") for i in range(2)]
+    with FaultProxy(procs[0].address) as p0, FaultProxy(procs[1].address) as p1:
+        proxies = (p0, p1)
+        with ParameterServer([p.address for p in proxies]) as ps:
+            ps.create({k: np.zeros(s, np.float32) for k, s in LEAVES.items()}, total=None)
+            ps.update(lambda led: (led.join("a"), None))
+            updates = {k: np.full(s, 1e-3, np.float32) for k, s in LEAVES.items()}
+            per_store = collections.Counter(p.store for p in ps.layout)
+            assert set(per_store) == {0, 1}
+            for wave in range(3):
+                ps.update(lambda led, wave=wave: led.claim("a", wave, 1))
+                since = [len(p.requests) for p in proxies]
+                ledger = ps.push("a", wave, updates)
+                pushed = _requests(proxies, since)
+                since = [len(p.requests) for p in proxies]
+                weights = ps.pull(ledger)
+                pulled = _requests(proxies, since)
+                for store in (0, 1):
+                    n = per_store[store]
+                    commit = {"cas_json": 1} if store == 0 else {}
+                    expected = collections.Counter(put=n, accumulate=n, **commit)
+                    assert pushed[store] == expected, (wave, store, pushed)
+                    assert pulled[store] == {"get_shared": n}, (wave, store, pulled)
+            for k, s in LEAVES.items():
+                np.testing.assert_array_equal(weights[k], np.full(s, 3e-3, np.float32))
+
+
+def test_a_stage_the_check_refuses_is_not_kept_and_one_it_passes_is(stores):
+    client = StoreClient(stores.start("s0").address)
+    client.put("w", np.array([1.0, 1e38, 0.0], np.float32))
+    staged, held = client.stage("s/0", np.ones(3, np.float32), into="w", name="a")
+    assert held.path == "w" and dict(held.clocks) == {}
+    np.testing.assert_array_equal(client.get("s/0"), np.ones(3, np.float32))
+    assert staged.checksum == wire.checksum(wire.as_bytes(np.ones(3, np.float32)))
+    with pytest.raises(StoreError, match="at element 1") as error:
+        client.stage("s/1", np.array([0.0, np.nan, 0.0], np.float32), into="w", name="a")
+    assert error.value.reason == "nonfinite" and not client.list("s/1")
+    # finite beside the array alone, but not beside a pending push of the same update
+    big = np.array([0.0, 1.5e38, 0.0], np.float32)
+    client.stage("s/2", big, into="w", name="a")
+    with pytest.raises(StoreError, match="could overflow") as error:
+        client.stage("s/3", big, into="w", name="b", beside=[("a", 0, "s/2")])
+    assert error.value.reason == "nonfinite" and not client.list("s/3")
+    assert [i.path for i in client.list("s/")] == ["s/0", "s/2"]
+    client.close()
+
+
+def test_a_stage_and_a_ledger_fsynced_behind_their_replies_survive_a_sigkill(stores):
+    """Written without ``sync``: in their files before the reply, so a SIGKILL of the store
+    right after it loses neither (the store's disk writers are busy with earlier puts then: a
+    stage left to them would be lost)."""
+    proc = stores.start("s0")
+    update = np.arange(1 << 16, dtype=np.float32)
+    with StoreClient(proc.address) as client:
+        client.put("w", np.zeros(1 << 16, np.float32))
+        for i in range(8):  # queued for the writers before the stage
+            client.put(f"busy/{i}", np.ones(2 << 20, np.float32))
+        client.stage("s", update, into="w", name="a", sync=False)
+        cas = client.cas_json("ledger", {"n": 1}, expect=None, sync=False)
+        assert cas.swapped
+    port = int(proc.address.rpartition(":")[2])
+    proc.kill()
+    proc = stores.start("s0", port=port)
+    with StoreClient(proc.address) as client:
+        np.testing.assert_array_equal(client.get("s"), update)
+        assert client.get_json("ledger", versioned=True)[:2] == ({"n": 1}, cas.version)
+        client.flush()  # the fsyncs behind them are done (none failed)
+
+
+def test_an_eager_body_refused_before_it_is_read_closes_the_connection(stores):
+    """A request whose body was sent without waiting for "continue" is refused before the
+    store reads it: the reply says why, then the store closes the connection (the body's bytes
+    are never taken for a request)."""
+    proc = stores.start("s0")
+    sock = raw_socket(proc.address)
+    header = {"op": "put", "path": "x", "dtype": "float32", "global_shape": [4]}
+    header |= {"box": [[0, 4]], "eager": True, "rid": "r1"}
+    wire.send_header(sock, header, 8)  # 4 float32 are 16 bytes
+    sock.sendall(b"\0" * 8)
+    reply, _ = recv_frame(sock)
+    assert not reply["ok"] and reply["reason"] == "refused" and "16 bytes" in reply["error"]
+    assert wire.recv_prefix(sock) is None  # closed
+    sock.close()
+    with StoreClient(proc.address) as client:
+        assert not client.list("x")
+
+
+def _two_vws(stores) -> tuple[ParameterServer, ParameterServer]:
+    addresses = [stores.start(f"s{i}").address for i in range(2)]
+    first, second = ParameterServer(addresses), ParameterServer(addresses)
+    first.create({"w": np.zeros(8, np.float32)}, total=None)
+    second.open()
+    for ps, vw in ((first, "a"), (second, "b")):
+        ps.update(lambda led, vw=vw: (led.join(vw), None))
+        ps.update(lambda led, vw=vw: led.claim(vw, 0, 1))
+    return first, second
+
+
+def test_a_check_that_assumed_a_wave_added_that_a_piece_lacks_checks_again(stores):
+    """a's wave is committed and not yet added; b's client believes every piece holds it (as
+    after a store that lost the sum restarted): b's first check leaves a's update out, sees the
+    piece's clocks behind its belief, checks again beside it and is refused (the two could
+    overflow)."""
+    first, second = _two_vws(stores)
+    committed, release, pushed = threading.Event(), threading.Event(), []
+    apply = first.apply
+
+    def held_apply(*args, **kwargs):
+        committed.set()
+        release.wait(60)
+        return apply(*args, **kwargs)
+
+    first.apply = held_apply
+    big = {"w": np.array([2e38] + [0.0] * 7, np.float32)}  # finite alone, Inf twice
+    pushing = threading.Thread(target=lambda: pushed.append(first.push("a", 0, big)))
+    pushing.start()
+    try:
+        assert committed.wait(60)
+        second.ledger()  # the commit seen: only the clocks are wrong
+        second._clocks = {p.key: {"a": 1} for p in second.layout}
+        with pytest.raises(WSPError, match="could overflow") as error:
+            second.push("b", 0, big)
+        assert error.value.reason == "invalid"
+    finally:
+        release.set()
+        pushing.join(60)
+    assert pushed and not second.ledger().pushed("b", 0)
+    assert not second.coordinator.list(f"{STAGE}b/")
+    pulled = second.pull(timeout=30)
+    assert pulled["w"][0] == np.float32(2e38)
+    assert {k: dict(v) for k, v in second._clocks.items()} == {
+        p.key: {"a": 1} for p in second.layout
+    }
+    first.close()
+    second.close()
