@@ -112,17 +112,28 @@ def test_nothing_to_change_on_the_cached_ledger_is_asked_of_the_stored_one(store
     second.close()
 
 
-def test_a_vw_whose_last_push_fails_raises_it_instead_of_waiting_for_its_own_commit(stores):
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+def test_a_vw_whose_last_push_fails_raises_it_instead_of_waiting_for_its_own_commit(
+    stores, prefetch
+):
     """The push of the run's last wave fails on its thread: nothing is left to claim, and the
     lease it holds is never committed, so the run is never done. The VW raises the push's
-    error (it waited for a ledger change for ever before)."""
+    error (it waited for a ledger change for ever before); its prefetch thread ends with it."""
     parts = job_parts.job(1, lr=3e-3, optimizer="momentum")
     _, state, _ = build_state("tiny", 3e-3, optimizer="momentum")
     address = stores.start("s0").address
     with ParameterServer([address]) as ps:
         ps.create(weights_of(state), total=3)
         vw = job_parts.virtual_worker(
-            parts, "vw", [0], [address], state, minibatches=1, distance=1, timeout=8.0
+            parts,
+            "vw",
+            [0],
+            [address],
+            state,
+            minibatches=1,
+            distance=1,
+            timeout=8.0,
+            prefetch=prefetch,
         )
         push = vw.ps.push
 
@@ -149,3 +160,4 @@ def test_a_vw_whose_last_push_fails_raises_it_instead_of_waiting_for_its_own_com
         ledger = ps.ledger()
         assert ledger.clocks["vw"] == 2 and ledger.leases["vw"].wave == 2 and not ledger.done
         assert [r.wave for r in vw.records] == [0, 1]
+        assert vw.prefetcher is None or not vw.prefetcher._thread.is_alive()

@@ -493,6 +493,8 @@ class VirtualWorker:
             self.dropped = True
         finally:
             beating.set()
+            if self.prefetcher is not None:  # whatever ended the run (closed once already
+                self.prefetcher.close()  # when it left the ledger)
             if heart.is_alive():
                 heart.join(timeout=self.options.timeout)
         if self.group.leader and not self.crashed.is_set():  # its heartbeat object goes
