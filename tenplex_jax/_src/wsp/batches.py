@@ -93,6 +93,17 @@ def search_minibatch(
         print(found)          # each size's estimate or refusal, then the chosen plan
         found.minibatch, found.choice.workers
 
+    Args:
+      cluster: the devices (a :class:`tenplex_jax.planner.Cluster`); each type's ``memory``
+        is its limit.
+      profile: the model's :class:`tenplex_jax.planner.ModelProfile`.
+      minibatches: the minibatch sizes (samples per VW minibatch) tried.
+      objective: ``"time"`` (samples per second) or ``"cost"`` (samples per dollar).
+      groupings: the VW groupings :func:`plan_workers` tries at each size.
+
+    Returns:
+      A :class:`BatchChoice`: the chosen size and plan, and every size's estimate or refusal.
+
     Raises:
       PlanError: a size is not a positive int, or none fits; the message gives each size's
         refusal.

@@ -480,7 +480,8 @@ class Coordinator:
         """The cluster is now ``devices``: plan its VWs with the planner and apply the plan at a
         wave boundary (VWs it keeps train on; the others push their wave and leave, their leases
         back in the ledger; the new ones join from the parameter server's weights). Logged as a
-        ``REPLAN`` event; returns the ``Replanned`` record.
+        ``REPLAN`` event; returns the ``Replanned`` record. ``timeout``: the seconds each VW
+        told to leave has to end.
 
         Raises:
           WSPError: no planner, a plan over other devices, or a VW that did not leave.

@@ -70,18 +70,26 @@ class LocalPool:
         self._lock = threading.Lock()
 
     def quote(self, count: int) -> float | None:
+        """The price, $/hour, of the pool's next ``count`` free devices; None when fewer are
+        free."""
         with self._lock:
             if count > len(self.free):
                 return None
             return sum(self.price(d) for d in self.free[:count])
 
     def request(self, count: int) -> tuple[int, ...]:
+        """Grant up to ``count`` devices, the pool's next free ones in order: their ids."""
         with self._lock:
             ids, self.free = tuple(self.free[:count]), self.free[count:]
             self.granted.append((count, ids))
             return ids
 
     def release(self, devices: Sequence[int]) -> None:
+        """Take ``devices`` back into the pool.
+
+        Raises:
+          WSPError: some of ``devices`` are free already (never granted, or released twice).
+        """
         with self._lock:
             back = [d for d in devices if d in self.free]
             if back:
