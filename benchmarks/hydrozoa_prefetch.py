@@ -71,8 +71,9 @@ def run(repeats: int, minibatches: int, nm: int, minibatch: int, model: str, log
         data = stores[0].address
         with ParameterServer([data]) as put:  # (a client of the data store)
             put.clients[0].put("data/windows", windows)
-        parts["dataset"] = tj.DatasetPTC(StoredWindows(data, "data/windows", windows.shape),
-                                         minibatch, seed=0)  # fmt: skip
+        parts["dataset"] = tj.DatasetPTC(
+            StoredWindows(data, "data/windows", windows.shape), minibatch, seed=0
+        )
         sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
         steps = StepCache(parts["train_step"], sample, jax.devices()[:2], donate=False)
         for r in range(2 * repeats):
@@ -82,9 +83,15 @@ def run(repeats: int, minibatches: int, nm: int, minibatch: int, model: str, log
             with ParameterServer(addresses) as ps:
                 ps.create(weights_of(state), total=minibatches)
                 vw = job_parts.virtual_worker(
-                    parts, f"vw{r}", [0, 1], addresses, state, minibatches=nm,
-                    steps=steps, prefetch=prefetch,
-                )  # fmt: skip
+                    parts,
+                    f"vw{r}",
+                    [0, 1],
+                    addresses,
+                    state,
+                    minibatches=nm,
+                    steps=steps,
+                    prefetch=prefetch,
+                )
                 records = vw.run()
                 ledger = ps.history()
             assert sorted(ledger.trained()) == list(range(minibatches)), "not exactly once"

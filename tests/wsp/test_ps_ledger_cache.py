@@ -18,18 +18,8 @@ from tenplex_jax.errors import WSPError
 from tenplex_jax.wsp import ParameterServer, weights_of
 from tenplex_jax_models import build_state
 from tenplex_jax_models import wsp as job_parts
-from tests.helpers import Stores
 
 JOIN_SECONDS = 60.0  # a forced interleaving's threads end well within this, even under load
-
-
-@pytest.fixture
-def stores(tmp_path):
-    started = Stores(tmp_path)
-    try:
-        yield started
-    finally:
-        started.reap()
 
 
 def test_a_read_noted_after_a_newer_commit_never_hides_the_clients_own_lease(stores):

@@ -15,19 +15,10 @@ from tenplex_jax._src.wsp.ps import STAGE
 from tenplex_jax.errors import StoreError, WSPError
 from tenplex_jax.multihost.store import StoreClient
 from tenplex_jax.wsp import ParameterServer
-from tests.helpers import Stores, raw_socket, recv_frame
+from tests.helpers import raw_socket, recv_frame
 from tests.wsp.store_proxy import FaultProxy
 
 LEAVES = {"embed": (64, 16), "norm": (16,), "head": (16, 64)}
-
-
-@pytest.fixture
-def stores(tmp_path):
-    started = Stores(tmp_path)
-    try:
-        yield started
-    finally:
-        started.reap()
 
 
 def _requests(proxies, since) -> list[collections.Counter]:

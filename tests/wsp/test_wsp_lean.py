@@ -19,16 +19,7 @@ from tenplex_jax._src.wsp.records import BEATS, LOG_KEPT
 from tenplex_jax.errors import StoreError, WSPError
 from tenplex_jax.multihost.store import StoreClient
 from tenplex_jax.wsp import ParameterServer
-from tests.helpers import Stores, raw_socket, recv_frame
-
-
-@pytest.fixture
-def stores(tmp_path):
-    started = Stores(tmp_path)
-    try:
-        yield started
-    finally:
-        started.reap()
+from tests.helpers import raw_socket, recv_frame
 
 
 def test_a_watch_answers_when_its_object_changes_and_only_then(stores):

@@ -34,8 +34,9 @@ def test_a_vw_over_its_memory_limit_is_refused_naming_vw_stage_batch_bytes_and_l
     parts = job_parts.job(devices)  # 4 devices: two stages, each wave one program
     ids = list(range(devices))
     with pytest.raises(WSPError) as refused:
-        job_parts.virtual_worker(parts, "vw7", ids, ["127.0.0.1:1"], parts["init"](),
-                                 minibatches=2, memory_limit=100_000)  # fmt: skip
+        job_parts.virtual_worker(
+            parts, "vw7", ids, ["127.0.0.1:1"], parts["init"](), minibatches=2, memory_limit=100_000
+        )
     message = str(refused.value)
     assert refused.value.reason == "memory"
     stages = f"stages 0..{parts['config'].pipe - 1}"

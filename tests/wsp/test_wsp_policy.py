@@ -122,9 +122,16 @@ def test_a_scaler_grows_a_live_job_by_asking_a_pool_while_it_pays(tmp_path):
 
         def make(name, devices):  # each VW on the device granted to it
             return job_parts.virtual_worker(
-                parts, name, devices, addresses, state, distance=1, timeout=3.0, steps=steps,
+                parts,
+                name,
+                devices,
+                addresses,
+                state,
+                distance=1,
+                timeout=3.0,
+                steps=steps,
                 slowdown=3.0,  # a slower device's pace: VWs added add throughput under load
-            )  # fmt: skip
+            )
 
         pool = LocalPool([1, 2, 3], usd_per_device_hour=1.0)
         with ParameterServer(addresses) as ps:

@@ -54,9 +54,16 @@ def _coordinator(ps, addresses, parts, state, steps, planner) -> Coordinator:
         plan = coordinator.plan_of(devices)
         assert str(plan.candidate.config) == str(parts["config"])  # the job's layout: data=2
         return job_parts.virtual_worker(
-            parts, name, devices, addresses, state, minibatches=plan.minibatches, distance=1,
-            timeout=3.0, steps=steps,
-        )  # fmt: skip
+            parts,
+            name,
+            devices,
+            addresses,
+            state,
+            minibatches=plan.minibatches,
+            distance=1,
+            timeout=3.0,
+            steps=steps,
+        )
 
     coordinator = Coordinator(ps, Threads(make), planner=planner)
     return coordinator

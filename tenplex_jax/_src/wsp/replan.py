@@ -61,8 +61,9 @@ def replan(coordinator, devices: Sequence[int], timeout: float = 600.0) -> Repla
       PlanError: the planner found no plan (nothing is stopped then).
     """
     if coordinator.planner is None:
-        raise WSPError("a re-plan needs the coordinator's planner (Coordinator(planner=...))",
-                       "invalid")  # fmt: skip
+        raise WSPError(
+            "a re-plan needs the coordinator's planner (Coordinator(planner=...))", "invalid"
+        )
     devices, tic = tuple(devices), time.monotonic()
     plan = coordinator.planner(devices)  # before anything stops: a PlanError changes nothing
     used = sorted(d for w in plan.workers for d in w.devices)
