@@ -7,9 +7,11 @@ subprocesses per version). Each runs one VW over two stores on 127.0.0.1, pushin
 then pulling, for GPT small's weights (14 leaves, 0.5 MiB; the median of ``8 * --repeats``
 waves, the first not counted) and for 64 MiB in 8 leaves (the median of ``--repeats``):
 
-- **push**: ``ps.push`` until it returns (the wave acknowledged);
-- **pull**: ``ps.pull(ledger)`` with the ledger the push returned (what a VW does); **pull,
-  reading the ledger**: ``ps.pull()``, which reads it first;
+- **push**: ``ps.push`` until it returns (the wave acknowledged); **added**: until the wave is
+  also added into the weights (``ps.settle()``, where the push adds it behind its
+  acknowledgement; the same as push where it does not);
+- **pull**: ``ps.pull(ledger)`` with the ledger the push returned (what a VW does), once the
+  wave is added; **pull, reading the ledger**: ``ps.pull()``, which reads it first;
 - the working tree's push and pull also with ``sync=True`` (the stage and the ledger fsynced
   before the acknowledgement, as every push was before issue 52).
 
@@ -35,7 +37,7 @@ from tenplex_jax_benchmarks.ps_lean import socket_floor
 from tenplex_jax_benchmarks.store_hardening import compare_main, compare_revisions
 
 MIB = 1 << 20
-OPS = ("push", "pull", "pull, reading the ledger")
+OPS = ("push", "added", "pull", "pull, reading the ledger")
 
 TRANSFERS = """
 import inspect, json, pathlib, statistics, tempfile, time
@@ -48,7 +50,8 @@ def run(shapes, repeats, **options):
     update = {{p: np.full(s, 1e-3, np.float32) for p, s in shapes.items()}}
     root = pathlib.Path(tempfile.mkdtemp(prefix="tenplex-ps-push-"))
     procs = [store.StoreProcess.start(root / f"s{{i}}") for i in range(2)]
-    times = {{"push": [], "pull": [], "pull, reading the ledger": []}}
+    times = {{"push": [], "added": [], "pull": [], "pull, reading the ledger": []}}
+    settle = getattr(ParameterServer, "settle", lambda ps: None)
     try:
         with ParameterServer([p.address for p in procs], **options) as ps:
             ps.create(weights, total=None)
@@ -58,6 +61,8 @@ def run(shapes, repeats, **options):
                 tic = time.perf_counter()
                 ledger = ps.push("b", wave, update)
                 times["push"].append(time.perf_counter() - tic)
+                settle(ps)  # added behind the acknowledgement (a revision that has it)
+                times["added"].append(time.perf_counter() - tic)
                 tic = time.perf_counter()
                 ps.pull(ledger)
                 times["pull"].append(time.perf_counter() - tic)
@@ -172,6 +177,8 @@ def run_ps_push(before: str, rounds: int = 3, repeats: int = 5, log=print) -> di
         log(
             f"  {shape}: push {b['push'] * 1e3:.2f} -> {a['push'] * 1e3:.2f} ms "
             f"({speedup[shape]['push']:.2f}x; floor {f['push, loopback TCP socket'] * 1e3:.2f}), "
+            f"added {b['added'] * 1e3:.2f} -> {a['added'] * 1e3:.2f} ms "
+            f"({speedup[shape]['added']:.2f}x), "
             f"pull {b['pull'] * 1e3:.2f} -> {a['pull'] * 1e3:.2f} ms "
             f"({speedup[shape]['pull']:.2f}x; floors {f['pull, loopback TCP socket'] * 1e3:.2f} "
             f"by socket, {f['pull, kept shared mapping'] * 1e3:.2f} by a kept mapping)"

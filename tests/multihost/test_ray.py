@@ -13,8 +13,11 @@ same script run uninterrupted here.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -134,3 +137,70 @@ def test_every_socket_stays_on_loopback_and_the_stores_need_the_token(job):
         if any(out in part for part in (p.info["cmdline"] or []))
     ]
     assert not left, left
+
+
+def test_a_node_that_died_unreported_is_lost_with_the_failure_the_launcher_saw(
+    tmp_path, monkeypatch
+):
+    """The race behind a rewind after two nodes died together (the job above, once): Ray
+    reports each node's death seconds later, one node at a time, so when the launcher sees the
+    first, a process of the other still looks alive. Named a survivor, it would never write its
+    part of the live version, which then lacks it. Here the actors of slots 1 and 2 (each
+    standing for its node, a process of its own beside it) are SIGKILLed and the launcher has
+    seen slot 2's failure alone: before it tells the survivors, slot 1 is found silent and lost
+    with it; slot 0, whose actor lives, is the one survivor."""
+    import ray
+
+    from tenplex_jax._src.multihost.launch import _Generation, _Outcome, _Slot
+    from tenplex_jax._src.multihost.ray import RayLauncher, Remote
+    from tenplex_jax.multihost import LaunchOptions, Restore, RunEvent, Source
+
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    launcher = RayLauncher(LaunchOptions("train.py", nprocs=3, run_dir=tmp_path))
+    started = []
+    try:
+        node = ray.get_runtime_context().get_node_id()
+        command = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+        for slot in range(3):
+            actor = launcher._actor(node)
+            pid = ray.get(actor.stand_by.remote(command, {}), timeout=120)
+            started += _processes([pid])  # (psutil's handle: never a later process of that pid)
+            launcher.nodes[slot], launcher.hosts[slot] = node, actor
+            launcher.slots[slot] = _Slot(slot, Remote(actor, pid, node), "127.0.0.1:0")
+        pid_of = lambda actor: ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60)
+        dying = [pid_of(launcher.hosts[s]) for s in (1, 2)]
+        for pid in dying:  # the nodes of slots 1 and 2 die together
+            os.kill(pid, signal.SIGKILL)
+        _, alive = psutil.wait_procs(_processes(dying) + started[1:], timeout=60)
+        assert not alive, alive
+        gen = _Generation(
+            number=0,
+            slots=[0, 1, 2],
+            workers=[],
+            logs=[],
+            restore=Restore(source=Source.INIT, step=0),
+            warm=[],
+            kept=[],
+        )
+        seen = _Outcome(kind=RunEvent.FAILURE, lost_slots=(2,), detail="process 2 was killed")
+        confirmed = launcher._confirmed(gen, seen)
+        assert confirmed.lost_slots == (1, 2)
+        assert confirmed.detail == "process 2 was killed; the node of slot 1 does not answer"
+        assert launcher._survivors([0, 1, 2], confirmed) == [0]
+        # every other slot answers: the failure stays as it was seen
+        assert launcher._confirmed(gen, confirmed) == confirmed
+    finally:
+        for proc in started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        ray.shutdown()
+
+
+def _processes(pids) -> list[psutil.Process]:
+    """The processes of ``pids`` that still exist."""
+    out = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            out.append(psutil.Process(pid))
+    return out

@@ -5,8 +5,10 @@ and any segment a client cannot use is read over the socket instead. Real server
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import signal
 import struct
 import threading
 
@@ -396,3 +398,70 @@ def test_a_store_keeps_segments_within_the_files_it_may_open(stores):
         assert client.shared_reads == (256 - 16 - 16 - 64) // 2  # 80 segments, then the socket
         with store.StoreClient(proc.address) as other:  # a new connection is still served
             assert (other.get("a0") == 0).all()
+
+
+def test_a_peek_reads_the_newest_version_and_its_clocks_with_no_request(stores):
+    """Once a shared read has named an array's segment, ``peek`` copies the version the store
+    holds now out of it with no request at all (the store is stopped while it peeks): the bytes
+    and clocks a read over the socket gives, after each update."""
+    proc = stores.start("s0")
+    w = np.arange(4096, dtype=np.float32)
+    out = np.empty_like(w)
+    with (
+        store.StoreClient(proc.address, shared=True) as client,
+        store.StoreClient(proc.address) as plain,
+    ):
+        client.put("w", w)
+        client.put("u", np.ones_like(w))
+        assert client.peek("w", out) is None  # no segment named yet: ask
+        client.get("w")
+        for clock in range(3):
+            client.accumulate("w", "u", name="vw", clock=clock)
+            os.kill(proc.pid, signal.SIGSTOP)  # any request would wait for ever
+            try:
+                clocks = client.peek("w", out)
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            want, info = plain.get("w", with_info=True)
+            assert clocks == info.clocks == (("vw", clock + 1),)
+            np.testing.assert_array_equal(out, want)
+            np.testing.assert_array_equal(out, w + clock + 1)
+        for other in (
+            np.empty(4095, np.float32),
+            np.empty(4096, np.float64),
+            np.empty((2, 4096), np.float32)[:, 0],
+        ):
+            assert client.peek("w", other) is None  # not the array's shape, dtype or layout
+
+
+def test_a_peek_never_takes_a_withdrawn_changed_cut_or_other_store_s_version(tmp_path):
+    segments = shared.Segments(MIB, str(tmp_path))
+    reader, out = shared.Reader(), np.empty(256, np.float32)
+    try:
+        file, _ = segments.publish("w", 1, np.ones(256, np.float32), (("a", 2),))
+        seq, digest, clocks = reader.current(file, segments.epoch, out)
+        assert (seq, digest, json.loads(clocks)) == (1, _digest(out), {"a": 2})
+        assert (out == 1).all()
+        assert reader.current(file, segments.epoch + 1, out) is None  # another store's
+        assert reader.current(file, segments.epoch, np.empty(255, np.float32)) is None
+        with open(file, "r+b") as f:  # a byte changed in place: its digest beside it fails
+            f.seek(shared.DATA_OFFSET + 8)
+            f.write(np.float32(5).tobytes())
+        assert reader.current(file, segments.epoch, out) is None
+        segments.publish("w", 2, np.full(256, 2.0, np.float32), (("a", 3), ("b", 1)))
+        assert json.loads(reader.current(file, segments.epoch, out)[2]) == {"a": 3, "b": 1}
+        assert (out == 2).all()
+        many = tuple((f"vw{i:05d}", i) for i in range(400))  # past the header's page: ask
+        segments.publish("w", 3, np.full(256, 3.0, np.float32), many)
+        assert reader.current(file, segments.epoch, out) is None
+        segments.publish("w", 4, np.full(256, 4.0, np.float32), (("a", 4),))
+        assert reader.current(file, segments.epoch, out)[0] == 4
+        segments.withdraw("w")  # a newer version the segment does not hold: the file goes
+        assert reader.current(file, segments.epoch, out) is None
+        again, _ = segments.publish("w", 5, np.full(256, 5.0, np.float32), (("a", 5),))
+        assert again != file and reader.current(again, segments.epoch, out)[0] == 5
+        os.truncate(again, shared.DATA_OFFSET)  # cut short under the reader: no fault
+        assert reader.current(again, segments.epoch, out) is None
+    finally:
+        reader.close()
+        segments.close()

@@ -1,6 +1,8 @@
-"""A push in three rounds of requests, a pull in one, on real stores on 127.0.0.1: the stage and
-its check in one request per store, a commit from the last ledger the client saw, the apply; the
-writes fsynced behind their replies still survive a SIGKILL of their store."""
+"""A push acknowledged after two rounds of requests and added behind its acknowledgement, a pull
+in one round or none, on real stores on 127.0.0.1: the stage and its check in one request per
+store, a commit from the last ledger the client saw, the apply behind it; a piece whose segment
+holds the ledger's commits is read with no request; the writes fsynced behind their replies
+still survive a SIGKILL of their store."""
 
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ def _requests(proxies, since) -> list[collections.Counter]:
     return [collections.Counter(op for op, _ in p.requests[n:]) for p, n in zip(proxies, since)]
 
 
-def test_a_push_is_one_request_per_piece_in_each_of_three_rounds_and_a_pull_one(stores):
-    """A push is a put (the stage and its check) and an accumulate per piece and one
-    compare-and-swap of the ledger: no flush, no listing, no read of the ledger; a pull given
-    the ledger reads each piece once."""
+def test_a_push_is_a_request_per_piece_in_two_rounds_then_its_apply_and_a_pull_none(stores):
+    """A push is a put (the stage and its check) per piece and one compare-and-swap of the
+    ledger, then an accumulate per piece behind its acknowledgement: no flush, no listing, no
+    read of the ledger. The first pull asks each piece's store for it (naming its segment);
+    every later pull given the ledger copies the pieces out of their segments, no request."""
     procs = [stores.start(f"s{i}") for i in range(2)]
     with FaultProxy(procs[0].address) as p0, FaultProxy(procs[1].address) as p1:
         proxies = (p0, p1)
@@ -43,6 +46,7 @@ def test_a_push_is_one_request_per_piece_in_each_of_three_rounds_and_a_pull_one(
                 ps.update(lambda led, wave=wave: led.claim("a", wave, 1))
                 since = [len(p.requests) for p in proxies]
                 ledger = ps.push("a", wave, updates)
+                ps.settle()
                 pushed = _requests(proxies, since)
                 since = [len(p.requests) for p in proxies]
                 weights = ps.pull(ledger)
@@ -52,9 +56,55 @@ def test_a_push_is_one_request_per_piece_in_each_of_three_rounds_and_a_pull_one(
                     commit = {"cas_json": 1} if store == 0 else {}
                     expected = collections.Counter(put=n, accumulate=n, **commit)
                     assert pushed[store] == expected, (wave, store, pushed)
-                    assert pulled[store] == {"get_shared": n}, (wave, store, pulled)
-            for k, s in LEAVES.items():
-                np.testing.assert_array_equal(weights[k], np.full(s, 3e-3, np.float32))
+                    asked = {"get_shared": n} if wave == 0 else {}
+                    assert pulled[store] == asked, (wave, store, pulled)
+                for k, s in LEAVES.items():
+                    np.testing.assert_array_equal(
+                        weights[k], np.full(s, (wave + 1) * 1e-3, np.float32)
+                    )
+
+
+def test_a_push_is_acknowledged_at_its_commit_and_added_behind_it(stores):
+    """The push returns while its apply is held; meanwhile the stores' pieces lack it, and
+    another client's pull adds it from the stage itself. Released, the pusher's own apply finds
+    its update in (no error), and its next pull and push wait for that apply first."""
+    addresses = [stores.start(f"s{i}").address for i in range(2)]
+    pusher, other = ParameterServer(addresses), ParameterServer(addresses)
+    pusher.create({k: np.zeros(s, np.float32) for k, s in LEAVES.items()}, total=None)
+    other.open()
+    pusher.update(lambda led: (led.join("a"), None))
+    pusher.update(lambda led: led.claim("a", 0, 1))
+    started, release, done = threading.Event(), threading.Event(), threading.Event()
+    apply = pusher.apply
+
+    def held_apply(*args, **kwargs):
+        started.set()
+        assert release.wait(60)
+        try:
+            return apply(*args, **kwargs)
+        finally:
+            done.set()
+
+    pusher.apply = held_apply
+    updates = {k: np.full(s, 0.5, np.float32) for k, s in LEAVES.items()}
+    try:
+        ledger = pusher.push("a", 0, updates)  # acknowledged: committed, its apply held
+        assert started.wait(60) and ledger.pushed("a", 0) and not done.is_set()
+        for p in other.layout:  # no piece holds it yet
+            info = other.clients[p.store].list(f"wsp/w/{p.key}")[0]
+            assert dict(info.clocks).get("a", 0) == 0, info
+        pulled = other.pull(ledger)  # adds the committed wave from its stage
+        for k, s in LEAVES.items():
+            np.testing.assert_array_equal(pulled[k], np.full(s, 0.5, np.float32))
+    finally:
+        release.set()
+    pusher.settle()  # the held apply found its own update in: no error
+    assert done.is_set()
+    again = pusher.pull(ledger)
+    for k, s in LEAVES.items():
+        np.testing.assert_array_equal(again[k], np.full(s, 0.5, np.float32))
+    pusher.close()
+    other.close()
 
 
 def test_a_stage_the_check_refuses_is_not_kept_and_one_it_passes_is(stores):

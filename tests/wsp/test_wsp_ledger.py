@@ -3,6 +3,8 @@ WSP bound over random speeds (pure: no stores, no devices)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -194,6 +196,8 @@ def test_a_vw_leases_one_wave_ahead_while_its_push_is_in_flight():
     with pytest.raises(WSPError, match="may claim wave 0, not wave 1"):
         led.claim("b", 1, 3)  # nothing in flight: no lease ahead
     assert Ledger.from_json(led.to_json()) == led
+    # the record names every field (it is written out field by field)
+    assert list(led.to_json()) == [f.name for f in dataclasses.fields(Ledger)]
     committed = led.commit("a", 0)  # the lease ahead becomes the lease
     assert committed.leases["a"].wave == 1 and not committed.ahead
     assert committed.claim("a", 2, 3)[1] == (6, 7, 8)

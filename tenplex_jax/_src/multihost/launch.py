@@ -195,6 +195,8 @@ class Launcher:
             lost_steps=None if reached is None else max(reached - restore.step, 0),
         )
         outcome = self._watch(gen)
+        if outcome.kind == RunEvent.FAILURE:  # before the survivors are told who they are
+            outcome = self._confirmed(gen, outcome)
         reached = self._progress(number, default=restore.step)
         self._end_generation(gen, outcome)
         self._event(
@@ -641,6 +643,16 @@ class Launcher:
             self._tail(gen, i)
         lost = tuple(sorted({gen.slots[i] for i in failed} | set(stores_down)))
         return _Outcome(kind=RunEvent.FAILURE, lost_slots=lost, detail=detail)
+
+    def _confirmed(self, gen: _Generation, outcome: _Outcome) -> _Outcome:
+        """The failure ``outcome`` of ``gen`` once every other slot is known alive: the
+        survivors the end message names each write their part of the live version, and the
+        part of one that is already dead never comes (the version is incomplete, and the next
+        generation rewinds though the others held every shard). Here the launcher sees every
+        exit itself (waitpid), and :meth:`_end_generation` polls again: nothing to add. A
+        launcher that learns of deaths late (:class:`~tenplex_jax._src.multihost.ray.RayLauncher`)
+        asks the other slots and adds those that do not answer."""
+        return outcome
 
     def _request(self, current: int) -> Request | None:
         """A planned end of the generation: SIGTERM, or a process count in RUN_DIR/resize."""

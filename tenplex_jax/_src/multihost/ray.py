@@ -27,7 +27,7 @@ from tenplex_jax._src.multihost.spec import STANDBY, Action, LaunchOptions, Requ
 from tenplex_jax._src.planner.growth import Growth, growth
 
 POLL_NODES_SECONDS = 1.0  # how often the launcher looks for new nodes
-ANSWER_SECONDS = 10.0  # how long a node whose worker failed has to show it is alive
+ANSWER_SECONDS = 10.0  # how long a node has to show it is alive, once a failure is seen
 
 
 @functools.cache
@@ -317,6 +317,24 @@ class RayLauncher(Launcher):
         self._running = number
         return super()._start_generation(number, slots, restore)
 
+    def _confirmed(self, gen, outcome):
+        """The failure ``outcome`` of ``gen`` with the slots whose nodes do not answer
+        (:meth:`_answering`) added to its lost slots. Ray reports a node's death seconds after
+        it, and nodes that die together one at a time: the launcher sees the first, while the
+        others' processes look alive. Told as survivors, such a node's process would never
+        write its part of the live version, and the next generation would rewind (the orbax
+        checkpoint, or an older commit) though the node left holds every shard."""
+        lost = set(outcome.lost_slots)
+        silent = sorted(set(gen.slots) - lost - self._answering(set(gen.slots) - lost))
+        if not silent:
+            return outcome
+        found = "; ".join(f"the node of slot {s} does not answer" for s in silent)
+        return dataclasses.replace(
+            outcome,
+            lost_slots=tuple(sorted(lost | set(silent))),
+            detail=f"{outcome.detail}; {found}" if outcome.detail else found,
+        )
+
     def _survivors(self, slots: list[int], outcome) -> list[int]:
         """On Ray the unit of failure is the node: a slot survives while its node (and store)
         lives, also when its worker failed because a peer's did (a coordinator gone aborts the
@@ -324,20 +342,31 @@ class RayLauncher(Launcher):
         a removed node's death may reach Ray after its peers' aborts (its worker not yet seen
         dead), and a generation started on it (its coordinator, when it is slot 0) would only
         fail again."""
-        return [s for s in slots if self._up(s) and self._answers(s)]
+        answering = self._answering({s for s in slots if self._up(s)})
+        return [s for s in slots if s in answering]
 
-    def _answers(self, slot: int) -> bool:
-        """Whether ``slot``'s node is alive: its store's actor answers a call within
-        ``ANSWER_SECONDS`` (Ray fails the call at once once it knows the node died). A slot
-        that does not answer has lost its store too."""
+    def _answering(self, slots) -> set[int]:
+        """Those of ``slots`` whose nodes are alive: their stores' actors answer a call within
+        ``ANSWER_SECONDS``, all asked at once (Ray fails a call at once once it knows the node
+        died; a dead node's actor that Ray does not know dead yet never answers). A slot that
+        does not answer has lost its store too."""
         import ray
 
-        try:
-            ray.get(self.hosts[slot].where.remote(), timeout=ANSWER_SECONDS)
-            return True
-        except ray.exceptions.RayError:  # the actor or its node died, or no answer in time
+        calls = {s: self.hosts[s].where.remote() for s in slots}
+        if not calls:
+            return set()
+        ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=ANSWER_SECONDS)
+        answered = set()
+        for slot, call in calls.items():
+            if call in ready:
+                try:
+                    ray.get(call)
+                    answered.add(slot)
+                    continue
+                except ray.exceptions.RayError:  # the actor or its node died
+                    pass
             self.slots[slot].store.returncode = -signal.SIGKILL
-            return False
+        return answered
 
     # -- joins ------------------------------------------------------------------------------------
 

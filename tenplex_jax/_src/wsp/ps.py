@@ -3,7 +3,8 @@
 The global weights (float32) are cut into *pieces* by bytes (:mod:`~tenplex_jax._src.wsp.pieces`),
 spread over the stores by size (``LAYOUT``), so a push or pull talks to every store at once (a
 thread per store). The ledger (:mod:`~tenplex_jax._src.wsp.ledger`) lives in the first store. A
-push of a virtual worker's wave is three rounds of requests, one request per piece in each:
+push of a virtual worker's wave is three rounds of requests, one request per piece in each; it
+is acknowledged after the second:
 
 1. **stage**: every piece's update is put under ``wsp/stage/<vw>/<wave>/<piece>`` in the piece's
    store, written through to its file (the wave's write-ahead record), and checked there in the
@@ -13,9 +14,16 @@ push of a virtual worker's wave is three rounds of requests, one request per pie
    commit is refused; a wave committed since the check sends the push back to 1's check); it
    swaps from the newest ledger this client's threads saw, so it is one request when no other
    VW wrote since (a refusal found on that cached ledger alone is asked of the stored one);
-3. **apply**: each store adds the staged update into its piece with ``accumulate``, atomically and
-   once: each array counts the pushes of every VW it holds (its *clocks*), and an accumulate out
-   of turn is refused or skipped. The store removes the stage once the new version is on disk.
+3. **apply**, behind the acknowledgement (on a thread of this client's, which its next push and
+   pull wait for): each store adds the staged update into its piece with ``accumulate``,
+   atomically and once: each array counts the pushes of every VW it holds (its *clocks*), and an
+   accumulate out of turn is refused or skipped. The store removes the stage once the new
+   version is on disk. A pull of another client that finds the wave committed and not yet added
+   adds it from the stage itself.
+
+A pull reads each piece from the store's shared memory: once its segment is known, with no
+request (``StoreClient.peek``), when the clocks beside the bytes hold every wave the ledger
+commits; else it asks the store.
 
 The check's list of committed waves a piece lacks comes from the ledger the client saw last and
 the pieces' clocks its last replies carried; a store whose piece holds fewer than that (it
@@ -98,8 +106,8 @@ class ParameterServer(Records):
     Attributes:
       layout: every :class:`Piece` of the weights (after :meth:`create` or :meth:`open`).
       shapes: leaf path -> its shape.
-      push_seconds: the phases of the last :meth:`push`, seconds: ``stage`` (the puts and
-        their checks), ``commit``, ``apply``.
+      push_seconds: the phases of the last :meth:`push`, seconds: ``apply`` (waiting for the
+        push before it to be added), ``stage`` (the puts and their checks), ``commit``.
 
     Raises:
       WSPError: no addresses (``"invalid"``). (A request a store fails for longer than
@@ -135,9 +143,15 @@ class ParameterServer(Records):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             len(self.clients), thread_name_prefix="wsp-ps"
         )
+        # the apply of this client's last push, behind its acknowledgement (round 3)
+        self._applier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wsp-apply")
+        self._applying: concurrent.futures.Future | None = None
 
     def close(self) -> None:
-        """Close the connections to every store."""
+        """Close the connections to every store (after the last push's apply has ended)."""
+        with contextlib.suppress(WSPError, StoreError):
+            self.settle()
+        self._applier.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         for client in self.clients:
             client.close()
@@ -260,10 +274,10 @@ class ParameterServer(Records):
     # -- push and pull ---------------------------------------------------------------------------
 
     def push(self, vw: str, wave: int, updates: Mapping[str, np.ndarray]) -> Ledger:
-        """Push a wave: stage and check its updates, commit it in the ledger, add it into the
-        weights (every store at once, a request per piece in each of the three rounds); the
-        ledger after the commit. A VW pushes on a thread of its own, beside its compute
-        (:class:`VirtualWorker`).
+        """Push a wave: stage and check its updates, commit it in the ledger (every store at
+        once, a request per piece in each round), and return the ledger after the commit; the
+        wave is added into the weights behind that (:meth:`settle` waits for it). A VW pushes
+        on a thread of its own, beside its compute (:class:`VirtualWorker`).
 
         Args:
           vw: the pushing VW.
@@ -275,7 +289,8 @@ class ParameterServer(Records):
             or would overflow a weight (``"invalid"``: nothing is committed, the weights are
             untouched); the ledger refuses the commit (``"dropped"``: the wave's minibatches
             went to others; the staged updates are deleted); or a piece holds this push from
-            another update (``"refused"``: another client pushes under this VW's name).
+            another update (``"refused"``: another client pushes under this VW's name; raised
+            by the call after the push, whose apply found it).
           StoreError: a store failed a request for longer than ``retry_seconds``.
         """
         flat = self._flat(vw, wave, updates)
@@ -286,13 +301,30 @@ class ParameterServer(Records):
             nonlocal tic
             phases[name], tic = phases[name] + time.perf_counter() - tic, time.perf_counter()
 
+        self.settle()  # the last push's apply first: one VW's pushes are added in turn
+        phase("apply")
         seen = self.last_ledger()
         sources = self._check(vw, wave, stage, seen, flat)
         phase("stage")
         ledger = self._commit(vw, wave, stage, seen, phase)
-        self.apply(vw, wave, wave - ledger.starts[vw], sources)
-        phase("apply")
+        self._applying = self._applier.submit(
+            self.apply, vw, wave, wave - ledger.starts[vw], sources
+        )
         return ledger
+
+    def settle(self) -> None:
+        """Wait until this client's last push is added into the weights (:meth:`push` adds it
+        behind its acknowledgement); :meth:`pull`, :meth:`push` and the others call it first.
+
+        Raises:
+          WSPError: a piece holds that push from another update (``"refused"``, as
+            :meth:`apply` says). A store that failed the add is not an error here: the wave is
+            committed and staged, and the next pull adds it (the store's error comes from the
+            request that needs the store).
+        """
+        future = self._applying  # kept: every thread waits for it, and hears its error
+        if future is not None and isinstance(future.exception(), WSPError):
+            raise future.exception()
 
     def _commit(self, vw: str, wave: int, stage: str, seen: Ledger, phase) -> Ledger:
         """Commit a staged wave, checked beside the waves ``seen`` commits, in the ledger if no
@@ -495,6 +527,7 @@ class ParameterServer(Records):
           WSPError: nothing is committed, or a piece's last update is another wave than the
             ledger's last (``"refused"``: then nothing is changed).
         """
+        self.settle()
         ledger = self.ledger()
         if not ledger.log:
             raise WSPError("no wave is committed: nothing to roll back", "refused")
@@ -541,6 +574,7 @@ class ParameterServer(Records):
         Raises:
           WSPError: the weights stayed behind the commits for ``timeout`` (``"busy"``).
         """
+        self.settle()
         deadline = time.monotonic() + timeout
         out, places = pull_buffer(self.layout, self.shapes)
         while True:
@@ -585,6 +619,7 @@ class ParameterServer(Records):
 
         Raises:
         """
+        self.settle()
         ledger = self.ledger()
         applied: dict[str, int] = {}  # vw -> the pushes every piece holds
         for client in self.clients:
@@ -638,13 +673,17 @@ def _read(
     """``pieces`` of one store read, each straight into its place in its leaves (``places``):
     the ``(vw, push)`` that ``ledger`` commits and a piece lacks, and the pieces that lack the
     ``pending`` push (see :meth:`ParameterServer.pull`). Each piece's clocks go into
-    ``clocks``."""
+    ``clocks``. A piece whose segment holds every wave the ledger commits is read from it with
+    no request (``StoreClient.peek``); the others are asked for."""
     behind, lacking = set(), []
     for p in pieces:
-        _, info = client.get(WEIGHTS + p.key, with_info=True, out=places[p.index])
-        clocks[p.key] = dict(info.clocks)
-        behind |= _behind(info.clocks, ledger)
-        if pending is not None and not _holds(info.clocks, ledger, *pending[:2]):
+        held = client.peek(WEIGHTS + p.key, places[p.index])  # no request: its segment
+        if held is None or _behind(held, ledger):
+            _, info = client.get(WEIGHTS + p.key, with_info=True, out=places[p.index])
+            held = info.clocks
+        clocks[p.key] = dict(held)
+        behind |= _behind(held, ledger)
+        if pending is not None and not _holds(held, ledger, *pending[:2]):
             lacking.append(p)
     return behind, lacking
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Self
 
@@ -37,6 +38,18 @@ class CAS(NamedTuple):
     version: int | None
     value: Any
     time: float
+
+
+def _new_rids() -> None:
+    """Request ids: 16 random hex digits of this process and a count (a uuid4 per request costs
+    more than the rest of a small request's Python); drawn again in a forked child, so that no
+    two processes send the same id."""
+    global _RID_PREFIX, _RIDS
+    _RID_PREFIX, _RIDS = os.urandom(8).hex(), itertools.count()
+
+
+_new_rids()
+os.register_at_fork(after_in_child=_new_rids)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -123,6 +136,8 @@ class StoreClient:
         self._closed = False
         self._reader = segments.Reader() if shared else None
         self._segment_of: dict[str, str] = {}  # path -> the segment file the store last named
+        # path -> (that file, the store's epoch, the array's dtype and shape): what peek reads
+        self._peekable: dict[str, tuple[str, int, np.dtype, tuple[int, ...]]] = {}
         self.shared_reads = 0
         self._unopened = 0  # shared reads in a row whose segment could not be opened here
 
@@ -213,7 +228,7 @@ class StoreClient:
         ``into(header, body bytes)`` returns a writable array for the reply body (no copy), having
         checked the sizes the server announced (raising ``StoreError``). Every try carries the
         same request id: the store does a request once, however often it arrives."""
-        request = {**request, "rid": uuid.uuid4().hex}
+        request = {**request, "rid": f"{_RID_PREFIX}{next(_RIDS):016x}"}
         give_up, pause, first = time.monotonic() + self._retry, 0.05, True
         while True:
             sock, reused = None, False
@@ -417,7 +432,7 @@ class StoreClient:
         else:
             runs = [np.ascontiguousarray(run).reshape(-1) for run in array]
             shape = (sum(run.size for run in runs),)
-        dtypes = sorted({run.dtype.name for run in runs})
+        dtypes = sorted(dtype.name for dtype in {run.dtype for run in runs})
         if len(dtypes) != 1:
             raise StoreError(f"stage of {path!r}: its runs are of one dtype; got {dtypes}")
         runs = [np.asarray(run, run.dtype.newbyteorder("=")) for run in runs]  # native order
@@ -480,6 +495,29 @@ class StoreClient:
             )
         return (out, ObjectInfo.from_json(header["info"])) if with_info else out
 
+    def peek(self, path: str, out: np.ndarray) -> tuple[tuple[str, int], ...] | None:
+        """Copy the whole array at ``path`` into ``out`` from the segment the store last named
+        for it (a client on the store's host, ``shared=True``), with no request: the clocks of
+        the version copied (``ObjectInfo.clocks``), which the caller checks; None when it must
+        ask (:meth:`get`): no segment known yet, ``out`` not of the array's shape and dtype, or
+        the segment holds no whole version of that store now. The version is the newest the
+        store has, or one it replaced a moment ago: never torn, never another array's."""
+        known, reader = self._peekable.get(path), self._reader
+        if known is None or reader is None:
+            return None
+        file, epoch, dtype, shape = known
+        if out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+            return None
+        held = reader.current(file, epoch, out)
+        if held is None:
+            return None
+        try:
+            clocks = wire.as_clocks(json.loads(held[2]))
+        except (ValueError, StoreError):
+            return None
+        self.shared_reads += 1
+        return clocks
+
     def _get_shared(
         self, path: str, out: np.ndarray | None
     ) -> tuple[np.ndarray, ObjectInfo] | None:
@@ -511,6 +549,7 @@ class StoreClient:
             if before is not None and before != file:
                 reader.forget(before)
             self._segment_of[path] = file
+            self._peekable[path] = (file, epoch, dtype, boxes.shape(info.box))
             read = reader.read(file, epoch, seq, digest, into)
             if read is None:  # not on this host, or gone meanwhile: over the socket
                 self._unopened += 1

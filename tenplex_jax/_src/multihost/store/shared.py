@@ -24,6 +24,7 @@ import errno
 import fcntl
 import hashlib
 import itertools
+import json
 import mmap
 import os
 import pathlib
@@ -41,7 +42,13 @@ from tenplex_jax._src.errors import StoreError
 
 MAGIC = b"TPXS"
 HEADER = struct.Struct("!4sIQQQ")  # magic, state, epoch, the version's sequence number, bytes
+# after it, the version's own record: its digest (XXH3) and the bytes of its clocks' JSON, which
+# follow; a reader that knows the segment reads a version with no request (``Reader.current``)
+RECORD = struct.Struct("!QI")
+RECORD_OFFSET = 64
+CLOCKS_OFFSET = RECORD_OFFSET + RECORD.size
 DATA_OFFSET = 4096  # the data starts on a page of its own
+NO_CLOCKS = 0xFFFFFFFF  # clocks too long for the header page: a reader asks the store
 WRITING, VALID = 1, 2
 SHM = "/dev/shm"
 PREFIX = "tenplex-segments-"  # + the store's pid and its epoch, in SHM
@@ -70,8 +77,9 @@ class _Segment:
             raise
         self.fd = fd
 
-    def write(self, seq: int, data: np.ndarray) -> None:
-        """Version ``seq`` (``data``) into the segment, and its digest into ``self.digest``."""
+    def write(self, seq: int, data: np.ndarray, clocks: bytes = b"") -> None:
+        """Version ``seq`` (``data``, whose clocks' JSON is ``clocks``) into the segment, and its
+        digest into ``self.digest``."""
         with self.lock:
             if self.closed:
                 raise StoreError(f"{self.file.name}: removed (its array was deleted)", "not_found")
@@ -87,6 +95,12 @@ class _Segment:
                     dst = np.frombuffer(whole[DATA_OFFSET : DATA_OFFSET + self.nbytes], np.uint8)
                     digest = copy_digest(dst, np.frombuffer(memoryview(data).cast("B"), np.uint8))
                     del dst  # the mapping's export ends with the view
+                fits = CLOCKS_OFFSET + len(clocks) <= DATA_OFFSET
+                RECORD.pack_into(
+                    self.map, RECORD_OFFSET, _digest_int(digest), len(clocks) if fits else NO_CLOCKS
+                )
+                if fits:
+                    self.map[CLOCKS_OFFSET : CLOCKS_OFFSET + len(clocks)] = clocks
                 HEADER.pack_into(self.map, 0, MAGIC, VALID, self.epoch, seq, self.nbytes)
                 self.seq, self.digest = seq, digest
             finally:
@@ -126,9 +140,10 @@ class Segments:
     def has(self, path: str) -> bool:
         return path in self._by_path
 
-    def publish(self, path: str, seq: int, data: np.ndarray) -> tuple[str, str]:
-        """The file of ``path``'s segment, holding version ``seq`` (``data``) once this returns,
-        and the version's digest there (:func:`copy_digest`).
+    def publish(self, path: str, seq: int, data: np.ndarray, clocks=()) -> tuple[str, str]:
+        """The file of ``path``'s segment, holding version ``seq`` (``data``, with its
+        ``clocks``: ``ObjectInfo.clocks``) once this returns, and the version's digest there
+        (:func:`copy_digest`).
 
         Raises:
           StoreError: ``"too_large"``: the segments would pass the store's memory tier's size, or
@@ -145,9 +160,10 @@ class Segments:
                 segment = None
             if segment is None:
                 segment = self._create(path, nbytes)
+        record = json.dumps(dict(clocks), separators=(",", ":")).encode()
         if segment.seq != seq:
             try:
-                segment.write(seq, data)
+                segment.write(seq, data, record)
             except StoreError as error:
                 if error.reason not in ("corrupt", "busy"):
                     raise
@@ -157,8 +173,15 @@ class Segments:
                     if self._by_path.get(path) is segment:
                         self._drop(path)
                     segment = self._create(path, nbytes)
-                segment.write(seq, data)
+                segment.write(seq, data, record)
         return str(segment.file), segment.digest
+
+    def withdraw(self, path: str) -> None:
+        """Remove ``path``'s segment, if it has one: its array has a newer version that the
+        segment does not hold (a reader that kept the file finds it unlinked, and asks)."""
+        with self._lock:
+            if path in self._by_path:
+                self._drop(path)
 
     def _create(self, path: str, nbytes: int) -> _Segment:
         """A new segment for ``path`` (call with the lock held), within the memory tier's size
@@ -294,6 +317,45 @@ class Reader:
                 if cut:
                     self._drop(file)
 
+    def current(self, file: str, epoch: int, out: np.ndarray) -> tuple[int, str, bytes] | None:
+        """Copy the version the segment ``file`` of the store process ``epoch`` holds now into
+        ``out`` (C-contiguous, of the segment's bytes), with no request to the store: ``(its
+        sequence number, its digest, its clocks' JSON)``, the copy checked against the digest the
+        store wrote beside it; None, with ``out`` unspecified, when the segment holds no whole
+        version of that store now (being written, removed or replaced, cut short, another
+        store's, clocks too long for its header page, or not on this host). The caller decides
+        from the clocks whether that version will do."""
+        with self._lock:
+            try:
+                fd, mapping = self._open(file)
+            except (OSError, ValueError):
+                return None
+            if not _flock_within(fd, fcntl.LOCK_SH, LOCK_SECONDS):
+                return None
+            gone = False
+            try:
+                st = os.fstat(fd)
+                # withdrawn (a newer version is not in it), or cut short: a copy would fault
+                gone = st.st_nlink == 0 or st.st_size != len(mapping)
+                if gone or st.st_size != DATA_OFFSET + out.nbytes:
+                    return None
+                magic, state, held, seq, nbytes = HEADER.unpack_from(mapping, 0)
+                if (magic, state, held, nbytes) != (MAGIC, VALID, epoch, out.nbytes):
+                    return None
+                digest, length = RECORD.unpack_from(mapping, RECORD_OFFSET)
+                if length == NO_CLOCKS or CLOCKS_OFFSET + length > DATA_OFFSET:
+                    return None
+                clocks = bytes(mapping[CLOCKS_OFFSET : CLOCKS_OFFSET + length])
+                with memoryview(mapping) as whole:
+                    src = np.frombuffer(whole[DATA_OFFSET:], np.uint8)
+                    copied = copy_digest(out.reshape(-1).view(np.uint8), src)
+                    del src  # the mapping's export ends with the view
+                return (seq, copied, clocks) if _digest_int(copied) == digest else None
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                if gone:
+                    self._drop(file)
+
     def _open(self, file: str) -> tuple[int, mmap.mmap]:
         """The mapping of ``file``, opened now if it is not yet (call with the lock held): a
         regular file of this user's (a FIFO or a device named by a false store never blocks or
@@ -349,6 +411,11 @@ def copy_digest(dst: np.ndarray, src: np.ndarray) -> str:
         np.copyto(chunk, src[start : start + COPY_CHUNK_BYTES])
         running.update(chunk)
     return f"xxh3:{running.intdigest():016x}"
+
+
+def _digest_int(digest: str) -> int:
+    """A :func:`copy_digest` as the integer a segment's record holds."""
+    return int(digest.removeprefix("xxh3:"), 16)
 
 
 def _close(fd: int, mapping: mmap.mmap) -> None:
