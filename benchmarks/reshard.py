@@ -164,7 +164,9 @@ class _Strategies:
             shutil.rmtree(f"{self.workdir}/ckpt{self.saves}", ignore_errors=True)
 
 
-ORBAX_ROUNDS = 2  # orbax runs 4-16x longer than the others: two timed runs tell its ratio
+# orbax runs 4-16x longer than the others (half the matrix's time with two timed runs): one
+# timed run after its warm-up tells its ratio to within the noise of a ratio of 8-50x
+ORBAX_ROUNDS = 1
 
 
 def run_change(

@@ -207,7 +207,7 @@ def run(options: BenchOptions, log=print) -> dict:
         variants = [(None, False)]
         if not options.quick:
             variants += [(None, True), (8, False), (8, True)]
-        blocks = 4 if options.quick else 6
+        blocks = 4 if options.quick else 5
         for units, ahead in variants:
             row = loop.run_loop_overhead(
                 GPTConfig.small(), config, 8, blocks, 5, grad_units=units, compile_ahead=ahead
@@ -224,7 +224,9 @@ def run(options: BenchOptions, log=print) -> dict:
     if options.wants("stall"):
         log("resize stall, compile-ahead vs on demand:")
         model = "tiny" if options.quick else "small"
-        row = compile_ahead.run_compile_ahead(model, repeats=1, quick=options.quick)
+        # --quick: 3 steps after each change (5 in full) give its steady step
+        after = 3 if options.quick else 5
+        row = compile_ahead.run_compile_ahead(model, after=after, repeats=1, quick=options.quick)
         log(compile_ahead.describe(row))
         rows.append(row)
         lap("resize stall")
