@@ -26,13 +26,14 @@ from tenplex_jax._src.wsp.group import Group
 from tenplex_jax._src.wsp.ledger import Ledger
 from tenplex_jax._src.wsp.manager import ClusterManager, LocalPool
 from tenplex_jax._src.wsp.memory import MemoryMonitor, MemoryUse
+from tenplex_jax._src.wsp.options import WorkerOptions, weights_of
 from tenplex_jax._src.wsp.planner import Grouping, WorkerPlan, WSPChoice, plan_workers
 from tenplex_jax._src.wsp.policy import Action, Measured, ScalingDecision, ScalingPolicy
 from tenplex_jax._src.wsp.ps import ParameterServer
 from tenplex_jax._src.wsp.replan import Replanned, planner_for
 from tenplex_jax._src.wsp.scaler import Scaler
 from tenplex_jax._src.wsp.waves import WaveRecord
-from tenplex_jax._src.wsp.worker import VirtualWorker, WorkerOptions, weights_of
+from tenplex_jax._src.wsp.worker import VirtualWorker
 
 __all__ = [
     "Action",

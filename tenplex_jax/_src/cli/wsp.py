@@ -330,8 +330,8 @@ def _train(job: _Job, log) -> Summary:
 
     from tenplex_jax._src.errors import WSPError
     from tenplex_jax._src.wsp.coordinator import Coordinator
+    from tenplex_jax._src.wsp.options import weights_of
     from tenplex_jax._src.wsp.ps import ParameterServer
-    from tenplex_jax._src.wsp.worker import weights_of
     from tenplex_jax_models import wsp as job_parts
 
     options, plans = job.options, job.plans

@@ -120,8 +120,9 @@ def _start_jax(args) -> list:
 def _train(args, parts, devices, group, executables, records, stop, started) -> bool:
     """Build the VW, say so, wait for the runner's go (``--hold``), train until the run is done
     or ``stop`` is set; whether it was dropped."""
+    from tenplex_jax._src.wsp.options import WorkerOptions
     from tenplex_jax._src.wsp.ps import ParameterServer
-    from tenplex_jax._src.wsp.worker import VirtualWorker, WorkerOptions
+    from tenplex_jax._src.wsp.worker import VirtualWorker
 
     def write(record) -> None:
         if records is not None:
