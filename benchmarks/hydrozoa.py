@@ -24,8 +24,6 @@ import pathlib
 import sys
 import tempfile
 
-import numpy as np
-
 
 def run_growth(
     model: str = "small",
@@ -39,7 +37,6 @@ def run_growth(
 ) -> dict:
     import jax
 
-    from tenplex_jax._src.elastic.steps import StepCache
     from tenplex_jax.multihost.store import StoreProcess
     from tenplex_jax.wsp import (
         Coordinator,
@@ -54,8 +51,7 @@ def run_growth(
     groups = [tuple(range(i, i + group)) for i in range(0, len(jax.devices()), group)]
     parts = job_parts.job(group, model=model)
     state = parts["init"]()
-    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-    steps = StepCache(parts["train_step"], sample, jax.devices(), donate=False)
+    steps = job_parts.step_cache(parts, jax.devices())
     root = pathlib.Path(tempfile.mkdtemp(prefix="tenplex-hydrozoa-"))
     stores = [StoreProcess.start(root / f"s{i}") for i in range(2)]
     try:

@@ -64,14 +64,12 @@ def run_wsp(
     each VW's ``Nm``; ``lr``: AdamW's learning rate."""
     import jax
 
-    from tenplex_jax._src.elastic.steps import StepCache
     from tenplex_jax.wsp import Coordinator, ParameterServer, Threads, weights_of
     from tenplex_jax_models import wsp as job_parts
 
     parts = job_parts.job(1, model=model, minibatch=minibatch, lr=lr)
     state = parts["init"]()
-    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-    steps = StepCache(parts["train_step"], sample, jax.devices(), donate=False)
+    steps = job_parts.step_cache(parts, jax.devices())
     stores = _stores(pathlib.Path(tempfile.mkdtemp(prefix="tenplex-wsp-bench-")))
     try:
         addresses = [s.address for s in stores]
@@ -364,14 +362,12 @@ def run_join(model: str, minibatch: int, before: int = 150, after: int = 12, log
     differ only in the joiner's optimizer state (the weights come from the parameter server)."""
     import jax
 
-    from tenplex_jax._src.elastic.steps import StepCache
     from tenplex_jax.wsp import ParameterServer, weights_of
     from tenplex_jax_models import wsp as job_parts
 
     parts = job_parts.job(1, model=model, minibatch=minibatch)
     state = parts["init"]()
-    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-    steps = StepCache(parts["train_step"], sample, jax.devices()[:1], donate=False)
+    steps = job_parts.step_cache(parts, jax.devices()[:1])
     losses = {}
     for case in ("no join", "join, optimizer shared", "join, fresh optimizer"):
         (store,) = _stores(pathlib.Path(tempfile.mkdtemp(prefix="tenplex-wsp-join-")), 1)
@@ -418,15 +414,13 @@ def run_pipeline(
     import jax
 
     import tenplex_jax
-    from tenplex_jax._src.elastic.steps import StepCache
     from tenplex_jax.wsp import ParameterServer, weights_of
     from tenplex_jax_models import wsp as job_parts
 
     parts = dict(job_parts.job(2, model=model, minibatch=minibatch, layers=4))
     parts["config"] = tenplex_jax.ParallelConfig(pipe=2)
     state = parts["init"]()
-    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-    steps = StepCache(parts["train_step"], sample, jax.devices()[:2], donate=False)
+    steps = job_parts.step_cache(parts, jax.devices()[:2])
     seconds, idle = {"pipelined wave": [], "a step per minibatch": []}, {}
     for _ in range(rounds):
         for case in seconds:

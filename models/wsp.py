@@ -13,8 +13,10 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 import tenplex_jax as tj
+from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax.wsp import ParameterServer, VirtualWorker, WorkerOptions
 
 from .data import corpus_samples, stdlib_corpus
@@ -63,6 +65,14 @@ def job(
         "config": config_for(devices) if config is None else tj.ParallelConfig.parse(config),
         "stages": stages,
     }
+
+
+def step_cache(parts: dict, devices: Sequence, *, donate: bool = False) -> StepCache:
+    """``parts``' ``train_step`` compiled per layout on ``devices``, shared by the VWs of one
+    process (``donate=False``: a VW's state outlives its step, :class:`tj.wsp.WorkerOptions`),
+    traced on one sample of the job's dataset."""
+    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
+    return StepCache(parts["train_step"], sample, devices, donate=donate)
 
 
 def virtual_worker(

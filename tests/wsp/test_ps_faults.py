@@ -27,7 +27,6 @@ import jax
 import numpy as np
 import pytest
 
-from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.multihost.store import wire
 from tenplex_jax._src.wsp import pieces
 from tenplex_jax.multihost.store import StoreClient, parse_address
@@ -333,8 +332,7 @@ def test_a_virtual_worker_finishes_exactly_once_through_mixed_faults(store_addre
     _, state, _ = build_state("tiny", lr, optimizer="sgd")  # what parts["init"] builds
     initial = weights_of(state)
     devices = jax.devices()[:1]
-    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-    steps = StepCache(parts["train_step"], sample, devices)  # both runs: one compile
+    steps = job_parts.step_cache(parts, devices, donate=True)  # both runs: one compile
 
     def run(faults):
         _wipe(store_addresses)

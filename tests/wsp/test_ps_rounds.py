@@ -18,6 +18,7 @@ from tenplex_jax.errors import StoreError, WSPError
 from tenplex_jax.multihost.store import StoreClient
 from tenplex_jax.wsp import ParameterServer
 from tests.helpers import raw_socket, recv_frame
+from tests.wsp.ps_clients import BIG, hold_apply, two_vws
 from tests.wsp.store_proxy import FaultProxy
 
 LEAVES = {"embed": (64, 16), "norm": (16,), "head": (16, 64)}
@@ -74,18 +75,8 @@ def test_a_push_is_acknowledged_at_its_commit_and_added_behind_it(stores):
     other.open()
     pusher.update(lambda led: (led.join("a"), None))
     pusher.update(lambda led: led.claim("a", 0, 1))
-    started, release, done = threading.Event(), threading.Event(), threading.Event()
-    apply = pusher.apply
-
-    def held_apply(*args, **kwargs):
-        started.set()
-        assert release.wait(60)
-        try:
-            return apply(*args, **kwargs)
-        finally:
-            done.set()
-
-    pusher.apply = held_apply
+    held = hold_apply(pusher)
+    started, release, done = held.started, held.release, held.done
     updates = {k: np.full(s, 0.5, np.float32) for k, s in LEAVES.items()}
     try:
         ledger = pusher.push("a", 0, updates)  # acknowledged: committed, its apply held
@@ -167,33 +158,14 @@ def test_an_eager_body_refused_before_it_is_read_closes_the_connection(stores):
         assert not client.list("x")
 
 
-def _two_vws(stores) -> tuple[ParameterServer, ParameterServer]:
-    addresses = [stores.start(f"s{i}").address for i in range(2)]
-    first, second = ParameterServer(addresses), ParameterServer(addresses)
-    first.create({"w": np.zeros(8, np.float32)}, total=None)
-    second.open()
-    for ps, vw in ((first, "a"), (second, "b")):
-        ps.update(lambda led, vw=vw: (led.join(vw), None))
-        ps.update(lambda led, vw=vw: led.claim(vw, 0, 1))
-    return first, second
-
-
 def test_a_check_that_assumed_a_wave_added_that_a_piece_lacks_checks_again(stores):
     """a's wave is committed and not yet added; b's client believes every piece holds it (as
     after a store that lost the sum restarted): b's first check leaves a's update out, sees the
     piece's clocks behind its belief, checks again beside it and is refused (the two could
     overflow)."""
-    first, second = _two_vws(stores)
-    committed, release, pushed = threading.Event(), threading.Event(), []
-    apply = first.apply
-
-    def held_apply(*args, **kwargs):
-        committed.set()
-        release.wait(60)
-        return apply(*args, **kwargs)
-
-    first.apply = held_apply
-    big = {"w": np.array([2e38] + [0.0] * 7, np.float32)}  # finite alone, Inf twice
+    first, second = two_vws(stores)
+    held, pushed = hold_apply(first), []
+    committed, release, big = held.started, held.release, BIG
     pushing = threading.Thread(target=lambda: pushed.append(first.push("a", 0, big)))
     pushing.start()
     try:

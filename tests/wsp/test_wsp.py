@@ -98,8 +98,7 @@ def test_d0_with_one_minibatch_and_sgd_is_synchronous_sgd_on_the_summed_gradient
 
 def _steps(parts) -> StepCache:
     """A step cache the VWs of a test share: a VW on the devices of another compiles nothing."""
-    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-    return StepCache(parts["train_step"], sample, jax.devices(), donate=False)
+    return job_parts.step_cache(parts, jax.devices())
 
 
 def _flat(state) -> dict:

@@ -19,7 +19,6 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import tenplex_jax as tj
-from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.errors import WSPError
 from tenplex_jax.wsp import ParameterServer, WorkerOptions, weights_of
 from tenplex_jax_models import build_state, example_losses
@@ -51,8 +50,7 @@ def job():
     parts = job_parts.job(1, lr=LR, optimizer="sgd")
     graphdef, state, _ = build_state("tiny", LR, optimizer="sgd")  # what parts["init"] is
     dataset = parts["dataset"]
-    sample = jax.tree.map(np.asarray, dataset.load(np.zeros(1, np.int64)))
-    steps = StepCache(parts["train_step"], sample, jax.devices()[:1], donate=False)
+    steps = job_parts.step_cache(parts, jax.devices()[:1])
     mgraph, params, rest = nnx.split(nnx.merge(graphdef, state)["model"], nnx.Param, ...)
     mesh = jax.make_mesh((1, 1), ("data", "fsdp"), (AxisType.Auto,) * 2, devices=jax.devices()[:1])
     layout = tj.data.BatchLayout(dataset.global_batch, ranks=1)

@@ -20,6 +20,7 @@ from tenplex_jax.errors import StoreError, WSPError
 from tenplex_jax.multihost.store import StoreClient
 from tenplex_jax.wsp import ParameterServer
 from tests.helpers import raw_socket, recv_frame
+from tests.wsp.ps_clients import BIG, hold_apply, two_vws
 
 
 def test_a_watch_answers_when_its_object_changes_and_only_then(stores):
@@ -278,34 +279,12 @@ def test_a_wait_answers_at_once_for_a_change_another_thread_of_the_client_made(s
         assert got[0].leases["vw"].minibatches == (0,)
 
 
-def _two_vws(stores) -> tuple[ParameterServer, ParameterServer]:
-    """Two VWs' clients of one job over 2 stores, each holding the lease of its wave 0."""
-    addresses = [stores.start(f"s{i}").address for i in range(2)]
-    first, second = ParameterServer(addresses), ParameterServer(addresses)
-    first.create({"w": np.zeros(8, np.float32)}, total=None)
-    second.open()
-    for ps, vw in ((first, "a"), (second, "b")):
-        ps.update(lambda led, vw=vw: (led.join(vw), None))
-        ps.update(lambda led, vw=vw: led.claim(vw, 0, 1))
-    return first, second
-
-
-BIG = {"w": np.array([2e38] + [0.0] * 7, np.float32)}  # finite alone, Inf twice
-
-
 def test_a_push_checked_beside_a_committed_wave_never_leaves_the_ledger_ahead(stores):
     """a's wave is committed and not yet added when b's push of the same update is checked:
     b's is refused (the two could overflow), a's is added, and a pull ends."""
-    first, second = _two_vws(stores)
-    committed, release, pushed = threading.Event(), threading.Event(), []
-    apply = first.apply
-
-    def held_apply(*args, **kwargs):
-        committed.set()
-        release.wait(60)
-        return apply(*args, **kwargs)
-
-    first.apply = held_apply
+    first, second = two_vws(stores)
+    held, pushed = hold_apply(first), []
+    committed, release = held.started, held.release
     pushing = threading.Thread(target=lambda: pushed.append(first.push("a", 0, BIG)))
     pushing.start()
     try:
@@ -325,7 +304,7 @@ def test_a_push_checked_beside_a_committed_wave_never_leaves_the_ledger_ahead(st
 
 
 def test_concurrent_pushes_whose_sum_overflows_commit_one_and_every_pull_ends(stores):
-    first, second = _two_vws(stores)
+    first, second = two_vws(stores)
     outcomes, start = {}, threading.Barrier(2)
 
     def push(ps, vw):

@@ -4,10 +4,8 @@ reviewing and shrinking a live job of virtual workers on a parameter server on 1
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 
-from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.wsp.manager import LocalPool
 from tenplex_jax._src.wsp.scaler import ENDED
 from tenplex_jax.elastic import ResourceTrace
@@ -117,8 +115,7 @@ def test_a_scaler_grows_a_live_job_by_asking_a_pool_while_it_pays(tmp_path):
         addresses = [started.start(f"s{i}").address for i in range(2)]
         parts = job_parts.job(1)
         state = parts["init"]()
-        sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-        steps = StepCache(parts["train_step"], sample, jax.devices(), donate=False)
+        steps = job_parts.step_cache(parts, jax.devices())
 
         def make(name, devices):  # each VW on the device granted to it
             return job_parts.virtual_worker(
@@ -174,8 +171,7 @@ def test_a_scaler_follows_a_trace_growing_reviewing_and_shrinking_a_live_job(tmp
         addresses = [started.start(f"s{i}").address for i in range(2)]
         parts = job_parts.job(1)
         state = parts["init"]()
-        sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-        steps = StepCache(parts["train_step"], sample, jax.devices(), donate=False)
+        steps = job_parts.step_cache(parts, jax.devices())
 
         def make(name, devices):  # on device 0 whatever it is offered: one compiled step
             return job_parts.virtual_worker(

@@ -5,11 +5,9 @@ trains every minibatch exactly once, in the dataset's order, on a parameter serv
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 
 import tenplex_jax as tj
-from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.wsp.replan import planner_for
 from tenplex_jax.elastic import ResourceTrace
 from tenplex_jax.errors import PlanError, WSPError
@@ -44,8 +42,7 @@ def job(stores):
     addresses = [stores.start(f"s{i}").address for i in range(2)]
     parts = job_parts.job(2)
     state = parts["init"]()
-    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-    steps = StepCache(parts["train_step"], sample, jax.devices(), donate=False)
+    steps = job_parts.step_cache(parts, jax.devices())
     return addresses, parts, state, steps
 
 
