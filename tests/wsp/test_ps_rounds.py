@@ -7,12 +7,15 @@ still survive a SIGKILL of their store."""
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 
 import numpy as np
 import pytest
 
+from tenplex_jax._src.multihost.store import client as store_client
 from tenplex_jax._src.multihost.store import wire
+from tenplex_jax._src.multihost.store.client import Swap
 from tenplex_jax._src.wsp.ps import STAGE
 from tenplex_jax.errors import StoreError, WSPError
 from tenplex_jax.multihost.store import StoreClient
@@ -29,24 +32,29 @@ def _requests(proxies, since) -> list[collections.Counter]:
     return [collections.Counter(op for op, _ in p.requests[n:]) for p, n in zip(proxies, since)]
 
 
-def test_a_push_is_a_request_per_piece_in_two_rounds_then_its_apply_and_a_pull_none(stores):
-    """A push is a put (the stage and its check) per piece and one compare-and-swap of the
-    ledger, then an accumulate per piece behind its acknowledgement: no flush, no listing, no
-    read of the ledger. The first pull asks each piece's store for it (naming its segment);
-    every later pull given the ledger copies the pieces out of their segments, no request."""
+@pytest.mark.parametrize("spread", [False, True], ids=["one-store", "two-stores"])
+def test_a_push_is_a_request_per_piece_then_its_apply_and_a_pull_none(stores, spread):
+    """Weights over two stores: a push is a put (the stage and its check) per piece and one
+    compare-and-swap of the ledger, then an accumulate per piece behind its acknowledgement: no
+    flush, no listing, no read of the ledger. Weights under ``spread_bytes`` live on the
+    ledger's store, and the last piece's put commits the wave too: no compare-and-swap. The
+    first pull asks each piece's store for it (naming its segment); every later pull given the
+    ledger copies the pieces out of their segments, no request."""
     procs = [stores.start(f"s{i}") for i in range(2)]
     with FaultProxy(procs[0].address) as p0, FaultProxy(procs[1].address) as p1:
         proxies = (p0, p1)
         with ParameterServer([p.address for p in proxies]) as ps:
-            ps.create({k: np.zeros(s, np.float32) for k, s in LEAVES.items()}, total=None)
+            weights = {k: np.zeros(s, np.float32) for k, s in LEAVES.items()}
+            ps.create(weights, total=None, **({"spread_bytes": 4} if spread else {}))
             ps.update(lambda led: (led.join("a"), None))
             updates = {k: np.full(s, 1e-3, np.float32) for k, s in LEAVES.items()}
             per_store = collections.Counter(p.store for p in ps.layout)
-            assert set(per_store) == {0, 1}
+            assert set(per_store) == ({0, 1} if spread else {0})
             for wave in range(3):
                 ps.update(lambda led, wave=wave: led.claim("a", wave, 1))
                 since = [len(p.requests) for p in proxies]
                 ledger = ps.push("a", wave, updates)
+                assert ledger.pushed("a", wave) and ps.push_seconds["commit"] >= 0
                 ps.settle()
                 pushed = _requests(proxies, since)
                 since = [len(p.requests) for p in proxies]
@@ -54,15 +62,16 @@ def test_a_push_is_a_request_per_piece_in_two_rounds_then_its_apply_and_a_pull_n
                 pulled = _requests(proxies, since)
                 for store in (0, 1):
                     n = per_store[store]
-                    commit = {"cas_json": 1} if store == 0 else {}
+                    commit = {"cas_json": 1} if store == 0 and spread else {}
                     expected = collections.Counter(put=n, accumulate=n, **commit)
-                    assert pushed[store] == expected, (wave, store, pushed)
-                    asked = {"get_shared": n} if wave == 0 else {}
+                    assert pushed[store] == +expected, (wave, store, pushed)
+                    asked = {"get_shared": n} if wave == 0 and n else {}
                     assert pulled[store] == asked, (wave, store, pulled)
                 for k, s in LEAVES.items():
                     np.testing.assert_array_equal(
                         weights[k], np.full(s, (wave + 1) * 1e-3, np.float32)
                     )
+            assert ps.ledger() == ledger  # the commit the put made is the stored ledger
 
 
 def test_a_push_is_acknowledged_at_its_commit_and_added_behind_it(stores):
@@ -101,8 +110,8 @@ def test_a_push_is_acknowledged_at_its_commit_and_added_behind_it(stores):
 def test_a_stage_the_check_refuses_is_not_kept_and_one_it_passes_is(stores):
     client = StoreClient(stores.start("s0").address)
     client.put("w", np.array([1.0, 1e38, 0.0], np.float32))
-    staged, held = client.stage("s/0", np.ones(3, np.float32), into="w", name="a")
-    assert held.path == "w" and dict(held.clocks) == {}
+    staged, held, swap = client.stage("s/0", np.ones(3, np.float32), into="w", name="a")
+    assert swap is None and held.path == "w" and dict(held.clocks) == {}
     np.testing.assert_array_equal(client.get("s/0"), np.ones(3, np.float32))
     assert staged.checksum == wire.checksum(wire.as_bytes(np.ones(3, np.float32)))
     with pytest.raises(StoreError, match="at element 1") as error:
@@ -115,6 +124,44 @@ def test_a_stage_the_check_refuses_is_not_kept_and_one_it_passes_is(stores):
         client.stage("s/3", big, into="w", name="b", beside=[("a", 0, "s/2")])
     assert error.value.reason == "nonfinite" and not client.list("s/3")
     assert [i.path for i in client.list("s/")] == ["s/0", "s/2"]
+    client.close()
+
+
+def test_a_stage_swaps_its_object_only_once_its_check_passed_on_its_basis(stores):
+    """A stage's swap (a parameter server's commit in the stage's request) is made after the
+    check passed, if the version matches and the array holds the basis; a stage the check
+    refuses swaps nothing; a malformed swap is refused before the stage is stored."""
+    client = StoreClient(stores.start("s0").address)
+    client.put("w", np.array([1.0, 1e38, 0.0], np.float32))
+    cas = client.cas_json("led", {"n": 0}, expect=None)
+    ones = np.ones(3, np.float32)
+    # the array holds no push of "a": a basis that takes one as added is not met
+    got = client.stage(
+        "s/0", ones, into="w", name="b", swap=Swap("led", {"n": 1}, cas.version, {"a": 1})
+    )
+    assert got.swap == (False, None, None, 0.0)
+    assert client.get_json("led", versioned=True)[:2] == ({"n": 0}, cas.version)
+    # a stale version: not swapped, and the object there now comes back
+    stale = client.stage("s/1", ones, into="w", name="b", swap=Swap("led", {"n": 1}, 99, {}))
+    assert stale.swap[:3] == (False, cas.version, {"n": 0})
+    # the check refuses: nothing staged, nothing swapped
+    nan = np.array([0.0, np.nan, 0.0], np.float32)
+    with pytest.raises(StoreError, match="at element 1") as error:
+        client.stage("s/2", nan, into="w", name="b", swap=Swap("led", {"n": 1}, cas.version, {}))
+    assert error.value.reason == "nonfinite"
+    assert client.get_json("led", versioned=True)[0] == {"n": 0} and not client.list("s/2")
+    # malformed: refused before the stage is stored
+    for bad in ({"n": float("nan")}, {"n": "x" * (wire.MAX_SWAP_BYTES + 1)}):
+        with pytest.raises(StoreError, match="swap"):
+            client.stage("s/3", ones, into="w", name="b", swap=Swap("led", bad, cas.version, {}))
+    with pytest.raises(StoreError, match="basis"):
+        client.stage("s/3", ones, into="w", name="b", swap=Swap("led", {}, cas.version, {"a": -1}))
+    assert not client.list("s/3")
+    done = client.stage(
+        "s/4", ones, into="w", name="b", swap=Swap("led", {"n": 1}, cas.version, {})
+    )
+    assert done.swap.swapped and done.swap.value == {"n": 1} and done.swap.version > cas.version
+    assert client.get_json("led", versioned=True)[:2] == ({"n": 1}, done.swap.version)
     client.close()
 
 
@@ -187,3 +234,22 @@ def test_a_check_that_assumed_a_wave_added_that_a_piece_lacks_checks_again(store
     }
     first.close()
     second.close()
+
+
+def test_a_stage_whose_swap_was_made_is_answered_as_done_when_tried_again(stores, monkeypatch):
+    """A stage tried again under the id of a request that made its swap (its reply was lost) is
+    answered with that outcome, and not staged or checked again: its update may be added and
+    its stage gone by then, and a check of it against the sum could refuse a committed wave."""
+    client = StoreClient(stores.start("s0").address)
+    client.put("w", np.zeros(3, np.float32))
+    cas = client.cas_json("led", {"n": 0}, expect=None)
+    monkeypatch.setattr(store_client, "_RIDS", itertools.repeat(7))  # every request: one id
+    ones = np.ones(3, np.float32)
+    first = client.stage("s", ones, into="w", name="a", swap=Swap("led", {"n": 1}, cas.version, {}))
+    assert first.swap.swapped
+    client.delete("s")  # as an apply consumes it
+    again = client.stage("s", ones, into="w", name="a", swap=Swap("led", {"n": 1}, cas.version, {}))
+    assert again.swap[:2] == (True, first.swap.version) and again.update == first.update
+    assert again.into.path == "w" and not client.list("s")
+    assert client.get_json("led", versioned=True)[:2] == ({"n": 1}, first.swap.version)
+    client.close()

@@ -170,8 +170,13 @@ def test_leaves_are_cut_by_bytes_over_the_stores_and_placed_where_asked(stores):
 
 
 def test_cut_packs_small_leaves_into_equal_pieces_and_refuses_a_piece_below_one_element():
-    layout = cut({"a": (10,), "b": (30,), "c": (20,)}, stores=2, piece_bytes=1 << 20)
+    small = {"a": (10,), "b": (30,), "c": (20,)}
+    layout = cut(small, stores=2, piece_bytes=1 << 20, spread_bytes=4)
     assert [(p.key, p.store, p.size) for p in layout] == [("p0", 0, 30), ("p1", 1, 30)]
+    # 240 bytes are not worth a second store's requests; 3 MiB take 3 stores of 4
+    assert [(p.store, p.size) for p in cut(small, stores=2)] == [(0, 60)]
+    spread = cut({"a": (3 << 18,)}, stores=4)
+    assert [(p.store, p.size) for p in spread] == [(0, 1 << 18), (1, 1 << 18), (2, 1 << 18)]
     assert [[(s.leaf, s.start, s.stop) for s in p.spans] for p in layout] == [
         [("a", 0, 10), ("b", 0, 20)],  # the weights' order, end to end
         [("b", 20, 30), ("c", 0, 20)],
@@ -179,8 +184,9 @@ def test_cut_packs_small_leaves_into_equal_pieces_and_refuses_a_piece_below_one_
     few = cut({"a": (3,), "empty": (0, 4)}, stores=4, piece_bytes=4)
     assert [(p.store, p.size) for p in few] == [(0, 1), (1, 1), (2, 1)]  # no empty piece
     assert cut({"empty": (0,)}, stores=2) == ()
-    with pytest.raises(WSPError, match="piece_bytes is at least"):
-        cut({"a": (10,)}, stores=1, piece_bytes=2)
+    for bad in ({"piece_bytes": 2}, {"spread_bytes": 0}):
+        with pytest.raises(WSPError, match="piece_bytes and spread_bytes are at least"):
+            cut({"a": (10,)}, stores=1, **bad)
 
 
 @settings(max_examples=60, deadline=None)
@@ -196,9 +202,13 @@ def test_cut_covers_every_leaf_once_in_equal_pieces_balanced_over_the_stores(siz
     sizes = [p.size for p in layout]
     assert all(0 < n <= piece for n in sizes)
     assert not sizes or max(sizes) - min(sizes) <= 1  # equal pieces
-    counts = [sum(p.store == i for p in layout) for i in range(stores)]
-    assert max(counts) - min(counts) <= 1  # as many on each store
-    assert len(layout) % stores == 0 or len(layout) == sum(sizes)  # fewer: one element each
+    elements = sum(p.size for p in layout)
+    # as many stores as the weights have pieces for (spread_bytes is larger than any piece here)
+    spread = min(stores, -(-elements // piece))
+    assert {p.store for p in layout} == set(range(spread))
+    counts = [sum(p.store == i for p in layout) for i in range(spread)]
+    assert not counts or max(counts) - min(counts) <= 1  # as many on each store
+    assert not layout or len(layout) % spread == 0 or len(layout) == elements  # or an element each
 
 
 def test_a_layout_of_another_format_or_that_misses_elements_is_refused_on_open(stores):

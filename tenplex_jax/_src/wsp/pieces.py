@@ -5,7 +5,9 @@ piece, while a leaf kept whole makes its store carry most of the bytes and serve
 alone. So the leaves that may go to the same stores are laid end to end, flattened, in the
 weights' order, and that run of elements is cut into equal pieces of at most ``piece_bytes``, as
 many on each of those stores: a small leaf shares a piece with its neighbours, a large one
-spreads over the stores. Each piece is a list of *spans*, ranges of a leaf's flattened elements.
+spreads over the stores. Weights too small to pay for another store's requests
+(``spread_bytes`` a store, or a piece) stay on fewer stores. Each piece is a list of *spans*,
+ranges of a leaf's flattened elements.
 (What the piece size costs: ``benchmarks/RESULTS.md``, ``ps_lean``.)
 """
 
@@ -21,6 +23,10 @@ import numpy as np
 from tenplex_jax._src.errors import WSPError
 
 PIECE_BYTES = 32 << 20
+# the fewest bytes worth a store of their own: each store a push or pull talks to costs a
+# request per round (about a millisecond of two processes' Python on a small machine), more than
+# sending a megabyte takes, so weights smaller than this stay on one store (``RESULTS.md``)
+SPREAD_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,30 +72,39 @@ def cut(
     stores: int,
     piece_bytes: int = PIECE_BYTES,
     allowed: Mapping[str, Sequence[int]] | None = None,
+    spread_bytes: int = SPREAD_BYTES,
 ) -> tuple[Piece, ...]:
     """Cut float32 leaves into pieces: the leaves allowed the same stores, end to end in the
-    weights' order, cut into equal pieces of at most ``piece_bytes``, as many on each of those
-    stores (dealt out in turn, the least loaded store first).
+    weights' order, cut into equal pieces of at most ``piece_bytes``, as many on each of as
+    many of those stores as they have ``min(spread_bytes, piece_bytes)`` for (dealt out in turn,
+    the least loaded store first).
 
     >>> layout = cut({"w": (4, 8), "b": (8,)}, stores=2, piece_bytes=128)
     >>> [(p.key, p.store, [(s.leaf, s.start, s.stop) for s in p.spans]) for p in layout]
     [('p0', 0, [('w', 0, 20)]), ('p1', 1, [('w', 20, 32), ('b', 0, 8)])]
+    >>> [p.store for p in cut({"w": (4, 8), "b": (8,)}, stores=2)]  # 160 bytes: one store
+    [0]
 
     Args:
       shapes: leaf path -> shape.
       stores: how many stores.
       piece_bytes: the largest piece, bytes (>= 4).
       allowed: leaf path -> the stores it may go to (default: any).
+      spread_bytes: the fewest bytes that take another store (>= 4).
 
     Returns:
       Every piece, in element order within each group of leaves.
 
     Raises:
-      WSPError: ``piece_bytes`` below one element, or a leaf allowed no store or one that does
+      WSPError: ``piece_bytes`` or ``spread_bytes`` below one element, or a leaf allowed no store or one that does
         not exist (``"invalid"``, naming the leaf).
     """
-    if piece_bytes < 4:
-        raise WSPError(f"piece_bytes is at least one float32 (4); got {piece_bytes}", "invalid")
+    if min(piece_bytes, spread_bytes) < 4:
+        raise WSPError(
+            f"piece_bytes and spread_bytes are at least one float32 (4); got {piece_bytes} "
+            f"and {spread_bytes}",
+            "invalid",
+        )
     allowed = allowed or {}
     for path, where in allowed.items():
         if path not in shapes or not where or any(not 0 <= i < stores for i in where):
@@ -108,8 +123,10 @@ def cut(
         groups.items(), key=lambda kv: -sum(math.prod(shapes[p]) for p in kv[1])
     ):
         sizes = [(p, math.prod(shapes[p])) for p in paths]
-        order = sorted(where, key=lambda i: (load[i], i))  # the least loaded first
-        for k, spans in enumerate(_equal_runs(sizes, len(where), piece_bytes)):
+        nbytes = 4 * sum(n for _, n in sizes)
+        spread = min(len(where), max(1, -(-nbytes // min(spread_bytes, piece_bytes))))
+        order = sorted(where, key=lambda i: (load[i], i))[:spread]  # the least loaded first
+        for k, spans in enumerate(_equal_runs(sizes, spread, piece_bytes)):
             piece = Piece(index=len(pieces), store=order[k % len(order)], spans=spans)
             load[piece.store] += 4 * piece.size
             pieces.append(piece)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -57,10 +58,11 @@ import numpy as np
 
 from tenplex_jax._src.errors import StoreError, WSPError
 from tenplex_jax._src.multihost.store import wire
-from tenplex_jax._src.multihost.store.client import StoreClient
+from tenplex_jax._src.multihost.store.client import StoreClient, Swap
 from tenplex_jax._src.wsp.ledger import PATH, Ledger
 from tenplex_jax._src.wsp.pieces import (
     PIECE_BYTES,
+    SPREAD_BYTES,
     Piece,
     Span,
     check_layout,
@@ -193,6 +195,7 @@ class ParameterServer(Records):
         *,
         piece_bytes: int = PIECE_BYTES,
         stores: Mapping[str, Sequence[int]] | None = None,
+        spread_bytes: int = SPREAD_BYTES,
     ) -> None:
         """Start a job: cut the initial weights into pieces over the stores (:func:`cut`) and
         write an empty ledger.
@@ -203,6 +206,9 @@ class ParameterServer(Records):
           piece_bytes: the largest piece of a leaf, bytes.
           stores: leaf path -> the stores (indices) its pieces may go to, e.g. those of the nodes
             that run its stage (default: any).
+          spread_bytes: the fewest bytes of weights that take another store (default 1 MiB:
+            smaller weights live on the first store, whose push stages, checks and commits in
+            one request a piece; :func:`cut`).
 
         Raises:
           WSPError: a job already exists on these stores (``"refused"``), or a weight that is
@@ -218,7 +224,7 @@ class ParameterServer(Records):
                     "invalid",
                 )
         shapes = {path: tuple(a.shape) for path, a in arrays.items()}
-        layout = cut(shapes, len(self.clients), piece_bytes, stores)
+        layout = cut(shapes, len(self.clients), piece_bytes, stores, spread_bytes)
         if not self.coordinator.cas_json(PATH, Ledger(total=total).to_json(), expect=None).swapped:
             raise WSPError(
                 f"a job already exists on {self.addresses[0]} (its ledger {PATH!r})", "refused"
@@ -303,14 +309,77 @@ class ParameterServer(Records):
 
         self.settle()  # the last push's apply first: one VW's pushes are added in turn
         phase("apply")
-        seen = self.last_ledger()
-        sources = self._check(vw, wave, stage, seen, flat)
+        if all(p.store == 0 for p in self.layout):  # small weights: the ledger's store only
+            sources, seen, ledger = self._stage_committing(vw, wave, stage, flat)
+        else:
+            seen = self.last_ledger()
+            sources, ledger = self._check(vw, wave, stage, seen, flat), None
         phase("stage")
-        ledger = self._commit(vw, wave, stage, seen, phase)
+        if ledger is None:
+            ledger = self._commit(vw, wave, stage, seen, phase)
         self._applying = self._applier.submit(
             self.apply, vw, wave, wave - ledger.starts[vw], sources
         )
         return ledger
+
+    def _stage_committing(
+        self, vw: str, wave: int, stage: str, flat: Mapping[str, np.ndarray]
+    ) -> tuple[dict[str, str], Ledger, Ledger | None]:
+        """Stage and check every piece (all on the ledger's store), the last piece's request
+        committing the wave in the newest ledger this client saw: the store swaps it once that
+        stage passed its check, if the piece holds every wave the check took as added. One
+        request for a one-piece push.
+
+        Returns:
+          ``(sources, seen, ledger)``: the staged updates' checksums by piece, the ledger the
+          checks were made beside, and the ledger after the commit; None when it did not swap
+          (another change came first, or the ledger's JSON is too large for a stage's
+          request): then every stage is checked beside ``seen``'s waves and :meth:`_commit`
+          commits it.
+        """
+        self.last_ledger()
+        seen, version = self._last
+        try:
+            committed = seen.commit(vw, wave)
+            after = committed.to_json()
+        except WSPError:  # refused here: the usual commit says why, or commits on a newer one
+            after = None
+        if (
+            after is not None
+            and len(json.dumps(after, separators=(",", ":"))) > wire.MAX_SWAP_BYTES
+        ):
+            after = None  # too large to ride in a stage's header
+        beside, basis = self._beside(seen)
+        client, sources, covered, cas = self.coordinator, {}, True, None
+        try:
+            for p in self.layout:
+                last = p is self.layout[-1]
+                swap = Swap(PATH, after, version, basis[p.key]) if covered and last else None
+                runs = [flat[s.leaf][s.start : s.stop] for s in p.spans]
+                staged = client.stage(
+                    stage + p.key,
+                    runs,
+                    into=WEIGHTS + p.key,
+                    name=vw,
+                    beside=beside[p.key],
+                    sync=self.sync,
+                    swap=None if after is None else swap,
+                )
+                sources[p.key], cas = staged.update.checksum, staged.swap
+                held = self._clocks[p.key] = dict(staged.into.clocks)
+                covered &= all(held.get(v, 0) >= n for v, n in basis[p.key].items())
+        except StoreError as error:
+            if error.reason != "nonfinite":
+                raise
+            self._drop_stage(stage)
+            raise WSPError(f"push of wave {wave} by {vw!r}: {error}", "invalid") from None
+        if cas is not None and cas.swapped:
+            return sources, seen, self._swapped(committed, cas.version)
+        if cas is not None and cas.value is not None:
+            self._saw(Ledger.from_json(cas.value), cas.version)
+        if not covered:  # a piece lacked a wave its check took as added: checked again
+            self._check(vw, wave, stage, seen)
+        return sources, seen, None
 
     def settle(self) -> None:
         """Wait until this client's last push is added into the weights (:meth:`push` adds it
@@ -380,7 +449,7 @@ class ParameterServer(Records):
                     into, at = WEIGHTS + p.key, stage + p.key
                     if flat is not None and p.key not in sources:
                         runs = [flat[s.leaf][s.start : s.stop] for s in p.spans]
-                        staged, info = client.stage(
+                        staged, info, _ = client.stage(
                             at, runs, into=into, name=vw, beside=beside[p.key], sync=self.sync
                         )
                         sources[p.key] = staged.checksum

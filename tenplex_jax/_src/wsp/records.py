@@ -138,14 +138,17 @@ class Records:
             # a reply lost after the swap: the store answers the request's retry as swapped
             cas = self.coordinator.cas_json(PATH, ledger.to_json(), expect=version, sync=self.sync)
             if cas.swapped:
-                self._seen.version = cas.version
-                self._saw(ledger, cas.version)
-                if len(ledger.log) > 2 * LOG_KEPT:
-                    ledger = self._compact(ledger, cas.version)
-                return ledger, result
+                return self._swapped(ledger, cas.version), result
             before = self._saw(Ledger.from_json(cas.value), cas.version)
             version, cached = cas.version, None  # the store's ledger now: its answers count
         raise WSPError(f"the ledger changed under {tries} tries in a row", "busy")
+
+    def _swapped(self, ledger: Ledger, version: int) -> Ledger:
+        """``ledger``, just stored as ``version`` by this thread, noted as seen; compacted when
+        its log is long."""
+        self._seen.version = version
+        self._saw(ledger, version)
+        return self._compact(ledger, version) if len(ledger.log) > 2 * LOG_KEPT else ledger
 
     def _read(self) -> tuple[Ledger, int]:
         """The ledger as stored now and its version (noted as seen by the client, not by the

@@ -14,9 +14,18 @@ Every object carries its global shape, dtype and a checksum checked on every hop
 raises ``tj.errors.StoreError`` with a ``reason``. Importing this needs no JAX.
 """
 
-from tenplex_jax._src.multihost.store.client import StoreClient, parse_address
+from tenplex_jax._src.multihost.store.client import CAS, Staged, StoreClient, Swap, parse_address
 from tenplex_jax._src.multihost.store.process import StoreProcess
 from tenplex_jax._src.multihost.store.replicated import ReplicatedStore
 from tenplex_jax._src.multihost.store.wire import ObjectInfo
 
-__all__ = ["ObjectInfo", "ReplicatedStore", "StoreClient", "StoreProcess", "parse_address"]
+__all__ = [
+    "CAS",
+    "ObjectInfo",
+    "ReplicatedStore",
+    "Staged",
+    "StoreClient",
+    "StoreProcess",
+    "Swap",
+    "parse_address",
+]

@@ -9,7 +9,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Self
 
 import numpy as np
@@ -38,6 +38,28 @@ class CAS(NamedTuple):
     version: int | None
     value: Any
     time: float
+
+
+class Swap(NamedTuple):
+    """A JSON object's compare-and-swap that a :meth:`StoreClient.stage` makes once its update
+    passed the check (a parameter server's commit, in the stage's request): ``obj`` stored at
+    ``path`` if the object there is version ``expect`` (None: there is none) and the array
+    checked holds at least ``basis`` (name -> clock: the pushes the check took as added)."""
+
+    path: str
+    obj: dict
+    expect: int | None
+    basis: Mapping[str, int]
+
+
+class Staged(NamedTuple):
+    """A :meth:`StoreClient.stage` reply: the update's record, the record of the array it will
+    be added into (its clocks say which pushes beside it holds already), and the outcome of
+    the stage's :class:`Swap` (None without one)."""
+
+    update: ObjectInfo
+    into: ObjectInfo
+    swap: CAS | None
 
 
 def _new_rids() -> None:
@@ -400,11 +422,15 @@ class StoreClient:
         name: str,
         beside: Sequence[tuple[str, int, str]] = (),
         sync: bool = True,
-    ) -> tuple[ObjectInfo, ObjectInfo]:
+        swap: Swap | None = None,
+    ) -> Staged:
         """Put an update its pusher will add into the array at ``into`` (a parameter server's
         stage), and check it there, in one request: the update is written through to its file
         (a kill of the store keeps it; fsynced before the reply if ``sync``, else behind it),
-        then checked as ``accumulate(into, path, check=True, beside=beside)`` checks.
+        then checked as ``accumulate(into, path, check=True, beside=beside)`` checks; then, with
+        ``swap``, a JSON object swapped as :meth:`cas_json` swaps it, only if the check passed
+        and ``into`` holds ``swap.basis`` (a parameter server commits a wave there: one request
+        for stage, check and commit).
 
         Args:
           path: the update's path.
@@ -415,16 +441,20 @@ class StoreClient:
           name: the pusher's name.
           beside: ``(name, clock, stage)`` of other pushes that will be added into ``into``
             too (see :meth:`accumulate`).
-          sync: fsync the update before the reply.
+          sync: fsync the update, and the swapped object, before the reply.
+          swap: the compare-and-swap to make after the check (its object at most
+            ``MAX_SWAP_BYTES`` as JSON).
 
         Returns:
-          ``(staged, array)``: the update's :class:`ObjectInfo` and ``into``'s (its ``clocks``
-          say which of ``beside`` it holds already).
+          A :class:`Staged`: the update's :class:`ObjectInfo`, ``into``'s, and the swap's
+          :class:`CAS` (with the object now when it did not swap and that object is at most
+          ``MAX_SWAP_BYTES``, else None; version None when ``into`` lacked the basis).
 
         Raises:
           StoreError: the sum could be non-finite (``"nonfinite"``: then the update is not
-            kept), the arrays do not match (``"refused"``), ``into`` is missing
-            (``"not_found"``), or the store failed the request.
+            kept, and nothing swapped), the arrays do not match (``"refused"``), ``into`` is
+            missing (``"not_found"``), the swap's object is too large, or the store failed the
+            request.
         """
         if isinstance(array, np.ndarray):
             runs = [np.asarray(array, order="C")]
@@ -444,8 +474,18 @@ class StoreClient:
             "name": wire.check_name(name),
             "beside": [[wire.check_name(n), int(c), wire.check_path(s)] for n, c, s in beside],
         }
+        if swap is not None:
+            request["swap"] = _swap_request(path, swap)
         header, _ = self._call(request, [wire.as_bytes(run) for run in runs])
-        return ObjectInfo.from_json(header["info"]), ObjectInfo.from_json(header["into"])
+        staged, held = ObjectInfo.from_json(header["info"]), ObjectInfo.from_json(header["into"])
+        if swap is None:
+            return Staged(staged, held, None)
+        reply = header["swap"]
+        if reply["swapped"]:
+            return Staged(staged, held, CAS(True, int(reply["version"]), swap.obj, 0.0))
+        value = reply.get("value")
+        value = None if value is None else json.loads(value)
+        return Staged(staged, held, CAS(False, reply.get("version"), value, 0.0))
 
     def get(
         self,
@@ -901,6 +941,26 @@ def _receiver(out: np.ndarray | None, path: str, box: Box, dtype: np.dtype) -> n
             "invalid",
         )
     return out
+
+
+def _swap_request(stage: str, swap: Swap) -> dict:
+    """A stage's :class:`Swap` as its request carries it (in the header: at most
+    ``wire.MAX_SWAP_BYTES`` of JSON)."""
+    value = json.dumps(swap.obj, separators=(",", ":"))
+    if not isinstance(swap.obj, dict) or len(value) > wire.MAX_SWAP_BYTES:
+        raise StoreError(
+            f"stage of {stage!r}: a swap's object is a JSON object of at most "
+            f"{wire.MAX_SWAP_BYTES} bytes; got a {type(swap.obj).__name__} of {len(value)}"
+        )
+    expect = swap.expect
+    if expect is not None and (not wire._is_int(expect) or expect < 0):
+        raise StoreError(f"stage of {stage!r}: a swap expects a version (an int) or None")
+    return {
+        "path": wire.check_path(swap.path),
+        "expect": None if expect is None else int(expect),
+        "value": value,
+        "basis": {wire.check_name(n): int(c) for n, c in swap.basis.items()},
+    }
 
 
 def _put_request(path: str, shape: Shape, dtype: np.dtype, box, global_shape) -> dict:

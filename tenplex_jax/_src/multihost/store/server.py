@@ -134,6 +134,23 @@ def _beside(beside) -> list[tuple[str, int, str]]:
     return [tuple(each) for each in beside]
 
 
+def _check_plain_json(data: bytes, what: str) -> None:
+    """Refuse bytes that are not a plain JSON object: without NaN or Infinity, a key twice in one
+    object, or a lone surrogate."""
+    try:
+        obj = json.loads(data, parse_constant=_no_constant, object_pairs_hook=wire.unique_keys)
+        # a lone surrogate (an escape no UTF-8 text holds) would be kept as written, and fail
+        # whoever re-encodes the object
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except (ValueError, RecursionError) as error:
+        raise StoreError(f"{what}: the body is not plain JSON: {error!r:.300}", "refused") from None
+    if not isinstance(obj, dict):
+        raise StoreError(
+            f"{what}: the store keeps JSON objects; the body is a {type(obj).__name__}",
+            "refused",
+        )
+
+
 def _no_constant(name: str):
     raise ValueError(f"{name} is not plain JSON")
 
@@ -365,6 +382,10 @@ class Handler(socketserver.BaseRequestHandler):
                 raise StoreError(f"a put's check holds into, name and beside: {check!r:.100}")
             into, name = wire.check_path(check.get("into")), wire.check_name(check.get("name"))
             beside = _beside(check.get("beside"))
+        swap = self._swap_of(header) if check is not None else None
+        # a stage whose swap this request made already (its reply was lost): answered as done,
+        # not staged and checked again (its update may be added and its stage gone by now)
+        done = None if swap is None else store.written_by(swap[0], self.rid)
         durable = check is not None or bool(header.get("durable"))
         sync = header.get("sync", True) is not False
         dtype = wire.dtype_of(str(header.get("dtype")))
@@ -383,15 +404,61 @@ class Handler(socketserver.BaseRequestHandler):
                 data, digest = self._body(sock, nbody, expected, path)
                 self._check_claim(sock, header, digest, what)
                 info = dataclasses.replace(info, checksum=digest)
-                store.put(info, data, durable=durable, sync=sync)
+                if done is None:
+                    store.put(info, data, durable=durable, sync=sync)
                 del data  # the store holds it now, or has written it through
-        store.reshare(path)
         reply = {"ok": True, "info": info.to_json()}
+        if done is not None:
+            reply["into"] = store.info(store.find(into, None))[0].to_json()
+            reply["swap"] = {"swapped": True, "version": done}
+            self._send(sock, reply)
+            return
+        store.reshare(path)
         if check is not None:
             chunks = (3 + len(beside)) * min(info.nbytes, updates.ACCUMULATE_CHUNK_BYTES)
             with self.server.budget.hold(chunks, f"check of {path!r}", peer=sock):
-                reply["into"] = store.check_stage(path, into, name, beside).to_json()
+                into_info = store.check_stage(path, into, name, beside)
+                reply["into"] = into_info.to_json()
+                if swap is not None:  # the check passed: the swap it carries
+                    reply["swap"] = self._swap_checked(swap, into_info, sync)
         self._send(sock, reply)
+
+    @staticmethod
+    def _swap_of(header: dict) -> tuple[str, int | None, np.ndarray, dict[str, int]] | None:
+        """A stage's swap (``{"path", "expect", "value", "basis"}``, see ``StoreClient.stage``),
+        checked before anything is stored: ``(path, expect, the object's bytes, basis)``."""
+        swap = header.get("swap")
+        if swap is None:
+            return None
+        what = f"the swap of stage {header.get('path')!r:.200}"
+        if not isinstance(swap, dict) or not isinstance(swap.get("basis"), dict):
+            raise StoreError(f"{what} holds path, expect, value and basis: {swap!r:.100}")
+        path, expect, value = wire.check_path(swap.get("path")), swap.get("expect"), swap["value"]
+        if expect is not None and (not wire._is_int(expect) or expect < 0):
+            raise StoreError(f"{what} expects a version or null; got {expect!r:.80}")
+        if not isinstance(value, str) or len(value) > wire.MAX_SWAP_BYTES:
+            raise StoreError(
+                f"{what} holds its object as JSON text of at most {wire.MAX_SWAP_BYTES} bytes"
+            )
+        _check_plain_json(value.encode(), what)
+        basis = {wire.check_name(n): c for n, c in swap["basis"].items()}
+        if not all(wire._is_int(c) and c >= 0 for c in basis.values()):
+            raise StoreError(f"{what}: its basis maps names to clocks (ints >= 0)")
+        return path, expect, np.frombuffer(value.encode(), np.uint8), basis
+
+    def _swap_checked(self, swap, into: ObjectInfo, sync: bool) -> dict:
+        """A stage's swap (:meth:`_swap_of`), made once its check passed, if the array checked
+        (``into``) holds the basis: the pushes the check took as added, which a store that lost
+        a sum lacks (then the check was short: nothing swaps, version null)."""
+        path, expect, data, basis = swap
+        held = dict(into.clocks)
+        if any(held.get(n, 0) < c for n, c in basis.items()):
+            return {"swapped": False, "version": None}
+        swapped, version, now = self.server.store.cas_json(path, expect, data, self.rid, sync)
+        out = {"swapped": swapped, "version": version}
+        if now is not None and now.nbytes <= wire.MAX_SWAP_BYTES:
+            out["value"] = now.tobytes().decode()
+        return out
 
     def _get(self, sock: socket.socket, header: dict, nbody: int) -> None:
         store = self.server.store
@@ -524,23 +591,7 @@ class Handler(socketserver.BaseRequestHandler):
                     f"sent {header.get('checksum')}; nothing stored",
                     "checksum",
                 )
-            try:
-                obj = json.loads(
-                    data.tobytes(), parse_constant=_no_constant, object_pairs_hook=wire.unique_keys
-                )
-                # a lone surrogate (an escape no UTF-8 text holds) would be kept as written, and
-                # fail whoever re-encodes the object
-                json.dumps(obj, ensure_ascii=False).encode("utf-8")
-            except (ValueError, RecursionError) as error:
-                raise StoreError(
-                    f"{what}: the body is not plain JSON: {error!r:.300}", "refused"
-                ) from None
-            if not isinstance(obj, dict):
-                raise StoreError(
-                    f"{what}: the store keeps JSON objects; the body is a {type(obj).__name__}",
-                    "refused",
-                )
-            del obj
+            _check_plain_json(data.tobytes(), what)
         return path, data
 
     def _done_before(self, sock: socket.socket, header: dict, **reply) -> bool:

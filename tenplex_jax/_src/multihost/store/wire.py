@@ -36,6 +36,7 @@ PREFIX = struct.Struct("!4sIQ")  # magic, header bytes, body bytes
 HELLO_HEADER_BYTES = 4096  # before the token is checked, the server reads no more than this
 MAX_HEADER_BYTES = 64 << 10  # any request header (a put's: a path, a box, a shape, a dtype)
 MAX_BESIDE = 256  # pushes a check may count beside its own (its header stays small)
+MAX_SWAP_BYTES = 32 << 10  # a stage's swap: its JSON object, in the header (with the beside)
 MAX_RESPONSE_HEADER_BYTES = 16 << 20
 MAX_PATH_CHARS = 1024
 MAX_DIMS = 32  # NumPy's own limit on a stored array's dims
