@@ -539,6 +539,7 @@ def _resize_record(r, step_log) -> dict:
         "seconds": r.reshard_seconds,
         "compile": r.compile,
         "compile_wait_seconds": r.compile_wait_seconds,
+        "warm_up_seconds": r.warm_up_seconds,
         "notice_steps": r.notice_steps,
         "first_step_seconds": first,
         "step_seconds": step,

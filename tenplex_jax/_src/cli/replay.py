@@ -49,6 +49,13 @@ def add_parser(sub) -> None:
         action="store_true",
         help="compile each layout's step only when the job moves onto it",
     )
+    replay.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="do not run each step compiled ahead once on zeros before its change "
+        "(JobOptions.warm_up): the first step after a change then pays the executable's "
+        "one-time work",
+    )
 
 
 def command(args) -> int:
@@ -61,7 +68,9 @@ def command(args) -> int:
     options = demo.options_from(
         args, model=args.model or "small", steps=trace.steps, devices=trace.devices
     )
-    summary = run(options, trace, compile_ahead=not args.no_compile_ahead)
+    summary = run(
+        options, trace, compile_ahead=not args.no_compile_ahead, warm_up=not args.no_warm_up
+    )
     print()
     print(event_table(summary))
     print(demo.consistency_line(summary | {"epochs": summary["samples_seen"] / args.samples}))
@@ -69,7 +78,7 @@ def command(args) -> int:
     return 0
 
 
-def run(options: DemoOptions, trace, *, compile_ahead: bool = True) -> dict:
+def run(options: DemoOptions, trace, *, compile_ahead: bool = True, warm_up: bool = True) -> dict:
     """Replay ``trace``, train a fixed run, measure the restart costs; write ``summary.json``."""
     from tqdm import tqdm
 
@@ -92,6 +101,7 @@ def run(options: DemoOptions, trace, *, compile_ahead: bool = True) -> dict:
             checkpoint_every=trace.checkpoint_every,
             compile_ahead=compile_ahead,
             exact_step_times=True,
+            warm_up=warm_up,
         )
         bar.reset()
         # the same replay without its events: the trace's checkpoints and compile-ahead too, so
@@ -107,10 +117,12 @@ def run(options: DemoOptions, trace, *, compile_ahead: bool = True) -> dict:
             checkpoint_every=trace.checkpoint_every,
             compile_ahead=compile_ahead,
             exact_step_times=True,
+            warm_up=warm_up,
         )
         shutil.rmtree(quiet, ignore_errors=True)
         costs = restart_costs(elastic.job, checkpoints, options, bar.write)
     summary = _summary(options, trace, elastic, fixed, costs, abstract, cfg, compile_ahead)
+    summary["warm_up"] = warm_up
     summary["total_seconds"] = time.perf_counter() - started
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary

@@ -96,6 +96,10 @@ class EventRecord:
         ran.
       compile_wait_seconds: how long the boundary waited for that step (the whole compile when
         ``compile`` is ``"compiled"``, nearly 0 when ``"cached"``).
+      warm_up_seconds: the run of the new layout's step on zero inputs, ahead on the compile
+        thread, that did its executable's one-time work before the first step
+        (``JobOptions.warm_up``); None when it did not run (compiled at the boundary, the option
+        off, a layout over several processes).
       commit_seconds: the time the boundary took to save the checkpoint a preemption saves
         (with ``checkpoint_dir``; 0 when that step was already saved). It is saved at the next
         boundary without a change, after the first step on the new layout, so it is not part
@@ -139,6 +143,7 @@ class EventRecord:
     compile: Compilation | None = None
     compile_seconds: float = 0.0  # what XLA took for the new layout's step, wherever it ran
     compile_wait_seconds: float = 0.0  # how long the boundary waited for it
+    warm_up_seconds: float | None = None  # its run on zeros ahead (JobOptions.warm_up)
     commit_seconds: float = 0.0
     restore_seconds: float = 0.0
     lost_steps: int = 0

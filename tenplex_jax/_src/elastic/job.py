@@ -385,7 +385,9 @@ class ElasticJob(_JobCore):
         if self.steps_cache.ready(key):
             return False
         if self.steps_cache.status(key) in (None, Status.FAILED):  # never submitted, or cancelled
-            self.steps_cache.get(target, self._layout(target.config), ahead=True)
+            self.steps_cache.get(
+                target, self._layout(target.config), ahead=True, warm=self.options.warm_up
+            )
         return True
 
     def _apply(self, state, event: Event, notice_steps: int = 0):
@@ -460,6 +462,7 @@ class ElasticJob(_JobCore):
         compiled = self._compiled(target, ahead=False).result()
         record.compile_wait_seconds = time.perf_counter() - tic
         record.compile_seconds = compiled.seconds
+        record.warm_up_seconds = compiled.warm_up_seconds
         record.bitwise = self.is_bitwise(before, target.config)
         if event.kind == EventKind.PREEMPT and self.checkpoint_dir is not None:
             self._preempted = record
@@ -572,7 +575,9 @@ class ElasticJob(_JobCore):
         targets = self._announced()
         self._outstanding = tuple(tuple(sorted(t.device_ids)) for t in targets)
         for target in targets:
-            self.steps_cache.get(target, self._layout(target.config), ahead=True)
+            self.steps_cache.get(
+                target, self._layout(target.config), ahead=True, warm=self.options.warm_up
+            )
 
     def _announced(self) -> list[PTC]:
         """The layouts of the outstanding announcements, each allocated from the one before."""
@@ -613,7 +618,8 @@ class ElasticJob(_JobCore):
         except (LayoutError, DataError) as error:  # no layout for these devices
             self.log(f"compile-ahead for devices {list(ids)} skipped: {error}")
             return
-        self.steps_cache.get(target, self._layout(target.config), ahead=True, guess=True)
+        layout = self._layout(target.config)
+        self.steps_cache.get(target, layout, ahead=True, guess=True, warm=self.options.warm_up)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,14 @@ and it still lowers and hands XLA's cache the program.
 
 While a step traces and lowers on a background thread, Python's thread switch interval is lowered
 (``switch_interval``, 0.5 ms by default; :class:`_SwitchInterval` says why).
+
+A step asked for ahead with ``warm`` is then run once on zero inputs on its layout's devices,
+before its future is done (:meth:`StepCache.warm_up`): an executable's first run does one-time
+work that its later runs reuse, so the first step on a new layout took 2-4x a steady step. On
+XLA:CPU (jax 0.10.2 and 0.12) that work is building the runtimes of the program's YNNPACK
+fusions (``YnnFusionThunk::CreateYnnExecutable``, slinky's pipeline simplification), done at a
+fusion's first execution and pooled with the executable; it does not depend on the values. The
+warm-up holds a second state's memory on the layout's devices while it runs.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -68,6 +77,9 @@ class Compiled:
     ahead: bool
     loaded: bool = False
     traced: bool = True  # False: loaded as a program this process lowered before (programs.py)
+    # the run on zero inputs, ahead, that did the executable's one-time work (StepCache.warm_up);
+    # None: not run (not asked for, or not possible: see StepCache.warm_up)
+    warm_up_seconds: float | None = None
 
 
 class StepCache:
@@ -81,7 +93,12 @@ class StepCache:
     its compile in (closed with this);
     ``donate=False`` compiles steps that leave their input state alive (a virtual worker's, whose
     minibatches read older weights than the current ones); ``switch_interval``, the most Python's
-    thread switch interval may be while a step compiles on a background thread (None: leave it).
+    thread switch interval may be while a step compiles on a background thread (None: leave it);
+    ``log``, called with a line when a warm-up could not run.
+
+    ``dispatch`` is the lock every call of a compiled step is made under, the job's steps and
+    the warm-ups alike: two programs enqueued from two threads then reach every device in the
+    same order, so their collectives cannot cross (each device waiting in the other program's).
     """
 
     def __init__(
@@ -93,6 +110,7 @@ class StepCache:
         executables: ExecutableCache | None = None,
         donate: bool = True,
         switch_interval: float | None = SWITCH_INTERVAL,
+        log: Callable[[str], None] | None = None,
     ):
         self.fn = getattr(fn, "__wrapped__", fn)  # a jax.jit-ed step: it is jitted per layout here
         self.donate = donate
@@ -101,7 +119,9 @@ class StepCache:
         self.seen: bitwise.Seen | None = None  # what the last trace of ``fn`` took its gradient by
         self.executables = executables
         self.switch_interval = switch_interval
-        self.compiles = self.loads = 0
+        self.log = log or (lambda text: None)
+        self.compiles = self.loads = self.warm_ups = 0
+        self.dispatch = threading.Lock()
         self._futures: dict[tuple, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self._pools = {  # announced layouts, guesses
@@ -133,11 +153,12 @@ class StepCache:
         return future is not None and future.done() and future.exception() is None
 
     def get(
-        self, ptc: PTC, layout: BatchLayout, *, ahead: bool, guess: bool = False
+        self, ptc: PTC, layout: BatchLayout, *, ahead: bool, guess: bool = False, warm: bool = False
     ) -> concurrent.futures.Future:
         """The future step for ``ptc`` and ``layout``: cached, compiling, or compiled now (or, with
         ``ahead``, queued on a background thread: guesses on their own, so that a long guess
-        never delays an announced layout)."""
+        never delays an announced layout; with ``warm`` too, run once there on zero inputs
+        before it is ready: :meth:`warm_up`)."""
         key = self.key(ptc, layout)
         with self._lock:
             future = self._futures.get(key)
@@ -150,7 +171,7 @@ class StepCache:
             if future is None and ahead:
                 ticket = self._turns.ticket()
                 future = self._pools[guess].submit(
-                    self._background, self.compile, ptc, layout, True, ticket
+                    self._background, self._ahead, ptc, layout, ticket, warm
                 )
                 future.add_done_callback(lambda _, ticket=ticket: self._turns.drop(ticket))
                 self._queued.add(future)
@@ -214,6 +235,48 @@ class StepCache:
                     self.loads += 1
                 return Compiled(executable, time.perf_counter() - tic, ahead, loaded=True)
         return self._compile(lowered, mesh, ahead, digest)
+
+    def _ahead(self, ptc: PTC, layout: BatchLayout, ticket: int, warm: bool) -> Compiled:
+        step = self.compile(ptc, layout, True, ticket)
+        return self.warm_up(ptc, layout, step) if warm else step
+
+    def warm_up(self, ptc: PTC, layout: BatchLayout, step: Compiled) -> Compiled:
+        """``step`` with its executable run once, on zero inputs on ``ptc``'s devices (a batch of
+        zeros weighted 1), its results dropped: the executable's one-time work (see the module
+        docstring) is then done before the job's first step on the layout. ``step`` as it is
+        when the layout spans devices of other processes (each would have to run it, in the
+        same order among their programs) or when the run fails (``log`` says why).
+
+        The zero state is donated, so the run holds one state and the step's temporaries on the
+        devices; it is skipped where the devices' memory statistics (a GPU's) say that would
+        take more than half the memory free on one of them, beside the state training there. A
+        step whose control flow depends on the values (a ``while_loop`` on the data)
+        may not end on zeros: ``JobOptions.warm_up`` turns this off."""
+        mesh, state, batch = self._abstract(ptc, layout)
+        if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+            return step
+        crowded = _crowded(step, mesh)
+        if crowded is not None:
+            self.log(
+                f"the step for {ptc.config} on {list(ptc.device_ids)} not warmed up: {crowded}"
+            )
+            return step
+        tic = time.perf_counter()
+        try:
+            inputs = _zeros((state, batch))
+            with self.dispatch:
+                outputs = step.executable(*inputs)
+            del inputs  # donated
+            jax.block_until_ready(outputs)
+            del outputs
+        except Exception as error:  # the warm-up only saves time: the step runs as it is
+            self.log(
+                f"the step for {ptc.config} on {list(ptc.device_ids)} not warmed up: {error!r}"
+            )
+            return step
+        with self._lock:
+            self.warm_ups += 1
+        return dataclasses.replace(step, warm_up_seconds=time.perf_counter() - tic)
 
     def _compiled_ahead(self, lowering, mesh: Mesh, trees: tuple, ahead: bool) -> Compiled | None:
         """The step lowered ahead on ``mesh``'s ``AbstractMesh``, compiled for its devices with
@@ -453,6 +516,59 @@ class _SwitchInterval:
 
 
 SWITCH = _SwitchInterval()
+
+
+WARM_UP_SHARE = 0.5  # the most of a device's free memory a warm-up may take
+
+
+def _crowded(step: Compiled, mesh: Mesh) -> str | None:
+    """Why a warm-up of ``step`` on ``mesh`` would not fit beside what its devices hold now (its
+    arguments, outputs and temporaries against ``WARM_UP_SHARE`` of the free memory of the
+    fullest device); None when it fits, or when the backend keeps no statistics (CPU)."""
+    stats = [d.memory_stats() for d in mesh.devices.flat]
+    if not all(s and "bytes_limit" in s for s in stats):
+        return None
+    free = min(int(s["bytes_limit"]) - int(s.get("bytes_in_use", 0)) for s in stats)
+    try:
+        m = step.executable.memory_analysis()
+        need = (
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            - m.alias_size_in_bytes
+            + m.temp_size_in_bytes
+        )
+    except Exception as error:  # no analysis: no way to know it fits
+        return f"its memory is unknown ({error!r})"
+    if need > WARM_UP_SHARE * free:
+        return (
+            f"it needs {need:,} bytes a device, over {WARM_UP_SHARE:.0%} of the {free:,} bytes "
+            f"free on the fullest one"
+        )
+    return None
+
+
+def _zeros(abstract):
+    """Arrays laid out as ``abstract``'s ``(state, Batch)`` of ``ShapeDtypeStruct`` leaves: zeros,
+    but the batch's weights, which are 1 (no row is padding, so a loss normalized by the weights
+    stays finite). Each shard is put from a host array of zeros (untouched pages, which hold no
+    memory until read), not made by a program: that would be one more compile per layout before
+    the step is ready."""
+    state, batch = abstract
+    weights = _filled(batch.weights, 1)
+    return jax.tree.map(_filled, state), dataclasses.replace(
+        batch, data=jax.tree.map(_filled, batch.data), weights=weights
+    )
+
+
+def _filled(x: jax.ShapeDtypeStruct, value: int = 0) -> jax.Array:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):  # PRNG keys: no NumPy dtype
+        return jnp.full(x.shape, value, x.dtype, device=x.sharding)
+    shard = x.sharding.shard_shape(x.shape)
+    # a host array per shard: on CPU a shard may alias its host array, and each is donated
+    fill = (
+        (lambda: np.zeros(shard, x.dtype)) if value == 0 else lambda: np.full(shard, value, x.dtype)
+    )
+    return jax.make_array_from_callback(x.shape, x.sharding, lambda index: fill())
 
 
 def _outputs_fit(lowered: jax.stages.Lowered) -> bool:

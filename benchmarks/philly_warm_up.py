@@ -1,0 +1,136 @@
+"""The Philly replay's loading run with and without ``JobOptions.warm_up``, alternating in one run.
+
+``python -m tenplex_jax_benchmarks.philly_warm_up OUT [--pairs N]``: one replay of ``meshes/philly.toml``
+fills ``OUT/executables`` (the compiling run, not counted), then ``N`` pairs of loading runs, each
+a fresh ``tenplex-jax replay`` process that loads every step from ``OUT/executables``: warmed
+(the default) and ``--no-warm-up``, in turns, so that the machine's load falls on both alike.
+Per run and event: the stall against its bound 1.5 x (reshard + one step) + 0.1 s, the first
+step on the new layout over that layout's median step, the warm-up's seconds; per run the
+elastic goodput over the same replay without events. Writes ``OUT/philly_warm_up.json`` and
+prints a short log; the load average is read before and after each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+TRACE = pathlib.Path(__file__).resolve().parents[1] / "meshes" / "philly.toml"
+
+
+def replay(out: pathlib.Path, executables: pathlib.Path, warm_up: bool, timeout: float) -> dict:
+    """One ``tenplex-jax replay`` process; its summary.json, with the load averages around it."""
+    command = [sys.executable, "-m", "tenplex_jax", "replay", str(TRACE)]
+    command += ["--out", str(out), "--executable-cache", str(executables)]
+    command += [] if warm_up else ["--no-warm-up"]
+    before = os.getloadavg()
+    tic = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    seconds = time.perf_counter() - tic
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {done.stderr[-2000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    summary["bench"] = {"load_before": before, "load_after": os.getloadavg(), "seconds": seconds}
+    return summary
+
+
+def events(summary: dict) -> list[dict]:
+    """Each event that moved the job: its stall, bound, first step over its layout's median."""
+    steady = summary["step_seconds_by_config"]
+    rows = []
+    for e in summary["events"]:
+        if e["stall_seconds"] is None:
+            continue
+        step = steady[e["config_after"]]
+        bound = 1.5 * (e["reshard_seconds"] + step) + 0.1
+        rows.append(
+            {
+                "step": e["step"],
+                "kind": e["kind"],
+                "config": e["config_after"],
+                "compile": e["compile"],
+                "stall_seconds": e["stall_seconds"],
+                "bound_seconds": bound,
+                "within": e["stall_seconds"] <= bound,
+                "first_step_seconds": e["first_step_seconds"],
+                "steady_step_seconds": step,
+                "first_over_steady": e["first_step_seconds"] / step,
+                "warm_up_seconds": e.get("warm_up_seconds"),
+                "compile_wait_seconds": e["compile_wait_seconds"],
+            }
+        )
+    return rows
+
+
+def row(summary: dict) -> dict:
+    g = summary["goodput"]
+    rows = events(summary)
+    return {
+        "warm_up": summary["warm_up"],
+        "load_before": summary["bench"]["load_before"],
+        "load_after": summary["bench"]["load_after"],
+        "elastic": g["elastic"],
+        "no_events": g["no_events"],
+        "elastic_over_no_events": g["elastic_over_no_events"],
+        "within_bound": sum(r["within"] for r in rows),
+        "events": rows,
+        "median_first_over_steady": statistics.median(r["first_over_steady"] for r in rows),
+        "loop_seconds": g["lost_seconds_to"]["loop"],
+        "loop_without_events_seconds": g["lost_seconds_to"]["loop_without_events"],
+    }
+
+
+def log_line(r: dict) -> str:
+    firsts = " ".join(f"{e['first_over_steady']:.2f}" for e in r["events"])
+    stalls = " ".join(
+        f"{e['stall_seconds']:.3f}/{e['bound_seconds']:.3f}{'' if e['within'] else '!'}"
+        for e in r["events"]
+    )
+    load = f"{r['load_before'][0]:.1f}-{r['load_after'][0]:.1f}"
+    return (
+        f"warm_up={r['warm_up']!s:5} load {load}: within bound {r['within_bound']}/"
+        f"{len(r['events'])}, stall/bound {stalls}; first/steady {firsts}; elastic "
+        f"{r['elastic']:.3f} no-events {r['no_events']:.3f} ratio {r['elastic_over_no_events']:.3f}"
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=pathlib.Path)
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds a replay may take")
+    args = parser.parse_args(argv)
+    executables = args.out / "executables"
+    if not any(executables.glob("*.xla")):
+        print("compiling run (fills the executable cache, not counted)", flush=True)
+        replay(args.out / "compiling", executables, True, args.timeout)
+    runs = []
+    for pair in range(args.pairs):
+        for warm_up in (True, False) if pair % 2 == 0 else (False, True):
+            r = row(replay(args.out / f"run{len(runs)}", executables, warm_up, args.timeout))
+            runs.append(r)
+            print(log_line(r), flush=True)
+    result = {"trace": str(TRACE), "runs": runs}
+    for warm_up in (True, False):
+        mine = [r for r in runs if r["warm_up"] == warm_up]
+        result["warm_up" if warm_up else "no_warm_up"] = {
+            "within_bound": [r["within_bound"] for r in mine],
+            "median_first_over_steady": statistics.median(
+                e["first_over_steady"] for r in mine for e in r["events"]
+            ),
+            "elastic_over_no_events": [r["elastic_over_no_events"] for r in mine],
+        }
+    (args.out / "philly_warm_up.json").write_text(json.dumps(result, indent=2) + "\n")
+    for key in ("warm_up", "no_warm_up"):
+        print(key, json.dumps(result[key]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
