@@ -1,11 +1,11 @@
 """A new executable's first run against its later ones: GPT small on 8 fake CPU devices.
 
-``python -m tenplex_jax_benchmarks.first_run compile|load DIR [plain|warm_zeros]``: the small GPT's step for
-data=8, 6, 4, 7, 2, then 6 and 8 again, each compiled (``compile``: stored in the executable
-cache ``DIR``) or loaded from ``DIR`` (``load``, after a ``compile`` run), as the elastic loop
-does (``StepCache``, the state donated). Each layout runs 4 steps; per step, the call until it
-returns (dispatch) and until its results are ready. ``warm_zeros`` runs each new executable once
-on zeros first, as ``JobOptions.warm_up`` does. Prints one line per layout.
+``python -m tenplex_jax_benchmarks.first_run compile|load DIR [plain|warm_zeros]``: the small GPT's
+step for data=8, 6, 4, 7, 2, then 6 and 8 again, each compiled (``compile``: stored in the
+executable cache ``DIR``) or loaded from ``DIR`` (``load``, after a ``compile`` run), as the elastic
+loop does (``StepCache``, the state donated). Each layout runs 4 steps; per step, the call until it
+returns (dispatch) and until its results are ready. ``warm_zeros`` runs each new executable once on
+zeros first, as ``JobOptions.warm_up`` does. Prints one line per layout.
 """
 
 from __future__ import annotations

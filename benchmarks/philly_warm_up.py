@@ -1,6 +1,7 @@
 """The Philly replay's loading run with and without ``JobOptions.warm_up``, alternating in one run.
 
-``python -m tenplex_jax_benchmarks.philly_warm_up OUT [--pairs N]``: one replay of ``meshes/philly.toml``
+``python -m tenplex_jax_benchmarks.philly_warm_up OUT [--pairs N]``: one replay of
+``meshes/philly.toml``
 fills ``OUT/executables`` (the compiling run, not counted), then ``N`` pairs of loading runs, each
 a fresh ``tenplex-jax replay`` process that loads every step from ``OUT/executables``: warmed
 (the default) and ``--no-warm-up``, in turns, so that the machine's load falls on both alike.

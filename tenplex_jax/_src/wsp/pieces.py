@@ -96,8 +96,8 @@ def cut(
       Every piece, in element order within each group of leaves.
 
     Raises:
-      WSPError: ``piece_bytes`` or ``spread_bytes`` below one element, or a leaf allowed no store or one that does
-        not exist (``"invalid"``, naming the leaf).
+      WSPError: ``piece_bytes`` or ``spread_bytes`` below one element, or a leaf allowed no
+        store or one that does not exist (``"invalid"``, naming the leaf).
     """
     if min(piece_bytes, spread_bytes) < 4:
         raise WSPError(
