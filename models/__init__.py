@@ -24,6 +24,7 @@ from .train import (
     param_count,
     profile_of,
     train_step,
+    unbroken_model,
     wave_step,
 )
 
@@ -46,6 +47,7 @@ __all__ = [
     "profile_of",
     "stdlib_corpus",
     "train_step",
+    "unbroken_model",
     "wave_losses",
     "wave_step",
 ]

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tenplex_jax as tj
+from tenplex_jax.wsp import StageModel, UnbrokenModel
 
-from .gpt import GPT, GPTConfig, example_losses, profile, wave_losses
+from .gpt import GPT, GPTConfig, _rms_norm, block_fn, example_losses, profile, stacked, wave_losses
 
 # One fake CPU device, as described in meshes/cpu8.toml: what the demo tells the planner it runs on.
 CPU = tj.planner.DeviceType("cpu", memory=2 * tj.planner.GIB, flops=5e9, link_bandwidth=10e9)
@@ -185,3 +189,65 @@ def make_train_step(graphdef, ptc: tj.PTC, layout: tj.data.BatchLayout, batch_ax
         out_shardings=(ptc.shardings(mesh), NamedSharding(mesh, P())),
         donate_argnums=0,
     )
+
+
+def unbroken_model(graphdef, state) -> UnbrokenModel:
+    """The GPT of ``graphdef`` (with ``state``'s structure; abstract is enough) as HetPipe's
+    unbroken pipeline runs it (a VW's ``WorkerOptions(pipeline="unbroken", unbroken=...)``): the
+    embedding on the first stage, the stacked blocks over the stages, the final norm, head and
+    mean cross entropy on the last; the optimizer the state's ``nnx.Optimizer`` runs, its state
+    mapped onto the stages' ``(layers, outer)`` weights and back. The dense model only."""
+    nodes = nnx.merge(graphdef, state)
+    cfg, tx = nodes["model"].cfg, nodes["optimizer"].tx
+    if cfg.n_experts:
+        raise ValueError("the unbroken pipeline runs the dense GPT; this config has experts")
+    names = stacked(cfg)
+    params = set(nnx.to_pure_dict(nnx.state(nodes["model"], nnx.Param)))
+    is_variable = lambda x: isinstance(x, nnx.Variable)
+    # the optimizer's state holds a tree like the weights (momentum's trace, Adam's moments):
+    # as a dict of the model's names, or as the stages' (layers, outer)
+    is_weights = lambda x: isinstance(x, Mapping) and set(x) == params
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and all(isinstance(d, dict) for d in x)
+    to_pair = lambda d: ({k: d[k] for k in names}, {k: d[k] for k in d if k not in names})
+
+    def first(outer, tokens):
+        return jnp.take(outer["tok_embed"], tokens, axis=0) + outer["pos_embed"][: tokens.shape[-1]]
+
+    def loss(outer, h, targets):
+        logits = jnp.einsum(
+            "btd,dv->btv", _rms_norm(h, outer["final_norm_scale"]), outer["unembed"]
+        )
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    def split(state):
+        nodes = nnx.merge(graphdef, state)
+        weights = to_pair(_params(nodes["model"]))
+        # get_value, set_value: the arrays themselves (``v[...]`` dispatches an op per leaf)
+        opt = jax.tree.map(
+            lambda v: v.get_value(), nodes["optimizer"].opt_state, is_leaf=is_variable
+        )
+        pairs = lambda x: to_pair(x) if is_weights(x) else x  # a count stays as it is
+        return weights, jax.tree.map(pairs, opt, is_leaf=is_weights)
+
+    def merge(state, weights, opt_state, updates):
+        # new Variables: the merged nodes share the state's, which must not change under it
+        nodes = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+        for name, value in (*weights[0].items(), *weights[1].items()):
+            getattr(nodes["model"], name).set_value(value)
+        variables = jax.tree.leaves(nodes["optimizer"].opt_state, is_leaf=is_variable)
+        values = jax.tree.leaves(
+            jax.tree.map(
+                lambda x: {**x[0], **x[1]} if is_pair(x) else x, opt_state, is_leaf=is_pair
+            )
+        )
+        if len(variables) != len(values):  # a structure this mapping does not know
+            raise ValueError(f"{len(values)} optimizer leaves for {len(variables)} variables")
+        for variable, value in zip(variables, values):
+            variable.set_value(value)
+        step = nodes["optimizer"].step
+        step.set_value(step.get_value() + np.asarray(updates, step.get_value().dtype))
+        return nnx.state(nodes)
+
+    model = StageModel(first, block_fn(cfg), loss)
+    batch = lambda data: (data["inputs"], data["targets"])
+    return UnbrokenModel(model, tx, split, merge, batch)

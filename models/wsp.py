@@ -21,7 +21,7 @@ from tenplex_jax.wsp import ParameterServer, VirtualWorker, WorkerOptions
 
 from .data import corpus_samples, stdlib_corpus
 from .gpt import LOGICAL_RULES, GPTConfig
-from .train import build_state, train_step, wave_step
+from .train import build_state, train_step, unbroken_model, wave_step
 
 
 def config_for(devices: int) -> tj.ParallelConfig:
@@ -54,7 +54,7 @@ def job(
     cfg = GPTConfig.by_name(model)
     if layers is not None:
         cfg = dataclasses.replace(cfg, n_layers=layers)
-    graphdef, _, cfg = build_state(cfg, lr, seed, abstract=True, optimizer=optimizer)
+    graphdef, abstract, cfg = build_state(cfg, lr, seed, abstract=True, optimizer=optimizer)
     source = corpus_samples(stdlib_corpus(), cfg.seq_len, num_samples=num_samples)
     return {
         "rules": LOGICAL_RULES,
@@ -62,6 +62,8 @@ def job(
         "init": lambda: build_state(cfg, lr, seed, optimizer=optimizer)[1],
         "train_step": train_step(graphdef, stages),
         "wave_step": None if cfg.n_experts else wave_step(graphdef, stages),
+        # HetPipe's unbroken pipeline (WorkerOptions(pipeline="unbroken", unbroken=...))
+        "unbroken": None if cfg.n_experts else unbroken_model(graphdef, abstract),
         "config": config_for(devices) if config is None else tj.ParallelConfig.parse(config),
         "stages": stages,
     }

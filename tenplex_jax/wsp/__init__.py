@@ -23,6 +23,7 @@ coordinator with a planner (``planner_for``) re-plans its VWs when the devices c
 from tenplex_jax._src.wsp.batches import BatchChoice, search_minibatch
 from tenplex_jax._src.wsp.coordinator import Coordinator, Processes, Threads, VWEvent, VWEventKind
 from tenplex_jax._src.wsp.group import Group
+from tenplex_jax._src.wsp.hetpipe import StageModel, UnbrokenModel
 from tenplex_jax._src.wsp.ledger import Ledger
 from tenplex_jax._src.wsp.manager import ClusterManager, LocalPool
 from tenplex_jax._src.wsp.memory import MemoryMonitor, MemoryUse
@@ -53,7 +54,9 @@ __all__ = [
     "Scaler",
     "ScalingDecision",
     "ScalingPolicy",
+    "StageModel",
     "Threads",
+    "UnbrokenModel",
     "VWEvent",
     "VWEventKind",
     "VirtualWorker",

@@ -17,6 +17,7 @@ from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.errors import WSPError
 from tenplex_jax._src.pipelining import Stages
 from tenplex_jax._src.wsp.group import Group
+from tenplex_jax._src.wsp.hetpipe import UnbrokenModel
 from tenplex_jax._src.wsp.waves import WaveRecord
 
 
@@ -38,6 +39,9 @@ def weights_of(state, part: str = "model") -> dict[str, np.ndarray]:
     chosen = [(p, x) for p, x in zip(paths, leaves) if p.startswith(part + "/")]
     host = jax.device_get([x for _, x in chosen])
     return {p: np.asarray(x, np.float32) for (p, _), x in zip(chosen, host)}
+
+
+PIPELINES = ("wave", "unbroken")  # WorkerOptions.pipeline: the wave program, or HetPipe's
 
 
 def _at_least(low, kinds=(numbers.Integral,)) -> Callable[[object], bool]:
@@ -97,6 +101,14 @@ class WorkerOptions:
         exceeds it is refused when built, and its :attr:`VirtualWorker.memory` monitor (read at
         each wave's first minibatch) raises when the bytes in use exceed it while it trains
         (``WSPError "memory"``).
+      pipeline: how a VW with a ``pipe`` axis runs its minibatches: ``"wave"``, each wave as
+        one program (``wave_step``; its pipeline fills and drains every wave), or
+        ``"unbroken"``, HetPipe's pipeline carried across waves (``unbroken``:
+        :mod:`~tenplex_jax._src.wsp.unbroken`), only the minibatch the clock distance blocks
+        waiting; the same pushes, pulls and records.
+      unbroken: the train state as the unbroken pipeline's stages run it
+        (``tenplex_jax_models.unbroken_model`` for the reference GPT); needed by
+        ``pipeline="unbroken"``.
       prefetch: claim the next wave ahead and read and place its minibatches on a thread of
         its own, beside the compute and the push (:mod:`~tenplex_jax._src.wsp.prefetch`; a VW
         of one process).
@@ -123,6 +135,8 @@ class WorkerOptions:
     on_ready: Callable[[str, int], None] | None = None
     memory_limit: int | None = None
     prefetch: bool = False
+    pipeline: str = "wave"
+    unbroken: UnbrokenModel | None = None
 
     def __post_init__(self):
         kind = lambda *kinds: _none_or(lambda v: isinstance(v, kinds))
@@ -140,6 +154,11 @@ class WorkerOptions:
             "group": ("a tj.wsp.Group or None", kind(Group)),
             "memory_limit": ("bytes >= 1 or None", _none_or(_at_least(1))),
             "prefetch": ("a bool", lambda v: isinstance(v, bool)),
+            "pipeline": ("'wave' or 'unbroken'", lambda v: v in PIPELINES),
+            "unbroken": (
+                "a tj.wsp.UnbrokenModel or None",
+                kind(UnbrokenModel),
+            ),
             **dict.fromkeys(
                 ("wave_step", "on_wave", "on_record", "on_ready"),
                 ("a callable or None", _none_or(callable)),
@@ -149,3 +168,9 @@ class WorkerOptions:
             value = getattr(self, field)
             if not holds(value):
                 raise WSPError(f"WorkerOptions.{field} is {rule}, got {value!r}", "invalid")
+        if self.pipeline == "unbroken" and self.unbroken is None:
+            raise WSPError(
+                "WorkerOptions.pipeline='unbroken' needs WorkerOptions.unbroken (the state as "
+                "the stages run it), got None",
+                "invalid",
+            )

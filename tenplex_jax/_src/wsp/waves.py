@@ -125,7 +125,11 @@ class WaveRecord:
         the clock every VW's waves were there up to (its last pull): at most ``D``.
       idle_ticks: the ticks each pipeline stage waited in the wave, by its schedule: ``stages -
         1`` with ``wave_step`` (the pipeline fills and drains once per wave), ``stages - 1`` per
-        minibatch without (each ``train_step`` fills and drains it); 0 without a ``pipe`` axis.
+        minibatch without (each ``train_step`` fills and drains it); 0 without a ``pipe`` axis;
+        with ``pipeline="unbroken"``, the most ``stage_idle`` over 2, rounded up (0 in steady
+        state while ``Nm >= stages``).
+      stage_idle: per stage, the tick table's idle ticks (a tick: one forward or one backward)
+        in the wave's calls, with ``pipeline="unbroken"``; empty otherwise.
       push_wait_seconds: how long the VW waited, since the push before this wave's started, for
         that push to finish (before a pull or this push): the communication its compute did not
         hide.
@@ -149,6 +153,7 @@ class WaveRecord:
     global_staleness: tuple[int, ...]
     idle_ticks: int = 0
     push_wait_seconds: float = 0.0
+    stage_idle: tuple[int, ...] = ()
 
     @classmethod
     def from_json(cls, record: Mapping) -> WaveRecord:
@@ -185,6 +190,10 @@ class Wave:
     samples: list = dataclasses.field(default_factory=list)
     after: object = None  # with wave_step: the state after the wave, and the weights after each
     landed: list = dataclasses.field(default_factory=list)  # landing but the last (leaves)
+    # the unbroken pipeline's: its calls' idle ticks per stage (the tick table's), and in the
+    # record's unit (None: the wave program's, by its schedule)
+    stage_idle: tuple[int, ...] = ()
+    idle_ticks: int | None = None
 
 
 @jax.jit

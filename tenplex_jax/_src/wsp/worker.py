@@ -21,8 +21,10 @@ local weights as they are then. Wave ``k`` is its minibatches ``k Nm .. k Nm + N
 
 With a ``wave_step`` and a ``pipe`` axis, a wave runs as one program (its minibatches in the
 pipeline together, each on the weights it read); otherwise one ``train_step`` per minibatch, on
-the same schedule. The optimizer state (every leaf not under ``part``) is kept across pulls and
-shared for joiners (:mod:`~tenplex_jax._src.wsp.optimizer`). ``docs/wsp.md`` states the contract.
+the same schedule; with ``pipeline="unbroken"``, HetPipe's pipeline carried across waves
+(:mod:`~tenplex_jax._src.wsp.unbroken`), with the same pushes, pulls and records. The optimizer
+state (every leaf not under ``part``) is kept across pulls and shared for joiners
+(:mod:`~tenplex_jax._src.wsp.optimizer`). ``docs/wsp.md`` states the contract.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from tenplex_jax._src.elastic.steps import StepCache
 from tenplex_jax._src.errors import StoreError, WSPError
 from tenplex_jax._src.executor import place
 from tenplex_jax._src.ptc import PTC, ParallelConfig, Rules
-from tenplex_jax._src.wsp import optimizer, waves
+from tenplex_jax._src.wsp import optimizer, unbroken, waves
 from tenplex_jax._src.wsp.group import Group
 from tenplex_jax._src.wsp.ledger import Beats, Ledger, Start
 from tenplex_jax._src.wsp.memory import MemoryMonitor, MemoryUse, device_limit
@@ -161,6 +163,10 @@ class VirtualWorker:
             dataset.global_batch, ranks=config.data * config.fsdp, grad_units=options.grad_units
         )
         self._programs: dict[int, Callable] = {}  # a wave's minibatches -> its program, compiled
+        # HetPipe's unbroken pipeline runs the waves instead of the wave program (unbroken.py)
+        self.unbroken = None
+        if options.pipeline == "unbroken":
+            self.unbroken = unbroken.Driver(self)
         self._compile(train_step)
         self.memory = MemoryMonitor(
             name,
@@ -177,6 +183,8 @@ class VirtualWorker:
     def _memory_use(self) -> MemoryUse | None:
         """The compiled program's bytes per device: the train step's, or the wave program's
         (compiled now, where a memory limit is known, and kept: it runs every wave)."""
+        if self.unbroken is not None:  # its calls are compiled as the pipeline first runs them
+            return None
         if self.wave_step is None:
             return MemoryUse.of(self.step)
         n = self.options.minibatches
@@ -257,7 +265,9 @@ class VirtualWorker:
         # nothing to overlap without a pipeline
         self.wave_step = options.wave_step if self.ptc.config.pipe > 1 else None
         self.step = None  # the train step, compiled only where it runs
-        if self.wave_step is None:
+        if self.unbroken is not None:
+            self.wave_step = None
+        elif self.wave_step is None:
             self.step = self.steps.get(self.ptc, self.layout, ahead=False).result().executable
         weights = list(self._weights())
         jax.block_until_ready((landed(weights, weights, weights), delta(weights, weights)))
@@ -349,7 +359,10 @@ class VirtualWorker:
             heart.start()
         try:
             try:
-                self._loop(stop, waves)
+                if self.unbroken is not None:
+                    self.unbroken.loop(stop, waves)
+                else:
+                    self._loop(stop, waves)
             finally:  # the push in flight ends first (a crash's too: it may have committed)
                 if self.background.push is not None:
                     concurrent.futures.wait([self.background.push])
@@ -631,8 +644,13 @@ class VirtualWorker:
             local_versions=tuple(r.version for r in wave.reads),
             local_staleness=wave.staleness,
             global_staleness=tuple(r.behind for r in wave.reads),
-            idle_ticks=self._idle_ticks(len(wave.minibatches)),
+            idle_ticks=(
+                self._idle_ticks(len(wave.minibatches))
+                if wave.idle_ticks is None
+                else wave.idle_ticks
+            ),
             push_wait_seconds=waited,
+            stage_idle=wave.stage_idle,
         )
         self.records.append(record)
         if self.options.on_record is not None:
