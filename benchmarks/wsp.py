@@ -404,6 +404,46 @@ def run_join(model: str, minibatch: int, before: int = 150, after: int = 12, log
     return row
 
 
+def two_stage_job(model: str, minibatch: int) -> tuple[dict, object, object]:
+    """The GPT with 4 layers as a job of VWs of two pipeline stages: its parts (``pipe=2``), its
+    initial state, and a step cache on devices 0 and 1 its VWs share."""
+    import jax
+
+    import tenplex_jax
+    from tenplex_jax_models import wsp as job_parts
+
+    parts = dict(job_parts.job(2, model=model, minibatch=minibatch, layers=4))
+    parts["config"] = tenplex_jax.ParallelConfig(pipe=2)
+    return parts, parts["init"](), job_parts.step_cache(parts, jax.devices()[:2])
+
+
+def one_vw(parts: dict, state, steps, nm: int, waves: int, **options) -> list:
+    """The records of ``waves`` waves of one VW of ``parts`` on devices 0 and 1, ``Nm`` ``nm``,
+    alone on a parameter server of a fresh store (killed after); ``options``: more of its
+    ``WorkerOptions``."""
+    from tenplex_jax.wsp import ParameterServer, weights_of
+    from tenplex_jax_models import wsp as job_parts
+
+    (store,) = _stores(pathlib.Path(tempfile.mkdtemp(prefix="tenplex-wsp-vw-")), 1)
+    try:
+        with ParameterServer([store.address]) as ps:
+            ps.create(weights_of(state), total=None)
+            vw = job_parts.virtual_worker(
+                parts,
+                "vw",
+                [0, 1],
+                [store.address],
+                state,
+                minibatches=nm,
+                steps=steps,
+                optimizer_every=0,
+                **options,
+            )
+            return vw.run(waves=waves)
+    finally:
+        store.kill()
+
+
 def run_pipeline(
     model: str, minibatch: int, waves: int = 12, nm: int = 4, rounds: int = 3, log=print
 ) -> dict:
@@ -411,38 +451,12 @@ def run_pipeline(
     (devices 0 and 1, the GPT with 4 layers), ``Nm`` minibatches a wave, alone; each round runs
     both, one after the other. Per minibatch: the compute seconds (the first wave, which
     compiles, left out) and the idle ticks of each stage by the schedule."""
-    import jax
-
-    import tenplex_jax
-    from tenplex_jax.wsp import ParameterServer, weights_of
-    from tenplex_jax_models import wsp as job_parts
-
-    parts = dict(job_parts.job(2, model=model, minibatch=minibatch, layers=4))
-    parts["config"] = tenplex_jax.ParallelConfig(pipe=2)
-    state = parts["init"]()
-    steps = job_parts.step_cache(parts, jax.devices()[:2])
+    parts, state, steps = two_stage_job(model, minibatch)
     seconds, idle = {"pipelined wave": [], "a step per minibatch": []}, {}
     for _ in range(rounds):
         for case in seconds:
-            (store,) = _stores(pathlib.Path(tempfile.mkdtemp(prefix="tenplex-wsp-pipe-")), 1)
-            try:
-                with ParameterServer([store.address]) as ps:
-                    ps.create(weights_of(state), total=None)
-                    wave = parts["wave_step"] if case == "pipelined wave" else None
-                    vw = job_parts.virtual_worker(
-                        parts,
-                        "vw",
-                        [0, 1],
-                        [store.address],
-                        state,
-                        minibatches=nm,
-                        steps=steps,
-                        wave_step=wave,
-                        optimizer_every=0,
-                    )
-                    records = vw.run(waves=waves)[1:]
-            finally:
-                store.kill()
+            wave = parts["wave_step"] if case == "pipelined wave" else None
+            records = one_vw(parts, state, steps, nm, waves, wave_step=wave)[1:]
             seconds[case].append(sum(r.compute_seconds for r in records) / (nm * len(records)))
             idle[case] = records[0].idle_ticks
     row = {

@@ -31,7 +31,6 @@ import json
 import os
 import pathlib
 import statistics
-import tempfile
 
 import numpy as np
 
@@ -135,41 +134,15 @@ def run_tables(model: str, minibatch: int, nms, waves: int, rounds: int, log=pri
 
 
 def run_pipeline(model: str, minibatch: int, nms, waves: int, rounds: int, log=print) -> dict:
-    import jax
+    from tenplex_jax_benchmarks.wsp import one_vw, two_stage_job
 
-    import tenplex_jax
-    from tenplex_jax._src.elastic.steps import StepCache
-    from tenplex_jax.wsp import ParameterServer, weights_of
-    from tenplex_jax_benchmarks.wsp import _stores
-    from tenplex_jax_models import wsp as job_parts
-
-    parts = dict(job_parts.job(2, model=model, minibatch=minibatch, layers=4))
-    parts["config"] = tenplex_jax.ParallelConfig(pipe=STAGES)
-    state = parts["init"]()
-    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-    steps = StepCache(parts["train_step"], sample, jax.devices()[:2], donate=False)
+    parts, state, steps = two_stage_job(model, minibatch)
     runs = {nm: {"samples_per_second": [], "compute_seconds_per_wave": []} for nm in nms}
     idle = {}
     for _ in range(rounds):
         for nm in nms:
-            (store,) = _stores(pathlib.Path(tempfile.mkdtemp(prefix="tenplex-wsp-pipe-")), 1)
-            try:
-                with ParameterServer([store.address]) as ps:
-                    ps.create(weights_of(state), total=None)
-                    vw = job_parts.virtual_worker(
-                        parts,
-                        "vw",
-                        [0, 1],
-                        [store.address],
-                        state,
-                        minibatches=nm,
-                        steps=steps,
-                        wave_step=parts["wave_step"],
-                        optimizer_every=0,
-                    )
-                    records = vw.run(waves=waves)[1:]  # the first compiles
-            finally:
-                store.kill()
+            records = one_vw(parts, state, steps, nm, waves, wave_step=parts["wave_step"])
+            records = records[1:]  # the first compiles
             seconds = records[-1].ended - records[0].started
             runs[nm]["samples_per_second"].append(len(records) * nm * minibatch / seconds)
             runs[nm]["compute_seconds_per_wave"].append(
@@ -216,19 +189,9 @@ def run_pipeline(model: str, minibatch: int, nms, waves: int, rounds: int, log=p
 
 def run_both(model: str, minibatch: int, nms, waves: int, rounds: int, log=print) -> dict:
     """The VW with the wave program and unbroken, in turns (see the module's docstring, 3)."""
-    import jax
+    from tenplex_jax_benchmarks.wsp import one_vw, two_stage_job
 
-    import tenplex_jax
-    from tenplex_jax._src.elastic.steps import StepCache
-    from tenplex_jax.wsp import ParameterServer, weights_of
-    from tenplex_jax_benchmarks.wsp import _stores
-    from tenplex_jax_models import wsp as job_parts
-
-    parts = dict(job_parts.job(2, model=model, minibatch=minibatch, layers=4))
-    parts["config"] = tenplex_jax.ParallelConfig(pipe=STAGES)
-    state = parts["init"]()
-    sample = jax.tree.map(np.asarray, parts["dataset"].load(np.zeros(1, np.int64)))
-    steps = StepCache(parts["train_step"], sample, jax.devices()[:2], donate=False)
+    parts, state, steps = two_stage_job(model, minibatch)
     ways = {"wave": {"wave_step": parts["wave_step"]}}
     ways["unbroken"] = {"pipeline": "unbroken", "unbroken": parts["unbroken"]}
     rate = {(w, nm): [] for w in ways for nm in nms}
@@ -237,25 +200,7 @@ def run_both(model: str, minibatch: int, nms, waves: int, rounds: int, log=print
     for round_ in range(rounds + 1):  # the first compiles every call (its waves left out)
         for nm in nms:
             for way, options in ways.items():
-                (store,) = _stores(pathlib.Path(tempfile.mkdtemp(prefix="tenplex-wsp-both-")), 1)
-                try:
-                    with ParameterServer([store.address]) as ps:
-                        ps.create(weights_of(state), total=None)
-                        vw = job_parts.virtual_worker(
-                            parts,
-                            "vw",
-                            [0, 1],
-                            [store.address],
-                            state,
-                            minibatches=nm,
-                            distance=1,
-                            steps=steps,
-                            optimizer_every=0,
-                            **options,
-                        )
-                        records = vw.run(waves=waves)
-                finally:
-                    store.kill()
+                records = one_vw(parts, state, steps, nm, waves, distance=1, **options)
                 if not round_:
                     continue
                 steady = records[1:-1]  # the first fills, the last drains
