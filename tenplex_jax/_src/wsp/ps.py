@@ -59,6 +59,7 @@ import numpy as np
 from tenplex_jax._src.errors import StoreError, WSPError
 from tenplex_jax._src.multihost.store import wire
 from tenplex_jax._src.multihost.store.client import StoreClient, Swap
+from tenplex_jax._src.multihost.store.wire import MAX_SWAP_BYTES
 from tenplex_jax._src.wsp.ledger import PATH, Ledger
 from tenplex_jax._src.wsp.pieces import (
     PIECE_BYTES,
@@ -339,40 +340,30 @@ class ParameterServer(Records):
         """
         self.last_ledger()
         seen, version = self._last
-        try:
-            committed = seen.commit(vw, wave)
+        after = None
+        with contextlib.suppress(WSPError):  # refused here: the usual commit says why, or
+            committed = seen.commit(vw, wave)  # commits on a newer ledger
             after = committed.to_json()
-        except WSPError:  # refused here: the usual commit says why, or commits on a newer one
-            after = None
-        if (
-            after is not None
-            and len(json.dumps(after, separators=(",", ":"))) > wire.MAX_SWAP_BYTES
-        ):
+        if after is not None and len(json.dumps(after, separators=(",", ":"))) > MAX_SWAP_BYTES:
             after = None  # too large to ride in a stage's header
         beside, basis = self._beside(seen)
         client, sources, covered, cas = self.coordinator, {}, True, None
-        try:
+        with self._refused(vw, wave, stage):
             for p in self.layout:
                 last = p is self.layout[-1]
-                swap = Swap(PATH, after, version, basis[p.key]) if covered and last else None
-                runs = [flat[s.leaf][s.start : s.stop] for s in p.spans]
+                swap = after is not None and covered and last
                 staged = client.stage(
                     stage + p.key,
-                    runs,
+                    [flat[s.leaf][s.start : s.stop] for s in p.spans],
                     into=WEIGHTS + p.key,
                     name=vw,
                     beside=beside[p.key],
                     sync=self.sync,
-                    swap=None if after is None else swap,
+                    swap=Swap(PATH, after, version, basis[p.key]) if swap else None,
                 )
                 sources[p.key], cas = staged.update.checksum, staged.swap
-                held = self._clocks[p.key] = dict(staged.into.clocks)
-                covered &= all(held.get(v, 0) >= n for v, n in basis[p.key].items())
-        except StoreError as error:
-            if error.reason != "nonfinite":
-                raise
-            self._drop_stage(stage)
-            raise WSPError(f"push of wave {wave} by {vw!r}: {error}", "invalid") from None
+                self._clocks[p.key] = dict(staged.into.clocks)
+                covered &= _covers(self._clocks[p.key], basis[p.key])
         if cas is not None and cas.swapped:
             return sources, seen, self._swapped(committed, cas.version)
         if cas is not None and cas.value is not None:
@@ -459,14 +450,9 @@ class ParameterServer(Records):
                         )
                     held[p.key] = self._clocks[p.key] = dict(info.clocks)
 
-            try:
+            with self._refused(vw, wave, stage):
                 self._each_store(one)
-            except StoreError as error:
-                if error.reason != "nonfinite":
-                    raise
-                self._drop_stage(stage)
-                raise WSPError(f"push of wave {wave} by {vw!r}: {error}", "invalid") from None
-            if all(held[key].get(v, 0) >= n for key, b in basis.items() for v, n in b.items()):
+            if all(_covers(held[key], b) for key, b in basis.items()):
                 return sources
         self._drop_stage(stage)
         raise WSPError(
@@ -517,6 +503,18 @@ class ParameterServer(Records):
                 )
             flat[path] = np.ascontiguousarray(update).reshape(-1)
         return flat
+
+    @contextlib.contextmanager
+    def _refused(self, vw: str, wave: int, stage: str):
+        """A stage's check refusing the update (the store's ``"nonfinite"``) raised as the
+        push's ``WSPError "invalid"``, the wave's other stages deleted: nothing is committed."""
+        try:
+            yield
+        except StoreError as error:
+            if error.reason != "nonfinite":
+                raise
+            self._drop_stage(stage)
+            raise WSPError(f"push of wave {wave} by {vw!r}: {error}", "invalid") from None
 
     def _drop_stage(self, stage: str) -> None:
         for client in self.clients:
@@ -764,6 +762,12 @@ def _behind(clocks: Iterable[tuple[str, int]], ledger: Ledger) -> set[tuple[str,
     return {
         (vw, n) for vw, pushes in ledger.committed.items() for n in range(held.get(vw, 0), pushes)
     }
+
+
+def _covers(held: Mapping[str, int], basis: Mapping[str, int]) -> bool:
+    """Whether an array with clocks ``held`` holds every push ``basis`` counts (VW -> pushes):
+    those a check took as added."""
+    return all(held.get(vw, 0) >= n for vw, n in basis.items())
 
 
 def _holds(clocks: Iterable[tuple[str, int]], ledger: Ledger, vw: str, wave: int) -> bool:
