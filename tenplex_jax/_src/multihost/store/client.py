@@ -482,10 +482,12 @@ class StoreClient:
             return Staged(staged, held, None)
         reply = header["swap"]
         if reply["swapped"]:
-            return Staged(staged, held, CAS(True, int(reply["version"]), swap.obj, 0.0))
-        value = reply.get("value")
-        value = None if value is None else json.loads(value)
-        return Staged(staged, held, CAS(False, reply.get("version"), value, 0.0))
+            cas = CAS(True, int(reply["version"]), swap.obj, float(reply["time"]))
+        else:
+            value = reply.get("value")
+            value = None if value is None else json.loads(value)
+            cas = CAS(False, reply.get("version"), value, float(reply["time"]))
+        return Staged(staged, held, cas)
 
     def get(
         self,

@@ -384,7 +384,8 @@ class Handler(socketserver.BaseRequestHandler):
             beside = _beside(check.get("beside"))
         swap = self._swap_of(header) if check is not None else None
         # a stage whose swap this request made already (its reply was lost): answered as done,
-        # not staged and checked again (its update may be added and its stage gone by now)
+        # not checked again (its update may be added and its stage gone by now), nor stored
+        # again unless its body streams to disk (then a stage no push names: ``collect``'s)
         done = None if swap is None else store.written_by(swap[0], self.rid)
         durable = check is not None or bool(header.get("durable"))
         sync = header.get("sync", True) is not False
@@ -410,7 +411,7 @@ class Handler(socketserver.BaseRequestHandler):
         reply = {"ok": True, "info": info.to_json()}
         if done is not None:
             reply["into"] = store.info(store.find(into, None))[0].to_json()
-            reply["swap"] = {"swapped": True, "version": done}
+            reply["swap"] = {"swapped": True, "version": done, "time": time.time()}
             self._send(sock, reply)
             return
         store.reshare(path)
@@ -433,18 +434,23 @@ class Handler(socketserver.BaseRequestHandler):
         what = f"the swap of stage {header.get('path')!r:.200}"
         if not isinstance(swap, dict) or not isinstance(swap.get("basis"), dict):
             raise StoreError(f"{what} holds path, expect, value and basis: {swap!r:.100}")
-        path, expect, value = wire.check_path(swap.get("path")), swap.get("expect"), swap["value"]
+        path, expect, value = (
+            wire.check_path(swap.get("path")),
+            swap.get("expect"),
+            swap.get("value"),
+        )
         if expect is not None and (not wire._is_int(expect) or expect < 0):
             raise StoreError(f"{what} expects a version or null; got {expect!r:.80}")
         if not isinstance(value, str) or len(value) > wire.MAX_SWAP_BYTES:
             raise StoreError(
                 f"{what} holds its object as JSON text of at most {wire.MAX_SWAP_BYTES} bytes"
             )
-        _check_plain_json(value.encode(), what)
+        data = value.encode()
+        _check_plain_json(data, what)
         basis = {wire.check_name(n): c for n, c in swap["basis"].items()}
         if not all(wire._is_int(c) and c >= 0 for c in basis.values()):
             raise StoreError(f"{what}: its basis maps names to clocks (ints >= 0)")
-        return path, expect, np.frombuffer(value.encode(), np.uint8), basis
+        return path, expect, np.frombuffer(data, np.uint8), basis
 
     def _swap_checked(self, swap, into: ObjectInfo, sync: bool) -> dict:
         """A stage's swap (:meth:`_swap_of`), made once its check passed, if the array checked
@@ -453,9 +459,9 @@ class Handler(socketserver.BaseRequestHandler):
         path, expect, data, basis = swap
         held = dict(into.clocks)
         if any(held.get(n, 0) < c for n, c in basis.items()):
-            return {"swapped": False, "version": None}
+            return {"swapped": False, "version": None, "time": time.time()}
         swapped, version, now = self.server.store.cas_json(path, expect, data, self.rid, sync)
-        out = {"swapped": swapped, "version": version}
+        out = {"swapped": swapped, "version": version, "time": time.time()}
         if now is not None and now.nbytes <= wire.MAX_SWAP_BYTES:
             out["value"] = now.tobytes().decode()
         return out
