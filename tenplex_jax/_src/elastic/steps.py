@@ -255,11 +255,10 @@ class StepCache:
         mesh, state, batch = self._abstract(ptc, layout)
         if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
             return step
+        skipped = f"the step for {ptc.config} on {list(ptc.device_ids)} not warmed up"
         crowded = _crowded(step, mesh)
         if crowded is not None:
-            self.log(
-                f"the step for {ptc.config} on {list(ptc.device_ids)} not warmed up: {crowded}"
-            )
+            self.log(f"{skipped}: {crowded}")
             return step
         tic = time.perf_counter()
         try:
@@ -270,9 +269,7 @@ class StepCache:
             jax.block_until_ready(outputs)
             del outputs
         except Exception as error:  # the warm-up only saves time: the step runs as it is
-            self.log(
-                f"the step for {ptc.config} on {list(ptc.device_ids)} not warmed up: {error!r}"
-            )
+            self.log(f"{skipped}: {error!r}")
             return step
         with self._lock:
             self.warm_ups += 1

@@ -336,15 +336,7 @@ class Driver:
             if pulled:
                 inflight = self._rebase(inflight)
             wave = self._entered(following, calls, k + 1, base, [nm - 1])
-            wave = dataclasses.replace(
-                wave,
-                start=vw._weights(),
-                start_changes=at.changes,
-                slowest=ledger.min_clock or 0,
-                pulled=pulled,
-                started=tic,
-                wait=time.time() - tic,
-            )
+            wave = dataclasses.replace(wave, **vw._waited(ledger, pulled, tic))
             k, now, losses = k + 1, after, nxt
 
     def _claim_ahead(self, wave: int) -> tuple[int, ...] | None:

@@ -465,15 +465,23 @@ class VirtualWorker:
             minibatches=tuple(minibatches),
             reads=tuple(reads),
             staleness=tuple(at.started + j - r.version for j, r in enumerate(reads)),
-            start=self._weights(),
-            start_changes=at.changes,
-            slowest=ledger.min_clock or 0,
-            pulled=pulled,
-            started=start,
-            wait=time.time() - start,
+            **self._waited(ledger, pulled, start),
         )
         at.started += len(minibatches)
         return True, wave
+
+    def _waited(self, ledger: Ledger, pulled: bool, since: float) -> dict:
+        """A wave's fields once WSP's wait that began at ``since`` (wall clock) has passed: the
+        weights it starts from and their changes, the slowest VW's clock, whether it pulled,
+        when it began and how long it took."""
+        return {
+            "start": self._weights(),
+            "start_changes": self.progress.changes,
+            "slowest": ledger.min_clock or 0,
+            "pulled": pulled,
+            "started": since,
+            "wait": time.time() - since,
+        }
 
     def _weights(self) -> tuple[jax.Array, ...]:
         """The device arrays of the VW's weight leaves, in leaf order."""
