@@ -386,6 +386,18 @@ def example_losses(model: GPT, batch: dict[str, jax.Array], **pipelining) -> jax
     return losses + model.cfg.aux_weight / model.cfg.n_layers * aux
 
 
+def embedded(weights: dict, tokens: jax.Array) -> jax.Array:
+    """``tokens`` (``[..., T]``) embedded by the weights ``tok_embed`` and ``pos_embed`` (by
+    name), as the model's first layer does, for the stages of a pipeline outside the module."""
+    return jnp.take(weights["tok_embed"], tokens, axis=0) + weights["pos_embed"][: tokens.shape[-1]]
+
+
+def head_logits(weights: dict, h: jax.Array) -> jax.Array:
+    """The logits of activations ``h`` (``[b, T, d]``): the final norm (``final_norm_scale``),
+    then ``unembed``, as the model's last layer does."""
+    return jnp.einsum("btd,dv->btv", _rms_norm(h, weights["final_norm_scale"]), weights["unembed"])
+
+
 def wave_losses(
     cfg: GPTConfig,
     versions: dict[str, jax.Array],
@@ -406,14 +418,12 @@ def wave_losses(
     if cfg.n_experts:
         raise ValueError("wave_losses runs the dense GPT; this config has experts")
     tokens, n = batch["inputs"], batch["inputs"].shape[0]
-    T = tokens.shape[-1]
-    embed = lambda v, t: jnp.take(v["tok_embed"], t, axis=0) + v["pos_embed"][:T]
-    x = jax.vmap(embed)(versions, tokens)
+    x = jax.vmap(embedded)(versions, tokens)
     layers = {name: versions[name] for name in stacked(cfg)}
     x = pipeline(block_fn(cfg), layers, x, mesh=mesh, microbatches=n, stages=stages, versions=True)
 
     def head(v, h, targets):
-        logits = jnp.einsum("btd,dv->btv", _rms_norm(h, v["final_norm_scale"]), v["unembed"])
+        logits = head_logits(v, h)
         return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets), -1)
 
     return jax.vmap(head)(versions, x, batch["targets"])

@@ -14,7 +14,6 @@ import math
 from collections.abc import Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -24,7 +23,17 @@ from jax.sharding import PartitionSpec as P
 import tenplex_jax as tj
 from tenplex_jax.wsp import StageModel, UnbrokenModel
 
-from .gpt import GPT, GPTConfig, _rms_norm, block_fn, example_losses, profile, stacked, wave_losses
+from .gpt import (
+    GPT,
+    GPTConfig,
+    block_fn,
+    embedded,
+    example_losses,
+    head_logits,
+    profile,
+    stacked,
+    wave_losses,
+)
 
 # One fake CPU device, as described in meshes/cpu8.toml: what the demo tells the planner it runs on.
 CPU = tj.planner.DeviceType("cpu", memory=2 * tj.planner.GIB, flops=5e9, link_bandwidth=10e9)
@@ -210,13 +219,8 @@ def unbroken_model(graphdef, state) -> UnbrokenModel:
     is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and all(isinstance(d, dict) for d in x)
     to_pair = lambda d: ({k: d[k] for k in names}, {k: d[k] for k in d if k not in names})
 
-    def first(outer, tokens):
-        return jnp.take(outer["tok_embed"], tokens, axis=0) + outer["pos_embed"][: tokens.shape[-1]]
-
     def loss(outer, h, targets):
-        logits = jnp.einsum(
-            "btd,dv->btv", _rms_norm(h, outer["final_norm_scale"]), outer["unembed"]
-        )
+        logits = head_logits(outer, h)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     def split(state):
@@ -248,6 +252,6 @@ def unbroken_model(graphdef, state) -> UnbrokenModel:
         step.set_value(step.get_value() + np.asarray(updates, step.get_value().dtype))
         return nnx.state(nodes)
 
-    model = StageModel(first, block_fn(cfg), loss)
+    model = StageModel(embedded, block_fn(cfg), loss)
     batch = lambda data: (data["inputs"], data["targets"])
     return UnbrokenModel(model, tx, split, merge, batch)
