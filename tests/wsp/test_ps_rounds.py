@@ -165,6 +165,20 @@ def test_a_stage_swaps_its_object_only_once_its_check_passed_on_its_basis(stores
     client.close()
 
 
+def test_a_stage_refused_before_its_body_is_read_raises_the_refusal_not_a_broken_pipe(stores):
+    """An eager stage the store refuses from its header closes the connection with its body
+    unread: the client's send then breaks, and the refusal the store sent is what it raises."""
+    client = StoreClient(stores.start("s0").address, retry_seconds=0)
+    n = 8 << 20  # 32 MiB: far more than the socket buffers, so the send always breaks
+    client.put("w", np.zeros(n, np.float32))
+    for _ in range(3):
+        bad = Swap("led", {}, None, {"a": -1})
+        with pytest.raises(StoreError, match="basis") as error:
+            client.stage("s/0", np.ones(n, np.float32), into="w", name="b", swap=bad)
+        assert error.value.reason == "invalid" and not client.list("s/")
+    client.close()
+
+
 def test_a_stage_and_a_ledger_fsynced_behind_their_replies_survive_a_sigkill(stores):
     """Written without ``sync``: in their files before the reply, so a SIGKILL of the store
     right after it loses neither (the store's disk writers are busy with earlier puts then: a

@@ -305,6 +305,8 @@ class StoreClient:
                 elif nbody:
                     wire.send_body(sock, body)
             except OSError as error:
+                if request.get("eager"):  # refused unread: the refusal may be waiting
+                    self._refusal(sock, rid)
                 raise StoreError(f"store {self.address}: {error!r}", "unavailable") from error
         # a reply may wait for disk writes: a durable put for its bytes, flush and put_json for
         # every object not yet on disk
@@ -324,6 +326,21 @@ class StoreClient:
             raise
         sock.settimeout(self._timeout)
         return header, self._reply_body(sock, request, header, nreply, into)
+
+    def _refusal(self, sock: socket.socket, rid: str) -> None:
+        """Raise the error reply a store sent before closing the connection on an eager request
+        it refused unread (the body's send then fails: a broken pipe or a reset); return if no
+        refusal came."""
+        sock.settimeout(min(self._timeout, 5.0))
+        try:
+            self._reply(sock, rid)
+        except StoreError as error:
+            if error.reason not in _BROKEN:
+                sock.close()
+                raise
+        finally:
+            if sock.fileno() >= 0:
+                sock.settimeout(self._timeout)
 
     def _reply_body(self, sock, request: dict, header: dict, nreply: int, into):
         """The reply's body of ``nreply`` bytes: into the array ``into`` gives (its checksum as
