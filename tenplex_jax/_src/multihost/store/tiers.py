@@ -5,9 +5,9 @@ first) and the disk tier (docs/multihost.md, "Tiers", states the rules).
 JSON header (path, box, global shape, dtype, checksum) + the bytes, written to ``DIR/tmp`` and
 fsynced, then renamed into ``DIR/objects``; only then does the index point at it. Restarted on
 the same directory, the store deletes ``DIR/tmp``, indexes the complete files whose header checks
-and verifies each file's data checksum when it reads it; JSON objects are files too, read and
-checked on every ``get_json`` (never held in memory). A file that fails is moved to
-``DIR/corrupt`` and never served.
+and verifies each file's data checksum when it reads it. JSON objects are files too, of two
+slots written in place (``slots``), read and checked on every ``get_json`` (never held in
+memory). A file that fails is moved to ``DIR/corrupt`` and never served.
 
 **Synced now or behind.** A write acknowledged with ``sync`` is fsynced (its file and its
 directory) before the reply: a crash of the machine keeps it. One without is renamed into place
@@ -27,6 +27,7 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import io
 import itertools
 import json
 import math
@@ -45,7 +46,7 @@ import numpy as np
 from tenplex_jax._src import box as boxes
 from tenplex_jax._src import checksums
 from tenplex_jax._src.errors import StoreError
-from tenplex_jax._src.multihost.store import wire
+from tenplex_jax._src.multihost.store import slots, wire
 from tenplex_jax._src.multihost.store.wire import ObjectInfo
 
 FILE_MAGIC = b"TPX2"  # an object file: magic, header bytes, header crc32, JSON header, data
@@ -59,6 +60,7 @@ HIGHEST = "HIGHEST"  # json/HIGHEST: the highest JSON version handed out when on
 # a write behind a reply that is replaced often (an accumulated sum, a fsync behind) waits this
 # long first: the versions replaced meanwhile are never written (a flush lets it go at once)
 LATER_SECONDS = 0.1
+JSON_READS = 100  # a get_json whose slot was rewritten while it read it reads again this often
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +119,9 @@ class Tiers:
         self.versions: dict[str, int] = {}  # path -> the JSON object's version
         # path -> {rid: version} of its last RIDS_KEPT writes (also in its file's header)
         self.json_rids: dict[str, dict[str, int]] = {}
+        # path -> (the slot of its newest version, the slot's bytes); none for a file of the
+        # earlier format (one record), until its next write
+        self.json_slots: dict[str, tuple[int, int]] = {}
         self.version = 0  # the highest version handed out (versions only grow)
         # array key -> [(seq, stage path)]: stages consumed by accumulates, removed once the
         # array's version ``seq`` (or a later one) is on disk
@@ -204,10 +209,13 @@ class Tiers:
             self._index_set(file.stem, Entry(info, self.seq, on_disk=True))
         for file in sorted(self.json_dir.glob("*.obj")):
             try:
-                header, data = self._read_file(file)
+                raw = file.read_bytes()
+                header, data, slot = self._json_of(raw)
             except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
                 self._set_aside(file, f"incomplete or corrupt: {error!r}")
                 continue
+            if slot is not None:
+                self.json_slots[header["path"]] = (slot, len(raw) // 2)
             self.json[header["path"]] = len(data)
             self.versions[header["path"]] = int(header.get("version", 0))
             self.json_rids[header["path"]] = {str(r): int(v) for r, v in header.get("rids", ())}
@@ -261,6 +269,23 @@ class Tiers:
         if digest != header["checksum"]:
             raise ValueError(f"checksum {digest}, its header says {header['checksum']}")
         return header, data
+
+    @classmethod
+    def _json_of(cls, raw: bytes, slot: int | None = None) -> tuple[dict, memoryview, int | None]:
+        """A JSON object's file's header and data: its newest whole slot, or ``slot`` (``slots``),
+        or its one record in the earlier format (slot None); ``ValueError`` unless the header
+        and the data match their checksums."""
+        if raw[: len(FILE_MAGIC)] != FILE_MAGIC:
+            return slots.read(raw, slot)
+        f = io.BytesIO(raw)
+        header = cls._header_of(f)
+        data = memoryview(raw)[f.tell() :]
+        if len(data) != header["nbytes"]:
+            raise ValueError(f"file holds {len(data)} bytes, its header says {header['nbytes']}")
+        digest = wire.checksum(data)
+        if digest != header["checksum"]:
+            raise ValueError(f"checksum {digest}, its header says {header['checksum']}")
+        return header, data, None
 
     def _set_aside(self, file: pathlib.Path, why: str) -> None:
         print(
@@ -710,6 +735,7 @@ class Tiers:
                 del self.json[path]
                 self.versions.pop(path, None)
                 self.json_rids.pop(path, None)
+                self.json_slots.pop(path, None)
                 (self.json_dir / f"{_key('json', path)}.obj").unlink(missing_ok=True)
             if paths:
                 self.json_changed.notify_all()
@@ -721,8 +747,8 @@ class Tiers:
     def written_by(self, path: str, rid: str | None) -> int | None:
         """The version of JSON object ``path`` that request ``rid`` wrote, if it is one of the
         object's last ``RIDS_KEPT`` writes (known across a restart: they are in its file)."""
-        with self.lock:
-            return self.json_rids.get(path, {}).get(rid) if rid else None
+        # no lock: each path's ids are replaced whole (atomic under the GIL)
+        return self.json_rids.get(path, {}).get(rid) if rid else None
 
     def _write_json(self, path: str, data: np.ndarray, rid: str | None, sync: bool = True) -> int:
         """Write a JSON object's file with a new version, fsynced now if ``sync``, else behind;
@@ -742,18 +768,49 @@ class Tiers:
             "version": version,
             "rids": [list(pair) for pair in rids[-RIDS_KEPT:]],
         }
-        tmp = self._write_tmp(header, data, sync)
-        file = self.json_dir / f"{_key('json', path)}.obj"
+        record, file = slots.record(header, data), self.json_dir / f"{_key('json', path)}.obj"
+        with self.lock:
+            at = self.json_slots.get(path)
+            fd = None
+            if at is not None and len(record) <= at[1]:
+                with contextlib.suppress(FileNotFoundError):
+                    fd = os.open(file, os.O_WRONLY)
+        if fd is not None:  # in place, into the slot not holding the newest version
+            try:
+                slots.write(fd, record, 1 - at[0], at[1], sync)
+            finally:
+                os.close(fd)
+            with self.lock:
+                if self.json_slots.get(path) == at:  # else deleted meanwhile: a new file
+                    self._json_written(path, (1 - at[0], at[1]), len(data), version, rids, sync)
+                    return version
+        size = slots.slot_bytes(len(record))
+        tmp = self.tmp_dir / f"{uuid.uuid4().hex}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(record)
+                f.truncate(2 * size)
+                f.flush()
+                if sync:
+                    os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         with self.lock:
             os.replace(tmp, file)
-            self.json[path], self.versions[path] = len(data), version
-            self.json_rids[path] = dict(rids[-RIDS_KEPT:])
-            self.json_changed.notify_all()
-            if not sync:
-                self._queue_write(str(file), None, later=True)
+            self._json_written(path, (0, size), len(data), version, rids, sync)
         if sync:
             self._sync_dir(self.json_dir)
         return version
+
+    def _json_written(self, path, at, nbytes, version, rids, sync) -> None:
+        """Index a JSON object's version just written into slot ``at`` (call with the lock)."""
+        self.json[path], self.versions[path], self.json_slots[path] = nbytes, version, at
+        self.json_rids[path] = dict(rids[-RIDS_KEPT:])
+        self.json_changed.notify_all()
+        if not sync:
+            file = self.json_dir / f"{_key('json', path)}.obj"
+            self._queue_write(str(file), None, later=True)
 
     def wait_json(self, path: str, version: int, timeout: float, gone=None) -> None:
         """Return once JSON object ``path`` is another version than ``version`` (written since,
@@ -779,20 +836,33 @@ class Tiers:
         from its file (JSON objects are not held in memory) and checked; a file that fails is
         set aside and the object is gone."""
         file = self.json_dir / f"{_key('json', path)}.obj"
-        try:
-            header, data = self._read_file(file)
-            if header.get("path") != path:
-                raise ValueError(f"the file holds {header.get('path')!r}")
-        except FileNotFoundError:
-            raise StoreError(f"no JSON object at path {path!r}", "not_found") from None
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
-            with self.lock:
-                self.json.pop(path, None)
-                self._set_aside(file, repr(error))
-            raise StoreError(
-                f"JSON object {path!r} is corrupt on disk ({error!r}); it is not served", "corrupt"
-            ) from None
-        return header, data
+        for _ in range(JSON_READS):
+            with self.lock:  # the file and the slot of one version
+                version, at = self.versions.get(path), self.json_slots.get(path)
+                try:
+                    fd = os.open(file, os.O_RDONLY) if path in self.json else None
+                except FileNotFoundError:
+                    fd = None
+            if fd is None:
+                raise StoreError(f"no JSON object at path {path!r}", "not_found")
+            try:
+                with open(fd, "rb") as f:
+                    raw = f.read()
+                header, data, _ = self._json_of(raw, None if at is None else at[0])
+                if header.get("path") != path:
+                    raise ValueError(f"the file holds {header.get('path')!r}")
+            except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+                with self.lock:
+                    if self.versions.get(path) != version:
+                        continue  # its slot was written again while it was read
+                    self.json.pop(path, None)
+                    self._set_aside(file, repr(error))
+                raise StoreError(
+                    f"JSON object {path!r} is corrupt on disk ({error!r}); it is not served",
+                    "corrupt",
+                ) from None
+            return header, np.frombuffer(data, np.uint8)
+        raise StoreError(f"JSON object {path!r} rewritten as it was read, {JSON_READS}x", "busy")
 
     def close(self) -> None:
         """Refuse further puts, write every object still only in memory, stop the writer."""
