@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import math
@@ -179,9 +180,7 @@ class BatchLayout:
         >>> BatchLayout(5, ranks=2).positions()         # rank 0: 3 samples, rank 1: 2 and a pad
         array([ 0,  1,  2,  3,  4, -1])
         """
-        pos = np.full((self.ranks * self.slots, self.unit), -1, dtype=np.int64)
-        pos[self.unit_rows()] = np.arange(self.global_batch).reshape(self.units, self.unit)
-        return pos.reshape(-1)
+        return _positions(self).copy()
 
     def rank_rows(self, rank: int) -> slice:
         """The rows of the padded global batch that one rank holds.
@@ -196,12 +195,24 @@ class BatchLayout:
         return slice(rank * per, (rank + 1) * per)
 
 
+@functools.lru_cache(maxsize=64)
+def _positions(layout: BatchLayout) -> np.ndarray:
+    """``layout.positions()``, computed once per layout (read-only): a global batch's rows are
+    laid out at every step."""
+    pos = np.full((layout.ranks * layout.slots, layout.unit), -1, dtype=np.int64)
+    pos[layout.unit_rows()] = np.arange(layout.global_batch).reshape(layout.units, layout.unit)
+    pos = pos.reshape(-1)
+    pos.flags.writeable = False
+    return pos
+
+
 MAX_COUNT = 1 << 62  # a data state's counts: sample indices and their sums stay in int64
 
 
 ROUNDS = 6  # of the Feistel network that orders each epoch
 BLOCK = 1 << 16  # positions of an epoch's order computed at once
 KEPT_BLOCKS = 4  # the blocks a dataset keeps (a batch may straddle blocks and epochs)
+LAID_OUT_STEPS = 32  # global batches whose rows ``samples`` lays out at once ("carry")
 ORDER = "feistel"  # DataState.order
 
 
@@ -414,6 +425,8 @@ class DatasetPTC:
         self.fingerprint = fingerprint or _fingerprint(source, n)
         self.step = 0  # global batches delivered
         self._blocks: dict[tuple[int, int], np.ndarray] = {}  # (epoch, block) -> its samples
+        # ((first step, layout), samples[LAID_OUT_STEPS, rows], weights[rows]): ``samples``'
+        self._laid_out: tuple | None = None
 
     # -- the order: pure functions of (dataset, seed, global batch, step) ---------------------
 
@@ -447,8 +460,11 @@ class DatasetPTC:
         """The samples at ``positions`` of epoch ``epoch``'s order, computed by blocks of
         ``BLOCK`` positions (``_shuffle``; the last few kept): no epoch is ever held whole, so a
         process that resumes pays for a block, not for the dataset."""
-        out = np.empty(len(positions), dtype=np.int64)
         blocks = positions // BLOCK
+        if len(blocks) and blocks.min() == blocks.max():  # one block: a batch, most often
+            block = int(blocks[0])
+            return self._block(epoch, block)[positions - block * BLOCK].astype(np.int64)
+        out = np.empty(len(positions), dtype=np.int64)
         for block in np.unique(blocks):
             mask = blocks == block
             out[mask] = self._block(epoch, int(block))[positions[mask] - block * BLOCK]
@@ -483,8 +499,10 @@ class DatasetPTC:
         n, b = self.num_samples, self.global_batch
         if self.remainder == Remainder.CARRY:
             start = step * b
-            pos = np.arange(start, start + b)
-            epochs, offsets = np.divmod(pos, n)
+            epoch, first = divmod(start, n)
+            if first + b <= n:  # within one epoch: a batch, most often
+                return self._ordered(epoch, np.arange(first, first + b)), np.full(b, epoch)
+            epochs, offsets = np.divmod(np.arange(start, start + b), n)
         else:
             spe = int(self.steps_per_epoch)
             epoch, k = divmod(step, spe)
@@ -594,10 +612,29 @@ class DatasetPTC:
           DataError: the layout is for another global batch size.
         """
         self._check_layout(layout)
+        if self.remainder == Remainder.CARRY and step >= 0:  # every batch whole: laid out ahead
+            first = step - step % LAID_OUT_STEPS
+            if self._laid_out is None or self._laid_out[0] != (first, layout):
+                self._laid_out = ((first, layout), *self._lay_out(first, layout))
+            return self._laid_out[1][step - first].copy(), self._laid_out[2].copy()
         indices, _ = self.indices(step)
-        pos = layout.positions()
+        pos = _positions(layout)
         real = (pos >= 0) & (pos < len(indices))  # "pad": a short batch leaves more rows empty
         return np.where(real, indices[np.where(real, pos, 0)], -1), real.astype(np.float32)
+
+    def _lay_out(self, first: int, layout: BatchLayout) -> tuple[np.ndarray, np.ndarray]:
+        """``samples`` of the ``LAID_OUT_STEPS`` global batches from ``first`` ("carry": each
+        holds ``global_batch`` samples): int64[LAID_OUT_STEPS, rows] and their weights."""
+        b, n = self.global_batch, self.num_samples
+        epochs, offsets = np.divmod(np.arange(first * b, (first + LAID_OUT_STEPS) * b), n)
+        indices = np.empty(len(offsets), dtype=np.int64)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            indices[mask] = self._ordered(int(epoch), offsets[mask])
+        pos = _positions(layout)
+        real = pos >= 0
+        rows = indices.reshape(LAID_OUT_STEPS, b)[:, np.where(real, pos, 0)]
+        return np.where(real, rows, -1), real.astype(np.float32)
 
     def read(self, samples: np.ndarray) -> Any:
         """The data of the rows holding some samples.

@@ -328,3 +328,26 @@ def test_a_data_state_of_the_whole_epoch_permutation_is_refused_by_name():
         tj.data.DataState.from_dict(state)
     with pytest.raises(tj.errors.DataError, match="the order 'feistel'"):
         tj.data.DataState(**state, order="numpy")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.one_of(st.integers(1, 300), st.integers(65_000, 70_000)),
+    batch=st.integers(1, 40),
+    ranks=st.integers(1, 5),
+    steps=st.lists(st.integers(0, 5_000), min_size=1, max_size=12),
+)
+def test_rows_laid_out_ahead_are_those_of_each_batch_alone(n, batch, ranks, steps):
+    """``samples`` lays out ``LAID_OUT_STEPS`` global batches at once ("carry"): in any order of
+    steps, across epochs and blocks, each is the batch's own indices in the layout's positions,
+    and a caller that writes into what it got changes nothing the next call returns."""
+    batch, ranks = min(batch, n), min(ranks, batch, n)
+    ds = tj.DatasetPTC(np.arange(n), batch, seed=3)
+    layout = tj.data.BatchLayout(batch, ranks=ranks)
+    pos = layout.positions()
+    for step in [*steps, steps[0], steps[0] + 1]:
+        samples, weights = ds.samples(step, layout)
+        indices = ds.indices(step)[0]
+        np.testing.assert_array_equal(samples, np.where(pos >= 0, indices[pos], -1))
+        np.testing.assert_array_equal(weights, (pos >= 0).astype(np.float32))
+        samples[:], weights[:] = -7, 7.0  # the caller's own copies

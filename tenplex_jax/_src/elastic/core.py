@@ -230,6 +230,9 @@ class _JobCore(abc.ABC):
         # step ran; used when the boundary leaves the job on that layout
         self._prefetched: tuple | None = None
         self._meshed: tuple | None = None  # (ptc, devices, mesh): the current layout's mesh
+        # (ptc, global batch, layout, its executable or None): the current layout's, so that a
+        # step looks up neither (they are asked for at every step)
+        self._current: tuple | None = None
 
     def __enter__(self):
         return self
@@ -257,7 +260,10 @@ class _JobCore(abc.ABC):
     @property
     def layout(self) -> BatchLayout:
         """How the current layout splits a global batch: rows per rank, gradient units."""
-        return self._layout(self.ptc.config)
+        current, ptc, rows = self._current, self.ptc, self.dataset.global_batch
+        if current is None or current[0] is not ptc or current[1] != rows:
+            current = self._current = (ptc, rows, self._layout(ptc.config), None)
+        return current[2]
 
     def start(self, init):
         """Lay the job's state out on its initial devices.
@@ -456,14 +462,17 @@ class _JobCore(abc.ABC):
 
     def _run(self, state, batch: Batch):
         """Run one step on the current layout (asynchronously, but for the timed steps)."""
-        future = self._compiled(self.ptc, ahead=False)
-        if batch.layout != self.layout or batch.mesh != self._mesh():
+        layout = self.layout
+        if batch.layout != layout or batch.mesh != self._mesh():
             raise LayoutError(
                 f"the batch is laid out for {batch.layout} on "
                 f"{show_mesh(batch.mesh, devices=False)}, the job runs {self.ptc.config} on "
                 f"{list(self.ptc.device_ids)}: pass the state and batch that job.next returned"
             )
-        executable = future.result().executable
+        executable = self._current[3]
+        if executable is None:  # the first step on this layout: its compiled step, once
+            executable = self._compiled(self.ptc, ahead=False).result().executable
+            self._current = (*self._current[:3], executable)
         if self._not_bitwise is None:  # said once, when the first step has been traced
             self.not_bitwise  # noqa: B018
         tic = time.perf_counter()
