@@ -207,10 +207,12 @@ def run(options: BenchOptions, log=print) -> dict:
         variants = [(None, False)]
         if not options.quick:
             variants += [(None, True), (8, False), (8, True)]
-        blocks = 4 if options.quick else 5
+        # pairs of blocks of 10 short steps: the median over the pairs holds to about a
+        # percent on a shared machine (4 blocks of 5 steps moved it by 3-7 %)
+        blocks = 6 if options.quick else 10
         for units, ahead in variants:
             row = loop.run_loop_overhead(
-                GPTConfig.small(), config, 8, blocks, 5, grad_units=units, compile_ahead=ahead
+                GPTConfig.small(), config, 8, blocks, 10, grad_units=units, compile_ahead=ahead
             )
             log(loop.describe(row))
             rows.append(row | {"model": "small"})
