@@ -159,19 +159,35 @@ def test_a_read_torn_by_a_write_reads_again_and_a_damaged_one_does_not(tmp_path,
     store.put_json("led", _obj({"n": 1}))
     parse, calls = Store._json_of, []
 
-    def torn(raw, slot=None):
+    def torn(f, slot=None):
         calls.append(slot)
         if len(calls) == 1:  # two writes land while this read was under way: its slot is torn
             store.put_json("led", _obj({"n": 2}))
             store.put_json("led", _obj({"n": 3}))
             raise ValueError("the header fails its checksum (a torn or damaged write)")
-        return parse(raw, slot)
+        return parse(f, slot)
+
+    def damaged(f, slot=None):
+        raise ValueError("the header fails its checksum (a torn or damaged write)")
 
     monkeypatch.setattr(Store, "_json_of", staticmethod(torn))
     assert _value(store, "led")[1] == {"n": 3} and calls == [0, 0]
-    calls.append("damaged from here on")
-    monkeypatch.setattr(Store, "_json_of", staticmethod(lambda raw, slot=None: parse(raw[:9])))
+    monkeypatch.setattr(Store, "_json_of", staticmethod(damaged))
     with pytest.raises(StoreError, match="corrupt"):
         store.get_json("led")
     assert "led" not in store.json
+    store.close()
+
+
+def test_a_read_reads_its_record_not_its_slot(tmp_path, monkeypatch):
+    """A large JSON object's slots are twice its size or more: a read takes the record's bytes
+    (prefix, header, data) and never the slot's unused tail."""
+    store = Store(tmp_path, 1 << 20, shm=None)
+    big = {"names": ["x" * 1000] * 1000}  # ~1 MiB: slots of 4 MiB
+    store.put_json("m", _obj(big))
+    store.put_json("m", _obj({"n": 1}))
+    read = []
+    pread = slots.os.pread
+    monkeypatch.setattr(slots.os, "pread", lambda fd, n, at: read.append(n) or pread(fd, n, at))
+    assert _value(store, "m")[1] == {"n": 1} and sum(read) < 1024
     store.close()

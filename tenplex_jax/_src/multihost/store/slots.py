@@ -42,41 +42,47 @@ def slot_bytes(nbytes: int) -> int:
     return max(MIN_SLOT_BYTES, 1 << (2 * nbytes - 1).bit_length())
 
 
-def parse(raw: memoryview) -> tuple[dict, memoryview]:
-    """The header and data of the record at the start of ``raw``; ``ValueError`` unless it is
-    whole: its magic, its header's crc32, its size within ``raw`` and its data's checksum."""
-    if len(raw) < PREFIX.size:
-        raise ValueError(f"a slot of {len(raw)} bytes holds no record")
-    magic, n, crc = PREFIX.unpack(raw[: PREFIX.size])
+def _record(fd: int, at: int, size: int) -> tuple[dict, bytes]:
+    """The header and data of the record in the slot of ``size`` bytes at offset ``at`` of the
+    open file ``fd``, read a part at a time (the slot's unused tail is never read);
+    ``ValueError`` unless it is whole: its magic, its header's crc32, its size within the slot
+    and its data's checksum."""
+    prefix = os.pread(fd, PREFIX.size, at)
+    if len(prefix) < PREFIX.size:
+        raise ValueError(f"the slot ends within its record's first {PREFIX.size} bytes")
+    magic, n, crc = PREFIX.unpack(prefix)
     if magic != MAGIC:
-        raise ValueError(f"bad magic {bytes(magic)!r} (not a {MAGIC!r} record)")
-    encoded = raw[PREFIX.size : PREFIX.size + n]
+        raise ValueError(f"bad magic {magic!r} (not a {MAGIC!r} record)")
+    encoded = os.pread(fd, n, at + PREFIX.size) if n <= size - PREFIX.size else b""
     if len(encoded) != n or checksums.crc32(encoded) != crc:
         raise ValueError("the header fails its checksum (a torn or damaged write)")
-    header = json.loads(bytes(encoded))
+    header = json.loads(encoded)
     if not isinstance(header, dict) or type(header.get("nbytes")) is not int:
         raise ValueError(f"a header is a JSON object with an integer nbytes, got {header!r:.200}")
-    start = PREFIX.size + n
-    data = raw[start : start + header["nbytes"]]
-    if len(data) != header["nbytes"]:
-        raise ValueError(f"the slot holds {len(data)} bytes of data, its header says more")
+    nbytes, start = header["nbytes"], PREFIX.size + n
+    if not 0 <= nbytes <= size - start:
+        raise ValueError(f"its header says {nbytes} bytes of data, more than the slot holds")
+    data = os.pread(fd, nbytes, at + start)
+    if len(data) != nbytes:
+        raise ValueError(f"the file ends {len(data)} bytes into the record's {nbytes} of data")
     digest = wire.checksum(data)
     if digest != header.get("checksum"):
         raise ValueError(f"the data's checksum is {digest}, its header says {header['checksum']}")
     return header, data
 
 
-def read(raw: bytes, slot: int | None = None) -> tuple[dict, memoryview, int]:
-    """A file's newest whole record, or with ``slot`` the record in that slot: (header, data,
-    its slot). ``ValueError`` (naming each slot's fault) when there is none."""
-    view = memoryview(raw)
-    if len(view) < 2 * MIN_SLOT_BYTES or len(view) % 2:
-        raise ValueError(f"a file of slots is an even {2 * MIN_SLOT_BYTES}+ bytes, not {len(view)}")
-    size = len(view) // 2
+def read(fd: int, slot: int | None = None) -> tuple[dict, bytes, int]:
+    """The newest whole record of the open file of slots ``fd``, or with ``slot`` the record in
+    that slot: (header, data, its slot). ``ValueError`` (naming each slot's fault) when there is
+    none."""
+    nbytes = os.fstat(fd).st_size
+    if nbytes < 2 * MIN_SLOT_BYTES or nbytes % 2:
+        raise ValueError(f"a file of slots is an even {2 * MIN_SLOT_BYTES}+ bytes, not {nbytes}")
+    size = nbytes // 2
     found, faults = [], []
     for k in (0, 1) if slot is None else (slot,):
         try:
-            header, data = parse(view[k * size : (k + 1) * size])
+            header, data = _record(fd, k * size, size)
         except (ValueError, KeyError, TypeError, struct.error) as error:
             faults.append(f"slot {k}: {error}")
             continue

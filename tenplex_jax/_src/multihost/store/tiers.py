@@ -27,7 +27,6 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
-import io
 import itertools
 import json
 import math
@@ -209,13 +208,14 @@ class Tiers:
             self._index_set(file.stem, Entry(info, self.seq, on_disk=True))
         for file in sorted(self.json_dir.glob("*.obj")):
             try:
-                raw = file.read_bytes()
-                header, data, slot = self._json_of(raw)
+                with open(file, "rb") as f:
+                    header, data, slot = self._json_of(f)
+                    size = os.fstat(f.fileno()).st_size // 2
             except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
                 self._set_aside(file, f"incomplete or corrupt: {error!r}")
                 continue
             if slot is not None:
-                self.json_slots[header["path"]] = (slot, len(raw) // 2)
+                self.json_slots[header["path"]] = (slot, size)
             self.json[header["path"]] = len(data)
             self.versions[header["path"]] = int(header.get("version", 0))
             self.json_rids[header["path"]] = {str(r): int(v) for r, v in header.get("rids", ())}
@@ -271,15 +271,14 @@ class Tiers:
         return header, data
 
     @classmethod
-    def _json_of(cls, raw: bytes, slot: int | None = None) -> tuple[dict, memoryview, int | None]:
-        """A JSON object's file's header and data: its newest whole slot, or ``slot`` (``slots``),
-        or its one record in the earlier format (slot None); ``ValueError`` unless the header
-        and the data match their checksums."""
-        if raw[: len(FILE_MAGIC)] != FILE_MAGIC:
-            return slots.read(raw, slot)
-        f = io.BytesIO(raw)
+    def _json_of(cls, f, slot: int | None = None) -> tuple[dict, bytes, int | None]:
+        """The header and data of the JSON object's file open as ``f``: its newest whole slot,
+        or ``slot`` (``slots``), or its one record in the earlier format (slot None);
+        ``ValueError`` unless the header and the data match their checksums."""
+        if os.pread(f.fileno(), len(FILE_MAGIC), 0) != FILE_MAGIC:
+            return slots.read(f.fileno(), slot)
         header = cls._header_of(f)
-        data = memoryview(raw)[f.tell() :]
+        data = f.read()
         if len(data) != header["nbytes"]:
             raise ValueError(f"file holds {len(data)} bytes, its header says {header['nbytes']}")
         digest = wire.checksum(data)
@@ -847,8 +846,7 @@ class Tiers:
                 raise StoreError(f"no JSON object at path {path!r}", "not_found")
             try:
                 with open(fd, "rb") as f:
-                    raw = f.read()
-                header, data, _ = self._json_of(raw, None if at is None else at[0])
+                    header, data, _ = self._json_of(f, None if at is None else at[0])
                 if header.get("path") != path:
                     raise ValueError(f"the file holds {header.get('path')!r}")
             except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
