@@ -783,18 +783,17 @@ class Tiers:
                 if self.json_slots.get(path) == at:  # else deleted meanwhile: a new file
                     self._json_written(path, (1 - at[0], at[1]), len(data), version, rids, sync)
                     return version
-        size = slots.slot_bytes(len(record))
+        size = slots.slot_bytes(len(record))  # a new file: written under tmp/, renamed in
         tmp = self.tmp_dir / f"{uuid.uuid4().hex}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            with open(tmp, "wb") as f:
-                f.write(record)
-                f.truncate(2 * size)
-                f.flush()
-                if sync:
-                    os.fsync(f.fileno())
+            os.ftruncate(fd, 2 * size)
+            slots.write(fd, record, 0, size, sync)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        finally:
+            os.close(fd)
         with self.lock:
             os.replace(tmp, file)
             self._json_written(path, (0, size), len(data), version, rids, sync)
