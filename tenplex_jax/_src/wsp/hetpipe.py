@@ -201,11 +201,8 @@ def run(
             f"table's), got [{first}, {end})",
             "invalid",
         )
-    specs = _specs(optimizer, inflight, axis)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
     ticks = window(table, first, end, base=0, n=len(table.forward))
-    program = _program(ticks, model, optimizer, mesh, axis, tuple(leaves), treedef)
-    return program(inflight, xs, targets)
+    return _launch(ticks, model, optimizer, inflight, xs, targets, mesh, axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +279,12 @@ def run_window(
     stages = mesh.shape[axis]
     losses = jax.device_put(jnp.zeros((stages, ticks.n), jnp.float32), NamedSharding(mesh, P(axis)))
     inflight = inflight._replace(buffers=(*inflight.buffers[:3], losses))
+    return _launch(ticks, model, optimizer, inflight, xs, targets, mesh, axis)
+
+
+def _launch(ticks: Window, model, optimizer, inflight: InFlight, xs, targets, mesh, axis):
+    """Run ``ticks`` from ``inflight`` (:func:`run`, :func:`run_window`): the window's program,
+    compiled once for its layout of what is in flight."""
     specs = _specs(optimizer, inflight, axis)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
     program = _program(ticks, model, optimizer, mesh, axis, tuple(leaves), treedef)
