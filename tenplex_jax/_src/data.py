@@ -498,17 +498,20 @@ class DatasetPTC:
             raise DataError(f"step must be >= 0, got {step}")
         n, b = self.num_samples, self.global_batch
         if self.remainder == Remainder.CARRY:
-            start = step * b
-            epoch, first = divmod(start, n)
-            if first + b <= n:  # within one epoch: a batch, most often
-                return self._ordered(epoch, np.arange(first, first + b)), np.full(b, epoch)
-            epochs, offsets = np.divmod(np.arange(start, start + b), n)
-        else:
-            spe = int(self.steps_per_epoch)
-            epoch, k = divmod(step, spe)
-            offsets = np.arange(k * b, min((k + 1) * b, n))
-            epochs = np.full(offsets.shape, epoch)
-        out = np.empty(offsets.shape, dtype=np.int64)
+            return self._carried(step * b, b)
+        epoch, k = divmod(step, int(self.steps_per_epoch))
+        offsets = np.arange(k * b, min((k + 1) * b, n))
+        return self._ordered(epoch, offsets), np.full(offsets.shape, epoch)
+
+    def _carried(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The samples at positions ``start .. start + count - 1`` of the "carry" stream (the
+        epochs' orders one after another) and the epoch of each."""
+        n = self.num_samples
+        epoch, first = divmod(start, n)
+        if first + count <= n:  # within one epoch: a batch, most often
+            return self._ordered(epoch, np.arange(first, first + count)), np.full(count, epoch)
+        epochs, offsets = np.divmod(np.arange(start, start + count), n)
+        out = np.empty(count, dtype=np.int64)
         for epoch in np.unique(epochs):
             mask = epochs == epoch
             out[mask] = self._ordered(int(epoch), offsets[mask])
@@ -625,12 +628,8 @@ class DatasetPTC:
     def _lay_out(self, first: int, layout: BatchLayout) -> tuple[np.ndarray, np.ndarray]:
         """``samples`` of the ``LAID_OUT_STEPS`` global batches from ``first`` ("carry": each
         holds ``global_batch`` samples): int64[LAID_OUT_STEPS, rows] and their weights."""
-        b, n = self.global_batch, self.num_samples
-        epochs, offsets = np.divmod(np.arange(first * b, (first + LAID_OUT_STEPS) * b), n)
-        indices = np.empty(len(offsets), dtype=np.int64)
-        for epoch in np.unique(epochs):
-            mask = epochs == epoch
-            indices[mask] = self._ordered(int(epoch), offsets[mask])
+        b = self.global_batch
+        indices, _ = self._carried(first * b, LAID_OUT_STEPS * b)
         pos = _positions(layout)
         real = pos >= 0
         rows = indices.reshape(LAID_OUT_STEPS, b)[:, np.where(real, pos, 0)]
