@@ -1,5 +1,5 @@
-"""A job's training loop beside a compile ahead, at the interpreter's switch interval (5 ms) and at
-the job's (``JobOptions.switch_interval``, 0.5 ms).
+"""A job's training loop beside a compile ahead, at the interpreter's switch interval (5 ms), at
+the job's (``JobOptions.switch_interval``, 0.1 ms) and at any others given (``--intervals``).
 
 The loop is GPT tiny's on 8 fake CPU devices: an iteration is ``job.next``, the step and reading
 its loss. Beside it a second step cache works on GPT small's layouts (4 to 7 devices, a fresh step
@@ -11,6 +11,7 @@ the background work (timed over at least two whole lowerings or compiles), and h
 finished per second.
 
     python -m tenplex_jax_benchmarks.switch_interval --out switch_interval.json
+    python -m tenplex_jax_benchmarks.switch_interval --intervals 5e-4 1e-4 2e-5
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax
 INTERVALS = {"interpreter": 5e-3, "job": None}  # None: the job's default (JobOptions)
 
 
-def run(rounds: int = 2, iterations: int = 60) -> dict:
+def run(rounds: int = 2, iterations: int = 60, others: tuple[float, ...] = ()) -> dict:
     import tenplex_jax as tj
     from tenplex_jax_models import (
         LOGICAL_RULES,
@@ -88,10 +89,11 @@ def run(rounds: int = 2, iterations: int = 60) -> dict:
             done.append(time.perf_counter())
 
     iterations_ms(10)  # the loop's step is compiled and warm
+    settings = INTERVALS | {f"{seconds * 1e3:g} ms": seconds for seconds in others}
     runs = []
     for r in range(rounds):
         for mode in ("lower", "compile"):
-            for name, seconds in INTERVALS.items():
+            for name, seconds in settings.items():
                 default = tj.elastic.JobOptions().switch_interval
                 cache.switch_interval = seconds if seconds is not None else default
                 alone = iterations_ms(iterations)
@@ -126,7 +128,7 @@ def run(rounds: int = 2, iterations: int = 60) -> dict:
                 }
                 runs.append(row)
                 print(
-                    f"  {mode:7s} {name:11s} ({cache.switch_interval * 1e3:.1f} ms): loop "
+                    f"  {mode:7s} {name:11s} ({cache.switch_interval * 1e3:.2f} ms): loop "
                     f"{row['alone_ms']['median']:.1f} ms alone, {row['beside_ms']['median']:.1f} "
                     f"ms beside (mean {row['beside_ms']['mean']:.1f}); {rate:.2f} {mode}s/s",
                     flush=True,
@@ -137,7 +139,7 @@ def run(rounds: int = 2, iterations: int = 60) -> dict:
     for mode in ("lower", "compile"):
         rows = {
             name: [r for r in runs if r["mode"] == mode and r["setting"] == name]
-            for name in INTERVALS
+            for name in settings
         }
         beside = {
             n: statistics.median(r["beside_ms"]["median"] for r in rs) for n, rs in rows.items()
@@ -156,6 +158,12 @@ def run(rounds: int = 2, iterations: int = 60) -> dict:
             "loop_speedup": beside["interpreter"] / beside["job"],
             "background_slowdown": rate["interpreter"] / rate["job"] if rate["job"] else None,
         }
+        for name in settings:
+            if name not in INTERVALS:  # at the job's setting ÷ at this one
+                summary[mode][f"loop_speedup_over {name}"] = beside[name] / beside["job"]
+                summary[mode][f"background_slowdown_over {name}"] = (
+                    rate[name] / rate["job"] if rate["job"] else None
+                )
     return {"runs": runs, "summary": summary, "iterations": iterations, "rounds": rounds}
 
 
@@ -164,11 +172,14 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=60)
     parser.add_argument("--out", help="write the runs and the summary as JSON here")
+    parser.add_argument(
+        "--intervals", type=float, nargs="*", default=[], help="more settings to try (seconds)"
+    )
     args = parser.parse_args(argv)
     from tenplex_jax_benchmarks.suite import configure_jax
 
     configure_jax()
-    result = run(args.rounds, args.iterations)
+    result = run(args.rounds, args.iterations, tuple(args.intervals))
     for mode, s in result["summary"].items():
         print(
             f"{mode}: the loop beside it {s['loop_beside_ms']['interpreter']:.1f} ms at 5 ms, "
@@ -180,6 +191,14 @@ def main(argv=None) -> int:
                 else "did not finish once while timed"
             )
         )
+        for key, value in s.items():
+            if key.startswith("loop_speedup_over") and value is not None:
+                name = key.removeprefix("loop_speedup_over ")
+                slower = s[f"background_slowdown_over {name}"]
+                print(
+                    f"  at {name}: the loop {s['loop_beside_ms'][name]:.1f} ms ({value:.2f}x the "
+                    f"job's)" + (f", the background work {slower:.2f}x as fast" if slower else "")
+                )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

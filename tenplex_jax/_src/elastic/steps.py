@@ -17,7 +17,7 @@ no process compiles a layout that it, or a process in its position, compiled bef
 and it still lowers and hands XLA's cache the program.
 
 While a step traces and lowers on a background thread, Python's thread switch interval is lowered
-(``switch_interval``, 0.5 ms by default; :class:`_SwitchInterval` says why).
+(``switch_interval``, 0.1 ms by default; :class:`_SwitchInterval` says why).
 
 A step asked for ahead with ``warm`` is then run once on zero inputs on its layout's devices,
 before its future is done (:meth:`StepCache.warm_up`): an executable's first run does one-time
@@ -54,7 +54,7 @@ from tenplex_jax._src.elastic import programs
 from tenplex_jax._src.elastic.executables import ExecutableCache
 from tenplex_jax._src.ptc import PTC
 
-SWITCH_INTERVAL = 5e-4  # seconds, while a step compiles in the background (the interpreter's: 5e-3)
+SWITCH_INTERVAL = 1e-4  # seconds, while a step compiles in the background (the interpreter's: 5e-3)
 
 
 class Status(enum.StrEnum):
@@ -479,8 +479,10 @@ class _SwitchInterval:
     and lowers the step in Python for a second or more, so at the interpreter's 5 ms the training
     loop waited up to 5 ms at each of its JAX calls (``benchmarks/RESULTS.md`` has the slowdown
     measured). The lowering gets the GIL less often meanwhile and runs about twice as long: the
-    job's steps come first. (Beside XLA's own compile, which runs without the GIL, the setting
-    changes nothing.)
+    job's steps come first. At 0.5 ms each of the loop's JAX calls still waited up to that long:
+    on 2 cores the Philly replay's loop lost 0.2 s more beside its warm-ups than at 0.1 ms, and
+    lowering at 0.1 ms was no slower. (Beside XLA's own compile, which runs without the GIL, the
+    setting changes nothing.)
 
     The first background compile to start saves the setting; the last to end puts it back, unless
     someone else changed it meanwhile (theirs is kept).
