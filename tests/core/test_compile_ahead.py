@@ -122,6 +122,41 @@ def test_upcoming_starts_after_the_events_still_waiting_for_their_step():
     assert upcoming(job, later) == [(0, 1, 2, 3, 4, 5), (0, 1, 2, 3)]
 
 
+def test_a_change_asked_about_before_is_not_allocated_again(monkeypatch):
+    """The device order of a change's layout (``allocate``: a linear program, milliseconds) is
+    solved once per (layout before, config, devices): compile-ahead and ``is_compiled`` ask for
+    it, and the change then moves onto that very layout without solving it again."""
+    import tenplex_jax._src.elastic.job as job_module
+
+    solved = []
+    real = job_module.allocate
+
+    def counted(src, dst):
+        solved.append((src.device_ids, dst.config))
+        return real(src, dst)
+
+    job = tj.ElasticJob(
+        LOGICAL_RULES,
+        tj.DatasetPTC(tiny_samples(), 24, seed=1),
+        config=CONFIGS.__getitem__,
+        options=tj.elastic.JobOptions(compile_ahead=False),
+    )
+    with job:
+        state = job.start(tiny_init)
+        job.jit(STEP)
+        monkeypatch.setattr(job_module, "allocate", counted)
+        before = job.ptc
+        assert not job.is_compiled(range(6))
+        assert job.is_compiled(range(6)) is False and len(solved) == 1
+        job.preempt([6, 7])
+        state, _ = job.next(state)
+        assert len(solved) == 1, solved  # the change took the layout solved when asked
+        fresh = real(before, before.relayout(CONFIGS[6], [job.devices[i] for i in range(6)]))
+        assert job.ptc == fresh and job.ptc.config == CONFIGS[6]
+        assert not job.is_compiled(range(4))  # from the new layout: solved anew
+        assert solved[1:] == [(job.ptc.device_ids, CONFIGS[4])]
+
+
 @pytest.mark.parametrize("option", [tj.elastic.JobOptions.switch_interval, None])
 def test_a_background_compile_lowers_the_switch_interval_and_puts_it_back(option):
     """While a step traces on a compile thread, Python's switch interval is at most the option

@@ -42,6 +42,7 @@ __all__ = ["ElasticJob", "EventRecord", "use_job_class"]
 
 # what ElasticJob(...) builds in this process, when a runtime said (use_job_class); None: itself
 _job_class: type | None = None
+TARGETS_KEPT = 64  # the layouts a job remembers allocating (a change: ahead, asked, applied)
 
 
 class ElasticJob(_JobCore):
@@ -127,6 +128,9 @@ class ElasticJob(_JobCore):
         self._hints: list[tuple[int, ...]] = []  # announced device sets, in the order of use
         self._outstanding: tuple[tuple[int, ...], ...] = ()  # those compiled ahead, not reached
         self._guessed: tuple[int, ...] | None = None  # the devices the last guess was made on
+        # the layouts _target allocated, by (layout before, config, devices after): the same
+        # change is allocated when compiled ahead, asked about and applied (milliseconds each)
+        self._targets: collections.OrderedDict[tuple, PTC] = collections.OrderedDict()
         device_type = self.options.device_type
         self._bandwidth = device_type.link_bandwidth if device_type is not None else 1e9
 
@@ -477,10 +481,19 @@ class ElasticJob(_JobCore):
 
     def _target(self, ids: tuple[int, ...], before: PTC | None = None) -> PTC:
         """The layout the job moves to on ``ids`` from ``before`` (default its current one): the
-        config of ``len(ids)`` devices, in the device order that keeps the most bytes in place."""
+        config of ``len(ids)`` devices, in the device order that keeps the most bytes in place.
+        Allocated once per (layout before, config, devices): compile-ahead, ``is_compiled`` and
+        the change itself ask for the same one."""
         before = self.ptc if before is None else before
-        new = before.relayout(self.config_for(len(ids)), [self.devices[i] for i in ids])
-        return allocate(before, new)
+        config = self.config_for(len(ids))
+        key = (before.config, before.device_ids, before.hosts, config, tuple(ids))
+        target = self._targets.get(key)
+        if target is None:
+            target = allocate(before, before.relayout(config, [self.devices[i] for i in ids]))
+            self._targets[key] = target
+            if len(self._targets) > TARGETS_KEPT:
+                self._targets.popitem(last=False)
+        return target
 
     def _fall_back(self, state, target: PTC, error: LostShardsError, record: EventRecord):
         """Restore the latest checkpoint onto ``target``; re-raise ``error`` when there is none."""
