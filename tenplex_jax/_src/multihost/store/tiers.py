@@ -254,15 +254,20 @@ class Tiers:
     def _read_file(cls, file: pathlib.Path) -> tuple[dict, np.ndarray]:
         """A file's header and bytes; ``ValueError`` unless both match their checksums."""
         with open(file, "rb") as f:
-            header = cls._header_of(f)
-            data = np.empty(header["nbytes"], np.uint8)
-            view, got = memoryview(data), 0
-            while got < len(data):  # in chunks: one read(2) moves at most ~2 GiB
-                k = f.readinto(view[got : got + IO_CHUNK_BYTES])
-                if not k:
-                    break
-                got += k
-            extra = f.read(1)
+            return cls._read_open(f)
+
+    @classmethod
+    def _read_open(cls, f) -> tuple[dict, np.ndarray]:
+        """:meth:`_read_file` of a file open as ``f``, at its start."""
+        header = cls._header_of(f)
+        data = np.empty(header["nbytes"], np.uint8)
+        view, got = memoryview(data), 0
+        while got < len(data):  # in chunks: one read(2) moves at most ~2 GiB
+            k = f.readinto(view[got : got + IO_CHUNK_BYTES])
+            if not k:
+                break
+            got += k
+        extra = f.read(1)
         if got != len(data) or extra:
             raise ValueError(f"file holds {got + len(extra)}+ bytes, its header says {len(data)}")
         digest = wire.checksum(data)
@@ -277,14 +282,7 @@ class Tiers:
         ``ValueError`` unless the header and the data match their checksums."""
         if os.pread(f.fileno(), len(FILE_MAGIC), 0) != FILE_MAGIC:
             return slots.read(f.fileno(), slot)
-        header = cls._header_of(f)
-        data = f.read()
-        if len(data) != header["nbytes"]:
-            raise ValueError(f"file holds {len(data)} bytes, its header says {header['nbytes']}")
-        digest = wire.checksum(data)
-        if digest != header["checksum"]:
-            raise ValueError(f"checksum {digest}, its header says {header['checksum']}")
-        return header, data, None
+        return (*cls._read_open(f), None)
 
     def _set_aside(self, file: pathlib.Path, why: str) -> None:
         print(
