@@ -254,8 +254,9 @@ def run_time_to_loss(
     lr: float = LR,
     wsp_lr: float | None = None,
     budget: float = 1.0,
+    nms: tuple[int, ...] = (1, 2, 4),
 ) -> dict:
-    """WSP at D in {0, 1, 4} and every VW's Nm in {1, 2, 4}: the time to reach the synchronous
+    """WSP at D in {0, 1, 4} and every VW's Nm in ``nms``: the time to reach the synchronous
     job's final loss (the mean of its last 3 steps' losses), against the synchronous job's time
     to it (both from their first step after compiling; the slow device slows both the same).
     The synchronous job trains ``total`` minibatches of ``minibatch`` sequences with AdamW at
@@ -267,7 +268,7 @@ def run_time_to_loss(
     target = float(np.mean(sync_losses[-3:]))
     base = time_to_loss(sync, target, 3)
     rows, most = {}, round(total * budget)
-    for d, n in itertools.product((0, 1, 4), (1, 2, 4)):
+    for d, n in itertools.product((0, 1, 4), nms):
         row = run_wsp(model, most, d, slowdown, minibatch, log=log, nm=(n, n, n), lr=wsp_lr)
         t = time_to_loss(row, target, 3 * sum(NM))
         rows[f"D={d} Nm={n}"] = {
@@ -513,6 +514,9 @@ def main(argv=None) -> int:
         default=1.0,
         help="each WSP run trains at most this many times the synchronous job's minibatches",
     )
+    parser.add_argument(
+        "--nm", default="1,2,4", help="the Nm values of the D x Nm table (--time-to-loss)"
+    )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/wsp-bench"))
     parser.add_argument(
         "--only-join", action="store_true", help="only the join row (the joiner's optimizer)"
@@ -546,6 +550,7 @@ def main(argv=None) -> int:
             lr=args.lr,
             wsp_lr=args.wsp_lr,
             budget=args.budget,
+            nms=tuple(int(n) for n in args.nm.split(",")),
         )
         (args.out / "wsp_time_to_loss.json").write_text(json.dumps(row, indent=1) + "\n")
         return 0

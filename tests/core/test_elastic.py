@@ -10,7 +10,9 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 import threading
+import weakref
 
 import jax
 import numpy as np
@@ -443,6 +445,36 @@ def test_a_waited_step_reads_the_next_batch_beside_it(fixed, monkeypatch):
     job.close()
     for i in range(4):
         np.testing.assert_array_equal(seen[i], fixed[1][i], err_msg=f"samples of step {i}")
+
+
+def test_the_arrays_a_step_is_done_with_are_freed_while_the_next_step_runs():
+    """The batch a step read and the state it donated are freed once the next step has been
+    dispatched, not where the loop drops them (each free lets go of the GIL, which a background
+    lowering then holds); leaving the job frees the last ones."""
+    job, state, step = make_job()
+    freed = {}
+
+    def note(what):
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code is not core._JobCore._run.__code__:
+            frame = frame.f_back
+        dispatched = frame is not None and "dispatched" in frame.f_locals
+        freed[what] = "while a step runs" if dispatched else "elsewhere"
+
+    for i in range(3):
+        state, batch = job.next(state)
+        weakref.finalize(batch, note, f"batch {i}")
+        weakref.finalize(jax.tree.leaves(state)[0], note, f"state {i}")
+        state, _ = step(state, batch)
+    del batch
+    assert freed == {
+        "batch 0": "while a step runs",
+        "state 0": "while a step runs",
+        "batch 1": "while a step runs",
+        "state 1": "while a step runs",
+    }
+    job.close()
+    assert freed["batch 2"] == freed["state 2"] == "elsewhere"
 
 
 def test_redeploy_moves_onto_exactly_the_given_devices(fixed):
