@@ -24,9 +24,9 @@ is dispatched, while it runs, not where the loop drops them. Freeing a jax.Array
 GIL: where a loop rebinds its ``state`` and ``batch``, each of the arrays freed one after another
 was a hand-off, 0.3 ms a step of the small GPT; while a step lowered on a background thread
 (Python, holding the GIL between its switches), each hand-off waited for the lowering to let go
-again: about 2 ms a step on 2 cores and 8 ms on 16, between two steps (``benchmarks/RESULTS.md``).
-The job holds them one step longer instead. A donated state holds no buffers by then; a batch is a
-few rows of samples.
+again: 2.35 ms of the 2.6 ms between two steps on 2 cores (``benchmarks/RESULTS.md``).
+The job holds them one step longer instead. A donated state holds no buffers by then; the batch
+holds its memory until the next step is dispatched.
 """
 
 from __future__ import annotations
