@@ -84,6 +84,7 @@ def row(summary: dict) -> dict:
         "median_first_over_steady": statistics.median(r["first_over_steady"] for r in rows),
         "loop_seconds": g["lost_seconds_to"]["loop"],
         "loop_without_events_seconds": g["lost_seconds_to"]["loop_without_events"],
+        "loop_beside_compiles": g["lost_seconds_to"]["loop_beside_compiles"],
     }
 
 
@@ -94,10 +95,14 @@ def log_line(r: dict) -> str:
         for e in r["events"]
     )
     load = f"{r['load_before'][0]:.1f}-{r['load_after'][0]:.1f}"
+    beside = r["loop_beside_compiles"]
     return (
         f"warm_up={r['warm_up']!s:5} load {load}: within bound {r['within_bound']}/"
         f"{len(r['events'])}, stall/bound {stalls}; first/steady {firsts}; elastic "
         f"{r['elastic']:.3f} no-events {r['no_events']:.3f} ratio {r['elastic_over_no_events']:.3f}"
+        f"; loop {r['loop_seconds']:.2f} s ({r['loop_without_events_seconds']:.2f}), beside "
+        f"compiles {beside['seconds']:.2f} s over {beside['steps']} steps (median gap "
+        f"{beside['median_gap_ms'] or 0:.2f} ms, others {beside['other_median_gap_ms'] or 0:.2f})"
     )
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 
 def test_trace_replays_end_to_end_through_the_cli(tmp_path):
@@ -54,5 +55,30 @@ def test_trace_replays_end_to_end_through_the_cli(tmp_path):
     besides = lost["event_stalls"] + lost["checkpoints"] + lost["rewound_steps"] + lost["loop"]
     assert abs(besides - (goodput["elastic_wall_seconds"] - goodput["useful_seconds"])) < 1e-6
     assert lost["event_stalls"] > 0 and lost["checkpoints"] > 0 and lost["loop"] > 0
+    # no compile-ahead: no step ran beside a compile thread's work; the others are steps 1 and 5
+    # (2 and 4 began with an event, 0 and 3 with a checkpoint)
+    beside = lost["loop_beside_compiles"]
+    assert beside["steps"] == 0 and beside["seconds"] == 0 and beside["other_steps"] == 2
     assert "seconds besides steps: event stalls" in run.stdout
     assert set(goodput["restart_costs"]["compile_seconds"]) == {"data=7", "data=8"}
+
+
+def test_the_loop_s_gaps_beside_compile_ahead_are_told_apart_from_the_others():
+    """A gap is the end of one step to the end of the next less the next's time; it is beside
+    compile-ahead when a compile thread worked during it; boundaries with an event or a
+    checkpoint are left out (their gaps hold the stall or the save)."""
+    from tenplex_jax._src.cli.replay import _loop_beside_compiles
+
+    job = types.SimpleNamespace(
+        records=[types.SimpleNamespace(step=4)],
+        checkpoints=[(0, 0.01), (5, 0.02)],
+        steps_cache=types.SimpleNamespace(background=[(2.5, 3.05), (9.0, 9.5)]),
+    )
+    # (step, end, seconds): gaps of steps 1..6 are 0.1, 0.2, 0.3, (4: event), (5: checkpoint), 0.05
+    ends = [(0, 1.0, 1.0), (1, 2.0, 0.9), (2, 3.0, 0.8), (3, 4.0, 0.7), (4, 5.0, 0.5)]
+    ends += [(5, 6.0, 0.5), (6, 7.0, 0.95)]
+    run = types.SimpleNamespace(job=job, ends=ends)
+    got = _loop_beside_compiles(run)
+    assert got["steps"] == 2 and abs(got["seconds"] - 0.5) < 1e-9  # steps 2 and 3: 0.2 + 0.3
+    assert abs(got["median_gap_ms"] - 250) < 1e-6
+    assert got["other_steps"] == 2 and abs(got["other_median_gap_ms"] - 75) < 1e-6  # 1 and 6

@@ -319,6 +319,8 @@ class Run:
     samples: list[np.ndarray]  # per step, the real samples of its global batch
     wall: float  # from the end of the first step to the end of the last
     start_up: float  # building the state and the first step (its compile)
+    # per step run, in order: (step, when it ended, its timed seconds): perf_counter seconds
+    ends: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
 
 
 def train(
@@ -343,12 +345,14 @@ def train(
     from tenplex_jax._src.elastic.trace import replay
 
     step_fn = _train_step(options.model, options.lr, options.seed)
-    losses, samples, done = {}, {}, []
+    losses, samples, done, ends = {}, {}, [], []
 
     def on_step(job, metrics):
         i = job.step - 1
         losses[i], samples[i] = float(metrics["loss"]), job.samples[job.samples >= 0]
         done.append(time.perf_counter())
+        timed = job.step_log[-1] if job.step_log else None
+        ends.append((i, done[-1], timed[1] if timed is not None and timed[0] == i else None))
         # redrawn at tqdm's own interval: a redraw per step would slow the timed loop
         bar.set_postfix({"loss": f"{losses[i]:.3f}", "config": str(job.ptc.config)}, refresh=False)
         bar.update(job.step - bar.n)
@@ -372,6 +376,7 @@ def train(
         samples=[samples[i] for i in range(trace.steps)],
         wall=done[-1] - done[0],
         start_up=done[0] - tic,
+        ends=ends,
     )
 
 

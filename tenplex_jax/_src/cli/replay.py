@@ -191,8 +191,38 @@ def _lost(elastic: Run, fixed: Run, step_seconds: dict[str, float]) -> dict:
         "checkpoints": checkpoints,
         "rewound_steps": job.lost_seconds,
         "loop": loop,
+        "loop_beside_compiles": _loop_beside_compiles(elastic),
         "checkpoints_without_events": _checkpoints(fixed),
         "loop_without_events": fixed.wall - _useful(fixed) - _checkpoints(fixed),
+    }
+
+
+def _loop_beside_compiles(run: Run) -> dict:
+    """The loop's gaps between two timed steps (the end of one to the end of the next, less the
+    next's time) while the compile threads worked (lowering, loading or warming a layout's step
+    ahead), against the other gaps: their seconds, count and median (ms). A boundary with an
+    event or a checkpoint is left out: its gap holds the stall or the save."""
+    import statistics
+
+    job = run.job
+    skip = {r.step for r in job.records} | {step for step, _ in job.checkpoints}
+    background = list(job.steps_cache.background) if job.steps_cache is not None else []
+    beside, otherwise = [], []
+    for (_, before, _), (step, end, seconds) in zip(run.ends, run.ends[1:]):
+        if seconds is None or step in skip:
+            continue
+        busy = any(start < end and stop > before for start, stop in background)
+        (beside if busy else otherwise).append(end - before - seconds)
+
+    def median_ms(gaps):
+        return statistics.median(gaps) * 1e3 if gaps else None
+
+    return {
+        "seconds": sum(beside),
+        "steps": len(beside),
+        "median_gap_ms": median_ms(beside),
+        "other_steps": len(otherwise),
+        "other_median_gap_ms": median_ms(otherwise),
     }
 
 
@@ -323,4 +353,11 @@ def event_table(summary: dict) -> str:
         f"the loop between steps {lost['loop']:.2f} (without events "
         f"{lost['loop_without_events']:.2f})"
     )
+    beside = lost["loop_beside_compiles"]
+    if beside["steps"]:
+        lines.append(
+            f"the loop beside compile-ahead's work: {beside['seconds']:.2f} s over "
+            f"{beside['steps']} steps, median gap {beside['median_gap_ms']:.2f} ms against "
+            f"{beside['other_median_gap_ms'] or 0:.2f} ms over the other {beside['other_steps']}"
+        )
     return "\n".join(lines)

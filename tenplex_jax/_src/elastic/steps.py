@@ -121,6 +121,8 @@ class StepCache:
         self.switch_interval = switch_interval
         self.log = log or (lambda text: None)
         self.compiles = self.loads = self.warm_ups = 0
+        # (start, end) of each piece of work on the compile threads (perf_counter seconds)
+        self.background: list[tuple[float, float]] = []
         self.dispatch = threading.Lock()
         self._futures: dict[tuple, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
@@ -323,8 +325,12 @@ class StepCache:
 
     def _background(self, work: Callable, *args):
         """``work(*args)`` on a compile thread, the switch interval lowered while it runs."""
-        with SWITCH.at_most(self.switch_interval):
-            return work(*args)
+        tic = time.perf_counter()
+        try:
+            with SWITCH.at_most(self.switch_interval):
+                return work(*args)
+        finally:
+            self.background.append((tic, time.perf_counter()))
 
     def _remember(self, ptc: PTC, layout: BatchLayout, abstract: bool = False) -> bool:
         mesh, state, batch = self._abstract(ptc, layout, abstract=abstract)
