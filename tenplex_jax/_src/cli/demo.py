@@ -319,8 +319,9 @@ class Run:
     samples: list[np.ndarray]  # per step, the real samples of its global batch
     wall: float  # from the end of the first step to the end of the last
     start_up: float  # building the state and the first step (its compile)
-    # per step run, in order: (step, when it ended, its timed seconds): perf_counter seconds
-    ends: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
+    # per step run, in order: (step, when it ended, its timed seconds or None: not timed), in
+    # perf_counter seconds
+    ends: list[tuple[int, float, float | None]] = dataclasses.field(default_factory=list)
 
 
 def train(
