@@ -346,14 +346,14 @@ def train(
     from tenplex_jax._src.elastic.trace import replay
 
     step_fn = _train_step(options.model, options.lr, options.seed)
-    losses, samples, done, ends = {}, {}, [], []
+    losses, samples, ends = {}, {}, []
 
     def on_step(job, metrics):
         i = job.step - 1
         losses[i], samples[i] = float(metrics["loss"]), job.samples[job.samples >= 0]
-        done.append(time.perf_counter())
         timed = job.step_log[-1] if job.step_log else None
-        ends.append((i, done[-1], timed[1] if timed is not None and timed[0] == i else None))
+        seconds = timed[1] if timed is not None and timed[0] == i else None
+        ends.append((i, time.perf_counter(), seconds))
         # redrawn at tqdm's own interval: a redraw per step would slow the timed loop
         bar.set_postfix({"loss": f"{losses[i]:.3f}", "config": str(job.ptc.config)}, refresh=False)
         bar.update(job.step - bar.n)
@@ -375,8 +375,8 @@ def train(
         state=host,
         losses=[losses[i] for i in range(trace.steps)],
         samples=[samples[i] for i in range(trace.steps)],
-        wall=done[-1] - done[0],
-        start_up=done[0] - tic,
+        wall=ends[-1][1] - ends[0][1],
+        start_up=ends[0][1] - tic,
         ends=ends,
     )
 
