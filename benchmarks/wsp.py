@@ -19,7 +19,12 @@ as when one of its devices is that much slower):
    against a run without a join (``--only-join``: just this);
 6. ``--time-to-loss`` (alone): WSP's time to the synchronous job's final loss at ``D`` 0, 1, 4 and
    every VW's ``Nm`` 1, 2, 4, against the synchronous job's (``--lr``, ``--wsp-lr``: AdamW's
-   learning rates; ``--budget``: WSP may train that many times the synchronous job's minibatches).
+   learning rates; ``--budget``: WSP may train that many times the synchronous job's minibatches;
+   ``--processes``: each VW in a process of its own, as ``tj.wsp.Processes`` runs it, so that
+   the VWs share no interpreter lock);
+7. ``--ceiling`` (alone): the three VWs' plain train steps side by side, in threads, with no
+   pull, push, ledger or clock around them (``vw3`` slowed the same), against the synchronous job:
+   the most samples per second WSP could reach on these devices.
 
     python -m tenplex_jax_benchmarks.wsp [--model small] [--minibatches 160] [--out DIR]
 """
@@ -59,20 +64,27 @@ def run_wsp(
     log=print,
     nm: tuple[int, int, int] = NM,
     lr: float = LR,
+    processes: bool = False,
 ) -> dict:
     """One WSP run; its commits' times, losses by samples, and (with ``kill``) the stall; ``nm``:
-    each VW's ``Nm``; ``lr``: AdamW's learning rate."""
+    each VW's ``Nm``; ``lr``: AdamW's learning rate; ``processes``: each VW in a process of its
+    own (``tj.wsp.Processes``, no interpreter lock shared with another VW), not a thread."""
     import jax
 
-    from tenplex_jax.wsp import Coordinator, ParameterServer, Threads, weights_of
+    from tenplex_jax.wsp import Coordinator, ParameterServer, Processes, Threads, weights_of
     from tenplex_jax_models import wsp as job_parts
 
     parts = job_parts.job(1, model=model, minibatch=minibatch, lr=lr)
     state = parts["init"]()
-    steps = job_parts.step_cache(parts, jax.devices())
-    stores = _stores(pathlib.Path(tempfile.mkdtemp(prefix="tenplex-wsp-bench-")))
+    root = pathlib.Path(tempfile.mkdtemp(prefix="tenplex-wsp-bench-"))
+    steps = None if processes else job_parts.step_cache(parts, jax.devices())
+    stores = _stores(root)
     try:
         addresses = [s.address for s in stores]
+
+        def options_for(name, devices):
+            i = GROUPS.index(tuple(devices))
+            return ["--minibatches", str(nm[i]), "--slowdown", str(slowdown if i == 2 else 1.0)]
 
         def make(name, devices):
             p = job_parts.job(len(devices), model=model, minibatch=minibatch, lr=lr)
@@ -92,7 +104,19 @@ def run_wsp(
 
         with ParameterServer(addresses) as ps:
             ps.create(weights_of(state), total=total)
-            with Coordinator(ps, Threads(make)) as coordinator:
+            if processes:
+                job = [f"model={model}", f"minibatch={minibatch}", f"lr={lr}"]
+                runner = Processes(
+                    "tenplex_jax_models.wsp:job",
+                    addresses,
+                    root / "run",
+                    options=["--distance", str(distance), "--timeout", "3.0"]
+                    + [x for option in job for x in ("--option", option)],
+                    options_for=options_for,
+                )
+            else:
+                runner = Threads(make)
+            with Coordinator(ps, runner) as coordinator:
                 coordinator.add(*GROUPS)
                 cpu = _cpu_times()
                 killed = None
@@ -255,13 +279,15 @@ def run_time_to_loss(
     wsp_lr: float | None = None,
     budget: float = 1.0,
     nms: tuple[int, ...] = (1, 2, 4),
+    processes: bool = False,
 ) -> dict:
     """WSP at D in {0, 1, 4} and every VW's Nm in ``nms``: the time to reach the synchronous
     job's final loss (the mean of its last 3 steps' losses), against the synchronous job's time
     to it (both from their first step after compiling; the slow device slows both the same).
     The synchronous job trains ``total`` minibatches of ``minibatch`` sequences with AdamW at
     ``lr``; each WSP run at most ``budget`` times as many, at ``wsp_lr`` (default ``lr``): the
-    time to a loss need not be reached within the synchronous job's samples."""
+    time to a loss need not be reached within the synchronous job's samples. ``processes``: the
+    VWs in processes of their own, not threads of this one."""
     wsp_lr = lr if wsp_lr is None else wsp_lr
     sync = run_sync(model, total // sum(NM), slowdown, minibatch, log=log, lr=lr)
     sync_losses = [loss for _, loss in sync["losses"]]
@@ -269,7 +295,17 @@ def run_time_to_loss(
     base = time_to_loss(sync, target, 3)
     rows, most = {}, round(total * budget)
     for d, n in itertools.product((0, 1, 4), nms):
-        row = run_wsp(model, most, d, slowdown, minibatch, log=log, nm=(n, n, n), lr=wsp_lr)
+        row = run_wsp(
+            model,
+            most,
+            d,
+            slowdown,
+            minibatch,
+            log=log,
+            nm=(n, n, n),
+            lr=wsp_lr,
+            processes=processes,
+        )
         t = time_to_loss(row, target, 3 * sum(NM))
         rows[f"D={d} Nm={n}"] = {
             "seconds_to_target": t,
@@ -289,6 +325,7 @@ def run_time_to_loss(
         "slowdown": slowdown,
         "minibatches": total,
         "wsp_minibatches": most,
+        "vws": "processes" if processes else "threads",
         "load_average": os.getloadavg(),
         "target": target,
         "synchronous_seconds": base,
@@ -445,6 +482,82 @@ def one_vw(parts: dict, state, steps, nm: int, waves: int, **options) -> list:
         store.kill()
 
 
+def run_ceiling(
+    model: str, minibatch: int, slowdown: float, seconds: float = 8.0, log=print
+) -> dict:
+    """What the three VWs' devices can train with no wave around their steps: each VW's own
+    layout (``GROUPS``, ``config_for``) running its plain train step on minibatches of
+    ``minibatch`` in a thread of its own for ``seconds``, ``vw3`` sleeping ``slowdown - 1``
+    times each step, with no pull, push, ledger or clock, beside the synchronous job's
+    samples per second in the same run: the most WSP's samples per second could be here; and
+    with the same ``Nm`` in every VW, where no VW can lead the slowest by more than ``D`` waves,
+    three times the slowest VW's, at any ``D``."""
+    import threading
+
+    import jax
+
+    import tenplex_jax as tj
+    from tenplex_jax_models import LOGICAL_RULES, build_state, make_train_step
+    from tenplex_jax_models import wsp as job_parts
+
+    sync = run_sync(model, 20, slowdown, minibatch, log=log)
+    graphdef, state, _ = build_state(model, LR)
+    dataset = job_parts.job(1, model=model, minibatch=minibatch)["dataset"]
+    go, counts, steps = threading.Barrier(len(GROUPS)), [0] * len(GROUPS), []
+    for devices in GROUPS:
+        config = job_parts.config_for(len(devices))
+        ptc = tj.PTC.of(state, LOGICAL_RULES, config, [jax.devices()[d] for d in devices])
+        layout = tj.data.BatchLayout(minibatch, ranks=config.data)
+        steps.append((make_train_step(graphdef, ptc, layout), tj.place(state, ptc), ptc, layout))
+
+    def train(i: int) -> None:
+        step, placed, ptc, layout = steps[i]
+        slow = slowdown if i == len(GROUPS) - 1 else 1.0
+        for k in range(2):  # compiled and warm before the clock starts
+            batch, weights, _ = tj.data.device_batch(dataset, k, layout, ptc.mesh())
+            placed, loss = step(placed, batch, weights)
+            float(loss)
+        go.wait()
+        end, k = time.perf_counter() + seconds, 2
+        while time.perf_counter() < end:
+            batch, weights, _ = tj.data.device_batch(dataset, k, layout, ptc.mesh())
+            tic = time.perf_counter()
+            placed, loss = step(placed, batch, weights)
+            float(loss)
+            time.sleep((slow - 1.0) * (time.perf_counter() - tic))
+            counts[i], k = counts[i] + minibatch, k + 1
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(len(GROUPS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ceiling = sum(counts) / seconds
+    # with every VW's Nm the same, a VW leads the slowest by at most D waves: over a long run
+    # each trains as many minibatches as the slowest, at any D
+    lockstep = len(GROUPS) * min(counts) / seconds
+    row = {
+        "model": model,
+        "minibatch": minibatch,
+        "slowdown": slowdown,
+        "seconds": seconds,
+        "samples_per_second_per_vw": [c / seconds for c in counts],
+        "samples_per_second": ceiling,
+        "synchronous_samples_per_second": sync["samples_per_second"],
+        "over_synchronous": ceiling / sync["samples_per_second"],
+        "equal_nm_samples_per_second": lockstep,
+        "equal_nm_over_synchronous": lockstep / sync["samples_per_second"],
+    }
+    log(
+        f"  the VWs' steps with no wave: {ceiling:.1f} samples/s "
+        f"({', '.join(f'{c / seconds:.0f}' for c in counts)}), "
+        f"{row['over_synchronous']:.2f}x the synchronous job; with the same Nm in every VW "
+        f"(the slowest's pace, at any D) {lockstep:.1f} samples/s, "
+        f"{row['equal_nm_over_synchronous']:.2f}x"
+    )
+    return row
+
+
 def run_pipeline(
     model: str, minibatch: int, waves: int = 12, nm: int = 4, rounds: int = 3, log=print
 ) -> dict:
@@ -517,6 +630,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--nm", default="1,2,4", help="the Nm values of the D x Nm table (--time-to-loss)"
     )
+    parser.add_argument(
+        "--processes",
+        action="store_true",
+        help="each VW in a process of its own, not a thread of this one (--time-to-loss)",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/wsp-bench"))
     parser.add_argument(
         "--only-join", action="store_true", help="only the join row (the joiner's optimizer)"
@@ -525,6 +643,11 @@ def main(argv=None) -> int:
         "--only-pipeline",
         action="store_true",
         help="only the pipelined wave against a step per minibatch (two stages)",
+    )
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="only the VWs' plain steps side by side, no wave, against the synchronous job",
     )
     parser.add_argument(
         "--time-to-loss",
@@ -540,7 +663,8 @@ def main(argv=None) -> int:
         print(
             f"time to the synchronous job's loss, GPT {args.model}, minibatches of "
             f"{args.minibatch}, lr {args.lr:g} (WSP {args.wsp_lr or args.lr:g}), vw3 "
-            f"{args.slowdown:g}x slow, WSP up to {args.budget:g}x the samples"
+            f"{args.slowdown:g}x slow, WSP up to {args.budget:g}x the samples, VWs as "
+            f"{'processes' if args.processes else 'threads'}"
         )
         row = run_time_to_loss(
             args.model,
@@ -551,8 +675,17 @@ def main(argv=None) -> int:
             wsp_lr=args.wsp_lr,
             budget=args.budget,
             nms=tuple(int(n) for n in args.nm.split(",")),
+            processes=args.processes,
         )
         (args.out / "wsp_time_to_loss.json").write_text(json.dumps(row, indent=1) + "\n")
+        return 0
+    if args.ceiling:
+        print(
+            f"the VWs' steps with no wave, GPT {args.model}, minibatches of {args.minibatch}, "
+            f"vw3 {args.slowdown:g}x slow"
+        )
+        row = run_ceiling(args.model, args.minibatch, args.slowdown)
+        (args.out / "wsp_ceiling.json").write_text(json.dumps(row, indent=1) + "\n")
         return 0
     if args.only_pipeline:
         print(f"HetPipe's pipelined wave, GPT {args.model}, minibatches of {args.minibatch}")
