@@ -21,7 +21,8 @@ as when one of its devices is that much slower):
    every VW's ``Nm`` 1, 2, 4, against the synchronous job's (``--lr``, ``--wsp-lr``: AdamW's
    learning rates; ``--budget``: WSP may train that many times the synchronous job's minibatches;
    ``--processes``: each VW in a process of its own, as ``tj.wsp.Processes`` runs it, so that
-   the VWs share no interpreter lock);
+   the VWs share no interpreter lock; ``--prefetch``: each VW claims its next wave and places
+   its data ahead);
 7. ``--ceiling`` (alone): the three VWs' plain train steps side by side, in threads, with no
    pull, push, ledger or clock around them (``vw3`` slowed the same), against the synchronous job:
    the most samples per second WSP could reach on these devices.
@@ -65,10 +66,12 @@ def run_wsp(
     nm: tuple[int, int, int] = NM,
     lr: float = LR,
     processes: bool = False,
+    prefetch: bool = False,
 ) -> dict:
     """One WSP run; its commits' times, losses by samples, and (with ``kill``) the stall; ``nm``:
     each VW's ``Nm``; ``lr``: AdamW's learning rate; ``processes``: each VW in a process of its
-    own (``tj.wsp.Processes``, no interpreter lock shared with another VW), not a thread."""
+    own (``tj.wsp.Processes``, no interpreter lock shared with another VW), not a thread;
+    ``prefetch``: the VWs' ``WorkerOptions(prefetch=True)``."""
     import jax
 
     from tenplex_jax.wsp import Coordinator, ParameterServer, Processes, Threads, weights_of
@@ -100,6 +103,7 @@ def run_wsp(
                 slowdown=slowdown if i == 2 else 1.0,
                 timeout=3.0,
                 steps=steps,
+                prefetch=prefetch,
             )
 
         with ParameterServer(addresses) as ps:
@@ -111,6 +115,7 @@ def run_wsp(
                     addresses,
                     root / "run",
                     options=["--distance", str(distance), "--timeout", "3.0"]
+                    + (["--prefetch"] if prefetch else [])
                     + [x for option in job for x in ("--option", option)],
                     options_for=options_for,
                 )
@@ -280,6 +285,7 @@ def run_time_to_loss(
     budget: float = 1.0,
     nms: tuple[int, ...] = (1, 2, 4),
     processes: bool = False,
+    prefetch: bool = False,
 ) -> dict:
     """WSP at D in {0, 1, 4} and every VW's Nm in ``nms``: the time to reach the synchronous
     job's final loss (the mean of its last 3 steps' losses), against the synchronous job's time
@@ -287,7 +293,8 @@ def run_time_to_loss(
     The synchronous job trains ``total`` minibatches of ``minibatch`` sequences with AdamW at
     ``lr``; each WSP run at most ``budget`` times as many, at ``wsp_lr`` (default ``lr``): the
     time to a loss need not be reached within the synchronous job's samples. ``processes``: the
-    VWs in processes of their own, not threads of this one."""
+    VWs in processes of their own, not threads of this one; ``prefetch``: each VW claims its
+    next wave and places its data ahead, on a thread of its own."""
     wsp_lr = lr if wsp_lr is None else wsp_lr
     sync = run_sync(model, total // sum(NM), slowdown, minibatch, log=log, lr=lr)
     sync_losses = [loss for _, loss in sync["losses"]]
@@ -305,6 +312,7 @@ def run_time_to_loss(
             nm=(n, n, n),
             lr=wsp_lr,
             processes=processes,
+            prefetch=prefetch,
         )
         t = time_to_loss(row, target, 3 * sum(NM))
         rows[f"D={d} Nm={n}"] = {
@@ -326,6 +334,7 @@ def run_time_to_loss(
         "minibatches": total,
         "wsp_minibatches": most,
         "vws": "processes" if processes else "threads",
+        "prefetch": prefetch,
         "load_average": os.getloadavg(),
         "target": target,
         "synchronous_seconds": base,
@@ -635,6 +644,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="each VW in a process of its own, not a thread of this one (--time-to-loss)",
     )
+    parser.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="the VWs claim their next wave and place its data ahead (--time-to-loss)",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/wsp-bench"))
     parser.add_argument(
         "--only-join", action="store_true", help="only the join row (the joiner's optimizer)"
@@ -665,6 +679,7 @@ def main(argv=None) -> int:
             f"{args.minibatch}, lr {args.lr:g} (WSP {args.wsp_lr or args.lr:g}), vw3 "
             f"{args.slowdown:g}x slow, WSP up to {args.budget:g}x the samples, VWs as "
             f"{'processes' if args.processes else 'threads'}"
+            f"{', prefetching' if args.prefetch else ''}"
         )
         row = run_time_to_loss(
             args.model,
@@ -676,6 +691,7 @@ def main(argv=None) -> int:
             budget=args.budget,
             nms=tuple(int(n) for n in args.nm.split(",")),
             processes=args.processes,
+            prefetch=args.prefetch,
         )
         (args.out / "wsp_time_to_loss.json").write_text(json.dumps(row, indent=1) + "\n")
         return 0

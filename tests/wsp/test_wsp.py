@@ -10,6 +10,8 @@ import json
 import os
 import pathlib
 import re
+import subprocess
+import sys
 import time
 
 import jax
@@ -222,6 +224,42 @@ def test_vws_added_together_in_processes_join_together_whatever_their_builds_tak
     assert "as the test asked" in (run.run_dir / "vw3.log").read_text()
     assert set(ledger.starts) == {"vw1", "vw2"}  # vw3 never joined
     assert set(ledger.left) == {"vw1", "vw2"} - {run.victim}  # the other left when done
+
+
+def test_a_follower_ending_itself_once_the_runner_killed_its_leader_is_no_failure(
+    tmp_path, monkeypatch
+):
+    # a VW over two processes, killed by the runner (a trace's failure): the follower sees its
+    # leader gone and exits with 1 on its own, here before the kill reaches it (the order the
+    # fault gave): the VW was ended, it did not fail
+    from tenplex_jax._src.multihost import processes
+
+    read, write = os.pipe()  # the follower reads till the leader, its writer, is gone
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], pass_fds=(write,)
+    )
+    follower = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(1)"], stdin=read
+    )
+    os.close(read)
+    os.close(write)
+    kill = processes.kill
+
+    def leader_first(proc, *args, **kwargs):
+        kill(proc, *args, **kwargs)
+        if proc is leader:
+            follower.wait(30)
+
+    monkeypatch.setattr(processes, "kill", leader_first)
+    runner = Processes("tenplex_jax_models.wsp:job", ["127.0.0.1:1"], tmp_path)
+    runner.started["vw1"] = (leader, follower)
+    try:
+        runner.kill((leader, follower))
+    finally:
+        for proc in (leader, follower):
+            kill(proc)
+    assert follower.returncode == 1 and leader.returncode == -9
+    assert runner.errors == []
 
 
 def test_an_add_with_a_group_the_runner_refuses_starts_none_of_its_vws(store_addresses, tmp_path):

@@ -335,12 +335,13 @@ class Processes:
                 proc.send_signal(signal.SIGTERM)
 
     def kill(self, handle) -> None:
-        """SIGKILL ``handle``'s processes and reap them."""
+        """SIGKILL ``handle``'s processes and reap them. Every one still running is this
+        runner's to end before the first is killed: a follower whose leader dies exits on its
+        own (a status of 1), and is no failure when this kill was the cause."""
         from tenplex_jax._src.multihost.processes import kill as kill_process
 
+        self.ended.update(proc.pid for proc in handle if proc.poll() is None)
         for proc in handle:
-            if proc.poll() is None:
-                self.ended.add(proc.pid)
             kill_process(proc)
             if proc.pid in self._built:  # killed before it was launched
                 os.close(self._built.pop(proc.pid))
