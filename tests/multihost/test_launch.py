@@ -26,6 +26,7 @@ and the steps that count must have trained each global batch of the dataset orde
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import numpy as np
@@ -431,6 +432,37 @@ def test_a_resize_file_is_read_once_written_and_a_bad_count_is_ignored(tmp_path)
         ("request", 3),
         ("ignored", None),
     ]
+
+
+def test_a_failure_names_no_survivor_whose_store_was_killed_with_it(tmp_path, monkeypatch):
+    # processes killed together end one at a time: the launcher sees store 0's end first, while
+    # store 1, killed with it, has not ended yet (stopped here, as a killed process that is
+    # not reaped: it cannot answer); told it survived, slot 1's worker would never write its
+    # part of the live version, and the job would rewind (a fresh-ci failure of this file's
+    # two failures). Slot 2's store answers: it survives.
+    from tenplex_jax._src.multihost import launch as launching
+    from tenplex_jax._src.multihost.launch import Launcher, _Generation
+    from tenplex_jax._src.multihost.rundir import RunEvent
+    from tenplex_jax._src.multihost.spec import LaunchOptions
+
+    monkeypatch.setattr(launching, "ANSWER_SECONDS", 0.5, raising=False)
+    launcher = Launcher(LaunchOptions("train.py", nprocs=3, run_dir=str(tmp_path)), log=print)
+    (tmp_path / "logs").mkdir()
+    try:
+        launcher._start_stores([0, 1, 2])
+        stopped = launcher.slots[1].store
+        os.kill(stopped.pid, signal.SIGSTOP)
+        kill(launcher.slots[0].store.pid)
+        launcher.slots[0].store.wait(30)
+        gen = _Generation(3, [0, 1, 2], [], [], None, [], [])
+        seen = launcher._failure(gen, [])
+        assert seen.lost_slots == (0,)
+        confirmed = launcher._confirmed(gen, seen)
+        assert confirmed.kind == RunEvent.FAILURE and confirmed.lost_slots == (0, 1)
+        assert "the store of slot 1 does not answer" in confirmed.detail
+        os.kill(stopped.pid, signal.SIGCONT)
+    finally:
+        launcher._teardown()
 
 
 def test_a_planned_growths_stores_start_before_the_change_and_are_reaped(tmp_path):

@@ -9,6 +9,7 @@ the run directory holds. Process 0 writes to the launcher's stdout, the others t
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -54,6 +55,7 @@ __all__ = ["Launcher", "launch"]
 
 SPARE = -1  # the standby kept for a slot the job does not have yet (a growth)
 LEAVE_SECONDS = 10.0  # how long a survivor gets to leave its generation before it is killed
+ANSWER_SECONDS = 5.0  # how long a store has to show it is alive, once a failure is seen
 # how long a planned growth waits for its stores and warm process before it is asked for anyway
 GROW_WAIT_SECONDS = 30.0
 SERVICE_SHUTDOWN_SECONDS = 15.0  # the most the launcher waits at its end for a service to shut down
@@ -648,11 +650,36 @@ class Launcher:
         """The failure ``outcome`` of ``gen`` once every other slot is known alive: the
         survivors the end message names each write their part of the live version, and the
         part of one that is already dead never comes (the version is incomplete, and the next
-        generation rewinds though the others held every shard). Here the launcher sees every
-        exit itself (waitpid), and :meth:`_end_generation` polls again: nothing to add. A
-        launcher that learns of deaths late (:class:`~tenplex_jax._src.multihost.ray.RayLauncher`)
-        asks the other slots and adds those that do not answer."""
-        return outcome
+        generation rewinds though the others held every shard). The launcher sees every exit
+        itself (waitpid), but processes killed together end one at a time, and the first end it
+        sees is the failure: so each other slot's store must answer a new connection's hello
+        (a killed one cannot, reaped or not), all asked at once, within ``ANSWER_SECONDS``;
+        the slots whose stores do not are lost too. A launcher that learns of deaths late
+        (:class:`~tenplex_jax._src.multihost.ray.RayLauncher`) asks its own way."""
+        from tenplex_jax._src.multihost.store.client import StoreClient
+
+        lost = set(outcome.lost_slots)
+
+        def answers(slot: int) -> bool:
+            if not self._up(slot):
+                return False
+            client = StoreClient(
+                self.slots[slot].address, token=self._token(), connect_timeout=ANSWER_SECONDS
+            )
+            with client:
+                return client.ping()
+
+        others = [s for s in gen.slots if s not in lost]
+        with concurrent.futures.ThreadPoolExecutor(max(len(others), 1), "tenplex-answer") as pool:
+            silent = [s for s, ok in zip(others, pool.map(answers, others)) if not ok]
+        if not silent:
+            return outcome
+        found = "; ".join(f"the store of slot {s} does not answer" for s in silent)
+        return dataclasses.replace(
+            outcome,
+            lost_slots=tuple(sorted(lost | set(silent))),
+            detail=f"{outcome.detail}; {found}" if outcome.detail else found,
+        )
 
     def _request(self, current: int) -> Request | None:
         """A planned end of the generation: SIGTERM, or a process count in RUN_DIR/resize."""
