@@ -647,18 +647,29 @@ class Launcher:
         return _Outcome(kind=RunEvent.FAILURE, lost_slots=lost, detail=detail)
 
     def _confirmed(self, gen: _Generation, outcome: _Outcome) -> _Outcome:
-        """The failure ``outcome`` of ``gen`` once every other slot is known alive: the
-        survivors the end message names each write their part of the live version, and the
-        part of one that is already dead never comes (the version is incomplete, and the next
-        generation rewinds though the others held every shard). The launcher sees every exit
-        itself (waitpid), but processes killed together end one at a time, and the first end it
-        sees is the failure: so each other slot's store must answer a new connection's hello
-        (a killed one cannot, reaped or not), all asked at once, within ``ANSWER_SECONDS``;
-        the slots whose stores do not are lost too. A launcher that learns of deaths late
-        (:class:`~tenplex_jax._src.multihost.ray.RayLauncher`) asks its own way."""
-        from tenplex_jax._src.multihost.store.client import StoreClient
-
+        """The failure ``outcome`` of ``gen`` once every other slot is known alive, the slots
+        that do not answer (:meth:`_answering`) added to its lost slots: the survivors the end
+        message names each write their part of the live version, and the part of one that is
+        already dead never comes (the version is incomplete, and the next generation rewinds
+        though the others held every shard). Processes killed together end one at a time, and
+        the first end the launcher sees is the failure, while the others look alive."""
         lost = set(outcome.lost_slots)
+        silent = sorted(set(gen.slots) - lost - self._answering(set(gen.slots) - lost))
+        if not silent:
+            return outcome
+        found = "; ".join(f"the {self.ANSWERING} of slot {s} does not answer" for s in silent)
+        return dataclasses.replace(
+            outcome,
+            lost_slots=tuple(sorted(lost | set(silent))),
+            detail=f"{outcome.detail}; {found}" if outcome.detail else found,
+        )
+
+    ANSWERING = "store"  # what answers for a slot in :meth:`_answering`
+
+    def _answering(self, slots) -> set[int]:
+        """Those of ``slots`` whose stores are up and answer a new connection's hello within
+        ``ANSWER_SECONDS``, all asked at once (a killed store cannot answer, reaped or not)."""
+        from tenplex_jax._src.multihost.store.client import StoreClient
 
         def answers(slot: int) -> bool:
             if not self._up(slot):
@@ -669,17 +680,9 @@ class Launcher:
             with client:
                 return client.ping()
 
-        others = [s for s in gen.slots if s not in lost]
-        with concurrent.futures.ThreadPoolExecutor(max(len(others), 1), "tenplex-answer") as pool:
-            silent = [s for s, ok in zip(others, pool.map(answers, others)) if not ok]
-        if not silent:
-            return outcome
-        found = "; ".join(f"the store of slot {s} does not answer" for s in silent)
-        return dataclasses.replace(
-            outcome,
-            lost_slots=tuple(sorted(lost | set(silent))),
-            detail=f"{outcome.detail}; {found}" if outcome.detail else found,
-        )
+        slots = sorted(slots)
+        with concurrent.futures.ThreadPoolExecutor(max(len(slots), 1), "tenplex-answer") as pool:
+            return {s for s, ok in zip(slots, pool.map(answers, slots)) if ok}
 
     def _request(self, current: int) -> Request | None:
         """A planned end of the generation: SIGTERM, or a process count in RUN_DIR/resize."""

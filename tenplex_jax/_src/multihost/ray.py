@@ -317,24 +317,6 @@ class RayLauncher(Launcher):
         self._running = number
         return super()._start_generation(number, slots, restore)
 
-    def _confirmed(self, gen, outcome):
-        """The failure ``outcome`` of ``gen`` with the slots whose nodes do not answer
-        (:meth:`_answering`) added to its lost slots. Ray reports a node's death seconds after
-        it, and nodes that die together one at a time: the launcher sees the first, while the
-        others' processes look alive. Told as survivors, such a node's process would never
-        write its part of the live version, and the next generation would rewind (the orbax
-        checkpoint, or an older commit) though the node left holds every shard."""
-        lost = set(outcome.lost_slots)
-        silent = sorted(set(gen.slots) - lost - self._answering(set(gen.slots) - lost))
-        if not silent:
-            return outcome
-        found = "; ".join(f"the node of slot {s} does not answer" for s in silent)
-        return dataclasses.replace(
-            outcome,
-            lost_slots=tuple(sorted(lost | set(silent))),
-            detail=f"{outcome.detail}; {found}" if outcome.detail else found,
-        )
-
     def _survivors(self, slots: list[int], outcome) -> list[int]:
         """On Ray the unit of failure is the node: a slot survives while its node (and store)
         lives, also when its worker failed because a peer's did (a coordinator gone aborts the
@@ -345,11 +327,15 @@ class RayLauncher(Launcher):
         answering = self._answering({s for s in slots if self._up(s)})
         return [s for s in slots if s in answering]
 
+    ANSWERING = "node"
+
     def _answering(self, slots) -> set[int]:
         """Those of ``slots`` whose nodes are alive: their stores' actors answer a call within
         ``ANSWER_SECONDS``, all asked at once (Ray fails a call at once once it knows the node
         died; a dead node's actor that Ray does not know dead yet never answers). A slot that
-        does not answer has lost its store too."""
+        does not answer has lost its store too. Ray reports a node's death seconds after it,
+        and nodes that die together one at a time (what :meth:`Launcher._confirmed` asks
+        this for)."""
         import ray
 
         calls = {s: self.hosts[s].where.remote() for s in slots}
