@@ -7,7 +7,13 @@ data-parallel size). Per layout: the median step time of ``--steps`` steps after
 ratio units ÷ plain (> 1: gradient units cost that much more). The two are stepped in turn, so
 the machine's noise hits both alike.
 
+``--compile``: per layout, the XLA compile of each step instead (``--repeats`` fresh lowerings of
+each, in turn; the median), and the lowered program's size: its lines, and its open sharding
+annotations (``{?}``), which JAX writes on every op of a ``shard_map`` body that leaves some mesh
+axis automatic.
+
     python benchmarks/grad_units.py [--model small] [--batch 24] [--grad-units 8] [--out FILE]
+    python benchmarks/grad_units.py --compile [--repeats 3]
 """
 
 from __future__ import annotations
@@ -66,6 +72,66 @@ def stepper(model: str, config, batch: int, grad_units):
     return run
 
 
+def compiled(model: str, config, batch: int, grad_units) -> dict:
+    """One fresh lowering of the step and its compile: the seconds and the program's size."""
+    graphdef, state, cfg = build_state(model, 1e-3)
+    ptc = tj.PTC.of(state, LOGICAL_RULES, config, jax.devices()[: config.num_devices])
+    state = tj.place(state, ptc)
+    layout = tj.data.BatchLayout(batch, ranks=config.data * config.fsdp, grad_units=grad_units)
+    dataset = tj.DatasetPTC(corpus_samples(stdlib_corpus(2**22), cfg.seq_len), batch)
+    b, w, _ = tj.data.device_batch(dataset, 0, layout, ptc.mesh())
+    lowered = make_train_step(graphdef, ptc, layout).lower(state, b, w)
+    text = lowered.as_text()
+    tic = time.perf_counter()
+    lowered.compile()
+    return {
+        "compile_s": time.perf_counter() - tic,
+        "lines": text.count("\n"),
+        "open_annotations": sum(
+            "sdy.sharding_constraint" in line and "{?}" in line for line in text.splitlines()
+        ),
+    }
+
+
+def compile_pair(model: str, config, batch: int, grad_units: int, repeats: int) -> dict:
+    """The median compile (plain, by units), compiled in turn; each one's program size."""
+    runs = [
+        (compiled(model, config, batch, None), compiled(model, config, batch, grad_units))
+        for _ in range(repeats)
+    ]
+    plain, units = runs[-1]
+    return {
+        "plain_s": statistics.median(r[0]["compile_s"] for r in runs),
+        "units_s": statistics.median(r[1]["compile_s"] for r in runs),
+        "plain_lines": plain["lines"],
+        "units_lines": units["lines"],
+        "units_open_annotations": units["open_annotations"],
+    }
+
+
+def main_compile(args) -> int:
+    print(f"GPT {args.model}, global batch {args.batch}, {args.grad_units} gradient units: compile")
+    print(
+        f"{'layout':>22} {'plain s':>8} {'units s':>8} {'units/plain':>12} "
+        f"{'lines plain':>12} {'lines units':>12} {'open {?}':>9}"
+    )
+    rows = []
+    for name, config in LAYOUTS:
+        row = compile_pair(args.model, config, args.batch, args.grad_units, args.repeats)
+        row |= {"layout": name, "config": str(config), "ratio": row["units_s"] / row["plain_s"]}
+        rows.append(row)
+        print(
+            f"{name:>22} {row['plain_s']:8.2f} {row['units_s']:8.2f} {row['ratio']:12.2f} "
+            f"{row['plain_lines']:12d} {row['units_lines']:12d} {row['units_open_annotations']:9d}"
+        )
+    geo = float(np.exp(np.mean(np.log([r["ratio"] for r in rows]))))
+    print(f"geometric mean units/plain compile: {geo:.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows, "geomean_ratio": geo, "args": vars(args)}, f, indent=2)
+    return 0
+
+
 def time_pair(model: str, config, batch: int, grad_units: int, steps: int) -> tuple[float, float]:
     """Median step times (plain, by units), the two stepped in turn so noise hits both alike."""
     plain, by_units = stepper(model, config, batch, None), stepper(model, config, batch, grad_units)
@@ -82,7 +148,11 @@ def main(argv=None) -> int:
     parser.add_argument("--grad-units", type=int, default=8)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--compile", action="store_true", help="time compiles, not steps")
+    parser.add_argument("--repeats", type=int, default=3, help="compiles of each (--compile)")
     args = parser.parse_args(argv)
+    if args.compile:
+        return main_compile(args)
     rows = []
     print(f"GPT {args.model}, global batch {args.batch}, {args.grad_units} gradient units")
     print(f"{'layout':>22} {'plain ms':>9} {'units ms':>11} {'units/plain':>14}")

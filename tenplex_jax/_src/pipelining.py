@@ -287,7 +287,9 @@ def _context_mesh(mesh: Mesh):
 
 def _manual_axes(mesh, axis: str) -> frozenset[str]:
     """The axes the pipeline maps over manually: ``axis``, and every axis still automatic when an
-    enclosing ``shard_map`` is manual over an axis that comes after ``axis`` in mesh order.
+    enclosing ``shard_map`` is manual over an axis that comes after ``axis`` in mesh order, or
+    when all of them have size 1 (a body with an automatic axis has JAX annotate every op with an
+    open sharding: a third of a GPT step's program, compiled for nothing).
 
     XLA aborts the process compiling a ``shard_map`` nested in one manual over a later mesh axis
     while some axis stays automatic ("Manual axes must be sorted by mesh axis index", jax 0.11 and
@@ -297,9 +299,12 @@ def _manual_axes(mesh, axis: str) -> frozenset[str]:
     (no cost where they have size 1)."""
     names = tuple(mesh.axis_names)
     manual = set(mesh.manual_axes)
+    free = frozenset(n for n in names if n not in manual)
+    if all(mesh.shape[n] == 1 for n in free - {axis}):
+        return free
     if not any(names.index(m) > names.index(axis) for m in manual):
         return frozenset({axis})
-    return frozenset(n for n in names if n not in manual)
+    return free
 
 
 def _layers(layer_fn: LayerFn, params, mask: jax.Array, h: jax.Array, uneven: bool) -> jax.Array:

@@ -207,6 +207,45 @@ def test_padded_uneven_ranks_give_the_gradient_of_the_unpadded_batch(grad_units,
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("config, annotated", [(C(data=4), False), (C(data=2, tensor=2), True)])
+def test_units_annotate_no_op_unless_an_axis_stays_automatic(config, annotated):
+    """The units' ``shard_map`` is manual over every axis when the others than the batch's have
+    size 1: JAX then annotates no op of its body with a sharding (an open one on every op where
+    some axis is automatic: a third of a GPT step's program, a fifth of its compile)."""
+    graphdef, state = build()
+    ptc = tj.PTC.of(state, RULES, config, jax.devices()[:4])
+    state, mesh = tj.place(state, ptc), ptc.mesh()
+    layout = tj.data.BatchLayout(16, ranks=config.size("data"), grad_units=4)
+    grad_fn = tj.data.batch_value_and_grad(example_losses, layout, mesh)
+    batch, weights, _ = tj.data.device_batch(tj.DatasetPTC(tiny_samples(), 16), 0, layout, mesh)
+
+    def grads(state, batch, weights):
+        model, _ = nnx.merge(graphdef, state)
+        return grad_fn(model, batch, weights)
+
+    text = jax.jit(grads).lower(state, batch, weights).as_text()
+    lines = [line for line in text.splitlines() if "sdy.sharding_constraint" in line]
+    assert lines  # the gradient's, replicated after the units
+    assert any("{?}" in line for line in lines) == annotated, config
+
+
+@pytest.mark.parametrize("config, annotated", [(C(pipe=2), False), (C(pipe=2, tensor=2), True)])
+def test_a_pipeline_annotates_no_op_unless_an_axis_stays_automatic(config, annotated):
+    """The same for the pipeline's ``shard_map`` over ``pipe`` (in a step without units, whose
+    ``shard_map`` leaves ``pipe`` automatic: its body is annotated whatever the pipeline's)."""
+    from tenplex_jax_models import LOGICAL_RULES, build_state, make_train_step
+
+    graphdef, state, _ = build_state("tiny", 1e-3)
+    ptc = tj.PTC.of(state, LOGICAL_RULES, config, jax.devices()[: config.num_devices])
+    state, layout = tj.place(state, ptc), tj.data.BatchLayout(8, ranks=1)
+    batch, weights, _ = tj.data.device_batch(
+        tj.DatasetPTC(tiny_samples(), 8), 0, layout, ptc.mesh()
+    )
+    lowered = make_train_step(graphdef, ptc, layout).lower(state, batch, weights)
+    lines = [line for line in lowered.as_text().splitlines() if "sdy.sharding_constraint" in line]
+    assert any("{?}" in line for line in lines) == annotated, config
+
+
 def test_a_layout_for_another_rank_count_than_the_mesh_is_refused():
     mesh = C(data=4, tensor=2).make_mesh(jax.devices())
     with pytest.raises(
