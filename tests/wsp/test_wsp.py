@@ -10,8 +10,10 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -260,6 +262,49 @@ def test_a_follower_ending_itself_once_the_runner_killed_its_leader_is_no_failur
             kill(proc)
     assert follower.returncode == 1 and leader.returncode == -9
     assert runner.errors == []
+
+
+def test_a_follower_killed_before_its_leader_failed_is_a_failure_while_its_waiter_lags(
+    tmp_path, monkeypatch
+):
+    # the order a loaded machine gave: the follower was SIGKILLed, its leader's collective
+    # failed and it exited 1, and the runner ended the VW before its thread waiting for the
+    # follower had reaped it (Popen.poll says None while that thread holds Popen's lock): the
+    # follower's death is a failure all the same, not the runner's kill
+    from tenplex_jax._src.multihost import processes
+
+    leader = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    follower = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    runner = Processes("tenplex_jax_models.wsp:job", ["127.0.0.1:1"], tmp_path)
+    runner.started["vw1"] = (leader, follower)
+    kill, killed = processes.kill, []
+    monkeypatch.setattr(processes, "kill", lambda proc, *args, **kwargs: killed.append(proc))
+    held, release = threading.Event(), threading.Event()
+
+    def waiter():  # the runner's thread that waits for the follower, not yet scheduled
+        with follower._waitpid_lock:  # (not public API: the lock Popen.wait holds)
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        assert held.wait(30)
+        os.kill(follower.pid, signal.SIGKILL)
+        os.waitid(os.P_PID, follower.pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped
+        leader.wait(30)
+        assert follower.poll() is None  # what the runner read before
+        runner.kill((leader, follower))
+    finally:
+        release.set()
+        thread.join()
+        for proc in (leader, follower):
+            kill(proc)
+    assert killed == [leader, follower]
+    assert sorted(runner.errors) == [
+        ("vw1", "process 0 exited with status 1"),
+        ("vw1", "process 1 was killed by SIGKILL"),
+    ]
 
 
 def test_an_add_with_a_group_the_runner_refuses_starts_none_of_its_vws(store_addresses, tmp_path):

@@ -32,6 +32,18 @@ def kill(proc: subprocess.Popen, sig=signal.SIGKILL, timeout: float = 10.0) -> N
         proc.wait()
 
 
+def exited(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` has exited, reaped or not. ``proc.poll()`` says None while another thread
+    waits for ``proc`` (``Popen`` waits under a lock that ``poll`` does not wait for), even after
+    the exit: this asks the kernel without reaping."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped meanwhile, by the thread that waits for it
+        return True
+
+
 def release(proc: subprocess.Popen) -> None:
     """Tell a process that waits for a rank to exit (EOF on its stdin), and reap it."""
     with contextlib.suppress(OSError):

@@ -337,10 +337,12 @@ class Processes:
     def kill(self, handle) -> None:
         """SIGKILL ``handle``'s processes and reap them. Every one still running is this
         runner's to end before the first is killed: a follower whose leader dies exits on its
-        own (a status of 1), and is no failure when this kill was the cause."""
+        own (a status of 1), and is no failure when this kill was the cause. One that exited
+        before is not this runner's, though its waiting thread may not have reaped it yet."""
+        from tenplex_jax._src.multihost.processes import exited
         from tenplex_jax._src.multihost.processes import kill as kill_process
 
-        self.ended.update(proc.pid for proc in handle if proc.poll() is None)
+        self.ended.update(proc.pid for proc in handle if not exited(proc))
         for proc in handle:
             kill_process(proc)
             if proc.pid in self._built:  # killed before it was launched
@@ -348,7 +350,9 @@ class Processes:
 
     def alive(self, handle) -> bool:
         """Whether ``handle``'s leader runs."""
-        return handle[0].poll() is None
+        from tenplex_jax._src.multihost.processes import exited
+
+        return not exited(handle[0])
 
     def wait(self, handle, timeout: float) -> None:
         """SIGKILL ``handle``'s processes still running after ``timeout``."""
