@@ -7,6 +7,8 @@ steps through two failures), ``test_launch_bitwise.py`` (a rewind) and ``test_ra
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -170,6 +172,8 @@ def test_a_live_version_replicated_outlives_a_survivors_store(launcher, clients)
 
 def test_a_held_state_is_live_only_while_alive_and_done():
     _, state = laid_out(DATA)
+    assert _completed(state, deadline=time.monotonic() + 60.0)  # its placement ends
+    jax.block_until_ready(state)
     assert _completed(state, deadline=0.0)  # done: no wait
     copy = jax.tree.map(lambda x: x.copy(), state)
     jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)(copy)
