@@ -51,15 +51,21 @@ LAYOUTS = [
 ]
 
 
-def stepper(model: str, config, batch: int, grad_units):
-    """A zero-argument function that runs one training step of ``model`` on ``config``."""
+def job(model: str, config, batch: int, grad_units, batches: int):
+    """A fresh jitted step of ``model`` on ``config``, its placed state and its first
+    ``batches`` ``(batch, weights)``."""
     graphdef, state, cfg = build_state(model, 1e-3)
     ptc = tj.PTC.of(state, LOGICAL_RULES, config, jax.devices()[: config.num_devices])
-    holder = {"state": tj.place(state, ptc)}
     layout = tj.data.BatchLayout(batch, ranks=config.data * config.fsdp, grad_units=grad_units)
-    step = make_train_step(graphdef, ptc, layout)
     dataset = tj.DatasetPTC(corpus_samples(stdlib_corpus(2**22), cfg.seq_len), batch)
-    batches = [tj.data.device_batch(dataset, i, layout, ptc.mesh())[:2] for i in range(4)]
+    rows = [tj.data.device_batch(dataset, i, layout, ptc.mesh())[:2] for i in range(batches)]
+    return make_train_step(graphdef, ptc, layout), tj.place(state, ptc), rows
+
+
+def stepper(model: str, config, batch: int, grad_units):
+    """A zero-argument function that runs one training step of ``model`` on ``config``."""
+    step, state, batches = job(model, config, batch, grad_units, batches=4)
+    holder = {"state": state}
     count = iter(range(10**9))
 
     def run() -> float:
@@ -74,13 +80,8 @@ def stepper(model: str, config, batch: int, grad_units):
 
 def compiled(model: str, config, batch: int, grad_units) -> dict:
     """One fresh lowering of the step and its compile: the seconds and the program's size."""
-    graphdef, state, cfg = build_state(model, 1e-3)
-    ptc = tj.PTC.of(state, LOGICAL_RULES, config, jax.devices()[: config.num_devices])
-    state = tj.place(state, ptc)
-    layout = tj.data.BatchLayout(batch, ranks=config.data * config.fsdp, grad_units=grad_units)
-    dataset = tj.DatasetPTC(corpus_samples(stdlib_corpus(2**22), cfg.seq_len), batch)
-    b, w, _ = tj.data.device_batch(dataset, 0, layout, ptc.mesh())
-    lowered = make_train_step(graphdef, ptc, layout).lower(state, b, w)
+    step, state, [(b, w)] = job(model, config, batch, grad_units, batches=1)
+    lowered = step.lower(state, b, w)
     text = lowered.as_text()
     tic = time.perf_counter()
     lowered.compile()
@@ -109,6 +110,16 @@ def compile_pair(model: str, config, batch: int, grad_units: int, repeats: int) 
     }
 
 
+def finish(rows: list[dict], args, what: str) -> int:
+    """Print the rows' geometric mean ratio as ``what``; write them to ``--out``."""
+    geo = float(np.exp(np.mean(np.log([r["ratio"] for r in rows]))))
+    print(f"{what}: {geo:.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows, "geomean_ratio": geo, "args": vars(args)}, f, indent=2)
+    return 0
+
+
 def main_compile(args) -> int:
     print(f"GPT {args.model}, global batch {args.batch}, {args.grad_units} gradient units: compile")
     print(
@@ -124,12 +135,7 @@ def main_compile(args) -> int:
             f"{name:>22} {row['plain_s']:8.2f} {row['units_s']:8.2f} {row['ratio']:12.2f} "
             f"{row['plain_lines']:12d} {row['units_lines']:12d} {row['units_open_annotations']:9d}"
         )
-    geo = float(np.exp(np.mean(np.log([r["ratio"] for r in rows]))))
-    print(f"geometric mean units/plain compile: {geo:.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows, "geomean_ratio": geo, "args": vars(args)}, f, indent=2)
-    return 0
+    return finish(rows, args, "geometric mean units/plain compile")
 
 
 def time_pair(model: str, config, batch: int, grad_units: int, steps: int) -> tuple[float, float]:
@@ -168,12 +174,7 @@ def main(argv=None) -> int:
             }
         )
         print(f"{name:>22} {plain * 1e3:9.1f} {by_units * 1e3:11.1f} {by_units / plain:14.2f}")
-    geo = float(np.exp(np.mean(np.log([r["ratio"] for r in rows]))))
-    print(f"geometric mean units/plain: {geo:.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows, "geomean_ratio": geo, "args": vars(args)}, f, indent=2)
-    return 0
+    return finish(rows, args, "geometric mean units/plain")
 
 
 if __name__ == "__main__":
