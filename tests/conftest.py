@@ -15,9 +15,10 @@ import pytest
 
 import tenplex_jax as tj
 
-os.environ["XLA_FLAGS"] = " ".join(
-    filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"])
-)
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # not inherited
+    os.environ["XLA_FLAGS"] = " ".join(
+        filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"])
+    )
 tj.elastic.use_bitwise_flags()
 
 jax.config.update("jax_platforms", "cpu")

@@ -147,7 +147,7 @@ def test_another_jax_version_is_a_miss(stored, tmp_path, monkeypatch):
     layout, directory, _ = stored
     steps = StepCache(STEP, layout.sample, jax.devices())
     mesh, state, batch = steps._abstract(layout.ptc, layout.layout)
-    lowered = steps._lower(mesh, layout.ptc, state, batch)
+    lowered, _ = steps._lower(mesh, layout.ptc, state, batch)
     steps.close()
     cache = ExecutableCache(copy(directory, tmp_path))
     assert cache.load(lowered, mesh) is not None  # this JAX's entry
@@ -199,7 +199,7 @@ def test_an_executable_jaxs_persistent_cache_served_is_never_stored(
         assert len(list(served.executables.directory.glob("*.none"))) == 1  # followers compile
     # what the rule prevents: the served executable, stored anyway, loads and then cannot run
     mesh, state, batch = served._abstract(layout.ptc, layout.layout)
-    lowered = served._lower(mesh, layout.ptc, state, batch)
+    lowered, _ = served._lower(mesh, layout.ptc, state, batch)
     (compiled,) = served.done()
     stored_anyway = ExecutableCache(tmp_path / "stored anyway")
     assert stored_anyway.store(lowered, mesh, compiled.executable).result()

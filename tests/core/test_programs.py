@@ -7,7 +7,12 @@ compile gave, and a damaged entry is one miss and one compile."""
 from __future__ import annotations
 
 import functools
+import json
+import os
+import pathlib
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +61,9 @@ class Job:
         self.layout = BatchLayout(BATCH, ranks=4, grad_units=4)
         self.mesh = self.ptc.mesh(self.devices)
 
-    def steps(self, fn, directory) -> StepCache:
-        return StepCache(fn, self.sample, self.devices, executables=ExecutableCache(directory))
+    def steps(self, fn, directory, program: str | None = None) -> StepCache:
+        cache = ExecutableCache(directory)
+        return StepCache(fn, self.sample, self.devices, executables=cache, program=program)
 
     def run(self, steps: StepCache):
         """(the compiled entry, the outputs of one step from the initial state)."""
@@ -255,3 +261,91 @@ def test_a_layout_compiled_for_a_topology_of_devices_it_lacks_loads_untraced_wit
     elsewhere.close()
     assert (step.traced, step.loaded, elsewhere.compiles) == (True, True, 0)
     assert_same(got, want)
+
+
+def test_a_named_program_loads_untraced_in_a_new_process(job, tmp_path):
+    """A process that lowers a named step stores what the lowering gave beside its executable;
+    a new process (run here: nothing remembered, its own hash seed) loads that step with
+    nothing traced and the compile's bits. Another name, or no name, is traced there."""
+    job, want = job
+    programs.forget()
+    named = job.steps(step_of(), tmp_path, program="tiny/v1")
+    compiled, got = job.run(named)
+    named.close()  # waits for the entries' writes
+    assert (compiled.traced, compiled.loaded, named.compiles, TRACES) == (True, True, 0, ["step"])
+    assert len(list(tmp_path.glob("*.program"))) == 1 and not named.executables.problems
+    assert_same(got, want)
+    root = pathlib.Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.core.test_programs", str(tmp_path), "tiny/v1", "tiny/v2", ""],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env={**os.environ, "PYTHONHASHSEED": "7"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(done.stdout.splitlines()[-1])
+    assert [(r["traced"], r["loaded"], r["compiles"]) for r in runs] == [
+        (False, True, 0),  # the same name: loaded untraced
+        (True, True, 0),  # another name: traced, then the same program text loaded
+        (True, True, 0),  # no name: a new process's code is unknown to it
+    ]
+    assert runs[0]["traces"] == 0 and not any(r["problems"] for r in runs)
+    # how its gradients were taken came with it: whether changes are bitwise, known untraced
+    assert runs[0]["gradients"] == [named.seen.every, named.seen.some, named.seen.plain]
+    for i in range(3):
+        with np.load(tmp_path / f"got{i}.npz") as got:
+            assert_same([got[f"arr_{j}"] for j in range(len(got.files))], want)
+
+
+def test_a_named_programs_damaged_entry_is_one_miss_and_one_lowering(job, tmp_path):
+    job, want = job
+    programs.forget()
+    named = job.steps(step_of(), tmp_path, program="tiny/v1")
+    job.run(named)
+    named.close()
+    (entry,) = tmp_path.glob("*.program")
+    entry.write_bytes(entry.read_bytes()[:-1])  # a torn write
+    programs.forget()
+    TRACES.clear()
+    again = job.steps(step_of(), tmp_path, program="tiny/v1")
+    compiled, got = job.run(again)
+    again.close()  # the entry written again, whole
+    assert (compiled.traced, compiled.loaded, TRACES) == (True, True, ["step"])
+    assert len(again.executables.problems) == 1 and "bytes" in again.executables.problems[0]
+    assert_same(got, want)
+    programs.forget()
+    compiled, got = job.run(job.steps(step_of(), tmp_path, program="tiny/v1"))
+    assert (compiled.traced, compiled.loaded) == (False, True)
+    assert_same(got, want)
+
+
+def _in_a_new_process(directory: pathlib.Path, names: list[str]) -> None:
+    """One step of the tiny GPT per name ("": unnamed), each a new StepCache on ``directory``:
+    its outputs in ``got<i>.npz``, and a JSON line of how each was had."""
+    job, runs = Job(), []
+    for i, name in enumerate(names):
+        TRACES.clear()
+        steps = job.steps(step_of(), directory, program=name or None)
+        compiled, got = job.run(steps)
+        steps.close()
+        np.savez(directory / f"got{i}.npz", *got)
+        cache = steps.executables
+        runs.append(
+            {
+                "traced": compiled.traced,
+                "loaded": compiled.loaded,
+                "compiles": steps.compiles,
+                "traces": len(TRACES),
+                "problems": cache.problems,
+                "gradients": [steps.seen.every, steps.seen.some, steps.seen.plain],
+            }
+        )
+    print(json.dumps(runs))
+
+
+if __name__ == "__main__":  # a new process of the named-program test
+    import tests.conftest  # noqa: F401  (the suite's devices and flags)
+
+    _in_a_new_process(pathlib.Path(sys.argv[1]), sys.argv[2:])

@@ -167,7 +167,7 @@ def test_the_default_demo_changes_data_expert_tensor_and_pipe_bitwise(tmp_path) 
 def test_the_parallel_compute_demo_end_to_end(tmp_path) -> None:
     """``--no-bitwise`` through device counts the planner lays out (data and FSDP sizes): still
     bitwise equal to the fixed run, each sample once per epoch; run again with the first run's
-    executable cache, it compiles nothing and gives the bits."""
+    executable cache, it compiles and traces nothing and gives the bits."""
     args = ["--no-bitwise", "--model", "tiny", "--steps", "8", "--schedule", "2:4,4:6,6:8"]
     args += ["--batch", "16", "--samples", "50", "--executable-cache", str(tmp_path / "cache")]
     first = tmp_path / "first"
@@ -177,6 +177,7 @@ def test_the_parallel_compute_demo_end_to_end(tmp_path) -> None:
     assert [r["bitwise"] for r in summary["resizes"]] == [True] * 3  # data and FSDP sizes only
     _, rerun = _demo(tmp_path / "again", *args)
     assert rerun["compiles"] == 0 and rerun["loads"] > 0
+    assert summary["traced"] > 0 and rerun["traced"] == 0  # a named step: nothing traced again
     assert rerun["losses"] == summary["losses"] and rerun["params_vs_fixed_run"] == "bitwise"
     assert [(r["from"], r["to"]) for r in summary["resizes"]] == [(8, 4), (4, 6), (6, 8)]
     assert [r["step"] for r in summary["resizes"]] == [2, 4, 6]

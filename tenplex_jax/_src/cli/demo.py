@@ -363,7 +363,7 @@ def train(
     with _job(options, trace, source, layouts, initial, job_options, **checkpoints) as job:
         tic = time.perf_counter()
         state = job.start(_init(options.model, options.lr, options.seed))
-        step = job.jit(step_fn)
+        step = job.jit(step_fn, program=_program(options.model, options.lr, options.seed))
         # what start-up made (modules, the model, JAX's caches) stays out of the collector's
         # full passes: each would walk it all, tenths of a second between two timed steps
         gc.collect()
@@ -438,6 +438,25 @@ def _train_step(model: str, lr: float, seed: int):
     return train_step(build_state(model, lr, seed, abstract=True)[0])
 
 
+@functools.cache
+def _program(model: str, lr: float, seed: int) -> str:
+    """The name of the demo's step (``job.jit``'s ``program``): its model and hyperparameters,
+    and the versions of the code that makes it, this package's and the models' read from their
+    source, so that an edit of either is a new program."""
+    import hashlib
+    import importlib.metadata
+
+    import tenplex_jax_models
+
+    code = hashlib.sha256()
+    package = pathlib.Path(__file__).resolve().parents[2]  # tenplex_jax
+    for root in (package, pathlib.Path(tenplex_jax_models.__file__).parent):
+        for path in sorted(root.rglob("*.py")):
+            code.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    versions = " ".join(f"{p} {importlib.metadata.version(p)}" for p in ("flax", "optax"))
+    return f"tenplex-jax demo {model} lr {lr!r} seed {seed}; {versions}; code {code.hexdigest()}"
+
+
 def run(options: DemoOptions) -> dict:
     """Train with resizes and once more without, write ``loss.png`` and ``summary.json``."""
     import jax
@@ -502,6 +521,8 @@ def _summary(options: DemoOptions, abstract, cfg, initial, resized: Run, fixed: 
         "final_loss": resized.losses[-1],
         "compiles": job.compiles,
         "loads": job.loads,  # steps loaded from the executable cache instead of compiled
+        # steps traced and lowered: none where a run before stored them (the step is named)
+        "traced": sum(step.traced for step in job.steps_cache.done()),
     }
 
 

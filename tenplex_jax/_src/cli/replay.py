@@ -145,6 +145,10 @@ def _summary(
         "events": events,
         "compiles": job.compiles,
         "compile_cache_hits": job.cache_hits,
+        # steps traced and lowered (a loading run's named steps are not), and the compile
+        # threads' seconds of work (lowering, loading and warming steps ahead)
+        "traced": sum(step.traced for step in job.steps_cache.done()),
+        "compile_thread_seconds": sum(stop - start for start, stop in job.steps_cache.background),
         "checkpoints": [{"step": s, "seconds": t} for s, t in job.checkpoints],
         "step_seconds_by_config": step_seconds,
         "goodput": goodput,

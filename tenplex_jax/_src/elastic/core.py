@@ -307,12 +307,19 @@ class _JobCore(abc.ABC):
 
         return self._restore_or_build(build)
 
-    def jit(self, fn: Callable) -> Callable:
+    def jit(self, fn: Callable, *, program: str | None = None) -> Callable:
         """Compile the user's step per layout.
 
         Args:
           fn: ``fn(state, batch) -> (state, metrics)``, any JAX code (a ``jax.jit``-ed function
             is unwrapped: the job jits it per layout with the layout's shardings).
+          program: a name for ``fn``'s code, the same in every process that runs it (say, the
+            model's name and the code's version). With an executable cache, a process then
+            loads a step another process stored there with nothing traced or lowered, where
+            an unnamed step is traced and lowered once per layout in each process (within one
+            process, a step is known by its code object). The name is your promise that the
+            code is the same: give new code a new name (docs/elastic.md, "Compiled steps and
+            stalls").
 
         Returns:
           ``step(state, batch) -> (state, metrics)`` for ``job.next``'s state and batch; the state
@@ -337,6 +344,7 @@ class _JobCore(abc.ABC):
             switch_interval=self.options.switch_interval,
             donate=self._donates,
             log=self.log,
+            program=program,
         )
         self._compiled(self.ptc, ahead=True)
         self._stalled = (None, time.perf_counter())  # time the first step too

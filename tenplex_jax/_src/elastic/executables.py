@@ -27,6 +27,12 @@ the launcher's ``compile_cache``) is never stored: serialized again, it lacks it
 its copy loads and then fails when run (XLA CPU, jax 0.10.2 and 0.12: "Function ... not found").
 A process that compiles it fresh stores it instead (on CPU, JAX's cache serves only process 0).
 
+A program the user named (``job.jit(step, program=...)``) has a second kind of entry, a
+``.program`` file under the key of its name, layout and abstract inputs (:func:`programs.stable`)
+in the same context: the digest, output tree and gradients its lowering gave, written by the
+process that lowered it, so that another process loads the program's executable with nothing
+traced or lowered (:meth:`ExecutableCache.recall`). Written and checked like an executable's.
+
 The payload is a pickle that loads executable code: the directory must be as trusted as the
 program (the checksum catches corruption, not an attacker).
 """
@@ -41,6 +47,7 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import pickle
 import struct
 import threading
 import time
@@ -52,6 +59,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from tenplex_jax._src import compat
+from tenplex_jax._src.elastic import programs
 
 __all__ = ["ExecutableCache"]
 
@@ -135,8 +143,9 @@ class ExecutableCache:
         key.update(digest)
         return key.hexdigest()
 
-    def path(self, key: str) -> pathlib.Path:
-        return self.directory / f"{key}.xla"
+    def path(self, key: str, kind: str = "xla") -> pathlib.Path:
+        """The entry of ``key``: an executable (``xla``) or a named program (``program``)."""
+        return self.directory / f"{key}.{kind}"
 
     def load(
         self,
@@ -243,6 +252,45 @@ class ExecutableCache:
             done.set_result(self._write(key, payload))
             return done
 
+    def recall(self, program: bytes, mesh: Mesh) -> programs.Lowering | None:
+        """The ``programs.Lowering`` of the named ``program`` (:func:`programs.stable`: its name,
+        layout and abstract inputs) on ``mesh``, as the process that lowered it stored it
+        (:meth:`note`), or None: no entry, or one that cannot be used (recorded and logged)."""
+        key = self.key(None, mesh, program)
+        path = self.path(key, "program")
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except Exception as error:  # the cache never stops a compile
+            self._problem(f"program not recalled: {type(error).__name__}: {error}")
+            return None
+        payload, problem = _verified_payload(data, bytes.fromhex(key))
+        try:
+            if problem is not None:
+                raise ValueError(problem)
+            lowering = pickle.loads(payload)
+            if not isinstance(lowering, programs.Lowering):
+                raise ValueError(f"holds a {type(lowering).__name__}, not a program's lowering")
+            return lowering
+        except Exception as error:  # a miss: the program is lowered, and its entry written again
+            self._problem(f"entry {path} ignored: {error}")
+            return None
+
+    def note(self, program: bytes, mesh: Mesh, lowering: programs.Lowering) -> None:
+        """Store, in the background, what the named ``program`` lowered to on ``mesh``: its
+        ``programs.Lowering`` without the ``Lowered`` (see :meth:`recall`)."""
+        key = self.key(None, mesh, program)
+        try:
+            payload = pickle.dumps(lowering)
+        except Exception as error:  # an output tree that does not pickle: traced every time
+            self._problem(f"program not stored: {type(error).__name__}: {error}")
+            return
+        try:
+            self._writer.submit(self._write, key, payload, "program")
+        except RuntimeError:  # closed: write on this thread
+            self._write(key, payload, "program")
+
     def close(self) -> None:
         """Wait for the writes under way."""
         self._writer.shutdown(wait=True)
@@ -285,7 +333,7 @@ class ExecutableCache:
                 return
             time.sleep(0.02)
 
-    def _write(self, key: str, payload: bytes) -> bool:
+    def _write(self, key: str, payload: bytes, kind: str = "xla") -> bool:
         header = HEADER.pack(
             MAGIC,
             FORMAT_VERSION,
@@ -293,7 +341,7 @@ class ExecutableCache:
             len(payload),
             hashlib.sha256(payload).digest(),
         )
-        path = self.path(key)
+        path = self.path(key, kind)
         # unique per process and thread: concurrent writers of one key never share a temp file
         temp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         try:
@@ -311,7 +359,7 @@ class ExecutableCache:
                 temp.unlink(missing_ok=True)
             return False
         with self._lock:
-            self.writes += 1
+            self.writes += kind == "xla"  # executables written
         return True
 
     def _miss(self, problem: str | None) -> None:

@@ -136,11 +136,16 @@ class ElasticJob(_JobCore):
 
     # -- the user's side --------------------------------------------------------------------------
 
-    def jit(self, fn: Callable) -> Callable:
+    def jit(self, fn: Callable, *, program: str | None = None) -> Callable:
         """Compile the user's step per layout, and ahead for the likely next layouts.
 
         Args:
           fn: ``fn(state, batch) -> (state, metrics)``, any JAX code.
+          program: a name for ``fn``'s code, the same in every process that runs it: with
+            ``executable_cache``, a new process loads the steps stored there untraced, where an
+            unnamed step is traced once per layout in each process. The name is your promise
+            that the code is the same: give new code a new name (docs/elastic.md, "Compiled
+            steps and stalls").
 
         Returns:
           ``step(state, batch) -> (state, metrics)`` for ``job.next``'s state and batch; the
@@ -155,7 +160,7 @@ class ElasticJob(_JobCore):
         step of ``options.preempt_devices`` devices fewer, on its own thread. JAX's persistent
         compilation cache is the user's to turn on (``tj.elastic.enable_compilation_cache``).
         """
-        run = super().jit(fn)
+        run = super().jit(fn, program=program)
         self._ahead()
         return run
 

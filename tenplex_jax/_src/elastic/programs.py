@@ -19,6 +19,12 @@ dataclasses (flax's ``GraphDef``) by their parts, NumPy arrays by their bytes, o
 their value hash, or by identity where they have none. An array on devices, a cycle or an
 unhashable object leaves the program unknown: traced every time. Like ``jax.jit``, a program
 reads a mutated global, or a mutated object known by identity, as it was when traced.
+
+Across processes code has no identity but the one its user gives: a program named with
+``job.jit(step, program=name)`` is known by that name instead (:func:`named`), and its key
+(:func:`stable`) also finds the entry another process stored in the executable cache, so that a
+new process (a replacement, a restarted job) loads its steps with nothing traced or lowered.
+The name is the user's promise that the code is the same: a new name for new code.
 """
 
 from __future__ import annotations
@@ -38,14 +44,16 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Lowering:
-    """What a program lowered to: its text's digest and its outputs' tree; and, for a program
-    lowered ahead on its layout's ``AbstractMesh`` (before the layout's devices existed: a
-    planned growth), the ``Lowered`` itself, which compiles for the devices once they do,
-    untraced (the text is the one a lowering on the devices gives: checked on jax 0.10 and
-    0.12)."""
+    """What a program lowered to: its text's digest, its outputs' tree and how its trace took
+    its gradients (a ``bitwise.Seen``: whether its changes are bitwise, known untraced); and,
+    for a program lowered ahead on its layout's ``AbstractMesh`` (before the layout's devices
+    existed: a planned growth), the ``Lowered`` itself, which compiles for the devices once
+    they do, untraced (the text is the one a lowering on the devices gives: checked on jax 0.10
+    and 0.12)."""
 
     digest: bytes
     out_tree: Any
+    seen: Any = None
     lowered: Any = None
 
 
@@ -67,6 +75,23 @@ class _Same:
 _remembered: dict[tuple, Lowering] = {}  # oldest first
 _lock = threading.Lock()
 LIMIT = 256  # programs x layouts remembered; the oldest is forgotten first
+
+
+def named(name: str) -> tuple:
+    """The fingerprint of a program its user named: the name stands for the code."""
+    return ("named", str(name))
+
+
+def stable(key: tuple) -> bytes | None:
+    """The digest of a named program's key (its name, layout and abstract inputs), which
+    another process computes alike; None for a program known by the identity of its code or
+    of an object in its inputs' trees (this process's only)."""
+    if key[0][:1] != ("named",):
+        return None
+    text = repr(key)
+    if " at 0x" in text:  # an object's default repr: its address
+        return None
+    return hashlib.sha256(text.encode()).digest()
 
 
 def fingerprint(fn: Callable) -> tuple | None:

@@ -94,7 +94,9 @@ class StepCache:
     ``donate=False`` compiles steps that leave their input state alive (a virtual worker's, whose
     minibatches read older weights than the current ones); ``switch_interval``, the most Python's
     thread switch interval may be while a step compiles on a background thread (None: leave it);
-    ``log``, called with a line when a warm-up could not run.
+    ``log``, called with a line when a warm-up could not run; ``program``, the name the user
+    gave ``fn`` (:func:`programs.named`): a process then loads the steps another process
+    lowered and stored in ``executables`` with nothing traced.
 
     ``dispatch`` is the lock every call of a compiled step is made under, the job's steps and
     the warm-ups alike: two programs enqueued from two threads then reach every device in the
@@ -111,8 +113,10 @@ class StepCache:
         donate: bool = True,
         switch_interval: float | None = SWITCH_INTERVAL,
         log: Callable[[str], None] | None = None,
+        program: str | None = None,
     ):
         self.fn = getattr(fn, "__wrapped__", fn)  # a jax.jit-ed step: it is jitted per layout here
+        self.program = program
         self.donate = donate
         self.sample, self.devices = sample, list(devices)
         self.batch_axes = None if batch_axes is None else tuple(batch_axes)  # None: every axis
@@ -210,7 +214,11 @@ class StepCache:
         lowering = programs.recall(known) if known is not None and load else None
         if lowering is None and known is not None and load:  # lowered ahead on its shape
             lowering = programs.recall(_anywhere(known))
-        if lowering is not None:  # lowered before in this process: load it untraced
+        if lowering is None and known is not None and load:  # named: lowered by another process
+            lowering = self._recall_named(known, mesh)
+        if lowering is not None:  # lowered before: load it untraced
+            if lowering.seen is not None:  # what its trace saw, as though traced now
+                self.seen = lowering.seen
             tic = time.perf_counter()
             trees = (lowering.digest, jax.tree.structure(((state, batch), {})), lowering.out_tree)
             executable = self.executables.load(None, mesh, known=trees)
@@ -223,9 +231,9 @@ class StepCache:
                 if step is not None:
                     return step
         with self._turns.turn(ticket):  # Python under the GIL: one at a time, in order
-            lowered = self._lower(mesh, ptc, state, batch)
+            lowered, seen = self._lower(mesh, ptc, state, batch)
             if self.executables is not None:
-                digest = self._remember_lowered(known, lowered)
+                digest = self._remember_lowered(known, lowered, mesh, seen)
         if self.executables is None:
             return self._compile(lowered, mesh, ahead, None)
         if load and lowering is None:  # (a remembered program's miss was this key's miss)
@@ -319,8 +327,8 @@ class StepCache:
         own devices: they load it, and this process does so untraced. Needs ``executables``."""
         mesh, state, batch = self._abstract(ptc, layout, abstract=True)
         known = self._program(ptc, layout, state, anywhere=True)
-        lowered = self._lower(mesh, ptc, state, batch)
-        digest = self._remember_lowered(known, lowered)
+        lowered, seen = self._lower(mesh, ptc, state, batch)
+        digest = self._remember_lowered(known, lowered, mesh, seen)
         return self._compile(lowered, ptc.mesh(devices), True, digest)
 
     def _background(self, work: Callable, *args):
@@ -335,30 +343,57 @@ class StepCache:
     def _remember(self, ptc: PTC, layout: BatchLayout, abstract: bool = False) -> bool:
         mesh, state, batch = self._abstract(ptc, layout, abstract=abstract)
         known = self._program(ptc, layout, state, anywhere=abstract)  # devices may differ then
-        if known is not None and programs.recall(known) is None:
-            lowered = self._lower(mesh, ptc, state, batch)
-            self._remember_lowered(known, lowered, keep=abstract)
-        return known is not None and programs.recall(known) is not None
+        if known is None:
+            return False
+        if programs.recall(known) is None and (abstract or not self._recall_named(known, mesh)):
+            lowered, seen = self._lower(mesh, ptc, state, batch)
+            self._remember_lowered(known, lowered, mesh, seen, keep=abstract)
+        return programs.recall(known) is not None
 
     def _remember_lowered(
-        self, known: tuple | None, lowered: jax.stages.Lowered, *, keep: bool = False
+        self,
+        known: tuple | None,
+        lowered: jax.stages.Lowered,
+        mesh,
+        seen: bitwise.Seen,
+        *,
+        keep: bool = False,
     ) -> bytes:
-        """``lowered``'s digest, remembered under ``known`` when it has one and a load may pass
-        its output tree with fresh inputs; ``keep``: with ``lowered`` itself (lowered ahead on
-        an abstract mesh, to compile later)."""
+        """``lowered``'s digest, remembered under ``known`` with what its trace ``seen``, when
+        it has a key and a load may pass its output tree with fresh inputs (and stored for
+        other processes with ``mesh`` when the program is named); ``keep``: with ``lowered``
+        itself (lowered ahead on an abstract mesh, to compile later)."""
         digest = self.executables.digest(lowered)
         if known is not None and _outputs_fit(lowered):
-            kept = lowered if keep else None
-            programs.remember(known, programs.Lowering(digest, lowered.out_tree, kept))
+            lowering = programs.Lowering(digest, lowered.out_tree, seen, lowered if keep else None)
+            programs.remember(known, lowering)
+            named = programs.stable(known)
+            if named is not None and not isinstance(mesh, AbstractMesh):  # for other processes
+                self.executables.note(named, mesh, dataclasses.replace(lowering, lowered=None))
         return digest
+
+    def _recall_named(self, known: tuple, mesh: Mesh) -> programs.Lowering | None:
+        """What a named program lowered to for ``known`` on ``mesh`` in another process (its
+        entry in the executable cache), remembered here too; None: not stored, or not named."""
+        named = programs.stable(known)
+        lowering = None if named is None else self.executables.recall(named, mesh)
+        if lowering is not None:
+            programs.remember(known, lowering)
+        return lowering
 
     def _program(
         self, ptc: PTC, layout: BatchLayout, state, *, anywhere: bool = False
     ) -> tuple | None:
         """The key this step's lowering for ``ptc`` and ``layout`` is remembered under (see
         :mod:`programs`; with ``anywhere``, for the layout on any devices: :func:`_anywhere`),
-        or None: no executable cache to load from, or ``fn`` has no fingerprint."""
-        fn = programs.fingerprint(self.fn) if self.executables is not None else None
+        or None: no executable cache to load from, or ``fn`` has neither a name nor a
+        fingerprint."""
+        if self.executables is None:
+            return None
+        if self.program is not None:
+            fn = programs.named(self.program)
+        else:
+            fn = programs.fingerprint(self.fn)
         if fn is None:
             return None
         sample = programs.signature(self.sample)
@@ -421,8 +456,11 @@ class StepCache:
             self.seen = seen
         return self.seen
 
-    def _lower(self, mesh: Mesh, ptc: PTC, state, batch: Batch) -> jax.stages.Lowered:
-        """``fn`` jitted with the layout's shardings and lowered on the abstract values."""
+    def _lower(
+        self, mesh: Mesh, ptc: PTC, state, batch: Batch
+    ) -> tuple[jax.stages.Lowered, bitwise.Seen]:
+        """``fn`` jitted with the layout's shardings and lowered on the abstract values, and how
+        its trace took its gradients."""
         shardings = ptc.shardings(mesh)
         rows = NamedSharding(mesh, P(batch.batch_axes))
         batch_shardings = Batch(
@@ -441,7 +479,7 @@ class StepCache:
             else:
                 lowered = jitted.lower(state, batch)
         self.seen = seen
-        return lowered
+        return lowered, seen
 
     def cancel_queued(self) -> None:
         """Drop the compile-ahead requests not started yet (to submit them again in a new order)."""

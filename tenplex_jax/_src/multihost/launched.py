@@ -149,7 +149,7 @@ class LaunchedJob(_JobCore):
             raise SystemExit(0)
         return state, self._batch()
 
-    def jit(self, fn: Callable) -> Callable:
+    def jit(self, fn: Callable, *, program: str | None = None) -> Callable:
         """Compile the user's step for this generation's layout, as
         :meth:`tenplex_jax.ElasticJob.jit` does, through ``RUN_DIR/executables``, where the next
         generations load it; with ``options.compile_ahead``, the steps of the generation after a
@@ -157,6 +157,8 @@ class LaunchedJob(_JobCore):
 
         Args:
           fn: ``fn(state, batch) -> (state, metrics)``, as for ``ElasticJob.jit``.
+          program: a name for ``fn``'s code, as for ``ElasticJob.jit``: a replacement process
+            then loads the steps untraced.
 
         Returns:
           ``step(state, batch) -> (state, metrics)``. Unlike one process's, it does not donate
@@ -167,7 +169,7 @@ class LaunchedJob(_JobCore):
         Raises:
           LayoutError: called before ``job.start``.
         """
-        step = super().jit(fn)
+        step = super().jit(fn, program=program)
         with self._growths_lock:
             announced, self._announcement = self._announcement, None
         if announced is not None:
