@@ -9,6 +9,10 @@ Per run and event: the stall against its bound 1.5 x (reshard + one step) + 0.1 
 step on the new layout over that layout's median step, the warm-up's seconds; per run the
 elastic goodput over the same replay without events. Writes ``OUT/philly_warm_up.json`` and
 prints a short log; the load average is read before and after each run.
+
+``--baseline DIR``: the pairs are instead the code as it is and the project's checkout in ``DIR``
+(an earlier commit, run from ``DIR`` with it first on ``PYTHONPATH``), both warmed, in turns,
+sharing the executables.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import json
 import os
 import pathlib
+import resource
 import statistics
 import subprocess
 import sys
@@ -25,20 +30,43 @@ import time
 TRACE = pathlib.Path(__file__).resolve().parents[1] / "meshes" / "philly.toml"
 
 
-def replay(out: pathlib.Path, executables: pathlib.Path, warm_up: bool, timeout: float) -> dict:
-    """One ``tenplex-jax replay`` process; its summary.json, with the load averages around it."""
+def replay(
+    out: pathlib.Path,
+    executables: pathlib.Path,
+    warm_up: bool,
+    timeout: float,
+    code: pathlib.Path | None = None,
+) -> dict:
+    """One ``tenplex-jax replay`` process (of the checkout in ``code``, else the installed
+    project); its summary.json, with the load averages around it."""
+    env = dict(os.environ)
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "tenplex_jax", "replay", str(TRACE)]
     command += ["--out", str(out), "--executable-cache", str(executables)]
     command += [] if warm_up else ["--no-warm-up"]
     before = os.getloadavg()
+    cpu = _children_cpu()
     tic = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(  # ``-m`` puts the working directory first on the path
+        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=code
+    )
     seconds = time.perf_counter() - tic
     if done.returncode:
         raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {done.stderr[-2000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    summary["bench"] = {"load_before": before, "load_after": os.getloadavg(), "seconds": seconds}
+    summary["bench"] = {
+        "load_before": before,
+        "load_after": os.getloadavg(),
+        "seconds": seconds,
+        "cpu_seconds": _children_cpu() - cpu,  # the process's user and system time
+    }
     return summary
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def events(summary: dict) -> list[dict]:
@@ -74,8 +102,12 @@ def row(summary: dict) -> dict:
     rows = events(summary)
     return {
         "warm_up": summary["warm_up"],
+        "traced": summary.get("traced"),
+        "compile_thread_seconds": summary.get("compile_thread_seconds"),
         "load_before": summary["bench"]["load_before"],
         "load_after": summary["bench"]["load_after"],
+        "seconds": summary["bench"]["seconds"],
+        "cpu_seconds": summary["bench"]["cpu_seconds"],
         "elastic": g["elastic"],
         "no_events": g["no_events"],
         "elastic_over_no_events": g["elastic_over_no_events"],
@@ -96,13 +128,17 @@ def log_line(r: dict) -> str:
     )
     load = f"{r['load_before'][0]:.1f}-{r['load_after'][0]:.1f}"
     beside = r["loop_beside_compiles"]
+    threads = r["compile_thread_seconds"]
+    work = "" if threads is None else f"; compile threads {threads:.2f} s, {r['traced']} traced"
     return (
-        f"warm_up={r['warm_up']!s:5} load {load}: within bound {r['within_bound']}/"
+        f"{r['variant']:10} load {load}, {r['seconds']:.1f} s, cpu {r['cpu_seconds']:.1f} s: "
+        f"within bound {r['within_bound']}/"
         f"{len(r['events'])}, stall/bound {stalls}; first/steady {firsts}; elastic "
         f"{r['elastic']:.3f} no-events {r['no_events']:.3f} ratio {r['elastic_over_no_events']:.3f}"
         f"; loop {r['loop_seconds']:.2f} s ({r['loop_without_events_seconds']:.2f}), beside "
         f"compiles {beside['seconds']:.2f} s over {beside['steps']} steps (median gap "
         f"{beside['median_gap_ms'] or 0:.2f} ms, others {beside['other_median_gap_ms'] or 0:.2f})"
+        f"{work}"
     )
 
 
@@ -111,30 +147,39 @@ def main(argv=None) -> int:
     parser.add_argument("out", type=pathlib.Path)
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a replay may take")
+    parser.add_argument("--baseline", type=pathlib.Path, help="a checkout to run against")
     args = parser.parse_args(argv)
     executables = args.out / "executables"
     if not any(executables.glob("*.xla")):
         print("compiling run (fills the executable cache, not counted)", flush=True)
         replay(args.out / "compiling", executables, True, args.timeout)
+    if args.baseline is None:  # (variant, warm_up, code)
+        variants = [("warm_up", True, None), ("no_warm_up", False, None)]
+    else:
+        variants = [("current", True, None), ("baseline", True, args.baseline.resolve())]
     runs = []
     for pair in range(args.pairs):
-        for warm_up in (True, False) if pair % 2 == 0 else (False, True):
-            r = row(replay(args.out / f"run{len(runs)}", executables, warm_up, args.timeout))
+        for name, warm_up, code in variants if pair % 2 == 0 else variants[::-1]:
+            out = args.out / f"run{len(runs)}"
+            r = {"variant": name} | row(replay(out, executables, warm_up, args.timeout, code))
             runs.append(r)
             print(log_line(r), flush=True)
     result = {"trace": str(TRACE), "runs": runs}
-    for warm_up in (True, False):
-        mine = [r for r in runs if r["warm_up"] == warm_up]
-        result["warm_up" if warm_up else "no_warm_up"] = {
+    for name, _, _ in variants:
+        mine = [r for r in runs if r["variant"] == name]
+        result[name] = {
             "within_bound": [r["within_bound"] for r in mine],
             "median_first_over_steady": statistics.median(
                 e["first_over_steady"] for r in mine for e in r["events"]
             ),
             "elastic_over_no_events": [r["elastic_over_no_events"] for r in mine],
+            "compile_thread_seconds": [r["compile_thread_seconds"] for r in mine],
+            "cpu_seconds": [r["cpu_seconds"] for r in mine],
+            "loop_beside_compiles_seconds": [r["loop_beside_compiles"]["seconds"] for r in mine],
         }
     (args.out / "philly_warm_up.json").write_text(json.dumps(result, indent=2) + "\n")
-    for key in ("warm_up", "no_warm_up"):
-        print(key, json.dumps(result[key]))
+    for name, _, _ in variants:
+        print(name, json.dumps(result[name]))
     return 0
 
 

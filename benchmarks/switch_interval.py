@@ -68,7 +68,7 @@ def run(rounds: int = 2, iterations: int = 60, others: tuple[float, ...] = ()) -
 
     def lower(target, layout):  # trace and lower only: what compile-ahead does before XLA
         mesh, state, batch = cache._abstract(target, layout)
-        return cache._lower(mesh, target, state, batch)
+        return cache._lower(mesh, target, state, batch)[0]
 
     def background(mode: str, stop: threading.Event, done: list, failed: list) -> None:
         try:
