@@ -349,6 +349,14 @@ def test_job_options_refuse_a_bad_field_naming_it(fields, match):
         tj.elastic.JobOptions(**fields)
 
 
+@pytest.mark.parametrize("program", ["", 3, b"gpt/v1"])
+def test_jit_refuses_a_program_name_that_is_not_a_non_empty_str(program):
+    job = tj.ElasticJob(LOGICAL_RULES, tj.DatasetPTC(tiny_samples(), BATCH, seed=1))
+    with pytest.raises(tj.errors.LayoutError, match=f"job.jit's program is .* got {program!r}"):
+        job.jit(STEP, program=program)
+    assert job.steps_cache is None  # nothing made
+
+
 def test_one_process_builds_an_elastic_job_unless_a_runtime_says_what_it_builds():
     dataset = tj.DatasetPTC(np.zeros((8, 2), np.float32), global_batch=8)
     options = tj.elastic.JobOptions(batch_axes=["fsdp"])

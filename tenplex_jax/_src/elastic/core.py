@@ -326,8 +326,13 @@ class _JobCore(abc.ABC):
           is donated and the metrics come back replicated.
 
         Raises:
-          LayoutError: called before ``job.start``.
+          LayoutError: called before ``job.start``, or a ``program`` that is not a non-empty str.
         """
+        if program is not None and not (isinstance(program, str) and program):
+            raise LayoutError(
+                "job.jit's program is a non-empty str naming the step's code (say "
+                f"'gpt-small/v3'), got {program!r}"
+            )
         if self.ptc is None:
             raise LayoutError("call job.start(init) before job.jit(step): the step needs a layout")
         executables = None
