@@ -81,7 +81,9 @@ def main(argv=None) -> int:
         steps=args.planned_steps or args.steps,  # what growing onto offered devices is weighed over
     ) as job:
         state = job.start(init)
-        step = job.jit(train_step(graphdef))
+        # named: a process that joins later (a replacement, a growth) loads the steps stored in
+        # the executable cache with nothing traced; new code takes a new name
+        step = job.jit(train_step(graphdef), program=f"elastic_gpt {args.model} lr {args.lr} v1")
         say = print if job.process_index == 0 else (lambda *a, **k: None)
         restored = job.restored  # launched: where the state came from, and how fast
         say(

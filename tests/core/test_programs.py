@@ -235,13 +235,15 @@ def test_a_layout_compiled_for_a_topology_of_devices_it_lacks_loads_untraced_wit
     """A planned growth on CPU: process 0 compiles the grown step for a compile-only topology
     of the devices the grown job will have (here 1 process x 4: this process's first 4 devices'
     ids), and stores it. A process that has those devices then loads it: untraced where it was
-    compiled (the lowering is remembered), traced elsewhere; the bits of a normal compile."""
+    compiled (the lowering is remembered), traced elsewhere unless the step is named; the bits
+    of a normal compile."""
     from tenplex_jax._src.multihost import distributed
     from tenplex_jax._src.multihost.processes import free_port
 
     job = compiled[0]
     fn, want = fresh_program(job, 4e-3, tmp_path)
-    before = StepCache(fn, job.sample, job.devices[:1], executables=ExecutableCache(tmp_path))
+    cache = ExecutableCache(tmp_path)
+    before = StepCache(fn, job.sample, job.devices[:1], executables=cache, program="tiny/4e-3")
     with distributed.cpu_topology(1, 4, port=free_port()) as devices:
         assert [(d.id, d.process_index) for d in devices] == [(i, 0) for i in range(4)]
         assert all(d not in jax.devices() for d in devices)  # another client's
@@ -249,8 +251,8 @@ def test_a_layout_compiled_for_a_topology_of_devices_it_lacks_loads_untraced_wit
         step = before.compile_for(ptc, job.layout, devices)
     before.close()  # waits for the entry's write
     assert (TRACES, before.compiles, step.seconds > 0) == (["step"], 1, True)
-    assert len(list(tmp_path.glob("*.xla"))) == 1
-    after = job.steps(fn, tmp_path)
+    assert len(list(tmp_path.glob("*.xla"))) == len(list(tmp_path.glob("*.program"))) == 1
+    after = job.steps(fn, tmp_path, program="tiny/4e-3")
     step, got = job.run(after)
     after.close()
     assert (step.traced, step.loaded, after.compiles, TRACES) == (False, True, 0, ["step"])
@@ -260,6 +262,12 @@ def test_a_layout_compiled_for_a_topology_of_devices_it_lacks_loads_untraced_wit
     step, got = job.run(elsewhere)
     elsewhere.close()
     assert (step.traced, step.loaded, elsewhere.compiles) == (True, True, 0)
+    assert_same(got, want)
+    programs.forget()  # such a process with the step's name: loads it untraced
+    named = job.steps(step_of(lr=4e-3), tmp_path, program="tiny/4e-3")
+    step, got = job.run(named)
+    named.close()
+    assert (step.traced, step.loaded, named.compiles) == (False, True, 0)
     assert_same(got, want)
 
 

@@ -324,12 +324,14 @@ class StepCache:
         ``ptc`` names them): lowered on the layout's ``AbstractMesh`` and remembered for the
         layout on any devices (:func:`_anywhere`), compiled for ``devices`` and stored in the
         executable cache under their key, which the grown job's processes compute for their
-        own devices: they load it, and this process does so untraced. Needs ``executables``."""
+        own devices: they load it, this process untraced, and a new process untraced too when
+        the step is named. Needs ``executables``."""
         mesh, state, batch = self._abstract(ptc, layout, abstract=True)
         known = self._program(ptc, layout, state, anywhere=True)
         lowered, seen = self._lower(mesh, ptc, state, batch)
-        digest = self._remember_lowered(known, lowered, mesh, seen)
-        return self._compile(lowered, ptc.mesh(devices), True, digest)
+        target = ptc.mesh(devices)  # a named step's entry too: a new process loads it untraced
+        digest = self._remember_lowered(known, lowered, target, seen)
+        return self._compile(lowered, target, True, digest)
 
     def _background(self, work: Callable, *args):
         """``work(*args)`` on a compile thread, the switch interval lowered while it runs."""
@@ -367,7 +369,7 @@ class StepCache:
         if known is not None and _outputs_fit(lowered):
             lowering = programs.Lowering(digest, lowered.out_tree, seen, lowered if keep else None)
             programs.remember(known, lowering)
-            named = programs.stable(known)
+            named = programs.stable(_anywhere(known))  # the mesh's devices are in its key
             if named is not None and not isinstance(mesh, AbstractMesh):  # for other processes
                 self.executables.note(named, mesh, dataclasses.replace(lowering, lowered=None))
         return digest
@@ -375,7 +377,7 @@ class StepCache:
     def _recall_named(self, known: tuple, mesh: Mesh) -> programs.Lowering | None:
         """What a named program lowered to for ``known`` on ``mesh`` in another process (its
         entry in the executable cache), remembered here too; None: not stored, or not named."""
-        named = programs.stable(known)
+        named = programs.stable(_anywhere(known))
         lowering = None if named is None else self.executables.recall(named, mesh)
         if lowering is not None:
             programs.remember(known, lowering)
