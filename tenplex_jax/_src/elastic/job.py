@@ -152,7 +152,7 @@ class ElasticJob(_JobCore):
           state is donated and the metrics come back replicated.
 
         Raises:
-          LayoutError: called before ``job.start``.
+          LayoutError: called before ``job.start``, or a ``program`` that is not a non-empty str.
 
         With ``options.compile_ahead``, a background thread compiles the steps of the layouts
         announced by ``job.expect`` (the last two, in order), each for the exact layout the change

@@ -167,7 +167,7 @@ class LaunchedJob(_JobCore):
           restores"); this costs the memory of about two more states.
 
         Raises:
-          LayoutError: called before ``job.start``.
+          LayoutError: called before ``job.start``, or a ``program`` that is not a non-empty str.
         """
         step = super().jit(fn, program=program)
         with self._growths_lock:
