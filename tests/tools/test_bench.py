@@ -64,16 +64,17 @@ def test_the_memory_sampler_sees_a_peak_that_is_gone_by_the_end_of_the_block() -
     a reading before: the process's other threads (an earlier test's buffers, freed after their
     arrays) may lower the baseline while the block runs."""
     nbytes = 64 << 20
+    others = nbytes // 2  # what the process's other threads may take or give back meanwhile
     settle()
     with MemorySampler() as sampler:
         transient = np.ones(nbytes, np.uint8)  # every page written: resident
         held = current()
         deadline = time.monotonic() + 30
-        while sampler.peak < held - nbytes // 4 and time.monotonic() < deadline:
+        while sampler.peak < held - others and time.monotonic() < deadline:
             time.sleep(1e-3)  # until the sampling thread has read it
         del transient
     after = settle()
-    assert sampler.peak - after >= nbytes // 2, (sampler.peak, held, after)
+    assert sampler.peak - after >= nbytes - others, (sampler.peak, held, after)
 
 
 def test_plan_scaling_plans_one_shard_per_leaf_and_target_device() -> None:
