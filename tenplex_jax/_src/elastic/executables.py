@@ -245,12 +245,7 @@ class ExecutableCache:
             done = concurrent.futures.Future()
             done.set_result(False)
             return done
-        try:
-            return self._writer.submit(self._write, key, payload)
-        except RuntimeError:  # closed (a compile after the job ended): write on this thread
-            done = concurrent.futures.Future()
-            done.set_result(self._write(key, payload))
-            return done
+        return self._submit(key, payload)
 
     def recall(self, program: bytes, mesh: Mesh) -> programs.Lowering | None:
         """The ``programs.Lowering`` of the named ``program`` (:func:`programs.stable`: its name,
@@ -286,10 +281,7 @@ class ExecutableCache:
         except Exception as error:  # an output tree that does not pickle: traced every time
             self._problem(f"program not stored: {type(error).__name__}: {error}")
             return
-        try:
-            self._writer.submit(self._write, key, payload, "program")
-        except RuntimeError:  # closed: write on this thread
-            self._write(key, payload, "program")
+        self._submit(key, payload, "program")
 
     def close(self) -> None:
         """Wait for the writes under way."""
@@ -332,6 +324,15 @@ class ExecutableCache:
                 self._problem(f"no entry {path.name} from the mesh's leader in {seconds:.0f} s")
                 return
             time.sleep(0.02)
+
+    def _submit(self, key: str, payload: bytes, kind: str = "xla") -> concurrent.futures.Future:
+        """Write ``key``'s entry in the background; the future's result is whether it was."""
+        try:
+            return self._writer.submit(self._write, key, payload, kind)
+        except RuntimeError:  # closed (a compile after the job ended): write on this thread
+            done = concurrent.futures.Future()
+            done.set_result(self._write(key, payload, kind))
+            return done
 
     def _write(self, key: str, payload: bytes, kind: str = "xla") -> bool:
         header = HEADER.pack(
